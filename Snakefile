@@ -1,0 +1,21 @@
+# minifield: recipe → validated computation → pinned inputs → examples → training → evaluation.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/validate.smk"
+include: "workflow/rules/inputs.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        final_targets(),

@@ -1,0 +1,1 @@
+"""Sub-commands of ``minifield``: one module each, every module defines ``register(subparsers)``."""

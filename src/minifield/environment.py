@@ -1,0 +1,117 @@
+"""Environment fingerprint: everything outside the recipe that can change the bits of a run.
+
+A resume under a different fingerprint is refused unless explicitly allowed
+(and the override is recorded), because library versions, XLA flags, thread
+settings, device kinds or counts can each change floating-point results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from . import __version__
+
+#: environment variables that change numerics or device placement
+RELEVANT_ENV = (
+    "XLA_FLAGS",
+    "JAX_PLATFORMS",
+    "JAX_ENABLE_X64",
+    "JAX_DEFAULT_PRNG_IMPL",
+    "JAX_DEFAULT_MATMUL_PRECISION",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TF_CPP_MIN_LOG_LEVEL",
+    "CUDA_VISIBLE_DEVICES",
+)
+#: fields compared before a resume; the rest is recorded for provenance only
+BIT_DEFINING = (
+    "python",
+    "jax",
+    "jaxlib",
+    "optax",
+    "numpy",
+    "backend",
+    "device_kind",
+    "device_count",
+    "process_count",
+    "xla_flags",
+    "threads",
+    "prng_impl",
+    "x64",
+)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def code_hash() -> str:
+    """sha256 over the package's own source files (what ran, even without git)."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".json") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def source_revision() -> str | None:
+    if os.environ.get("MINIFIELD_SOURCE_REVISION"):
+        return os.environ["MINIFIELD_SOURCE_REVISION"]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def fingerprint() -> dict:
+    import jax
+
+    devices = jax.devices()
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "optax": _version("optax"),
+        "numpy": _version("numpy"),
+        "backend": jax.default_backend(),
+        "device_kind": sorted({d.device_kind for d in devices}),
+        "device_count": len(devices),
+        "process_count": jax.process_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "threads": {k: os.environ[k] for k in RELEVANT_ENV if "THREADS" in k and k in os.environ},
+        "env": {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ},
+        "prng_impl": str(jax.config.jax_default_prng_impl),
+        "x64": bool(jax.config.jax_enable_x64),
+        "cpu_count": os.cpu_count(),
+        "package_version": __version__,
+        "code_hash": code_hash(),
+        "source_revision": source_revision(),
+    }
+
+
+def differences(recorded: dict, current: dict) -> dict:
+    """``{field: {"recorded": a, "current": b}}`` for every bit-defining field that differs."""
+    return {
+        key: {"recorded": recorded.get(key), "current": current.get(key)}
+        for key in BIT_DEFINING
+        if recorded.get(key) != current.get(key)
+    }

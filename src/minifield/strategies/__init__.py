@@ -1,0 +1,25 @@
+"""Registry of the computations this package accepts."""
+
+from __future__ import annotations
+
+from .base import Program, Strategy
+from .linear_momentum import LinearMomentum
+
+_REGISTRY: dict[tuple[str, str], Strategy] = {}
+
+
+def register(strategy: Strategy) -> None:
+    _REGISTRY[(strategy.name, strategy.version)] = strategy
+
+
+def get(name: str, version: str) -> Strategy | None:
+    return _REGISTRY.get((name, version))
+
+
+def available() -> list[Strategy]:
+    return [_REGISTRY[key] for key in sorted(_REGISTRY)]
+
+
+register(LinearMomentum())
+
+__all__ = ["Program", "Strategy", "available", "get", "register"]

@@ -1,0 +1,90 @@
+"""What a training strategy provides to the worker, the pipeline and the store.
+
+A strategy is one kind of computation (``linear-momentum 1.0.0``,
+``packed-sft 12.0.0``). It owns the schema of the recipe sections ``model``,
+``training`` and ``evaluation``, turns pinned input files into examples, and
+builds a :class:`Program`: the compiled pure functions over the complete state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class Program(ABC):
+    """A recipe bound to its examples: init, one update, evaluation, export."""
+
+    #: examples consumed by one update (for throughput figures)
+    examples_per_step: int = 0
+    #: tokens consumed by one update (0 when the workload has no tokens)
+    tokens_per_step: int = 0
+
+    @abstractmethod
+    def init_state(self) -> dict:
+        """Fresh complete state (params, opt_state, rng, step, cursor) for step 0."""
+
+    @abstractmethod
+    def compile(self) -> None:
+        """Compile the update ahead of time from abstract shapes (consumes no state)."""
+
+    @abstractmethod
+    def step(self, state: dict) -> tuple[dict, dict[str, float]]:
+        """One update; returns the new state and host metrics after the device finished."""
+
+    #: run a periodic evaluation every this many updates (0: only at the end)
+    eval_every: int = 0
+
+    @abstractmethod
+    def evaluate(self, state: dict) -> dict[str, float]:
+        """Metrics of the state's parameters on the DEV data (used for checkpoint selection)."""
+
+    def evaluate_test(self, state: dict) -> dict[str, float]:
+        """Metrics on the TEST data; assessed only for the DEV-selected checkpoint."""
+        return {}
+
+    @abstractmethod
+    def export(self, state: dict, directory: Path) -> None:
+        """Write loadable final weights and the config needed to use them."""
+
+
+class Strategy(ABC):
+    name: str
+    version: str
+    description: str
+    #: file under minifield/schemas/ validating model/training/evaluation (with defaults)
+    schema_file: str
+    default_max_steps: int
+    default_every_steps: int
+    #: (metric, "min" | "max") used to select a checkpoint on DEV
+    selection_metric: tuple[str, str]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "version": self.version, "description": self.description}
+
+    def check(self, recipe: dict) -> list[dict]:
+        """Cross-field checks the schema cannot express; each error has ``path`` and ``message``."""
+        return []
+
+    @abstractmethod
+    def data_spec(self, recipe: dict) -> dict:
+        """The data-defining part of the recipe: what the examples digest covers."""
+
+    @abstractmethod
+    def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
+        """Turn verified input files (by input name) into example arrays plus metadata."""
+
+    @abstractmethod
+    def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
+        """Bind the recipe to prepared examples."""
+
+    @abstractmethod
+    def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
+        """``{"passed": bool, "checks": [{name, value, threshold, passed}]}`` for the metrics."""
+
+    @abstractmethod
+    def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
+        """Re-run the acceptance evaluation from exported weights alone (used by the store)."""

@@ -1,0 +1,160 @@
+"""``minifield-worker``: list strategies, validate a recipe, or run one training attempt.
+
+Exit codes: 0 completed, 1 failed, 2 invalid job or inputs, 3 preempted
+(checkpoint committed), 4 limit reached (deadline or compute budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import recipe as recipes
+from . import strategies, train
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minifield-worker",
+        description="Run one training attempt of a minifield recipe (or list/validate).",
+    )
+    parser.add_argument(
+        "--list-strategies", action="store_true", help="print accepted computations as JSON"
+    )
+    parser.add_argument("--job", type=Path, help="recipe file (JSON or YAML)")
+    parser.add_argument(
+        "--validate-only",
+        action="store_true",
+        help="validate the recipe and print the verdict as JSON",
+    )
+    parser.add_argument(
+        "--input-root", type=Path, help="directory the recipe's input paths are relative to"
+    )
+    parser.add_argument(
+        "--output-root", type=Path, help="attempts are written to OUT/<job_id>/<attempt_id>/"
+    )
+    parser.add_argument(
+        "--resume-from", type=Path, help="previous attempt directory to resume from (read only)"
+    )
+    parser.add_argument(
+        "--attempt-id", help="identity of this execution (default: recipe's, or generated)"
+    )
+    parser.add_argument(
+        "--examples", type=Path, help="prepared examples directory (default: prepare in memory)"
+    )
+    parser.add_argument(
+        "--allow-environment-change",
+        action="store_true",
+        help="resume even though the environment fingerprint differs (recorded)",
+    )
+    parser.add_argument(
+        "--record-state-hashes",
+        action="store_true",
+        help="add the complete-state hash to every update event",
+    )
+    faults = parser.add_argument_group("fault injection (tests and qualification only)")
+    faults.add_argument(
+        "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
+    )
+    faults.add_argument(
+        "--stall-after-step", type=int, metavar="K", help="stop emitting events after update K"
+    )
+    faults.add_argument(
+        "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
+    )
+    return parser
+
+
+def _validate_only(job: Path) -> int:
+    try:
+        recipe = recipes.load(job)
+    except recipes.RecipeError as exc:
+        document = None
+        try:
+            document = recipes.read_document(job)
+        except recipes.RecipeError:
+            pass
+        spec = document.get("strategy") if isinstance(document, dict) else None
+        print(
+            json.dumps(
+                {
+                    "valid": False,
+                    "computation_digest": None,
+                    "strategy": spec if isinstance(spec, dict) else None,
+                    "errors": exc.errors,
+                },
+                indent=2,
+            )
+        )
+        return train.EXIT_INVALID
+    print(
+        json.dumps(
+            {
+                "valid": True,
+                "computation_digest": recipe.computation_digest,
+                "examples_digest": recipe.examples_digest,
+                "strategy": {"name": recipe.strategy.name, "version": recipe.strategy.version},
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.list_strategies:
+        print(json.dumps([s.describe() for s in strategies.available()], indent=2))
+        return 0
+    if args.job is None:
+        parser.error("--job is required (or use --list-strategies)")
+    if args.validate_only:
+        return _validate_only(args.job)
+    if args.input_root is None or args.output_root is None:
+        parser.error("a run needs --input-root and --output-root")
+    try:
+        recipe = recipes.load(args.job)
+    except recipes.RecipeError as exc:
+        print(f"minifield-worker: {exc}", file=sys.stderr)
+        return train.EXIT_INVALID
+    if not args.input_root.is_dir():
+        print(
+            f"minifield-worker: --input-root {args.input_root} is not a directory", file=sys.stderr
+        )
+        return train.EXIT_INVALID
+    if args.resume_from is not None and not args.resume_from.is_dir():
+        print(
+            f"minifield-worker: --resume-from {args.resume_from} is not a directory",
+            file=sys.stderr,
+        )
+        return train.EXIT_INVALID
+    options = train.Options(
+        input_root=args.input_root,
+        output_root=args.output_root,
+        resume_from=args.resume_from,
+        attempt_id=args.attempt_id,
+        examples_dir=args.examples,
+        allow_environment_change=args.allow_environment_change,
+        record_state_hashes=args.record_state_hashes,
+        faults=train.Faults(args.fail_after_step, args.stall_after_step, args.stall_seconds),
+    )
+    try:
+        code, attempt_dir = train.run(recipe, options)
+    except train.ResumeRefused as exc:
+        print(f"minifield-worker: {exc}", file=sys.stderr)
+        return train.EXIT_INVALID
+    result = json.loads((attempt_dir / train.RESULT_FILE).read_text())
+    if result.get("error"):
+        print(
+            f"minifield-worker: {result['status']} in phase {result['error']['phase']}: {result['error']['message']}",
+            file=sys.stderr,
+        )
+    print(f"minifield-worker: {result['status']} -> {attempt_dir}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+rule evaluate:
+    input:
+        recipe="results/computations/{cdigest}/recipe.json",
+        result="results/computations/{cdigest}/train/result.json",
+        examples=examples_manifest,
+    output:
+        "results/computations/{cdigest}/eval/metrics.json",
+    log:
+        "logs/evaluate/{cdigest}.log",
+    benchmark:
+        "results/benchmarks/evaluate/{cdigest}.tsv"
+    script:
+        "../scripts/evaluate.py"
