@@ -9,7 +9,12 @@ from minifield import recipe as recipes
 
 def test_defaults_are_filled_before_the_digest():
     bare = recipes.validate(linear_recipe())
-    assert bare.data["training"] == {"seed": 3, "learning_rate": 0.04, "momentum": 0.8, "batch_size": 8}
+    assert bare.data["training"] == {
+        "seed": 3,
+        "learning_rate": 0.04,
+        "momentum": 0.8,
+        "batch_size": 8,
+    }
     assert bare.data["limits"]["max_steps"] == 8
     assert bare.data["checkpoint"]["every_steps"] == 2
     spelled = recipes.validate(
@@ -36,7 +41,11 @@ def test_identity_and_operational_fields_do_not_change_the_digest():
         linear_recipe(
             job_id="another-job",
             attempt_id="a-7",
-            limits={"max_wall_seconds": 5, "deadline": "2030-01-01T00:00:00Z", "max_compute_seconds": 9},
+            limits={
+                "max_wall_seconds": 5,
+                "deadline": "2030-01-01T00:00:00Z",
+                "max_compute_seconds": 9,
+            },
             checkpoint={"every_steps": 4, "keep": 1},
             runtime={"backend": "cpu"},
         )
@@ -56,13 +65,18 @@ def test_yaml_and_json_recipes_are_the_same_computation(tmp_path):
     data = linear_recipe(training={"learning_rate": 0.03})
     (tmp_path / "r.json").write_text(json.dumps(data))
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(data))
-    assert recipes.load(tmp_path / "r.json").computation_digest == recipes.load(tmp_path / "r.yaml").computation_digest
+    assert (
+        recipes.load(tmp_path / "r.json").computation_digest
+        == recipes.load(tmp_path / "r.yaml").computation_digest
+    )
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "../outside.jsonl", "a/../../b"])
 def test_input_paths_cannot_escape_the_input_root(path):
     with pytest.raises(recipes.RecipeError) as info:
-        recipes.validate(linear_recipe(inputs=[{"name": "examples", "path": path, "sha256": "0" * 64}]))
+        recipes.validate(
+            linear_recipe(inputs=[{"name": "examples", "path": path, "sha256": "0" * 64}])
+        )
     assert info.value.errors[0]["path"] == "/inputs/0/path"
 
 

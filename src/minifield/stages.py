@@ -126,10 +126,14 @@ def train_attempt(
     result = atomic.read_json(result_path)
     if code != 0 or result["status"] != "completed":
         error = result.get("error") or {}
+        detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
+        advice = (
+            "a retry cannot fix this: correct the recipe, inputs or environment first"
+            if code == train.EXIT_INVALID
+            else "the next run resumes from its last committed checkpoint"
+        )
         raise StageError(
-            f"training attempt {attempt_dir} ended {result['status']} (exit {code})"
-            f"{': ' + error.get('phase', '') + ': ' + error.get('message', '') if error else ''}; "
-            f"the next run resumes from its last committed checkpoint. Log: {log}"
+            f"training attempt {attempt_dir} ended {result['status']} (exit {code}){detail}; {advice}. Log: {log}"
         )
     if out_export.exists():
         shutil.rmtree(out_export)

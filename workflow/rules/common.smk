@@ -2,7 +2,6 @@
 from minifield import pipeline
 from snakemake.utils import validate
 
-
 validate(config, schema="../schemas/config.schema.json")
 
 COMPUTATIONS = pipeline.load_computations(config)
@@ -43,5 +42,6 @@ def work_dir(wildcards):
 
 def final_targets():
     return [
-        f"results/computations/{cdigest}/eval/metrics.json" for cdigest in sorted(COMPUTATIONS)
+        f"results/computations/{cdigest}/eval/metrics.json"
+        for cdigest in sorted(COMPUTATIONS)
     ]

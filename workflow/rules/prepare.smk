@@ -4,11 +4,11 @@ rule prepare:
         inputs=examples_inputs_record,
     output:
         "results/examples/{edigest}/manifest.json",
-    params:
-        input_root=INPUT_ROOT,
     log:
         "logs/prepare/{edigest}.log",
     benchmark:
         "results/benchmarks/prepare/{edigest}.tsv"
+    params:
+        input_root=INPUT_ROOT,
     script:
         "../scripts/prepare.py"
