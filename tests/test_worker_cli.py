@@ -1,10 +1,8 @@
 """The worker through real subprocesses: listing, validation, runs, kills, resumes."""
 
 import json
-import os
 import signal
 import subprocess
-import time
 
 import pytest
 from conftest import linear_recipe, read_events, run_worker, worker_command, write_recipe
