@@ -132,6 +132,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
             "updates_count": 0,
             "redone_updates_count": 0,
             "update_s": 0.0,
+            "redone_update_s": 0.0,
             "compile_s": 0.0,
             "checkpoint_s": 0.0,
             "evaluation_s": 0.0,
@@ -162,6 +163,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                     totals["redone_tokens"] += int(event["tokens"])
                     totals["redone_update_s"] += seconds
                     attempt["redone_updates_count"] += 1
+                    attempt["redone_update_s"] += seconds
                 position = step
                 high_water = max(high_water, step)
             elif kind == "checkpoint_committed":

@@ -40,8 +40,61 @@ def work_dir(wildcards):
     return f"{WORK_DIR}/{wildcards.cdigest}"
 
 
+def computation_label(wildcards):
+    """Report subcategory of a computation: its job id and short digest."""
+    return f"{COMPUTATIONS[wildcards.cdigest].recipe.job_id} ({wildcards.cdigest})"
+
+
+def report_labels(item):
+    """Report labels of one item of a computation (a function of the wildcards)."""
+
+    def labels(wildcards):
+        return {
+            "job": COMPUTATIONS[wildcards.cdigest].recipe.job_id,
+            "computation": wildcards.cdigest,
+            "item": item,
+        }
+
+    return labels
+
+
+# Report items fed by optional rules: the input exists only if the workflow has the rule,
+# so the report never waits for a file nothing can make (and never hides one that can).
+# (`hasattr(rules, name)` does not work: Snakemake's Rules raises WorkflowError, not
+# AttributeError, for an unknown rule; `rules.has(name)` is the supported test.)
+def qualification_proof(wildcards):
+    if rules.has("qualify"):
+        return f"results/computations/{wildcards.cdigest}/qualification/proof.json"
+    return []
+
+
+def publication_record(wildcards):
+    if rules.has("publish"):
+        return f"results/computations/{wildcards.cdigest}/publication.json"
+    return []
+
+
+def capacity_csv(wildcards):
+    return "results/capacity.csv" if rules.has("capacity") else []
+
+
+REPORT_ITEMS = ["loss.png", "goodput.png", "throughput.html", "recovery.html"]
+REPORT_ITEMS += ["evaluation.html", "publication.html"]
+
+
+def report_targets():
+    """Every file the report shows; `snakemake --report` aborts if one is missing."""
+    targets = ["results/report/capacity.html"]
+    for cdigest in sorted(COMPUTATIONS):
+        targets.append(f"results/computations/{cdigest}/summary.json")
+        targets += [
+            f"results/computations/{cdigest}/report/{item}" for item in REPORT_ITEMS
+        ]
+    return targets
+
+
 def final_targets():
     return [
         f"results/computations/{cdigest}/eval/metrics.json"
         for cdigest in sorted(COMPUTATIONS)
-    ]
+    ] + report_targets()

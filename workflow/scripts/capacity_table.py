@@ -1,0 +1,10 @@
+# Thin adapter: snakemake object -> minifield.reporting.capacity_table
+# The input is absent (an empty list) when the workflow has no rule that makes it.
+import sys
+from pathlib import Path
+
+from minifield import reporting
+
+sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+given = snakemake.input.get("capacity")  # noqa: F821
+reporting.capacity_table(Path(given) if given else None, Path(snakemake.output[0]))  # noqa: F821
