@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from . import atomic, train
+from . import atomic
 from .events import read as read_events
 
 SCHEMA = "minifield.summary/1"
@@ -257,6 +257,8 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
 
 def attempt_event_files(attempt_dir: Path) -> list[Path]:
     """``events.jsonl`` of an attempt and of every attempt it resumed from, oldest first."""
+    from . import train  # imported here: it loads JAX, which summarizing files does not need
+
     chain = list(reversed(train._attempt_chain(Path(attempt_dir))))
     files = [d / "events.jsonl" for d in chain if (d / "events.jsonl").is_file()]
     if not files:
