@@ -1,0 +1,141 @@
+"""Report items from small hand-written result files (no pipeline run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from minifield import reporting
+
+H = {c: c * 64 for c in "abcdef"}  # readable fake sha256 strings
+
+
+def write(path: Path, value) -> Path:
+    path.write_text(json.dumps(value))
+    return path
+
+
+def test_recovery_table_compares_hash_sequences_and_flags_divergence(tmp_path):
+    proof = write(
+        tmp_path / "proof.json",
+        {
+            "passed": False,
+            "reference_state_hashes": [H["a"], H["b"], H["c"]],
+            "resumed_state_hashes": [H["a"], H["b"], H["d"]],
+            "first_divergence": {"step": 3},
+            "checkpoint": {"step": 2, "sha256": H["e"]},
+            "diagnosis": "state differs after update 3",
+        },
+    )
+    out = tmp_path / "recovery.html"
+    reporting.recovery_table(proof, out)
+    page = out.read_text()
+    assert "FAILED" in page
+    assert page.count(">equal<") == 2 and page.count(">DIFFERENT<") == 1
+    assert "state differs after update 3" in page and "first_divergence.step" in page
+
+
+def test_missing_optional_inputs_say_which_rule_is_absent(tmp_path):
+    for function, rule in [
+        (reporting.recovery_table, "qualify"),
+        (reporting.publication_table, "publish"),
+        (reporting.capacity_table, "capacity"),
+    ]:
+        out = tmp_path / f"{rule}.html"
+        function(None, out)
+        assert f"no <code>{rule}</code> rule" in out.read_text()
+
+
+def test_capacity_and_publication_tables_show_the_records(tmp_path):
+    csv_path = tmp_path / "capacity.csv"
+    csv_path.write_text("scenario,seconds_per_job,min_workers_with_reserve\nmeasured,12.5,2\n")
+    out = tmp_path / "capacity.html"
+    reporting.capacity_table(csv_path, out)
+    page = out.read_text()
+    assert "<th>min_workers_with_reserve</th>" in page and '<td class="num">12.5</td>' in page
+    assert "hypothetical" in page.lower() or "assumptions" in page
+    record = write(
+        tmp_path / "publication.json",
+        {"content_id": H["f"], "provenance": {"recipe_digest": H["a"]}, "active": True},
+    )
+    out = tmp_path / "publication.html"
+    reporting.publication_table(record, out)
+    page = out.read_text()
+    assert H["f"] in page and "provenance.recipe_digest" in page and ">yes<" in page
+
+
+def test_evaluation_table_marks_the_dev_selected_checkpoint(tmp_path):
+    metrics = write(
+        tmp_path / "metrics.json",
+        {
+            "checkpoints": [
+                {"step": 2, "sha256": H["a"], "state_hash": H["b"], "dev": {"loss": 3.0}},
+                {"step": 4, "sha256": H["c"], "state_hash": H["d"], "dev": {"loss": 1.5}},
+            ],
+            "selection": {
+                "split": "dev",
+                "metric": "loss",
+                "mode": "min",
+                "step": 4,
+                "sha256": H["c"],
+            },
+            "test": {"loss": 1.75},
+            "acceptance": {
+                "passed": True,
+                "checks": [{"name": "loss", "value": 1.5, "threshold": 2.0, "passed": True}],
+            },
+        },
+    )
+    out = tmp_path / "evaluation.html"
+    reporting.evaluation_table(metrics, out)
+    page = out.read_text()
+    selected = page.split('<tr class="selected">')[1].split("</tr>")[0]
+    assert '<td class="num">4</td>' in selected and "DEV-selected" in selected
+    assert page.count('<tr class="selected">') == 1
+    assert '<td class="num">1.75</td>' in page  # TEST of the selected checkpoint
+
+
+def test_goodput_chart_and_throughput_table_from_a_summary(tmp_path):
+    attempt = {
+        "attempt_id": "a1",
+        "status": "completed",
+        "wall_s": 4.0,
+        "update_s": 1.5,
+        "redone_update_s": 0.0,
+        "compile_s": 0.5,
+        "checkpoint_s": 0.25,
+        "evaluation_s": 0.25,
+        "updates_count": 4,
+        "redone_updates_count": 0,
+        "restored_step_count": None,
+        "first_update_step_count": 1,
+        "completed_steps_count": 4,
+        "uncheckpointed_updates_count": 0,
+    }
+    goodput = {
+        "productive_update_s": 1.5,
+        "redone_update_s": 0.0,
+        "compile_s": 0.5,
+        "checkpoint_s": 0.25,
+        "evaluation_s": 0.25,
+        "between_attempts_s": 0.0,
+        "other_s": 1.5,
+        "productive_fraction": 0.375,
+    }
+    summary = write(
+        tmp_path / "summary.json",
+        {
+            "attempts": [attempt],
+            "goodput": goodput,
+            "restarts": {},
+            "job_wall_time_s": 4.0,
+            "update_duty_fraction": 0.375,
+            "note": "update_duty_fraction ... is not hardware utilization.",
+        },
+    )
+    reporting.plot_goodput(summary, tmp_path / "goodput.png")
+    assert (tmp_path / "goodput.png").read_bytes().startswith(b"\x89PNG")
+    reporting.throughput_table(summary, tmp_path / "throughput.html")
+    page = (tmp_path / "throughput.html").read_text()
+    assert "update_duty_fraction" in page and "not hardware utilization" in page
+    assert '<td class="num">0.375</td>' in page
