@@ -302,3 +302,16 @@ def test_real_crash_and_resume_against_raw_events(tmp_path):
     assert s["attempts"][0]["uncheckpointed_updates_count"] == 1
     assert s["attempts"][1]["restored_step_count"] == 2
     assert s["final_status"] == "completed" and s["uncheckpointed_updates_count"] == 0
+
+
+def test_attempt_chain_matches_the_worker_resume_chain(tmp_path):
+    """The summary's own chain walk agrees with the worker's (newest first there)."""
+    from minifield import train
+
+    for name, previous in [("a1", None), ("a2", "a1"), ("a3", "a2")]:
+        (tmp_path / name).mkdir()
+        resumed = str(tmp_path / previous) if previous else None
+        (tmp_path / name / "attempt.json").write_text(json.dumps({"resumed_from": resumed}))
+    ours = summarize.attempt_chain(tmp_path / "a3")
+    assert [p.name for p in ours] == ["a1", "a2", "a3"]
+    assert list(reversed(train._attempt_chain(tmp_path / "a3"))) == ours
