@@ -248,7 +248,7 @@ def plot_goodput(summary_json: Path, out_png: Path) -> None:
             )
         )
     rows.append(("whole job", summary["goodput"]))
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.7 * len(rows)))
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.6 * len(rows)))
     names = [name for name, _ in rows]
     left = [0.0] * len(rows)
     for key, label, color in GOODPUT_PARTS:
@@ -261,12 +261,12 @@ def plot_goodput(summary_json: Path, out_png: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds of wall time")
     fraction = summary["goodput"].get("productive_fraction")
+    share = "—" if fraction is None else f"{fraction * 100:.3g} %"
     ax.set_title(
-        f"Goodput: productive update share {_fmt(fraction)} of {_fmt(summary['job_wall_time_s'])} s"
+        f"Goodput: productive updates are {share} of the job's "
+        f"{_fmt(summary['job_wall_time_s'])} s wall time"
     )
-    ax.legend(
-        fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 * len(rows)), ncol=2
-    )
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     _save_png(fig, out_png)
 
@@ -372,13 +372,13 @@ def throughput_table(summary_json: Path, out_html: Path) -> None:
                 "restored step",
                 "first update step",
                 "steps at end",
-                "updates_count",
-                "redone_updates_count",
-                "uncheckpointed_updates_count",
-                "wall_s",
-                "update_s",
-                "compile_s",
-                "checkpoint_s",
+                "updates",
+                "redone",
+                "uncheck- pointed",
+                "wall s",
+                "update s",
+                "compile s",
+                "checkpoint s",
             ],
             attempts,
         )
