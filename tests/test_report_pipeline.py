@@ -109,11 +109,6 @@ def test_report_embeds_every_item(pipeline):
     assert "has no <code>qualify</code> rule" in recovery or "Verdict" in recovery
 
 
-def test_rerun_has_nothing_to_do(pipeline):
-    proc = snakemake(pipeline, "--cores", "2", "--dry-run")
-    assert "Nothing to be done" in proc.stdout + proc.stderr
-
-
 def chromium() -> str | None:
     for name in CHROMIUM_NAMES:
         found = shutil.which(name)
