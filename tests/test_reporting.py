@@ -39,7 +39,7 @@ def test_missing_optional_inputs_say_which_rule_is_absent(tmp_path):
     for function, rule in [
         (reporting.recovery_table, "qualify"),
         (reporting.publication_table, "publish"),
-        (reporting.capacity_table, "capacity"),
+        (reporting.capacity_table, "capacity_table"),
     ]:
         out = tmp_path / f"{rule}.html"
         function(None, out)

@@ -515,7 +515,7 @@ def publication_table(publication_json: Path | None, out_html: Path) -> None:
 def capacity_table(capacity_csv: Path | None, out_html: Path) -> None:
     title = "Capacity plan (hypothetical demand and prices)"
     if capacity_csv is None:
-        return _missing_rule_page(out_html, title, "capacity")
+        return _missing_rule_page(out_html, title, "capacity_table")
     with open(capacity_csv, encoding="utf-8", newline="") as handle:
         rows = list(csv.reader(handle))
     if not rows:

@@ -75,7 +75,7 @@ def publication_record(wildcards):
 
 
 def capacity_csv(wildcards):
-    return "results/capacity.csv" if rules.has("capacity") else []
+    return "results/capacity.csv" if rules.has("capacity_table") else []
 
 
 REPORT_ITEMS = ["loss.png", "goodput.png", "throughput.html", "recovery.html"]

@@ -12,7 +12,7 @@ rule summarize:
         "../scripts/summarize.py"
 
 
-rule plot_loss:
+rule report_loss:
     input:
         result="results/computations/{cdigest}/train/result.json",
         metrics="results/computations/{cdigest}/eval/metrics.json",
@@ -25,12 +25,12 @@ rule plot_loss:
             labels=report_labels("loss curves"),
         ),
     log:
-        "logs/plot_loss/{cdigest}.log",
+        "logs/report_loss/{cdigest}.log",
     script:
-        "../scripts/plot_loss.py"
+        "../scripts/report_loss.py"
 
 
-rule plot_goodput:
+rule report_goodput:
     input:
         summary="results/computations/{cdigest}/summary.json",
     output:
@@ -49,12 +49,12 @@ rule plot_goodput:
             labels=report_labels("throughput table"),
         ),
     log:
-        "logs/plot_goodput/{cdigest}.log",
+        "logs/report_goodput/{cdigest}.log",
     script:
-        "../scripts/plot_goodput.py"
+        "../scripts/report_goodput.py"
 
 
-rule recovery_table:
+rule report_recovery:
     input:
         proof=qualification_proof,
     output:
@@ -66,12 +66,12 @@ rule recovery_table:
             labels=report_labels("recovery proof"),
         ),
     log:
-        "logs/recovery_table/{cdigest}.log",
+        "logs/report_recovery/{cdigest}.log",
     script:
-        "../scripts/recovery_table.py"
+        "../scripts/report_recovery.py"
 
 
-rule evaluation_table:
+rule report_evaluation:
     input:
         metrics="results/computations/{cdigest}/eval/metrics.json",
     output:
@@ -83,12 +83,12 @@ rule evaluation_table:
             labels=report_labels("evaluation table"),
         ),
     log:
-        "logs/evaluation_table/{cdigest}.log",
+        "logs/report_evaluation/{cdigest}.log",
     script:
-        "../scripts/evaluation_table.py"
+        "../scripts/report_evaluation.py"
 
 
-rule publication_table:
+rule report_publication:
     input:
         publication=publication_record,
     output:
@@ -100,12 +100,12 @@ rule publication_table:
             labels=report_labels("publication record"),
         ),
     log:
-        "logs/publication_table/{cdigest}.log",
+        "logs/report_publication/{cdigest}.log",
     script:
-        "../scripts/publication_table.py"
+        "../scripts/report_publication.py"
 
 
-rule capacity_table:
+rule report_capacity:
     input:
         capacity=capacity_csv,
     output:
@@ -116,6 +116,6 @@ rule capacity_table:
             labels={"table": "capacity plan"},
         ),
     log:
-        "logs/capacity_table/all.log",
+        "logs/report_capacity/all.log",
     script:
-        "../scripts/capacity_table.py"
+        "../scripts/report_capacity.py"
