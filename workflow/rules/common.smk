@@ -19,8 +19,35 @@ def recipe_file(wildcards):
     return str(COMPUTATIONS[wildcards.cdigest].path)
 
 
-def pinned_input_files(wildcards):
+def local_input_files(wildcards):
     return pipeline.input_paths(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def pinned_input_files(wildcards):
+    computation = COMPUTATIONS[wildcards.cdigest]
+    if pipeline.has_remote_inputs(computation):
+        return [pipeline.fetched_root(computation)]
+    return pipeline.input_paths(computation, INPUT_ROOT)
+
+
+def fetched_input_root(wildcards):
+    """The fetched input root of a computation with url inputs (nothing for local-only ones)."""
+    computation = COMPUTATIONS[wildcards.cdigest]
+    return [pipeline.fetched_root(computation)] if pipeline.has_remote_inputs(computation) else []
+
+
+def computation_input_root(wildcards):
+    return pipeline.input_root(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def examples_input_root(wildcards):
+    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    return pipeline.input_root(computation, INPUT_ROOT)
+
+
+def examples_fetched_root(wildcards):
+    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    return [pipeline.fetched_root(computation)] if pipeline.has_remote_inputs(computation) else []
 
 
 def examples_recipe(wildcards):

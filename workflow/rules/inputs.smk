@@ -5,7 +5,7 @@ rule hash_inputs:
     output:
         "results/computations/{cdigest}/inputs.json",
     params:
-        input_root=INPUT_ROOT,
+        input_root=computation_input_root,
     log:
         "logs/hash_inputs/{cdigest}.log",
     script:

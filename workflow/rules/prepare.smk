@@ -2,10 +2,11 @@ rule prepare:
     input:
         recipe=examples_recipe,
         inputs=examples_inputs_record,
+        fetched=examples_fetched_root,
     output:
         "results/examples/{edigest}/manifest.json",
     params:
-        input_root=INPUT_ROOT,
+        input_root=examples_input_root,
     log:
         "logs/prepare/{edigest}.log",
     benchmark:
