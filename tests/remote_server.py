@@ -73,7 +73,9 @@ class AssetServer:
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
             scheme = "https"
         self.origin = f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     def __enter__(self):
         self.thread.start()

@@ -402,12 +402,16 @@ def stage(
     The worker resolves every input under a single input root, so a recipe with remote
     inputs gets this per-computation root instead of the configured one.
     """
-    recipe = recipes.load(recipe_json).data
+    loaded = recipes.load(recipe_json)
+    recipe = loaded.data
     settings = Settings.from_config(remote_config, work_dir)
     remote_names = {item["name"] for item in remote_items(recipe)}
     out_root = Path(out_root)
     out_root.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{out_root.name}.", dir=out_root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(building, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
     try:
         local = []
         for item in recipe.get("inputs", []):
@@ -431,7 +435,7 @@ def stage(
         if building.exists():
             shutil.rmtree(building)
     record = {
-        "computation_digest": recipes.load(recipe_json).computation_digest,
+        "computation_digest": loaded.computation_digest,
         "input_root": str(out_root),
         "cache_dir": str(settings.cache_dir),
         "remote": remote,
