@@ -343,6 +343,7 @@ def test_credentials_file_contents_are_checked_without_echoing_tokens(tmp_path):
     bad = tmp_path / "bad.json"
     for text, reason in [
         ('{"https://a.example": {"bearer_token": "tok\\nX"}}', "without whitespace"),
+        ('{"https://a.example": {"bearer_token": "tok-\u00e9"}}', "printable ASCII"),
         ('{"https://a.example": {"token": "tok-x"}}', 'exactly one field, "bearer_token"'),
         ('{"https://a.example/p": {"bearer_token": "tok-x"}}', "without a path"),
         ('{"https://a.example": {"bearer_token": "tok-x"}', "not valid UTF-8 JSON"),

@@ -110,10 +110,12 @@ def parse(raw: bytes, source: str) -> Credentials:
                 'one field, "bearer_token"'
             )
         token = entry["bearer_token"]
-        if not isinstance(token, str) or not token or any(c in token for c in "\r\n\0 \t"):
+        # Printable ASCII only: anything else is refused by HTTP libraries with messages
+        # that may quote the header value.
+        if not isinstance(token, str) or not token or not all("!" <= c <= "~" for c in token):
             raise CredentialsError(
                 f"credentials file {source}: entry {key!r}: bearer_token must be a non-empty "
-                "string without whitespace or control characters"
+                "string of printable ASCII characters without whitespace"
             )
         tokens[origin] = token
     return Credentials(tokens, source)

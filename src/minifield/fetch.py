@@ -79,12 +79,15 @@ class Settings:
     @classmethod
     def from_config(cls, section: dict, work_dir: str | Path) -> Settings:
         """Settings from the config's ``remote_inputs`` section (defaults filled by its schema)."""
-        cache = section.get("cache_dir") or Path(work_dir) / "cache"
+
+        def path(key: str) -> Path | None:
+            return Path(section[key]).expanduser() if section.get(key) else None
+
         return cls(
             allowed_origins=list(section.get("allowed_origins", [])),
-            cache_dir=Path(cache),
-            credentials=credentials.load(section.get("credentials_file")),
-            ca_bundle=Path(section["ca_bundle"]) if section.get("ca_bundle") else None,
+            cache_dir=path("cache_dir") or Path(work_dir) / "cache",
+            credentials=credentials.load(path("credentials_file")),
+            ca_bundle=path("ca_bundle"),
             allow_insecure_loopback=bool(section.get("allow_insecure_loopback", False)),
             max_attempts=int(section.get("max_attempts", 4)),
             backoff_seconds=float(section.get("backoff_seconds", 0.5)),
@@ -175,6 +178,8 @@ def _get(session: requests.Session, url: str, origin: str, settings: Settings):
             raise FetchError(
                 f"connection to {origin} failed ({type(exc).__name__}: {exc})", transient=True
             ) from None
+        except requests.exceptions.RequestException as exc:
+            raise FetchError(f"request to {origin} failed ({type(exc).__name__}: {exc})") from None
         if response.status_code not in REDIRECT_CODES:
             return response
         location = response.headers.get("Location")

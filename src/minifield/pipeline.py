@@ -70,6 +70,11 @@ def fetched_root(computation: Computation) -> str:
     return f"results/fetched/{computation.cdigest}"
 
 
+def fetched_roots(computation: Computation) -> list[str]:
+    """``[fetched_root]`` for a computation with url inputs, ``[]`` otherwise (rule inputs)."""
+    return [fetched_root(computation)] if has_remote_inputs(computation) else []
+
+
 def input_root(computation: Computation, configured_root: str) -> str:
     """Where the stages and the worker find this computation's inputs.
 

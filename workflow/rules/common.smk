@@ -2,7 +2,6 @@
 from minifield import pipeline
 from snakemake.utils import validate
 
-
 validate(config, schema="../schemas/config.schema.json")
 
 COMPUTATIONS = pipeline.load_computations(config)
@@ -24,16 +23,16 @@ def local_input_files(wildcards):
 
 
 def pinned_input_files(wildcards):
+    """Local input files, or the fetched input root of a computation with url inputs."""
     computation = COMPUTATIONS[wildcards.cdigest]
-    if pipeline.has_remote_inputs(computation):
-        return [pipeline.fetched_root(computation)]
-    return pipeline.input_paths(computation, INPUT_ROOT)
+    return pipeline.fetched_roots(computation) or pipeline.input_paths(
+        computation, INPUT_ROOT
+    )
 
 
 def fetched_input_root(wildcards):
     """The fetched input root of a computation with url inputs (nothing for local-only ones)."""
-    computation = COMPUTATIONS[wildcards.cdigest]
-    return [pipeline.fetched_root(computation)] if pipeline.has_remote_inputs(computation) else []
+    return pipeline.fetched_roots(COMPUTATIONS[wildcards.cdigest])
 
 
 def computation_input_root(wildcards):
@@ -46,8 +45,9 @@ def examples_input_root(wildcards):
 
 
 def examples_fetched_root(wildcards):
-    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
-    return [pipeline.fetched_root(computation)] if pipeline.has_remote_inputs(computation) else []
+    return pipeline.fetched_roots(
+        pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    )
 
 
 def examples_recipe(wildcards):
@@ -70,5 +70,6 @@ def work_dir(wildcards):
 
 def final_targets():
     return [
-        f"results/computations/{cdigest}/eval/metrics.json" for cdigest in sorted(COMPUTATIONS)
+        f"results/computations/{cdigest}/eval/metrics.json"
+        for cdigest in sorted(COMPUTATIONS)
     ]

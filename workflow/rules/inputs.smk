@@ -4,9 +4,9 @@ rule hash_inputs:
         pinned=pinned_input_files,
     output:
         "results/computations/{cdigest}/inputs.json",
-    params:
-        input_root=computation_input_root,
     log:
         "logs/hash_inputs/{cdigest}.log",
+    params:
+        input_root=computation_input_root,
     script:
         "../scripts/hash_inputs.py"

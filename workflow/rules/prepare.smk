@@ -5,11 +5,11 @@ rule prepare:
         fetched=examples_fetched_root,
     output:
         "results/examples/{edigest}/manifest.json",
-    params:
-        input_root=examples_input_root,
     log:
         "logs/prepare/{edigest}.log",
     benchmark:
         "results/benchmarks/prepare/{edigest}.tsv"
+    params:
+        input_root=examples_input_root,
     script:
         "../scripts/prepare.py"

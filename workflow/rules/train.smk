@@ -9,15 +9,15 @@ rule train:
     output:
         result="results/computations/{cdigest}/train/result.json",
         export=directory("results/computations/{cdigest}/train/export"),
+    log:
+        "logs/train/{cdigest}.log",
+    benchmark:
+        "results/benchmarks/train/{cdigest}.tsv"
+    retries: config["train"]["retries"]
     params:
         input_root=computation_input_root,
         work_dir=work_dir,
         record_state_hashes=config["train"]["record_state_hashes"],
         allow_environment_change=config["train"]["allow_environment_change"],
-    retries: config["train"]["retries"]
-    log:
-        "logs/train/{cdigest}.log",
-    benchmark:
-        "results/benchmarks/train/{cdigest}.tsv"
     script:
         "../scripts/train.py"
