@@ -9,6 +9,7 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/validate.smk"
+include: "workflow/rules/fetch.smk"
 include: "workflow/rules/inputs.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/train.smk"

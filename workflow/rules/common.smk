@@ -18,8 +18,36 @@ def recipe_file(wildcards):
     return str(COMPUTATIONS[wildcards.cdigest].path)
 
 
-def pinned_input_files(wildcards):
+def local_input_files(wildcards):
     return pipeline.input_paths(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def pinned_input_files(wildcards):
+    """Local input files, or the fetched input root of a computation with url inputs."""
+    computation = COMPUTATIONS[wildcards.cdigest]
+    return pipeline.fetched_roots(computation) or pipeline.input_paths(
+        computation, INPUT_ROOT
+    )
+
+
+def fetched_input_root(wildcards):
+    """The fetched input root of a computation with url inputs (nothing for local-only ones)."""
+    return pipeline.fetched_roots(COMPUTATIONS[wildcards.cdigest])
+
+
+def computation_input_root(wildcards):
+    return pipeline.input_root(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def examples_input_root(wildcards):
+    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    return pipeline.input_root(computation, INPUT_ROOT)
+
+
+def examples_fetched_root(wildcards):
+    return pipeline.fetched_roots(
+        pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    )
 
 
 def examples_recipe(wildcards):
