@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import linear_recipe, read_events, run_worker, write_recipe
 
 from minifield import capacity, cli
 
@@ -142,72 +141,3 @@ def test_cli_rejects_invalid_input_with_exit_2(field, value, named, capsys):
     captured = capsys.readouterr()
     assert named in captured.err
     assert captured.out == ""
-
-
-def test_capacity_rows_from_a_real_training_run(tmp_path):
-    """Measured seconds come from the raw events; what-if rows are rebuilt from measured means."""
-    job = write_recipe(tmp_path / "recipe.json", linear_recipe(job_id="cap"))
-    run_worker(
-        "--job", job, "--input-root", tmp_path, "--output-root", tmp_path / "out",
-        check_codes=(0,),
-    )  # fmt: skip
-    (attempt,) = (tmp_path / "out" / "cap").iterdir()
-    result = json.loads((attempt / "result.json").read_text())
-    result["attempt_dir"] = str(attempt)
-    (tmp_path / "result.json").write_text(json.dumps(result))
-    recipe = {
-        "limits": {"max_steps": 8},
-        "checkpoint": {"every_steps": 2},
-    }  # the defaults of linear-momentum, spelled out
-    (tmp_path / "validated.json").write_text(json.dumps(recipe))
-    assumptions = {
-        "arrivals_per_hour": 120,
-        "workers": 1,
-        "reserve_fraction": 0.25,
-        "price_per_worker_hour": 2.0,
-        "checkpoint_every_steps": [1, 8],
-        "max_steps_factors": [2],
-    }
-    document = capacity.for_run(
-        tmp_path / "result.json", tmp_path / "validated.json", assumptions, tmp_path / "cap.json"
-    )
-
-    events = read_events(attempt / "events.jsonl")
-    wall = events[-1]["mono"] - events[0]["mono"]
-    updates = [e["seconds"] for e in events if e["type"] == "update"]
-    commits = [e["seconds"] for e in events if e["type"] == "checkpoint_committed"]
-    assert len(updates) == 8 and len(commits) == 4  # steps 2, 4, 6, 8
-    other = wall - sum(updates) - sum(commits)
-    mean_update, mean_commit = sum(updates) / 8, sum(commits) / 4
-
-    rows = {row["scenario"]: row for row in document["rows"]}
-    assert set(rows) == {"measured", "checkpoint_every_1", "checkpoint_every_8", "workload_x2"}
-    assert rows["measured"]["seconds_per_job"] == pytest.approx(wall)
-    # every step committed: 8 commits; every 8: only the final one.
-    assert rows["checkpoint_every_1"]["checkpoint_commits"] == 8
-    assert rows["checkpoint_every_1"]["seconds_per_job"] == pytest.approx(
-        other + 8 * mean_update + 8 * mean_commit
-    )
-    assert rows["checkpoint_every_8"]["checkpoint_commits"] == 1
-    assert rows["checkpoint_every_8"]["seconds_per_job"] == pytest.approx(
-        other + 8 * mean_update + 1 * mean_commit
-    )
-    # twice the workload: 16 updates, committed every 2 → 8 commits.
-    assert rows["workload_x2"]["max_steps"] == 16
-    assert rows["workload_x2"]["seconds_per_job"] == pytest.approx(
-        other + 16 * mean_update + 8 * mean_commit
-    )
-    for row in document["rows"]:
-        offered = row["seconds_per_job"] * 120 / 3600
-        assert row["offered_worker_hours_per_hour"] == pytest.approx(offered)
-        assert row["min_workers_with_reserve"] == math.ceil(offered / 0.75)
-        assert row["hourly_reserved_budget"] == pytest.approx(2.0)
-        assert row["active_cost_per_job"] == pytest.approx(row["seconds_per_job"] / 3600 * 2.0)
-    assert document["assumptions"]["hypothetical"] is True
-    assert document["measured"]["backend"] == "cpu"
-
-    rows_written = capacity.table([tmp_path / "cap.json"], tmp_path / "capacity.csv")
-    lines = (tmp_path / "capacity.csv").read_text().splitlines()
-    assert rows_written == 4 and len(lines) == 5
-    assert lines[0].split(",")[:4] == ["computation_digest", "job_id", "backend", "scenario"]
-    assert all("hypothetical" in line for line in lines[1:])
