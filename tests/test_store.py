@@ -415,3 +415,19 @@ def test_concurrent_activations_never_tear_the_pointer(tmp_path, runs):
     assert {m["pid"] for m in history[1:]} <= {p.pid for p in procs}
     leftovers = [p.name for p in store.iterdir() if p.name.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_contradictory_sources_and_a_corrupt_pointer_are_refused(active_store, runs):
+    store, _ = active_store
+    # A train result of another computation than the recipe: refused at publication.
+    proc = store_cli(
+        store, "publish", runs["b"]["export"], "--recipe", runs["b"]["recipe"],
+        "--train-result", runs["a"]["result"], "--proof", runs["b"]["proof"],
+    )  # fmt: skip
+    assert proc.returncode == 2 and "does not match the recipe" in proc.stderr
+    # An unreadable pointer is never overwritten.
+    b = publish(store, runs["b"])
+    (store / "active.json").write_text('{"current": "trunc')
+    proc = store_cli(store, "activate", b)
+    assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
+    assert (store / "active.json").read_text() == '{"current": "trunc'
