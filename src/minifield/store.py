@@ -450,7 +450,14 @@ class Store:
             )
 
         # 2. payload integrity: exactly the listed files, each with its size and sha256.
-        listed = {item.get("path"): item for item in manifest.get("payload") or []}
+        payload = manifest.get("payload")
+        if not isinstance(payload, list) or not all(
+            isinstance(item, dict) and isinstance(item.get("path"), str) for item in payload
+        ):
+            raise Refused(
+                content_id, [f"manifest {manifest_path}: 'payload' is not a list of files"]
+            )
+        listed = {item["path"]: item for item in payload}
         try:
             present = set(_payload_files(directory)) - {MANIFEST}
         except StoreError as exc:
