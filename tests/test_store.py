@@ -431,3 +431,14 @@ def test_contradictory_sources_and_a_corrupt_pointer_are_refused(active_store, r
     proc = store_cli(store, "activate", b)
     assert proc.returncode == 2 and "refusing to overwrite" in proc.stderr
     assert (store / "active.json").read_text() == '{"current": "trunc'
+
+
+def test_rollback_goes_through_the_same_gate(active_store, runs):
+    store, a = active_store
+    b = publish(store, runs["b"])
+    activate_ok(store, b)
+    assert (pointer(store)["current"], pointer(store)["previous"]) == (b, a)
+    (store / "artifacts" / a / "evidence" / "proof.json").write_text('{"passed": true}')
+    message = refused(store, "rollback")
+    assert "payload file corrupt: evidence/proof.json" in message
+    assert pointer(store)["current"] == b
