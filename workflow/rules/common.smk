@@ -7,6 +7,7 @@ validate(config, schema="../schemas/config.schema.json")
 COMPUTATIONS = pipeline.load_computations(config)
 INPUT_ROOT = config["input_root"]
 WORK_DIR = config["work_dir"]
+STORE_DIR = config["store"]["dir"]
 
 
 wildcard_constraints:
@@ -68,8 +69,47 @@ def work_dir(wildcards):
     return f"{WORK_DIR}/{wildcards.cdigest}"
 
 
+def proof_required():
+    """Whether publication needs the recovery proof: store.require_proof, where "auto" means
+    "when this workflow has a qualify rule" (rules.has, because hasattr(rules, ...) raises).
+    """
+    setting = config["store"]["require_proof"]
+    if setting == "auto":
+        return rules.has("qualify")
+    return setting in (True, "true")
+
+
+def publish_inputs(wildcards):
+    base = f"results/computations/{wildcards.cdigest}"
+    inputs = {
+        "recipe": f"{base}/recipe.json",
+        "result": f"{base}/train/result.json",
+        "export": f"{base}/train/export",
+        "metrics": f"{base}/eval/metrics.json",
+    }
+    if proof_required():
+        inputs["proof"] = f"{base}/qualification/proof.json"
+    return inputs
+
+
+def publish_proof_waiver(wildcards):
+    """The recorded reason for publishing without a proof ("" when a proof is required)."""
+    if proof_required():
+        return ""
+    if config["store"]["require_proof"] == "auto":
+        return "this workflow has no qualify rule (store.require_proof: auto)"
+    return "store.require_proof is false in the workflow config"
+
+
 def final_targets():
-    return [
-        f"results/computations/{cdigest}/eval/metrics.json"
-        for cdigest in sorted(COMPUTATIONS)
-    ]
+    targets = []
+    for cdigest in sorted(COMPUTATIONS):
+        base = f"results/computations/{cdigest}"
+        targets += [
+            f"{base}/eval/metrics.json",
+            f"{base}/publication.json",
+            f"{base}/capacity.json",
+        ]
+        if config["store"]["activate"]:
+            targets.append(f"{base}/activation.json")
+    return targets + ["results/capacity.csv"]
