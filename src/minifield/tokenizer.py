@@ -79,11 +79,15 @@ def from_file(path: Path, special_tokens: dict | None = None) -> Tokenizer:
     """A ``tokenizers`` library tokenizer from ``path``; every special token must be in its vocabulary."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    specials = {**DEFAULT_SPECIAL_TOKENS, **(special_tokens or {})}
     try:
         backend = HFTokenizer.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - the library raises plain Exception subclasses
         raise TokenizerError(f"{path}: not a loadable tokenizer.json ({exc})") from exc
+    return _wrap(backend, special_tokens, str(path))
+
+
+def _wrap(backend, special_tokens: dict | None, path: str) -> Tokenizer:
+    specials = {**DEFAULT_SPECIAL_TOKENS, **(special_tokens or {})}
     ids = {}
     for name in SPECIAL_NAMES:
         token = specials[name]
@@ -106,6 +110,19 @@ def from_file(path: Path, special_tokens: dict | None = None) -> Tokenizer:
         backend,
         specials,
     )
+
+
+def from_bytes(
+    data: bytes, special_tokens: dict | None = None, where: str = "tokenizer.json"
+) -> Tokenizer:
+    """Like :func:`from_file` from the file's bytes (prepared examples carry them)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001
+        raise TokenizerError(f"{where}: not a loadable tokenizer.json ({exc})") from exc
+    return _wrap(backend, special_tokens, where)
 
 
 def from_settings(settings: dict, files: dict[str, Path]) -> Tokenizer:
