@@ -105,6 +105,9 @@ def train_attempt(
         str(examples_dir),
         "--attempt-id",
         attempt_id,
+        # Compiled executables persist across attempts: a resumed attempt starts updating sooner.
+        "--compilation-cache",
+        str(work_dir / "jax-cache"),
     ]
     if previous is not None:
         command += ["--resume-from", str(previous)]

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import export, packing, sft_data
