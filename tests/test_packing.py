@@ -48,11 +48,19 @@ def test_overlong_examples_are_truncated_or_rejected_and_counted():
     long = Encoded([1, 5, 5], [6, 6, 6, 6, 2])  # 8 > 6: keeps prompt + 3 response tokens
     hopeless = Encoded([1, 5, 5, 5, 5, 5], [6, 2])  # the prompt alone fills the row
     truncated = packing.pack([short, long, hopeless], 6, "truncate", PAD)
-    assert (truncated.stats["kept"], truncated.stats["truncated"], truncated.stats["rejected"]) == (1, 1, 1)
+    assert (truncated.stats["kept"], truncated.stats["truncated"], truncated.stats["rejected"]) == (
+        1,
+        1,
+        1,
+    )
     assert truncated.stats["packed"] == 2
     assert [1, 5, 5, 6, 6, 6] in truncated.arrays["tokens"].tolist()
     rejected = packing.pack([short, long, hopeless], 6, "reject", PAD)
-    assert (rejected.stats["kept"], rejected.stats["truncated"], rejected.stats["rejected"]) == (1, 0, 2)
+    assert (rejected.stats["kept"], rejected.stats["truncated"], rejected.stats["rejected"]) == (
+        1,
+        0,
+        2,
+    )
     assert rejected.arrays["tokens"].tolist() == [[1, 5, 6, 2, PAD, PAD]]
 
 
@@ -89,7 +97,12 @@ def test_packed_loss_equals_sum_of_unpacked_example_losses():
     tok = tk.byte_tokenizer()
     examples = [sft_data.encode(e, tok) for e in sft_data.demo_examples(sizes={"x": 12})["x"]]
     cfg = model.ModelConfig(
-        vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=48,
+        vocab_size=tok.vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_len=48,
         compute_dtype="float32",
     )
     params = model.init_params(cfg, jax.random.key(7))

@@ -27,7 +27,9 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
             {"role": "assistant", "content": "hello"},
         ]
     }
-    path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), "", json.dumps(chat)])
+    path = _write(
+        tmp_path / "d.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), "", json.dumps(chat)]
+    )
     rows = sft_data.read_jsonl(path)
     assert rows == [
         sft_data.Example("ab", "ba"),
@@ -45,11 +47,20 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
         (json.dumps({"prompt": "a", "response": ""}), "'response' is empty"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "at least two messages"),
         (
-            json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}),
+            json.dumps(
+                {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+            ),
             r"messages\[1\] must be",
         ),
         (
-            json.dumps({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}),
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "assistant", "content": "x"},
+                        {"role": "user", "content": "y"},
+                    ]
+                }
+            ),
             "the last message is from 'user'",
         ),
     ],
@@ -90,7 +101,9 @@ def test_shipped_demo_files_are_what_make_demo_data_writes_and_the_recipe_pins(t
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "minifield.cli", "make-demo-data", str(out)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     printed = json.loads(proc.stdout)
     recipe = yaml.safe_load((repo / "config/recipes/sft-demo.yaml").read_text())

@@ -13,7 +13,13 @@ def test_byte_tokenizer_round_trips_text_and_names_its_special_ids():
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8"))  # ids 0..255 are exactly the UTF-8 bytes
     assert tok.decode(ids) == text
-    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.sep_id, tok.vocab_size) == (256, 257, 258, 259, 260)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.sep_id, tok.vocab_size) == (
+        256,
+        257,
+        258,
+        259,
+        260,
+    )
     # special tokens are dropped when decoding
     assert tok.decode([tok.bos_id, *ids, tok.sep_id, tok.eos_id, tok.pad_id]) == text
     assert tk.from_config(tok.config(), None).config() == {"kind": "byte", "vocab_size": 260}
@@ -50,7 +56,9 @@ def test_tokenizers_json_round_trips_and_resolves_special_tokens(tmp_path):
 
 def test_tokenizers_json_without_a_special_token_is_refused_by_name(tmp_path):
     path = _write_bpe(tmp_path / "tokenizer.json", specials=("<pad>", "<bos>", "<eos>", "<unk>"))
-    with pytest.raises(tk.TokenizerError, match=r"sep='<sep>' is not in the tokenizer's vocabulary"):
+    with pytest.raises(
+        tk.TokenizerError, match=r"sep='<sep>' is not in the tokenizer's vocabulary"
+    ):
         tk.from_file(path)
     tok = tk.from_file(path, {"sep": "<unk>"})
     assert tok.sep_id == 3
