@@ -342,3 +342,37 @@ def _safe_events(path: Path) -> list[dict]:
     text = path.read_text()
     lines = text.split("\n")[:-1] if not text.endswith("\n") else text.splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
+    """The pinned tokenizer.json alternative: packed with its ids, carried into the export."""
+    from test_tokenizer import _write_bpe
+
+    from minifield import examples, tokenizer
+
+    path = _write_bpe(space["input_root"] / "sft" / "tokenizer.json")
+    recipe = tiny_recipe(space, model={"tokenizer": {"kind": "tokenizers-json", "input": "tok"}})
+    recipe["inputs"].append(
+        {
+            "name": "tok",
+            "path": "sft/tokenizer.json",
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        }
+    )
+    validated = recipes.validate(recipe)
+    files = {i["name"]: space["input_root"] / i["path"] for i in validated.data["inputs"]}
+    arrays, meta = validated.strategy.prepare(validated.data, files)
+    tok = tokenizer.from_file(path)
+    assert meta["tokenizer"]["kind"] == "tokenizers-json"
+    assert arrays["train_tokens"].max() < tok.vocab_size
+    first = arrays["train_tokens"][0]
+    assert first[0] == tok.bos_id and tok.sep_id in first.tolist() and tok.eos_id in first.tolist()
+    # through the examples directory (memory-mapped), as training reads them
+    examples.write(tmp_path / "ex", arrays, meta, validated.examples_digest)
+    loaded, _ = examples.load(tmp_path / "ex", validated.examples_digest)
+    program = validated.strategy.build(validated.data, loaded)
+    program.export(program.init_state(), tmp_path / "export")
+    assert (tmp_path / "export" / "tokenizer.json").read_bytes() == path.read_bytes()
+    exported = packed_sft.ExportedModel(tmp_path / "export")
+    assert exported.cfg.vocab_size == tok.vocab_size
+    assert isinstance(exported.generate("abc", max_new_tokens=3), str)
