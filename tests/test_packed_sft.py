@@ -376,3 +376,47 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     exported = packed_sft.ExportedModel(tmp_path / "export")
     assert exported.cfg.vocab_size == tok.vocab_size
     assert isinstance(exported.generate("abc", max_new_tokens=3), str)
+
+
+def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(space, reference):
+    """prepare → train (worker subprocess, cache under the work dir) → evaluate, as Snakemake runs them."""
+    import shutil
+
+    from minifield import stages
+
+    root = space["root"] / "stages"
+    recipe_json = root / "recipe.json"
+    stages.validate(reference["recipe"], recipe_json, root / "validation.json")
+    manifest = stages.prepare(recipe_json, space["input_root"], root / "examples")
+    train_stats = manifest["meta"]["splits"]["train"]
+    assert train_stats["examples"] == 96 and train_stats["rejected"] == 0
+    assert manifest["meta"]["packing_efficiency"] == train_stats["efficiency"]
+    work = root / "work"
+    # seed the work dir's cache with the module's executables (only to save test time)
+    shutil.copytree(space["cache"], work / "jax-cache")
+    result = stages.train_attempt(
+        recipe_json,
+        space["input_root"],
+        root / "examples",
+        work,
+        root / "train" / "result.json",
+        root / "train" / "export",
+        root / "train.log",
+    )
+    assert result["final_state_hash"] == reference["result"]["final_state_hash"]
+    assert any((work / "jax-cache").iterdir())
+    metrics = stages.evaluate(
+        recipe_json, root / "train" / "result.json", root / "examples", root / "metrics.json"
+    )
+    rows = metrics["checkpoints"]
+    assert [r["step"] for r in rows] == [2, 4, 6]  # keep: 3
+    assert all(set(r["dev"]) >= {"dev_loss", "dev_exact_match"} for r in rows)
+    best = min(rows, key=lambda r: (r["dev"]["dev_loss"], -r["step"]))
+    assert metrics["selection"]["step"] == best["step"] and metrics["selection"]["split"] == "dev"
+    assert set(metrics["test"]) == {
+        "test_loss",
+        "test_perplexity",
+        "test_exact_match",
+        "test_generated",
+    }
+    assert not any("test_loss" in r["dev"] for r in rows)  # TEST only for the selected one
