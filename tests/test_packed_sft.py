@@ -406,7 +406,11 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     assert result["final_state_hash"] == reference["result"]["final_state_hash"]
     assert any((work / "jax-cache").iterdir())
     metrics = stages.evaluate(
-        recipe_json, root / "train" / "result.json", root / "examples", root / "metrics.json"
+        recipe_json,
+        root / "train" / "result.json",
+        root / "examples",
+        root / "metrics.json",
+        root / "selected-export",
     )
     rows = metrics["checkpoints"]
     assert [r["step"] for r in rows] == [2, 4, 6]  # keep: 3
@@ -420,3 +424,8 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
         "test_generated",
     }
     assert not any("test_loss" in r["dev"] for r in rows)  # TEST only for the selected one
+    # the selected checkpoint's weights are exported and re-evaluate to its DEV figures
+    recipe = recipes.load(recipe_json)
+    again = recipe.strategy.evaluate_export(recipe.data, root / "selected-export")
+    assert again["dev_exact_match"] == best["dev"]["dev_exact_match"]
+    assert again["dev_loss"] == pytest.approx(best["dev"]["dev_loss"], rel=1e-6)
