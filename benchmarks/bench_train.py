@@ -211,13 +211,13 @@ def ours_setup(D, L, T, bf16):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4, help="steps per timed round")
-    ap.add_argument("--quick", action="store_true", help="3 rounds of 2 steps, 1024^3 peak probe")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5, help="steps of each combination per round")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 4 steps, 1024^3 peak probe")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.steps = 3, 2
+        args.rounds, args.steps = 2, 4
     probe = peak_probe(1024 if args.quick else 2048)
     print(
         f"jax {jax.__version__} backend={jax.default_backend()} cpus={os.cpu_count()} "
@@ -225,7 +225,7 @@ def main() -> None:
         flush=True,
     )
 
-    combos = {}
+    combos, peaks = {}, []
     for size in args.sizes:
         D, L, T = SIZES[size]
         batch = packed_batch(BATCH, T)
@@ -244,16 +244,17 @@ def main() -> None:
                     flush=True,
                 )
 
+    # Each round: probe the peak, then step every combination once in turn, `steps` times
+    # over. Ours and the minimal loop of the same size and precision thus run back to back,
+    # and their ratio is taken pair by pair (the load of a shared machine moves both).
     times = {key: [] for key in combos}
-    peaks = []
     for r in range(args.rounds):
         peaks.append(probe())
-        for key, c in combos.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                loss = c["run"](c["batch"])
-            loss.block_until_ready()
-            times[key].append((time.perf_counter() - t0) / args.steps)
+        for _ in range(args.steps):
+            for key, c in combos.items():
+                t0 = time.perf_counter()
+                c["run"](c["batch"]).block_until_ready()
+                times[key].append(time.perf_counter() - t0)
         print(f"  round {r + 1}/{args.rounds} done, loadavg {os.getloadavg()[0]:.2f}", flush=True)
 
     peak32 = statistics.median(p["f32"] for p in peaks)
@@ -274,9 +275,12 @@ def main() -> None:
         median = statistics.median(ts)
         tokens = BATCH * T
         gflops = flops_per_token(c["cfg"], T) * tokens / median / 1e9
-        ratio = median / statistics.median(times[(size, precision, "minimal")])
-        speedup = statistics.median(times[(size, "f32", impl)]) / statistics.median(
-            times[(size, "bf16", impl)]
+        ratio = statistics.median(
+            a / b for a, b in zip(ts, times[(size, precision, "minimal")], strict=True)
+        )
+        speedup = statistics.median(
+            a / b
+            for a, b in zip(times[(size, "f32", impl)], times[(size, "bf16", impl)], strict=True)
         )
         row = dict(
             size=size,
@@ -305,8 +309,9 @@ def main() -> None:
         )
     print(
         "MFU_f32/MFU_bf16: model FLOP/s over the FP32 / BF16->FP32 matmul peak; "
-        "ours/min: our step time over the minimal loop's (same precision); "
-        "bf16_speedup: FP32 step time over BF16 step time (same implementation)."
+        "ours/min: median over adjacent step pairs of our step time / the minimal loop's "
+        "(same precision); bf16_speedup: median over adjacent pairs of FP32 / BF16 step time "
+        "(same implementation); spread: fastest-slowest step."
     )
     if args.json:
         Path(args.json).write_text(
