@@ -132,6 +132,8 @@ def test_validation_names_each_bad_field(space):
     assert "missing ['test']" in errors["/inputs"]
     recipe = tiny_recipe(space, model={"tokenizer": {"kind": "tokenizers-json"}})
     assert "missing ['tokenizer']" in _errors(recipe)["/inputs"]
+    recipe = tiny_recipe(space, evaluation={"max_generate_examples": 0, "min_dev_exact_match": 0.5})
+    assert list(_errors(recipe)) == ["/evaluation/min_dev_exact_match"]
 
 
 def test_changing_only_the_optimizer_keeps_the_examples_digest(space):
@@ -166,6 +168,10 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
     updates = [e for e in events if e["type"] == "update"]
     assert [e["step"] for e in updates] == list(range(1, MAX_STEPS + 1))
     assert all(np.isfinite(e["loss"]) for e in updates)
+    # the loss is the token-weighted mean over the trained targets of the batch
+    for event in updates:
+        assert event["loss"] == pytest.approx(event["loss_sum"] / event["loss_tokens"], rel=1e-5)
+        assert 4 <= event["examples"] and event["tokens"] <= 4 * 32
     assert updates[-1]["state_hash"] == result["final_state_hash"]
     evaluations = [e for e in events if e["type"] == "evaluation"]
     assert [(e["step"], e["final"]) for e in evaluations] == [(2, False), (4, False), (6, True)]
@@ -405,6 +411,20 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     )
     assert result["final_state_hash"] == reference["result"]["final_state_hash"]
     assert any((work / "jax-cache").iterdir())
+    # each update's counts match the rows the (seed, step) data order names, read from the
+    # memory-mapped examples the worker was given
+    from minifield import examples
+
+    arrays, _ = examples.load(root / "examples")
+    n_rows = arrays["train_tokens"].shape[0]
+    attempt_dir = Path(json.loads((root / "train" / "result.json").read_text())["attempt_dir"])
+    for event in read_events(attempt_dir / "events.jsonl"):
+        if event["type"] != "update":
+            continue
+        rows = packed_sft.rows_for_step(0, event["step"] - 1, 4, n_rows)
+        segments, positions = arrays["train_segments"][rows], arrays["train_positions"][rows]
+        assert event["tokens"] == int(np.count_nonzero(segments))
+        assert event["examples"] == int(np.count_nonzero((positions == 0) & (segments > 0)))
     metrics = stages.evaluate(
         recipe_json,
         root / "train" / "result.json",

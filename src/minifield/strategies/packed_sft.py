@@ -126,8 +126,9 @@ class Evaluator:
     def exact_match(self, params, prompts, prompt_len, answers, answer_len) -> dict[str, float]:
         """Share of prompts whose greedy continuation is the answer followed by ``<eos>``.
 
-        ``answers`` end with ``<eos>``; generation may run one token past the
-        longest answer, so a continuation that fails to stop never matches.
+        ``answers`` end with ``<eos>``; generation may produce as many tokens as
+        the longest answer holds (``<eos>`` included), so a continuation that
+        does not stop right after the answer has an extra token and never matches.
         Prompts go in fixed-size chunks (the last padded with repeats) so one
         compilation serves every chunk.
         """
@@ -217,6 +218,8 @@ class PackedSFTProgram(Program):
         new_state, metrics = self._compiled(state, batch)
         jax.block_until_ready(new_state)
         host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+        # the step's "tokens" counts trained targets; the event's "tokens" means tokens consumed
+        host["loss_tokens"] = host.pop("tokens", float("nan"))
         host["examples"] = int(
             np.count_nonzero((batch["positions"] == 0) & (batch["segments"] > 0))
         )
@@ -353,6 +356,15 @@ class PackedSFT(Strategy):
                     "message": "only for kind tokenizers-json (the byte tokenizer's are fixed)",
                 }
             )
+        evaluation = recipe["evaluation"]
+        if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
+            errors.append(
+                {
+                    "path": "/evaluation/min_dev_exact_match",
+                    "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
+                    "generated from, so exact-match could never be measured)",
+                }
+            )
         warmup = recipe["training"]["warmup_steps"]
         if warmup >= recipe["limits"]["max_steps"]:
             errors.append(
@@ -420,11 +432,12 @@ class PackedSFT(Strategy):
                 {"name": name, "value": value, "threshold": threshold, "passed": bool(passed)}
             )
 
-        add(
-            "dev_exact_match",
-            evaluation["min_dev_exact_match"],
-            lambda v: v >= evaluation["min_dev_exact_match"],
-        )
+        if evaluation["max_generate_examples"] > 0:
+            add(
+                "dev_exact_match",
+                evaluation["min_dev_exact_match"],
+                lambda v: v >= evaluation["min_dev_exact_match"],
+            )
         if evaluation["max_dev_loss"] is not None:
             add("dev_loss", evaluation["max_dev_loss"], lambda v: v <= evaluation["max_dev_loss"])
         return {"passed": all(c["passed"] for c in checks), "checks": checks}
