@@ -105,6 +105,9 @@ def train_attempt(
         str(examples_dir),
         "--attempt-id",
         attempt_id,
+        # Compiled executables persist across attempts: a resumed attempt starts updating sooner.
+        "--compilation-cache",
+        str(work_dir / "jax-cache"),
     ]
     if previous is not None:
         command += ["--resume-from", str(previous)]
@@ -152,8 +155,18 @@ def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def evaluate(recipe_json: Path, train_result: Path, examples_dir: Path, out_metrics: Path) -> dict:
-    """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only."""
+def evaluate(
+    recipe_json: Path,
+    train_result: Path,
+    examples_dir: Path,
+    out_metrics: Path,
+    out_selected_export: Path | None = None,
+) -> dict:
+    """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
+
+    With ``out_selected_export``, the selected checkpoint's weights are exported there
+    (the train stage exports the final ones).
+    """
     recipe = recipes.load(recipe_json)
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
@@ -186,6 +199,10 @@ def evaluate(recipe_json: Path, train_result: Path, examples_dir: Path, out_metr
     # Best DEV score wins; among equals the later step (more training) wins.
     selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
     test = program.evaluate_test(states[selected["step"]])
+    if out_selected_export is not None:
+        if out_selected_export.exists():
+            shutil.rmtree(out_selected_export)
+        program.export(states[selected["step"]], out_selected_export)
     acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
     metrics = {
         "computation_digest": recipe.computation_digest,

@@ -7,6 +7,6 @@ rule hash_inputs:
     log:
         "logs/hash_inputs/{cdigest}.log",
     params:
-        input_root=INPUT_ROOT,
+        input_root=computation_input_root,
     script:
         "../scripts/hash_inputs.py"

@@ -2,6 +2,7 @@ rule prepare:
     input:
         recipe=examples_recipe,
         inputs=examples_inputs_record,
+        fetched=examples_fetched_root,
     output:
         "results/examples/{edigest}/manifest.json",
     log:
@@ -9,6 +10,6 @@ rule prepare:
     benchmark:
         "results/benchmarks/prepare/{edigest}.tsv"
     params:
-        input_root=INPUT_ROOT,
+        input_root=examples_input_root,
     script:
         "../scripts/prepare.py"

@@ -5,6 +5,7 @@ rule train:
         recipe="results/computations/{cdigest}/recipe.json",
         inputs="results/computations/{cdigest}/inputs.json",
         examples=examples_manifest,
+        fetched=fetched_input_root,
     output:
         result="results/computations/{cdigest}/train/result.json",
         export=directory("results/computations/{cdigest}/train/export"),
@@ -14,7 +15,7 @@ rule train:
         "results/benchmarks/train/{cdigest}.tsv"
     retries: config["train"]["retries"]
     params:
-        input_root=INPUT_ROOT,
+        input_root=computation_input_root,
         work_dir=work_dir,
         record_state_hashes=config["train"]["record_state_hashes"],
         allow_environment_change=config["train"]["allow_environment_change"],
