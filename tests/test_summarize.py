@@ -28,8 +28,9 @@ def write_events(path: Path, events: list[dict], *, time0: float, mono0: float) 
     return path
 
 
-def update(at, step, seconds, examples=8, tokens=100, loss=1.0):
+def update(at, step, seconds, examples=8, tokens=100, loss=1.0, **more):
     return {
+        **more,
         "at": at,
         "type": "update",
         "step": step,
@@ -65,11 +66,11 @@ def completed_attempt(tmp_path) -> Path:
             {"at": 0.0, "type": "device", "backend": "cpu"},
             {"at": 0.125, "type": "inputs_verified", "inputs": []},
             {"at": 0.75, "type": "compiled", "seconds": 0.5},
-            update(1.0, 1, 0.25),
-            update(1.25, 2, 0.25),
+            update(1.0, 1, 0.25, loss_tokens=40),
+            update(1.25, 2, 0.25, loss_tokens=40),
             {"at": 1.5, "type": "checkpoint_committed", "step": 2, "seconds": 0.125},
-            update(2.0, 3, 0.5),
-            update(2.5, 4, 0.5),
+            update(2.0, 3, 0.5, loss_tokens=60),
+            update(2.5, 4, 0.5, loss_tokens=60),
             {"at": 2.75, "type": "checkpoint_committed", "step": 4, "seconds": 0.125},
             {"at": 3.0, "type": "evaluation", "step": 4, "seconds": 0.25, "metrics": {}},
             {"at": 4.0, "type": "completed", "steps": 4},
@@ -85,6 +86,7 @@ def test_single_attempt_figures_by_hand(completed_attempt):
     assert s["updates_count"] == 4
     assert s["processed_examples_count"] == 4 * 8 == 32
     assert s["processed_tokens_count"] == 4 * 100 == 400
+    assert s["processed_loss_tokens_count"] == 40 + 40 + 60 + 60
     # update time: 0.25 + 0.25 + 0.5 + 0.5
     assert s["update_time_s"] == pytest.approx(1.5)
     assert s["update_examples_per_s"] == pytest.approx(32 / 1.5)
@@ -239,6 +241,10 @@ def test_malformed_lines_are_counted_not_fatal(completed_attempt):
         ),
         ('{"seq": 1, "time": 1.0, "mono": 1.0, "type": "compiled", "seconds": -2}', ">= 0"),
         ('{"seq": 1, "time": 1.0, "type": "device"}', "'mono'"),
+        (
+            '{"seq": 1, "time": 1.0, "mono": 1.0, "type": "update", "step": 1, "examples": 8, "tokens": 0, "seconds": 0.5, "loss_tokens": "x"}',
+            "'loss_tokens'",
+        ),
     ],
 )
 def test_bad_events_are_rejected_naming_file_and_field(tmp_path, line, needle):

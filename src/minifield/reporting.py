@@ -137,6 +137,7 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
     metric = selection.get("metric", "loss")
     fig, ax = plt.subplots(figsize=(8, 4.5))
     committed: set[int] = set()
+    plotted: list[float] = []  # every value on the loss axis, to choose its scale
     evaluations: list[tuple[int, float]] = []
     for path in attempt_event_files(Path(result["attempt_dir"])):
         events, _ = read_events(path)
@@ -147,9 +148,11 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
                 [e["step"] for e in updates],
                 [e["loss"] for e in updates],
                 marker=".",
+                markersize=3 if len(updates) > 60 else 6,
                 linewidth=1.2,
                 label=f"train loss, attempt {label or path.parent.name}",
             )
+            plotted += [e["loss"] for e in updates]
         committed |= {int(e["step"]) for e in events if e["type"] == "checkpoint_committed"}
         evaluations += [
             (int(e["step"]), float(e["metrics"][metric]))
@@ -198,6 +201,10 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
             zorder=6,
             label=f"DEV-selected checkpoint (step {chosen['step']})",
         )
+    if dev_ax is ax:
+        plotted += [r["dev"][metric] for r in scored] + [v for _, v in evaluations]
+    if plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
+        ax.set_yscale("log")  # a loss falling by orders of magnitude: keep its tail readable
     ax.set_xlabel("update step")
     ax.set_ylabel("train loss" if dev_ax is not ax else f"train loss / DEV {metric}")
     if dev_ax is not ax:
@@ -277,6 +284,7 @@ THROUGHPUT_ROWS = [
     ("updates_count", "update events (including redone ones)", "count"),
     ("processed_examples_count", "examples processed by all updates", "count"),
     ("processed_tokens_count", "tokens processed by all updates", "count"),
+    ("processed_loss_tokens_count", "tokens that carried loss (when the events say)", "count"),
     ("update_time_s", "sum of synchronized update durations", "s"),
     ("update_examples_per_s", "update-path throughput: examples ÷ update time", "examples/s"),
     ("update_tokens_per_s", "update-path throughput: tokens ÷ update time", "tokens/s"),

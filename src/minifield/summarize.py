@@ -40,6 +40,8 @@ REQUIRED_FIELDS = {
     "evaluation": ("seconds",),
     "restored": ("step",),
 }
+# Fields used when present (packed-sft updates say how many tokens carried loss).
+OPTIONAL_FIELDS = {"update": ("loss_tokens",)}
 NOT_UTILIZATION = (
     "update_duty_fraction is the share of job wall time spent inside synchronized update "
     "calls; it is not hardware utilization."
@@ -63,7 +65,8 @@ def _number(path: Path, event: dict, name: str) -> float:
 def _checked(path: Path, event: dict) -> dict:
     for name in ("time", "mono"):
         _number(path, event, name)
-    for name in REQUIRED_FIELDS.get(event["type"], ()):
+    present = tuple(n for n in OPTIONAL_FIELDS.get(event["type"], ()) if n in event)
+    for name in REQUIRED_FIELDS.get(event["type"], ()) + present:
         if _number(path, event, name) < 0:
             raise SummaryError(
                 f"{path}: event seq {event.get('seq')} ({event['type']}): field '{name}' must be "
@@ -99,6 +102,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "updates": 0,
         "examples": 0,
         "tokens": 0,
+        "loss_tokens": 0,
         "update_s": 0.0,
         "redone_updates": 0,
         "redone_examples": 0,
@@ -152,6 +156,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                 totals["updates"] += 1
                 totals["examples"] += int(event["examples"])
                 totals["tokens"] += int(event["tokens"])
+                totals["loss_tokens"] += int(event.get("loss_tokens", 0))
                 totals["update_s"] += seconds
                 attempt["updates_count"] += 1
                 attempt["update_s"] += seconds
@@ -211,6 +216,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "updates_count": totals["updates"],
         "processed_examples_count": totals["examples"],
         "processed_tokens_count": totals["tokens"],
+        "processed_loss_tokens_count": totals["loss_tokens"],
         "update_time_s": update_s,
         "update_examples_per_s": _ratio(totals["examples"], update_s),
         "update_tokens_per_s": _ratio(totals["tokens"], update_s),
