@@ -107,6 +107,18 @@ def test_report_embeds_every_item(pipeline):
     )
     recovery = (computation / "report" / "recovery.html").read_text()
     assert "has no <code>qualify</code> rule" in recovery or "Verdict" in recovery
+    # Items fed by other rules show those rules' records when the workflow has them.
+    publication = (computation / "report" / "publication.html").read_text()
+    if (computation / "publication.json").exists():
+        record = json.loads((computation / "publication.json").read_text())
+        assert record["content_id"] in publication
+    else:
+        assert "has no <code>publish</code> rule" in publication
+    capacity = (pipeline / "results" / "report" / "capacity.html").read_text()
+    if (pipeline / "results" / "capacity.csv").exists():
+        assert f"{computation.name}" in capacity and "<th>seconds_per_job</th>" in capacity
+    else:
+        assert "has no <code>capacity_table</code> rule" in capacity
 
 
 def chromium() -> str | None:
