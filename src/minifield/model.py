@@ -366,8 +366,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # ----------------------------------------------------------------------------- generation
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new: int, lengths_B, stop: int):
+@functools.partial(jax.jit, static_argnums=(1,))
+def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, stop):
     """Greedy continuation of each row's prompt ``buffer[b, :lengths[b]]`` in place.
 
     Each step runs the full forward over the fixed buffer (causality makes the slots
@@ -412,7 +412,8 @@ def greedy_generate_batch(
     """Greedy continuations of several prompts in one compiled loop (see :func:`greedy_generate`).
 
     The buffer length is rounded up to a multiple of 32 (at most ``cfg.max_len``) so
-    that similar calls share one compilation.
+    that similar calls share one compilation (the token budget and stop token are
+    traced values, not part of it).
     """
     if not prompts:
         return []
@@ -435,7 +436,12 @@ def greedy_generate_batch(
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     stop = -1 if stop_token is None else int(stop_token)
     out, out_lengths = _generate_rows(
-        params, cfg, jnp.asarray(buffer), int(max_new_tokens), jnp.asarray(lengths), stop
+        params,
+        cfg,
+        jnp.asarray(buffer),
+        jnp.int32(max_new_tokens),
+        jnp.asarray(lengths),
+        jnp.int32(stop),
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     results = []
