@@ -330,7 +330,7 @@ def main() -> None:
     print(
         "step_ms: median wall time per step (min_ms: fastest); cpu_ms: median CPU time of all "
         "threads; MFU_f32/MFU_bf16: model FLOP/s (from step_ms) over the FP32 / BF16->FP32 "
-        "matmul peak; ours/min: median over adjacent step pairs of our step / the minimal "
+        "matmul peak; ours/min: median over passes of our step / the minimal "
         "loop's, by wall and by CPU time; bf16_x: FP32 step / BF16 step (same implementation)."
     )
     if args.json:
