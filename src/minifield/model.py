@@ -288,7 +288,11 @@ def _attention(cfg: ModelConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
 
 
 def forward(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
-    """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch."""
+    """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch.
+
+    ``positions`` must be < ``cfg.max_len`` with learned positions (a gather clamps
+    larger indices silently); the packer's row length bounds them.
+    """
     # Gather from the FP32 tables and round afterwards, so the embedding gradient is
     # scatter-added in FP32.
     h_BxTxD = params["embed"]["tokens"][tokens_BxT]
@@ -317,7 +321,8 @@ def loss_weights(batch) -> jnp.ndarray:
     Convention: the logits at slot t predict ``tokens[t + 1]``. That target counts
     iff ``loss_mask[t + 1] == 1`` (the *target* token is a response token) and
     ``segments[t] == segments[t + 1] != 0`` (it is the next token of the same
-    example). The last slot of a row never has a target.
+    example). The last slot of a row never has a target. (A 0/1 mask is expected;
+    other values would act as per-target weights.)
     """
     seg_BxT = batch["segments"]
     same_BxT1 = (seg_BxT[:, :-1] == seg_BxT[:, 1:]) & (seg_BxT[:, :-1] != 0)
