@@ -26,6 +26,9 @@ RELEVANT_ENV = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+    "TF_NUM_INTEROP_THREADS",
+    "JAX_THREEFRY_PARTITIONABLE",
     "TF_CPP_MIN_LOG_LEVEL",
     "CUDA_VISIBLE_DEVICES",
 )
@@ -43,6 +46,8 @@ BIT_DEFINING = (
     "xla_flags",
     "threads",
     "prng_impl",
+    "threefry_partitionable",
+    "matmul_precision",
     "x64",
 )
 
@@ -100,6 +105,8 @@ def fingerprint() -> dict:
         "threads": {k: os.environ[k] for k in RELEVANT_ENV if "THREADS" in k and k in os.environ},
         "env": {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ},
         "prng_impl": str(jax.config.jax_default_prng_impl),
+        "threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "x64": bool(jax.config.jax_enable_x64),
         "cpu_count": os.cpu_count(),
         "package_version": __version__,

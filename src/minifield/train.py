@@ -50,6 +50,9 @@ class Options:
     examples_dir: Path | None = None
     allow_environment_change: bool = False
     record_state_hashes: bool = False
+    #: operational step limit (qualification runs): end after this many updates with a
+    #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
+    stop_after_step: int | None = None
     faults: Faults = field(default_factory=Faults)
 
 
@@ -218,7 +221,10 @@ class Attempt:
         return None
 
     # -- limits -------------------------------------------------------------------------
-    def _limit_reason(self, compute_used: float) -> str | None:
+    def _limit_reason(self, compute_used: float, step: int = 0) -> str | None:
+        stop_after = self.options.stop_after_step
+        if stop_after is not None and step >= stop_after:
+            return f"stop_after_step={stop_after} reached (operational step limit)"
         limits = self.data["limits"]
         if limits.get("deadline"):
             deadline = dt.datetime.fromisoformat(limits["deadline"].replace("Z", "+00:00"))
@@ -402,7 +408,7 @@ class Attempt:
         return self._finish("completed", EXIT_COMPLETED)
 
     def _train(self, program, state, step: int, compute_before: float) -> int:
-        from .state import state_hash
+        from .state import hashes, state_hash
 
         max_steps = self.data["limits"]["max_steps"]
         every = self.data["checkpoint"]["every_steps"]
@@ -412,7 +418,7 @@ class Attempt:
         while step < max_steps:
             if self.preemption.signal is not None:
                 return self._preempt(state, step, compute_used)
-            reason = self._limit_reason(compute_used)
+            reason = self._limit_reason(compute_used, step)
             if reason:
                 return self._limit(state, step, compute_used, reason)
             started = time.monotonic()
@@ -429,7 +435,9 @@ class Attempt:
                 **metrics,
             }
             if self.options.record_state_hashes:
-                update["state_hash"] = state_hash(state)
+                # Both from one host copy: the whole-state hash, and one per part so that a
+                # divergence can be named (params, opt_state, rng, step, cursor).
+                update["state_hash"], update["part_hashes"] = hashes(state)
             self.events.emit("update", **update)
             self.metrics["final_loss"] = metrics.get("loss")
             print(

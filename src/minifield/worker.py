@@ -54,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the complete-state hash to every update event",
     )
+    parser.add_argument(
+        "--stop-after-step",
+        type=int,
+        metavar="N",
+        help="operational step limit: end after N updates with a committed checkpoint and "
+        "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
+        "attempt can resume it (used by the recovery-proof qualification)",
+    )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
@@ -125,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             f"minifield-worker: --input-root {args.input_root} is not a directory", file=sys.stderr
         )
         return train.EXIT_INVALID
+    for name in ("stop_after_step", "fail_after_step", "stall_after_step"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(
+                f"minifield-worker: --{name.replace('_', '-')} must be >= 1 (got {value})",
+                file=sys.stderr,
+            )
+            return train.EXIT_INVALID
     if args.resume_from is not None and not args.resume_from.is_dir():
         print(
             f"minifield-worker: --resume-from {args.resume_from} is not a directory",
@@ -139,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         examples_dir=args.examples,
         allow_environment_change=args.allow_environment_change,
         record_state_hashes=args.record_state_hashes,
+        stop_after_step=args.stop_after_step,
         faults=train.Faults(args.fail_after_step, args.stall_after_step, args.stall_seconds),
     )
     try:
