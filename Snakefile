@@ -1,4 +1,4 @@
-# minifield: recipe → validated computation → pinned inputs → examples → training → evaluation.
+# minifield: recipe → validated computation → pinned inputs → examples → recovery proof → training → evaluation.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -11,6 +11,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/validate.smk"
 include: "workflow/rules/inputs.smk"
 include: "workflow/rules/prepare.smk"
+include: "workflow/rules/qualify.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 

@@ -69,7 +69,11 @@ class Lease:
         return env
 
     def record(self) -> dict:
-        return {"gpus": self.gpus, "lock_files": [str(p) for p in self.lock_files], "waited_s": self.waited_s}
+        return {
+            "gpus": self.gpus,
+            "lock_files": [str(p) for p in self.lock_files],
+            "waited_s": self.waited_s,
+        }
 
     def release(self) -> None:
         for fd in self.fds:
@@ -106,7 +110,9 @@ def acquire(
     if not gpus:
         return Lease(gpus=[])
     if count < 1 or count > len(gpus):
-        raise LeaseError(f"cannot lease {count} GPU(s): {len(gpus)} slot(s) configured ({list(gpus)})")
+        raise LeaseError(
+            f"cannot lease {count} GPU(s): {len(gpus)} slot(s) configured ({list(gpus)})"
+        )
     lease_dir = Path(lease_dir)
     lease_dir.mkdir(parents=True, exist_ok=True)
     info = {"pid": os.getpid(), "since": time.time(), **(holder or {})}

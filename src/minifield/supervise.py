@@ -223,7 +223,10 @@ def classify(
     if exit_code == WORKER_PREEMPTED:
         return "preempted", "the worker was preempted by a signal (checkpoint committed)"
     if exit_code == WORKER_LIMIT:
-        return "timeout", "the worker reached a limit of the recipe (deadline, budget or step limit)"
+        return (
+            "timeout",
+            "the worker reached a limit of the recipe (deadline, budget or step limit)",
+        )
     if exit_code is not None and exit_code < 0:
         sig = signal.Signals(-exit_code)
         if sig in _STOP_SIGNALS:
@@ -403,3 +406,10 @@ def supervise(
 
 def exit_code_for(outcome: Mapping[str, Any]) -> int:
     return EXIT_CODES[outcome["classification"]]
+
+
+def worker_command(*args: str | os.PathLike) -> list[str]:
+    """``minifield-worker ARGS`` as an argument list, with this interpreter."""
+    import sys
+
+    return [sys.executable, "-m", "minifield.worker", *map(str, args)]
