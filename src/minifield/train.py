@@ -39,6 +39,8 @@ class Faults:
     fail_after_step: int | None = None
     stall_after_step: int | None = None
     stall_seconds: float = 10.0
+    #: SIGKILL itself in the middle of writing checkpoint K (arrays written, not committed)
+    kill_during_checkpoint: int | None = None
 
 
 @dataclass
@@ -86,6 +88,10 @@ class _Preemption:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _attempt_chain(start: Path) -> list[Path]:
@@ -249,6 +255,9 @@ class Attempt:
             computation_digest=self.recipe.computation_digest,
             extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
             keep=self.data["checkpoint"]["keep"],
+            before_commit=_kill_self
+            if self.options.faults.kill_during_checkpoint == step
+            else None,
         )
         self.last_checkpoint = committed
         self.checkpoint_record = {

@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
         "--stall-after-step", type=int, metavar="K", help="stop emitting events after update K"
     )
     faults.add_argument(
+        "--kill-during-checkpoint",
+        type=int,
+        metavar="K",
+        help="SIGKILL the worker itself while checkpoint K is being written (before it commits)",
+    )
+    faults.add_argument(
         "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
     )
     return parser
@@ -133,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
             f"minifield-worker: --input-root {args.input_root} is not a directory", file=sys.stderr
         )
         return train.EXIT_INVALID
-    for name in ("stop_after_step", "fail_after_step", "stall_after_step"):
+    for name in (
+        "stop_after_step",
+        "fail_after_step",
+        "stall_after_step",
+        "kill_during_checkpoint",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             print(
@@ -156,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         allow_environment_change=args.allow_environment_change,
         record_state_hashes=args.record_state_hashes,
         stop_after_step=args.stop_after_step,
-        faults=train.Faults(args.fail_after_step, args.stall_after_step, args.stall_seconds),
+        faults=train.Faults(
+            args.fail_after_step,
+            args.stall_after_step,
+            args.stall_seconds,
+            args.kill_during_checkpoint,
+        ),
     )
     try:
         code, attempt_dir = train.run(recipe, options)
