@@ -360,6 +360,33 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     assert _snapshot(out / job / "crashed") == before  # the evidence is left as it was
 
 
+def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
+    """limits.max_compute_seconds counts training seconds over all attempts (raw events)."""
+    case = reference["case"]
+    limits = {"max_steps": case.steps, "max_compute_seconds": 1e-9}
+    recipe = write_case_recipe(tmp_path, case, limits=limits)
+    out, job, root = tmp_path / "out", reference["job"], reference["input_root"]
+    run_worker(*worker_args(recipe, root, out, "first")[3:], check_codes=[4])
+    first = out / job / "first"
+    # the budget is checked before each update: one update is done, then it is used up
+    assert sorted(update_hashes(first)) == [1]
+    result = json.loads((first / "result.json").read_text())
+    assert (
+        result["status"] == "limit_reached" and "max_compute_seconds" in result["error"]["message"]
+    )
+    assert result["checkpoint"]["step"] == 1
+    run_worker(
+        *worker_args(recipe, root, out, "second", "--resume-from", first)[3:], check_codes=[4]
+    )
+    second = out / job / "second"
+    assert update_hashes(second) == {}  # the restart did not get a fresh budget
+    spent = sum(e["seconds"] for e in events_of(first) if e["type"] == "update")
+    info = json.loads((second / "attempt.json").read_text())
+    assert info["compute_seconds_before"] == pytest.approx(spent, rel=1e-9, abs=1e-12)
+    limit = [e for e in events_of(second) if e["type"] == "limit_reached"][0]
+    assert limit["step"] == 1
+
+
 def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
     import jax
 

@@ -527,18 +527,9 @@ class Attempt:
             "final_state_hash": self.result.get("final_state_hash"),
             "metrics": self.metrics,
             "environment": {
-                **{
-                    k: self.env[k]
-                    for k in (
-                        "python",
-                        "jax",
-                        "jaxlib",
-                        "optax",
-                        "backend",
-                        "device_kind",
-                        "device_count",
-                    )
-                },
+                # every bit-defining field (versions, backend, devices, XLA flags, threads,
+                # PRNG implementation, precision), as compared before a resume
+                **{k: self.env[k] for k in environment.BIT_DEFINING},
                 "jax_version": jax.__version__,
                 "package_version": self.env["package_version"],
                 "code_hash": self.env["code_hash"],
