@@ -113,14 +113,19 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
     kills: list[dict] = []
     per_chain = 5
     chain = 0
+    kinds = ["update", "during_checkpoint_write", "checkpoint_committed"]
+    forced = rng.sample(kinds, len(kinds))  # every kind at least once, in random order
     while len(kills) < case.kills:
         chain_dirs: list[Path] = []
         while len(chain_dirs) < per_chain and len(kills) < case.kills:
             name = f"c{chain}-a{len(chain_dirs)}"
             start = _committed_step(chain_dirs)
-            span = range(start + 1, min(start + 3 * case.every, case.steps - 1) + 1)
+            # stop short of the end, so the kill always lands before the run could complete
+            span = range(start + 1, min(start + 3 * case.every, case.steps - case.every) + 1)
+            if not span:  # this chain is too far along: finish it, start another
+                break
             ckpt_steps = [s for s in span if s % case.every == 0]
-            kind = rng.choice(["update", "during_checkpoint_write", "checkpoint_committed"])
+            kind = forced.pop() if forced else rng.choice(kinds)
             if kind != "update" and not ckpt_steps:
                 kind = "update"
             step = rng.choice(ckpt_steps if kind != "update" else list(span))
@@ -198,7 +203,7 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
 
     # A: SIGTERM (twice) straight to the worker while it is inside update 3's aftermath
     a = subprocess.Popen(
-        worker_args(recipe, root, out, "A", "--stall-after-step", "3", "--stall-seconds", "2"),
+        worker_args(recipe, root, out, "A", "--stall-after-step", "3", "--stall-seconds", "5"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -225,7 +230,7 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
         [sys.executable, "-m", "minifield.cli", "supervise", "--run-dir", str(run_dir)]
         + ["--deadline-s", "300", "--stall-s", "120", "--grace-s", "60", "--"]
         + worker_args(recipe, root, out, "B", "--resume-from", a_dir)
-        + ["--stall-after-step", "5", "--stall-seconds", "2"],
+        + ["--stall-after-step", "5", "--stall-seconds", "5"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,11 +10,12 @@ import json
 import sys
 from pathlib import Path
 
-from .. import recipe as recipes
-from .. import recovery
-
 
 def run(args) -> int:
+    # imported here: loading the CLI (e.g. for `minifield supervise`) should not load JAX
+    from .. import recipe as recipes
+    from .. import recovery
+
     try:
         proof = recovery.prove(
             args.recipe,
@@ -36,7 +37,7 @@ def run(args) -> int:
         "diagnosis": proof["diagnosis"],
         "checkpoint_used": proof["checkpoint_used"],
         "first_divergence": proof["first_divergence"],
-        "proof": str(args.out or Path(proof["proof_dir"]) / recovery.PROOF_FILE),
+        "proof": str(args.out or Path(proof["proof_dir"]) / "proof.json"),
         "seconds": round(proof["seconds"], 3),
     }
     print(json.dumps(summary, indent=2))
