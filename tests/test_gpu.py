@@ -147,3 +147,30 @@ def test_no_gpu_is_a_no_op(tmp_path):
     assert gpu.visible_gpus([0, "3"]) == ["0", "3"]
     with pytest.raises(gpu.LeaseError):
         gpu.acquire(tmp_path / "leases", ["0"], 2)
+
+
+def test_one_training_attempt_per_computation(tmp_path):
+    """While the computation's train lock is held (e.g. by an orphaned worker), a new
+    attempt is refused before any worker starts."""
+    from conftest import REPO, linear_recipe, write_recipe
+
+    from minifield import stages
+
+    recipe = write_recipe(tmp_path / "r.json", linear_recipe())
+    work = tmp_path / "work"
+    work.mkdir()
+    fd = gpu.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
+    try:
+        with pytest.raises(stages.StageError, match="still running"):
+            stages.train_attempt(
+                recipe,
+                REPO / "data",
+                tmp_path / "examples",
+                work,
+                tmp_path / "result.json",
+                tmp_path / "export",
+                tmp_path / "train.log",
+            )
+    finally:
+        os.close(fd)
+    assert not (work / "runs").exists() and not (work / "attempts").exists()

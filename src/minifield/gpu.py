@@ -84,7 +84,8 @@ class Lease:
         self.fds = []
 
 
-def _try_lock(path: Path, holder: dict) -> int | None:
+def try_lock(path: Path, holder: Mapping[str, object]) -> int | None:
+    """Exclusive non-blocking flock on ``path`` (created if needed); the fd, or None if held."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -121,7 +122,7 @@ def acquire(
         taken: list[tuple[str, Path, int]] = []
         for gpu in gpus:
             path = lease_dir / f"gpu-{gpu}.lock"
-            fd = _try_lock(path, info)
+            fd = try_lock(path, info)
             if fd is not None:
                 taken.append((gpu, path, fd))
                 if len(taken) == count:

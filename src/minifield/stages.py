@@ -219,23 +219,38 @@ def train_attempt(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as handle:
         handle.write(f"$ {' '.join(command)}\n")
-    slots = _lease_gpus(recipe, gpus)
-    with gpu.lease(
-        lease_dir or work_dir / "gpu-leases",
-        slots,
-        gpus_per_job,
-        wait_s=lease_wait_s,
-        holder={"job": recipe.job_id, "attempt_id": attempt_id, "stage": "train"},
-    ) as held:
-        outcome = supervise.supervise(
-            command,
-            work_dir / "runs" / attempt_id,
-            deadline_s=deadline_s,
-            stall_s=stall_s,
-            grace_s=grace_s,
-            env=_worker_env(recipe, held),
-            pass_fds=tuple(held.fds),
+    # One attempt of a computation at a time: a worker orphaned by a killed supervisor keeps
+    # this lock (inherited descriptor) until it ends, so a new attempt cannot race it.
+    work_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = work_dir / "train.lock"
+    lock_fd = gpu.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
+    if lock_fd is None:
+        holder = lock_path.read_text(encoding="utf-8", errors="replace").strip()
+        raise StageError(
+            f"another training attempt of this computation is still running ({lock_path} is "
+            f"held by {holder or 'an unknown process'}); wait for it to end or stop it"
         )
+    os.set_inheritable(lock_fd, True)
+    slots = _lease_gpus(recipe, gpus)
+    try:
+        with gpu.lease(
+            lease_dir or work_dir / "gpu-leases",
+            slots,
+            gpus_per_job,
+            wait_s=lease_wait_s,
+            holder={"job": recipe.job_id, "attempt_id": attempt_id, "stage": "train"},
+        ) as held:
+            outcome = supervise.supervise(
+                command,
+                work_dir / "runs" / attempt_id,
+                deadline_s=deadline_s,
+                stall_s=stall_s,
+                grace_s=grace_s,
+                env=_worker_env(recipe, held),
+                pass_fds=(*held.fds, lock_fd),
+            )
+    finally:
+        os.close(lock_fd)
     _append_run_to_log(log, outcome)
     code = outcome["exit_code"]
     attempt_dir = job_dir / attempt_id
