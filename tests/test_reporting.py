@@ -139,3 +139,38 @@ def test_goodput_chart_and_throughput_table_from_a_summary(tmp_path):
     page = (tmp_path / "throughput.html").read_text()
     assert "update_duty_fraction" in page and "not hardware utilization" in page
     assert '<td class="num">0.375</td>' in page
+
+
+def test_recovery_table_shows_the_proofs_own_comparison(tmp_path):
+    proof = write(
+        tmp_path / "proof.json",
+        {
+            "passed": True,
+            "diagnosis": "Recovery reproduced the computation exactly.",
+            "comparison": [
+                {
+                    "step": 2,
+                    "what": "restored checkpoint",
+                    "reference": H["a"],
+                    "resumed": H["a"],
+                    "equal": True,
+                },
+                {
+                    "step": 3,
+                    "what": "update",
+                    "reference": H["b"],
+                    "resumed": H["b"],
+                    "equal": True,
+                },
+            ],
+            "checkpoint_used": {"step": 2, "sha256": H["c"], "verified": True},
+            "first_divergence": None,
+        },
+    )
+    out = tmp_path / "recovery.html"
+    reporting.recovery_table(proof, out)
+    page = out.read_text()
+    assert "passed" in page and "reproduced the computation exactly" in page
+    assert "<th>what</th>" in page and page.count(">restored checkpoint<") == 1
+    assert "checkpoint_used.step" in page and "first_divergence" in page
+    assert "comparison[0]" not in page  # shown as the table, not again as flat rows

@@ -479,30 +479,32 @@ def recovery_table(proof_json: Path | None, out_html: Path) -> None:
         return _missing_rule_page(out_html, title, "qualify")
     passed = proof.get("passed", proof.get("ok", proof.get("verdict") == "passed"))
     body = f"<h2>Verdict: {_verdict(passed)}</h2>"
-    sequences = _hash_sequences(proof)
-    if len(sequences) >= 2:
-        (name_a, seq_a), (name_b, seq_b) = list(sequences.items())[:2]
-        length = max(len(seq_a), len(seq_b))
-        rows = []
-        for i in range(length):
-            a = seq_a[i] if i < len(seq_a) else None
-            b = seq_b[i] if i < len(seq_b) else None
-            rows.append(
-                [
-                    i + 1,
-                    a,
-                    b,
-                    "equal" if a is not None and a == b else "—" if None in (a, b) else "DIFFERENT",
-                ]
-            )
-        body += "<h2>Complete-state hash sequences</h2>" + _table(
-            ["#", name_a, name_b, "comparison"], rows
+    if proof.get("diagnosis"):
+        body += f"<p>{html.escape(str(proof['diagnosis']))}</p>"
+    shown: set[str] = {"diagnosis"}
+    comparison = proof.get("comparison")
+    if isinstance(comparison, list) and comparison and all(isinstance(r, dict) for r in comparison):
+        # The proof's own step-by-step comparison of complete-state hashes.
+        columns = list(dict.fromkeys(k for row in comparison for k in row))
+        body += "<h2>Complete-state hashes: reference vs resumed</h2>" + _table(
+            columns, [[row.get(c) for c in columns] for row in comparison]
         )
-    other = [
-        [k, v]
-        for k, v in _flatten(proof)
-        if k.split(".")[0] not in {s.split(".")[0] for s in sequences}
-    ]
+        shown.add("comparison")
+    else:
+        sequences = _hash_sequences(proof)
+        if len(sequences) >= 2:
+            (name_a, seq_a), (name_b, seq_b) = list(sequences.items())[:2]
+            rows = []
+            for i in range(max(len(seq_a), len(seq_b))):
+                a = seq_a[i] if i < len(seq_a) else None
+                b = seq_b[i] if i < len(seq_b) else None
+                verdict = "—" if None in (a, b) else "equal" if a == b else "DIFFERENT"
+                rows.append([i + 1, a, b, verdict])
+            body += "<h2>Complete-state hash sequences</h2>" + _table(
+                ["#", name_a, name_b, "comparison"], rows
+            )
+            shown |= {name.split(".")[0] for name in sequences}
+    other = [[k, v] for k, v in _flatten(proof) if k.split(".")[0].split("[")[0] not in shown]
     body += "<h2>Record</h2>" + _table(["field", "value"], other)
     _write_page(out_html, title, body)
 
