@@ -485,7 +485,9 @@ def recovery_table(proof_json: Path | None, out_html: Path) -> None:
     comparison = proof.get("comparison")
     if isinstance(comparison, list) and comparison and all(isinstance(r, dict) for r in comparison):
         # The proof's own step-by-step comparison of complete-state hashes.
-        columns = list(dict.fromkeys(k for row in comparison for k in row))
+        found = list(dict.fromkeys(k for row in comparison for k in row))
+        first = [c for c in ("step", "what", "reference", "resumed", "equal") if c in found]
+        columns = first + [c for c in found if c not in first]
         body += "<h2>Complete-state hashes: reference vs resumed</h2>" + _table(
             columns, [[row.get(c) for c in columns] for row in comparison]
         )
