@@ -306,3 +306,26 @@ def test_fewer_visible_devices_than_requested_fails_in_phase_device(space, four)
     result = _result(_attempts(out)[0])
     assert result["status"] == "failed" and result["error"]["phase"] == "device"
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in result["error"]["message"]
+
+
+def test_a_data_parallel_checkpoint_evaluates_without_the_mesh(four):
+    """The evaluate stage and the store load checkpoints in a plain process (one device is
+    enough): only an update needs the mesh, and evaluation always runs on one device."""
+    from minifield import checkpoint
+
+    recipe = recipes.load(four["recipe"])
+    program = recipe.strategy.build(
+        recipe.data,
+        recipe.strategy.prepare(
+            recipe.data,
+            {i["name"]: four["recipe"].parent / "in" / i["path"] for i in recipe.data["inputs"]},
+        )[0],
+    )
+    state, manifest = checkpoint.load(
+        Path(four["result"]["checkpoint"]["path"]),
+        program.init_state(),
+        computation_digest=recipe.computation_digest,
+    )
+    assert manifest["state_hash"] == four["result"]["final_state_hash"]
+    metrics = program.evaluate(state)
+    assert metrics["dev_loss"] == pytest.approx(four["result"]["metrics"]["dev_loss"], rel=1e-6)
