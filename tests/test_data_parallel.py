@@ -224,7 +224,7 @@ def crashed(space, four) -> Path:
     """A 4-device attempt SIGKILLed half-way through writing its step-4 checkpoint."""
     out = space["root"] / "crash"
     proc = _run(
-        space, four["recipe"], out, 4, "--kill-in-checkpoint", "4", codes=(-signal.SIGKILL,)
+        space, four["recipe"], out, 4, "--kill-during-checkpoint", "4", codes=(-signal.SIGKILL,)
     )
     assert proc.returncode == -signal.SIGKILL
     (attempt,) = _attempts(out)
