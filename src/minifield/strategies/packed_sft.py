@@ -134,7 +134,8 @@ class Evaluator:
         """
         n = int(prompts.shape[0])
         if n == 0:
-            return {"exact_match": float("nan"), "generated": 0}
+            # Nothing generated: no figure (null in JSON) rather than a NaN events cannot hold.
+            return {"exact_match": None, "generated": 0}
         max_new = int(np.max(answer_len))
         correct = 0
         for start in range(0, n, self.batch_size):
