@@ -296,6 +296,9 @@ def prove(
 
     common = ["--job", recipe_path, "--input-root", input_root, "--output-root", out_root]
     common += ["--stop-after-step", str(steps), "--record-state-hashes"]
+    # Shared with training: the proof's three runs compile once, and the proof then also covers
+    # a resume that loads its executable from the persistent cache.
+    common += ["--compilation-cache", Path(work_dir) / "jax-cache"]
     if examples_dir is not None:
         common += ["--examples", examples_dir]
 

@@ -366,12 +366,15 @@ class Attempt:
                 compilation_cache=str(self.options.compilation_cache)
                 if self.options.compilation_cache
                 else None,
+                placement=program.placement,
             )
 
             phase = "restore"
             state = self._restore(program) if self.options.resume_from else None
             if state is None:
                 state = program.init_state()
+            # restored arrays come from host files: put them where the compiled update wants them
+            state = program.place(state)
             step = int(state["step"])
             self.steps_completed = step
 
@@ -396,12 +399,14 @@ class Attempt:
         runtime = self.data.get("runtime", {})
         backend = runtime.get("backend", "any")
         devices = jax.devices()
+        data_parallel = self.recipe.strategy.devices_required(self.data)
         self.events.emit(
             "device",
             backend=jax.default_backend(),
             device_kind=self.env["device_kind"],
             device_count=len(devices),
             process_count=jax.process_count(),
+            data_parallel_devices=data_parallel,
         )
         if backend != "any" and jax.default_backend() != backend:
             raise RuntimeError(
@@ -412,6 +417,10 @@ class Attempt:
             raise RuntimeError(
                 f"recipe runtime.min_devices={runtime['min_devices']} but only {len(devices)} device(s) visible"
             )
+        if len(devices) < data_parallel:
+            from .parallel import missing_devices_message
+
+            raise RuntimeError(missing_devices_message(data_parallel, len(devices)))
 
     def _previous_completed(self, previous: Path) -> dict | None:
         for attempt_dir in _attempt_chain(previous):

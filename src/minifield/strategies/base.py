@@ -31,6 +31,20 @@ class Program(ABC):
     def compile(self) -> None:
         """Compile the update ahead of time from abstract shapes (consumes no state)."""
 
+    #: where the compiled update runs (data-parallel mesh and sharding counts), reported in
+    #: the ``compiled`` event; None for a plain single-device update
+    placement: dict | None = None
+
+    def place(self, state: dict) -> dict:
+        """Put a fresh or restored state where the compiled update expects it.
+
+        The worker calls this once after ``init_state`` or a checkpoint restore (whose arrays
+        are plain host-loaded arrays) and before the first ``step``. A data-parallel program
+        returns the state sharded or replicated over its device mesh; the default returns it
+        unchanged.
+        """
+        return state
+
     @abstractmethod
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         """One update; returns the new state and host metrics after the device finished."""
@@ -64,6 +78,10 @@ class Strategy(ABC):
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "description": self.description}
+
+    def devices_required(self, recipe: dict) -> int:
+        """Devices the recipe's computation is defined over (its data-parallel degree)."""
+        return 1
 
     def check(self, recipe: dict) -> list[dict]:
         """Cross-field checks the schema cannot express; each error has ``path`` and ``message``."""

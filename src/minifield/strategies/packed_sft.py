@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import export, packing, sft_data
+from .. import export, packing, parallel, sft_data
 from .. import tokenizer as tokenizers
 from ..digest import sha256_bytes
 from ..state import named_arrays, restore_like
@@ -134,7 +134,8 @@ class Evaluator:
         """
         n = int(prompts.shape[0])
         if n == 0:
-            return {"exact_match": float("nan"), "generated": 0}
+            # Nothing generated: no figure (null in JSON) rather than a NaN events cannot hold.
+            return {"exact_match": None, "generated": 0}
         max_new = int(np.max(answer_len))
         correct = 0
         for start in range(0, n, self.batch_size):
@@ -185,6 +186,11 @@ class PackedSFTProgram(Program):
         self._step_fn = sft_step.make_train_step(self.cfg, self.optimizer)
         self._init = sft_step.init_train_state
         self._compiled = None
+        self.data_parallel = parallel.DataParallel.from_training(training)
+        # set by compile(): the mesh and the shardings of the state and the batch
+        self._mesh = None
+        self._state_shardings = None
+        self._batch_sharding = None
         self.evaluator = Evaluator(
             self.cfg,
             recipe["evaluation"]["batch_size"],
@@ -200,22 +206,54 @@ class PackedSFTProgram(Program):
         return {k: np.asarray(self.arrays[f"train_{k}"][index]) for k in ROW_FIELDS}
 
     def compile(self) -> None:
+        """One executable for the whole update: with data parallelism, compiled for the mesh
+        with the batch split over ``data`` and the state replicated (or sharded), donating
+        the state's buffers. Without it (``devices: 1``) a plain single-device jit."""
         abstract_state = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(self.init_state)
         )
         abstract_batch = {
             k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.batch(0).items()
         }
-        fn = self._step_fn
-        if not hasattr(fn, "lower"):
-            fn = jax.jit(fn, donate_argnums=(0,))
+        if self.data_parallel.devices == 1:
+            fn = jax.jit(self._step_fn, donate_argnums=(0,))
+            self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+            return
+        dp = self.data_parallel
+        self._mesh = dp.mesh()
+        self._state_shardings = dp.state_shardings(self._mesh, abstract_state)
+        self._batch_sharding = dp.batch_sharding(self._mesh)
+        batch_shardings = {k: self._batch_sharding for k in abstract_batch}
+        fn = jax.jit(
+            self._step_fn,
+            in_shardings=(self._state_shardings, batch_shardings),
+            out_shardings=(self._state_shardings, dp.replicated(self._mesh)),
+            donate_argnums=(0,),
+        )
         self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+        self.placement = {
+            "devices": dp.devices,
+            "shard_params": dp.shard_params,
+            "mesh": {parallel.AXIS: dp.devices},
+            **parallel.describe(self._state_shardings),
+        }
+
+    def place(self, state: dict) -> dict:
+        """Put a fresh or restored state on the mesh with the compiled step's shardings."""
+        if self._compiled is None:
+            self.compile()
+        if self._state_shardings is None:
+            return state
+        return jax.device_put(state, self._state_shardings)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         if self._compiled is None:
             self.compile()
         batch = self.batch(int(state["step"]))
-        new_state, metrics = self._compiled(state, batch)
+        device_batch = batch
+        if self._batch_sharding is not None:
+            device_batch = jax.device_put(batch, self._batch_sharding)
+        new_state, metrics = self._compiled(state, device_batch)
         jax.block_until_ready(new_state)
         host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
         # the step's "tokens" counts trained targets; the event's "tokens" means tokens consumed
@@ -226,11 +264,18 @@ class PackedSFTProgram(Program):
         host["tokens"] = int(np.count_nonzero(batch["segments"]))
         return new_state, host
 
+    def _eval_params(self, state: dict):
+        """Evaluation and generation run on one device: a mesh-placed state is copied to the
+        first device, so the figures do not depend on the data-parallel device count."""
+        if self._state_shardings is None:
+            return state["params"]
+        return jax.device_put(state["params"], jax.devices()[0])
+
     def evaluate(self, state: dict) -> dict[str, float]:
-        return self.evaluator.split_metrics(state["params"], self.arrays, "dev")
+        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
 
     def evaluate_test(self, state: dict) -> dict[str, float]:
-        return self.evaluator.split_metrics(state["params"], self.arrays, "test")
+        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
 
     def export(self, state: dict, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -365,6 +410,15 @@ class PackedSFT(Strategy):
                     "generated from, so exact-match could never be measured)",
                 }
             )
+        data_parallel = recipe["training"]["data_parallel"]
+        if recipe["training"]["batch_size"] % data_parallel["devices"]:
+            errors.append(
+                {
+                    "path": "/training/data_parallel/devices",
+                    "message": f"must divide training.batch_size={recipe['training']['batch_size']} "
+                    f"(every device gets the same number of rows; got {data_parallel['devices']})",
+                }
+            )
         warmup = recipe["training"]["warmup_steps"]
         if warmup >= recipe["limits"]["max_steps"]:
             errors.append(
@@ -375,6 +429,9 @@ class PackedSFT(Strategy):
                 }
             )
         return errors
+
+    def devices_required(self, recipe: dict) -> int:
+        return recipe["training"]["data_parallel"]["devices"]
 
     def data_spec(self, recipe: dict) -> dict:
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}

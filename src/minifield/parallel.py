@@ -1,0 +1,100 @@
+"""Data parallelism on one host: a 1-D device mesh and where each array of the state lives.
+
+A recipe asks for ``training.data_parallel: {devices: N, shard_params: false}``. The
+update is then one program compiled for a ``jax.sharding.Mesh`` of the first ``N``
+visible devices with a single axis ``"data"``:
+
+- the batch is split along its first (row) axis, ``B / N`` rows per device;
+- parameters and optimizer state are replicated on every device, or, with
+  ``shard_params: true``, each array is split along its first axis whose size ``N``
+  divides (arrays with no such axis, and scalars, stay replicated);
+- RNG key data, the step and the data cursor are replicated.
+
+XLA inserts the collectives (the all-reduce of the gradients, or reduce-scatter /
+all-gather when parameters are sharded). The loss is a token-weighted mean over the
+whole global batch either way, so the *mathematics* of an update does not depend on
+``N``; its floating-point *bits* do (partial sums are formed per device and then
+combined, a different summation order). That is why the device count is part of the
+computation (it lives under ``training``, inside the computation digest).
+
+The mesh is built lazily, only when an update is compiled or a state placed, so a
+process that merely evaluates checkpoints or exports weights needs no more than one
+device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "data"
+
+
+class DeviceCountError(RuntimeError):
+    """Fewer devices are visible than the recipe's data parallelism asks for."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    devices: int = 1
+    shard_params: bool = False
+
+    @classmethod
+    def from_training(cls, training: dict) -> DataParallel:
+        section = training.get("data_parallel") or {}
+        return cls(int(section.get("devices", 1)), bool(section.get("shard_params", False)))
+
+    def mesh(self) -> Mesh:
+        """The first ``devices`` visible devices as a 1-D mesh named ``data``."""
+        visible = jax.devices()
+        if len(visible) < self.devices:
+            raise DeviceCountError(missing_devices_message(self.devices, len(visible)))
+        return Mesh(visible[: self.devices], (AXIS,))
+
+    def batch_sharding(self, mesh: Mesh) -> NamedSharding:
+        """Rows (the leading axis) split over the mesh."""
+        return NamedSharding(mesh, PartitionSpec(AXIS))
+
+    def replicated(self, mesh: Mesh) -> NamedSharding:
+        return NamedSharding(mesh, PartitionSpec())
+
+    def _leaf_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
+        for axis, size in enumerate(shape):
+            if size % self.devices == 0 and size >= self.devices:
+                return PartitionSpec(*([None] * axis), AXIS)
+        return PartitionSpec()
+
+    def state_shardings(self, mesh: Mesh, abstract_state: dict) -> dict:
+        """A sharding per leaf of the complete state (same tree structure)."""
+        replicated = self.replicated(mesh)
+
+        def sharded(leaf):
+            if not self.shard_params or self.devices == 1 or not leaf.shape:
+                return replicated
+            return NamedSharding(mesh, self._leaf_spec(tuple(leaf.shape)))
+
+        out = {}
+        for part, subtree in abstract_state.items():
+            if part in ("params", "opt_state"):
+                out[part] = jax.tree_util.tree_map(sharded, subtree)
+            else:
+                out[part] = jax.tree_util.tree_map(lambda _: replicated, subtree)
+        return out
+
+
+def missing_devices_message(wanted: int, visible: int) -> str:
+    return (
+        f"recipe training.data_parallel.devices={wanted} but only {visible} device(s) are "
+        f"visible ({jax.default_backend()} backend); run where {wanted} devices are visible "
+        f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={wanted}), or change "
+        "training.data_parallel.devices (a different device count is a different computation)"
+    )
+
+
+def describe(shardings: dict) -> dict:
+    """Counts of sharded and replicated state arrays (for the ``compiled`` event)."""
+    leaves = jax.tree_util.tree_leaves(shardings)
+    sharded = sum(1 for s in leaves if not s.is_fully_replicated)
+    return {"sharded_arrays": sharded, "replicated_arrays": len(leaves) - sharded}
