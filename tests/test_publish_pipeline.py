@@ -29,7 +29,7 @@ def snakemake(workdir: Path, *args) -> subprocess.CompletedProcess:
 def write_config(workdir: Path, **sections) -> None:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value}
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
 
 
@@ -40,6 +40,7 @@ def pipeline(tmp_path_factory):
     shutil.copytree(REPO / "data", workdir / "data")
     write_config(
         workdir,
+        recipes=["config/recipes/linear-demo.yaml"],  # the small demo is enough here
         store={"dir": "store"},
         capacity={
             "arrivals_per_hour": 120,
