@@ -71,9 +71,12 @@ def test_publish_rule_publishes_without_activating(pipeline):
     result = json.loads((computation / "train" / "result.json").read_text())
     assert publication["provenance"]["final_state_hash"] == result["final_state_hash"]
     assert publication["provenance"]["code_hash"] == result["environment"]["code_hash"]
-    # Without a qualify rule the proof is waived explicitly, and nothing is activated.
-    assert publication["provenance"]["recovery_proof"] is None
-    assert "no qualify rule" in publication["provenance"]["recovery_proof_waived"]
+    # The workflow's qualify rule makes the recovery proof part of the provenance.
+    proof = computation / "qualification" / "proof.json"
+    assert (
+        publication["provenance"]["recovery_proof"]["sha256"]
+        == hashlib.sha256(proof.read_bytes()).hexdigest()
+    )
     assert publication["activated"] is False
     assert not (workdir / "store" / "active.json").exists()
 
@@ -124,9 +127,10 @@ def test_capacity_rule_from_the_raw_events(pipeline):
     assert all("hypothetical" in r["assumptions"] for r in table)
 
 
-def test_activate_rule_refuses_without_proof_then_activates_with_one(pipeline):
+def test_activate_rule_refuses_a_waived_proof_then_activates_with_the_proof(pipeline):
     workdir, computation = pipeline
-    write_config(workdir, store={"dir": "store", "activate": True})
+    # Publishing with the proof explicitly waived records the waiver; the gate refuses it.
+    write_config(workdir, store={"dir": "store", "activate": True, "require_proof": False})
     proc = snakemake(workdir)
     assert proc.returncode != 0
     log = (workdir / "logs" / "activate" / f"{computation.name}.log").read_text()
@@ -134,13 +138,12 @@ def test_activate_rule_refuses_without_proof_then_activates_with_one(pipeline):
     assert not (workdir / "store" / "active.json").exists()
     assert not (computation / "activation.json").exists()
 
-    # With a proof required and present, publish reruns with it and activation passes the gate.
-    proof = computation / "qualification" / "proof.json"
-    proof.parent.mkdir()
-    proof.write_text(json.dumps({"passed": True, "diagnosis": "test stand-in"}))
-    write_config(workdir, store={"dir": "store", "activate": True, "require_proof": True})
+    # Back to the default (the qualify rule's proof is required): publish reruns with the
+    # proof and activation passes the gate.
+    write_config(workdir, store={"dir": "store", "activate": True, "require_proof": "auto"})
     proc = snakemake(workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    proof = computation / "qualification" / "proof.json"
     publication = json.loads((computation / "publication.json").read_text())
     assert (
         publication["provenance"]["recovery_proof"]["sha256"]

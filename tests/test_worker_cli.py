@@ -96,7 +96,7 @@ def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, ref
     assert reference["checkpoint"]["sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
 
 
-def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None):
+def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None, stall_s=60):
     args = [
         "--job",
         job,
@@ -109,7 +109,7 @@ def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None):
         "--stall-after-step",
         str(stall_after),
         "--stall-seconds",
-        "60",
+        str(stall_s),
     ]
     if resume_from:
         args += ["--resume-from", resume_from]
@@ -123,7 +123,7 @@ def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None):
     return proc
 
 
-@pytest.mark.parametrize("kill_after", [1, 2, 5, 12])
+@pytest.mark.parametrize("kill_after", [1, 5, 12])
 def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference, kill_after):
     """Killed after update K (before that step's checkpoint, so step 1 means no checkpoint at all)."""
     out = tmp_path / "out"
@@ -160,7 +160,8 @@ def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference
 
 def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, job, reference):
     out = tmp_path / "out"
-    proc = _start_stalled(tmp_path, job, out, "term", 3)
+    # A short stall: the signal arrives during it, and the preemption follows right after.
+    proc = _start_stalled(tmp_path, job, out, "term", 3, stall_s=3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 3
     preempted = result_of(out, "term")
