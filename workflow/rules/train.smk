@@ -13,6 +13,8 @@ rule train:
         work_dir=work_dir,
         record_state_hashes=config["train"]["record_state_hashes"],
         allow_environment_change=config["train"]["allow_environment_change"],
+    resources:
+        gpu=config["train"]["gpus"],
     retries: config["train"]["retries"]
     log:
         "logs/train/{cdigest}.log",
