@@ -57,6 +57,7 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
     assert profile["executor"] == "slurm"
     assert profile["slurm-init-seconds-before-status-checks"] <= 5
+    assert set(profile["groups"]) == {"validate", "hash_inputs", "prepare"}
     # the GPU request comes from the train rule's `gpu` resource, never from a `gres`
     # default (the plugin rejects a rule that has both)
     flat = json.dumps(profile)
@@ -125,7 +126,9 @@ def slurm_cluster():
             )
             print(f"slurm fixture stop:\n{stop.stdout}", file=sys.stderr)
             for name in started:  # every daemon we started is gone
-                assert not Path(PREFIX, "run", f"{name}.pid").exists(), f"{name} still has a PID file"
+                assert not Path(PREFIX, "run", f"{name}.pid").exists(), (
+                    f"{name} still has a PID file"
+                )
 
 
 def _workspace(root: Path, gpus: int) -> Path:
@@ -207,16 +210,18 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
     print(f"local run {t_local:.1f} s, cluster run {t_cluster:.1f} s", file=sys.stderr)
     assert "SLURM jobid" not in local_out
 
-    # Every job of the cluster run went through sbatch; map rule -> SLURM job id from the log.
-    submitted = dict(
-        (rule, job_id)
-        for job_id, rule in re.findall(
-            r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/rule_(\w+)/", cluster_out
-        )
-    )
-    assert set(submitted) == {"validate", "hash_inputs", "prepare", "train", "evaluate"}, (
-        cluster_out[-3000:]
-    )
+    # Every job of the cluster run went through sbatch: the bookkeeping rules as one group
+    # job ("prep", set in the profile), train and evaluate as their own jobs. Map each to its
+    # SLURM job id from the log.
+    submitted = {}
+    for job_id, rule, group in re.findall(
+        r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/(?:rule_(\w+)/|group_(prep)_)",
+        cluster_out,
+    ):
+        submitted[rule or group] = job_id
+    assert set(submitted) == {"prep", "train", "evaluate"}, cluster_out[-3000:]
+    for rule in ("validate", "hash_inputs", "prepare"):
+        assert re.search(rf"group_prep_\S*{rule}", cluster_out), f"{rule} not in the prep group"
     rows = _sacct(list(submitted.values()))
     assert set(rows) == set(submitted.values()), f"sacct rows {rows} for jobs {submitted}"
     for rule, job_id in submitted.items():
@@ -245,14 +250,19 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
         for name, root in (("local", local), ("cluster", cluster))
     }
     hashes = {
-        name: [(c["step"], c["state_hash"]) for c in m["checkpoints"]] for name, m in metrics.items()
+        name: [(c["step"], c["state_hash"]) for c in m["checkpoints"]]
+        for name, m in metrics.items()
     }
     assert hashes["cluster"] == hashes["local"] and len(hashes["local"]) >= 2
     assert metrics["cluster"]["acceptance"] == metrics["local"]["acceptance"]
 
     # The GPU-requesting job saw exactly one of the node's devices.
-    attempt = json.loads(_single(f"work/{cdigest[:16]}/attempts/*/*/attempt.json", cluster).read_text())
+    attempt = json.loads(
+        _single(f"work/{cdigest[:16]}/attempts/*/*/attempt.json", cluster).read_text()
+    )
     visible = attempt["environment"]["env"].get("CUDA_VISIBLE_DEVICES")
-    assert visible is not None, f"train job recorded no CUDA_VISIBLE_DEVICES: {attempt['environment']}"
+    assert visible is not None, (
+        f"train job recorded no CUDA_VISIBLE_DEVICES: {attempt['environment']}"
+    )
     devices = visible.split(",")
     assert len(devices) == 1 and devices[0] in {str(i) for i in range(FAKE_GPUS)}, visible
