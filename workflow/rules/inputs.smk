@@ -8,5 +8,7 @@ rule hash_inputs:
         input_root=INPUT_ROOT,
     log:
         "logs/hash_inputs/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/hash_inputs.py"

@@ -10,5 +10,7 @@ rule prepare:
         "logs/prepare/{edigest}.log",
     benchmark:
         "results/benchmarks/prepare/{edigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/prepare.py"

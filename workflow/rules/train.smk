@@ -20,5 +20,7 @@ rule train:
         "logs/train/{cdigest}.log",
     benchmark:
         "results/benchmarks/train/{cdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/train.py"
