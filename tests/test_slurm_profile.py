@@ -266,3 +266,26 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
     )
     devices = visible.split(",")
     assert len(devices) == 1 and devices[0] in {str(i) for i in range(FAKE_GPUS)}, visible
+
+
+@pytest.mark.slurm
+def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
+    """`srun -n 2`: each task finds the coordinator from SLURM's environment, JAX's distributed
+    runtime starts, and a psum over the global 2-device mesh adds both processes' values."""
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in env if k.startswith(("SLURM_", "MINIFIELD_"))]:
+        del env[key]
+    proc = subprocess.run(
+        ["timeout", "-k", "10", "240", "srun", "-N1", "-n2", "--mem-per-cpu=1000", "-t", "4",
+         str(VENV_BIN / "python"), "-m", "minifield.distributed", "--probe"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"srun exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["process_id"] for r in reports) == [0, 1], proc.stdout
+    for report in reports:
+        assert report["source"] == "slurm"
+        assert report["process_count"] == 2 and report["process_index"] == report["process_id"]
+        assert report["device_count"] == 2 and report["local_device_count"] == 1
+        assert report["psum"] == 1.0 + 2.0  # (0 + 1) + (1 + 1): both processes contributed
+    assert len({r["coordinator"] for r in reports}) == 1
