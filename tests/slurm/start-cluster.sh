@@ -10,11 +10,14 @@
 # Environment:
 #   MINIFIELD_SLURM_PREFIX=/tmp/minifield-slurm   state, logs, PID files, configs
 #   MINIFIELD_SLURM_GPUS=2                        fake GPUs on the node (0 = none)
+#   MINIFIELD_SLURM_DB_PORT=13306                 MariaDB port (loopback only)
 # Packages: tests/slurm/install-packages.sh (run first).
 set -euo pipefail
 
 PREFIX=${MINIFIELD_SLURM_PREFIX:-/tmp/minifield-slurm}
 FAKE_GPUS=${MINIFIELD_SLURM_GPUS:-2}
+# MariaDB for slurmdbd on its own loopback port, clear of a system MariaDB on 3306
+DB_PORT=${MINIFIELD_SLURM_DB_PORT:-13306}
 T0=$(date +%s%N)
 ts() { local ms=$(( ($(date +%s%N) - T0) / 1000000 )); printf '[%3d.%03ds] %s\n' $((ms/1000)) $((ms%1000)) "$*"; }
 alive() { [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -51,14 +54,19 @@ if [[ ! -s /etc/munge/munge.key ]]; then
   chown munge:munge /etc/munge/munge.key; chmod 400 /etc/munge/munge.key
 fi
 mkdir -p /run/munge /var/log/munge && chown munge:munge /run/munge /var/log/munge && chmod 755 /run/munge
-if ! alive "$PREFIX/run/munged.pid"; then
+if alive "$PREFIX/run/munged.pid"; then
+  ts "munged up (pid $(cat "$PREFIX/run/munged.pid"))"
+elif munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+  # a munged not started from this prefix (e.g. the package's init script) already
+  # serves the default socket: use it, and leave it alone when stopping
+  ts "munged already running (not ours)"
+else
   runuser -u munge -- /usr/sbin/munged --pid-file="$PREFIX/run/munged.pid" \
-    --log-file="$PREFIX/log/munged.log" 2>/dev/null \
-    || runuser -u munge -- /usr/sbin/munged --pid-file="$PREFIX/run/munged.pid"
+    --log-file="$PREFIX/log/munged.log"
   STARTED+=(munged)
+  wait_for 10 bash -c 'munge -n | unmunge' || fail "munge does not work"
+  ts "munged up (pid $(cat "$PREFIX/run/munged.pid"))"
 fi
-wait_for 10 bash -c 'munge -n | unmunge' || fail "munge does not work"
-ts "munged up (pid $(cat "$PREFIX/run/munged.pid"))"
 
 # ---------------------------------------------------------------- configs
 GRES_NODE=""; GRES_GLOBAL=""
@@ -147,7 +155,7 @@ if ! alive "$PREFIX/run/mariadb.pid"; then
   # loopback only, its own socket and port; setsid so it outlives this shell
   setsid /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$DB" \
     --socket="$SOCK" --pid-file="$PREFIX/run/mariadb.pid" \
-    --bind-address=127.0.0.1 --port=3306 --log-error="$PREFIX/log/mariadb.err" \
+    --bind-address=127.0.0.1 --port="$DB_PORT" --log-error="$PREFIX/log/mariadb.err" \
     --innodb-buffer-pool-size=64M --innodb-lock-wait-timeout=900 \
     </dev/null >/dev/null 2>&1 &
   STARTED+=(mariadb)
@@ -173,7 +181,7 @@ LogFile=$PREFIX/log/slurmdbd.log
 PidFile=$PREFIX/run/slurmdbd.pid
 StorageType=accounting_storage/mysql
 StorageHost=127.0.0.1
-StoragePort=3306
+StoragePort=$DB_PORT
 StorageUser=slurm
 StoragePass=slurmpw
 StorageLoc=slurm_acct_db
