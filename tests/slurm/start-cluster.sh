@@ -28,6 +28,9 @@ wait_for() { # wait_for <seconds> <cmd...>
 }
 fail() { echo "start-cluster: $*" >&2; exit 1; }
 STARTED=()
+# Always report what this invocation started, also when it fails half-way, so the
+# caller can stop exactly those daemons.
+trap 'echo "STARTED: ${STARTED[*]}"' EXIT
 
 [[ $(id -u) -eq 0 ]] || fail "must run as root"
 for cmd in munged slurmctld slurmd slurmdbd mariadbd sbatch sacct; do
@@ -61,6 +64,7 @@ elif munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   # serves the default socket: use it, and leave it alone when stopping
   ts "munged already running (not ours)"
 else
+  touch "$PREFIX/log/munged.log"; chown munge:munge "$PREFIX/log/munged.log"
   runuser -u munge -- /usr/sbin/munged --pid-file="$PREFIX/run/munged.pid" \
     --log-file="$PREFIX/log/munged.log"
   STARTED+=(munged)
@@ -221,4 +225,3 @@ fi
 ts "slurmctld (pid $(cat "$PREFIX/run/slurmctld.pid")) + slurmd (pid $(cat "$PREFIX/run/slurmd.pid")) up"
 sinfo -o '%P %D %T %c %m %G'
 ts "local SLURM cluster ready"
-echo "STARTED: ${STARTED[*]}"
