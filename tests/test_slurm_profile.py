@@ -64,6 +64,30 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     assert "gres" not in flat.replace("gres/", "")
 
 
+def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
+    """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
+    the bookkeeping rules, and gives train the GPU request and its own runtime/memory."""
+    workdir = _workspace(tmp_path, gpus=1)
+    proc = _snakemake(workdir, "--profile", str(REPO / "profiles" / "slurm"), "-n")
+    output = _finish(proc, workdir, "dry-run")
+    assert "workflow specific profile" in output and "profiles/default" in output
+    assert "Group job prep" in output
+    blocks = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"rule (\w+):\n(.*?)(?=\n\s*\n|\Z)", output, re.S)
+    }
+    assert {"validate", "hash_inputs", "prepare", "train", "evaluate"} <= set(blocks), output
+    for rule, block in blocks.items():
+        resources = re.search(r"resources: (.*)", block)
+        if rule == "all" or resources is None:
+            continue
+        items = dict(kv.split("=", 1) for kv in resources.group(1).split(", "))
+        if rule == "train":
+            assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "120")
+        else:
+            assert "gpu" not in items and items["runtime"] == "30", f"{rule}: {items}"
+
+
 # ---------------------------------------------------------------- the cluster
 
 
