@@ -1,4 +1,5 @@
-# minifield: recipe → validated computation → pinned inputs → examples → training → evaluation.
+# minifield: recipe → validated computation → pinned inputs → examples → training → evaluation
+# → publication → capacity.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -9,10 +10,13 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/validate.smk"
+include: "workflow/rules/fetch.smk"
 include: "workflow/rules/inputs.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/publish.smk"
+include: "workflow/rules/capacity.smk"
 
 
 rule all:

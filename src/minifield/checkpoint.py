@@ -86,6 +86,7 @@ def save(
     computation_digest: str,
     extra: dict | None = None,
     keep: int | None = None,
+    on_arrays_written=None,
 ) -> Committed:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one."""
     started = time.monotonic()
@@ -125,6 +126,8 @@ def save(
         "extra": extra or {},
     }
     atomic.fsync_dir(tmp / "arrays")
+    if on_arrays_written is not None:  # fault injection: a crash half-way through the write
+        on_arrays_written(tmp)
     atomic.write_json(tmp / MANIFEST, manifest)
     os.rename(tmp, final)
     atomic.fsync_dir(directory)

@@ -1,4 +1,8 @@
-"""Pinned inputs: resolve each under the input root and verify its sha256 before use."""
+"""Pinned inputs: resolve each under the input root and verify its sha256 before use.
+
+A local input is found at its ``path``; a remote input (``url``) is found at its
+``name`` once ``fetch_inputs`` has placed it in the input root.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,11 @@ def resolve(input_root: Path, relative: str) -> Path:
     return candidate
 
 
+def location(item: dict) -> str:
+    """Where an input lives under the input root: its ``path``, or its ``name`` if remote."""
+    return item["path"] if "path" in item else item["name"]
+
+
 def verify(recipe: dict, input_root: Path) -> list[dict]:
     """Hash every pinned input; returns ``[{name, path, sha256, size}]`` or raises InputError.
 
@@ -31,19 +40,26 @@ def verify(recipe: dict, input_root: Path) -> list[dict]:
     """
     verified, problems = [], []
     for item in recipe.get("inputs", []):
-        if "path" not in item:
-            problems.append(
-                f"input {item['name']!r}: remote input (url) not fetched into the input root yet"
-            )
-            continue
         try:
-            path = resolve(input_root, item["path"])
+            path = resolve(input_root, location(item))
         except InputError as exc:
             problems.append(f"input {item['name']!r}: {exc}")
             continue
         if not path.is_file():
+            if "path" in item:
+                problems.append(
+                    f"input {item['name']!r}: {path} does not exist (pinned in the recipe as {item['path']!r})"
+                )
+            else:
+                problems.append(
+                    f"input {item['name']!r}: remote input {item['url']} not fetched: {path} does "
+                    "not exist (run fetch_inputs / `minifield fetch-inputs` into this input root)"
+                )
+            continue
+        if "size" in item and path.stat().st_size != item["size"]:
             problems.append(
-                f"input {item['name']!r}: {path} does not exist (pinned in the recipe as {item['path']!r})"
+                f"input {item['name']!r}: {path} has {path.stat().st_size} bytes, but the recipe "
+                f"pins size {item['size']}"
             )
             continue
         actual = sha256_file(path)
@@ -55,7 +71,7 @@ def verify(recipe: dict, input_root: Path) -> list[dict]:
         verified.append(
             {
                 "name": item["name"],
-                "path": item["path"],
+                "path": location(item),
                 "sha256": actual,
                 "size": path.stat().st_size,
             }
@@ -66,8 +82,4 @@ def verify(recipe: dict, input_root: Path) -> list[dict]:
 
 
 def files_by_name(recipe: dict, input_root: Path) -> dict[str, Path]:
-    return {
-        item["name"]: resolve(input_root, item["path"])
-        for item in recipe.get("inputs", [])
-        if "path" in item
-    }
+    return {item["name"]: resolve(input_root, location(item)) for item in recipe.get("inputs", [])}

@@ -61,6 +61,29 @@ def input_paths(computation: Computation, input_root: str) -> list[str]:
     ]
 
 
+def has_remote_inputs(computation: Computation) -> bool:
+    return any("url" in item for item in computation.recipe.data["inputs"])
+
+
+def fetched_root(computation: Computation) -> str:
+    """The computation's own input root, built by ``fetch_inputs`` for recipes with url inputs."""
+    return f"results/fetched/{computation.cdigest}"
+
+
+def fetched_roots(computation: Computation) -> list[str]:
+    """``[fetched_root]`` for a computation with url inputs, ``[]`` otherwise (rule inputs)."""
+    return [fetched_root(computation)] if has_remote_inputs(computation) else []
+
+
+def input_root(computation: Computation, configured_root: str) -> str:
+    """Where the stages and the worker find this computation's inputs.
+
+    A recipe with remote inputs gets its own root (remote inputs under their name,
+    local ones linked at their path): the worker resolves every input under one root.
+    """
+    return fetched_root(computation) if has_remote_inputs(computation) else configured_root
+
+
 def for_examples(computations: dict[str, Computation], edigest: str) -> Computation:
     """A computation whose data settings produce the examples ``edigest`` (any one will do)."""
     for computation in computations.values():

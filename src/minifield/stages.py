@@ -105,6 +105,9 @@ def train_attempt(
         str(examples_dir),
         "--attempt-id",
         attempt_id,
+        # Compiled executables persist across attempts: a resumed attempt starts updating sooner.
+        "--compilation-cache",
+        str(work_dir / "jax-cache"),
     ]
     if previous is not None:
         command += ["--resume-from", str(previous)]
@@ -126,10 +129,14 @@ def train_attempt(
     result = atomic.read_json(result_path)
     if code != 0 or result["status"] != "completed":
         error = result.get("error") or {}
+        detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
+        advice = (
+            "a retry cannot fix this: correct the recipe, inputs or environment first"
+            if code == train.EXIT_INVALID
+            else "the next run resumes from its last committed checkpoint"
+        )
         raise StageError(
-            f"training attempt {attempt_dir} ended {result['status']} (exit {code})"
-            f"{': ' + error.get('phase', '') + ': ' + error.get('message', '') if error else ''}; "
-            f"the next run resumes from its last committed checkpoint. Log: {log}"
+            f"training attempt {attempt_dir} ended {result['status']} (exit {code}){detail}; {advice}. Log: {log}"
         )
     if out_export.exists():
         shutil.rmtree(out_export)
@@ -148,8 +155,18 @@ def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def evaluate(recipe_json: Path, train_result: Path, examples_dir: Path, out_metrics: Path) -> dict:
-    """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only."""
+def evaluate(
+    recipe_json: Path,
+    train_result: Path,
+    examples_dir: Path,
+    out_metrics: Path,
+    out_selected_export: Path | None = None,
+) -> dict:
+    """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
+
+    With ``out_selected_export``, the selected checkpoint's weights are exported there
+    (the train stage exports the final ones).
+    """
     recipe = recipes.load(recipe_json)
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
@@ -182,6 +199,10 @@ def evaluate(recipe_json: Path, train_result: Path, examples_dir: Path, out_metr
     # Best DEV score wins; among equals the later step (more training) wins.
     selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
     test = program.evaluate_test(states[selected["step"]])
+    if out_selected_export is not None:
+        if out_selected_export.exists():
+            shutil.rmtree(out_selected_export)
+        program.export(states[selected["step"]], out_selected_export)
     acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
     metrics = {
         "computation_digest": recipe.computation_digest,

@@ -39,6 +39,9 @@ class Faults:
     fail_after_step: int | None = None
     stall_after_step: int | None = None
     stall_seconds: float = 10.0
+    #: SIGKILL this process half-way through writing the checkpoint of this step
+    #: (arrays written, manifest not yet): a crash during a checkpoint write
+    kill_in_checkpoint_step: int | None = None
 
 
 @dataclass
@@ -50,11 +53,24 @@ class Options:
     examples_dir: Path | None = None
     allow_environment_change: bool = False
     record_state_hashes: bool = False
+    #: JAX persistent compilation cache directory (None: no persistent cache)
+    compilation_cache: Path | None = None
     faults: Faults = field(default_factory=Faults)
 
 
 def new_attempt_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("a%Y%m%dT%H%M%SZ-") + secrets.token_hex(3)
+
+
+def enable_compilation_cache(directory: Path) -> None:
+    """Persist every compiled executable under ``directory`` (even fast compiles), so a
+    resumed attempt loads its step function instead of compiling it again."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _now_iso() -> str:
@@ -236,6 +252,13 @@ class Attempt:
         return None
 
     def _commit(self, state, step: int, compute_used: float) -> None:
+        hook = None
+        if self.options.faults.kill_in_checkpoint_step == step:
+
+            def hook(tmp: Path) -> None:
+                self.events.emit("fault_kill", phase="checkpoint_write", step=step, tmp=str(tmp))
+                os.kill(os.getpid(), signal.SIGKILL)
+
         committed = checkpoint.save(
             self.checkpoint_dir,
             state,
@@ -243,6 +266,7 @@ class Attempt:
             computation_digest=self.recipe.computation_digest,
             extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
             keep=self.data["checkpoint"]["keep"],
+            on_arrays_written=hook,
         )
         self.last_checkpoint = committed
         self.checkpoint_record = {
@@ -327,7 +351,13 @@ class Attempt:
             program = strategy.build(self.data, example_arrays)
             started = time.monotonic()
             program.compile()
-            self.events.emit("compiled", seconds=time.monotonic() - started)
+            self.events.emit(
+                "compiled",
+                seconds=time.monotonic() - started,
+                compilation_cache=str(self.options.compilation_cache)
+                if self.options.compilation_cache
+                else None,
+            )
 
             phase = "restore"
             state = self._restore(program) if self.options.resume_from else None
@@ -550,6 +580,8 @@ class Attempt:
 
 def run(recipe: Recipe, options: Options) -> tuple[int, Path]:
     """Run one attempt; returns (exit code, attempt directory)."""
+    if options.compilation_cache is not None:
+        enable_compilation_cache(options.compilation_cache)
     attempt = Attempt(recipe, options)
     attempt.open()
     return attempt.run(), attempt.dir

@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="add the complete-state hash to every update event",
     )
+    parser.add_argument(
+        "--compilation-cache",
+        type=Path,
+        metavar="DIR",
+        help="JAX persistent compilation cache directory (a resumed attempt skips recompiling)",
+    )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
@@ -63,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     faults.add_argument(
         "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
+    )
+    faults.add_argument(
+        "--kill-in-checkpoint",
+        type=int,
+        metavar="K",
+        help="SIGKILL itself half-way through writing the checkpoint of step K",
     )
     return parser
 
@@ -139,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         examples_dir=args.examples,
         allow_environment_change=args.allow_environment_change,
         record_state_hashes=args.record_state_hashes,
-        faults=train.Faults(args.fail_after_step, args.stall_after_step, args.stall_seconds),
+        compilation_cache=args.compilation_cache,
+        faults=train.Faults(
+            args.fail_after_step,
+            args.stall_after_step,
+            args.stall_seconds,
+            args.kill_in_checkpoint,
+        ),
     )
     try:
         code, attempt_dir = train.run(recipe, options)

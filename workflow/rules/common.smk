@@ -2,12 +2,12 @@
 from minifield import pipeline
 from snakemake.utils import validate
 
-
 validate(config, schema="../schemas/config.schema.json")
 
 COMPUTATIONS = pipeline.load_computations(config)
 INPUT_ROOT = config["input_root"]
 WORK_DIR = config["work_dir"]
+STORE_DIR = config["store"]["dir"]
 
 
 wildcard_constraints:
@@ -19,8 +19,36 @@ def recipe_file(wildcards):
     return str(COMPUTATIONS[wildcards.cdigest].path)
 
 
-def pinned_input_files(wildcards):
+def local_input_files(wildcards):
     return pipeline.input_paths(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def pinned_input_files(wildcards):
+    """Local input files, or the fetched input root of a computation with url inputs."""
+    computation = COMPUTATIONS[wildcards.cdigest]
+    return pipeline.fetched_roots(computation) or pipeline.input_paths(
+        computation, INPUT_ROOT
+    )
+
+
+def fetched_input_root(wildcards):
+    """The fetched input root of a computation with url inputs (nothing for local-only ones)."""
+    return pipeline.fetched_roots(COMPUTATIONS[wildcards.cdigest])
+
+
+def computation_input_root(wildcards):
+    return pipeline.input_root(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+
+
+def examples_input_root(wildcards):
+    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    return pipeline.input_root(computation, INPUT_ROOT)
+
+
+def examples_fetched_root(wildcards):
+    return pipeline.fetched_roots(
+        pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    )
 
 
 def examples_recipe(wildcards):
@@ -41,7 +69,47 @@ def work_dir(wildcards):
     return f"{WORK_DIR}/{wildcards.cdigest}"
 
 
+def proof_required():
+    """Whether publication needs the recovery proof: store.require_proof, where "auto" means
+    "when this workflow has a qualify rule" (rules.has, because hasattr(rules, ...) raises).
+    """
+    setting = config["store"]["require_proof"]
+    if setting == "auto":
+        return rules.has("qualify")
+    return setting in (True, "true")
+
+
+def publish_inputs(wildcards):
+    base = f"results/computations/{wildcards.cdigest}"
+    inputs = {
+        "recipe": f"{base}/recipe.json",
+        "result": f"{base}/train/result.json",
+        "export": f"{base}/train/export",
+        "metrics": f"{base}/eval/metrics.json",
+    }
+    if proof_required():
+        inputs["proof"] = f"{base}/qualification/proof.json"
+    return inputs
+
+
+def publish_proof_waiver(wildcards):
+    """The recorded reason for publishing without a proof ("" when a proof is required)."""
+    if proof_required():
+        return ""
+    if config["store"]["require_proof"] == "auto":
+        return "this workflow has no qualify rule (store.require_proof: auto)"
+    return "store.require_proof is false in the workflow config"
+
+
 def final_targets():
-    return [
-        f"results/computations/{cdigest}/eval/metrics.json" for cdigest in sorted(COMPUTATIONS)
-    ]
+    targets = []
+    for cdigest in sorted(COMPUTATIONS):
+        base = f"results/computations/{cdigest}"
+        targets += [
+            f"{base}/eval/metrics.json",
+            f"{base}/publication.json",
+            f"{base}/capacity.json",
+        ]
+        if config["store"]["activate"]:
+            targets.append(f"{base}/activation.json")
+    return targets + ["results/capacity.csv"]

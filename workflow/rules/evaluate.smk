@@ -4,7 +4,8 @@ rule evaluate:
         result="results/computations/{cdigest}/train/result.json",
         examples=examples_manifest,
     output:
-        "results/computations/{cdigest}/eval/metrics.json",
+        metrics="results/computations/{cdigest}/eval/metrics.json",
+        selected_export=directory("results/computations/{cdigest}/eval/selected-export"),
     log:
         "logs/evaluate/{cdigest}.log",
     benchmark:

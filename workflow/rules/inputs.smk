@@ -4,11 +4,11 @@ rule hash_inputs:
         pinned=pinned_input_files,
     output:
         "results/computations/{cdigest}/inputs.json",
-    params:
-        input_root=INPUT_ROOT,
     log:
         "logs/hash_inputs/{cdigest}.log",
     conda:
         "../../envs/minifield.yaml"
+    params:
+        input_root=computation_input_root,
     script:
         "../scripts/hash_inputs.py"

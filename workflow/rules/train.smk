@@ -5,22 +5,23 @@ rule train:
         recipe="results/computations/{cdigest}/recipe.json",
         inputs="results/computations/{cdigest}/inputs.json",
         examples=examples_manifest,
+        fetched=fetched_input_root,
     output:
         result="results/computations/{cdigest}/train/result.json",
         export=directory("results/computations/{cdigest}/train/export"),
-    params:
-        input_root=INPUT_ROOT,
-        work_dir=work_dir,
-        record_state_hashes=config["train"]["record_state_hashes"],
-        allow_environment_change=config["train"]["allow_environment_change"],
-    resources:
-        gpu=config["train"]["gpus"],
-    retries: config["train"]["retries"]
     log:
         "logs/train/{cdigest}.log",
     benchmark:
         "results/benchmarks/train/{cdigest}.tsv"
+    retries: config["train"]["retries"]
     conda:
         "../../envs/minifield.yaml"
+    resources:
+        gpu=config["train"]["gpus"],
+    params:
+        input_root=computation_input_root,
+        work_dir=work_dir,
+        record_state_hashes=config["train"]["record_state_hashes"],
+        allow_environment_change=config["train"]["allow_environment_change"],
     script:
         "../scripts/train.py"

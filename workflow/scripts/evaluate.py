@@ -9,5 +9,6 @@ stages.evaluate(
     Path(snakemake.input.recipe),  # noqa: F821
     Path(snakemake.input.result),  # noqa: F821
     Path(snakemake.input.examples).parent,  # noqa: F821
-    Path(snakemake.output[0]),  # noqa: F821
+    Path(snakemake.output.metrics),  # noqa: F821
+    Path(snakemake.output.selected_export),  # noqa: F821
 )

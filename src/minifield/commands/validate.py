@@ -6,10 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from .. import recipe as recipes
-
 
 def run(args) -> int:
+    from .. import recipe as recipes  # imports JAX: only when this command runs
+
     try:
         recipe = recipes.load(args.recipe)
     except recipes.RecipeError as exc:

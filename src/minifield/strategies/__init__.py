@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Program, Strategy
 from .linear_momentum import LinearMomentum
+from .packed_sft import PackedSFT
 
 _REGISTRY: dict[tuple[str, str], Strategy] = {}
 
@@ -21,5 +22,6 @@ def available() -> list[Strategy]:
 
 
 register(LinearMomentum())
+register(PackedSFT())
 
 __all__ = ["Program", "Strategy", "available", "get", "register"]

@@ -1,0 +1,34 @@
+"""``minifield make-demo-data DIR``: write the deterministic demo dataset (train/dev/test JSONL)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import sft_data
+
+
+def run(args) -> int:
+    pins = sft_data.write_demo(args.directory, seed=args.seed)
+    print(
+        json.dumps(
+            {
+                split: {"path": str(args.directory / f"{split}.jsonl"), "sha256": sha}
+                for split, sha in pins.items()
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "make-demo-data",
+        help="write the packed-sft demo dataset (reverse 3-6 letter strings) as JSONL splits",
+    )
+    parser.add_argument("directory", type=Path, help="where train/dev/test.jsonl are written")
+    parser.add_argument(
+        "--seed", type=int, default=sft_data.DEMO_SEED, help="generator seed (default: the demo's)"
+    )
+    parser.set_defaults(func=run)

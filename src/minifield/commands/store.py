@@ -1,0 +1,160 @@
+"""``minifield store``: publish, activate, roll back and inspect artifacts in the publication store.
+
+Exit codes: 0 success; 1 refused (a check failed: the reasons are printed, the
+pointer is unchanged); 2 bad request (unknown id, unreadable input, incoherent
+provenance); 3 the store is locked by another writer past ``--lock-timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from .. import store as stores
+
+EXIT_REFUSED, EXIT_BAD_REQUEST, EXIT_LOCKED = 1, 2, 3
+
+
+def default_store_dir(config: Path) -> Path:
+    """``store.dir`` from the workflow config when it exists, else ``results/store``."""
+    if config.is_file():
+        try:
+            document = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError:
+            document = {}
+        directory = (document.get("store") or {}).get("dir") if isinstance(document, dict) else None
+        if directory:
+            return Path(directory)
+    return Path(stores.DEFAULT_DIR)
+
+
+def _print(value) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def run(args) -> int:
+    root = args.store if args.store is not None else default_store_dir(args.config)
+    store = stores.Store(root, lock_timeout=None if args.lock_timeout < 0 else args.lock_timeout)
+    try:
+        if args.action == "publish":
+            content_id, created = store.publish(
+                args.export_dir,
+                recipe_json=args.recipe,
+                train_result=args.train_result,
+                metrics=args.metrics,
+                proof=args.proof,
+                no_proof=args.no_proof,
+            )
+            print(
+                f"minifield store: {'published' if created else 'already published'} {content_id} "
+                f"in {root} (not activated)",
+                file=sys.stderr,
+            )
+            print(content_id)
+        elif args.action in ("activate", "rollback"):
+            report = store.activate(args.id) if args.action == "activate" else store.rollback()
+            pointer = report["pointer"]
+            print(
+                f"minifield store: {args.action}: current {pointer['current']} "
+                f"(previous {pointer['previous']})"
+                + ("" if report["changed"] else "; it was already current, pointer unchanged"),
+                file=sys.stderr,
+            )
+            _print(
+                {
+                    "action": args.action,
+                    "changed": report["changed"],
+                    "current": pointer["current"],
+                    "previous": pointer["previous"],
+                    "reevaluation": report["reevaluation"],
+                    "acceptance": report["acceptance"],
+                }
+            )
+        elif args.action == "verify":
+            _print(store.check(args.id))
+        elif args.action == "show":
+            if args.id:
+                _print({"content_id": args.id, "manifest": store.manifest(args.id)})
+            else:
+                _print({"store": str(root), **store.read_pointer()})
+        elif args.action == "list":
+            _print(store.list())
+        return 0
+    except stores.Refused as exc:
+        what = f" {exc.content_id}" if exc.content_id else ""
+        print(
+            f"minifield store: {args.action}{what} refused; {root / stores.POINTER} unchanged:",
+            file=sys.stderr,
+        )
+        for reason in exc.reasons:
+            print(f"  - {reason}", file=sys.stderr)
+        return EXIT_REFUSED
+    except stores.LockTimeout as exc:
+        print(f"minifield store: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+    except (stores.StoreError, OSError, ValueError) as exc:
+        print(f"minifield store: {args.action}: {exc}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "store",
+        help="publication store: publish, activate, rollback, show, list, verify",
+        description=(
+            "A content-addressed, single-writer local store. Publishing never activates; "
+            "activation re-checks everything and re-runs acceptance before moving active.json. "
+            "Exit: 0 ok, 1 refused, 2 bad request, 3 locked."
+        ),
+    )
+    parser.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"store directory (default: store.dir of --config, else {stores.DEFAULT_DIR})",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path("config/config.yaml"),
+        help="workflow config to read store.dir from when --store is not given",
+    )
+    parser.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a writer waits for the store lock (0: fail at once, negative: forever)",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    publish = actions.add_parser(
+        "publish", help="publish an export directory (prints the content id)"
+    )
+    publish.add_argument("export_dir", type=Path, metavar="EXPORT_DIR")
+    publish.add_argument("--recipe", type=Path, help="validated recipe (recipe.json) of the run")
+    publish.add_argument("--train-result", type=Path, help="train result.json of the run")
+    publish.add_argument(
+        "--metrics", type=Path, help="evaluation metrics.json (declared validation)"
+    )
+    proof = publish.add_mutually_exclusive_group()
+    proof.add_argument("--proof", type=Path, help="recovery proof.json of the computation")
+    proof.add_argument(
+        "--no-proof",
+        metavar="REASON",
+        help="publish without a recovery proof, saying why (the artifact cannot be activated)",
+    )
+
+    activate = actions.add_parser("activate", help="check an artifact and make it current")
+    activate.add_argument("id", metavar="ID")
+    actions.add_parser("rollback", help="re-activate the previous artifact (same checks)")
+    show = actions.add_parser("show", help="the pointer, or the manifest of ID")
+    show.add_argument("id", nargs="?", metavar="ID")
+    actions.add_parser("list", help="every published artifact and whether it is current/previous")
+    verify = actions.add_parser("verify", help="run every activation check without activating")
+    verify.add_argument("id", metavar="ID")
+    parser.set_defaults(func=run)

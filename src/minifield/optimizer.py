@@ -1,0 +1,130 @@
+"""AdamW with linear warmup, a decay schedule and global-norm gradient clipping (optax).
+
+Keys read from a recipe's ``training`` section (others are ignored) and their defaults:
+
+=========================== ========= ===================================================
+key                         default   meaning
+=========================== ========= ===================================================
+learning_rate               1e-3      peak learning rate
+warmup_steps                10        updates of linear warmup (0: none)
+decay                       cosine    ``cosine`` | ``linear`` | ``constant`` after warmup
+min_learning_rate_ratio     0.1       final learning rate as a fraction of the peak
+weight_decay                0.01      decoupled weight decay (matrices only, see below)
+b1                          0.9       Adam first-moment decay
+b2                          0.99      Adam second-moment decay
+eps                         1e-8      Adam epsilon
+grad_clip_norm              1.0       clip the global gradient norm to this (0: no clipping)
+=========================== ========= ===================================================
+
+Schedule, with ``s`` the number of updates already applied (0 for the first update),
+``W`` the warmup steps, ``S`` = ``max_steps``, peak ``P`` and floor ``m = P * ratio``:
+
+- warmup, ``s < W``: ``P * (s + 1) / W`` (the first update already moves);
+- then, with ``progress = clip((s - W) / (S - W), 0, 1)``:
+  cosine ``m + (P - m) * (1 + cos(pi * progress)) / 2``, linear
+  ``P + (m - P) * progress``, constant ``P``.
+
+Weight decay applies to parameters with two or more dimensions (weight matrices and
+embedding tables), not to biases or LayerNorm parameters. The optimizer state's moment
+estimates have the parameters' dtype (FP32); its step counters are int32 scalars.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+DEFAULTS = {
+    "learning_rate": 1e-3,
+    "warmup_steps": 10,
+    "decay": "cosine",
+    "min_learning_rate_ratio": 0.1,
+    "weight_decay": 0.01,
+    "b1": 0.9,
+    "b2": 0.99,
+    "eps": 1e-8,
+    "grad_clip_norm": 1.0,
+}
+DECAYS = ("cosine", "linear", "constant")
+
+
+def _settings(training: dict, max_steps: int) -> dict:
+    s = {key: training.get(key, default) for key, default in DEFAULTS.items()}
+    errors = []
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        errors.append(f"limits.max_steps: expected a positive integer, got {max_steps!r}")
+    if not (isinstance(s["learning_rate"], int | float) and s["learning_rate"] > 0):
+        errors.append(f"training.learning_rate: expected a number > 0, got {s['learning_rate']!r}")
+    warm = s["warmup_steps"]
+    if isinstance(warm, bool) or not isinstance(warm, int) or warm < 0:
+        errors.append(f"training.warmup_steps: expected an integer >= 0, got {warm!r}")
+    if s["decay"] not in DECAYS:
+        errors.append(f"training.decay: expected one of {DECAYS}, got {s['decay']!r}")
+    ratio = s["min_learning_rate_ratio"]
+    if not (isinstance(ratio, int | float) and 0 <= ratio <= 1):
+        errors.append(
+            f"training.min_learning_rate_ratio: expected a number in [0, 1], got {ratio!r}"
+        )
+    for key, low, high in (("b1", 0, 1), ("b2", 0, 1)):
+        v = s[key]
+        if not (isinstance(v, int | float) and low <= v < high):
+            errors.append(f"training.{key}: expected a number in [{low}, {high}), got {v!r}")
+    for key in ("weight_decay", "grad_clip_norm"):
+        v = s[key]
+        if not (isinstance(v, int | float) and v >= 0 and math.isfinite(v)):
+            errors.append(f"training.{key}: expected a finite number >= 0, got {v!r}")
+    if not (isinstance(s["eps"], int | float) and s["eps"] > 0):
+        errors.append(f"training.eps: expected a number > 0, got {s['eps']!r}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    return s
+
+
+def make_schedule(training: dict, max_steps: int):
+    """The learning-rate schedule ``s -> lr`` (a jittable function of the update count)."""
+    s = _settings(training, max_steps)
+    peak = float(s["learning_rate"])
+    floor = peak * float(s["min_learning_rate_ratio"])
+    warmup = int(s["warmup_steps"])
+    decay_steps = max(max_steps - warmup, 1)
+    decay = s["decay"]
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32)
+        warm = peak * (step + 1.0) / max(warmup, 1)
+        progress = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
+        if decay == "cosine":
+            after = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        elif decay == "linear":
+            after = peak + (floor - peak) * progress
+        else:
+            after = jnp.full_like(progress, peak)
+        return jnp.where(step < warmup, warm, after)
+
+    return schedule
+
+
+def _decay_mask(params):
+    return jax.tree_util.tree_map(lambda leaf: leaf.ndim >= 2, params)
+
+
+def make_optimizer(training: dict, max_steps: int) -> optax.GradientTransformation:
+    """``optax.chain(clip_by_global_norm, adamw(schedule))`` per the module docstring."""
+    s = _settings(training, max_steps)
+    parts = []
+    if s["grad_clip_norm"] > 0:
+        parts.append(optax.clip_by_global_norm(float(s["grad_clip_norm"])))
+    parts.append(
+        optax.adamw(
+            make_schedule(training, max_steps),
+            b1=float(s["b1"]),
+            b2=float(s["b2"]),
+            eps=float(s["eps"]),
+            weight_decay=float(s["weight_decay"]),
+            mask=_decay_mask,
+        )
+    )
+    return optax.chain(*parts)

@@ -1,0 +1,178 @@
+"""Supervised examples: JSONL reading, the token layout of one example, and the demo dataset.
+
+A supervised file is JSONL, one example per line, in either form::
+
+    {"prompt": "abc", "response": "cba"}
+    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+
+A chat example trains on its *last* message, which must come from the
+assistant; every earlier message becomes the prompt, rendered as
+``<role>: <content>\\n`` lines. Blank lines are skipped. A bad row stops the
+read with ``file:line`` and what was expected.
+
+Token layout of one example (the loss covers the response and its ``<eos>``)::
+
+    <bos> prompt-tokens <sep> response-tokens <eos>
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from .atomic import write_bytes
+from .digest import sha256_bytes
+from .tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(Exception):
+    """A supervised data file that cannot be read as examples; the message names file:line."""
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    response: str
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One example as tokens: ``prompt`` = ``<bos> p <sep>``; ``response`` = ``r <eos>``."""
+
+    prompt: list[int]
+    response: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.response
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+
+def _from_chat(messages, where: str) -> Example:
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise DataError(f"{where}: 'messages' must be a list of at least two messages")
+    for index, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or message["role"] not in ROLES
+            or not isinstance(message["content"], str)
+        ):
+            raise DataError(
+                f"{where}: messages[{index}] must be {{'role': one of {list(ROLES)}, "
+                f"'content': string}} (got {message!r})"
+            )
+    if messages[-1]["role"] != "assistant":
+        raise DataError(
+            f"{where}: the last message is from {messages[-1]['role']!r}; training needs it "
+            "to be the assistant's (it is the response)"
+        )
+    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
+    return Example(prompt, messages[-1]["content"])
+
+
+def parse_row(row, where: str) -> Example:
+    """One decoded JSON value → Example, or DataError naming ``where``."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        if set(row) != {"messages"}:
+            raise DataError(f"{where}: a chat row has only 'messages' (got keys {sorted(row)})")
+        return _from_chat(row["messages"], where)
+    if set(row) != {"prompt", "response"}:
+        raise DataError(
+            f"{where}: expected keys 'prompt' and 'response' (or 'messages'), got {sorted(row)}"
+        )
+    if not isinstance(row["prompt"], str) or not isinstance(row["response"], str):
+        raise DataError(f"{where}: 'prompt' and 'response' must be strings")
+    if not row["response"]:
+        raise DataError(f"{where}: 'response' is empty (nothing to train on)")
+    return Example(row["prompt"], row["response"])
+
+
+def read_jsonl(path: Path) -> list[Example]:
+    """Every example of a supervised JSONL file; raises DataError with ``file:line`` on a bad row."""
+    examples = []
+    try:
+        handle = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
+    with handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
+                examples.append(parse_row(row, where))
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
+    if not examples:
+        raise DataError(f"{path}: no examples (the file is empty)")
+    return examples
+
+
+def encode(example: Example, tokenizer: Tokenizer) -> Encoded:
+    prompt = [tokenizer.bos_id, *tokenizer.encode(example.prompt), tokenizer.sep_id]
+    response = [*tokenizer.encode(example.response), tokenizer.eos_id]
+    return Encoded(prompt, response)
+
+
+# -- the demo dataset -------------------------------------------------------------------------
+
+DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}
+DEMO_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+DEMO_LENGTHS = (3, 6)
+DEMO_SEED = 20260101
+
+
+def demo_examples(
+    seed: int = DEMO_SEED, sizes: dict[str, int] | None = None
+) -> dict[str, list[Example]]:
+    """Reverse a 3–6 letter string: disjoint train/dev/test splits, answers checkable exactly.
+
+    Deterministic in ``seed`` (Python's ``random.Random`` sequence is stable
+    across versions for ``randrange``); no string occurs in two splits.
+    """
+    sizes = dict(sizes or DEMO_SPLITS)
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: dict[str, list[Example]] = {}
+    low, high = DEMO_LENGTHS
+    for split, count in sizes.items():
+        rows = []
+        while len(rows) < count:
+            length = low + rng.randrange(high - low + 1)
+            word = "".join(DEMO_ALPHABET[rng.randrange(len(DEMO_ALPHABET))] for _ in range(length))
+            if word in seen:
+                continue
+            seen.add(word)
+            rows.append(Example(word, word[::-1]))
+        splits[split] = rows
+    return splits
+
+
+def to_jsonl(examples: list[Example]) -> bytes:
+    return "".join(
+        json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples
+    ).encode("utf-8")
+
+
+def write_demo(directory: Path, seed: int = DEMO_SEED) -> dict[str, str]:
+    """Write ``{split}.jsonl`` into ``directory``; returns split → sha256 (for recipe pins)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pins = {}
+    for split, rows in demo_examples(seed).items():
+        data = to_jsonl(rows)
+        write_bytes(directory / f"{split}.jsonl", data)
+        pins[split] = sha256_bytes(data)
+    return pins

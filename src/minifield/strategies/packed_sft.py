@@ -1,0 +1,467 @@
+"""``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
+
+Inputs (pinned JSONL, see :mod:`minifield.sft_data`): ``train``, ``dev``,
+``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
+``tokenizers-json``. The prepare stage packs each split into rows
+(:mod:`minifield.packing`) and keeps the DEV/TEST prompts with their expected
+answers for exact-match evaluation by greedy generation.
+
+The rows of update ``n`` are a pure function of (seed, n): the row order of
+epoch ``e`` is a fixed permutation drawn from ``(seed, e)``, so a resumed run
+needs no iterator replay and sees exactly the rows the uninterrupted run saw.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import export, packing, sft_data
+from .. import tokenizer as tokenizers
+from ..digest import sha256_bytes
+from ..state import named_arrays, restore_like
+from .base import Program, Strategy
+
+SPLITS = ("train", "dev", "test")
+ROW_FIELDS = ("tokens", "segments", "positions", "loss_mask")
+PREPARE_VERSION = 1
+#: files an export carries besides its weights (so the store can re-evaluate it alone)
+EXPORT_DEV_FILE = "dev.jsonl"
+EXPORT_TOKENIZER_FILE = "tokenizer.json"
+
+
+def _model_api():
+    """The transformer, optimizer and step (imported late: validation must not need them)."""
+    from .. import model, optimizer, sft_step
+
+    return model, optimizer, sft_step
+
+
+def model_config(recipe: dict, vocab_size: int):
+    model, _, _ = _model_api()
+    section = recipe["model"]
+    return model.ModelConfig(
+        vocab_size=vocab_size,
+        d_model=section["d_model"],
+        n_layers=section["n_layers"],
+        n_heads=section["n_heads"],
+        d_ff=section["d_ff"],
+        max_len=recipe["training"]["seq_len"],
+        positions=section["positions"],
+        tie_embeddings=section["tie_embeddings"],
+        compute_dtype=section["compute_dtype"],
+    )
+
+
+def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
+    """Row permutation of one epoch: a pure function of (seed, epoch)."""
+    return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n_rows)
+
+
+def rows_for_step(seed: int, step: int, batch_size: int, n_rows: int) -> np.ndarray:
+    """Indices of the packed rows update ``step`` (0-based) trains on."""
+    start = step * batch_size
+    out = np.empty(batch_size, dtype=np.int64)
+    for j in range(batch_size):
+        epoch, within = divmod(start + j, n_rows)
+        out[j] = epoch_order(seed, epoch, n_rows)[within]
+    return out
+
+
+def _tokenizer_from_examples(recipe: dict, arrays: dict[str, np.ndarray]) -> tokenizers.Tokenizer:
+    settings = recipe["model"]["tokenizer"]
+    if settings["kind"] == "byte":
+        return tokenizers.byte_tokenizer()
+    return tokenizers.from_bytes(
+        np.asarray(arrays["tokenizer_json"]).tobytes(), settings.get("special_tokens")
+    )
+
+
+def _encode_split(path: Path, tokenizer) -> list[sft_data.Encoded]:
+    return [sft_data.encode(e, tokenizer) for e in sft_data.read_jsonl(path)]
+
+
+def _eval_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, dict]:
+    """Packed rows of a split plus its prompts/answers for generation (whole examples only)."""
+    training = recipe["training"]
+    packed = packing.pack(encoded, training["seq_len"], training["overlong"], pad_id)
+    whole = [e for e in encoded if len(e) <= training["seq_len"]]
+    limit = recipe["evaluation"]["max_generate_examples"]
+    arrays = {f"{split}_{k}": v for k, v in packed.arrays.items()}
+    generation = packing.prompts_and_answers(whole[:limit], pad_id)
+    arrays.update({f"{split}_{k}": v for k, v in generation.items()})
+    return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
+
+
+class Evaluator:
+    """DEV/TEST loss over packed rows and greedy exact-match, jit-compiled once per shape."""
+
+    def __init__(self, cfg, batch_size: int, eos_id: int, pad_id: int):
+        model, _, _ = _model_api()
+        self.model, self.cfg = model, cfg
+        self.batch_size, self.eos_id, self.pad_id = batch_size, eos_id, pad_id
+        self._loss = jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
+
+    def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
+        """Mean loss per trained token and perplexity, summed over every row (padding batches
+        repeat row 0 with an all-zero loss mask, so they add nothing)."""
+        n = rows["tokens"].shape[0]
+        total, count = 0.0, 0.0
+        for start in range(0, n, self.batch_size):
+            index = np.arange(start, start + self.batch_size)
+            valid = index < n
+            index = np.where(valid, index, 0)
+            batch = {k: np.asarray(rows[k][index]) for k in ROW_FIELDS}
+            batch["loss_mask"] = batch["loss_mask"] * valid[:, None].astype(np.float32)
+            out = self._loss(params, batch)
+            total += float(out["loss_sum"])
+            count += float(out["tokens"])
+        mean = total / count if count else float("nan")
+        return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else float("inf")}
+
+    def exact_match(self, params, prompts, prompt_len, answers, answer_len) -> dict[str, float]:
+        """Share of prompts whose greedy continuation is the answer followed by ``<eos>``.
+
+        ``answers`` end with ``<eos>``; generation may produce as many tokens as
+        the longest answer holds (``<eos>`` included), so a continuation that
+        does not stop right after the answer has an extra token and never matches.
+        Prompts go in fixed-size chunks (the last padded with repeats) so one
+        compilation serves every chunk.
+        """
+        n = int(prompts.shape[0])
+        if n == 0:
+            return {"exact_match": float("nan"), "generated": 0}
+        max_new = int(np.max(answer_len))
+        correct = 0
+        for start in range(0, n, self.batch_size):
+            index = [min(i, n - 1) for i in range(start, start + self.batch_size)]
+            chunk = [np.asarray(prompts[i, : prompt_len[i]]).tolist() for i in index]
+            outputs = self.model.greedy_generate_batch(
+                params, self.cfg, chunk, max_new, self.eos_id
+            )
+            for i, new in zip(range(start, min(start + self.batch_size, n)), outputs, strict=False):
+                expected = np.asarray(answers[i, : answer_len[i] - 1]).tolist()
+                correct += new == expected
+        return {"exact_match": correct / n, "generated": n}
+
+    def split_metrics(self, params, arrays: dict[str, np.ndarray], split: str) -> dict[str, float]:
+        rows = {k: arrays[f"{split}_{k}"] for k in ROW_FIELDS}
+        loss = self.loss(params, rows)
+        match = self.exact_match(
+            params,
+            arrays[f"{split}_prompts"],
+            arrays[f"{split}_prompt_len"],
+            arrays[f"{split}_answers"],
+            arrays[f"{split}_answer_len"],
+        )
+        return {
+            f"{split}_loss": loss["loss"],
+            f"{split}_perplexity": loss["perplexity"],
+            f"{split}_exact_match": match["exact_match"],
+            f"{split}_generated": match["generated"],
+        }
+
+
+class PackedSFTProgram(Program):
+    def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
+        model, optimizer, sft_step = _model_api()
+        self.recipe = recipe
+        self.arrays = arrays
+        training = recipe["training"]
+        self.tokenizer = _tokenizer_from_examples(recipe, arrays)
+        self.cfg = model_config(recipe, self.tokenizer.vocab_size)
+        self.seed = training["seed"]
+        self.batch_size = training["batch_size"]
+        self.n_rows = int(arrays["train_tokens"].shape[0])
+        self.examples_per_step = self.batch_size
+        self.tokens_per_step = self.batch_size * training["seq_len"]
+        self.eval_every = recipe["evaluation"]["eval_every"]
+        max_steps = recipe["limits"]["max_steps"]
+        self.optimizer = optimizer.make_optimizer(training, max_steps)
+        self._step_fn = sft_step.make_train_step(self.cfg, self.optimizer)
+        self._init = sft_step.init_train_state
+        self._compiled = None
+        self.evaluator = Evaluator(
+            self.cfg,
+            recipe["evaluation"]["batch_size"],
+            self.tokenizer.eos_id,
+            self.tokenizer.pad_id,
+        )
+
+    def init_state(self) -> dict:
+        return self._init(self.cfg, self.optimizer, self.seed)
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
+        return {k: np.asarray(self.arrays[f"train_{k}"][index]) for k in ROW_FIELDS}
+
+    def compile(self) -> None:
+        abstract_state = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(self.init_state)
+        )
+        abstract_batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.batch(0).items()
+        }
+        fn = self._step_fn
+        if not hasattr(fn, "lower"):
+            fn = jax.jit(fn, donate_argnums=(0,))
+        self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+
+    def step(self, state: dict) -> tuple[dict, dict[str, float]]:
+        if self._compiled is None:
+            self.compile()
+        batch = self.batch(int(state["step"]))
+        new_state, metrics = self._compiled(state, batch)
+        jax.block_until_ready(new_state)
+        host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+        # the step's "tokens" counts trained targets; the event's "tokens" means tokens consumed
+        host["loss_tokens"] = host.pop("tokens", float("nan"))
+        host["examples"] = int(
+            np.count_nonzero((batch["positions"] == 0) & (batch["segments"] > 0))
+        )
+        host["tokens"] = int(np.count_nonzero(batch["segments"]))
+        return new_state, host
+
+    def evaluate(self, state: dict) -> dict[str, float]:
+        return self.evaluator.split_metrics(state["params"], self.arrays, "dev")
+
+    def evaluate_test(self, state: dict) -> dict[str, float]:
+        return self.evaluator.split_metrics(state["params"], self.arrays, "test")
+
+    def export(self, state: dict, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
+        (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
+        tokenizer_file = None
+        if "tokenizer_json" in self.arrays:
+            tokenizer_file = EXPORT_TOKENIZER_FILE
+            (directory / tokenizer_file).write_bytes(
+                np.asarray(self.arrays["tokenizer_json"]).tobytes()
+            )
+        export.write(
+            directory,
+            named_arrays(state["params"]),
+            export_config(self.recipe, self.cfg, self.tokenizer, tokenizer_file, dev_bytes),
+        )
+
+
+def export_config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
+    return {
+        "strategy": {"name": PackedSFT.name, "version": PackedSFT.version},
+        "model": cfg.to_dict(),
+        "tokenizer": tokenizer.config(tokenizer_file),
+        "layout": "<bos> prompt <sep> response <eos>",
+        "packing": {
+            "seq_len": recipe["training"]["seq_len"],
+            "overlong": recipe["training"]["overlong"],
+        },
+        "dev": {"file": EXPORT_DEV_FILE, "sha256": sha256_bytes(dev_bytes)},
+    }
+
+
+class ExportedModel:
+    """An exported packed-sft model: parameters, config and tokenizer, ready to generate."""
+
+    def __init__(self, directory: Path):
+        model, _, _ = _model_api()
+        self.directory = Path(directory)
+        flat, self.config = export.read(self.directory)
+        if self.config.get("strategy", {}).get("name") != PackedSFT.name:
+            raise export.ExportError(
+                f"{self.directory / export.MODEL_FILE}: not a packed-sft export "
+                f"(strategy {self.config.get('strategy')!r})"
+            )
+        self.model = model
+        self.cfg = model.ModelConfig.from_dict(self.config["model"])
+        self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+        template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
+        template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
+        try:
+            self.params = restore_like(template, flat)
+        except ValueError as exc:
+            raise export.ExportError(f"{self.directory}: {exc}") from exc
+
+    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
+        encoded = sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer)
+        ids = encoded.prompt
+        budget = min(max_new_tokens, self.cfg.max_len - len(ids))
+        if budget <= 0:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; the model's maximum length is {self.cfg.max_len}"
+            )
+        out = self.model.greedy_generate(self.params, self.cfg, ids, budget, self.tokenizer.eos_id)
+        return self.tokenizer.decode(out)
+
+
+class PackedSFT(Strategy):
+    name = "packed-sft"
+    version = "12.0.0"
+    description = (
+        "Supervised fine-tuning of a decoder-only transformer on packed sequences (segment ids, "
+        "per-segment positions, block-diagonal causal attention, loss on response tokens only); "
+        "AdamW with warmup and decay, global-norm clipping, BF16 compute by default; DEV loss and "
+        "greedy exact-match evaluation; export for generation."
+    )
+    schema_file = "strategy-packed-sft.schema.json"
+    default_max_steps = 300
+    default_every_steps = 50
+    selection_metric = ("dev_loss", "min")
+
+    def check(self, recipe: dict) -> list[dict]:
+        errors = []
+        names = [i["name"] for i in recipe.get("inputs", [])]
+        wanted = list(SPLITS)
+        tokenizer = recipe["model"]["tokenizer"]
+        if tokenizer["kind"] == "tokenizers-json":
+            wanted.append(tokenizer["input"])
+        missing = [n for n in wanted if n not in names]
+        if missing:
+            errors.append(
+                {
+                    "path": "/inputs",
+                    "message": f"packed-sft needs pinned inputs named {wanted}; missing {missing}",
+                }
+            )
+        unknown = [n for n in names if n not in wanted]
+        if unknown:
+            errors.append(
+                {
+                    "path": "/inputs",
+                    "message": f"packed-sft accepts only inputs {wanted}; got unexpected {unknown}",
+                }
+            )
+        model = recipe["model"]
+        if model["d_model"] % model["n_heads"]:
+            errors.append(
+                {
+                    "path": "/model/n_heads",
+                    "message": f"must divide model.d_model={model['d_model']} (got {model['n_heads']})",
+                }
+            )
+        elif model["positions"] == "rotary" and (model["d_model"] // model["n_heads"]) % 2:
+            errors.append(
+                {
+                    "path": "/model/positions",
+                    "message": "rotary positions need an even head width (d_model / n_heads)",
+                }
+            )
+        if tokenizer["kind"] == "byte" and (tokenizer.get("special_tokens") or {}):
+            errors.append(
+                {
+                    "path": "/model/tokenizer/special_tokens",
+                    "message": "only for kind tokenizers-json (the byte tokenizer's are fixed)",
+                }
+            )
+        evaluation = recipe["evaluation"]
+        if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
+            errors.append(
+                {
+                    "path": "/evaluation/min_dev_exact_match",
+                    "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
+                    "generated from, so exact-match could never be measured)",
+                }
+            )
+        warmup = recipe["training"]["warmup_steps"]
+        if warmup >= recipe["limits"]["max_steps"]:
+            errors.append(
+                {
+                    "path": "/training/warmup_steps",
+                    "message": f"must be below limits.max_steps={recipe['limits']['max_steps']} "
+                    f"(got {warmup})",
+                }
+            )
+        return errors
+
+    def data_spec(self, recipe: dict) -> dict:
+        pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
+        training, evaluation = recipe["training"], recipe["evaluation"]
+        return {
+            "strategy": self.name,
+            "prepare_version": PREPARE_VERSION,
+            "inputs": pinned,
+            "tokenizer": recipe["model"]["tokenizer"],
+            "seq_len": training["seq_len"],
+            "overlong": training["overlong"],
+            "max_generate_examples": evaluation["max_generate_examples"],
+        }
+
+    def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
+        tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
+        training = recipe["training"]
+        arrays: dict[str, np.ndarray] = {}
+        meta: dict[str, Any] = {"tokenizer": tokenizer.config(), "splits": {}}
+        for split in SPLITS:
+            encoded = _encode_split(files[split], tokenizer)
+            if split == "train":
+                packed = packing.pack(
+                    encoded, training["seq_len"], training["overlong"], tokenizer.pad_id
+                )
+                if packed.stats["rows"] == 0:
+                    raise sft_data.DataError(
+                        f"{files[split]}: no example fits training.seq_len={training['seq_len']}"
+                    )
+                arrays.update({f"train_{k}": v for k, v in packed.arrays.items()})
+                meta["splits"][split] = packed.stats
+            else:
+                split_arrays, stats = _eval_arrays(split, encoded, recipe, tokenizer.pad_id)
+                arrays.update(split_arrays)
+                meta["splits"][split] = stats
+        arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
+        if tokenizer.kind == "tokenizers-json":
+            arrays["tokenizer_json"] = np.frombuffer(
+                files[recipe["model"]["tokenizer"]["input"]].read_bytes(), dtype=np.uint8
+            )
+        meta["packing_efficiency"] = meta["splits"]["train"]["efficiency"]
+        return arrays, meta
+
+    def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
+        return PackedSFTProgram(recipe, examples)
+
+    def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
+        evaluation = recipe["evaluation"]
+        checks = []
+
+        def add(name, threshold, ok):
+            value = metrics.get(name)
+            passed = value is not None and np.isfinite(value) and ok(value)
+            checks.append(
+                {"name": name, "value": value, "threshold": threshold, "passed": bool(passed)}
+            )
+
+        if evaluation["max_generate_examples"] > 0:
+            add(
+                "dev_exact_match",
+                evaluation["min_dev_exact_match"],
+                lambda v: v >= evaluation["min_dev_exact_match"],
+            )
+        if evaluation["max_dev_loss"] is not None:
+            add("dev_loss", evaluation["max_dev_loss"], lambda v: v <= evaluation["max_dev_loss"])
+        return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+    def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
+        """DEV metrics from the export alone: its weights, its tokenizer and its copy of the
+        DEV split, which must be the file this recipe pins as ``dev``."""
+        exported = ExportedModel(Path(export_dir))
+        dev = exported.config["dev"]
+        dev_path = Path(export_dir) / dev["file"]
+        data = dev_path.read_bytes() if dev_path.is_file() else b""
+        pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
+        actual = sha256_bytes(data)
+        if actual != dev["sha256"] or actual != pinned:
+            raise export.ExportError(
+                f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
+                f"recipe pins {pinned}"
+            )
+        encoded = _encode_split(dev_path, exported.tokenizer)
+        arrays, _ = _eval_arrays("dev", encoded, recipe, exported.tokenizer.pad_id)
+        evaluator = Evaluator(
+            exported.cfg,
+            recipe["evaluation"]["batch_size"],
+            exported.tokenizer.eos_id,
+            exported.tokenizer.pad_id,
+        )
+        return evaluator.split_metrics(exported.params, arrays, "dev")

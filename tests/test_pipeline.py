@@ -1,0 +1,161 @@
+"""Real Snakemake runs of the pipeline on the small linear workload."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import yaml
+from conftest import REPO, run_worker
+
+
+def snakemake(workdir, *extra, check=True):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--cores",
+            "1",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def make_project(tmp_path, recipe_edit=None):
+    """A user's project directory: config, one recipe, its pinned data."""
+    shutil.copytree(REPO / "data" / "linear", tmp_path / "data" / "linear")
+    recipe = yaml.safe_load((REPO / "config" / "recipes" / "linear-demo.yaml").read_text())
+    if recipe_edit:
+        recipe_edit(recipe)
+    (tmp_path / "config" / "recipes").mkdir(parents=True)
+    (tmp_path / "config" / "recipes" / "linear.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "config" / "config.yaml").write_text(
+        yaml.safe_dump(
+            {"recipes": ["config/recipes/linear.yaml"], "input_root": "data", "work_dir": "work"}
+        )
+    )
+    return tmp_path / "config" / "recipes" / "linear.yaml"
+
+
+def digest_of(recipe_path):
+    verdict = json.loads(
+        run_worker("--job", recipe_path, "--validate-only", check_codes=[0]).stdout
+    )
+    return verdict["computation_digest"]
+
+
+def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(tmp_path):
+    recipe_path = make_project(tmp_path)
+    snakemake(tmp_path)
+    digest = digest_of(recipe_path)
+    cdir = tmp_path / "results" / "computations" / digest[:16]
+    metrics = json.loads((cdir / "eval" / "metrics.json").read_text())
+    assert metrics["computation_digest"] == digest
+    assert metrics["acceptance"]["passed"] is True
+    assert metrics["selection"]["split"] == "dev"
+    assert [c["step"] for c in metrics["checkpoints"]] == [2, 4, 6, 8]  # keep: 4 of cadence 2
+    result = json.loads((cdir / "train" / "result.json").read_text())
+    assert (
+        result["status"] == "completed"
+        and result["final_state_hash"] == metrics["final_state_hash"]
+    )
+    inputs = json.loads((cdir / "inputs.json").read_text())["inputs"]
+    assert inputs[0]["name"] == "examples"
+    # Attempts and checkpoints are in the work dir, never in results/.
+    assert (tmp_path / "work" / digest[:16] / "attempts").is_dir()
+    assert not list((tmp_path / "results").rglob("checkpoints"))
+
+    again = snakemake(tmp_path)
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+    before = (cdir / "eval" / "metrics.json").read_bytes()
+    recipe = yaml.safe_load(recipe_path.read_text())
+    recipe["training"]["learning_rate"] = 0.05
+    recipe_path.write_text(yaml.safe_dump(recipe))
+    snakemake(tmp_path)
+    new_digest = digest_of(recipe_path)
+    assert new_digest != digest
+    assert (
+        tmp_path / "results" / "computations" / new_digest[:16] / "eval" / "metrics.json"
+    ).is_file()
+    assert (cdir / "eval" / "metrics.json").read_bytes() == before
+
+
+def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
+    reference_dir = tmp_path / "reference"
+    reference_recipe = make_project(reference_dir)
+    digest = digest_of(reference_recipe)[:16]
+    run_worker(
+        "--job",
+        reference_recipe,
+        "--input-root",
+        reference_dir / "data",
+        "--output-root",
+        tmp_path / "ref-out",
+        "--attempt-id",
+        "ref",
+        check_codes=[0],
+    )
+    reference = json.loads(
+        (tmp_path / "ref-out" / "linear-demo" / "ref" / "result.json").read_text()
+    )
+
+    project = tmp_path / "project"
+    recipe_path = make_project(project)
+    attempts = project / "work" / digest / "attempts"
+    # A crashed attempt left behind in the work dir (hard exit after update 5: checkpoint 4 committed).
+    # Snakemake runs a 1-thread job with these thread settings; they are part of the fingerprint.
+    snakemake_threads = {
+        k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    }
+    run_worker(
+        "--job",
+        recipe_path,
+        "--input-root",
+        project / "data",
+        "--output-root",
+        attempts,
+        "--attempt-id",
+        "crashed",
+        "--fail-after-step",
+        "5",
+        check_codes=[1],
+        env=snakemake_threads,
+    )
+    snakemake(project)
+    result = json.loads(
+        (project / "results" / "computations" / digest / "train" / "result.json").read_text()
+    )
+    assert result["attempt_id"] != "crashed"
+    assert result["resumed_from"].endswith("crashed")
+    assert result["final_state_hash"] == reference["final_state_hash"]
+    events = [
+        json.loads(line)
+        for line in (project / result["attempt_dir"] / "events.jsonl").read_text().splitlines()
+    ]
+    assert next(e for e in events if e["type"] == "restored")["step"] == 4
+
+
+def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
+    def break_it(recipe):
+        recipe["training"]["momentum"] = 1.5
+
+    make_project(tmp_path, break_it)
+    proc = snakemake(tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "/training/momentum" in proc.stdout + proc.stderr
+    assert not (tmp_path / "results").exists()

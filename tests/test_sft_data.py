@@ -1,0 +1,115 @@
+"""Supervised JSONL reading (both forms, errors with file:line) and the demo dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from minifield import sft_data
+from minifield import tokenizer as tk
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_reads_prompt_response_and_chat_rows(tmp_path):
+    chat = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
+    path = _write(
+        tmp_path / "d.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), "", json.dumps(chat)]
+    )
+    rows = sft_data.read_jsonl(path)
+    assert rows == [
+        sft_data.Example("ab", "ba"),
+        sft_data.Example("system: be brief\nuser: hi\n", "hello"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps([1, 2]), "expected a JSON object, got list"),
+        (json.dumps({"prompt": "a"}), "expected keys 'prompt' and 'response'"),
+        (json.dumps({"prompt": "a", "response": 3}), "must be strings"),
+        (json.dumps({"prompt": "a", "response": ""}), "'response' is empty"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "at least two messages"),
+        (
+            json.dumps(
+                {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
+            ),
+            r"messages\[1\] must be",
+        ),
+        (
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "assistant", "content": "x"},
+                        {"role": "user", "content": "y"},
+                    ]
+                }
+            ),
+            "the last message is from 'user'",
+        ),
+    ],
+)
+def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, message):
+    good = json.dumps({"prompt": "a", "response": "b"})
+    path = _write(tmp_path / "bad.jsonl", [good, "", bad, good])
+    with pytest.raises(sft_data.DataError, match=message) as info:
+        sft_data.read_jsonl(path)
+    assert str(info.value).startswith(f"{path}:3: ")  # line 3, counting the blank line
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = _write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(sft_data.DataError, match="no examples"):
+        sft_data.read_jsonl(path)
+
+
+def test_encode_layout_is_bos_prompt_sep_response_eos():
+    tok = tk.byte_tokenizer()
+    encoded = sft_data.encode(sft_data.Example("ab", "c"), tok)
+    assert encoded.prompt == [257, ord("a"), ord("b"), 259]
+    assert encoded.response == [ord("c"), 258]
+    assert len(encoded) == 6
+
+
+def test_demo_generator_is_deterministic_checkable_and_disjoint():
+    splits = sft_data.demo_examples()
+    assert {k: len(v) for k, v in splits.items()} == {"train": 4000, "dev": 200, "test": 200}
+    words = [e.prompt for rows in splits.values() for e in rows]
+    assert len(words) == len(set(words))  # no string occurs twice, across splits too
+    for rows in splits.values():
+        for e in rows:
+            assert 3 <= len(e.prompt) <= 6 and e.prompt.isalpha() and e.response == e.prompt[::-1]
+
+
+def test_shipped_demo_files_are_what_make_demo_data_writes_and_the_recipe_pins(tmp_path, repo):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "minifield.cli", "make-demo-data", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    printed = json.loads(proc.stdout)
+    recipe = yaml.safe_load((repo / "config/recipes/sft-demo.yaml").read_text())
+    pins = {i["name"]: (i["path"], i["sha256"]) for i in recipe["inputs"]}
+    for split in ("train", "dev", "test"):
+        written = (out / f"{split}.jsonl").read_bytes()
+        shipped = (repo / "data" / pins[split][0]).read_bytes()
+        assert written == shipped
+        assert hashlib.sha256(shipped).hexdigest() == pins[split][1] == printed[split]["sha256"]

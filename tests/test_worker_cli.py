@@ -1,0 +1,393 @@
+"""The worker through real subprocesses: listing, validation, runs, kills, resumes."""
+
+import json
+import signal
+import subprocess
+
+import pytest
+from conftest import linear_recipe, read_events, run_worker, worker_command, write_recipe
+
+
+def run_dir(out, job="linear-test", attempt="a1"):
+    return out / job / attempt
+
+
+def result_of(out, attempt, job="linear-test"):
+    return json.loads((run_dir(out, job, attempt) / "result.json").read_text())
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "in").mkdir()
+    return write_recipe(tmp_path / "job.json", linear_recipe(limits={"max_steps": 12}))
+
+
+@pytest.fixture
+def reference(tmp_path, job):
+    """An uninterrupted run of the 12-update job."""
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        tmp_path / "ref",
+        "--attempt-id",
+        "ref",
+        "--record-state-hashes",
+        check_codes=[0],
+    )
+    return result_of(tmp_path / "ref", "ref")
+
+
+def test_list_strategies_names_linear_momentum():
+    proc = run_worker("--list-strategies", check_codes=[0])
+    listed = json.loads(proc.stdout)
+    assert {"name": "linear-momentum", "version": "1.0.0"}.items() <= listed[0].items()
+    assert listed[0]["description"]
+
+
+def test_validate_only_names_all_three_mistakes(tmp_path):
+    bad = linear_recipe(
+        training={"momentum": 1.2, "batch_size": 65},
+        inputs=[{"name": "examples", "path": "linear/examples.jsonl"}],
+    )
+    proc = run_worker(
+        "--job", write_recipe(tmp_path / "bad.json", bad), "--validate-only", check_codes=[2]
+    )
+    verdict = json.loads(proc.stdout)
+    assert verdict["valid"] is False
+    assert {e["path"] for e in verdict["errors"]} == {
+        "/training/momentum",
+        "/training/batch_size",
+        "/inputs/0/sha256",
+    }
+
+
+def test_validate_only_valid_recipe_reports_digest_and_strategy(job):
+    verdict = json.loads(run_worker("--job", job, "--validate-only", check_codes=[0]).stdout)
+    assert verdict["valid"] is True and len(verdict["computation_digest"]) == 64
+    assert verdict["strategy"] == {"name": "linear-momentum", "version": "1.0.0"}
+
+
+def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, reference):
+    attempt = run_dir(tmp_path / "ref", attempt="ref")
+    assert reference["status"] == "completed" and reference["steps_completed"] == 12
+    assert reference["checkpoint"]["step"] == 12 and reference["error"] is None
+    assert reference["metrics"]["heldout_mse"] <= 1.0
+    assert reference["environment"]["backend"] == "cpu"
+    events = read_events(attempt / "events.jsonl")
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    types = [e["type"] for e in events]
+    assert types[0] == "attempt_started" and types[-1] == "completed"
+    for needed in ("device", "inputs_verified", "compiled", "checkpoint_committed", "evaluation"):
+        assert needed in types
+    updates = [e for e in events if e["type"] == "update"]
+    assert [u["step"] for u in updates] == list(range(1, 13))
+    assert all(u["examples"] == 8 and u["seconds"] > 0 for u in updates)
+    assert updates[-1]["state_hash"] == reference["final_state_hash"]
+    committed = [e["step"] for e in events if e["type"] == "checkpoint_committed"]
+    assert committed == [2, 4, 6, 8, 10, 12]
+    assert (attempt / "export" / "model.json").is_file()
+    # The manifest's sha256 names the committed checkpoint the result points at.
+    import hashlib
+
+    manifest = attempt / "checkpoints" / "step-00000012" / "manifest.json"
+    assert reference["checkpoint"]["sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+
+def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None):
+    args = [
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        attempt,
+        "--stall-after-step",
+        str(stall_after),
+        "--stall-seconds",
+        "60",
+    ]
+    if resume_from:
+        args += ["--resume-from", resume_from]
+    proc = subprocess.Popen(
+        worker_command(*args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    for line in proc.stdout:  # the worker echoes each event: wait for update K
+        event = json.loads(line)
+        if event["type"] == "update" and event["step"] == stall_after:
+            break
+    return proc
+
+
+@pytest.mark.parametrize("kill_after", [1, 2, 5, 12])
+def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference, kill_after):
+    """Killed after update K (before that step's checkpoint, so step 1 means no checkpoint at all)."""
+    out = tmp_path / "out"
+    proc = _start_stalled(tmp_path, job, out, "killed", kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (run_dir(out, attempt="killed") / "result.json").exists()
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "resumed",
+        "--resume-from",
+        run_dir(out, attempt="killed"),
+        check_codes=[0],
+    )
+    resumed = result_of(out, "resumed")
+    assert resumed["final_state_hash"] == reference["final_state_hash"]
+    events = read_events(run_dir(out, attempt="resumed") / "events.jsonl")
+    restored = [e for e in events if e["type"] in ("restored", "restore_fallback")]
+    # the stall comes before update K's own checkpoint: the last committed one is below K
+    expected_step = ((kill_after - 1) // 2) * 2
+    if expected_step == 0:
+        assert restored[0]["type"] == "restore_fallback"
+    else:
+        assert restored[0]["type"] == "restored" and restored[0]["step"] == expected_step
+    first_update = next(e for e in events if e["type"] == "update")
+    assert first_update["step"] == expected_step + 1
+
+
+def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, job, reference):
+    out = tmp_path / "out"
+    proc = _start_stalled(tmp_path, job, out, "term", 3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 3
+    preempted = result_of(out, "term")
+    assert preempted["status"] == "preempted" and preempted["checkpoint"]["step"] == 3
+    events = read_events(run_dir(out, attempt="term") / "events.jsonl")
+    assert (
+        events[-1]["type"] == "preempted"
+        and events[-1]["checkpoint_sha256"] == preempted["checkpoint"]["sha256"]
+    )
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "after",
+        "--resume-from",
+        run_dir(out, attempt="term"),
+        check_codes=[0],
+    )
+    assert result_of(out, "after")["final_state_hash"] == reference["final_state_hash"]
+
+
+def test_resuming_a_completed_attempt_trains_nothing(tmp_path, job, reference):
+    out = tmp_path / "ref"
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "again",
+        "--resume-from",
+        run_dir(out, attempt="ref"),
+        check_codes=[0],
+    )
+    again = result_of(out, "again")
+    assert (
+        again["status"] == "completed"
+        and again["final_state_hash"] == reference["final_state_hash"]
+    )
+    events = read_events(run_dir(out, attempt="again") / "events.jsonl")
+    assert not [e for e in events if e["type"] == "update"]
+    # the previous attempt directory was not written to
+    assert sorted(p.name for p in run_dir(out, attempt="ref").iterdir()) == [
+        "attempt.json",
+        "checkpoints",
+        "events.jsonl",
+        "export",
+        "result.json",
+    ]
+
+
+def test_resume_with_a_recipe_of_another_digest_is_refused(tmp_path, job, reference):
+    other = write_recipe(
+        tmp_path / "other.json",
+        linear_recipe(limits={"max_steps": 12}, training={"learning_rate": 0.05}),
+    )
+    proc = run_worker(
+        "--job",
+        other,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        tmp_path / "ref",
+        "--attempt-id",
+        "x",
+        "--resume-from",
+        run_dir(tmp_path / "ref", attempt="ref"),
+        check_codes=[2],
+    )
+    assert "refusing to resume" in proc.stderr and "computation" in proc.stderr
+    assert result_of(tmp_path / "ref", "x")["error"]["phase"] == "resume"
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, job, reference):
+    out = tmp_path / "out"
+    proc = _start_stalled(tmp_path, job, out, "k", 7)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    newest = run_dir(out, attempt="k") / "checkpoints" / "step-00000006"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    target = newest / manifest["arrays"][-1]["file"]
+    data = bytearray(target.read_bytes())
+    data[-2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "r",
+        "--resume-from",
+        run_dir(out, attempt="k"),
+        check_codes=[0],
+    )
+    events = read_events(run_dir(out, attempt="r") / "events.jsonl")
+    rejected = [e for e in events if e["type"] == "checkpoint_rejected"]
+    assert rejected and rejected[0]["step"] == 6 and "sha256 mismatch" in rejected[0]["reason"]
+    assert next(e for e in events if e["type"] == "restored")["step"] == 4
+    assert result_of(out, "r")["final_state_hash"] == reference["final_state_hash"]
+
+
+def test_missing_or_mismatching_input_exits_2_before_training(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "ex.jsonl").write_text('{"x": 0, "y": 1}\n')
+    job = write_recipe(
+        tmp_path / "j.json",
+        linear_recipe(inputs=[{"name": "examples", "path": "ex.jsonl", "sha256": "0" * 64}]),
+    )
+    proc = run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        tmp_path / "out",
+        "--attempt-id",
+        "a",
+        check_codes=[2],
+    )
+    result = result_of(tmp_path / "out", "a")
+    assert result["status"] == "failed" and result["error"]["phase"] == "inputs"
+    assert "recipe pins" in result["error"]["message"]
+    events = read_events(run_dir(tmp_path / "out", attempt="a") / "events.jsonl")
+    assert not [e for e in events if e["type"] == "update"]
+    assert "recipe pins" in proc.stderr
+
+
+def test_reused_attempt_id_is_refused_without_touching_the_old_attempt(tmp_path, job, reference):
+    before = (run_dir(tmp_path / "ref", attempt="ref") / "result.json").read_bytes()
+    proc = run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        tmp_path / "ref",
+        "--attempt-id",
+        "ref",
+        check_codes=[2],
+    )
+    assert "fresh attempt_id" in proc.stderr
+    assert (run_dir(tmp_path / "ref", attempt="ref") / "result.json").read_bytes() == before
+
+
+def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
+    (tmp_path / "in").mkdir()
+    job = write_recipe(
+        tmp_path / "j.json", linear_recipe(limits={"max_steps": 12, "max_compute_seconds": 1e-9})
+    )
+    out = tmp_path / "out"
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "a",
+        check_codes=[4],
+    )
+    first = result_of(out, "a")
+    assert first["status"] == "limit_reached" and first["steps_completed"] == 1
+    assert first["checkpoint"]["step"] == 1
+    # A restart does not renew the budget: no further update is made.
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "b",
+        "--resume-from",
+        out / "linear-test" / "a",
+        check_codes=[4],
+    )
+    events = read_events(out / "linear-test" / "b" / "events.jsonl")
+    assert not [e for e in events if e["type"] == "update"]
+
+
+def test_environment_change_is_refused_unless_allowed(tmp_path, job):
+    out = tmp_path / "out"
+    proc = _start_stalled(tmp_path, job, out, "k", 3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    changed = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
+    refused = run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "r1",
+        "--resume-from",
+        out / "linear-test" / "k",
+        env=changed,
+        check_codes=[2],
+    )
+    assert "environment changed" in refused.stderr and "xla_flags" in refused.stderr
+    run_worker(
+        "--job",
+        job,
+        "--input-root",
+        tmp_path / "in",
+        "--output-root",
+        out,
+        "--attempt-id",
+        "r2",
+        "--resume-from",
+        out / "linear-test" / "k",
+        "--allow-environment-change",
+        env=changed,
+        check_codes=[0],
+    )
+    assert (
+        result_of(out, "r2")["environment_override"]["xla_flags"]["current"] == changed["XLA_FLAGS"]
+    )

@@ -1,0 +1,18 @@
+# Thin adapter: snakemake object -> minifield.store.activate_publication
+import sys
+from pathlib import Path
+
+from minifield import store
+
+sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+try:
+    store.activate_publication(
+        Path(snakemake.params.store_dir),  # noqa: F821
+        Path(snakemake.input.publication),  # noqa: F821
+        Path(snakemake.output[0]),  # noqa: F821
+        lock_timeout=snakemake.params.lock_timeout_s,  # noqa: F821
+    )
+except store.Refused as exc:
+    # Name every failed check in the log; the pointer was left unchanged.
+    print(f"activation refused; active.json unchanged: {exc}", file=sys.stderr)
+    raise
