@@ -1,5 +1,5 @@
-# minifield: recipe → validated computation → pinned inputs → examples → training → evaluation
-# → publication → capacity.
+# minifield: recipe → validated computation → pinned inputs → examples → recovery proof
+# → training → evaluation → publication → capacity.
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -13,6 +13,7 @@ include: "workflow/rules/validate.smk"
 include: "workflow/rules/fetch.smk"
 include: "workflow/rules/inputs.smk"
 include: "workflow/rules/prepare.smk"
+include: "workflow/rules/qualify.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/publish.smk"

@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -212,7 +213,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="steps of each combination per round")
+    ap.add_argument("--steps", type=int, default=6, help="steps of each combination per round")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 4 steps, 1024^3 peak probe")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
@@ -244,17 +245,23 @@ def main() -> None:
                     flush=True,
                 )
 
-    # Each round: probe the peak, then step every combination once in turn, `steps` times
-    # over. Ours and the minimal loop of the same size and precision thus run back to back,
-    # and their ratio is taken pair by pair (the load of a shared machine moves both).
+    # Each round: probe the peak, then step every combination once per pass, `steps` passes.
+    # Ratios are taken pass by pass (steps from the same few seconds, which the load of a
+    # shared machine moves alike).
     # Wall time is what a user waits for; CPU time (all threads of this process) is the
     # work done, much less disturbed when other processes compete for the cores.
     times = {key: [] for key in combos}
     cpu = {key: [] for key in combos}
+    # The order is shuffled every pass: a step that follows a large one (d256) starts with
+    # cold caches, and a fixed order would always charge that to the same combination.
+    order = random.Random(0)
     for r in range(args.rounds):
         peaks.append(probe())
         for _ in range(args.steps):
-            for key, c in combos.items():
+            keys = list(combos)
+            order.shuffle(keys)
+            for key in keys:
+                c = combos[key]
                 c0, t0 = time.process_time(), time.perf_counter()
                 c["run"](c["batch"]).block_until_ready()
                 times[key].append(time.perf_counter() - t0)
@@ -323,7 +330,7 @@ def main() -> None:
     print(
         "step_ms: median wall time per step (min_ms: fastest); cpu_ms: median CPU time of all "
         "threads; MFU_f32/MFU_bf16: model FLOP/s (from step_ms) over the FP32 / BF16->FP32 "
-        "matmul peak; ours/min: median over adjacent step pairs of our step / the minimal "
+        "matmul peak; ours/min: median over passes of our step / the minimal "
         "loop's, by wall and by CPU time; bf16_x: FP32 step / BF16 step (same implementation)."
     )
     if args.json:

@@ -287,7 +287,7 @@ def test_sigkill_during_training_then_resume_is_bit_identical(space, reference):
 def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_identical(space, reference):
     out = space["root"] / "kill-checkpoint"
     proc = _run(
-        space, reference["recipe"], out, "--kill-in-checkpoint", "4", codes=(-signal.SIGKILL,)
+        space, reference["recipe"], out, "--kill-during-checkpoint", "4", codes=(-signal.SIGKILL,)
     )
     assert proc.returncode == -signal.SIGKILL
     (crashed,) = _attempts(out)

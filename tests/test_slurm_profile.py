@@ -57,7 +57,13 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
     assert profile["executor"] == "slurm"
     assert profile["slurm-init-seconds-before-status-checks"] <= 5
-    assert set(profile["groups"]) == {"validate", "hash_inputs", "prepare"}
+    assert profile["groups"] == {
+        "validate": "prep",
+        "hash_inputs": "prep",
+        "prepare": "prep",
+        "qualify": "training",
+        "train": "training",
+    }
     # the GPU request comes from the train rule's `gpu` resource, never from a `gres`
     # default (the plugin rejects a rule that has both)
     flat = json.dumps(profile)
@@ -71,12 +77,12 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     proc = _snakemake(workdir, "--profile", str(REPO / "profiles" / "slurm"), "-n", _target())
     output = _finish(proc, workdir, "dry-run")
     assert "workflow specific profile" in output and "profiles/default" in output
-    assert "Group job prep" in output
+    assert "Group job prep" in output and "Group job training" in output
     blocks = {
         m.group(1): m.group(2)
         for m in re.finditer(r"rule (\w+):\n(.*?)(?=\n\s*\n|\Z)", output, re.S)
     }
-    assert {"validate", "hash_inputs", "prepare", "train", "evaluate"} <= set(blocks), output
+    assert {"validate", "hash_inputs", "prepare", "qualify", "train", "evaluate"} <= set(blocks)
     for rule, block in blocks.items():
         resources = re.search(r"resources: (.*)", block)
         if rule == "all" or resources is None:
@@ -84,6 +90,8 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
         items = dict(kv.split("=", 1) for kv in resources.group(1).split(", "))
         if rule == "train":
             assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "120")
+        elif rule == "qualify":
+            assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "60")
         else:
             assert "gpu" not in items and items["runtime"] == "30", f"{rule}: {items}"
 
@@ -172,7 +180,7 @@ def _workspace(root: Path, gpus: int) -> Path:
         "input_root": "data",
         "work_dir": "work",
         # no retries: a failure must show, not be papered over by a second try
-        "train": {"retries": 0, "gpus": gpus},
+        "train": {"retries": 0, "request_gpus": gpus},
     }
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return root
@@ -241,24 +249,28 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
     print(f"local run {t_local:.1f} s, cluster run {t_cluster:.1f} s", file=sys.stderr)
     assert "SLURM jobid" not in local_out
 
-    # Every job of the cluster run went through sbatch: the bookkeeping rules as one group
-    # job ("prep", set in the profile), train and evaluate as their own jobs. Map each to its
-    # SLURM job id from the log.
+    # Every job of the cluster run went through sbatch, grouped as the profile says: the
+    # bookkeeping rules as "prep", the recovery proof and the training as "training" (the GPU
+    # job), evaluation on its own. Map each to its SLURM job id from the log.
     submitted = {}
     for job_id, rule, group in re.findall(
-        r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/(?:rule_(\w+)/|group_(prep)_)",
+        r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/(?:rule_(\w+)/|group_(prep|training)_)",
         cluster_out,
     ):
         submitted[rule or group] = job_id
-    assert set(submitted) == {"prep", "train", "evaluate"}, cluster_out[-3000:]
-    for rule in ("validate", "hash_inputs", "prepare"):
-        assert re.search(rf"group_prep_\S*{rule}", cluster_out), f"{rule} not in the prep group"
+    assert set(submitted) == {"prep", "training", "evaluate"}, cluster_out[-3000:]
+    for group, rules in (
+        ("prep", ("validate", "hash_inputs", "prepare")),
+        ("training", ("qualify", "train")),
+    ):
+        for rule in rules:
+            assert re.search(rf"group_{group}_\S*{rule}", cluster_out), f"{rule} not in {group}"
     rows = _sacct(list(submitted.values()))
     assert set(rows) == set(submitted.values()), f"sacct rows {rows} for jobs {submitted}"
     for rule, job_id in submitted.items():
         assert rows[job_id]["state"] == "COMPLETED", f"{rule}: {rows[job_id]}"
         has_gpu = "gres/gpu=1" in rows[job_id]["tres"]
-        assert has_gpu == (rule == "train"), f"{rule} job {job_id} AllocTRES {rows[job_id]}"
+        assert has_gpu == (rule == "training"), f"{rule} job {job_id} AllocTRES {rows[job_id]}"
 
     # Same computation digest: computed independently from the recipe, and the same
     # directory in both runs.

@@ -86,9 +86,13 @@ def save(
     computation_digest: str,
     extra: dict | None = None,
     keep: int | None = None,
-    on_arrays_written=None,
+    before_commit=None,
 ) -> Committed:
-    """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one."""
+    """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
+
+    ``before_commit`` (fault injection only) is called once the arrays are written, before
+    the manifest and the rename that commit the checkpoint.
+    """
     started = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     existing = committed_steps(directory)
@@ -126,8 +130,8 @@ def save(
         "extra": extra or {},
     }
     atomic.fsync_dir(tmp / "arrays")
-    if on_arrays_written is not None:  # fault injection: a crash half-way through the write
-        on_arrays_written(tmp)
+    if before_commit is not None:
+        before_commit()
     atomic.write_json(tmp / MANIFEST, manifest)
     os.rename(tmp, final)
     atomic.fsync_dir(directory)

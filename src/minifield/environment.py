@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import subprocess
 from importlib import metadata
 from pathlib import Path
 
@@ -26,6 +25,9 @@ RELEVANT_ENV = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+    "TF_NUM_INTEROP_THREADS",
+    "JAX_THREEFRY_PARTITIONABLE",
     "TF_CPP_MIN_LOG_LEVEL",
     "CUDA_VISIBLE_DEVICES",
 )
@@ -43,6 +45,8 @@ BIT_DEFINING = (
     "xla_flags",
     "threads",
     "prng_impl",
+    "threefry_partitionable",
+    "matmul_precision",
     "x64",
 )
 
@@ -65,20 +69,53 @@ def code_hash() -> str:
     return digest.hexdigest()
 
 
+def _git_dir(start: Path) -> Path | None:
+    for directory in (start, *start.parents):
+        dot_git = directory / ".git"
+        if dot_git.is_dir():
+            return dot_git
+        if dot_git.is_file():  # a worktree or submodule: "gitdir: <path>"
+            text = dot_git.read_text(encoding="utf-8").strip()
+            if text.startswith("gitdir:"):
+                target = Path(text.removeprefix("gitdir:").strip())
+                return target if target.is_absolute() else (directory / target).resolve()
+    return None
+
+
+def _read_ref(git_dir: Path, ref: str) -> str | None:
+    common = git_dir
+    if (git_dir / "commondir").is_file():
+        common = (git_dir / (git_dir / "commondir").read_text().strip()).resolve()
+    for base in (git_dir, common):
+        path = base / ref
+        if path.is_file():
+            return path.read_text().strip() or None
+    packed = common / "packed-refs"
+    if packed.is_file():
+        for line in packed.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == ref:
+                return parts[0]
+    return None
+
+
 def source_revision() -> str | None:
+    """The git commit the package was loaded from, read from the files in ``.git``.
+
+    No ``git`` subprocess: the worker never starts processes of its own.
+    """
     if os.environ.get("MINIFIELD_SOURCE_REVISION"):
         return os.environ["MINIFIELD_SOURCE_REVISION"]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
+        git_dir = _git_dir(Path(__file__).resolve().parent)
+        if git_dir is None:
+            return None
+        head = (git_dir / "HEAD").read_text().strip()
+        if head.startswith("ref:"):
+            return _read_ref(git_dir, head.removeprefix("ref:").strip())
+        return head or None
+    except OSError:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def fingerprint() -> dict:
@@ -100,6 +137,8 @@ def fingerprint() -> dict:
         "threads": {k: os.environ[k] for k in RELEVANT_ENV if "THREADS" in k and k in os.environ},
         "env": {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ},
         "prng_impl": str(jax.config.jax_default_prng_impl),
+        "threefry_partitionable": bool(jax.config.jax_threefry_partitionable),
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "x64": bool(jax.config.jax_enable_x64),
         "cpu_count": os.cpu_count(),
         "package_version": __version__,

@@ -288,7 +288,11 @@ def _attention(cfg: ModelConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
 
 
 def forward(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
-    """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch."""
+    """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch.
+
+    ``positions`` must be < ``cfg.max_len`` with learned positions (a gather clamps
+    larger indices silently); the packer's row length bounds them.
+    """
     # Gather from the FP32 tables and round afterwards, so the embedding gradient is
     # scatter-added in FP32.
     h_BxTxD = params["embed"]["tokens"][tokens_BxT]
@@ -317,7 +321,8 @@ def loss_weights(batch) -> jnp.ndarray:
     Convention: the logits at slot t predict ``tokens[t + 1]``. That target counts
     iff ``loss_mask[t + 1] == 1`` (the *target* token is a response token) and
     ``segments[t] == segments[t + 1] != 0`` (it is the next token of the same
-    example). The last slot of a row never has a target.
+    example). The last slot of a row never has a target. (A 0/1 mask is expected;
+    other values would act as per-target weights.)
     """
     seg_BxT = batch["segments"]
     same_BxT1 = (seg_BxT[:, :-1] == seg_BxT[:, 1:]) & (seg_BxT[:, :-1] != 0)
@@ -366,8 +371,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # ----------------------------------------------------------------------------- generation
 
 
-@functools.partial(jax.jit, static_argnums=(1, 3))
-def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new: int, lengths_B, stop: int):
+@functools.partial(jax.jit, static_argnums=(1,))
+def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, stop):
     """Greedy continuation of each row's prompt ``buffer[b, :lengths[b]]`` in place.
 
     Each step runs the full forward over the fixed buffer (causality makes the slots
@@ -412,7 +417,8 @@ def greedy_generate_batch(
     """Greedy continuations of several prompts in one compiled loop (see :func:`greedy_generate`).
 
     The buffer length is rounded up to a multiple of 32 (at most ``cfg.max_len``) so
-    that similar calls share one compilation.
+    that similar calls share one compilation (the token budget and stop token are
+    traced values, not part of it).
     """
     if not prompts:
         return []
@@ -435,7 +441,12 @@ def greedy_generate_batch(
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     stop = -1 if stop_token is None else int(stop_token)
     out, out_lengths = _generate_rows(
-        params, cfg, jnp.asarray(buffer), int(max_new_tokens), jnp.asarray(lengths), stop
+        params,
+        cfg,
+        jnp.asarray(buffer),
+        jnp.int32(max_new_tokens),
+        jnp.asarray(lengths),
+        jnp.int32(stop),
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     results = []

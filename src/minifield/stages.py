@@ -1,17 +1,16 @@
 """The pipeline stages as plain functions: each Snakemake script calls exactly one of these.
 
-validate → hash_inputs → prepare → train → evaluate. Each reads the files the
+validate → hash_inputs → prepare → qualify → train → evaluate. Each reads the files the
 previous stage wrote and writes its own outputs atomically.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-from . import atomic, checkpoint, examples, inputs, train
+from . import atomic, checkpoint, examples, gpu, inputs, recovery, supervise, train
 from . import recipe as recipes
 from .digest import sha256_file
 
@@ -70,6 +69,102 @@ def latest_attempt(job_dir: Path) -> Path | None:
     return max(candidates)[2] if candidates else None
 
 
+def _worker_env(recipe: recipes.Recipe, held: gpu.Lease) -> dict[str, str]:
+    env = held.env(os.environ)
+    if recipe.data.get("runtime", {}).get("backend") == "cpu":
+        # A CPU recipe on a GPU host must not grab (or wait for) a GPU.
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _lease_gpus(recipe: recipes.Recipe, gpus: list | None) -> list[str]:
+    if recipe.data.get("runtime", {}).get("backend") in ("cpu", "tpu"):
+        return []
+    return gpu.visible_gpus(gpus)
+
+
+def _append_run_to_log(log: Path, outcome: dict) -> None:
+    with open(log, "a", encoding="utf-8") as handle:
+        stderr_log = Path(outcome.get("stderr_log") or "")
+        if stderr_log.is_file():
+            handle.write(stderr_log.read_text(encoding="utf-8", errors="replace"))
+        handle.write(
+            f"supervisor: {outcome['classification']} ({outcome['reason']}); exit "
+            f"{outcome['exit_code']}; run record {Path(outcome['run_dir']) / supervise.RUN_FILE}\n"
+        )
+
+
+def check_proof(proof_path: Path, recipe: recipes.Recipe) -> dict:
+    """The recovery proof gate of training: a passing proof of this very computation."""
+    proof = atomic.read_json(proof_path)
+    if proof.get("computation_digest") != recipe.computation_digest:
+        raise StageError(
+            f"{proof_path}: proof of computation {proof.get('computation_digest')}, "
+            f"but training computation {recipe.computation_digest}"
+        )
+    if proof.get("passed") is not True:
+        raise StageError(f"{proof_path}: recovery proof failed: {proof.get('diagnosis')}")
+    return proof
+
+
+def qualify(
+    recipe_json: Path,
+    input_root: Path,
+    examples_dir: Path,
+    work_dir: Path,
+    out_proof: Path,
+    log: Path,
+    *,
+    steps: int | None = None,
+    fail_after_step: int | None = None,
+    deadline_s: float = 3600.0,
+    stall_s: float = 600.0,
+    grace_s: float = 30.0,
+    gpus: list | None = None,
+    gpus_per_job: int = 1,
+    lease_dir: Path | None = None,
+    lease_wait_s: float = 3600.0,
+) -> dict:
+    """Recovery proof of the computation; raises with the diagnosis when it does not pass.
+
+    The proof (and all its runs and logs) is kept under ``work_dir/qualification/``
+    even when it fails, since Snakemake deletes the declared output of a failed job.
+    """
+    recipe = recipes.load(recipe_json)
+    slots = _lease_gpus(recipe, gpus)
+    with gpu.lease(
+        lease_dir or work_dir / "gpu-leases",
+        slots,
+        gpus_per_job,
+        wait_s=lease_wait_s,
+        holder={"job": recipe.job_id, "stage": "qualify"},
+    ) as held:
+        proof = recovery.prove(
+            recipe_json,
+            input_root,
+            work_dir,
+            out_proof,
+            steps=steps,
+            fail_after_step=fail_after_step,
+            examples_dir=examples_dir,
+            deadline_s=deadline_s,
+            stall_s=stall_s,
+            grace_s=grace_s,
+            env=_worker_env(recipe, held),
+            pass_fds=tuple(held.fds),
+        )
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as handle:
+        handle.write(f"proof: passed={proof['passed']}: {proof['diagnosis']}\n")
+        handle.write(f"proof directory (runs, logs, checkpoints): {proof['proof_dir']}\n")
+    if not proof["passed"]:
+        raise StageError(
+            f"recovery proof of {recipe_json} failed; training is blocked. {proof['diagnosis']} "
+            f"Evidence: {Path(proof['proof_dir']) / recovery.PROOF_FILE}"
+        )
+    return proof
+
+
 def train_attempt(
     recipe_json: Path,
     input_root: Path,
@@ -79,30 +174,38 @@ def train_attempt(
     out_export: Path,
     log: Path,
     *,
+    proof: Path | None = None,
     record_state_hashes: bool = True,
     allow_environment_change: bool = False,
+    deadline_s: float = 86400.0,
+    stall_s: float = 900.0,
+    grace_s: float = 60.0,
+    gpus: list | None = None,
+    gpus_per_job: int = 1,
+    lease_dir: Path | None = None,
+    lease_wait_s: float = 3600.0,
 ) -> dict:
-    """Run one worker attempt, resuming the computation's latest attempt if there is one.
+    """Run one supervised worker attempt, resuming the computation's latest attempt if any.
 
     Attempts live under ``work_dir`` (not a declared output), so a failed job's
     checkpoints survive Snakemake's clean-up and the next try resumes from them.
+    The supervisor's record of each attempt is ``work_dir/runs/<attempt_id>/run.json``.
     """
     recipe = recipes.load(recipe_json)
+    if proof is not None:
+        check_proof(proof, recipe)
     job_dir = work_dir / "attempts" / recipe.job_id
     previous = latest_attempt(job_dir)
     attempt_id = train.new_attempt_id()
-    command = [
-        sys.executable,
-        "-m",
-        "minifield.worker",
+    args = [
         "--job",
-        str(recipe_json),
+        recipe_json,
         "--input-root",
-        str(input_root),
+        input_root,
         "--output-root",
-        str(work_dir / "attempts"),
+        work_dir / "attempts",
         "--examples",
-        str(examples_dir),
+        examples_dir,
         "--attempt-id",
         attempt_id,
         # Compiled executables persist across attempts: a resumed attempt starts updating sooner.
@@ -110,24 +213,59 @@ def train_attempt(
         str(work_dir / "jax-cache"),
     ]
     if previous is not None:
-        command += ["--resume-from", str(previous)]
+        args += ["--resume-from", previous]
     if record_state_hashes:
-        command.append("--record-state-hashes")
+        args.append("--record-state-hashes")
     if allow_environment_change:
-        command.append("--allow-environment-change")
+        args.append("--allow-environment-change")
+    command = supervise.worker_command(*args)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as handle:
         handle.write(f"$ {' '.join(command)}\n")
-        handle.flush()
-        code = subprocess.run(command, stdout=handle, stderr=handle, check=False).returncode
+    # One attempt of a computation at a time: a worker orphaned by a killed supervisor keeps
+    # this lock (inherited descriptor) until it ends, so a new attempt cannot race it.
+    work_dir.mkdir(parents=True, exist_ok=True)
+    lock_path = work_dir / "train.lock"
+    lock_fd = gpu.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
+    if lock_fd is None:
+        holder = lock_path.read_text(encoding="utf-8", errors="replace").strip()
+        raise StageError(
+            f"another training attempt of this computation is still running ({lock_path} is "
+            f"held by {holder or 'an unknown process'}); wait for it to end or stop it"
+        )
+    os.set_inheritable(lock_fd, True)
+    slots = _lease_gpus(recipe, gpus)
+    try:
+        with gpu.lease(
+            lease_dir or work_dir / "gpu-leases",
+            slots,
+            gpus_per_job,
+            wait_s=lease_wait_s,
+            holder={"job": recipe.job_id, "attempt_id": attempt_id, "stage": "train"},
+        ) as held:
+            outcome = supervise.supervise(
+                command,
+                work_dir / "runs" / attempt_id,
+                deadline_s=deadline_s,
+                stall_s=stall_s,
+                grace_s=grace_s,
+                env=_worker_env(recipe, held),
+                pass_fds=(*held.fds, lock_fd),
+            )
+    finally:
+        os.close(lock_fd)
+    _append_run_to_log(log, outcome)
+    code = outcome["exit_code"]
     attempt_dir = job_dir / attempt_id
     result_path = attempt_dir / train.RESULT_FILE
     if not result_path.is_file():
         raise StageError(
-            f"training attempt {attempt_dir} exited {code} without a result.json; see {log}"
+            f"training attempt {attempt_dir} ended {outcome['classification']} "
+            f"({outcome['reason']}, exit {code}) without a result.json; the next run resumes "
+            f"from its last committed checkpoint. See {log}"
         )
     result = atomic.read_json(result_path)
-    if code != 0 or result["status"] != "completed":
+    if outcome["classification"] != "completed" or result["status"] != "completed":
         error = result.get("error") or {}
         detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
         advice = (
@@ -136,12 +274,24 @@ def train_attempt(
             else "the next run resumes from its last committed checkpoint"
         )
         raise StageError(
-            f"training attempt {attempt_dir} ended {result['status']} (exit {code}){detail}; {advice}. Log: {log}"
+            f"training attempt {attempt_dir} ended {result['status']} "
+            f"(supervisor: {outcome['classification']}, exit {code}){detail}; {advice}. Log: {log}"
         )
     if out_export.exists():
         shutil.rmtree(out_export)
     shutil.copytree(attempt_dir / "export", out_export)
-    atomic.write_json(out_result, {**result, "attempt_dir": str(attempt_dir)})
+    atomic.write_json(
+        out_result,
+        {
+            **result,
+            "attempt_dir": str(attempt_dir),
+            "supervision": {
+                "run_json": str(Path(outcome["run_dir"]) / supervise.RUN_FILE),
+                "classification": outcome["classification"],
+                "gpus": held.gpus,
+            },
+        },
+    )
     return result
 
 

@@ -75,7 +75,16 @@ def state_hash(state: Mapping[str, Any]) -> str:
 
 def part_hashes(state: Mapping[str, Any]) -> dict[str, str]:
     """One hash per top-level state part, to say *which* part diverged."""
+    return _part_hashes(named_arrays(state))
+
+
+def hashes(state: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
+    """``(state_hash, part_hashes)`` from a single copy of the state to the host."""
     arrays = named_arrays(state)
+    return _hash_arrays(sorted(arrays.items())), _part_hashes(arrays)
+
+
+def _part_hashes(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
     parts: dict[str, str] = {}
     for part in sorted({name.split("/", 1)[0] for name in arrays}):
         parts[part] = _hash_arrays(

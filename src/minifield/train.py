@@ -39,9 +39,8 @@ class Faults:
     fail_after_step: int | None = None
     stall_after_step: int | None = None
     stall_seconds: float = 10.0
-    #: SIGKILL this process half-way through writing the checkpoint of this step
-    #: (arrays written, manifest not yet): a crash during a checkpoint write
-    kill_in_checkpoint_step: int | None = None
+    #: SIGKILL itself in the middle of writing checkpoint K (arrays written, not committed)
+    kill_during_checkpoint: int | None = None
 
 
 @dataclass
@@ -55,6 +54,9 @@ class Options:
     record_state_hashes: bool = False
     #: JAX persistent compilation cache directory (None: no persistent cache)
     compilation_cache: Path | None = None
+    #: operational step limit (qualification runs): end after this many updates with a
+    #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
+    stop_after_step: int | None = None
     faults: Faults = field(default_factory=Faults)
 
 
@@ -99,6 +101,10 @@ class _Preemption:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _attempt_chain(start: Path) -> list[Path]:
@@ -234,7 +240,10 @@ class Attempt:
         return None
 
     # -- limits -------------------------------------------------------------------------
-    def _limit_reason(self, compute_used: float) -> str | None:
+    def _limit_reason(self, compute_used: float, step: int = 0) -> str | None:
+        stop_after = self.options.stop_after_step
+        if stop_after is not None and step >= stop_after:
+            return f"stop_after_step={stop_after} reached (operational step limit)"
         limits = self.data["limits"]
         if limits.get("deadline"):
             deadline = dt.datetime.fromisoformat(limits["deadline"].replace("Z", "+00:00"))
@@ -251,14 +260,12 @@ class Attempt:
             return f"cumulative compute budget max_compute_seconds={limits['max_compute_seconds']} used ({compute_used:.3f} s)"
         return None
 
+    def _kill_during_checkpoint(self, step: int) -> None:
+        """Fault injection: arrays written, manifest not yet — a crash mid-checkpoint."""
+        self.events.emit("fault_kill", durable=True, phase="checkpoint_write", step=step)
+        _kill_self()
+
     def _commit(self, state, step: int, compute_used: float) -> None:
-        hook = None
-        if self.options.faults.kill_in_checkpoint_step == step:
-
-            def hook(tmp: Path) -> None:
-                self.events.emit("fault_kill", phase="checkpoint_write", step=step, tmp=str(tmp))
-                os.kill(os.getpid(), signal.SIGKILL)
-
         committed = checkpoint.save(
             self.checkpoint_dir,
             state,
@@ -266,7 +273,9 @@ class Attempt:
             computation_digest=self.recipe.computation_digest,
             extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
             keep=self.data["checkpoint"]["keep"],
-            on_arrays_written=hook,
+            before_commit=(lambda: self._kill_during_checkpoint(step))
+            if self.options.faults.kill_during_checkpoint == step
+            else None,
         )
         self.last_checkpoint = committed
         self.checkpoint_record = {
@@ -432,7 +441,7 @@ class Attempt:
         return self._finish("completed", EXIT_COMPLETED)
 
     def _train(self, program, state, step: int, compute_before: float) -> int:
-        from .state import state_hash
+        from .state import hashes, state_hash
 
         max_steps = self.data["limits"]["max_steps"]
         every = self.data["checkpoint"]["every_steps"]
@@ -442,7 +451,7 @@ class Attempt:
         while step < max_steps:
             if self.preemption.signal is not None:
                 return self._preempt(state, step, compute_used)
-            reason = self._limit_reason(compute_used)
+            reason = self._limit_reason(compute_used, step)
             if reason:
                 return self._limit(state, step, compute_used, reason)
             started = time.monotonic()
@@ -459,7 +468,9 @@ class Attempt:
                 **metrics,
             }
             if self.options.record_state_hashes:
-                update["state_hash"] = state_hash(state)
+                # Both from one host copy: the whole-state hash, and one per part so that a
+                # divergence can be named (params, opt_state, rng, step, cursor).
+                update["state_hash"], update["part_hashes"] = hashes(state)
             self.events.emit("update", **update)
             self.metrics["final_loss"] = metrics.get("loss")
             print(
@@ -540,18 +551,9 @@ class Attempt:
             "final_state_hash": self.result.get("final_state_hash"),
             "metrics": self.metrics,
             "environment": {
-                **{
-                    k: self.env[k]
-                    for k in (
-                        "python",
-                        "jax",
-                        "jaxlib",
-                        "optax",
-                        "backend",
-                        "device_kind",
-                        "device_count",
-                    )
-                },
+                # every bit-defining field (versions, backend, devices, XLA flags, threads,
+                # PRNG implementation, precision), as compared before a resume
+                **{k: self.env[k] for k in environment.BIT_DEFINING},
                 "jax_version": jax.__version__,
                 "package_version": self.env["package_version"],
                 "code_hash": self.env["code_hash"],

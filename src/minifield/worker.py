@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="JAX persistent compilation cache directory (a resumed attempt skips recompiling)",
     )
+    parser.add_argument(
+        "--stop-after-step",
+        type=int,
+        metavar="N",
+        help="operational step limit: end after N updates with a committed checkpoint and "
+        "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
+        "attempt can resume it (used by the recovery-proof qualification)",
+    )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
@@ -68,13 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         "--stall-after-step", type=int, metavar="K", help="stop emitting events after update K"
     )
     faults.add_argument(
-        "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
-    )
-    faults.add_argument(
-        "--kill-in-checkpoint",
+        "--kill-during-checkpoint",
         type=int,
         metavar="K",
-        help="SIGKILL itself half-way through writing the checkpoint of step K",
+        help="SIGKILL the worker itself while checkpoint K is being written (before it commits)",
+    )
+    faults.add_argument(
+        "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
     )
     return parser
 
@@ -137,6 +145,19 @@ def main(argv: list[str] | None = None) -> int:
             f"minifield-worker: --input-root {args.input_root} is not a directory", file=sys.stderr
         )
         return train.EXIT_INVALID
+    for name in (
+        "stop_after_step",
+        "fail_after_step",
+        "stall_after_step",
+        "kill_during_checkpoint",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(
+                f"minifield-worker: --{name.replace('_', '-')} must be >= 1 (got {value})",
+                file=sys.stderr,
+            )
+            return train.EXIT_INVALID
     if args.resume_from is not None and not args.resume_from.is_dir():
         print(
             f"minifield-worker: --resume-from {args.resume_from} is not a directory",
@@ -152,11 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         allow_environment_change=args.allow_environment_change,
         record_state_hashes=args.record_state_hashes,
         compilation_cache=args.compilation_cache,
+        stop_after_step=args.stop_after_step,
         faults=train.Faults(
             args.fail_after_step,
             args.stall_after_step,
             args.stall_seconds,
-            args.kill_in_checkpoint,
+            args.kill_during_checkpoint,
         ),
     )
     try:

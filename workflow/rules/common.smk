@@ -8,6 +8,8 @@ COMPUTATIONS = pipeline.load_computations(config)
 INPUT_ROOT = config["input_root"]
 WORK_DIR = config["work_dir"]
 STORE_DIR = config["store"]["dir"]
+# GPU lease lock files, shared by every computation's jobs.
+LEASE_DIR = f"{WORK_DIR}/gpu-leases"
 
 
 wildcard_constraints:

@@ -1,11 +1,15 @@
 # Checkpoints and attempt directories live in the work dir, not in declared outputs:
 # Snakemake deletes the outputs of a failed job, and a retry must resume from them.
+# Training needs a passing recovery proof of the same computation (qualify.smk).
+# Operational settings (supervision, GPU leases) are read from the config by the script, so
+# changing them does not re-trigger a finished training.
 rule train:
     input:
         recipe="results/computations/{cdigest}/recipe.json",
         inputs="results/computations/{cdigest}/inputs.json",
         examples=examples_manifest,
         fetched=fetched_input_root,
+        proof="results/computations/{cdigest}/qualification/proof.json",
     output:
         result="results/computations/{cdigest}/train/result.json",
         export=directory("results/computations/{cdigest}/train/export"),
@@ -17,11 +21,10 @@ rule train:
     conda:
         "../../envs/minifield.yaml"
     resources:
-        gpu=config["train"]["gpus"],
+        gpu=config["train"]["request_gpus"],
     params:
         input_root=computation_input_root,
         work_dir=work_dir,
-        record_state_hashes=config["train"]["record_state_hashes"],
-        allow_environment_change=config["train"]["allow_environment_change"],
+        lease_dir=LEASE_DIR,
     script:
         "../scripts/train.py"

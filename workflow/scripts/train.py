@@ -5,6 +5,7 @@ from pathlib import Path
 from minifield import stages
 
 sys.stderr = open(snakemake.log[0], "a")  # noqa: F821
+t = snakemake.config["train"]  # noqa: F821  (operational: not a rerun trigger)
 stages.train_attempt(
     Path(snakemake.input.recipe),  # noqa: F821
     Path(snakemake.params.input_root),  # noqa: F821
@@ -13,6 +14,14 @@ stages.train_attempt(
     Path(snakemake.output.result),  # noqa: F821
     Path(snakemake.output.export),  # noqa: F821
     Path(snakemake.log[0]),  # noqa: F821
-    record_state_hashes=snakemake.params.record_state_hashes,  # noqa: F821
-    allow_environment_change=snakemake.params.allow_environment_change,  # noqa: F821
+    proof=Path(snakemake.input.proof),  # noqa: F821
+    record_state_hashes=t["record_state_hashes"],
+    allow_environment_change=t["allow_environment_change"],
+    deadline_s=t["deadline_seconds"],
+    stall_s=t["stall_seconds"],
+    grace_s=t["grace_seconds"],
+    gpus=t["gpus"],
+    gpus_per_job=t["gpus_per_job"],
+    lease_dir=Path(snakemake.params.lease_dir),  # noqa: F821
+    lease_wait_s=t["lease_wait_seconds"],
 )

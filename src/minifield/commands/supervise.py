@@ -1,0 +1,68 @@
+"""``minifield supervise --run-dir DIR --deadline-s D --stall-s S [--grace-s G] -- COMMAND ...``.
+
+Runs COMMAND (an argument list, never a shell string) under the supervisor,
+writes ``DIR/run.json`` and exits 0 only when the child completed; otherwise
+1 failed, 3 preempted, 4 timeout, 5 stalled, 6 cancelled (2: bad usage).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .. import supervise as supervisor
+
+
+def run(args) -> int:
+    command = list(args.child)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("minifield supervise: no command given after '--'", file=sys.stderr)
+        return 2
+    for name in ("deadline_s", "stall_s"):
+        if getattr(args, name) <= 0:
+            print(f"minifield supervise: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    if args.grace_s < 0:
+        print("minifield supervise: --grace-s must be >= 0", file=sys.stderr)
+        return 2
+    outcome = supervisor.supervise(
+        command,
+        args.run_dir,
+        deadline_s=args.deadline_s,
+        stall_s=args.stall_s,
+        grace_s=args.grace_s,
+    )
+    summary = {
+        k: outcome.get(k)
+        for k in ("classification", "reason", "exit_code", "signal", "events_total", "duration_s")
+    }
+    summary["malformed_lines"] = len(outcome.get("malformed_lines", []))
+    summary["run_json"] = str(Path(args.run_dir) / supervisor.RUN_FILE)
+    print(json.dumps(summary, indent=2))
+    return supervisor.exit_code_for(outcome)
+
+
+def register(sub) -> None:
+    parser = sub.add_parser(
+        "supervise",
+        help="run a worker command with a deadline, a stall timeout and signal forwarding",
+        description=__doc__,
+    )
+    parser.add_argument("--run-dir", type=Path, required=True, help="where run.json and logs go")
+    parser.add_argument(
+        "--deadline-s", type=float, required=True, help="wall-clock limit of the child (seconds)"
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        required=True,
+        help="stop the child when no event arrives for this long (includes start-up)",
+    )
+    parser.add_argument(
+        "--grace-s", type=float, default=10.0, help="SIGTERM→SIGKILL grace period (default 10)"
+    )
+    parser.add_argument("child", nargs="+", metavar="-- COMMAND ...", help="the command to run")
+    parser.set_defaults(func=run)

@@ -1,0 +1,415 @@
+"""Supervise one worker process: launch, follow its events, enforce time bounds, classify.
+
+The child is started directly from an argument list (never through a shell) in
+its own session, so it and anything it might start form one process group the
+supervisor can signal as a whole. stdout is read line by line: every line that
+parses as a JSON object with a ``type`` is an event, anything else is kept as a
+malformed line with its line number. Both streams are also written to
+``stdout.log`` / ``stderr.log`` in the run directory, each capped in size.
+
+Two time bounds end a run early: a wall-clock deadline (``timeout``) and a stall
+timeout, i.e. no event for ``stall_s`` seconds (``stalled``). Either sends
+SIGTERM to the group, waits ``grace_s``, sends SIGKILL, and then always waits
+for the child (reaps it) and kills any group member left behind. SIGINT/SIGTERM
+sent to the supervisor are forwarded to the group, so a worker commits a
+checkpoint and exits ``preempted``; if it does not exit within the grace period
+it is killed as well.
+
+``classification`` is ``completed`` only on exit 0 **and** a ``completed``
+event; otherwise ``failed``, ``timeout``, ``stalled``, ``preempted`` or
+``cancelled``. ``run.json`` is written atomically with exactly the outcome the
+function returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import atomic
+
+RUN_FILE = "run.json"
+CLASSIFICATIONS = ("completed", "failed", "timeout", "stalled", "preempted", "cancelled")
+#: supervisor exit code per classification (0 only for ``completed``)
+EXIT_CODES = {
+    "completed": 0,
+    "failed": 1,
+    "preempted": 3,
+    "timeout": 4,
+    "stalled": 5,
+    "cancelled": 6,
+}
+#: child exit codes the worker defines
+WORKER_PREEMPTED, WORKER_LIMIT = 3, 4
+#: signals that mean "someone stopped this run" rather than "it crashed"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGHUP)
+_POLL_S = 0.05
+
+
+def _now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+
+
+class _CappedLog:
+    """A log file that stops growing at ``limit`` bytes and says how much it dropped."""
+
+    def __init__(self, path: Path, limit: int):
+        self.path = path
+        self.limit = limit
+        self.written = 0
+        self.dropped = 0
+        self._handle = open(path, "wb")
+
+    def write(self, data: bytes) -> None:
+        room = self.limit - self.written
+        if room > 0:
+            chunk = data[:room]
+            self._handle.write(chunk)
+            self._handle.flush()
+            self.written += len(chunk)
+        self.dropped += max(0, len(data) - max(room, 0))
+
+    def close(self) -> None:
+        if self.dropped:
+            self._handle.write(f"\n[log capped: {self.dropped} more bytes not kept]\n".encode())
+        self._handle.close()
+
+
+class _StdoutReader(threading.Thread):
+    """Parses the child's stdout into events and malformed lines (both bounded)."""
+
+    def __init__(self, stream, log: _CappedLog, max_events: int, max_malformed: int):
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.log = log
+        self.events: collections.deque = collections.deque(maxlen=max_events)
+        self.events_total = 0
+        self.malformed: list[dict] = []
+        self.malformed_total = 0
+        self.max_malformed = max_malformed
+        self.types_seen: set[str] = set()
+        self.terminal: dict | None = None  # last completed/failed/preempted/limit_reached event
+        self.last_activity = time.monotonic()
+
+    def run(self) -> None:
+        number = 0
+        while True:
+            line = self.stream.readline(1 << 20)
+            if not line:
+                break
+            number += 1
+            self.log.write(line)
+            text = line.decode("utf-8", errors="replace").rstrip("\n")
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except ValueError:
+                value = None
+            if isinstance(value, dict) and isinstance(value.get("type"), str):
+                self.last_activity = time.monotonic()
+                self.events.append(value)
+                self.events_total += 1
+                self.types_seen.add(value["type"])
+                if value["type"] in ("completed", "failed", "preempted", "limit_reached"):
+                    self.terminal = value
+            else:
+                self.malformed_total += 1
+                if len(self.malformed) < self.max_malformed:
+                    self.malformed.append({"line": number, "text": text[:2000]})
+        self.stream.close()
+
+
+class _StderrReader(threading.Thread):
+    def __init__(self, stream, log: _CappedLog, tail_bytes: int):
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.log = log
+        self.tail: collections.deque = collections.deque()
+        self.tail_size = 0
+        self.tail_bytes = tail_bytes
+        self.total = 0
+
+    def run(self) -> None:
+        while True:
+            chunk = self.stream.read1(65536) if hasattr(self.stream, "read1") else b""
+            if not chunk:
+                break
+            self.total += len(chunk)
+            self.log.write(chunk)
+            self.tail.append(chunk)
+            self.tail_size += len(chunk)
+            while self.tail_size - len(self.tail[0]) >= self.tail_bytes:
+                self.tail_size -= len(self.tail.popleft())
+        self.stream.close()
+
+    def text(self) -> str:
+        return b"".join(self.tail)[-self.tail_bytes :].decode("utf-8", errors="replace")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class _Forwarder:
+    """Forward SIGINT/SIGTERM received by this process to the child's group (main thread only)."""
+
+    def __init__(self) -> None:
+        self.received: list[dict] = []
+        self.pgid: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.received.append(
+            {"signal": signal.Signals(signum).name, "mono": time.monotonic(), "time": time.time()}
+        )
+        if self.pgid is not None:
+            _signal_group(self.pgid, signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def classify(
+    *,
+    exit_code: int | None,
+    completed_event: bool,
+    supervisor_action: str | None,
+    forwarded: bool,
+) -> tuple[str, str]:
+    """(classification, reason) from what was observed. Pure, so every rule is testable."""
+    if exit_code == 0 and completed_event:
+        return "completed", "exit 0 with a completed event"
+    if supervisor_action == "timeout":
+        return "timeout", "the wall-clock deadline was reached; the supervisor stopped the run"
+    if supervisor_action == "stalled":
+        return "stalled", "no event within the stall timeout; the supervisor stopped the run"
+    if forwarded:
+        if exit_code == WORKER_PREEMPTED:
+            return "preempted", "a forwarded signal preempted the run (checkpoint committed)"
+        return "cancelled", f"a forwarded signal stopped the run (exit {exit_code})"
+    if exit_code == 0:
+        return "failed", "exit 0 without a completed event"
+    if exit_code == WORKER_PREEMPTED:
+        return "preempted", "the worker was preempted by a signal (checkpoint committed)"
+    if exit_code == WORKER_LIMIT:
+        return (
+            "timeout",
+            "the worker reached a limit of the recipe (deadline, budget or step limit)",
+        )
+    if exit_code is not None and exit_code < 0:
+        sig = signal.Signals(-exit_code)
+        if sig in _STOP_SIGNALS:
+            return "cancelled", f"the child was killed by {sig.name} from outside the supervisor"
+        return "failed", f"the child died of {sig.name}"
+    return "failed", f"exit {exit_code}"
+
+
+def supervise(
+    command: Sequence[str],
+    run_dir: Path,
+    *,
+    deadline_s: float,
+    stall_s: float,
+    grace_s: float = 10.0,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    pass_fds: Sequence[int] = (),
+    max_events: int = 10000,
+    max_malformed: int = 1000,
+    max_log_bytes: int = 16 << 20,
+    stderr_tail_bytes: int = 16384,
+    forward_signals: bool = True,
+) -> dict:
+    """Run ``command`` under supervision; write and return the outcome (``run.json``).
+
+    ``command`` is an argument list; it is never passed through a shell. The stall
+    clock starts at launch, so ``stall_s`` must cover start-up (imports, compilation)
+    until the first event.
+    """
+    if isinstance(command, str) or not command:
+        raise ValueError("command must be a non-empty argument list (no shell strings)")
+    if deadline_s <= 0 or stall_s <= 0 or grace_s < 0:
+        raise ValueError("deadline_s and stall_s must be > 0 and grace_s >= 0")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_log = _CappedLog(run_dir / "stdout.log", max_log_bytes)
+    err_log = _CappedLog(run_dir / "stderr.log", max_log_bytes)
+    forwarder = _Forwarder()
+    started_iso, started_mono, started_time = _now_iso(), time.monotonic(), time.time()
+    outcome: dict[str, Any] = {
+        "command": list(map(str, command)),
+        "run_dir": str(run_dir),
+        "deadline_s": deadline_s,
+        "stall_s": stall_s,
+        "grace_s": grace_s,
+        "started": started_iso,
+    }
+    if forward_signals:
+        forwarder.install()
+    try:
+        try:
+            child = subprocess.Popen(
+                list(map(str, command)),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                pass_fds=tuple(pass_fds),
+            )
+        except OSError as exc:
+            out_log.close()
+            err_log.close()
+            outcome.update(
+                classification="failed",
+                reason=f"could not start {command[0]!r}: {exc}",
+                exit_code=None,
+                signal=None,
+                pid=None,
+                events=[],
+                events_total=0,
+                malformed_lines=[],
+                ended=_now_iso(),
+                duration_s=time.monotonic() - started_mono,
+            )
+            atomic.write_json(run_dir / RUN_FILE, outcome)
+            return outcome
+        pgid = child.pid  # start_new_session: the child leads its own group
+        forwarder.pgid = pgid
+        for record in forwarder.received:  # a signal that arrived before the child existed
+            _signal_group(pgid, getattr(signal, record["signal"]))
+        stdout = _StdoutReader(child.stdout, out_log, max_events, max_malformed)
+        stderr = _StderrReader(child.stderr, err_log, stderr_tail_bytes)
+        stdout.start()
+        stderr.start()
+
+        action: str | None = None  # "timeout" | "stalled" when the supervisor stops the run
+        term_sent = kill_sent = None
+        forwarded_at = None
+        while True:
+            code = child.poll()
+            if code is not None:
+                break
+            now = time.monotonic()
+            if forwarder.received and forwarded_at is None:
+                forwarded_at = forwarder.received[0]["mono"]
+            if action is None and term_sent is None and forwarded_at is None:
+                if now - started_mono >= deadline_s:
+                    action = "timeout"
+                elif now - max(stdout.last_activity, started_mono) >= stall_s:
+                    action = "stalled"
+                if action is not None:
+                    term_sent = now
+                    _signal_group(pgid, signal.SIGTERM)
+            stop_requested = term_sent if term_sent is not None else forwarded_at
+            if stop_requested is not None and kill_sent is None and now - stop_requested >= grace_s:
+                kill_sent = now
+                _signal_group(pgid, signal.SIGKILL)
+            time.sleep(_POLL_S)
+        exit_code = child.wait()  # reaps the child: no zombie is left behind
+        reaped = time.monotonic()
+        # The group outlives its leader if anything else joined it: kill the rest.
+        leftovers = _group_alive(pgid)
+        if leftovers:
+            _signal_group(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+        stdout.join(timeout=10)
+        stderr.join(timeout=10)
+    finally:
+        if forward_signals:
+            forwarder.restore()
+        out_log.close()
+        err_log.close()
+
+    classification, reason = classify(
+        exit_code=exit_code,
+        completed_event="completed" in stdout.types_seen,
+        supervisor_action=action,
+        forwarded=bool(forwarder.received),
+    )
+    stop_at = term_sent if term_sent is not None else forwarded_at
+    terminal = stdout.terminal
+    outcome.update(
+        classification=classification,
+        reason=reason,
+        exit_code=exit_code,
+        signal=signal.Signals(-exit_code).name if exit_code < 0 else None,
+        pid=child.pid,
+        pgid=pgid,
+        worker_status=terminal["type"] if terminal else None,
+        worker_message=(terminal.get("message") or terminal.get("reason")) if terminal else None,
+        completed_event="completed" in stdout.types_seen,
+        termination={
+            "by": action or ("forwarded_signal" if forwarder.received else None),
+            "sigterm_after_s": None if term_sent is None else term_sent - started_mono,
+            "sigkill_after_s": None if kill_sent is None else kill_sent - started_mono,
+            "stop_to_reap_s": None if stop_at is None else reaped - stop_at,
+            "last_event_after_s": stdout.last_activity - started_mono
+            if stdout.events_total
+            else None,
+            "group_members_left_after_reap": leftovers,
+            "group_alive_at_end": _group_alive(pgid),
+        },
+        forwarded_signals=[
+            {"signal": r["signal"], "after_s": r["mono"] - started_mono} for r in forwarder.received
+        ],
+        events=list(stdout.events),
+        events_total=stdout.events_total,
+        events_dropped=stdout.events_total - len(stdout.events),
+        malformed_lines=stdout.malformed,
+        malformed_total=stdout.malformed_total,
+        stdout_log=str(out_log.path),
+        stderr_log=str(err_log.path),
+        stderr_bytes=stderr.total,
+        stderr_tail=stderr.text(),
+        ended=_now_iso(),
+        duration_s=reaped - started_mono,
+        started_unix=started_time,
+    )
+    atomic.write_json(run_dir / RUN_FILE, outcome)
+    return outcome
+
+
+def exit_code_for(outcome: Mapping[str, Any]) -> int:
+    return EXIT_CODES[outcome["classification"]]
+
+
+def worker_command(*args: str | os.PathLike) -> list[str]:
+    """``minifield-worker ARGS`` as an argument list, with this interpreter."""
+    import sys
+
+    return [sys.executable, "-m", "minifield.worker", *map(str, args)]
