@@ -39,7 +39,7 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 def pipeline(tmp_path_factory) -> dict:
     """The demo pipeline (validate → … → qualify → train → evaluate) in a scratch copy."""
     workdir = tmp_path_factory.mktemp("pipeline")
-    for name in ("Snakefile", "workflow", "config", "data"):
+    for name in ("Snakefile", "workflow", "envs", "config", "data"):
         source = REPO / name
         if source.is_dir():
             shutil.copytree(source, workdir / name, symlinks=True)

@@ -8,6 +8,8 @@ rule capacity:
         "results/computations/{cdigest}/capacity.json",
     log:
         "logs/capacity/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     params:
         assumptions=config["capacity"],
     script:
@@ -24,5 +26,7 @@ rule capacity_table:
         "results/capacity.csv",
     log:
         "logs/capacity_table/capacity.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/capacity_table.py"

@@ -10,5 +10,7 @@ rule evaluate:
         "logs/evaluate/{cdigest}.log",
     benchmark:
         "results/benchmarks/evaluate/{cdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/evaluate.py"

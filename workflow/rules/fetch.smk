@@ -18,6 +18,8 @@ rule fetch_inputs:
         "logs/fetch_inputs/{cdigest}.log",
     benchmark:
         "results/benchmarks/fetch_inputs/{cdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
     params:
         input_root=INPUT_ROOT,
         work_dir=WORK_DIR,

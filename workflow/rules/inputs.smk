@@ -6,6 +6,8 @@ rule hash_inputs:
         "results/computations/{cdigest}/inputs.json",
     log:
         "logs/hash_inputs/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     params:
         input_root=computation_input_root,
     script:

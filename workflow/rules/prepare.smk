@@ -9,6 +9,8 @@ rule prepare:
         "logs/prepare/{edigest}.log",
     benchmark:
         "results/benchmarks/prepare/{edigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
     params:
         input_root=examples_input_root,
     script:

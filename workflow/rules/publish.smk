@@ -9,6 +9,8 @@ rule publish:
         "results/computations/{cdigest}/publication.json",
     log:
         "logs/publish/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     params:
         store_dir=STORE_DIR,
         lock_timeout_s=config["store"]["lock_timeout_s"],
@@ -24,6 +26,8 @@ rule activate:
         "results/computations/{cdigest}/activation.json",
     log:
         "logs/activate/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     params:
         store_dir=STORE_DIR,
         lock_timeout_s=config["store"]["lock_timeout_s"],

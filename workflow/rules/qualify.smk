@@ -12,6 +12,10 @@ rule qualify:
         "logs/qualify/{cdigest}.log",
     benchmark:
         "results/benchmarks/qualify/{cdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
+    resources:
+        gpu=config["train"]["request_gpus"],
     params:
         input_root=computation_input_root,
         work_dir=work_dir,

@@ -18,6 +18,10 @@ rule train:
     benchmark:
         "results/benchmarks/train/{cdigest}.tsv"
     retries: config["train"]["retries"]
+    conda:
+        "../../envs/minifield.yaml"
+    resources:
+        gpu=config["train"]["request_gpus"],
     params:
         input_root=computation_input_root,
         work_dir=work_dir,

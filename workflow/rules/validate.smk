@@ -6,5 +6,7 @@ rule validate:
         validation="results/computations/{cdigest}/validation.json",
     log:
         "logs/validate/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/validate.py"

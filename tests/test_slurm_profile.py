@@ -1,0 +1,334 @@
+"""The SLURM profile on a real single-node cluster (slurmctld, slurmd, munge, slurmdbd + MariaDB).
+
+The fixture installs the Debian packages if they are missing (tests/slurm/install-packages.sh),
+starts the cluster (tests/slurm/start-cluster.sh) and stops exactly the daemons it started, by
+PID. Where that is impossible (not root, no apt-get, the install fails) the test is SKIPPED with
+the reason; it never passes without having run the pipeline on the cluster.
+
+The same small linear pipeline runs twice from the repository's Snakefile: once locally (the
+default workflow profile) and once with ``--profile profiles/slurm`` where the train rule asks
+for one (fake) GPU. Both must produce the same computation digest, final state hash and
+per-checkpoint state hashes; sacct must show every cluster job, the train job with a GPU in its
+allocation, and the worker must have seen exactly one device in CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from minifield import recipe as recipes
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = REPO / "tests" / "slurm"
+VENV_BIN = Path(sys.executable).parent
+PREFIX = os.environ.get("MINIFIELD_SLURM_PREFIX", "/tmp/minifield-slurm")
+FAKE_GPUS = 2
+RUN_TIMEOUT = 420  # seconds for one snakemake run (outer guard; the test budget is far below)
+
+
+# ---------------------------------------------------------------- profile files (no cluster)
+
+
+@pytest.mark.parametrize("profile", ["default", "slurm"])
+def test_every_profile_entry_is_commented(profile):
+    """Each top-level key of a profile is preceded by a comment saying what it does."""
+    path = REPO / "profiles" / profile / "config.yaml"
+    lines = path.read_text().splitlines()
+    keys = list(yaml.safe_load(path.read_text()))
+    assert keys, f"{path} has no entries"
+    for key in keys:
+        index = next(i for i, line in enumerate(lines) if line.startswith(f"{key}:"))
+        assert index > 0 and lines[index - 1].startswith("#"), (
+            f"{path}: entry '{key}' (line {index + 1}) has no comment line above it"
+        )
+
+
+def test_slurm_profile_maps_gpu_and_status_checks():
+    profile = yaml.safe_load((REPO / "profiles" / "slurm" / "config.yaml").read_text())
+    assert profile["executor"] == "slurm"
+    assert profile["slurm-init-seconds-before-status-checks"] <= 5
+    assert profile["groups"] == {
+        "validate": "prep",
+        "hash_inputs": "prep",
+        "prepare": "prep",
+        "qualify": "training",
+        "train": "training",
+    }
+    # the GPU request comes from the train rule's `gpu` resource, never from a `gres`
+    # default (the plugin rejects a rule that has both)
+    flat = json.dumps(profile)
+    assert "gres" not in flat.replace("gres/", "")
+
+
+def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
+    """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
+    the bookkeeping rules, and gives train the GPU request and its own runtime/memory."""
+    workdir = _workspace(tmp_path, gpus=1)
+    proc = _snakemake(workdir, "--profile", str(REPO / "profiles" / "slurm"), "-n", _target())
+    output = _finish(proc, workdir, "dry-run")
+    assert "workflow specific profile" in output and "profiles/default" in output
+    assert "Group job prep" in output and "Group job training" in output
+    blocks = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"rule (\w+):\n(.*?)(?=\n\s*\n|\Z)", output, re.S)
+    }
+    assert {"validate", "hash_inputs", "prepare", "qualify", "train", "evaluate"} <= set(blocks)
+    for rule, block in blocks.items():
+        resources = re.search(r"resources: (.*)", block)
+        if rule == "all" or resources is None:
+            continue
+        items = dict(kv.split("=", 1) for kv in resources.group(1).split(", "))
+        if rule == "train":
+            assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "120")
+        elif rule == "qualify":
+            assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "60")
+        else:
+            assert "gpu" not in items and items["runtime"] == "30", f"{rule}: {items}"
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+def _skip(reason: str):
+    print(f"SKIP slurm: {reason}", file=sys.stderr)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    if os.geteuid() != 0:
+        _skip("needs root to run slurmctld/slurmd/munged/slurmdbd (not root here)")
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        _skip("no apt-get to install slurm-wlm, and slurmctld is not installed")
+    t0 = time.monotonic()
+    install = subprocess.run(
+        ["bash", str(SLURM_DIR / "install-packages.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if install.returncode != 0:
+        _skip(f"installing the SLURM packages failed: {(install.stderr or install.stdout)[-500:]}")
+    t1 = time.monotonic()
+    env = {**os.environ, "MINIFIELD_SLURM_PREFIX": PREFIX, "MINIFIELD_SLURM_GPUS": str(FAKE_GPUS)}
+    start = subprocess.run(
+        ["timeout", "-k", "10", "180", "bash", str(SLURM_DIR / "start-cluster.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    started = []
+    for line in start.stdout.splitlines():
+        if line.startswith("STARTED:"):
+            started = line.split(":", 1)[1].split()
+    t2 = time.monotonic()
+    print(
+        f"slurm fixture: packages {t1 - t0:.1f} s, cluster start {t2 - t1:.1f} s, "
+        f"started: {started or 'nothing (already running)'}",
+        file=sys.stderr,
+    )
+    try:
+        if start.returncode != 0:
+            pytest.fail(
+                f"start-cluster.sh exited {start.returncode}\n{start.stdout[-2000:]}\n"
+                f"{start.stderr[-2000:]}"
+            )
+        yield {"started": started, "env": env}
+    finally:
+        if started:
+            stop = subprocess.run(
+                ["bash", str(SLURM_DIR / "stop-cluster.sh"), *started],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+                check=False,
+            )
+            print(f"slurm fixture stop:\n{stop.stdout}", file=sys.stderr)
+            for name in started:  # every daemon we started is gone
+                assert not Path(PREFIX, "run", f"{name}.pid").exists(), (
+                    f"{name} still has a PID file"
+                )
+
+
+def _target() -> str:
+    """Only the chain up to evaluation: later stages (publication, capacity) are not what
+    this test is about and would only add cluster jobs."""
+    cdigest = recipes.load(REPO / "config" / "recipes" / "linear-demo.yaml").computation_digest
+    return f"results/computations/{cdigest[:16]}/eval/metrics.json"
+
+
+def _workspace(root: Path, gpus: int) -> Path:
+    """A fresh working directory with the demo recipe, its pinned data and a small config."""
+    (root / "config" / "recipes").mkdir(parents=True)
+    shutil.copytree(REPO / "data" / "linear", root / "data" / "linear")
+    shutil.copy(REPO / "config" / "recipes" / "linear-demo.yaml", root / "config" / "recipes")
+    config = {
+        "recipes": ["config/recipes/linear-demo.yaml"],
+        "input_root": "data",
+        "work_dir": "work",
+        # no retries: a failure must show, not be papered over by a second try
+        "train": {"retries": 0, "request_gpus": gpus},
+    }
+    (root / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    return root
+
+
+def _snakemake(workdir: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        del env[key]  # a pytest run inside a SLURM job must not leak its job into ours
+    log = open(workdir / "snakemake.out", "w")  # noqa: SIM115 - closed by the caller via wait
+    command = [
+        "timeout", "-k", "10", str(RUN_TIMEOUT),
+        str(VENV_BIN / "snakemake"), "-s", str(REPO / "Snakefile"), *args,
+    ]  # fmt: skip
+    return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _finish(proc: subprocess.Popen, workdir: Path, what: str) -> str:
+    code = proc.wait()
+    output = (workdir / "snakemake.out").read_text()
+    assert code == 0, f"{what} snakemake exited {code} (124 = timed out)\n{output[-5000:]}"
+    return output
+
+
+def _single(pattern: str, root: Path) -> Path:
+    found = sorted(root.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} under {root}, found {found}"
+    return found[0]
+
+
+def _sacct(job_ids: list[str]) -> dict[str, dict]:
+    """Accounting rows of the given jobs; slurmdbd records them asynchronously, so poll."""
+    rows: dict[str, dict] = {}
+    for _ in range(60):
+        out = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,AllocTRES"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+        rows = {}
+        for line in out.splitlines():
+            job_id, state, tres = line.split("|")
+            rows[job_id] = {"state": state, "tres": tres}
+        if set(rows) == set(job_ids) and all(r["state"] == "COMPLETED" for r in rows.values()):
+            break
+        time.sleep(0.5)
+    return rows
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
+    local = _workspace(tmp_path / "local", gpus=0)
+    cluster = _workspace(tmp_path / "cluster", gpus=1)
+
+    # Both runs at once: the cluster run spends most of its time waiting for status checks.
+    t0 = time.monotonic()
+    local_proc = _snakemake(local, "--cores", "1", _target())
+    cluster_proc = _snakemake(cluster, "--profile", str(REPO / "profiles" / "slurm"), _target())
+    local_out = _finish(local_proc, local, "local")
+    t_local = time.monotonic() - t0
+    cluster_out = _finish(cluster_proc, cluster, "cluster")
+    t_cluster = time.monotonic() - t0
+    print(f"local run {t_local:.1f} s, cluster run {t_cluster:.1f} s", file=sys.stderr)
+    assert "SLURM jobid" not in local_out
+
+    # Every job of the cluster run went through sbatch, grouped as the profile says: the
+    # bookkeeping rules as "prep", the recovery proof and the training as "training" (the GPU
+    # job), evaluation on its own. Map each to its SLURM job id from the log.
+    submitted = {}
+    for job_id, rule, group in re.findall(
+        r"submitted with SLURM jobid (\d+) \(log: \S*/slurm_logs/(?:rule_(\w+)/|group_(prep|training)_)",
+        cluster_out,
+    ):
+        submitted[rule or group] = job_id
+    assert set(submitted) == {"prep", "training", "evaluate"}, cluster_out[-3000:]
+    for group, rules in (
+        ("prep", ("validate", "hash_inputs", "prepare")),
+        ("training", ("qualify", "train")),
+    ):
+        for rule in rules:
+            assert re.search(rf"group_{group}_\S*{rule}", cluster_out), f"{rule} not in {group}"
+    rows = _sacct(list(submitted.values()))
+    assert set(rows) == set(submitted.values()), f"sacct rows {rows} for jobs {submitted}"
+    for rule, job_id in submitted.items():
+        assert rows[job_id]["state"] == "COMPLETED", f"{rule}: {rows[job_id]}"
+        has_gpu = "gres/gpu=1" in rows[job_id]["tres"]
+        assert has_gpu == (rule == "training"), f"{rule} job {job_id} AllocTRES {rows[job_id]}"
+
+    # Same computation digest: computed independently from the recipe, and the same
+    # directory in both runs.
+    cdigest = recipes.load(REPO / "config" / "recipes" / "linear-demo.yaml").computation_digest
+    results = {}
+    for name, root in (("local", local), ("cluster", cluster)):
+        result_path = root / "results" / "computations" / cdigest[:16] / "train" / "result.json"
+        assert result_path.is_file(), f"{name}: no {result_path}"
+        results[name] = json.loads(result_path.read_text())
+        assert results[name]["status"] == "completed"
+        assert results[name]["computation_digest"] == cdigest
+        assert results[name]["steps_completed"] == 8
+    assert results["cluster"]["final_state_hash"] == results["local"]["final_state_hash"]
+
+    # The complete-state hash of every evaluated checkpoint agrees too, not only the last one.
+    metrics = {
+        name: json.loads(
+            (root / "results" / "computations" / cdigest[:16] / "eval" / "metrics.json").read_text()
+        )
+        for name, root in (("local", local), ("cluster", cluster))
+    }
+    hashes = {
+        name: [(c["step"], c["state_hash"]) for c in m["checkpoints"]]
+        for name, m in metrics.items()
+    }
+    assert hashes["cluster"] == hashes["local"] and len(hashes["local"]) >= 2
+    assert metrics["cluster"]["acceptance"] == metrics["local"]["acceptance"]
+
+    # The GPU-requesting job saw exactly one of the node's devices.
+    attempt = json.loads(
+        _single(f"work/{cdigest[:16]}/attempts/*/*/attempt.json", cluster).read_text()
+    )
+    visible = attempt["environment"]["env"].get("CUDA_VISIBLE_DEVICES")
+    assert visible is not None, (
+        f"train job recorded no CUDA_VISIBLE_DEVICES: {attempt['environment']}"
+    )
+    devices = visible.split(",")
+    assert len(devices) == 1 and devices[0] in {str(i) for i in range(FAKE_GPUS)}, visible
+
+
+@pytest.mark.slurm
+def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
+    """`srun -n 2`: each task finds the coordinator from SLURM's environment, JAX's distributed
+    runtime starts, and a psum over the global 2-device mesh adds both processes' values."""
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in env if k.startswith(("SLURM_", "MINIFIELD_"))]:
+        del env[key]
+    proc = subprocess.run(
+        ["timeout", "-k", "10", "240", "srun", "-N1", "-n2", "--mem-per-cpu=1000", "-t", "4",
+         str(VENV_BIN / "python"), "-m", "minifield.distributed", "--probe"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"srun exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["process_id"] for r in reports) == [0, 1], proc.stdout
+    for report in reports:
+        assert report["source"] == "slurm"
+        assert report["process_count"] == 2 and report["process_index"] == report["process_id"]
+        assert report["device_count"] == 2 and report["local_device_count"] == 1
+        assert report["psum"] == 1.0 + 2.0  # (0 + 1) + (1 + 1): both processes contributed
+    assert len({r["coordinator"] for r in reports}) == 1
