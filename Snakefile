@@ -12,6 +12,15 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+
+
+# Digests in paths are 16 hex characters: an unconstrained {cdigest} would also
+# match names such as "abc.eval" and make rules ambiguous.
+wildcard_constraints:
+    cdigest="[0-9a-f]{16}",
+    edigest="[0-9a-f]{16}",
+
+
 include: "workflow/rules/validate.smk"
 include: "workflow/rules/fetch.smk"
 include: "workflow/rules/inputs.smk"

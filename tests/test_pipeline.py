@@ -159,3 +159,10 @@ def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "/training/momentum" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_workflow_lints_clean(tmp_path):
+    make_project(tmp_path)
+    proc = snakemake(tmp_path, "--lint", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Congratulations" in proc.stdout + proc.stderr

@@ -12,11 +12,6 @@ STORE_DIR = config["store"]["dir"]
 LEASE_DIR = f"{WORK_DIR}/gpu-leases"
 
 
-wildcard_constraints:
-    cdigest="[0-9a-f]{16}",
-    edigest="[0-9a-f]{16}",
-
-
 def recipe_file(wildcards):
     return str(COMPUTATIONS[wildcards.cdigest].path)
 
@@ -99,7 +94,7 @@ def publish_proof_waiver(wildcards):
     if proof_required():
         return ""
     if config["store"]["require_proof"] == "auto":
-        return "this workflow has no qualify rule (store.require_proof: auto)"
+        return "this workflow defines no qualify step (store.require_proof: auto)"
     return "store.require_proof is false in the workflow config"
 
 

@@ -8,6 +8,8 @@ rule summarize:
         "results/computations/{cdigest}/summary.json",
     log:
         "logs/summarize/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/summarize.py"
 
@@ -26,6 +28,8 @@ rule report_loss:
         ),
     log:
         "logs/report_loss/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_loss.py"
 
@@ -50,6 +54,8 @@ rule report_goodput:
         ),
     log:
         "logs/report_goodput/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_goodput.py"
 
@@ -67,6 +73,8 @@ rule report_recovery:
         ),
     log:
         "logs/report_recovery/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_recovery.py"
 
@@ -84,6 +92,8 @@ rule report_evaluation:
         ),
     log:
         "logs/report_evaluation/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_evaluation.py"
 
@@ -101,6 +111,8 @@ rule report_publication:
         ),
     log:
         "logs/report_publication/{cdigest}.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_publication.py"
 
@@ -117,5 +129,7 @@ rule report_capacity:
         ),
     log:
         "logs/report_capacity/all.log",
+    conda:
+        "../../envs/minifield.yaml"
     script:
         "../scripts/report_capacity.py"
