@@ -27,7 +27,8 @@ def snakemake(workdir: Path, *args) -> subprocess.CompletedProcess:
 
 
 def write_config(workdir: Path, **sections) -> None:
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    """Update sections of the scratch project's own config (a copy of the repository's)."""
+    config = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
     for key, value in sections.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
