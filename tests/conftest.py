@@ -60,3 +60,43 @@ def read_events(path: Path) -> list[dict]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def snakemake_in(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the repository's workflow in ``workdir`` (a user's project directory)."""
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+         "--directory", str(workdir), "--cores", "2", *args],
+        capture_output=True, text=True, timeout=timeout, check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def linear_demo_run(tmp_path_factory) -> Path:
+    """The linear demo through the whole default pipeline, run once per test session.
+
+    A template: tests that change anything work on their own copy (``copy_run``).
+    """
+    import shutil
+
+    import yaml
+
+    workdir = tmp_path_factory.mktemp("linear-demo-run")
+    shutil.copytree(REPO / "data" / "linear", workdir / "data" / "linear")
+    (workdir / "config" / "recipes").mkdir(parents=True)
+    shutil.copy(REPO / "config" / "recipes" / "linear-demo.yaml", workdir / "config" / "recipes")
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["recipes"] = ["config/recipes/linear-demo.yaml"]
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake_in(workdir)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return workdir
+
+
+def copy_run(template: Path, destination: Path) -> Path:
+    """A private copy of a finished project directory (results, work dir, Snakemake metadata)."""
+    import shutil
+
+    shutil.copytree(template, destination, symlinks=True)
+    return destination

@@ -6,7 +6,6 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO, linear_recipe, write_recipe
+from conftest import REPO, copy_run, linear_recipe, write_recipe
 
 from minifield import recovery
 from minifield.recipe import load_schema
@@ -26,7 +25,17 @@ def _events(path: Path) -> list[dict]:
 
 def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "2", "--nolock", *args],
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--cores",
+            "2",
+            "--nolock",
+            *args,
+        ],
         cwd=workdir,
         capture_output=True,
         text=True,
@@ -36,22 +45,9 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory) -> dict:
-    """The demo pipeline (validate → … → qualify → train → evaluate) in a scratch copy."""
-    workdir = tmp_path_factory.mktemp("pipeline")
-    for name in ("Snakefile", "workflow", "envs", "config", "data"):
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, workdir / name, symlinks=True)
-        else:
-            shutil.copy2(source, workdir / name)
-    (workdir / "src").symlink_to(REPO / "src")  # workflow/schemas links into it
-    # Only the small linear demo: the proof machinery is the same for every strategy.
-    config = yaml.safe_load((workdir / "config" / "config.yaml").read_text())
-    config["recipes"] = ["config/recipes/linear-demo.yaml"]
-    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = _snakemake(workdir)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+def pipeline(tmp_path_factory, linear_demo_run) -> dict:
+    """The linear demo pipeline (validate → … → qualify → train → evaluate), a private copy."""
+    workdir = copy_run(linear_demo_run, tmp_path_factory.mktemp("proof") / "project")
     (cdir,) = (workdir / "results" / "computations").iterdir()
     return {
         "workdir": workdir,

@@ -6,14 +6,13 @@ import csv
 import hashlib
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, read_events
+from conftest import REPO, copy_run, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +34,10 @@ def write_config(workdir: Path, **sections) -> None:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("pipeline")
-    shutil.copytree(REPO / "config", workdir / "config")
-    shutil.copytree(REPO / "data", workdir / "data")
+def pipeline(tmp_path_factory, linear_demo_run):
+    workdir = copy_run(linear_demo_run, tmp_path_factory.mktemp("publish") / "project")
     write_config(
         workdir,
-        recipes=["config/recipes/linear-demo.yaml"],  # the small demo is enough here
         store={"dir": "store"},
         capacity={
             "arrivals_per_hour": 120,

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from conftest import REPO, read_events
+from conftest import REPO, copy_run, read_events
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 REPORT_ITEMS = {
@@ -47,15 +46,9 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory) -> Path:
-    """The linear demo run end to end plus the report, in a fresh working directory."""
-    workdir = tmp_path_factory.mktemp("pipeline")
-    shutil.copytree(REPO / "data", workdir / "data")
-    (workdir / "config" / "recipes").mkdir(parents=True)
-    shutil.copy(REPO / "config" / "recipes" / "linear-demo.yaml", workdir / "config" / "recipes")
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["recipes"] = ["config/recipes/linear-demo.yaml"]
-    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+def pipeline(tmp_path_factory, linear_demo_run) -> Path:
+    """The linear demo run end to end plus the report, in a private copy."""
+    workdir = copy_run(linear_demo_run, tmp_path_factory.mktemp("report") / "project")
     snakemake(workdir, "--cores", "2")
     snakemake(workdir, "--report", "results/report.html")
     return workdir
