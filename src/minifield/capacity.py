@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .attempts import chain as attempt_chain
 from .events import read as read_events
 
 SECONDS_PER_HOUR = 3600
@@ -154,18 +155,6 @@ def plan(
 # -- from a real training run -----------------------------------------------------------------
 
 
-def _attempt_chain(attempt_dir: Path) -> list[Path]:
-    """The attempt and those it resumed from (via attempt.json), oldest first."""
-    chain, seen, current = [], set(), attempt_dir
-    while current is not None and current.resolve() not in seen:
-        seen.add(current.resolve())
-        chain.append(current)
-        info = current / "attempt.json"
-        previous = atomic.read_json(info).get("resumed_from") if info.is_file() else None
-        current = Path(previous) if previous else None
-    return list(reversed(chain))
-
-
 def measure_run(result_json: Path, recipe: dict) -> dict:
     """Measured seconds of a training job from the raw events of every attempt it took.
 
@@ -186,7 +175,7 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
     attempts = []
     wall = updates = checkpoints = 0.0
     update_count = commit_count = 0
-    for directory in _attempt_chain(Path(attempt_dir)):
+    for directory in attempt_chain(Path(attempt_dir)):
         events_path = directory / "events.jsonl"
         if not events_path.is_file():
             raise CapacityError(f"{events_path}: missing events file of attempt {directory.name}")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .attempts import chain as attempt_chain
 from .events import read as read_events
 
 SCHEMA = "minifield.summary/1"
@@ -259,23 +260,6 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "malformed_lines_count": totals["malformed"],
         "note": NOT_UTILIZATION,
     }
-
-
-def attempt_chain(attempt_dir: Path) -> list[Path]:
-    """An attempt and the attempts it resumed from (``attempt.json`` ``resumed_from``), oldest first.
-
-    The same walk as the worker's resume chain, kept here so that summarizing and
-    plotting never import the training code (and with it JAX): a report job then
-    starts in a fraction of the time.
-    """
-    chain, seen, current = [], set(), Path(attempt_dir)
-    while current is not None and current.resolve() not in seen:
-        seen.add(current.resolve())
-        chain.append(current)
-        info = current / "attempt.json"
-        previous = atomic.read_json(info).get("resumed_from") if info.is_file() else None
-        current = Path(previous) if previous else None
-    return list(reversed(chain))
 
 
 def attempt_event_files(attempt_dir: Path) -> list[Path]:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import atomic, checkpoint, environment, examples, inputs
+from . import atomic, attempts, checkpoint, environment, examples, inputs
 from .events import EventLog
 from .events import read as read_events
 from .recipe import Recipe
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
-ATTEMPT_FILE = "attempt.json"
+ATTEMPT_FILE = attempts.ATTEMPT_FILE
 RESULT_FILE = "result.json"
 
 
@@ -108,17 +108,8 @@ def _kill_self() -> None:
 
 
 def _attempt_chain(start: Path) -> list[Path]:
-    """``start`` and the attempts it resumed from, newest first (cycle-safe)."""
-    chain, seen, current = [], set(), start
-    while current is not None and current.resolve() not in seen:
-        seen.add(current.resolve())
-        chain.append(current)
-        info_path = current / ATTEMPT_FILE
-        previous = None
-        if info_path.is_file():
-            previous = atomic.read_json(info_path).get("resumed_from")
-        current = Path(previous) if previous else None
-    return chain
+    """``start`` and the attempts it resumed from, newest first."""
+    return list(reversed(attempts.chain(start)))
 
 
 def _attempt_compute_seconds(attempt_dir: Path) -> float:
