@@ -25,6 +25,52 @@ def linear_recipe(**overrides) -> dict:
     return recipe
 
 
+def small_sft_inputs(root: Path, seed: int = 5, train: int = 96, held_out: int = 8) -> dict:
+    """Write a small reversal dataset under ``root/in/sft``; returns its input root and pins."""
+    import hashlib
+
+    from minifield import sft_data
+
+    data = root / "in" / "sft"
+    data.mkdir(parents=True)
+    sizes = {"train": train, "dev": held_out, "test": held_out}
+    pins = {}
+    for split, rows in sft_data.demo_examples(seed=seed, sizes=sizes).items():
+        blob = sft_data.to_jsonl(rows)
+        (data / f"{split}.jsonl").write_bytes(blob)
+        pins[split] = hashlib.sha256(blob).hexdigest()
+    return {"input_root": root / "in", "pins": pins}
+
+
+def small_sft_recipe(pins: dict, job_id: str, devices: int, **sections) -> dict:
+    """A tiny packed-sft recipe (d_model 32, one layer, batch 8) over ``small_sft_inputs``;
+    ``sections`` replace ``limits``, ``checkpoint`` or ``evaluation`` or add ``training``
+    keys via ``training=...``."""
+    recipe = {
+        "job_id": job_id,
+        "product": {"name": "reverser", "version": "0"},
+        "strategy": {"name": "packed-sft", "version": "12.0.0"},
+        "inputs": [
+            {"name": s, "path": f"sft/{s}.jsonl", "sha256": pins[s]}
+            for s in ("train", "dev", "test")
+        ],
+        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+        "training": {
+            "seq_len": 32,
+            "batch_size": 8,
+            "warmup_steps": 2,
+            "learning_rate": 0.01,
+            "data_parallel": {"devices": devices, "shard_params": False},
+            **sections.pop("training", {}),
+        },
+        "limits": {"max_steps": 6},
+        "checkpoint": {"every_steps": 2, "keep": 3},
+        "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 2},
+    }
+    recipe.update(sections)
+    return recipe
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(recipe, indent=2))

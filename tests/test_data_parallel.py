@@ -19,16 +19,15 @@ wide margin over the ~3e-5 seen here, and still 100x below the loss's change per
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, write_recipe
+from conftest import read_events, run_worker, small_sft_inputs, small_sft_recipe, write_recipe
 
-from minifield import parallel, sft_data
+from minifield import parallel
 from minifield import recipe as recipes
 
 MAX_STEPS = 6
@@ -46,38 +45,20 @@ def devices_env(count: int) -> dict:
 @pytest.fixture(scope="module")
 def space(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("data-parallel")
-    data = root / "in" / "sft"
-    data.mkdir(parents=True)
-    splits = sft_data.demo_examples(seed=5, sizes={"train": 96, "dev": 8, "test": 8})
-    pins = {}
-    for split, rows in splits.items():
-        blob = sft_data.to_jsonl(rows)
-        (data / f"{split}.jsonl").write_bytes(blob)
-        pins[split] = hashlib.sha256(blob).hexdigest()
-    return {"root": root, "input_root": root / "in", "pins": pins, "cache": root / "jax-cache"}
+    return {"root": root, **small_sft_inputs(root), "cache": root / "jax-cache"}
 
 
 def dp_recipe(space, devices: int, shard_params: bool = False) -> dict:
-    return {
-        "job_id": "dp-test",
-        "product": {"name": "reverser", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": space["pins"][s]}
-            for s in ("train", "dev", "test")
-        ],
-        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
-        "training": {
-            "seq_len": 32,
+    return small_sft_recipe(
+        space["pins"],
+        "dp-test",
+        devices,
+        training={
             "batch_size": BATCH,
-            "warmup_steps": 2,
-            "learning_rate": 0.01,
             "data_parallel": {"devices": devices, "shard_params": shard_params},
         },
-        "limits": {"max_steps": MAX_STEPS},
-        "checkpoint": {"every_steps": 2, "keep": 3},
-        "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 2},
-    }
+        limits={"max_steps": MAX_STEPS},
+    )
 
 
 def _run(space, recipe_path, out, visible: int, *extra, codes=(0,)):

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import yaml
-from conftest import REPO, run_worker
+from conftest import REPO, copy_run, run_worker
 
 
 def snakemake(workdir, *extra, check=True):
@@ -58,11 +58,14 @@ def digest_of(recipe_path):
     return verdict["computation_digest"]
 
 
-def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(tmp_path):
-    recipe_path = make_project(tmp_path)
-    snakemake(tmp_path)
+def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
+    tmp_path, linear_demo_run
+):
+    # the session's run of the linear demo through the whole pipeline, in a private copy
+    project = copy_run(linear_demo_run, tmp_path / "project")
+    recipe_path = project / "config" / "recipes" / "linear-demo.yaml"
     digest = digest_of(recipe_path)
-    cdir = tmp_path / "results" / "computations" / digest[:16]
+    cdir = project / "results" / "computations" / digest[:16]
     metrics = json.loads((cdir / "eval" / "metrics.json").read_text())
     assert metrics["computation_digest"] == digest
     assert metrics["acceptance"]["passed"] is True
@@ -76,21 +79,21 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(tmp_pa
     inputs = json.loads((cdir / "inputs.json").read_text())["inputs"]
     assert inputs[0]["name"] == "examples"
     # Attempts and checkpoints are in the work dir, never in results/.
-    assert (tmp_path / "work" / digest[:16] / "attempts").is_dir()
-    assert not list((tmp_path / "results").rglob("checkpoints"))
+    assert (project / "work" / digest[:16] / "attempts").is_dir()
+    assert not list((project / "results").rglob("checkpoints"))
 
-    again = snakemake(tmp_path)
+    again = snakemake(project)
     assert "Nothing to be done" in again.stdout + again.stderr
 
     before = (cdir / "eval" / "metrics.json").read_bytes()
     recipe = yaml.safe_load(recipe_path.read_text())
     recipe["training"]["learning_rate"] = 0.05
     recipe_path.write_text(yaml.safe_dump(recipe))
-    snakemake(tmp_path)
+    snakemake(project)
     new_digest = digest_of(recipe_path)
     assert new_digest != digest
     assert (
-        tmp_path / "results" / "computations" / new_digest[:16] / "eval" / "metrics.json"
+        project / "results" / "computations" / new_digest[:16] / "eval" / "metrics.json"
     ).is_file()
     assert (cdir / "eval" / "metrics.json").read_bytes() == before
 

@@ -10,6 +10,10 @@ default workflow profile) and once with ``--profile profiles/slurm`` where the t
 for one (fake) GPU. Both must produce the same computation digest, final state hash and
 per-checkpoint state hashes; sacct must show every cluster job, the train job with a GPU in its
 allocation, and the worker must have seen exactly one device in CUDA_VISIBLE_DEVICES.
+
+Multi-host: ``srun -n 2`` starts two tasks that find each other from SLURM's environment,
+first for a psum, then for a whole two-process training attempt that is crashed and resumed
+and must end with the same bits as the uninterrupted two-process run.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_events, small_sft_inputs, small_sft_recipe, write_recipe
 
 from minifield import recipe as recipes
 
@@ -332,3 +337,87 @@ def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
         assert report["device_count"] == 2 and report["local_device_count"] == 1
         assert report["psum"] == 1.0 + 2.0  # (0 + 1) + (1 + 1): both processes contributed
     assert len({r["coordinator"] for r in reports}) == 1
+
+
+def _srun_two_tasks(out: Path, *worker_args) -> subprocess.CompletedProcess:
+    """``srun -n 2 minifield-worker --distributed ...``, each task's output in its own file."""
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in env if k.startswith(("SLURM_", "MINIFIELD_"))]:
+        del env[key]
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    out.mkdir(parents=True)
+    return subprocess.run(
+        ["timeout", "-k", "10", "300", "srun", "-N1", "-n2", "--mem-per-cpu=1500", "-t", "5",
+         "--output", str(out / "task-%t.out"), "--error", str(out / "task-%t.err"),
+         str(VENV_BIN / "minifield-worker"), "--distributed", *map(str, worker_args)],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+
+
+def _task_logs(out: Path) -> str:
+    return "\n".join(
+        f"--- {path.name}:\n{path.read_text()[-2000:]}" for path in sorted(out.glob("task-*"))
+    )
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, tmp_path):
+    inputs = small_sft_inputs(tmp_path)
+    recipe = small_sft_recipe(
+        inputs["pins"],
+        "srun-test",
+        2,
+        limits={"max_steps": 8},
+        checkpoint={"every_steps": 2, "keep": 4},
+    )
+    recipe_path = write_recipe(tmp_path / "recipe.json", recipe)
+    output_root = tmp_path / "attempts"
+    common = (
+        "--job", recipe_path, "--input-root", inputs["input_root"],
+        "--output-root", output_root, "--record-state-hashes",
+    )  # fmt: skip
+
+    def new_attempt(before: set) -> Path:
+        (attempt,) = set((output_root / "srun-test").iterdir()) - before
+        return attempt
+
+    def hashes(attempt: Path) -> dict[int, str]:
+        events = read_events(attempt / "events.jsonl")
+        return {e["step"]: e["state_hash"] for e in events if e["type"] == "update"}
+
+    # 1. uninterrupted, two processes
+    proc = _srun_two_tasks(tmp_path / "whole", *common)
+    assert proc.returncode == 0, f"srun exited {proc.returncode}\n{_task_logs(tmp_path / 'whole')}"
+    whole = new_attempt(set())
+    result = json.loads((whole / "result.json").read_text())
+    assert result["status"] == "completed" and result["environment"]["process_count"] == 2
+    processes = json.loads((whole / "attempt.json").read_text())["processes"]
+    assert processes["count"] == 2 and processes["source"] == "slurm"
+    # task 0 streams the events; task 1 writes none
+    task0 = (tmp_path / "whole" / "task-0.out").read_text()
+    assert '"type": "completed"' in task0
+    assert '"type"' not in (tmp_path / "whole" / "task-1.out").read_text()
+    assert len(hashes(whole)) == 8
+
+    # 2. both tasks crash right after update 5: the checkpoint of step 4 is the last commit
+    proc = _srun_two_tasks(tmp_path / "crash", *common, "--fail-after-step", 5)
+    assert proc.returncode != 0, _task_logs(tmp_path / "crash")
+    crashed = new_attempt({whole})
+    assert not (crashed / "result.json").exists()  # a hard exit leaves no result
+    committed = sorted(p.name for p in (crashed / "checkpoints").iterdir())
+    assert committed == ["step-00000002", "step-00000004"]
+
+    # 3. resumed by two new tasks: the same bits as the uninterrupted run, update by update
+    proc = _srun_two_tasks(tmp_path / "resume", *common, "--resume-from", crashed)
+    assert proc.returncode == 0, f"srun exited {proc.returncode}\n{_task_logs(tmp_path / 'resume')}"
+    resumed = new_attempt({whole, crashed})
+    events = read_events(resumed / "events.jsonl")
+    assert next(e for e in events if e["type"] == "restored")["step"] == 4
+    assert {s: h for s, h in hashes(crashed).items() if s <= 4} == {
+        s: h for s, h in hashes(whole).items() if s <= 4
+    }
+    assert hashes(resumed) == {s: h for s, h in hashes(whole).items() if s > 4}
+    final = json.loads((resumed / "result.json").read_text())
+    assert final["status"] == "completed" and final["steps_completed"] == 8
+    assert final["final_state_hash"] == result["final_state_hash"]

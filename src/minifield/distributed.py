@@ -14,6 +14,13 @@ The topology comes from, in order of precedence:
 Explicit settings must be complete: a partial set is an error, never silently
 mixed with SLURM's values. On CPU, cross-process collectives need the gloo
 implementation, which :func:`initialize` selects before JAX starts its backends.
+
+Once started, the processes of one training attempt act as a :class:`Group`:
+every process runs the same program on its part of the device mesh, and the few
+decisions that are not a pure function of the recipe (the attempt id, whether a
+signal or a time limit ends the run, whether every process got through set-up)
+are taken together, so no process is left waiting in a collective for a peer
+that has already stopped.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 ENV_COORDINATOR = "MINIFIELD_COORDINATOR"
 ENV_NUM_PROCESSES = "MINIFIELD_NUM_PROCESSES"
@@ -132,6 +141,15 @@ def from_environment(
     return Topology(None, 1, 0, "single")
 
 
+def srun_tasks(env: Mapping[str, str] | None = None) -> int:
+    """Tasks of the current ``srun`` step (1 outside one); only srun sets this variable."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("SLURM_STEP_NUM_TASKS") or 1)
+    except ValueError:
+        return 1
+
+
 def initialize(topology: Topology | None = None, *, timeout_seconds: int = 120) -> Topology:
     """Start JAX's multi-process runtime for ``topology`` (a no-op for a single process).
 
@@ -145,13 +163,95 @@ def initialize(topology: Topology | None = None, *, timeout_seconds: int = 120) 
     # CPU backends exchange collectives through gloo; without it a cross-process
     # psum on CPU is unsupported. GPU/TPU backends ignore this setting.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=topology.coordinator,
-        num_processes=topology.num_processes,
-        process_id=topology.process_id,
-        initialization_timeout=timeout_seconds,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=topology.coordinator,
+            num_processes=topology.num_processes,
+            process_id=topology.process_id,
+            initialization_timeout=timeout_seconds,
+        )
+    except Exception as exc:  # noqa: BLE001 - JAX raises runtime errors of several types
+        raise DistributedError(
+            f"{topology.source}: process {topology.process_id} of {topology.num_processes} could "
+            f"not join the coordinator {topology.coordinator} within {timeout_seconds} s "
+            f"({type(exc).__name__}: {str(exc)[:300]}); start every process with the same "
+            "coordinator and process count, and process 0 reachable at that address"
+        ) from exc
     return topology
+
+
+#: bytes of a text exchanged between processes (messages are cut to fit)
+TEXT_BYTES = 1024
+
+
+def _encode(text: str) -> np.ndarray:
+    data = text.encode("utf-8")[:TEXT_BYTES]
+    buffer = np.zeros(TEXT_BYTES + 4, np.uint8)
+    buffer[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+    buffer[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    return buffer
+
+
+def _decode(buffer: np.ndarray) -> str:
+    buffer = np.asarray(buffer, np.uint8)
+    size = int(np.frombuffer(buffer[:4].tobytes(), np.uint32)[0])
+    return buffer[4 : 4 + size].tobytes().decode("utf-8", errors="replace")
+
+
+class Group:
+    """The processes of one attempt, for the decisions they must take together.
+
+    Every method is a collective: all processes call it at the same point of the
+    program (the training loop is the same in each, so they do). For a single
+    process each is a plain local computation and JAX is not touched.
+    """
+
+    def __init__(self, topology: Topology | None = None):
+        self.topology = topology or Topology(None, 1, 0, "single")
+
+    @property
+    def size(self) -> int:
+        return self.topology.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.topology.process_id
+
+    @property
+    def is_writer(self) -> bool:
+        return self.topology.is_writer
+
+    def _allgather(self, value: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value))
+
+    def broadcast_text(self, text: str) -> str:
+        """Process 0's ``text``, on every process."""
+        if self.size == 1:
+            return text
+        from jax.experimental import multihost_utils
+
+        return _decode(multihost_utils.broadcast_one_to_all(_encode(text)))
+
+    def gather_texts(self, text: str) -> list[str]:
+        """Every process's ``text``, by process id."""
+        if self.size == 1:
+            return [text]
+        return [_decode(row) for row in self._allgather(_encode(text))]
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Every process's ``value``, by process id."""
+        if self.size == 1:
+            return [int(value)]
+        return [int(v) for v in self._allgather(np.asarray(value, np.int32)).reshape(-1)]
+
+    def barrier(self, name: str) -> None:
+        """Wait until every process reached the barrier called ``name``."""
+        if self.size > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(name)
 
 
 def probe() -> dict:

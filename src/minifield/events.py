@@ -15,9 +15,16 @@ from typing import Any, TextIO
 
 
 class EventLog:
-    def __init__(self, path: Path, echo: TextIO | None = sys.stdout):
+    """Appends events to ``path`` and echoes them to ``echo``.
+
+    With ``path=None`` and ``echo=None`` it writes nothing at all: what the processes
+    of a multi-process attempt other than process 0 use, so that one ``events.jsonl``
+    and one stdout stream describe the attempt.
+    """
+
+    def __init__(self, path: Path | None, echo: TextIO | None = sys.stdout):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8")
+        self._handle = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
         self._echo = echo
         self._seq = 0
 
@@ -30,10 +37,11 @@ class EventLog:
             **fields,
         }
         line = json.dumps(event, sort_keys=True, allow_nan=False)
-        self._handle.write(line + "\n")
-        self._handle.flush()
-        if durable:
-            os.fsync(self._handle.fileno())
+        if self._handle is not None:
+            self._handle.write(line + "\n")
+            self._handle.flush()
+            if durable:
+                os.fsync(self._handle.fileno())
         if self._echo is not None:
             self._echo.write(line + "\n")
             self._echo.flush()
@@ -41,6 +49,8 @@ class EventLog:
         return event
 
     def close(self) -> None:
+        if self._handle is None:
+            return
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()

@@ -237,6 +237,7 @@ def prove(
     grace_s: float = 30.0,
     env: dict | None = None,
     pass_fds: tuple[int, ...] = (),
+    processes: int = 1,
 ) -> dict:
     """Run the recovery proof for ``recipe_path``; write and return ``proof.json``.
 
@@ -267,6 +268,7 @@ def prove(
             "deadline_s": deadline_s,
             "stall_s": stall_s,
             "grace_s": grace_s,
+            "processes": processes,
         },
         "proof_dir": str(base),
         "reference": None,
@@ -304,7 +306,7 @@ def prove(
 
     def launch(name: str, *extra: str | Path) -> tuple[dict, Path]:
         outcome = supervisor.supervise(
-            supervisor.worker_command(*common, "--attempt-id", name, *extra),
+            supervisor.worker_command(*common, "--attempt-id", name, *extra, processes=processes),
             base / "runs" / name,
             deadline_s=deadline_s,
             stall_s=stall_s,

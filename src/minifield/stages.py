@@ -124,6 +124,7 @@ def qualify(
     gpus_per_job: int = 1,
     lease_dir: Path | None = None,
     lease_wait_s: float = 3600.0,
+    processes: int = 1,
 ) -> dict:
     """Recovery proof of the computation; raises with the diagnosis when it does not pass.
 
@@ -152,6 +153,7 @@ def qualify(
             grace_s=grace_s,
             env=_worker_env(recipe, held),
             pass_fds=tuple(held.fds),
+            processes=processes,
         )
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as handle:
@@ -184,6 +186,7 @@ def train_attempt(
     gpus_per_job: int = 1,
     lease_dir: Path | None = None,
     lease_wait_s: float = 3600.0,
+    processes: int = 1,
 ) -> dict:
     """Run one supervised worker attempt, resuming the computation's latest attempt if any.
 
@@ -218,7 +221,7 @@ def train_attempt(
         args.append("--record-state-hashes")
     if allow_environment_change:
         args.append("--allow-environment-change")
-    command = supervise.worker_command(*args)
+    command = supervise.worker_command(*args, processes=processes)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a", encoding="utf-8") as handle:
         handle.write(f"$ {' '.join(command)}\n")

@@ -26,13 +26,34 @@ def _key_name(entry: Any) -> str:
     return str(entry)
 
 
+def to_host(leaf: Any) -> np.ndarray:
+    """A host copy of one state array, wherever it lives.
+
+    An array spread over several processes' devices is not fetchable as a whole:
+    replicated, any local copy is the value; sharded, the pieces are gathered from
+    every process (a collective: each process must make the same calls in the same
+    order, which the training loop guarantees).
+    """
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        if leaf.is_fully_replicated:
+            return np.asarray(leaf.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(jax.device_get(leaf))
+
+
 def named_arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Flatten the state into ``{"part/sub/leaf": host numpy array}`` in a stable order."""
+    """Flatten the state into ``{"part/sub/leaf": host numpy array}`` in a stable order.
+
+    Already-flat host arrays (``named_arrays``' own output) come back unchanged, so a
+    state copied to the host once can be hashed and checkpointed without a second copy.
+    """
     leaves, _ = jax.tree_util.tree_flatten_with_path(state)
     out: dict[str, np.ndarray] = {}
     for path, leaf in leaves:
         name = "/".join(_key_name(entry) for entry in path)
-        out[name] = np.asarray(jax.device_get(leaf))
+        out[name] = to_host(leaf)
     return out
 
 

@@ -408,8 +408,17 @@ def exit_code_for(outcome: Mapping[str, Any]) -> int:
     return EXIT_CODES[outcome["classification"]]
 
 
-def worker_command(*args: str | os.PathLike) -> list[str]:
-    """``minifield-worker ARGS`` as an argument list, with this interpreter."""
+def worker_command(*args: str | os.PathLike, processes: int = 1) -> list[str]:
+    """``minifield-worker ARGS`` as an argument list, with this interpreter.
+
+    With ``processes > 1``, one attempt over that many processes: the worker with
+    ``--distributed`` under :mod:`minifield.launch` (srun inside a SLURM allocation, local
+    processes elsewhere), which is still a single process to supervise.
+    """
     import sys
 
-    return [sys.executable, "-m", "minifield.worker", *map(str, args)]
+    worker = [sys.executable, "-m", "minifield.worker", *map(str, args)]
+    if processes == 1:
+        return worker
+    launcher = [sys.executable, "-m", "minifield.launch", "--processes", str(processes), "--"]
+    return [*launcher, *worker, "--distributed"]

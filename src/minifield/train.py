@@ -3,11 +3,20 @@
 An attempt writes only into its own fresh directory ``OUT/<job_id>/<attempt_id>/``.
 Resuming reads a previous attempt directory (and, through ``attempt.json``, the
 chain of attempts before it) and never writes into it.
+
+A multi-process attempt (:mod:`minifield.distributed`) runs this same program in
+every process, each on its part of the device mesh. Only process 0 writes: the
+attempt directory, ``attempt.json``, events, checkpoints (the state is brought to
+the host collectively, then committed once), the export and ``result.json``. What
+is not a pure function of the recipe is decided together (:class:`~minifield.
+distributed.Group`): the attempt id, the outcome of set-up, and whether a signal or
+a time limit stops the run before the next update.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import secrets
 import shutil
@@ -18,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import atomic, attempts, checkpoint, environment, examples, inputs
+from . import atomic, attempts, checkpoint, distributed, environment, examples, inputs
 from .events import EventLog
 from .events import read as read_events
 from .recipe import Recipe
@@ -58,6 +67,8 @@ class Options:
     #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
     stop_after_step: int | None = None
     faults: Faults = field(default_factory=Faults)
+    #: the processes of this attempt (one, unless started with ``--distributed``)
+    group: distributed.Group = field(default_factory=distributed.Group)
 
 
 def new_attempt_id() -> str:
@@ -137,7 +148,8 @@ class Attempt:
         self.started_iso = _now_iso()
         self.started_mono = time.monotonic()
         self.result: dict[str, Any] = {}
-        self.last_checkpoint: checkpoint.Committed | None = None
+        #: the newest committed checkpoint {step, path, sha256} (path and sha256 are None on
+        #: processes other than 0, which take part in the commit but do not write it)
         self.checkpoint_record: dict | None = None
         self.steps_completed = 0
         self.metrics: dict[str, Any] = {}
@@ -158,18 +170,35 @@ class Attempt:
         return new_attempt_id()
 
     def open(self) -> None:
+        """Process 0 creates the attempt directory; every process learns its id from it."""
+        group = self.options.group
         job_dir = self.options.output_root / self.data["job_id"]
-        job_dir.mkdir(parents=True, exist_ok=True)
-        self.attempt_id = self._choose_attempt_id(job_dir)
+        failure, message = None, ""
+        if group.is_writer:
+            try:
+                job_dir.mkdir(parents=True, exist_ok=True)
+                attempt_id = self._choose_attempt_id(job_dir)
+                try:
+                    (job_dir / attempt_id).mkdir()
+                except FileExistsError:
+                    raise ResumeRefused(
+                        f"attempt directory {job_dir / attempt_id} already exists: every "
+                        "execution needs a fresh attempt_id"
+                    ) from None
+                message = f"ok:{attempt_id}"
+            except (ResumeRefused, OSError) as exc:
+                failure, message = exc, f"error:{exc}"
+        kind, _, text = group.broadcast_text(message).partition(":")
+        if failure is not None:
+            raise failure
+        if kind != "ok":
+            raise ResumeRefused(f"process 0 could not open the attempt: {text}")
+        self.attempt_id = text
         self.dir = job_dir / self.attempt_id
-        try:
-            self.dir.mkdir()
-        except FileExistsError:
-            raise ResumeRefused(
-                f"attempt directory {self.dir} already exists: every execution needs a fresh attempt_id"
-            ) from None
         self.checkpoint_dir = self.dir / "checkpoints"
-        self.events = EventLog(self.dir / "events.jsonl")
+        self.events = (
+            EventLog(self.dir / "events.jsonl") if group.is_writer else EventLog(None, None)
+        )
 
     # -- resume -------------------------------------------------------------------------
     def _check_previous(self, previous: Path) -> dict:
@@ -257,9 +286,20 @@ class Attempt:
         _kill_self()
 
     def _commit(self, state, step: int, compute_used: float) -> None:
+        """Every process brings the state to the host (a collective when it is sharded over
+        processes); process 0 alone writes and commits it; all leave once it is committed."""
+        from .state import named_arrays
+
+        group = self.options.group
+        started = time.monotonic()
+        arrays = named_arrays(state)
+        if not group.is_writer:
+            self.checkpoint_record = {"step": step, "path": None, "sha256": None}
+            group.barrier(f"checkpoint-{step}")
+            return
         committed = checkpoint.save(
             self.checkpoint_dir,
-            state,
+            arrays,
             step=step,
             computation_digest=self.recipe.computation_digest,
             extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
@@ -268,7 +308,7 @@ class Attempt:
             if self.options.faults.kill_during_checkpoint == step
             else None,
         )
-        self.last_checkpoint = committed
+        group.barrier(f"checkpoint-{step}")
         self.checkpoint_record = {
             "step": step,
             "path": str(committed.path),
@@ -281,13 +321,33 @@ class Attempt:
             path=str(committed.path),
             sha256=committed.sha256,
             state_hash=committed.state_hash,
-            seconds=committed.seconds,
+            seconds=time.monotonic() - started,
         )
 
     # -- the run ------------------------------------------------------------------------
     def run(self) -> int:
         self.preemption.install()
         self.environment_override = None
+        outcome = self._agree_on_set_up(self._set_up())
+        if outcome["kind"] == "failed":
+            return self._finish("failed", outcome["code"], error=outcome["error"])
+        if outcome["kind"] == "adopt":
+            return self._adopt_completed(outcome["previous"])
+        try:
+            program = outcome["program"]
+            # restored arrays come from host files: put them where the compiled update wants
+            # them (over several processes a collective, hence only once all agreed to start)
+            state = program.place(outcome["state"])
+            return self._train(program, state, outcome["step"], outcome["compute_before"])
+        except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
+            return self._finish(
+                "failed",
+                EXIT_FAILED,
+                error={"phase": "train", "message": f"{type(exc).__name__}: {exc}"},
+            )
+
+    def _set_up(self) -> dict:
+        """Everything before the first update; returns what to do next (never raises)."""
         phase = "start"
         try:
             previous_info = (
@@ -298,22 +358,28 @@ class Attempt:
                 if self.options.resume_from
                 else 0.0
             )
-            atomic.write_json(
-                self.dir / ATTEMPT_FILE,
-                {
-                    "job_id": self.data["job_id"],
-                    "attempt_id": self.attempt_id,
-                    "computation_digest": self.recipe.computation_digest,
-                    "examples_digest": self.recipe.examples_digest,
-                    "resumed_from": str(self.options.resume_from.resolve())
-                    if self.options.resume_from
-                    else None,
-                    "compute_seconds_before": compute_before,
-                    "environment": self.env,
-                    "environment_override": self.environment_override,
-                    "started": self.started_iso,
-                },
-            )
+            if self.options.group.is_writer:
+                atomic.write_json(
+                    self.dir / ATTEMPT_FILE,
+                    {
+                        "job_id": self.data["job_id"],
+                        "attempt_id": self.attempt_id,
+                        "computation_digest": self.recipe.computation_digest,
+                        "examples_digest": self.recipe.examples_digest,
+                        "resumed_from": str(self.options.resume_from.resolve())
+                        if self.options.resume_from
+                        else None,
+                        "compute_seconds_before": compute_before,
+                        "environment": self.env,
+                        "environment_override": self.environment_override,
+                        "processes": {
+                            "count": self.options.group.size,
+                            "source": self.options.group.topology.source,
+                            "coordinator": self.options.group.topology.coordinator,
+                        },
+                        "started": self.started_iso,
+                    },
+                )
             self.events.emit(
                 "attempt_started",
                 job_id=self.data["job_id"],
@@ -327,7 +393,7 @@ class Attempt:
             if previous_info is not None:
                 completed = self._previous_completed(self.options.resume_from)
                 if completed is not None:
-                    return self._adopt_completed(completed)
+                    return {"kind": "adopt", "previous": completed}
 
             phase = "inputs"
             verified = inputs.verify(self.data, self.options.input_root)
@@ -364,25 +430,72 @@ class Attempt:
             state = self._restore(program) if self.options.resume_from else None
             if state is None:
                 state = program.init_state()
-            # restored arrays come from host files: put them where the compiled update wants them
-            state = program.place(state)
             step = int(state["step"])
             self.steps_completed = step
-
-            phase = "train"
-            return self._train(program, state, step, compute_before)
+            return {
+                "kind": "train",
+                "program": program,
+                "state": state,
+                "step": step,
+                "compute_before": compute_before,
+            }
         except ResumeRefused as exc:
-            return self._finish(
-                "failed", EXIT_INVALID, error={"phase": "resume", "message": str(exc)}
-            )
+            error, code = {"phase": "resume", "message": str(exc)}, EXIT_INVALID
         except (inputs.InputError, examples.ExamplesError) as exc:
-            return self._finish("failed", EXIT_INVALID, error={"phase": phase, "message": str(exc)})
+            error, code = {"phase": phase, "message": str(exc)}, EXIT_INVALID
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
-            return self._finish(
-                "failed",
-                EXIT_FAILED,
-                error={"phase": phase, "message": f"{type(exc).__name__}: {exc}"},
+            error = {"phase": phase, "message": f"{type(exc).__name__}: {exc}"}
+            code = EXIT_FAILED
+        return {"kind": "failed", "code": code, "error": error}
+
+    def _agree_on_set_up(self, outcome: dict) -> dict:
+        """All processes start training from the same checkpoint, or none does.
+
+        A process that failed set-up (inputs it cannot read, a checkpoint it cannot see)
+        fails every process, with its own error named, instead of leaving the others
+        waiting in the first collective of the update.
+        """
+        group = self.options.group
+        if group.size == 1:
+            return outcome
+        record = self.checkpoint_record or {}
+        mine = {
+            "kind": outcome["kind"],
+            "code": outcome.get("code"),
+            "phase": outcome.get("error", {}).get("phase"),
+            "message": outcome.get("error", {}).get("message", "")[:600],
+            "step": outcome.get("step"),
+            "checkpoint": record.get("sha256"),
+        }
+        reports = [json.loads(text) for text in group.gather_texts(json.dumps(mine))]
+        if outcome["kind"] == "failed":
+            return outcome
+        for rank, report in enumerate(reports):
+            if report["kind"] == "failed":
+                return {
+                    "kind": "failed",
+                    "code": report["code"],
+                    "error": {
+                        "phase": report["phase"],
+                        "message": f"process {rank} failed: {report['message']}",
+                    },
+                }
+        starts = {(r["kind"], r["step"], r["checkpoint"]) for r in reports}
+        if len(starts) > 1:
+            seen = "; ".join(
+                f"process {rank}: {r['kind']} at step {r['step']} from checkpoint {r['checkpoint']}"
+                for rank, r in enumerate(reports)
             )
+            return {
+                "kind": "failed",
+                "code": EXIT_FAILED,
+                "error": {
+                    "phase": "restore",
+                    "message": f"the processes would start from different states ({seen}); "
+                    "every process must see the same output root (a shared filesystem)",
+                },
+            }
+        return outcome
 
     def _check_device(self) -> None:
         import jax
@@ -412,6 +525,15 @@ class Attempt:
             from .parallel import missing_devices_message
 
             raise RuntimeError(missing_devices_message(data_parallel, len(devices)))
+        processes = self.options.group.size
+        if processes > 1 and data_parallel != len(devices):
+            raise RuntimeError(
+                f"{processes} processes hold {len(devices)} devices in all, but the recipe's "
+                f"training.data_parallel.devices is {data_parallel} (strategy "
+                f"{self.recipe.strategy.name}): a multi-process attempt spreads every batch over "
+                f"the devices of all its processes. Set training.data_parallel.devices: "
+                f"{len(devices)} (a strategy with data parallelism), or start one process"
+            )
 
     def _previous_completed(self, previous: Path) -> dict | None:
         for attempt_dir in _attempt_chain(previous):
@@ -426,7 +548,7 @@ class Attempt:
     def _adopt_completed(self, previous: dict) -> int:
         """Resuming a completed attempt trains nothing and reports the same final state."""
         source_export = Path(previous["_dir"]) / "export"
-        if source_export.is_dir():
+        if source_export.is_dir() and self.options.group.is_writer:
             shutil.copytree(source_export, self.dir / "export")
         self.steps_completed = previous["steps_completed"]
         self.checkpoint_record = previous.get("checkpoint")
@@ -440,8 +562,36 @@ class Attempt:
         )
         return self._finish("completed", EXIT_COMPLETED)
 
+    def _stop_before_update(self, compute_used: float, step: int) -> tuple[str, str] | None:
+        """``("preempt", signal)`` or ``("limit", reason)`` when this process or any other must
+        stop before the next update, else None. Signals and time limits reach processes at
+        different moments; deciding together keeps every process at the same step."""
+        code, text = 0, ""
+        if self.preemption.signal is not None:
+            code, text = 2, signal.Signals(self.preemption.signal).name
+        else:
+            reason = self._limit_reason(compute_used, step)
+            if reason:
+                code, text = 1, reason
+        group = self.options.group
+        codes = group.gather_ints(code)
+        decided = max(codes)
+        if decided == 0:
+            return None
+        texts = group.gather_texts(text)
+        if code != decided:
+            rank = codes.index(decided)
+            text = f"{texts[rank]} (on process {rank})"
+        return ("preempt" if decided == 2 else "limit", text)
+
+    def _log(self, message: str) -> None:
+        rank = self.options.group.rank
+        print(f"minifield-worker{f'[{rank}]' if rank else ''}: {message}", file=sys.stderr)
+
     def _train(self, program, state, step: int, compute_before: float) -> int:
-        from .state import hashes, state_hash
+        import jax
+
+        from .state import hashes, state_hash, to_host
 
         max_steps = self.data["limits"]["max_steps"]
         every = self.data["checkpoint"]["every_steps"]
@@ -449,11 +599,11 @@ class Attempt:
         compute_used = compute_before
         eval_every = getattr(program, "eval_every", 0)
         while step < max_steps:
-            if self.preemption.signal is not None:
-                return self._preempt(state, step, compute_used)
-            reason = self._limit_reason(compute_used, step)
-            if reason:
-                return self._limit(state, step, compute_used, reason)
+            stop = self._stop_before_update(compute_used, step)
+            if stop is not None and stop[0] == "preempt":
+                return self._preempt(state, step, compute_used, stop[1])
+            if stop is not None:
+                return self._limit(state, step, compute_used, stop[1])
             started = time.monotonic()
             state, metrics = program.step(state)
             seconds = time.monotonic() - started
@@ -473,9 +623,8 @@ class Attempt:
                 update["state_hash"], update["part_hashes"] = hashes(state)
             self.events.emit("update", **update)
             self.metrics["final_loss"] = metrics.get("loss")
-            print(
-                f"minifield-worker: update {step}/{max_steps} loss={metrics.get('loss'):.6g} ({seconds * 1000:.1f} ms)",
-                file=sys.stderr,
+            self._log(
+                f"update {step}/{max_steps} loss={metrics.get('loss'):.6g} ({seconds * 1000:.1f} ms)"
             )
             if faults.fail_after_step is not None and step == faults.fail_after_step:
                 # Hard exit without any cleanup, as a crash would: nothing after this update is saved.
@@ -494,9 +643,12 @@ class Attempt:
                     seconds=time.monotonic() - started,
                     final=False,
                 )
-        if self.last_checkpoint is None or self.last_checkpoint.step != step:
-            if self.checkpoint_record is None or self.checkpoint_record["step"] != step:
-                self._commit(state, step, compute_used)
+        if self.checkpoint_record is None or self.checkpoint_record["step"] != step:
+            self._commit(state, step, compute_used)
+        if self.options.group.size > 1:
+            # one host copy on every process (a collective when sharded over processes), so
+            # that process 0 alone can export it afterwards
+            state = jax.tree_util.tree_map(to_host, state)
         started = time.monotonic()
         final_metrics = program.evaluate(state)
         self.metrics.update(final_metrics)
@@ -507,17 +659,18 @@ class Attempt:
             seconds=time.monotonic() - started,
             final=True,
         )
-        program.export(state, self.dir / "export")
+        if self.options.group.is_writer:
+            program.export(state, self.dir / "export")
         self.result["final_state_hash"] = state_hash(state)
         return self._finish("completed", EXIT_COMPLETED)
 
-    def _preempt(self, state, step: int, compute_used: float) -> int:
+    def _preempt(self, state, step: int, compute_used: float, signal_name: str) -> int:
         if self.checkpoint_record is None or self.checkpoint_record["step"] != step:
             self._commit(state, step, compute_used)
         self.events.emit(
             "preempted",
             durable=True,
-            signal=signal.Signals(self.preemption.signal).name,
+            signal=signal_name,
             step=step,
             checkpoint_sha256=self.checkpoint_record["sha256"],
             path=self.checkpoint_record["path"],
@@ -574,7 +727,8 @@ class Attempt:
             )
         elif status == "failed":
             self.events.emit("failed", durable=True, **(error or {}))
-        atomic.write_json(self.dir / RESULT_FILE, result)
+        if self.options.group.is_writer:
+            atomic.write_json(self.dir / RESULT_FILE, result)
         self.events.close()
         self.preemption.restore()
         return code

@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from . import distributed, strategies, train
 from . import recipe as recipes
-from . import strategies, train
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +68,19 @@ def _parser() -> argparse.ArgumentParser:
         "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
         "attempt can resume it (used by the recovery-proof qualification)",
     )
+    multi = parser.add_argument_group(
+        "multi-process training (one process per host; only process 0 writes)"
+    )
+    multi.add_argument(
+        "--distributed",
+        action="store_true",
+        help="train as one process of several: the coordinator, process count and id come from "
+        "MINIFIELD_COORDINATOR / MINIFIELD_NUM_PROCESSES / MINIFIELD_PROCESS_ID or from the "
+        "SLURM step (srun -n N); every process needs the same recipe, inputs and output root",
+    )
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    multi.add_argument("--num-processes", type=int, metavar="N", help="processes in all")
+    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
@@ -123,6 +136,25 @@ def _validate_only(job: Path) -> int:
     return 0
 
 
+def _start_processes(args) -> distributed.Group:
+    """The processes of this attempt: one, unless asked for several (then JAX's distributed
+    runtime is started before anything touches a device)."""
+    explicit = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in explicit):
+        tasks = distributed.srun_tasks()
+        if tasks > 1:
+            # N independent copies of one attempt would each train and write the same job
+            raise distributed.DistributedError(
+                f"this is a SLURM step of {tasks} tasks: pass --distributed to train as one "
+                f"attempt over {tasks} processes, or run a single task (srun -n 1)"
+            )
+        return distributed.Group()
+    topology = distributed.from_environment(
+        coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+    return distributed.Group(distributed.initialize(topology))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -164,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return train.EXIT_INVALID
+    try:
+        group = _start_processes(args)
+    except distributed.DistributedError as exc:
+        print(f"minifield-worker: {exc}", file=sys.stderr)
+        return train.EXIT_INVALID
     options = train.Options(
         input_root=args.input_root,
         output_root=args.output_root,
@@ -180,12 +217,25 @@ def main(argv: list[str] | None = None) -> int:
             args.stall_seconds,
             args.kill_during_checkpoint,
         ),
+        group=group,
     )
     try:
         code, attempt_dir = train.run(recipe, options)
     except train.ResumeRefused as exc:
         print(f"minifield-worker: {exc}", file=sys.stderr)
         return train.EXIT_INVALID
+    finally:
+        if group.size > 1:
+            import jax
+
+            jax.distributed.shutdown()
+    if not group.is_writer:
+        print(
+            f"minifield-worker[{group.rank}]: exit {code}; process 0 records the attempt in "
+            f"{attempt_dir}",
+            file=sys.stderr,
+        )
+        return code
     result = json.loads((attempt_dir / train.RESULT_FILE).read_text())
     if result.get("error"):
         print(

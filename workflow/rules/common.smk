@@ -66,6 +66,18 @@ def work_dir(wildcards):
     return f"{WORK_DIR}/{wildcards.cdigest}"
 
 
+def training_resources():
+    """Resources of the qualify and train jobs: the GPU request, and for a multi-process
+    attempt the tasks to run it in. The SLURM executor submits `tasks` as `--ntasks`; `mpi`
+    tells its job step to run the job as it is, not inside a one-task `srun`, because the
+    job starts its own `srun` of that many tasks (minifield.launch)."""
+    train = config["train"]
+    resources = {"gpu": train["request_gpus"]}
+    if train["processes"] > 1:
+        resources.update(tasks=train["processes"], mpi="srun")
+    return resources
+
+
 def proof_required():
     """Whether publication needs the recovery proof: store.require_proof, where "auto" means
     "when this workflow has a qualify rule" (rules.has, because hasattr(rules, ...) raises).

@@ -15,7 +15,7 @@ rule qualify:
     conda:
         "../../envs/minifield.yaml"
     resources:
-        gpu=config["train"]["request_gpus"],
+        **training_resources(),
     params:
         input_root=computation_input_root,
         work_dir=work_dir,

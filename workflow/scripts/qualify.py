@@ -23,4 +23,5 @@ stages.qualify(
     gpus_per_job=t["gpus_per_job"],
     lease_dir=Path(snakemake.params.lease_dir),  # noqa: F821
     lease_wait_s=t["lease_wait_seconds"],
+    processes=t["processes"],
 )

@@ -24,4 +24,5 @@ stages.train_attempt(
     gpus_per_job=t["gpus_per_job"],
     lease_dir=Path(snakemake.params.lease_dir),  # noqa: F821
     lease_wait_s=t["lease_wait_seconds"],
+    processes=t["processes"],
 )

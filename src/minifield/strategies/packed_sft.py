@@ -23,7 +23,7 @@ import numpy as np
 from .. import export, packing, parallel, sft_data
 from .. import tokenizer as tokenizers
 from ..digest import sha256_bytes
-from ..state import named_arrays, restore_like
+from ..state import named_arrays, restore_like, to_host
 from .base import Program, Strategy
 
 SPLITS = ("train", "dev", "test")
@@ -265,11 +265,14 @@ class PackedSFTProgram(Program):
         return new_state, host
 
     def _eval_params(self, state: dict):
-        """Evaluation and generation run on one device: a mesh-placed state is copied to the
-        first device, so the figures do not depend on the data-parallel device count."""
+        """Evaluation and generation run on one device: a mesh-placed state is copied to this
+        process's first device, so the figures do not depend on the data-parallel device
+        count (or on how many processes hold the mesh: each evaluates its own copy)."""
         if self._state_shardings is None:
             return state["params"]
-        return jax.device_put(state["params"], jax.devices()[0])
+        # to_host: a collective when the parameters are sharded over several processes
+        params = jax.tree_util.tree_map(to_host, state["params"])
+        return jax.device_put(params, jax.local_devices()[0])
 
     def evaluate(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")

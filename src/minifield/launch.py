@@ -1,0 +1,214 @@
+"""Start the N processes of one multi-process worker attempt, as one command.
+
+``python -m minifield.launch --processes N -- minifield-worker --distributed ...``
+
+- Inside a SLURM job of at least N tasks (``SLURM_JOB_ID`` set; the task count from
+  ``SLURM_NTASKS`` or ``scontrol show job``): ``srun --ntasks=N --kill-on-bad-exit=1 CMD``;
+  the tasks, possibly on several hosts, find each other from SLURM's environment
+  (:mod:`minifield.distributed`). The Snakemake SLURM executor submits the ``qualify`` and
+  ``train`` jobs with ``--ntasks=N`` when ``train.processes`` is N.
+- Elsewhere: N local processes joined through ``MINIFIELD_COORDINATOR=127.0.0.1:<free
+  port>``, ``MINIFIELD_NUM_PROCESSES`` and ``MINIFIELD_PROCESS_ID``. That is one machine
+  standing in for N hosts: the multi-process code paths, not a speed-up.
+
+The launcher is one process to supervise: SIGTERM and SIGINT are passed on to every
+process (srun passes them to its tasks), and it exits with process 0's exit code (the
+process that writes the attempt's ``result.json``), or, when process 0 succeeded but
+another did not, with that process's code. When one local process ends in failure the
+others get ``grace_s`` seconds to end on their own (JAX's distributed runtime stops them
+when a peer is gone) and are then killed, so a launch never hangs on a dead peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+from . import distributed
+
+
+class LaunchError(ValueError):
+    """The launch cannot start as asked."""
+
+
+def allocation_tasks(env: Mapping[str, str] | None = None) -> int | None:
+    """Tasks of the SLURM job this runs in; None outside one (or when it cannot be told).
+
+    ``SLURM_NTASKS`` where it is set; where a job runner removed it (Snakemake's
+    slurm-jobstep executor keeps only the job's identity, ``SLURM_JOB_ID``, so that nested
+    ``srun`` calls do not inherit step settings) from ``scontrol show job``.
+    """
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    if env.get("SLURM_NTASKS"):
+        try:
+            return int(env["SLURM_NTASKS"])
+        except ValueError:
+            return None
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"\bNumTasks=(\d+)", shown)
+    return int(found.group(1)) if found else None
+
+
+def in_slurm_allocation(processes: int, env: Mapping[str, str] | None = None) -> bool:
+    """True inside a SLURM job that has at least ``processes`` tasks to run them in."""
+    tasks = allocation_tasks(env)
+    return tasks is not None and tasks >= processes
+
+
+def srun_command(command: Sequence[str], processes: int) -> list[str]:
+    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *command]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _exit_code(returncode: int) -> int:
+    """A signalled child (negative return code) as the shell reports it: 128 + signal."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _forward_signals(children: list[subprocess.Popen]) -> dict:
+    def forward(signum, frame):  # noqa: ARG001
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _combined(codes: list[int]) -> int:
+    if codes[0] != 0:
+        return codes[0]
+    return next((code for code in codes if code != 0), 0)
+
+
+def launch(
+    command: Sequence[str],
+    processes: int,
+    *,
+    mode: str = "auto",
+    grace_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run ``command`` as ``processes`` processes of one attempt; returns the exit code."""
+    if processes < 1:
+        raise LaunchError(f"--processes must be >= 1 (got {processes})")
+    base = dict(os.environ if env is None else env)
+    if mode == "auto":
+        mode = "slurm" if processes > 1 and in_slurm_allocation(processes, base) else "local"
+    if processes > 1:
+        job = base.get("SLURM_JOB_ID")
+        if mode == "slurm":
+            where = f"srun in SLURM job {job} ({allocation_tasks(base)} tasks)"
+        elif job:
+            where = f"local processes on 127.0.0.1 (SLURM job {job} has too few tasks)"
+        else:
+            where = "local processes on 127.0.0.1"
+        print(f"minifield.launch: {processes} processes: {where}", file=sys.stderr, flush=True)
+    if mode == "slurm":
+        if not in_slurm_allocation(processes, base):
+            raise LaunchError(
+                f"--mode slurm needs a SLURM allocation of at least {processes} tasks "
+                "(run inside sbatch/salloc with --ntasks, or use --mode local)"
+            )
+        children = [subprocess.Popen(srun_command(command, processes), env=base)]
+    elif mode == "local":
+        for name in (
+            distributed.ENV_COORDINATOR,
+            distributed.ENV_NUM_PROCESSES,
+            distributed.ENV_PROCESS_ID,
+        ):
+            base.pop(name, None)
+        # the local processes are not SLURM tasks, even when launched inside a SLURM job
+        base.pop("SLURM_STEP_NUM_TASKS", None)
+        coordinator = f"127.0.0.1:{_free_port()}"
+        children = []
+        for rank in range(processes):
+            child_env = dict(base)
+            if processes > 1:
+                child_env.update(
+                    {
+                        distributed.ENV_COORDINATOR: coordinator,
+                        distributed.ENV_NUM_PROCESSES: str(processes),
+                        distributed.ENV_PROCESS_ID: str(rank),
+                    }
+                )
+            children.append(subprocess.Popen(list(command), env=child_env))
+    else:
+        raise LaunchError(f"--mode must be auto, slurm or local (got {mode!r})")
+
+    previous = _forward_signals(children)
+    try:
+        failed_at = None
+        while True:
+            codes = [child.poll() for child in children]  # every child, every round
+            if None not in codes:
+                break
+            if failed_at is None and any(code not in (None, 0) for code in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for child in children:
+                    if child.poll() is None:
+                        print(
+                            f"minifield.launch: a peer failed {grace_s:.0f} s ago; killing "
+                            f"pid {child.pid}",
+                            file=sys.stderr,
+                        )
+                        child.kill()
+            time.sleep(0.05)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return _combined([_exit_code(child.wait()) for child in children])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minifield.launch",
+        description="Start the processes of one multi-process worker attempt "
+        "(srun inside a SLURM allocation, local processes elsewhere).",
+    )
+    parser.add_argument("--processes", type=int, required=True, metavar="N")
+    parser.add_argument("--mode", choices=("auto", "slurm", "local"), default="auto")
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=60.0,
+        help="after one local process failed, wait this long for the others, then kill them",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (put it after --)")
+    try:
+        return launch(command, args.processes, mode=args.mode, grace_s=args.grace_seconds)
+    except LaunchError as exc:
+        print(f"minifield.launch: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

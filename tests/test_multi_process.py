@@ -1,0 +1,331 @@
+"""Multi-process training on one machine: worker processes joined through
+``MINIFIELD_COORDINATOR`` / ``MINIFIELD_NUM_PROCESSES`` / ``MINIFIELD_PROCESS_ID`` on
+127.0.0.1, with gloo CPU collectives. This is the code path ``srun -n 2 minifield-worker
+--distributed`` takes (there the three values come from SLURM's environment); the run on
+the real SLURM cluster is in ``test_slurm_profile.py``.
+
+Why two processes must give the *same bits* as one process over two devices: the compiled
+update is the same program over the same two-device mesh, and the only cross-device
+arithmetic is an all-reduce of two partial sums. Adding two floating-point numbers is
+commutative, so however the collective orders its two operands the sum is the same. (With
+more devices the grouping of the additions could differ between implementations; that is
+why the process count is part of the recorded environment a resume is checked against.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    read_events,
+    run_worker,
+    small_sft_inputs,
+    small_sft_recipe,
+    snakemake_in,
+    worker_command,
+    write_recipe,
+)
+
+from minifield import recipe as recipes
+
+MAX_STEPS = 12
+EVERY = 4
+STALL_STEP = 5  # the preemption test holds both processes after this update
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("multi-process")
+    return {"root": root, **small_sft_inputs(root)}
+
+
+def mp_recipe(space, name: str, devices: int = 2, shard_params: bool = True) -> Path:
+    recipe = small_sft_recipe(
+        space["pins"],
+        "mp-test",
+        devices,
+        training={"data_parallel": {"devices": devices, "shard_params": shard_params}},
+        limits={"max_steps": MAX_STEPS},
+        checkpoint={"every_steps": EVERY, "keep": 5},
+    )
+    return write_recipe(space["root"] / f"{name}.json", recipe)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_processes(out: Path, *args, count: int = 2, per_process=None) -> list[dict]:
+    """Start ``count`` workers of one attempt; stdout/stderr of each go to files in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(count):
+        env = {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "",
+            "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
+            "MINIFIELD_NUM_PROCESSES": str(count),
+            "MINIFIELD_PROCESS_ID": str(rank),
+        }
+        extra = per_process(rank) if per_process else []
+        stdout, stderr = out / f"process-{rank}.out", out / f"process-{rank}.err"
+        with open(stdout, "w") as o, open(stderr, "w") as e:
+            proc = subprocess.Popen(
+                worker_command("--distributed", *args, *extra),
+                stdout=o,
+                stderr=e,
+                env={**os.environ, **env},
+            )
+        procs.append({"proc": proc, "stdout": stdout, "stderr": stderr})
+    return procs
+
+
+def wait_all(procs: list[dict], timeout: float = 240) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p["proc"].wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q["proc"].kill()
+            raise AssertionError(f"processes did not finish: {describe(procs)}") from None
+    return codes
+
+
+def describe(procs: list[dict]) -> str:
+    return "\n".join(
+        f"--- process {rank} stderr:\n{p['stderr'].read_text()[-2500:]}"
+        for rank, p in enumerate(procs)
+    )
+
+
+def attempts(out: Path) -> list[Path]:
+    return sorted((out / "mp-test").iterdir(), key=lambda p: (p / "attempt.json").stat().st_mtime)
+
+
+def update_hashes(attempt: Path) -> dict[int, str]:
+    return {
+        e["step"]: e["state_hash"]
+        for e in read_events(attempt / "events.jsonl")
+        if e["type"] == "update"
+    }
+
+
+def result(attempt: Path) -> dict:
+    return json.loads((attempt / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(space) -> Path:
+    """One process over two forced host devices: what the two-process runs must equal."""
+    out = space["root"] / "one-process"
+    run_worker(
+        "--job", mp_recipe(space, "reference"),
+        "--input-root", space["input_root"],
+        "--output-root", out,
+        "--record-state-hashes",
+        check_codes=(0,),
+        env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )  # fmt: skip
+    (attempt,) = attempts(out)
+    return attempt
+
+
+def test_two_processes_train_one_attempt_bit_identical_to_one_process(space, reference):
+    out = space["root"] / "two-processes"
+    procs = start_processes(
+        out,
+        "--job", mp_recipe(space, "two"),
+        "--input-root", space["input_root"],
+        "--output-root", out,
+        "--record-state-hashes",
+    )  # fmt: skip
+    assert wait_all(procs) == [0, 0], describe(procs)
+
+    # one attempt, written by process 0 alone
+    (attempt,) = attempts(out)
+    done = result(attempt)
+    assert done["status"] == "completed" and done["steps_completed"] == MAX_STEPS
+    assert done["environment"]["process_count"] == 2 and done["environment"]["device_count"] == 2
+    processes = json.loads((attempt / "attempt.json").read_text())["processes"]
+    assert processes["count"] == 2 and processes["source"] == "environment"
+    events = read_events(attempt / "events.jsonl")
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    committed = [e["step"] for e in events if e["type"] == "checkpoint_committed"]
+    assert committed == list(range(EVERY, MAX_STEPS + 1, EVERY))  # each step committed once
+    steps = sorted(p.name for p in (attempt / "checkpoints").iterdir())
+    assert steps == [f"step-{s:08d}" for s in committed]  # no temporaries left behind
+    placement = next(e for e in events if e["type"] == "compiled")["placement"]
+    assert placement["shard_params"] and placement["sharded_arrays"] > 0
+    # process 0's stdout is the event stream; process 1 writes no events anywhere
+    streamed = [
+        json.loads(line)
+        for line in procs[0]["stdout"].read_text().splitlines()
+        if line.startswith("{")
+    ]
+    assert [e["seq"] for e in streamed] == [e["seq"] for e in events]
+    assert not [line for line in procs[1]["stdout"].read_text().splitlines() if "{" in line]
+    assert "process 0 records the attempt" in procs[1]["stderr"].read_text()
+
+    # the same bits as one process over two devices, update by update
+    assert update_hashes(attempt) == update_hashes(reference)
+    assert len(update_hashes(attempt)) == MAX_STEPS
+    assert done["final_state_hash"] == result(reference)["final_state_hash"]
+    assert done["metrics"] == result(reference)["metrics"]
+    exported = sorted(p.name for p in (attempt / "export").iterdir())
+    assert exported == sorted(p.name for p in (reference / "export").iterdir())
+
+
+def test_signal_to_one_process_preempts_both_at_the_same_step(space, reference):
+    """Crash-and-resume over two processes is the recovery proof's job (see the pipeline test
+    below); here: a SIGTERM that reaches one process only still stops both, together."""
+    out = space["root"] / "preempted"
+    # Both processes pause after update STALL_STEP; process 1 alone gets SIGTERM meanwhile.
+    procs = start_processes(
+        out,
+        "--job", mp_recipe(space, "preempt"),
+        "--input-root", space["input_root"],
+        "--output-root", out,
+        "--stall-after-step", STALL_STEP, "--stall-seconds", "3",
+    )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while f"update {STALL_STEP}/" not in procs[1]["stderr"].read_text():
+        assert time.monotonic() < deadline and procs[1]["proc"].poll() is None, describe(procs)
+        time.sleep(0.1)
+    procs[1]["proc"].send_signal(signal.SIGTERM)
+    assert wait_all(procs) == [3, 3], describe(procs)
+
+    (attempt,) = attempts(out)
+    assert result(attempt)["status"] == "preempted"
+    events = read_events(attempt / "events.jsonl")
+    preempted = next(e for e in events if e["type"] == "preempted")
+    # both stopped at the same step; process 0 records whose signal it was
+    assert preempted["step"] == STALL_STEP and preempted["signal"] == "SIGTERM (on process 1)"
+    commits = {e["step"]: e for e in events if e["type"] == "checkpoint_committed"}
+    assert sorted(commits) == [EVERY, STALL_STEP]
+    # the committed state is exactly the reference's state after that update
+    assert commits[STALL_STEP]["state_hash"] == update_hashes(reference)[STALL_STEP]
+    assert preempted["checkpoint_sha256"] == commits[STALL_STEP]["sha256"]
+
+
+def test_a_set_up_failure_in_one_process_fails_every_process(space, tmp_path):
+    # process 1 reads a copy of the inputs whose train split was edited after pinning
+    other_root = tmp_path / "in"
+    (other_root / "sft").mkdir(parents=True)
+    for path in (space["input_root"] / "sft").iterdir():
+        (other_root / "sft" / path.name).write_bytes(path.read_bytes())
+    with open(other_root / "sft" / "train.jsonl", "a") as handle:
+        handle.write('{"prompt": "ab", "response": "ba"}\n')
+    out = tmp_path / "out"
+    procs = start_processes(
+        out,
+        "--job", mp_recipe(space, "setup"),
+        "--output-root", out,
+        per_process=lambda rank: ["--input-root", space["input_root"] if rank == 0 else other_root],
+    )  # fmt: skip
+    assert wait_all(procs) == [2, 2], describe(procs)
+    (attempt,) = attempts(out)
+    failed = result(attempt)
+    assert failed["status"] == "failed" and failed["error"]["phase"] == "inputs"
+    message = failed["error"]["message"]
+    assert (
+        message.startswith("process 1 failed:")
+        and str(other_root / "sft" / "train.jsonl") in message
+    )
+    assert not (attempt / "checkpoints").exists()
+
+
+def test_processes_must_hold_the_whole_mesh(space, tmp_path):
+    out = tmp_path / "out"
+    procs = start_processes(
+        out,
+        "--job", mp_recipe(space, "one-device", devices=1, shard_params=False),
+        "--input-root", space["input_root"],
+        "--output-root", out,
+    )  # fmt: skip
+    assert wait_all(procs) == [1, 1], describe(procs)
+    error = result(attempts(out)[0])["error"]
+    assert error["phase"] == "device"
+    assert "training.data_parallel.devices is 1" in error["message"]
+    assert "Set training.data_parallel.devices: 2" in error["message"]
+
+
+def test_an_srun_step_of_several_tasks_needs_distributed(space, tmp_path):
+    """Without --distributed, N tasks would be N independent copies writing one job."""
+    proc = run_worker(
+        "--job", mp_recipe(space, "srun"),
+        "--input-root", space["input_root"],
+        "--output-root", tmp_path / "out",
+        check_codes=(2,),
+        env={"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"},
+    )  # fmt: skip
+    assert "pass --distributed" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
+    """`train.processes: 2`: the recovery proof and the training each run as one attempt of
+    two processes (minifield.launch, local processes here; srun inside a SLURM allocation),
+    gated and evaluated like any other computation, with the same bits as one process over
+    two devices."""
+    project = tmp_path / "project"
+    (project / "config").mkdir(parents=True)
+    shutil.copytree(space["input_root"], project / "data")
+    recipe = small_sft_recipe(
+        space["pins"],
+        "mp-pipeline",
+        2,
+        training={"data_parallel": {"devices": 2, "shard_params": True}},
+        limits={"max_steps": MAX_STEPS},
+        checkpoint={"every_steps": EVERY, "keep": 5},
+    )
+    recipe_path = write_recipe(project / "config" / "recipes" / "mp.json", recipe)
+    config = {
+        "recipes": ["config/recipes/mp.json"],
+        "input_root": "data",
+        "work_dir": "work",
+        "train": {"retries": 0, "processes": 2},
+    }
+    (project / "config" / "config.yaml").write_text(json.dumps(config))
+    cdigest = recipes.load(recipe_path).computation_digest
+    target = f"results/computations/{cdigest[:16]}/eval/metrics.json"
+    proc = snakemake_in(project, target, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+    base = project / "results" / "computations" / cdigest[:16]
+    proof = json.loads((base / "qualification" / "proof.json").read_text())
+    assert proof["passed"] and proof["settings"]["processes"] == 2, proof["diagnosis"]
+    result = json.loads((base / "train" / "result.json").read_text())
+    assert result["status"] == "completed" and result["environment"]["process_count"] == 2
+    attempt = project / result["attempt_dir"]
+    processes = json.loads((attempt / "attempt.json").read_text())["processes"]
+    assert processes == {
+        "count": 2,
+        "source": "environment",
+        "coordinator": processes["coordinator"],
+    }
+    assert processes["coordinator"].startswith("127.0.0.1:")
+    log = (project / "logs" / "train" / f"{cdigest[:16]}.log").read_text()
+    assert "-m minifield.launch --processes 2 --" in log and "--distributed" in log
+    # the same computation as the one-process reference run of this module's recipe
+    # (same data, model, training and limits; only the job id differs, which is not in it)
+    assert cdigest == recipes.load(space["root"] / "reference.json").computation_digest
+    assert (
+        result["final_state_hash"]
+        == json.loads((reference / "result.json").read_text())["final_state_hash"]
+    )
+    metrics = json.loads((base / "eval" / "metrics.json").read_text())
+    assert metrics["checkpoints"][-1]["step"] == MAX_STEPS
+    assert metrics["checkpoints"][-1]["state_hash"] == result["final_state_hash"]
