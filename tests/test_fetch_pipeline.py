@@ -32,7 +32,7 @@ def examples_jsonl() -> bytes:
 
 def snakemake(workdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "1"],
+        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "2"],
         cwd=workdir,
         capture_output=True,
         text=True,

@@ -20,7 +20,7 @@ def snakemake(workdir, *extra, check=True):
             "--directory",
             str(workdir),
             "--cores",
-            "1",
+            "2",
             *extra,
         ],
         capture_output=True,

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -421,3 +422,49 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     final = json.loads((resumed / "result.json").read_text())
     assert final["status"] == "completed" and final["steps_completed"] == 8
     assert final["final_state_hash"] == result["final_state_hash"]
+
+
+@pytest.mark.slurm
+def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
+    """SIGTERM to ``minifield.launch`` inside an allocation (what a supervisor sends) reaches
+    the srun step's tasks as SIGTERM — srun would kill them outright — so both tasks commit
+    a checkpoint at the same step and the launch exits 3 (preempted)."""
+    inputs = small_sft_inputs(tmp_path)
+    recipe = small_sft_recipe(
+        inputs["pins"], "launch-test", 2,
+        limits={"max_steps": 400}, checkpoint={"every_steps": 100, "keep": 2},
+    )  # fmt: skip
+    recipe_path = write_recipe(tmp_path / "recipe.json", recipe)
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    for key in [k for k in env if k.startswith(("SLURM_", "MINIFIELD_"))]:
+        del env[key]
+    env.update({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+    python = str(VENV_BIN / "python")
+    stderr = tmp_path / "launch.err"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            ["timeout", "-k", "10", "240", "salloc", "-n2", "--mem-per-cpu=1500", "-t", "5",
+             python, "-m", "minifield.launch", "--processes", "2", "--",
+             python, "-m", "minifield.worker", "--distributed", "--job", str(recipe_path),
+             "--input-root", str(inputs["input_root"]), "--output-root", str(tmp_path / "out"),
+             "--stall-after-step", "3", "--stall-seconds", "5"],
+            stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path,
+        )  # fmt: skip
+    deadline = time.monotonic() + 180
+    while "update 3/" not in stderr.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, stderr.read_text()[-3000:]
+        time.sleep(0.1)
+    launchers = subprocess.run(
+        ["pgrep", "-f", "-n", f"{python} -m minifield.launch --processes 2"],
+        capture_output=True, text=True, check=False,
+    ).stdout.split()  # fmt: skip
+    assert len(launchers) == 1, "launcher process not found"
+    os.kill(int(launchers[0]), signal.SIGTERM)
+    assert proc.wait(timeout=120) == 3, stderr.read_text()[-3000:]
+    assert "srun in SLURM job" in stderr.read_text()
+    (attempt,) = (tmp_path / "out" / "launch-test").iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "preempted" and result["steps_completed"] == 3
+    preempted = next(e for e in read_events(attempt / "events.jsonl") if e["type"] == "preempted")
+    assert preempted["step"] == 3 and preempted["signal"] == "SIGTERM"
+    assert (attempt / "checkpoints" / "step-00000003" / "manifest.json").is_file()

@@ -12,9 +12,14 @@
   standing in for N hosts: the multi-process code paths, not a speed-up.
 
 The launcher is one process to supervise: SIGTERM and SIGINT are passed on to every
-process (srun passes them to its tasks), and it exits with process 0's exit code (the
-process that writes the attempt's ``result.json``), or, when process 0 succeeded but
-another did not, with that process's code. When one local process ends in failure the
+process, and it exits with process 0's exit code (the process that writes the attempt's
+``result.json``), or, when process 0 succeeded but another did not, with that process's
+code. srun itself answers SIGTERM by killing its tasks at once ("forcing job
+termination"), which would skip the workers' preemption checkpoint; so srun runs in a
+session of its own (a supervisor's signal to the launcher's process group does not reach
+it), the signal goes to the step's tasks through ``scancel --signal`` (the step is found
+by the unique name the launcher gives it), and srun is told to end if the launcher is
+killed outright. When one local process ends in failure the
 others get ``grace_s`` seconds to end on their own (JAX's distributed runtime stops them
 when a peer is gone) and are then killed, so a launch never hangs on a dead peer.
 """
@@ -74,8 +79,39 @@ def in_slurm_allocation(processes: int, env: Mapping[str, str] | None = None) ->
     return tasks is not None and tasks >= processes
 
 
-def srun_command(command: Sequence[str], processes: int) -> list[str]:
-    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *command]
+def srun_command(command: Sequence[str], processes: int, step_name: str = "") -> list[str]:
+    name = [f"--job-name={step_name}"] if step_name else []
+    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *name, *command]
+
+
+def step_id(job_id: str, step_name: str) -> str | None:
+    """``JOB.STEP`` of the running step called ``step_name`` in job ``job_id``, if any."""
+    try:
+        listed = subprocess.run(
+            ["squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i %j"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in listed.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2 and parts[1].strip() == step_name:
+            return parts[0]
+    return None
+
+
+def _end_with_parent() -> None:
+    """In the srun child: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG), so a
+    launcher killed outright does not leave its step running."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -89,8 +125,14 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _forward_signals(children: list[subprocess.Popen]) -> dict:
+def _forward_signals(children: list[subprocess.Popen], slurm_step: tuple | None) -> dict:
     def forward(signum, frame):  # noqa: ARG001
+        if slurm_step is not None:
+            step = step_id(*slurm_step)
+            if step is not None:
+                name = signal.Signals(signum).name.removeprefix("SIG")
+                subprocess.run(["scancel", f"--signal={name}", step], check=False, timeout=30)
+                return
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
@@ -133,8 +175,18 @@ def launch(
                 f"--mode slurm needs a SLURM allocation of at least {processes} tasks "
                 "(run inside sbatch/salloc with --ntasks, or use --mode local)"
             )
-        children = [subprocess.Popen(srun_command(command, processes), env=base)]
+        step_name = f"minifield-launch-{os.getpid()}"
+        slurm_step = (base["SLURM_JOB_ID"], step_name)
+        children = [
+            subprocess.Popen(
+                srun_command(command, processes, step_name),
+                env=base,
+                start_new_session=True,
+                preexec_fn=_end_with_parent,  # only a prctl call: safe before exec
+            )
+        ]
     elif mode == "local":
+        slurm_step = None
         for name in (
             distributed.ENV_COORDINATOR,
             distributed.ENV_NUM_PROCESSES,
@@ -159,7 +211,7 @@ def launch(
     else:
         raise LaunchError(f"--mode must be auto, slurm or local (got {mode!r})")
 
-    previous = _forward_signals(children)
+    previous = _forward_signals(children, slurm_step)
     try:
         failed_at = None
         while True:
