@@ -78,8 +78,10 @@ def test_slurm_profile_maps_gpu_and_status_checks():
 
 def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
-    the bookkeeping rules, and gives train the GPU request and its own runtime/memory."""
-    workdir = _workspace(tmp_path, gpus=1)
+    the bookkeeping rules, and gives train the GPU request and its own runtime/memory; with
+    `train.processes: 2`, qualify and train ask for 2 tasks as an `mpi` job (the executor
+    submits --ntasks=2 and does not wrap the job in a one-task srun), nothing else does."""
+    workdir = _workspace(tmp_path, gpus=1, processes=2)
     proc = _snakemake(workdir, "--profile", str(REPO / "profiles" / "slurm"), "-n", _target())
     output = _finish(proc, workdir, "dry-run")
     assert "workflow specific profile" in output and "profiles/default" in output
@@ -94,6 +96,8 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
         if rule == "all" or resources is None:
             continue
         items = dict(kv.split("=", 1) for kv in resources.group(1).split(", "))
+        multi_process = (items.get("tasks"), items.get("mpi")) == ("2", "srun")
+        assert multi_process == (rule in ("qualify", "train")), f"{rule}: {items}"
         if rule == "train":
             assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "120")
         elif rule == "qualify":
@@ -176,7 +180,7 @@ def _target() -> str:
     return f"results/computations/{cdigest[:16]}/eval/metrics.json"
 
 
-def _workspace(root: Path, gpus: int) -> Path:
+def _workspace(root: Path, gpus: int, processes: int = 1) -> Path:
     """A fresh working directory with the demo recipe, its pinned data and a small config."""
     (root / "config" / "recipes").mkdir(parents=True)
     shutil.copytree(REPO / "data" / "linear", root / "data" / "linear")
@@ -186,7 +190,7 @@ def _workspace(root: Path, gpus: int) -> Path:
         "input_root": "data",
         "work_dir": "work",
         # no retries: a failure must show, not be papered over by a second try
-        "train": {"retries": 0, "request_gpus": gpus},
+        "train": {"retries": 0, "request_gpus": gpus, "processes": processes},
     }
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return root
