@@ -101,3 +101,19 @@ def test_cli_prints_the_topology(capsys, monkeypatch):
     monkeypatch.setenv(d.ENV_COORDINATOR, "h:1")
     assert d.main([]) == 2
     assert "but not" in capsys.readouterr().err
+
+
+def test_texts_cross_processes_intact_or_cut_to_the_buffer():
+    for text in ("", "ok:a20261130T074128Z-9f3590", "naïve ✓ " * 3):
+        assert d._decode(d._encode(text)) == text
+    long = "x" * (d.TEXT_BYTES + 50)
+    assert d._decode(d._encode(long)) == "x" * d.TEXT_BYTES
+
+
+def test_a_group_of_one_decides_alone_without_jax():
+    group = d.Group()
+    assert (group.size, group.rank, group.is_writer) == (1, 0, True)
+    assert group.broadcast_text("id") == "id"
+    assert group.gather_texts("why") == ["why"]
+    assert group.gather_ints(3) == [3]
+    group.barrier("nothing to wait for")

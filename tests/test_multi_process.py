@@ -262,6 +262,31 @@ def test_processes_must_hold_the_whole_mesh(space, tmp_path):
     assert "Set training.data_parallel.devices: 2" in error["message"]
 
 
+def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
+    """Process 0 of 2 started alone: after --join-timeout JAX's runtime aborts it (a fatal
+    error of the runtime, not a Python exception the worker could turn into exit 2); the
+    worker has said beforehand whom it waited for, and the output root is untouched."""
+    started = time.monotonic()
+    proc = run_worker(
+        "--distributed", "--join-timeout", "3",
+        "--job", mp_recipe(space, "alone"),
+        "--input-root", space["input_root"],
+        "--output-root", tmp_path / "out",
+        timeout=120,
+        env={
+            "JAX_PLATFORMS": "cpu",
+            "MINIFIELD_COORDINATOR": f"127.0.0.1:{free_port()}",
+            "MINIFIELD_NUM_PROCESSES": "2",
+            "MINIFIELD_PROCESS_ID": "0",
+        },
+    )  # fmt: skip
+    assert proc.returncode not in (0, None)
+    assert time.monotonic() - started < 100  # far below the default 300 s
+    assert "process 0 of 2 joining coordinator 127.0.0.1:" in proc.stderr
+    assert "waiting at most 3 s" in proc.stderr and "DEADLINE_EXCEEDED" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_srun_step_of_several_tasks_needs_distributed(space, tmp_path):
     """Without --distributed, N tasks would be N independent copies writing one job."""
     proc = run_worker(

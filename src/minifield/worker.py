@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     multi.add_argument("--num-processes", type=int, metavar="N", help="processes in all")
     multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    multi.add_argument(
+        "--join-timeout",
+        type=int,
+        default=300,
+        metavar="S",
+        help="end when the other processes have not all joined within S seconds (JAX's "
+        "runtime aborts the process, exit 134; default 300)",
+    )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
@@ -152,7 +160,16 @@ def _start_processes(args) -> distributed.Group:
     topology = distributed.from_environment(
         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
     )
-    return distributed.Group(distributed.initialize(topology))
+    if topology.is_multi_process:
+        # said before joining: a peer that never comes makes JAX's runtime abort the process
+        print(
+            f"minifield-worker: process {topology.process_id} of {topology.num_processes} "
+            f"joining coordinator {topology.coordinator} ({topology.source}; waiting at most "
+            f"{args.join_timeout} s for the others)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return distributed.Group(distributed.initialize(topology, timeout_seconds=args.join_timeout))
 
 
 def main(argv: list[str] | None = None) -> int:
