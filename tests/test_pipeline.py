@@ -89,9 +89,10 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
     recipe = yaml.safe_load(recipe_path.read_text())
     recipe["training"]["learning_rate"] = 0.05
     recipe_path.write_text(yaml.safe_dump(recipe))
-    snakemake(project)
     new_digest = digest_of(recipe_path)
     assert new_digest != digest
+    # up to the new computation's evaluation (publication and capacity add nothing here)
+    snakemake(project, f"results/computations/{new_digest[:16]}/eval/metrics.json")
     assert (
         project / "results" / "computations" / new_digest[:16] / "eval" / "metrics.json"
     ).is_file()
