@@ -24,7 +24,7 @@ class EventLog:
 
     def __init__(self, path: Path | None, echo: TextIO | None = sys.stdout):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self._handle = open(path, "a", encoding="utf-8") if path is not None else None
         self._echo = echo
         self._seq = 0
 

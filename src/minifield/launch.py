@@ -59,18 +59,18 @@ def allocation_tasks(env: Mapping[str, str] | None = None) -> int | None:
             return int(env["SLURM_NTASKS"])
         except ValueError:
             return None
+    found = re.search(r"\bNumTasks=(\d+)", _slurm_query("scontrol", "show", "job", "-o", job_id))
+    return int(found.group(1)) if found else None
+
+
+def _slurm_query(*command: str) -> str:
+    """Standard output of a SLURM client command; empty when it cannot be run."""
     try:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
+        return subprocess.run(
+            command, capture_output=True, text=True, timeout=30, check=False
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"\bNumTasks=(\d+)", shown)
-    return int(found.group(1)) if found else None
+        return ""
 
 
 def in_slurm_allocation(processes: int, env: Mapping[str, str] | None = None) -> bool:
@@ -86,16 +86,7 @@ def srun_command(command: Sequence[str], processes: int, step_name: str = "") ->
 
 def step_id(job_id: str, step_name: str) -> str | None:
     """``JOB.STEP`` of the running step called ``step_name`` in job ``job_id``, if any."""
-    try:
-        listed = subprocess.run(
-            ["squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i %j"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    listed = _slurm_query("squeue", "--steps", f"--jobs={job_id}", "--noheader", "--format=%i %j")
     for line in listed.splitlines():
         parts = line.split(None, 1)
         if len(parts) == 2 and parts[1].strip() == step_name:
@@ -140,6 +131,42 @@ def _forward_signals(children: list[subprocess.Popen], slurm_step: tuple | None)
     return {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
+def _start_srun(
+    command: Sequence[str], processes: int, step_name: str, env: dict
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        srun_command(command, processes, step_name),
+        env=env,
+        start_new_session=True,
+        preexec_fn=_end_with_parent,  # only a prctl call: safe before exec
+    )
+
+
+def _start_local(command: Sequence[str], processes: int, env: dict) -> list[subprocess.Popen]:
+    base = {
+        k: v
+        for k, v in env.items()
+        # the local processes are not SLURM tasks, even when launched inside a SLURM job
+        if k not in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+                     distributed.ENV_PROCESS_ID, "SLURM_STEP_NUM_TASKS")
+    }  # fmt: skip
+    if processes == 1:
+        return [subprocess.Popen(list(command), env=base)]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    return [
+        subprocess.Popen(
+            list(command),
+            env={
+                **base,
+                distributed.ENV_COORDINATOR: coordinator,
+                distributed.ENV_NUM_PROCESSES: str(processes),
+                distributed.ENV_PROCESS_ID: str(rank),
+            },
+        )
+        for rank in range(processes)
+    ]
+
+
 def _combined(codes: list[int]) -> int:
     if codes[0] != 0:
         return codes[0]
@@ -158,58 +185,34 @@ def launch(
     if processes < 1:
         raise LaunchError(f"--processes must be >= 1 (got {processes})")
     base = dict(os.environ if env is None else env)
+    if mode not in ("auto", "slurm", "local"):
+        raise LaunchError(f"--mode must be auto, slurm or local (got {mode!r})")
+    job = base.get("SLURM_JOB_ID")
+    asked = mode == "slurm" or (mode == "auto" and processes > 1)
+    tasks = allocation_tasks(base) if asked else None  # scontrol at most once
+    fits = tasks is not None and tasks >= processes
     if mode == "auto":
-        mode = "slurm" if processes > 1 and in_slurm_allocation(processes, base) else "local"
+        mode = "slurm" if fits else "local"
+    if mode == "slurm" and not fits:
+        raise LaunchError(
+            f"--mode slurm needs a SLURM allocation of at least {processes} tasks "
+            "(run inside sbatch/salloc with --ntasks, or use --mode local)"
+        )
     if processes > 1:
-        job = base.get("SLURM_JOB_ID")
         if mode == "slurm":
-            where = f"srun in SLURM job {job} ({allocation_tasks(base)} tasks)"
+            where = f"srun in SLURM job {job} ({tasks} tasks)"
         elif job:
             where = f"local processes on 127.0.0.1 (SLURM job {job} has too few tasks)"
         else:
             where = "local processes on 127.0.0.1"
         print(f"minifield.launch: {processes} processes: {where}", file=sys.stderr, flush=True)
     if mode == "slurm":
-        if not in_slurm_allocation(processes, base):
-            raise LaunchError(
-                f"--mode slurm needs a SLURM allocation of at least {processes} tasks "
-                "(run inside sbatch/salloc with --ntasks, or use --mode local)"
-            )
         step_name = f"minifield-launch-{os.getpid()}"
-        slurm_step = (base["SLURM_JOB_ID"], step_name)
-        children = [
-            subprocess.Popen(
-                srun_command(command, processes, step_name),
-                env=base,
-                start_new_session=True,
-                preexec_fn=_end_with_parent,  # only a prctl call: safe before exec
-            )
-        ]
-    elif mode == "local":
-        slurm_step = None
-        for name in (
-            distributed.ENV_COORDINATOR,
-            distributed.ENV_NUM_PROCESSES,
-            distributed.ENV_PROCESS_ID,
-        ):
-            base.pop(name, None)
-        # the local processes are not SLURM tasks, even when launched inside a SLURM job
-        base.pop("SLURM_STEP_NUM_TASKS", None)
-        coordinator = f"127.0.0.1:{_free_port()}"
-        children = []
-        for rank in range(processes):
-            child_env = dict(base)
-            if processes > 1:
-                child_env.update(
-                    {
-                        distributed.ENV_COORDINATOR: coordinator,
-                        distributed.ENV_NUM_PROCESSES: str(processes),
-                        distributed.ENV_PROCESS_ID: str(rank),
-                    }
-                )
-            children.append(subprocess.Popen(list(command), env=child_env))
+        slurm_step = (job, step_name)
+        children = [_start_srun(command, processes, step_name, base)]
     else:
-        raise LaunchError(f"--mode must be auto, slurm or local (got {mode!r})")
+        slurm_step = None
+        children = _start_local(command, processes, base)
 
     previous = _forward_signals(children, slurm_step)
     try:
