@@ -37,9 +37,9 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_matmul import peak_probe  # noqa: E402
 
-from minifield.model import ModelConfig, flops_per_token  # noqa: E402
-from minifield.optimizer import make_optimizer  # noqa: E402
-from minifield.sft_step import init_train_state, make_train_step  # noqa: E402
+from minifield.strategies.packed_sft.model import ModelConfig, flops_per_token  # noqa: E402
+from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
+from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step  # noqa: E402
 
 SIZES = {"d128": (128, 2, 128), "d256": (256, 4, 256)}  # d_model, layers, seq
 HEADS, VOCAB, BATCH = 4, 256, 16

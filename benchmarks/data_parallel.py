@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minifield import sft_data
+from minifield.strategies.packed_sft import sft_data
 
 #: relative loss difference allowed between the 1-device and N-device curves (see
 #: docs/data-parallel.md for why)

@@ -29,7 +29,7 @@ def small_sft_inputs(root: Path, seed: int = 5, train: int = 96, held_out: int =
     """Write a small reversal dataset under ``root/in/sft``; returns its input root and pins."""
     import hashlib
 
-    from minifield import sft_data
+    from minifield.strategies.packed_sft import sft_data
 
     data = root / "in" / "sft"
     data.mkdir(parents=True)

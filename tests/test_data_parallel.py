@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 from conftest import read_events, run_worker, small_sft_inputs, small_sft_recipe, write_recipe
 
-from minifield import parallel
 from minifield import recipe as recipes
+from minifield.strategies.packed_sft import parallel
 
 MAX_STEPS = 6
 BATCH = 8

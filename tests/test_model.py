@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minifield.model import (
+from minifield.strategies.packed_sft.model import (
     ModelConfig,
     flops_per_token,
     forward,
@@ -18,8 +18,8 @@ from minifield.model import (
     init_params,
     loss_fn,
 )
-from minifield.optimizer import make_optimizer
-from minifield.sft_step import init_train_state, make_train_step
+from minifield.strategies.packed_sft.optimizer import make_optimizer
+from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step
 
 
 def tiny(**overrides) -> ModelConfig:

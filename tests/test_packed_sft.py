@@ -18,8 +18,8 @@ import pytest
 from conftest import read_events, run_worker, worker_command, write_recipe
 
 from minifield import recipe as recipes
-from minifield import sft_data
-from minifield.strategies import packed_sft
+from minifield.strategies.packed_sft import strategy as packed_sft
+from minifield.strategies.packed_sft import sft_data
 
 MAX_STEPS = 6
 
@@ -354,7 +354,8 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     """The pinned tokenizer.json alternative: packed with its ids, carried into the export."""
     from test_tokenizer import _write_bpe
 
-    from minifield import examples, tokenizer
+    from minifield import examples
+    from minifield.strategies.packed_sft import tokenizer
 
     path = _write_bpe(space["input_root"] / "sft" / "tokenizer.json")
     recipe = tiny_recipe(space, model={"tokenizer": {"kind": "tokenizers-json", "input": "tok"}})

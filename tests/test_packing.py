@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minifield import packing, sft_data
-from minifield import tokenizer as tk
-from minifield.sft_data import Encoded
+from minifield.strategies.packed_sft import packing, sft_data
+from minifield.strategies.packed_sft import tokenizer as tk
+from minifield.strategies.packed_sft.sft_data import Encoded
 
 PAD = 99
 
@@ -92,7 +92,7 @@ def test_packed_loss_equals_sum_of_unpacked_example_losses():
     """No attention or loss leaks across segments: packing changes nothing per example."""
     import jax
 
-    from minifield import model
+    from minifield.strategies.packed_sft import model
 
     tok = tk.byte_tokenizer()
     examples = [sft_data.encode(e, tok) for e in sft_data.demo_examples(sizes={"x": 12})["x"]]

@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from minifield import sft_data
-from minifield import tokenizer as tk
+from minifield.strategies.packed_sft import sft_data
+from minifield.strategies.packed_sft import tokenizer as tk
 
 
 def _write(path, lines):

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import atomic, checkpoint, examples, gpu, inputs, recovery, supervise, train
+from . import atomic, checkpoint, examples, inputs, leases, recovery, supervise, train
 from . import recipe as recipes
 from .digest import sha256_file
 
@@ -69,7 +69,7 @@ def latest_attempt(job_dir: Path) -> Path | None:
     return max(candidates)[2] if candidates else None
 
 
-def _worker_env(recipe: recipes.Recipe, held: gpu.Lease) -> dict[str, str]:
+def _worker_env(recipe: recipes.Recipe, held: leases.Lease) -> dict[str, str]:
     env = held.env(os.environ)
     if recipe.data.get("runtime", {}).get("backend") == "cpu":
         # A CPU recipe on a GPU host must not grab (or wait for) a GPU.
@@ -80,7 +80,7 @@ def _worker_env(recipe: recipes.Recipe, held: gpu.Lease) -> dict[str, str]:
 def _lease_gpus(recipe: recipes.Recipe, gpus: list | None) -> list[str]:
     if recipe.data.get("runtime", {}).get("backend") in ("cpu", "tpu"):
         return []
-    return gpu.visible_gpus(gpus)
+    return leases.visible_gpus(gpus)
 
 
 def _append_run_to_log(log: Path, outcome: dict) -> None:
@@ -133,7 +133,7 @@ def qualify(
     """
     recipe = recipes.load(recipe_json)
     slots = _lease_gpus(recipe, gpus)
-    with gpu.lease(
+    with leases.lease(
         lease_dir or work_dir / "gpu-leases",
         slots,
         gpus_per_job,
@@ -229,7 +229,7 @@ def train_attempt(
     # this lock (inherited descriptor) until it ends, so a new attempt cannot race it.
     work_dir.mkdir(parents=True, exist_ok=True)
     lock_path = work_dir / "train.lock"
-    lock_fd = gpu.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
+    lock_fd = leases.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
     if lock_fd is None:
         holder = lock_path.read_text(encoding="utf-8", errors="replace").strip()
         raise StageError(
@@ -239,7 +239,7 @@ def train_attempt(
     os.set_inheritable(lock_fd, True)
     slots = _lease_gpus(recipe, gpus)
     try:
-        with gpu.lease(
+        with leases.lease(
             lease_dir or work_dir / "gpu-leases",
             slots,
             gpus_per_job,

@@ -522,7 +522,7 @@ class Attempt:
                 f"recipe runtime.min_devices={runtime['min_devices']} but only {len(devices)} device(s) visible"
             )
         if len(devices) < data_parallel:
-            from .parallel import missing_devices_message
+            from .strategies.packed_sft.parallel import missing_devices_message
 
             raise RuntimeError(missing_devices_message(data_parallel, len(devices)))
         processes = self.options.group.size

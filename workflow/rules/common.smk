@@ -1,10 +1,10 @@
 # Helpers: config validation, the computations table, input functions.
-from minifield import pipeline
+from minifield import computations
 from snakemake.utils import validate
 
 validate(config, schema="../schemas/config.schema.json")
 
-COMPUTATIONS = pipeline.load_computations(config)
+COMPUTATIONS = computations.load_computations(config)
 INPUT_ROOT = config["input_root"]
 WORK_DIR = config["work_dir"]
 STORE_DIR = config["store"]["dir"]
@@ -17,44 +17,44 @@ def recipe_file(wildcards):
 
 
 def local_input_files(wildcards):
-    return pipeline.input_paths(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+    return computations.input_paths(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
 
 
 def pinned_input_files(wildcards):
     """Local input files, or the fetched input root of a computation with url inputs."""
     computation = COMPUTATIONS[wildcards.cdigest]
-    return pipeline.fetched_roots(computation) or pipeline.input_paths(
+    return computations.fetched_roots(computation) or computations.input_paths(
         computation, INPUT_ROOT
     )
 
 
 def fetched_input_root(wildcards):
     """The fetched input root of a computation with url inputs (nothing for local-only ones)."""
-    return pipeline.fetched_roots(COMPUTATIONS[wildcards.cdigest])
+    return computations.fetched_roots(COMPUTATIONS[wildcards.cdigest])
 
 
 def computation_input_root(wildcards):
-    return pipeline.input_root(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
+    return computations.input_root(COMPUTATIONS[wildcards.cdigest], INPUT_ROOT)
 
 
 def examples_input_root(wildcards):
-    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
-    return pipeline.input_root(computation, INPUT_ROOT)
+    computation = computations.for_examples(COMPUTATIONS, wildcards.edigest)
+    return computations.input_root(computation, INPUT_ROOT)
 
 
 def examples_fetched_root(wildcards):
-    return pipeline.fetched_roots(
-        pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    return computations.fetched_roots(
+        computations.for_examples(COMPUTATIONS, wildcards.edigest)
     )
 
 
 def examples_recipe(wildcards):
-    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    computation = computations.for_examples(COMPUTATIONS, wildcards.edigest)
     return f"results/computations/{computation.cdigest}/recipe.json"
 
 
 def examples_inputs_record(wildcards):
-    computation = pipeline.for_examples(COMPUTATIONS, wildcards.edigest)
+    computation = computations.for_examples(COMPUTATIONS, wildcards.edigest)
     return f"results/computations/{computation.cdigest}/inputs.json"
 
 

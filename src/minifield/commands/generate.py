@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 from .. import export
-from .. import tokenizer as tokenizers
+from ..strategies.packed_sft import tokenizer as tokenizers
 
 
 def run(args) -> int:
-    from ..strategies.packed_sft import ExportedModel
+    from ..strategies.packed_sft.strategy import ExportedModel
 
     try:
         model = ExportedModel(args.model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .. import sft_data
+from ..strategies.packed_sft import sft_data
 
 
 def run(args) -> int:

@@ -1,9 +1,9 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
-Inputs (pinned JSONL, see :mod:`minifield.sft_data`): ``train``, ``dev``,
+Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
 ``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``. The prepare stage packs each split into rows
-(:mod:`minifield.packing`) and keeps the DEV/TEST prompts with their expected
+(:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
 answers for exact-match evaluation by greedy generation.
 
 The rows of update ``n`` are a pure function of (seed, n): the row order of
@@ -20,11 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import export, packing, parallel, sft_data
-from .. import tokenizer as tokenizers
-from ..digest import sha256_bytes
-from ..state import named_arrays, restore_like, to_host
-from .base import Program, Strategy
+from ... import export
+from ...digest import sha256_bytes
+from ...state import named_arrays, restore_like, to_host
+from ..base import Program, Strategy
+from . import packing, parallel, sft_data
+from . import tokenizer as tokenizers
 
 SPLITS = ("train", "dev", "test")
 ROW_FIELDS = ("tokens", "segments", "positions", "loss_mask")
@@ -36,7 +37,7 @@ EXPORT_TOKENIZER_FILE = "tokenizer.json"
 
 def _model_api():
     """The transformer, optimizer and step (imported late: validation must not need them)."""
-    from .. import model, optimizer, sft_step
+    from . import model, optimizer, sft_step
 
     return model, optimizer, sft_step
 

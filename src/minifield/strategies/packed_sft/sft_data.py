@@ -22,8 +22,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import write_bytes
-from .digest import sha256_bytes
+from ...atomic import write_bytes
+from ...digest import sha256_bytes
 from .tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")

@@ -13,7 +13,7 @@ loads a ``tokenizer.json`` of the Hugging Face ``tokenizers`` library from a
 pinned input file; its special tokens are named in the recipe and must exist in
 its vocabulary. Both encode without adding special tokens themselves: the
 example layout ``<bos> prompt <sep> response <eos>`` is fixed by
-:mod:`minifield.sft_data`.
+:mod:`minifield.strategies.packed_sft.sft_data`.
 """
 
 from __future__ import annotations

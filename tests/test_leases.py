@@ -12,20 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from minifield import gpu
+from minifield import leases
 
 # One job: lease, run a supervised child that reports the CUDA_VISIBLE_DEVICES it sees,
 # and record when the lease was held (CLOCK_MONOTONIC is shared by all processes).
 JOB = r"""
 import json, os, sys, time
 from pathlib import Path
-from minifield import gpu, supervise
+from minifield import leases, supervise
 
 lease_dir, out, count, gpus = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 child = [sys.executable, "-c",
     "import json, os, time; time.sleep(0.3); "
     "print(json.dumps({'type': 'completed', 'cvd': os.environ.get('CUDA_VISIBLE_DEVICES')}))"]
-with gpu.lease(lease_dir, gpus, count, wait_s=120, poll_s=0.02) as held:
+with leases.lease(lease_dir, gpus, count, wait_s=120, poll_s=0.02) as held:
     acquired = time.monotonic()
     outcome = supervise.supervise(child, out.with_suffix(".run"), deadline_s=60, stall_s=60,
                                   env=held.env(os.environ), pass_fds=held.fds)
@@ -38,8 +38,8 @@ out.write_text(json.dumps({"gpus": held.gpus, "acquired": acquired, "released": 
 HOLD = r"""
 import sys, time
 from pathlib import Path
-from minifield import gpu, supervise
-held = gpu.acquire(Path(sys.argv[1]), ["0"], 1, wait_s=30)
+from minifield import leases, supervise
+held = leases.acquire(Path(sys.argv[1]), ["0"], 1, wait_s=30)
 child = [sys.executable, "-c",
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)",
     sys.argv[2]]
@@ -94,8 +94,8 @@ def test_multi_gpu_leases_are_all_or_nothing(tmp_path):
 
 def _try(lease_dir: Path) -> bool:
     try:
-        gpu.acquire(lease_dir, ["0"], 1, wait_s=0.3, poll_s=0.05).release()
-    except gpu.LeaseError:
+        leases.acquire(lease_dir, ["0"], 1, wait_s=0.3, poll_s=0.05).release()
+    except leases.LeaseError:
         return False
     return True
 
@@ -139,14 +139,14 @@ def test_lease_outlives_a_killed_supervisor_while_its_child_runs(tmp_path):
 
 
 def test_no_gpu_is_a_no_op(tmp_path):
-    assert gpu.visible_gpus([]) == []
-    with gpu.lease(tmp_path / "leases", [], 1) as held:
+    assert leases.visible_gpus([]) == []
+    with leases.lease(tmp_path / "leases", [], 1) as held:
         assert held.gpus == [] and held.fds == []
         assert held.env({"A": "1"}) == {"A": "1"}
     assert not (tmp_path / "leases").exists()
-    assert gpu.visible_gpus([0, "3"]) == ["0", "3"]
-    with pytest.raises(gpu.LeaseError):
-        gpu.acquire(tmp_path / "leases", ["0"], 2)
+    assert leases.visible_gpus([0, "3"]) == ["0", "3"]
+    with pytest.raises(leases.LeaseError):
+        leases.acquire(tmp_path / "leases", ["0"], 2)
 
 
 def test_one_training_attempt_per_computation(tmp_path):
@@ -159,7 +159,7 @@ def test_one_training_attempt_per_computation(tmp_path):
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     work = tmp_path / "work"
     work.mkdir()
-    fd = gpu.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
+    fd = leases.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
     try:
         with pytest.raises(stages.StageError, match="still running"):
             stages.train_attempt(
