@@ -25,7 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from numbers import Rational
 from pathlib import Path
@@ -46,6 +46,29 @@ class CapacityError(ValueError):
     """Invalid capacity input; the message names the field and what was expected."""
 
 
+#: every input is 0 or between 1e-15 and 1e15 in magnitude: wide enough for any plan, and the
+#: results (products and quotients of the inputs) stay far inside a float's range
+MAX_MAGNITUDE = Decimal("1e15")
+MIN_MAGNITUDE = Decimal("1e-15")
+#: significant digits an input may carry (the exact arithmetic grows with them)
+MAX_DIGITS = 50
+
+
+def _in_range(name: str, value: Decimal, shown: Any) -> Decimal:
+    """Refuse a value whose exact form would be huge (1e400, 1e-1000000000) before it is built."""
+    if value.is_zero():
+        return value
+    if not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
+        raise CapacityError(
+            f"{name}: must be 0 or between 1e-15 and 1e15 in magnitude, got {str(shown)[:40]}"
+        )
+    if len(value.as_tuple().digits) > MAX_DIGITS:
+        raise CapacityError(
+            f"{name}: at most {MAX_DIGITS} significant digits, got {str(shown)[:40]}"
+        )
+    return value
+
+
 def exact(name: str, value: Any) -> Fraction:
     """An exact rational from decimal text, an int, a Decimal or a float (via its shortest repr).
 
@@ -55,27 +78,37 @@ def exact(name: str, value: Any) -> Fraction:
     if isinstance(value, bool):
         raise CapacityError(f"{name}: expected a number, got a boolean {value!r}")
     if isinstance(value, Rational):
-        return Fraction(value)
+        fraction = Fraction(value)
+        if fraction and not MIN_MAGNITUDE <= abs(fraction) <= MAX_MAGNITUDE:
+            raise CapacityError(f"{name}: must be 0 or between 1e-15 and 1e15 in magnitude")
+        return fraction
     if isinstance(value, float):
         if not math.isfinite(value):
             raise CapacityError(f"{name}: must be a finite number, got {value!r}")
-        return Fraction(repr(value))
+        return Fraction(_in_range(name, Decimal(repr(value)), repr(value)))
     if isinstance(value, Decimal):
         if not value.is_finite():
             raise CapacityError(f"{name}: must be a finite number, got {value}")
-        return Fraction(value)
+        return Fraction(_in_range(name, value, value))
     if isinstance(value, str):
         text = value.strip()
         if text.lower().lstrip("+-") in ("nan", "inf", "infinity", "snan"):
-            raise CapacityError(f"{name}: must be a finite number, got {value!r}")
+            raise CapacityError(f"{name}: must be a finite number, got {value[:40]!r}")
         if "_" in text or "/" in text:
-            raise CapacityError(f"{name}: expected a decimal number such as 2.5, got {value!r}")
-        try:
-            return Fraction(text)
-        except ValueError:
             raise CapacityError(
-                f"{name}: expected a decimal number such as 2.5, got {value!r}"
+                f"{name}: expected a decimal number such as 2.5, got {value[:40]!r}"
+            )
+        try:
+            # Decimal first: it holds 1e400 as digits and an exponent, where Fraction would
+            # build the whole integer (for 1e-1000000000, effectively forever)
+            decimal = Decimal(text)
+        except InvalidOperation:
+            raise CapacityError(
+                f"{name}: expected a decimal number such as 2.5, got {value[:40]!r}"
             ) from None
+        if not decimal.is_finite():
+            raise CapacityError(f"{name}: must be a finite number, got {value[:40]!r}")
+        return Fraction(_in_range(name, decimal, text))
     raise CapacityError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
 
 
