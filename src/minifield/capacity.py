@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
-from .attempts import chain as attempt_chain
-from .events import read as read_events
+from . import summarize as summaries
 
 SECONDS_PER_HOUR = 3600
 BASIS_NOTE = (
@@ -189,13 +188,17 @@ def plan(
 
 
 def measure_run(result_json: Path, recipe: dict) -> dict:
-    """Measured seconds of a training job from the raw events of every attempt it took.
+    """Measured seconds of a training job, taken from its summary (:mod:`minifield.summarize`:
+    the one place that counts the raw events of every attempt it took).
 
-    ``job_wall_s`` sums, per attempt, the monotonic span from its first to its
-    last event (process start-up before the first event is not included; the
-    rule's benchmark file has that). Update and checkpoint seconds are the sums
-    of the ``seconds`` the worker measured for each, the rest is ``other_s``
-    (compile, restore, evaluation, export, and time lost in failed attempts).
+    ``job_wall_s`` is the summary's ``attempts_wall_time_s``: per attempt, the
+    monotonic span from its first to its last event, summed over attempts. The
+    time between attempts (in the summary's ``job_wall_time_s``) is not counted:
+    no worker is busy then. Process start-up before the first event is not
+    included either (the rule's benchmark file has that). Update and checkpoint
+    seconds are the sums of the ``seconds`` the worker measured for each; the
+    rest is ``other_s`` (compile, restore, evaluation, export, and time lost in
+    failed attempts).
     """
     result = atomic.read_json(result_json)
     if result.get("status") != "completed":
@@ -205,37 +208,27 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
         raise CapacityError(
             f"{result_json}: no 'attempt_dir' (expected the pipeline's train/result.json)"
         )
-    attempts = []
-    wall = updates = checkpoints = 0.0
-    update_count = commit_count = 0
-    for directory in attempt_chain(Path(attempt_dir)):
-        events_path = directory / "events.jsonl"
-        if not events_path.is_file():
-            raise CapacityError(f"{events_path}: missing events file of attempt {directory.name}")
-        events, _ = read_events(events_path)
-        if not events:
-            continue
-        span = events[-1]["mono"] - events[0]["mono"]
-        upd = [e for e in events if e["type"] == "update"]
-        com = [e for e in events if e["type"] == "checkpoint_committed"]
-        attempts.append(
-            {
-                "attempt_id": directory.name,
-                "wall_s": span,
-                "updates": len(upd),
-                "update_s": sum(e["seconds"] for e in upd),
-                "checkpoint_commits": len(com),
-                "checkpoint_s": sum(e["seconds"] for e in com),
-                "ended_with": events[-1]["type"],
-            }
-        )
-        wall += span
-        updates += attempts[-1]["update_s"]
-        checkpoints += attempts[-1]["checkpoint_s"]
-        update_count += len(upd)
-        commit_count += len(com)
-    if update_count == 0:
+    try:
+        summary = summaries.summarize(summaries.attempt_event_files(Path(attempt_dir)))
+    except summaries.SummaryError as exc:
+        raise CapacityError(str(exc)) from None
+    if summary["updates_count"] == 0:
         raise CapacityError(f"{result_json}: no update events in the attempt chain")
+    attempts = [
+        {
+            "attempt_id": attempt["attempt_id"] or Path(attempt["events_file"]).parent.name,
+            "wall_s": attempt["wall_s"],
+            "updates": attempt["updates_count"],
+            "update_s": attempt["update_s"],
+            "checkpoint_commits": attempt["checkpoints_count"],
+            "checkpoint_s": attempt["checkpoint_s"],
+            "status": attempt["status"],
+        }
+        for attempt in summary["attempts"]
+    ]
+    wall = summary["attempts_wall_time_s"]
+    updates, update_count = summary["update_time_s"], summary["updates_count"]
+    checkpoints, commit_count = summary["checkpoint_s"], summary["committed_checkpoints_count"]
     environment = result.get("environment", {})
     return {
         "computation_digest": result["computation_digest"],
@@ -246,6 +239,8 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
         "checkpoint_every_steps": recipe["checkpoint"]["every_steps"],
         "attempts": attempts,
         "job_wall_s": wall,
+        "wall_time_rule": "summary attempts_wall_time_s: sum of each attempt's first-to-last "
+        "event span; time between attempts not counted",
         "updates": update_count,
         "update_s": updates,
         "mean_update_s": updates / update_count,

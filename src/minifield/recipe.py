@@ -146,7 +146,12 @@ def _plain(error: jsonschema.ValidationError) -> tuple[str, str]:
         return _pointer(path), (
             f"{_short(repr(error.instance))} does not match the pattern {error.validator_value}"
         )
-    return _pointer(path), _short(error.message)
+    message = error.message
+    shown = repr(error.instance)
+    if len(shown) > 80 and message.startswith(shown):
+        # the offending value leads jsonschema's message; keep what is said about it whole
+        message = shown[:60] + "..." + message[len(shown) :]
+    return _pointer(path), _short(message)
 
 
 class _Reported:
