@@ -17,7 +17,11 @@ import sys
 from pathlib import Path
 
 from . import api, distributed, strategies
+from .arguments import bounded_float, bounded_int
 from .cli import report_unexpected
+
+#: an update number the state's int32 step counter can reach
+_STEP = bounded_int(1, 2**31 - 1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stop-after-step",
-        type=int,
+        type=_STEP,
         metavar="N",
         help="operational step limit: end after N updates with a committed checkpoint and "
         "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
@@ -84,11 +88,15 @@ def _parser() -> argparse.ArgumentParser:
         "SLURM step (srun -n N); every process needs the same recipe, inputs and output root",
     )
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-    multi.add_argument("--num-processes", type=int, metavar="N", help="processes in all")
-    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    multi.add_argument(
+        "--num-processes", type=bounded_int(1, 65536), metavar="N", help="processes in all"
+    )
+    multi.add_argument(
+        "--process-id", type=bounded_int(0, 65535), metavar="I", help="this process, 0..N-1"
+    )
     multi.add_argument(
         "--join-timeout",
-        type=int,
+        type=bounded_int(1, 7 * 86400),
         default=300,
         metavar="S",
         help="end when the other processes have not all joined within S seconds (JAX's "
@@ -96,19 +104,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
-        "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
+        "--fail-after-step", type=_STEP, metavar="K", help="hard exit right after update K"
     )
     faults.add_argument(
-        "--stall-after-step", type=int, metavar="K", help="stop emitting events after update K"
+        "--stall-after-step", type=_STEP, metavar="K", help="stop emitting events after update K"
     )
     faults.add_argument(
         "--kill-during-checkpoint",
-        type=int,
+        type=_STEP,
         metavar="K",
         help="SIGKILL the worker itself while checkpoint K is being written (before it commits)",
     )
     faults.add_argument(
-        "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
+        "--stall-seconds",
+        type=bounded_float(0, 86400),
+        default=10.0,
+        metavar="S",
+        help="length of the stall",
     )
     return parser
 
