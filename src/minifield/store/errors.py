@@ -13,9 +13,8 @@ class Refused(StoreError):
     def __init__(self, content_id: str | None, reasons: list[str]):
         self.content_id = content_id
         self.reasons = reasons
-        super().__init__(
-            f"refused {content_id or ''}: " + "; ".join(reasons) if reasons else "refused"
-        )
+        what = f"refused {content_id}" if content_id else "refused"
+        super().__init__(f"{what}: " + "; ".join(reasons) if reasons else what)
 
 
 class LockTimeout(StoreError):
