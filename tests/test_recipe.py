@@ -123,7 +123,9 @@ def test_every_integer_number_string_and_list_in_the_schemas_is_bounded(name):
     for pointer, schema in _leaves(recipes.load_schema(name)):
         types = schema.get("type", [])
         types = [types] if isinstance(types, str) else types
-        if ("integer" in types or "number" in types) and not {"maximum", "exclusiveMaximum"} & set(schema):
+        if ("integer" in types or "number" in types) and not {"maximum", "exclusiveMaximum"} & set(
+            schema
+        ):
             unbounded.append(f"{pointer}: no maximum")
         if "string" in types and not {"maxLength", "pattern", "enum"} & set(schema):
             unbounded.append(f"{pointer}: no maxLength or pattern")
