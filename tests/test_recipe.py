@@ -193,6 +193,16 @@ def test_values_the_worker_cannot_honour_are_refused_with_their_pointer(recipe, 
     assert needle in found[pointer], found[pointer]
 
 
+@pytest.mark.parametrize(
+    ("inputs", "pointer"),
+    [(None, "/inputs"), (7, "/inputs"), ([{"name": ["x"], "path": "p", "sha256": "0" * 64}], "/inputs/0/name")],
+)  # fmt: skip
+def test_malformed_inputs_are_a_recipe_error_not_a_crash(inputs, pointer):
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(linear_recipe(inputs=inputs))
+    assert pointer in {e["path"] for e in info.value.errors}
+
+
 def test_the_largest_representable_values_are_accepted():
     recipes.validate(linear_recipe(limits={"max_steps": 2**31 // 8 - 1}))
     recipes.validate(linear_recipe(training={"seed": 2**32 - 1}))

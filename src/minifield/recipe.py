@@ -251,17 +251,20 @@ def read_document(path: str | Path) -> Any:
 def _check_input_paths(recipe: dict) -> list[dict]:
     errors = []
     names = set()
-    for index, item in enumerate(recipe.get("inputs", [])):
+    items = recipe.get("inputs")
+    # a malformed inputs list or name is the schema's error to report; nothing to add here
+    for index, item in enumerate(items if isinstance(items, list) else []):
         if not isinstance(item, dict):
             continue
-        if item.get("name") in names:
+        if isinstance(item.get("name"), str) and item["name"] in names:
             errors.append(
                 {
                     "path": f"/inputs/{index}/name",
                     "message": f"duplicate input name {item['name']!r}",
                 }
             )
-        names.add(item.get("name"))
+        if isinstance(item.get("name"), str):
+            names.add(item["name"])
         path = item.get("path")
         if isinstance(path, str) and (path.startswith("/") or ".." in Path(path).parts):
             errors.append(
