@@ -161,7 +161,8 @@ def _check_preemption_part_by_hand(proof: dict, workdir: Path, ref: dict[int, di
     # the new attempt restored that very checkpoint, by its own records
     resumed_dir = workdir / part["resumed"]["attempt_dir"]
     info = json.loads((resumed_dir / "attempt.json").read_text())
-    assert info["resumed_from"] == str(preempted_dir.resolve())
+    # (absolute where the pipeline ran; this project is a copy of it)
+    assert info["resumed_from"].endswith("/" + part["run"]["attempt_dir"])
     resumed_events = _events(resumed_dir / "events.jsonl")
     (restored,) = [e for e in resumed_events if e["type"] == "restored"]
     assert (restored["step"], restored["path"]) == (k, receipt["path"])

@@ -238,7 +238,7 @@ def run_faulted(runs: _Runs, proof: dict, k: int) -> Path:
     return attempt_dir
 
 
-def last_committed_checkpoint(runs: _Runs, proof: dict, attempt_dir: Path, k: int) -> dict:
+def last_committed_checkpoint(proof: dict, attempt_dir: Path, k: int) -> dict:
     """The newest committed checkpoint of the faulted run (what a resume must restore)."""
     from . import checkpoint
 
@@ -521,7 +521,7 @@ def crash_part(runs: _Runs, proof: dict, reference: dict[int, dict], k: int) -> 
     ``comparison``, ``next_update`` and ``first_divergence`` (the format's first part).
     """
     faulted_dir = run_faulted(runs, proof, k)
-    used = last_committed_checkpoint(runs, proof, faulted_dir, k)
+    used = last_committed_checkpoint(proof, faulted_dir, k)
     verify_checkpoint(runs, used)
     resumed = run_resumed(runs, proof, "resumed", faulted_dir, used)
     return compare_with_reference(runs, proof, reference, resumed, used)
