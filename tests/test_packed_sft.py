@@ -18,8 +18,8 @@ import pytest
 from conftest import read_events, run_worker, worker_command, write_recipe
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import strategy as packed_sft
 from minifield.strategies.packed_sft import sft_data
+from minifield.strategies.packed_sft import strategy as packed_sft
 
 MAX_STEPS = 6
 
