@@ -26,15 +26,17 @@ from pathlib import Path
 import pytest
 from conftest import (
     read_events,
+    run_snakemake,
     run_worker,
     small_sft_inputs,
     small_sft_recipe,
-    snakemake_in,
     worker_command,
     write_recipe,
 )
 
 from minifield import recipe as recipes
+
+pytestmark = pytest.mark.slow  # every test starts worker processes
 
 MAX_STEPS = 12
 EVERY = 4
@@ -326,7 +328,7 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     (project / "config" / "config.yaml").write_text(json.dumps(config))
     cdigest = recipes.load(recipe_path).computation_digest
     target = f"results/computations/{cdigest[:16]}/eval/metrics.json"
-    proc = snakemake_in(project, target, timeout=600)
+    proc = run_snakemake(project, target, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
 
     base = project / "results" / "computations" / cdigest[:16]

@@ -104,6 +104,7 @@ def _committed_step(chain_dirs: list[Path]) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_resumes_to_the_reference(reference):
     """SIGKILL at >= 10 points: right after an update, right after a committed checkpoint
     (both chosen from the live event stream), or in the middle of a checkpoint write."""
@@ -192,6 +193,7 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
     print(f"\nkill points (seed {KILL_SEED}):", json.dumps(kills))
 
 
+@pytest.mark.slow
 def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     """SIGTERM (direct, then forwarded by the supervisor) → exit 3 with a committed checkpoint;
     a changed fingerprint is refused, accepted only with the override (recorded); the resumed
@@ -317,6 +319,7 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     assert _snapshot(d_dir) == before
 
 
+@pytest.mark.slow
 def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_path):
     case = reference["case"]
     # keep more checkpoints; retention is operational, so the computation is the same
@@ -365,6 +368,7 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     assert _snapshot(out / job / "crashed") == before  # the evidence is left as it was
 
 
+@pytest.mark.slow
 def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
     """limits.max_compute_seconds counts training seconds over all attempts (raw events)."""
     case = reference["case"]
@@ -392,6 +396,7 @@ def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
     assert limit["step"] == 1
 
 
+@pytest.mark.slow
 def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
     import jax
 

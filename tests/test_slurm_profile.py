@@ -30,7 +30,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_events, small_sft_inputs, small_sft_recipe, write_recipe
+from conftest import (
+    read_events,
+    small_sft_inputs,
+    small_sft_recipe,
+    snakemake_command,
+    write_recipe,
+)
 
 from minifield import recipe as recipes
 
@@ -76,6 +82,7 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     assert "gres" not in flat.replace("gres/", "")
 
 
+@pytest.mark.slow
 def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
     the bookkeeping rules, and gives train the GPU request and its own runtime/memory; with
@@ -202,9 +209,12 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.Popen:
         del env[key]  # a pytest run inside a SLURM job must not leak its job into ours
     log = open(workdir / "snakemake.out", "w")  # noqa: SIM115 - closed by the caller via wait
     command = [
-        "timeout", "-k", "10", str(RUN_TIMEOUT),
-        str(VENV_BIN / "snakemake"), "-s", str(REPO / "Snakefile"), *args,
-    ]  # fmt: skip
+        "timeout",
+        "-k",
+        "10",
+        str(RUN_TIMEOUT),
+        *snakemake_command(workdir, *args, cores=None),
+    ]
     return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -321,6 +331,7 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
     assert len(devices) == 1 and devices[0] in {str(i) for i in range(FAKE_GPUS)}, visible
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
     """`srun -n 2`: each task finds the coordinator from SLURM's environment, JAX's distributed
@@ -428,6 +439,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     assert final["final_state_hash"] == result["final_state_hash"]
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
     """SIGTERM to ``minifield.launch`` inside an allocation (what a supervisor sends) reaches

@@ -23,6 +23,8 @@ from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield import cli, stages
 
+pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
+
 HELDOUT_X = (-1.5, -0.37, 0.22, 1.5)
 
 

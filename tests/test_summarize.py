@@ -257,6 +257,7 @@ def test_bad_events_are_rejected_naming_file_and_field(tmp_path, line, needle):
     assert str(path) in str(caught.value) and needle in str(caught.value)
 
 
+@pytest.mark.slow
 def test_cli_prints_json_and_exits_2_on_bad_input(completed_attempt, tmp_path):
     proc = summarize_cli(completed_attempt)
     assert proc.returncode == 0, proc.stderr
@@ -278,6 +279,7 @@ def test_missing_and_empty_files_are_rejected(tmp_path):
             summarize.summarize(files)
 
 
+@pytest.mark.slow
 def test_real_crash_and_resume_against_raw_events(tmp_path):
     """A real worker fails after update 3 and is resumed; totals recomputed here from raw lines."""
     recipe = write_recipe(tmp_path / "recipe.json", linear_recipe())

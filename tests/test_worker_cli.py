@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from conftest import linear_recipe, read_events, run_worker, worker_command, write_recipe
 
+pytestmark = pytest.mark.slow  # every test runs the worker as a process
+
 
 def run_dir(out, job="linear-test", attempt="a1"):
     return out / job / attempt
