@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]  # test_fast_tier runs this conftest on probe tests
 
 
 # -- the fast tier -------------------------------------------------------------------------------
@@ -158,14 +159,32 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def worker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "minifield.worker", *map(str, args)]
+def worker_args(*flags, **options) -> list[str]:
+    """The worker's arguments: ``flags`` as spelled (``"--validate-only"``), then one option per
+    keyword in the order given: ``input_root=p`` is ``--input-root p``, ``True`` the bare flag
+    (``record_state_hashes=True``), ``None`` or ``False`` leaves the option out."""
+    args = [str(flag) for flag in flags]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        args.append("--" + name.replace("_", "-"))
+        if value is not True:
+            args.append(str(value))
+    return args
 
 
-def run_worker(*args, check_codes=None, timeout=300, env=None) -> subprocess.CompletedProcess:
-    """Run ``minifield-worker`` as a real subprocess."""
+def worker_command(*flags, **options) -> list[str]:
+    """``minifield-worker`` with ``worker_args``, on this interpreter."""
+    return [sys.executable, "-m", "minifield.worker", *worker_args(*flags, **options)]
+
+
+def run_worker(
+    *flags, check_codes=None, timeout=300, env=None, **options
+) -> subprocess.CompletedProcess:
+    """Run ``minifield-worker`` as a real subprocess (arguments as ``worker_args`` takes them);
+    ``check_codes`` fails the test on any other exit code, showing both streams' ends."""
     proc = subprocess.run(
-        worker_command(*args),
+        worker_command(*flags, **options),
         capture_output=True,
         text=True,
         timeout=timeout,

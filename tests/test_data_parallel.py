@@ -63,16 +63,12 @@ def dp_recipe(space, devices: int, shard_params: bool = False) -> dict:
 
 def _run(space, recipe_path, out, visible: int, *extra, codes=(0,)):
     return run_worker(
-        "--job",
-        recipe_path,
-        "--input-root",
-        space["input_root"],
-        "--output-root",
-        out,
-        "--compilation-cache",
-        space["cache"],
-        "--record-state-hashes",
         *extra,
+        job=recipe_path,
+        input_root=space["input_root"],
+        output_root=out,
+        compilation_cache=space["cache"],
+        record_state_hashes=True,
         check_codes=codes,
         env=devices_env(visible),
     )

@@ -60,10 +60,15 @@ def tiny_recipe(space, **sections) -> dict:
 
 
 def _run(space, recipe_path, out, *extra, codes=(0,), cache=True):
-    args = ["--job", recipe_path, "--input-root", space["input_root"], "--output-root", out]
-    if cache:
-        args += ["--compilation-cache", space["cache"]]
-    return run_worker(*args, "--record-state-hashes", *extra, check_codes=codes)
+    return run_worker(
+        *extra,
+        job=recipe_path,
+        input_root=space["input_root"],
+        output_root=out,
+        compilation_cache=space["cache"] if cache else None,
+        record_state_hashes=True,
+        check_codes=codes,
+    )
 
 
 def _attempts(out: Path) -> list[Path]:
@@ -313,18 +318,13 @@ def test_sigkill_during_evaluation_then_resume_is_bit_identical(space, reference
     """Kill once step 2 is committed and its periodic evaluation is running (no cache, so the
     evaluation has to compile first and lasts long enough to be hit)."""
     out = space["root"] / "kill-eval"
-    args = [
-        "--job",
-        reference["recipe"],
-        "--input-root",
-        space["input_root"],
-        "--output-root",
-        out,
-        "--record-state-hashes",
-    ]
-    proc = subprocess.Popen(
-        worker_command(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    command = worker_command(
+        job=reference["recipe"],
+        input_root=space["input_root"],
+        output_root=out,
+        record_state_hashes=True,
     )
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
         events_path = None

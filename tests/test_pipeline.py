@@ -27,9 +27,7 @@ def make_project(tmp_path, recipe_edit=None):
 
 
 def digest_of(recipe_path):
-    verdict = json.loads(
-        run_worker("--job", recipe_path, "--validate-only", check_codes=[0]).stdout
-    )
+    verdict = json.loads(run_worker("--validate-only", job=recipe_path, check_codes=[0]).stdout)
     return verdict["computation_digest"]
 
 
@@ -79,14 +77,10 @@ def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
     reference_recipe = make_project(reference_dir)
     digest = digest_of(reference_recipe)[:16]
     run_worker(
-        "--job",
-        reference_recipe,
-        "--input-root",
-        reference_dir / "data",
-        "--output-root",
-        tmp_path / "ref-out",
-        "--attempt-id",
-        "ref",
+        job=reference_recipe,
+        input_root=reference_dir / "data",
+        output_root=tmp_path / "ref-out",
+        attempt_id="ref",
         check_codes=[0],
     )
     reference = json.loads(
@@ -102,16 +96,11 @@ def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
         k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
     }
     run_worker(
-        "--job",
-        recipe_path,
-        "--input-root",
-        project / "data",
-        "--output-root",
-        attempts,
-        "--attempt-id",
-        "crashed",
-        "--fail-after-step",
-        "5",
+        job=recipe_path,
+        input_root=project / "data",
+        output_root=attempts,
+        attempt_id="crashed",
+        fail_after_step=5,
         check_codes=[1],
         env=snakemake_threads,
     )

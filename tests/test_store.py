@@ -38,9 +38,8 @@ def _train(root: Path, **overrides) -> dict:
     stages.validate(raw, root / "recipe.json", root / "validation.json")
     stages.prepare(root / "recipe.json", root, root / "examples")
     run_worker(
-        "--job", root / "recipe.json", "--input-root", root, "--output-root", root / "attempts",
-        check_codes=(0,),
-    )  # fmt: skip
+        job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
+    )
     (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))

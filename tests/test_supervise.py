@@ -278,16 +278,11 @@ def test_injected_worker_stall_is_stalled_and_reaped(tmp_path):
     stall_s, grace_s = 15.0, 2.0  # stall_s covers the worker's start-up (imports, compile)
     outcome = supervise.supervise(
         worker_command(
-            "--job",
-            recipe,
-            "--input-root",
-            REPO / "data",
-            "--output-root",
-            tmp_path / "out",
-            "--stall-after-step",
-            "2",
-            "--stall-seconds",
-            "300",
+            job=recipe,
+            input_root=REPO / "data",
+            output_root=tmp_path / "out",
+            stall_after_step=2,
+            stall_seconds=300,
         ),
         tmp_path / "run",
         deadline_s=300,
