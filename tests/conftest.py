@@ -18,7 +18,8 @@ pytest_plugins = ["pytester"]  # test_fast_tier runs this conftest on probe test
 # `pytest -m "not slow"` is the in-process tier. A test that starts a process (worker, Snakemake,
 # the CLI, a server, a cluster) must be marked `slow`; one that is not fails here, naming the
 # command, so the tier cannot quietly grow process start-ups. The guard covers fixture set-up
-# and tear-down too: a fixture that starts a process makes every test using it slow.
+# too (a fixture that starts a process makes every test using it slow), not tear-down: a
+# module's fixtures end in its last test's tear-down, whichever tier that test is in.
 
 
 class UnmarkedSubprocess(RuntimeError):
@@ -76,13 +77,9 @@ def pytest_runtest_call(item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
-    yield from _guard(item)
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Fail the phase that started a process even where the test swallowed the exception."""
+    """Fail the set-up or call that started a process even where the test swallowed the
+    exception."""
     outcome = yield
     report = outcome.get_result()
     started = item.stash.get(_started_key, None)
