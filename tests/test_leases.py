@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minifield import leases
+from minifield import leases, locks
 
 # One job: lease, run a supervised child that reports the CUDA_VISIBLE_DEVICES it sees,
 # and record when the lease was held (CLOCK_MONOTONIC is shared by all processes).
@@ -163,7 +163,7 @@ def test_one_training_attempt_per_computation(tmp_path):
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     work = tmp_path / "work"
     work.mkdir()
-    fd = leases.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
+    fd = locks.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
     try:
         with pytest.raises(stages.StageError, match="still running"):
             stages.train_attempt(
