@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,35 +13,16 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO, copy_run, linear_recipe, write_recipe
+from conftest import REPO, copy_run, linear_recipe, run_snakemake, write_recipe
 
 from minifield import recovery, stages
 from minifield.recipe import load_schema
 
+# Real Snakemake runs and the prove CLI are slow; the verdict tests read documents only.
+
 
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--cores",
-            "2",
-            "--nolock",
-            *args,
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +37,7 @@ def pipeline(tmp_path_factory, linear_demo_run) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_demo_proof_passes_and_its_evidence_checks_out(pipeline):
     proof, cdir, workdir = pipeline["proof"], pipeline["cdir"], pipeline["workdir"]
     jsonschema.validate(proof, load_schema("proof.schema.json"))
@@ -173,6 +154,7 @@ def _check_preemption_part_by_hand(proof: dict, workdir: Path, ref: dict[int, di
         assert updates[step]["state_hash"] == ref[step]["state_hash"]
 
 
+@pytest.mark.slow
 def test_divergence_names_the_step_and_the_state_part(pipeline):
     """compare() on the demo's real reference events, with one part of one update altered."""
     proof = pipeline["proof"]
@@ -203,6 +185,7 @@ def test_divergence_names_the_step_and_the_state_part(pipeline):
     assert div["step"] == start and div["what"] == "restored checkpoint"
 
 
+@pytest.mark.slow
 def test_failing_proof_stops_the_pipeline_with_its_diagnosis(pipeline, tmp_path):
     """A fault point before the first checkpoint cannot prove recovery: qualify fails and
     train does not run again."""
@@ -210,7 +193,7 @@ def test_failing_proof_stops_the_pipeline_with_its_diagnosis(pipeline, tmp_path)
     runs_before = sorted((workdir / "work").glob("*/runs/*"))
     override = tmp_path / "failing.yaml"
     override.write_text(yaml.safe_dump({"qualification": {"fail_after_step": 1}}))
-    proc = _snakemake(workdir, "--configfile", str(override))
+    proc = run_snakemake(workdir, "--nolock", "--configfile", str(override))
     assert proc.returncode != 0
     log = (workdir / "logs" / "qualify" / f"{pipeline['cdir'].name}.log").read_text()
     assert "before the first checkpoint" in log
@@ -221,6 +204,7 @@ def test_failing_proof_stops_the_pipeline_with_its_diagnosis(pipeline, tmp_path)
     assert json.loads(kept[-1].read_text())["passed"] is False
 
 
+@pytest.mark.slow
 def test_prove_cli_reports_a_settings_problem(tmp_path):
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     proc = subprocess.run(
@@ -391,6 +375,7 @@ def test_training_gate_uses_the_verdict(tmp_path):
         stages.check_proof(path, recipe)
 
 
+@pytest.mark.slow
 def test_prove_cli_preempt_mode_alone(tmp_path):
     """`--mode preempt`: no crash part at all, and the verdict and the schema accept it."""
     recipe = write_recipe(

@@ -874,7 +874,7 @@ def _preempt_reasons(proof: dict, reference: dict[int, str] | None, steps: int) 
     return reasons
 
 
-def verdict(proof: object, computation_digest: str) -> list[str]:
+def verdict(proof: object, computation_digest: str | None) -> list[str]:
     """Why ``proof`` is not acceptable evidence for ``computation_digest`` (empty: accepted).
 
     The one judgement of a proof document (training gate, publication, activation). It
