@@ -27,8 +27,8 @@ child = [sys.executable, "-c",
     "print(json.dumps({'type': 'completed', 'cvd': os.environ.get('CUDA_VISIBLE_DEVICES')}))"]
 with leases.lease(lease_dir, gpus, count, wait_s=120, poll_s=0.02) as held:
     acquired = time.monotonic()
-    outcome = supervise.supervise(child, out.with_suffix(".run"), deadline_s=60, stall_s=60,
-                                  env=held.env(os.environ), pass_fds=held.fds)
+    outcome = supervise.supervise(child, out.with_suffix(".run"), supervise.Settings(
+        deadline_s=60, stall_s=60, env=held.env(os.environ), pass_fds=held.fds))
     released = time.monotonic()
 out.write_text(json.dumps({"gpus": held.gpus, "acquired": acquired, "released": released,
                            "seen": outcome["events"][0]["cvd"],
@@ -44,8 +44,8 @@ child = [sys.executable, "-c",
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)",
     sys.argv[2]]
 if sys.argv[3] == "child":
-    supervise.supervise(child, Path(sys.argv[2] + ".run"), deadline_s=300, stall_s=300,
-                        pass_fds=held.fds, forward_signals=False)
+    supervise.supervise(child, Path(sys.argv[2] + ".run"), supervise.Settings(
+        deadline_s=300, stall_s=300, pass_fds=held.fds, forward_signals=False))
 else:
     print("held", flush=True)
     time.sleep(300)
@@ -75,6 +75,7 @@ def _assert_no_shared_slot(records: list[dict]) -> None:
                 assert not overlap, f"jobs shared GPU(s) {set(a['gpus']) & set(b['gpus'])}"
 
 
+@pytest.mark.slow
 def test_concurrent_jobs_never_share_a_slot(tmp_path):
     records = _jobs(tmp_path, 6, 1, ["0", "1"])
     _assert_no_shared_slot(records)
@@ -84,6 +85,7 @@ def test_concurrent_jobs_never_share_a_slot(tmp_path):
     assert {r["gpus"][0] for r in records} <= {"0", "1"}
 
 
+@pytest.mark.slow
 def test_multi_gpu_leases_are_all_or_nothing(tmp_path):
     records = _jobs(tmp_path, 4, 2, ["a", "b", "c"])
     _assert_no_shared_slot(records)
@@ -100,6 +102,7 @@ def _try(lease_dir: Path) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_lease_is_released_when_the_holder_is_killed(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
@@ -115,6 +118,7 @@ def test_lease_is_released_when_the_holder_is_killed(tmp_path):
     assert _try(tmp_path / "leases")
 
 
+@pytest.mark.slow
 def test_lease_outlives_a_killed_supervisor_while_its_child_runs(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)

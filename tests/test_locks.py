@@ -82,6 +82,7 @@ def holder(tmp_path):
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # holder and waiter are processes
 def test_a_held_lock_excludes_other_processes_and_names_its_holder(holder):
     path, proc = holder
     assert _kernel_says_held(path)
@@ -94,6 +95,7 @@ def test_a_held_lock_excludes_other_processes_and_names_its_holder(holder):
     assert json.loads(path.read_text()) == {"pid": proc.pid, "who": "holder"}
 
 
+@pytest.mark.slow  # holder and waiter are processes
 def test_a_waiter_gets_the_lock_only_after_the_holder_releases_it(holder):
     path, proc = holder
     waiter = _start(WAITER, path)
@@ -113,6 +115,7 @@ def test_a_waiter_gets_the_lock_only_after_the_holder_releases_it(holder):
             waiter.wait(timeout=30)
 
 
+@pytest.mark.slow  # holder and waiter are processes
 def test_a_killed_holder_releases_the_lock(holder):
     path, proc = holder
     waiter = _start(WAITER, path)

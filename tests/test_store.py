@@ -26,6 +26,8 @@ from conftest import linear_recipe, run_worker, write_recipe
 from minifield import cli, recovery, stages
 from minifield import store as stores
 
+pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
+
 HELDOUT_X = (-1.5, -0.37, 0.22, 1.5)
 
 
@@ -39,9 +41,8 @@ def _train(root: Path, prove: bool = True, **overrides) -> dict:
     stages.validate(raw, root / "recipe.json", root / "validation.json")
     stages.prepare(root / "recipe.json", root, root / "examples")
     run_worker(
-        "--job", root / "recipe.json", "--input-root", root, "--output-root", root / "attempts",
-        check_codes=(0,),
-    )  # fmt: skip
+        job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
+    )
     (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
