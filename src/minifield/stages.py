@@ -13,11 +13,11 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import atomic, attempts, examples, inputs, leases, locks, supervise
-
-# checkpoint, recovery and train import JAX: they are imported in the stages that need them,
-# so that the validate, hash_inputs and prepare jobs start without JAX.
+from . import atomic, attempts, examples, inputs, leases, locks, recovery, supervise
 from . import recipe as recipes
+
+# checkpoint and train import JAX: they are imported in the stages that need them, so that
+# the validate, hash_inputs and prepare jobs start without JAX.
 from .digest import sha256_file
 
 
@@ -140,8 +140,6 @@ def qualify(
     The proof (and all its runs and logs) is kept under ``work_dir/qualification/``
     even when it fails, since Snakemake deletes the declared output of a failed job.
     """
-    from . import recovery
-
     recipe = recipes.load(recipe_json)
     slots = _lease_gpus(recipe, gpus)
     with leases.lease(
