@@ -34,6 +34,7 @@ def worker_reference(tmp_path_factory) -> dict:
     return {"verdict": verdict, "result": result}
 
 
+@pytest.mark.slow
 def test_importing_minifield_and_validating_does_not_import_jax():
     code = (
         "import sys, minifield\n"
@@ -52,10 +53,16 @@ def test_importing_minifield_and_validating_does_not_import_jax():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_validate_gives_the_worker_verdict_and_the_digest_by_hand(worker_reference):
+@pytest.mark.slow
+def test_validate_gives_the_worker_verdict(worker_reference):
     checked = minifield.validate(LINEAR_DEMO)
     assert checked.valid and checked.errors == []
     assert checked.to_json() == worker_reference["verdict"]
+
+
+def test_validate_gives_the_digest_by_hand():
+    checked = minifield.validate(LINEAR_DEMO)
+    assert checked.valid and checked.strategy == {"name": "linear-momentum", "version": "1.0.0"}
     # By hand: the computation-defining fields of linear-demo.yaml with the strategy's
     # defaults spelled out, as sorted compact JSON.
     fields = {
@@ -75,6 +82,7 @@ def test_validate_gives_the_worker_verdict_and_the_digest_by_hand(worker_referen
     assert checked.computation_digest == hashlib.sha256(text.encode()).hexdigest()
 
 
+@pytest.mark.slow
 def test_validate_takes_a_dict_and_reports_every_problem_without_raising(tmp_path):
     bad = linear_recipe(limits={"max_steps": 10**30, "deadline": "tomorrow-ish"})
     checked = minifield.validate(bad)
@@ -94,6 +102,7 @@ def test_validate_of_a_file_that_is_not_utf8_is_a_verdict(tmp_path):
     assert checked.errors[0]["path"] == "" and "UTF-8" in checked.errors[0]["message"]
 
 
+@pytest.mark.slow
 def test_run_gives_the_worker_result(worker_reference, tmp_path):
     result = minifield.run(LINEAR_DEMO, input_root=DATA, output_root=tmp_path, attempt_id="api1")
     reference = worker_reference["result"]
@@ -109,6 +118,7 @@ def test_run_gives_the_worker_result(worker_reference, tmp_path):
     assert result.checkpoint["step"] == 8
 
 
+@pytest.mark.slow
 def test_stop_and_resume_through_the_api_reach_the_worker_hash(worker_reference, tmp_path):
     checked = minifield.validate(LINEAR_DEMO)
     first = minifield.run(checked, input_root=DATA, output_root=tmp_path, stop_after_step=3)
@@ -140,6 +150,7 @@ def test_a_refused_run_is_a_result_and_writes_nothing(tmp_path, recipe, argument
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_resume_of_another_computation_is_refused_like_the_worker(worker_reference, tmp_path):
     first = minifield.run(LINEAR_DEMO, input_root=DATA, output_root=tmp_path, stop_after_step=2)
     other = minifield.run(
@@ -165,6 +176,7 @@ def test_exit_codes_are_the_workers():
     assert (api.EXIT_PREEMPTED, api.EXIT_LIMIT) == (train.EXIT_PREEMPTED, train.EXIT_LIMIT)
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs(tmp_path, worker_reference):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Python API", 1)[1]

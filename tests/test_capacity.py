@@ -149,6 +149,7 @@ def test_cli_rejects_invalid_input_with_exit_2(field, value, named, capsys):
 # -- out-of-range arguments end in a refusal, never a traceback (issue 11, defect 2) -----------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("seconds", "arrivals", "named"),
     [

@@ -259,6 +259,7 @@ POINTERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BAD_FILES))
 def test_worker_refuses_bad_recipes_with_exit_2_and_no_traceback(tmp_path, name):
     job = tmp_path / name
