@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 
@@ -143,3 +144,117 @@ def test_cli_rejects_invalid_input_with_exit_2(field, value, named, capsys):
     captured = capsys.readouterr()
     assert named in captured.err
     assert captured.out == ""
+
+
+# -- out-of-range arguments end in a refusal, never a traceback (issue 11, defect 2) -----------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("seconds", "arrivals", "named"),
+    [
+        ("10", "1e400", "arrivals_per_hour"),  # used to end in an OverflowError traceback
+        ("1e300", "1e300", "seconds_per_job"),
+        ("1e-1000000000", "1", "seconds_per_job"),  # as an exact fraction: a 1e9-digit integer
+        ("1e16", "1", "seconds_per_job"),
+        ("1." + "1" * 60, "1", "seconds_per_job"),
+    ],
+)
+def test_cli_refuses_out_of_range_numbers_without_a_traceback(tmp_path, seconds, arrivals, named):
+    proc = subprocess.run(
+        [sys.executable, "-m", "minifield.cli", "capacity", f"--seconds-per-job={seconds}",
+         f"--arrivals-per-hour={arrivals}", "--workers", "2", "--reserve-fraction", "0",
+         "--price-per-worker-hour", "1"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_the_largest_inputs_still_give_finite_figures():
+    figures = capacity.plan("1e15", "1e15", "1e15", "0.999999999999999", "1e15")
+    # 1e15 s x 1e15 /h / 3600 s/h, over 1e-15 of capacity kept busy
+    assert figures["offered_worker_hours_per_hour"] == pytest.approx(1e30 / 3600)
+    assert figures["min_workers_with_reserve"] == math.ceil(
+        Fraction(10**30, 3600) / Fraction(1, 10**15)
+    )
+    json.dumps(figures, allow_nan=False)
+
+
+def test_an_unexpected_error_is_one_line_naming_the_arguments(monkeypatch, capsys):
+    # No input is known to reach this guard (each command refuses bad input itself), so one
+    # is injected: the guard must still print one line, name the arguments, exit 1.
+    def broken(*_args):
+        raise RuntimeError("something\nunforeseen")
+
+    monkeypatch.setattr(capacity, "plan", broken)
+    argv = ["capacity", *(f"--{k}={v}" for k, v in GOOD.items())]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "RuntimeError: something unforeseen" in err and "--seconds-per-job=10" in err
+
+
+# -- figures from a training run: the summary's, checked here against raw events by hand -------
+
+
+def _events(path, rows, mono0, time0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"seq": i, "mono": mono0 + at, "time": time0 + at, **event})
+        for i, (at, event) in enumerate(rows)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _update(step, seconds):
+    return {"type": "update", "step": step, "examples": 8, "tokens": 0, "seconds": seconds}
+
+
+def test_measured_run_across_a_restart_by_hand(tmp_path):
+    # Attempt a1 (mono 10 -> 12, 2.0 s): updates 1, 2, commit 2, update 3, then killed.
+    _events(tmp_path / "a1" / "events.jsonl", [
+        (0.0, {"type": "attempt_started", "attempt_id": "a1"}),
+        (0.5, {"type": "compiled", "seconds": 0.5}),
+        (1.0, _update(1, 0.25)),
+        (1.25, _update(2, 0.25)),
+        (1.5, {"type": "checkpoint_committed", "step": 2, "seconds": 0.125}),
+        (2.0, _update(3, 0.25)),
+    ], mono0=10.0, time0=1000.0)  # fmt: skip
+    # Attempt a2, 3.0 s later by the wall clock (mono 500 -> 503, 3.0 s): restores 2,
+    # redoes 3, does 4, commits 4, completes.
+    _events(tmp_path / "a2" / "events.jsonl", [
+        (0.0, {"type": "attempt_started", "attempt_id": "a2"}),
+        (0.5, {"type": "restored", "step": 2}),
+        (1.0, _update(3, 0.25)),
+        (1.25, _update(4, 0.25)),
+        (1.5, {"type": "checkpoint_committed", "step": 4, "seconds": 0.125}),
+        (3.0, {"type": "completed", "steps": 4}),
+    ], mono0=500.0, time0=1005.0)  # fmt: skip
+    (tmp_path / "a2" / "attempt.json").write_text(
+        json.dumps({"resumed_from": str(tmp_path / "a1")})
+    )
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({
+        "status": "completed", "attempt_dir": str(tmp_path / "a2"), "computation_digest": "c",
+        "job_id": "j", "environment": {"backend": "cpu", "device_kind": ["cpu"]},
+    }))  # fmt: skip
+    recipe = {"limits": {"max_steps": 4}, "checkpoint": {"every_steps": 2}}
+    m = capacity.measure_run(result, recipe)
+    # worker time: the spans 2.0 + 3.0; the 3.0 s between the attempts is not a worker's
+    assert m["job_wall_s"] == pytest.approx(5.0)
+    assert m["updates"] == 5 and m["update_s"] == pytest.approx(1.25)
+    assert m["mean_update_s"] == pytest.approx(0.25)
+    assert m["checkpoint_commits"] == 2 and m["checkpoint_s"] == pytest.approx(0.25)
+    assert m["mean_checkpoint_s"] == pytest.approx(0.125)
+    assert m["other_s"] == pytest.approx(5.0 - 1.25 - 0.25)
+    assert [(a["attempt_id"], a["wall_s"], a["updates"], a["checkpoint_commits"], a["status"])
+            for a in m["attempts"]] == [("a1", 2.0, 3, 1, "interrupted"),
+                                        ("a2", 3.0, 2, 1, "completed")]  # fmt: skip
+    rows = {r["scenario"]: r for r in capacity.scenarios(m, [1], [2])}
+    assert rows["measured"]["seconds_per_job"] == pytest.approx(5.0)
+    # 3.5 other + 4 updates x 0.25 + 4 commits x 0.125
+    assert rows["checkpoint_every_1"]["seconds_per_job"] == pytest.approx(5.0)
+    # 8 updates at cadence 2: 3.5 + 8 x 0.25 + 4 x 0.125
+    assert rows["workload_x2"]["seconds_per_job"] == pytest.approx(6.0)

@@ -93,6 +93,8 @@ def test_single_attempt_figures_by_hand(completed_attempt):
     assert s["update_tokens_per_s"] == pytest.approx(400 / 1.5)
     # job wall time: first event mono 10.0 to last event mono 14.0
     assert s["job_wall_time_s"] == pytest.approx(4.0)
+    assert s["attempts_wall_time_s"] == pytest.approx(4.0)  # one attempt: no gap
+    assert s["attempts"][0]["checkpoints_count"] == 2
     assert s["job_examples_per_s"] == pytest.approx(8.0)
     assert s["job_tokens_per_s"] == pytest.approx(100.0)
     assert s["update_duty_fraction"] == pytest.approx(1.5 / 4.0)
@@ -181,6 +183,9 @@ def test_restart_losses_across_attempts_by_hand(tmp_path):
     assert s["update_time_s"] == pytest.approx(5 * 0.25)
     # job wall: 2.0 (attempt 1) + 3.0 (gap by wall clock) + 3.0 (attempt 2)
     assert s["job_wall_time_s"] == pytest.approx(8.0)
+    # worker time: the two spans alone, 2.0 + 3.0
+    assert s["attempts_wall_time_s"] == pytest.approx(5.0)
+    assert [a["checkpoints_count"] for a in s["attempts"]] == [1, 1]
     assert s["update_examples_per_s"] == pytest.approx(40 / 1.25)
     assert s["job_examples_per_s"] == pytest.approx(40 / 8.0)
     assert s["job_productive_examples_per_s"] == pytest.approx(32 / 8.0)

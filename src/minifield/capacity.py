@@ -25,15 +25,14 @@ from __future__ import annotations
 import csv
 import io
 import math
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from numbers import Rational
 from pathlib import Path
 from typing import Any
 
 from . import atomic
-from .attempts import chain as attempt_chain
-from .events import read as read_events
+from . import summarize as summaries
 
 SECONDS_PER_HOUR = 3600
 BASIS_NOTE = (
@@ -46,6 +45,29 @@ class CapacityError(ValueError):
     """Invalid capacity input; the message names the field and what was expected."""
 
 
+#: every input is 0 or between 1e-15 and 1e15 in magnitude: wide enough for any plan, and the
+#: results (products and quotients of the inputs) stay far inside a float's range
+MAX_MAGNITUDE = Decimal("1e15")
+MIN_MAGNITUDE = Decimal("1e-15")
+#: significant digits an input may carry (the exact arithmetic grows with them)
+MAX_DIGITS = 50
+
+
+def _in_range(name: str, value: Decimal, shown: Any) -> Decimal:
+    """Refuse a value whose exact form would be huge (1e400, 1e-1000000000) before it is built."""
+    if value.is_zero():
+        return value
+    if not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
+        raise CapacityError(
+            f"{name}: must be 0 or between 1e-15 and 1e15 in magnitude, got {str(shown)[:40]}"
+        )
+    if len(value.as_tuple().digits) > MAX_DIGITS:
+        raise CapacityError(
+            f"{name}: at most {MAX_DIGITS} significant digits, got {str(shown)[:40]}"
+        )
+    return value
+
+
 def exact(name: str, value: Any) -> Fraction:
     """An exact rational from decimal text, an int, a Decimal or a float (via its shortest repr).
 
@@ -55,27 +77,37 @@ def exact(name: str, value: Any) -> Fraction:
     if isinstance(value, bool):
         raise CapacityError(f"{name}: expected a number, got a boolean {value!r}")
     if isinstance(value, Rational):
-        return Fraction(value)
+        fraction = Fraction(value)
+        if fraction and not MIN_MAGNITUDE <= abs(fraction) <= MAX_MAGNITUDE:
+            raise CapacityError(f"{name}: must be 0 or between 1e-15 and 1e15 in magnitude")
+        return fraction
     if isinstance(value, float):
         if not math.isfinite(value):
             raise CapacityError(f"{name}: must be a finite number, got {value!r}")
-        return Fraction(repr(value))
+        return Fraction(_in_range(name, Decimal(repr(value)), repr(value)))
     if isinstance(value, Decimal):
         if not value.is_finite():
             raise CapacityError(f"{name}: must be a finite number, got {value}")
-        return Fraction(value)
+        return Fraction(_in_range(name, value, value))
     if isinstance(value, str):
         text = value.strip()
         if text.lower().lstrip("+-") in ("nan", "inf", "infinity", "snan"):
-            raise CapacityError(f"{name}: must be a finite number, got {value!r}")
+            raise CapacityError(f"{name}: must be a finite number, got {value[:40]!r}")
         if "_" in text or "/" in text:
-            raise CapacityError(f"{name}: expected a decimal number such as 2.5, got {value!r}")
-        try:
-            return Fraction(text)
-        except ValueError:
             raise CapacityError(
-                f"{name}: expected a decimal number such as 2.5, got {value!r}"
+                f"{name}: expected a decimal number such as 2.5, got {value[:40]!r}"
+            )
+        try:
+            # Decimal first: it holds 1e400 as digits and an exponent, where Fraction would
+            # build the whole integer (for 1e-1000000000, effectively forever)
+            decimal = Decimal(text)
+        except InvalidOperation:
+            raise CapacityError(
+                f"{name}: expected a decimal number such as 2.5, got {value[:40]!r}"
             ) from None
+        if not decimal.is_finite():
+            raise CapacityError(f"{name}: must be a finite number, got {value[:40]!r}")
+        return Fraction(_in_range(name, decimal, text))
     raise CapacityError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
 
 
@@ -156,13 +188,17 @@ def plan(
 
 
 def measure_run(result_json: Path, recipe: dict) -> dict:
-    """Measured seconds of a training job from the raw events of every attempt it took.
+    """Measured seconds of a training job, taken from its summary (:mod:`minifield.summarize`:
+    the one place that counts the raw events of every attempt it took).
 
-    ``job_wall_s`` sums, per attempt, the monotonic span from its first to its
-    last event (process start-up before the first event is not included; the
-    rule's benchmark file has that). Update and checkpoint seconds are the sums
-    of the ``seconds`` the worker measured for each, the rest is ``other_s``
-    (compile, restore, evaluation, export, and time lost in failed attempts).
+    ``job_wall_s`` is the summary's ``attempts_wall_time_s``: per attempt, the
+    monotonic span from its first to its last event, summed over attempts. The
+    time between attempts (in the summary's ``job_wall_time_s``) is not counted:
+    no worker is busy then. Process start-up before the first event is not
+    included either (the rule's benchmark file has that). Update and checkpoint
+    seconds are the sums of the ``seconds`` the worker measured for each; the
+    rest is ``other_s`` (compile, restore, evaluation, export, and time lost in
+    failed attempts).
     """
     result = atomic.read_json(result_json)
     if result.get("status") != "completed":
@@ -172,37 +208,27 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
         raise CapacityError(
             f"{result_json}: no 'attempt_dir' (expected the pipeline's train/result.json)"
         )
-    attempts = []
-    wall = updates = checkpoints = 0.0
-    update_count = commit_count = 0
-    for directory in attempt_chain(Path(attempt_dir)):
-        events_path = directory / "events.jsonl"
-        if not events_path.is_file():
-            raise CapacityError(f"{events_path}: missing events file of attempt {directory.name}")
-        events, _ = read_events(events_path)
-        if not events:
-            continue
-        span = events[-1]["mono"] - events[0]["mono"]
-        upd = [e for e in events if e["type"] == "update"]
-        com = [e for e in events if e["type"] == "checkpoint_committed"]
-        attempts.append(
-            {
-                "attempt_id": directory.name,
-                "wall_s": span,
-                "updates": len(upd),
-                "update_s": sum(e["seconds"] for e in upd),
-                "checkpoint_commits": len(com),
-                "checkpoint_s": sum(e["seconds"] for e in com),
-                "ended_with": events[-1]["type"],
-            }
-        )
-        wall += span
-        updates += attempts[-1]["update_s"]
-        checkpoints += attempts[-1]["checkpoint_s"]
-        update_count += len(upd)
-        commit_count += len(com)
-    if update_count == 0:
+    try:
+        summary = summaries.summarize(summaries.attempt_event_files(Path(attempt_dir)))
+    except summaries.SummaryError as exc:
+        raise CapacityError(str(exc)) from None
+    if summary["updates_count"] == 0:
         raise CapacityError(f"{result_json}: no update events in the attempt chain")
+    attempts = [
+        {
+            "attempt_id": attempt["attempt_id"] or Path(attempt["events_file"]).parent.name,
+            "wall_s": attempt["wall_s"],
+            "updates": attempt["updates_count"],
+            "update_s": attempt["update_s"],
+            "checkpoint_commits": attempt["checkpoints_count"],
+            "checkpoint_s": attempt["checkpoint_s"],
+            "status": attempt["status"],
+        }
+        for attempt in summary["attempts"]
+    ]
+    wall = summary["attempts_wall_time_s"]
+    updates, update_count = summary["update_time_s"], summary["updates_count"]
+    checkpoints, commit_count = summary["checkpoint_s"], summary["committed_checkpoints_count"]
     environment = result.get("environment", {})
     return {
         "computation_digest": result["computation_digest"],
@@ -213,6 +239,8 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
         "checkpoint_every_steps": recipe["checkpoint"]["every_steps"],
         "attempts": attempts,
         "job_wall_s": wall,
+        "wall_time_rule": "summary attempts_wall_time_s: sum of each attempt's first-to-last "
+        "event span; time between attempts not counted",
         "updates": update_count,
         "update_s": updates,
         "mean_update_s": updates / update_count,

@@ -2,16 +2,26 @@
 
 Each sub-command lives in its own module under ``minifield.commands`` and
 exposes ``register(subparsers)``; this file only discovers and dispatches them.
+
+No command ends in a traceback: each refuses bad input itself (exit 2, naming
+the input), and whatever still escapes is reported here as one line naming the
+command and its arguments (exit 1). ``MINIFIELD_TRACEBACK=1`` shows the
+traceback instead, for debugging.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import shlex
 import sys
 
 from . import commands
+
+EXIT_UNEXPECTED = 1
+EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,9 +35,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_unexpected(program: str, argv: list[str], exc: BaseException) -> None:
+    """One line on stderr for an error no check anticipated: what, and on which input."""
+    detail = " ".join(str(exc).split())[:500] or "(no message)"
+    print(
+        f"{program}: unexpected {type(exc).__name__}: {detail} (arguments: "
+        f"{shlex.join(argv)[:500]}); set MINIFIELD_TRACEBACK=1 for the traceback",
+        file=sys.stderr,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"minifield {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if os.environ.get("MINIFIELD_TRACEBACK"):
+            raise
+        report_unexpected(f"minifield {args.command}", argv, exc)
+        return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

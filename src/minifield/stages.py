@@ -13,8 +13,11 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import atomic, checkpoint, examples, inputs, leases, locks, recovery, supervise, train
+from . import atomic, attempts, examples, inputs, leases, locks, recovery, supervise
 from . import recipe as recipes
+
+# checkpoint and train import JAX: they are imported in the stages that need them, so that
+# the validate, hash_inputs and prepare jobs start without JAX.
 from .digest import sha256_file
 
 
@@ -66,7 +69,7 @@ def latest_attempt(job_dir: Path) -> Path | None:
     candidates = []
     if job_dir.is_dir():
         for entry in job_dir.iterdir():
-            info = entry / train.ATTEMPT_FILE
+            info = entry / attempts.ATTEMPT_FILE
             if info.is_file():
                 candidates.append((atomic.read_json(info).get("started", ""), entry.name, entry))
     return max(candidates)[2] if candidates else None
@@ -199,6 +202,8 @@ def train_attempt(
     checkpoints survive Snakemake's clean-up and the next try resumes from them.
     The supervisor's record of each attempt is ``work_dir/runs/<attempt_id>/run.json``.
     """
+    from . import train
+
     recipe = recipes.load(recipe_json)
     if proof is not None:
         check_proof(proof, recipe)
@@ -305,6 +310,8 @@ def train_attempt(
 
 def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
+    from . import checkpoint, train
+
     by_step: dict[int, Path] = {}
     for directory in train._attempt_chain(attempt_dir):
         ckpt_dir = directory / "checkpoints"
@@ -325,6 +332,8 @@ def evaluate(
     With ``out_selected_export``, the selected checkpoint's weights are exported there
     (the train stage exports the final ones).
     """
+    from . import checkpoint
+
     recipe = recipes.load(recipe_json)
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)

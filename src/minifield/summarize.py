@@ -10,6 +10,13 @@ of that process, which is only meaningful locally; the gap between two
 attempts (different processes, maybe different hosts) comes from wall-clock
 ``time`` and is clamped at zero, because wall clocks may step.
 
+Two wall times, one rule each: ``job_wall_time_s`` is the job as its owner
+waits for it (every attempt's first-to-last-event span plus the gaps between
+attempts); ``attempts_wall_time_s`` is the time worker processes were running
+it (the spans alone, no gaps). Capacity planning (:mod:`minifield.capacity`)
+takes its seconds per job, update and checkpoint figures from this summary:
+``attempts_wall_time_s``, because a worker is free between attempts.
+
 The update duty fraction is the share of job wall time spent inside
 synchronized update calls. It is not hardware utilization: it says nothing
 about how busy the device was during those calls.
@@ -81,7 +88,10 @@ def load_attempt(path: Path) -> tuple[list[dict], int]:
     path = Path(path)
     if not path.is_file():
         raise SummaryError(f"{path}: no such events file")
-    events, malformed = read_events(path)
+    try:
+        events, malformed = read_events(path)
+    except (OSError, ValueError) as exc:
+        raise SummaryError(f"{path}: cannot read the events file ({exc})") from None
     if not events:
         raise SummaryError(f"{path}: no events (an events file has one JSON object per line)")
     events = [_checked(path, e) for e in events]
@@ -140,6 +150,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
             "redone_update_s": 0.0,
             "compile_s": 0.0,
             "checkpoint_s": 0.0,
+            "checkpoints_count": 0,
             "evaluation_s": 0.0,
             "restored_step_count": None,
             "first_update_step_count": None,
@@ -177,6 +188,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                 totals["checkpoints"] += 1
                 totals["checkpoint_s"] += float(event["seconds"])
                 attempt["checkpoint_s"] += float(event["seconds"])
+                attempt["checkpoints_count"] += 1
             elif kind == "restored":
                 # A rejected newer checkpoint makes the restore point older than ``durable``.
                 totals["lost_uncheckpointed"] += max(0, durable - int(event["step"]))
@@ -200,7 +212,8 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         attempt["uncheckpointed_updates_count"] = max(0, position - durable)
         attempts.append(attempt)
 
-    wall_s = sum(a["wall_s"] for a in attempts) + between_s
+    attempts_wall_s = sum(a["wall_s"] for a in attempts)
+    wall_s = attempts_wall_s + between_s
     update_s = totals["update_s"]
     productive_s = update_s - totals["redone_update_s"]
     lost_s = totals["redone_update_s"] + between_s + totals["resumed_compile_s"]
@@ -222,6 +235,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "update_examples_per_s": _ratio(totals["examples"], update_s),
         "update_tokens_per_s": _ratio(totals["tokens"], update_s),
         "job_wall_time_s": wall_s,
+        "attempts_wall_time_s": attempts_wall_s,
         "job_examples_per_s": _ratio(totals["examples"], wall_s),
         "job_tokens_per_s": _ratio(totals["tokens"], wall_s),
         "job_productive_examples_per_s": _ratio(productive_examples, wall_s),
@@ -264,7 +278,13 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
 
 def attempt_event_files(attempt_dir: Path) -> list[Path]:
     """``events.jsonl`` of an attempt and of every attempt it resumed from, oldest first."""
-    chain = attempt_chain(Path(attempt_dir))
+    try:
+        chain = attempt_chain(Path(attempt_dir))
+    except (OSError, ValueError, AttributeError) as exc:
+        # an attempt.json that is not JSON, or not an object, breaks the chain
+        raise SummaryError(
+            f"{attempt_dir}: cannot follow the attempts it resumed from ({exc})"
+        ) from None
     files = [d / "events.jsonl" for d in chain if (d / "events.jsonl").is_file()]
     if not files:
         raise SummaryError(f"{attempt_dir}: no events.jsonl in the attempt or the ones before it")

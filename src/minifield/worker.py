@@ -2,17 +2,26 @@
 
 Exit codes: 0 completed, 1 failed, 2 invalid job or inputs, 3 preempted
 (checkpoint committed), 4 limit reached (deadline or compute budget).
+
+A thin layer over the Python API (:mod:`minifield.api`): this module parses
+arguments, starts the processes of a multi-process attempt and prints; what is
+validated and run, and with which outcome, is ``api.validate`` and ``api.run``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from . import distributed, strategies, train
-from . import recipe as recipes
+from . import api, distributed, strategies
+from .arguments import bounded_float, bounded_int
+from .cli import report_unexpected
+
+#: an update number the state's int32 step counter can reach
+_STEP = bounded_int(1, 2**31 - 1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stop-after-step",
-        type=int,
+        type=_STEP,
         metavar="N",
         help="operational step limit: end after N updates with a committed checkpoint and "
         "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
@@ -79,11 +88,15 @@ def _parser() -> argparse.ArgumentParser:
         "SLURM step (srun -n N); every process needs the same recipe, inputs and output root",
     )
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
-    multi.add_argument("--num-processes", type=int, metavar="N", help="processes in all")
-    multi.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+    multi.add_argument(
+        "--num-processes", type=bounded_int(1, 65536), metavar="N", help="processes in all"
+    )
+    multi.add_argument(
+        "--process-id", type=bounded_int(0, 65535), metavar="I", help="this process, 0..N-1"
+    )
     multi.add_argument(
         "--join-timeout",
-        type=int,
+        type=bounded_int(1, 7 * 86400),
         default=300,
         metavar="S",
         help="end when the other processes have not all joined within S seconds (JAX's "
@@ -91,57 +104,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
-        "--fail-after-step", type=int, metavar="K", help="hard exit right after update K"
+        "--fail-after-step", type=_STEP, metavar="K", help="hard exit right after update K"
     )
     faults.add_argument(
-        "--stall-after-step", type=int, metavar="K", help="stop emitting events after update K"
+        "--stall-after-step", type=_STEP, metavar="K", help="stop emitting events after update K"
     )
     faults.add_argument(
         "--kill-during-checkpoint",
-        type=int,
+        type=_STEP,
         metavar="K",
         help="SIGKILL the worker itself while checkpoint K is being written (before it commits)",
     )
     faults.add_argument(
-        "--stall-seconds", type=float, default=10.0, metavar="S", help="length of the stall"
+        "--stall-seconds",
+        type=bounded_float(0, 86400),
+        default=10.0,
+        metavar="S",
+        help="length of the stall",
     )
     return parser
 
 
 def _validate_only(job: Path) -> int:
-    try:
-        recipe = recipes.load(job)
-    except recipes.RecipeError as exc:
-        document = None
-        try:
-            document = recipes.read_document(job)
-        except recipes.RecipeError:
-            pass
-        spec = document.get("strategy") if isinstance(document, dict) else None
-        print(
-            json.dumps(
-                {
-                    "valid": False,
-                    "computation_digest": None,
-                    "strategy": spec if isinstance(spec, dict) else None,
-                    "errors": exc.errors,
-                },
-                indent=2,
-            )
-        )
-        return train.EXIT_INVALID
-    print(
-        json.dumps(
-            {
-                "valid": True,
-                "computation_digest": recipe.computation_digest,
-                "examples_digest": recipe.examples_digest,
-                "strategy": {"name": recipe.strategy.name, "version": recipe.strategy.version},
-            },
-            indent=2,
-        )
-    )
-    return 0
+    verdict = api.validate(job)
+    print(json.dumps(verdict.to_json(), indent=2))
+    return api.EXIT_COMPLETED if verdict.valid else api.EXIT_INVALID
 
 
 def _start_processes(args) -> distributed.Group:
@@ -173,6 +160,20 @@ def _start_processes(args) -> distributed.Group:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("minifield-worker: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("MINIFIELD_TRACEBACK"):
+            raise
+        report_unexpected("minifield-worker", argv, exc)
+        return api.EXIT_FAILED
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list_strategies:
@@ -184,83 +185,67 @@ def main(argv: list[str] | None = None) -> int:
         return _validate_only(args.job)
     if args.input_root is None or args.output_root is None:
         parser.error("a run needs --input-root and --output-root")
-    try:
-        recipe = recipes.load(args.job)
-    except recipes.RecipeError as exc:
-        print(f"minifield-worker: {exc}", file=sys.stderr)
-        return train.EXIT_INVALID
-    if not args.input_root.is_dir():
-        print(
-            f"minifield-worker: --input-root {args.input_root} is not a directory", file=sys.stderr
-        )
-        return train.EXIT_INVALID
-    for name in (
-        "stop_after_step",
-        "fail_after_step",
-        "stall_after_step",
-        "kill_during_checkpoint",
-    ):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            print(
-                f"minifield-worker: --{name.replace('_', '-')} must be >= 1 (got {value})",
-                file=sys.stderr,
-            )
-            return train.EXIT_INVALID
-    if args.resume_from is not None and not args.resume_from.is_dir():
-        print(
-            f"minifield-worker: --resume-from {args.resume_from} is not a directory",
-            file=sys.stderr,
-        )
-        return train.EXIT_INVALID
+    # Everything that can be refused is refused before joining other processes.
+    checked = api.validate(args.job)
+    if not checked.valid:
+        print(f"minifield-worker: {checked.describe_errors()}", file=sys.stderr)
+        return api.EXIT_INVALID
+    from . import train  # JAX: only for a run
+
+    faults = train.Faults(
+        args.fail_after_step, args.stall_after_step, args.stall_seconds, args.kill_during_checkpoint
+    )
+    problems = api.run_problems(
+        args.input_root,
+        resume_from=args.resume_from,
+        stop_after_step=args.stop_after_step,
+        faults=faults,
+    )
+    if problems:
+        print(f"minifield-worker: {problems[0]}", file=sys.stderr)
+        return api.EXIT_INVALID
     try:
         group = _start_processes(args)
     except distributed.DistributedError as exc:
         print(f"minifield-worker: {exc}", file=sys.stderr)
-        return train.EXIT_INVALID
-    options = train.Options(
-        input_root=args.input_root,
-        output_root=args.output_root,
-        resume_from=args.resume_from,
-        attempt_id=args.attempt_id,
-        examples_dir=args.examples,
-        allow_environment_change=args.allow_environment_change,
-        record_state_hashes=args.record_state_hashes,
-        compilation_cache=args.compilation_cache,
-        stop_after_step=args.stop_after_step,
-        faults=train.Faults(
-            args.fail_after_step,
-            args.stall_after_step,
-            args.stall_seconds,
-            args.kill_during_checkpoint,
-        ),
-        group=group,
-    )
+        return api.EXIT_INVALID
     try:
-        code, attempt_dir = train.run(recipe, options)
-    except train.ResumeRefused as exc:
-        print(f"minifield-worker: {exc}", file=sys.stderr)
-        return train.EXIT_INVALID
+        outcome = api.run(
+            checked,
+            input_root=args.input_root,
+            output_root=args.output_root,
+            resume_from=args.resume_from,
+            attempt_id=args.attempt_id,
+            examples_dir=args.examples,
+            allow_environment_change=args.allow_environment_change,
+            record_state_hashes=args.record_state_hashes,
+            compilation_cache=args.compilation_cache,
+            stop_after_step=args.stop_after_step,
+            faults=faults,
+            group=group,
+        )
     finally:
         if group.size > 1:
             import jax
 
             jax.distributed.shutdown()
-    if not group.is_writer:
+    if outcome.status == "invalid":
+        print(f"minifield-worker: {outcome.error['message']}", file=sys.stderr)
+    elif not group.is_writer:
         print(
-            f"minifield-worker[{group.rank}]: exit {code}; process 0 records the attempt in "
-            f"{attempt_dir}",
+            f"minifield-worker[{group.rank}]: exit {outcome.exit_code}; process 0 records the "
+            f"attempt in {outcome.attempt_dir}",
             file=sys.stderr,
         )
-        return code
-    result = json.loads((attempt_dir / train.RESULT_FILE).read_text())
-    if result.get("error"):
-        print(
-            f"minifield-worker: {result['status']} in phase {result['error']['phase']}: {result['error']['message']}",
-            file=sys.stderr,
-        )
-    print(f"minifield-worker: {result['status']} -> {attempt_dir}", file=sys.stderr)
-    return code
+    else:
+        if outcome.error:
+            print(
+                f"minifield-worker: {outcome.status} in phase {outcome.error['phase']}: "
+                f"{outcome.error['message']}",
+                file=sys.stderr,
+            )
+        print(f"minifield-worker: {outcome.status} -> {outcome.attempt_dir}", file=sys.stderr)
+    return outcome.exit_code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import credentials, fetch, origins
 from .. import recipe as recipes
+from ..arguments import bounded_float, bounded_int
 
 
 def run(args) -> int:
@@ -44,13 +45,6 @@ def run(args) -> int:
         return 1
     print(json.dumps({"dest": str(args.dest), "inputs": records}, indent=2, sort_keys=True))
     return 0
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
 
 
 def register(sub) -> None:
@@ -86,12 +80,12 @@ def register(sub) -> None:
         action="store_true",
         help="allow plain http to listed loopback origins (testing only)",
     )
-    parser.add_argument("--max-attempts", type=_positive_int, default=4)
-    parser.add_argument("--backoff-seconds", type=float, default=0.5)
-    parser.add_argument("--timeout-seconds", type=float, default=60.0)
+    parser.add_argument("--max-attempts", type=bounded_int(1, 100), default=4)
+    parser.add_argument("--backoff-seconds", type=bounded_float(0, 3600), default=0.5)
+    parser.add_argument("--timeout-seconds", type=bounded_float(0, 86400, above=True), default=60.0)
     parser.add_argument(
         "--progress-min-bytes",
-        type=int,
+        type=bounded_int(0, 2**53 - 1),
         default=8 << 20,
         help="show progress on stderr for files at least this large (8 MiB)",
     )

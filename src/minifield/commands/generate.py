@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from .. import export
+from ..arguments import bounded_int
 from ..strategies.packed_sft import tokenizer as tokenizers
 
 
@@ -40,6 +41,9 @@ def register(sub) -> None:
         help="prompt text (repeatable; default: one prompt per line of stdin)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=64, help="at most this many tokens (default 64)"
+        "--max-new-tokens",
+        type=bounded_int(1, 65536),
+        default=64,
+        help="at most this many tokens (default 64)",
     )
     parser.set_defaults(func=run)

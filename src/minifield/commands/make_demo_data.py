@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from ..arguments import bounded_int
 from ..strategies.packed_sft import sft_data
 
 
 def run(args) -> int:
-    pins = sft_data.write_demo(args.directory, seed=args.seed)
+    try:
+        pins = sft_data.write_demo(args.directory, seed=args.seed)
+    except OSError as exc:
+        print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
+        return 2
     print(
         json.dumps(
             {
@@ -29,6 +35,9 @@ def register(sub) -> None:
     )
     parser.add_argument("directory", type=Path, help="where train/dev/test.jsonl are written")
     parser.add_argument(
-        "--seed", type=int, default=sft_data.DEMO_SEED, help="generator seed (default: the demo's)"
+        "--seed",
+        type=bounded_int(0, 2**63 - 1),
+        default=sft_data.DEMO_SEED,
+        help="generator seed (default: the demo's)",
     )
     parser.set_defaults(func=run)

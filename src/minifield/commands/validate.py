@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def run(args) -> int:
-    from .. import recipe as recipes  # imports JAX: only when this command runs
+    from .. import recipe as recipes
 
     try:
         recipe = recipes.load(args.recipe)

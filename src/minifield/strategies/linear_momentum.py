@@ -3,6 +3,9 @@
 64 examples of y = 2x + 1 on evenly spaced x in [-1, 1]; a linear model fit by
 SGD with momentum on minibatches sampled without replacement. The minibatch of
 update ``n`` is a pure function of (seed, n), so a resumed run needs no replay.
+
+The strategy (schema, checks, data, acceptance) imports no JAX; the compiled
+program lives in :mod:`.linear_momentum_program`, imported by ``build`` only.
 """
 
 from __future__ import annotations
@@ -11,10 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from .. import export
 from .base import Program, Strategy
@@ -31,85 +31,6 @@ def heldout_mse(w: float, b: float, xs: list[float]) -> float:
     """Mean squared error against y = 2x + 1 on the held-out inputs (float64, on the host)."""
     x = np.asarray(xs, dtype=np.float64)
     return float(np.mean((w * x + b - (2.0 * x + 1.0)) ** 2))
-
-
-class LinearProgram(Program):
-    def __init__(self, recipe: dict, examples: dict[str, np.ndarray]):
-        self.recipe = recipe
-        training = recipe["training"]
-        self.batch_size = training["batch_size"]
-        self.examples_per_step = self.batch_size
-        self.tokens_per_step = 0
-        self.x = jnp.asarray(examples["x"], dtype=jnp.float32)
-        self.y = jnp.asarray(examples["y"], dtype=jnp.float32)
-        self.optimizer = optax.sgd(training["learning_rate"], momentum=training["momentum"])
-        self._compiled = None
-
-    def init_state(self) -> dict:
-        seed = self.recipe["training"]["seed"]
-        key = jax.random.key(seed)
-        scale = self.recipe["model"]["init_scale"]
-        kw, kb = jax.random.split(jax.random.fold_in(key, 0xC0FFEE))
-        params = {
-            "w": scale * jax.random.normal(kw, (1,), jnp.float32),
-            "b": scale * jax.random.normal(kb, (1,), jnp.float32),
-        }
-        return {
-            "params": params,
-            "opt_state": self.optimizer.init(params),
-            "rng": jax.random.key_data(key),
-            "step": jnp.zeros((), jnp.int32),
-            "cursor": jnp.zeros((), jnp.int32),
-        }
-
-    def _update(self, state, x_all, y_all):
-        key = jax.random.wrap_key_data(state["rng"])
-        order = jax.random.permutation(jax.random.fold_in(key, state["step"]), x_all.shape[0])
-        idx = order[: self.batch_size]
-        x, y = x_all[idx], y_all[idx]
-
-        def loss_fn(params):
-            pred = params["w"] * x + params["b"]
-            return jnp.mean((pred - y) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-        new_state = {
-            "params": optax.apply_updates(state["params"], updates),
-            "opt_state": opt_state,
-            "rng": state["rng"],
-            "step": state["step"] + 1,
-            "cursor": state["cursor"] + self.batch_size,
-        }
-        return new_state, {"loss": loss}
-
-    def compile(self) -> None:
-        abstract = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(self.init_state)
-        )
-        self._compiled = (
-            jax.jit(self._update, donate_argnums=(0,)).lower(abstract, self.x, self.y).compile()
-        )
-
-    def step(self, state: dict) -> tuple[dict, dict[str, float]]:
-        if self._compiled is None:
-            self.compile()
-        new_state, metrics = self._compiled(state, self.x, self.y)
-        jax.block_until_ready(new_state)
-        return new_state, {"loss": float(metrics["loss"])}
-
-    def evaluate(self, state: dict) -> dict[str, float]:
-        w = float(np.asarray(state["params"]["w"])[0])
-        b = float(np.asarray(state["params"]["b"])[0])
-        return {
-            "heldout_mse": heldout_mse(w, b, self.recipe["evaluation"]["heldout_x"]),
-            "w": w,
-            "b": b,
-        }
-
-    def export(self, state: dict, directory: Path) -> None:
-        params = {k: np.asarray(v) for k, v in state["params"].items()}
-        export.write(directory, params, {"strategy": "linear-momentum", "model": "y = w*x + b"})
 
 
 class LinearMomentum(Strategy):
@@ -172,6 +93,8 @@ class LinearMomentum(Strategy):
         return arrays, {"source": "examples", "count": len(xs)}
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
+        from .linear_momentum_program import LinearProgram  # JAX: only when training
+
         return LinearProgram(recipe, examples)
 
     def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:

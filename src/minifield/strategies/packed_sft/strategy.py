@@ -17,15 +17,17 @@ import math
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from ... import export
 from ...digest import sha256_bytes
-from ...state import named_arrays, restore_like, to_host
 from ..base import Program, Strategy
-from . import packing, parallel, sft_data
+from . import packing, sft_data
 from . import tokenizer as tokenizers
+
+# JAX (and what imports it: state, parallel, the model) is imported inside the methods that
+# compute, so that validating a recipe, describing the strategy or hashing its data spec
+# never imports JAX (the Snakefile validates every recipe when it is parsed).
 
 SPLITS = ("train", "dev", "test")
 ROW_FIELDS = ("tokens", "segments", "positions", "loss_mask")
@@ -102,6 +104,8 @@ class Evaluator:
     """DEV/TEST loss over packed rows and greedy exact-match, jit-compiled once per shape."""
 
     def __init__(self, cfg, batch_size: int, eos_id: int, pad_id: int):
+        import jax
+
         model, _, _ = _model_api()
         self.model, self.cfg = model, cfg
         self.batch_size, self.eos_id, self.pad_id = batch_size, eos_id, pad_id
@@ -170,6 +174,8 @@ class Evaluator:
 
 class PackedSFTProgram(Program):
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
+        from . import parallel
+
         model, optimizer, sft_step = _model_api()
         self.recipe = recipe
         self.arrays = arrays
@@ -210,6 +216,10 @@ class PackedSFTProgram(Program):
         """One executable for the whole update: with data parallelism, compiled for the mesh
         with the batch split over ``data`` and the state replicated (or sharded), donating
         the state's buffers. Without it (``devices: 1``) a plain single-device jit."""
+        import jax
+
+        from . import parallel
+
         abstract_state = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(self.init_state)
         )
@@ -241,6 +251,8 @@ class PackedSFTProgram(Program):
 
     def place(self, state: dict) -> dict:
         """Put a fresh or restored state on the mesh with the compiled step's shardings."""
+        import jax
+
         if self._compiled is None:
             self.compile()
         if self._state_shardings is None:
@@ -248,6 +260,8 @@ class PackedSFTProgram(Program):
         return jax.device_put(state, self._state_shardings)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
+        import jax
+
         if self._compiled is None:
             self.compile()
         batch = self.batch(int(state["step"]))
@@ -269,6 +283,10 @@ class PackedSFTProgram(Program):
         """Evaluation and generation run on one device: a mesh-placed state is copied to this
         process's first device, so the figures do not depend on the data-parallel device
         count (or on how many processes hold the mesh: each evaluates its own copy)."""
+        import jax
+
+        from ...state import to_host
+
         if self._state_shardings is None:
             return state["params"]
         # to_host: a collective when the parameters are sharded over several processes
@@ -282,6 +300,8 @@ class PackedSFTProgram(Program):
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
 
     def export(self, state: dict, directory: Path) -> None:
+        from ...state import named_arrays
+
         directory.mkdir(parents=True, exist_ok=True)
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
         (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
@@ -316,6 +336,10 @@ class ExportedModel:
     """An exported packed-sft model: parameters, config and tokenizer, ready to generate."""
 
     def __init__(self, directory: Path):
+        import jax
+
+        from ...state import restore_like
+
         model, _, _ = _model_api()
         self.directory = Path(directory)
         flat, self.config = export.read(self.directory)
