@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import atomic, checkpoint, examples, inputs, leases, recovery, supervise, train
 from . import recipe as recipes
+from .attempts import newest_first
 from .digest import sha256_file
 
 
@@ -301,7 +302,7 @@ def train_attempt(
 def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
     by_step: dict[int, Path] = {}
-    for directory in train._attempt_chain(attempt_dir):
+    for directory in newest_first(attempt_dir):
         ckpt_dir = directory / "checkpoints"
         for step in checkpoint.committed_steps(ckpt_dir):
             by_step.setdefault(step, ckpt_dir / checkpoint.step_dir_name(step))
