@@ -38,7 +38,6 @@ from typing import Any
 from . import atomic
 
 RUN_FILE = "run.json"
-CLASSIFICATIONS = ("completed", "failed", "timeout", "stalled", "preempted", "cancelled")
 #: supervisor exit code per classification (0 only for ``completed``)
 EXIT_CODES = {
     "completed": 0,
