@@ -85,6 +85,7 @@ def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, ref
     updates = [e for e in events if e["type"] == "update"]
     assert [u["step"] for u in updates] == list(range(1, 13))
     assert all(u["examples"] == 8 and u["seconds"] > 0 for u in updates)
+    assert all(u["learning_rate"] == 0.04 for u in updates)  # the schema's default, constant
     assert updates[-1]["state_hash"] == reference["final_state_hash"]
     committed = [e["step"] for e in events if e["type"] == "checkpoint_committed"]
     assert committed == [2, 4, 6, 8, 10, 12]
