@@ -309,6 +309,14 @@ def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _load_selected(path: Path, sha256: str, program, computation_digest: str):
+    """The selected checkpoint's state, verified again, and still the one DEV scored."""
+    state, _ = checkpoint.load(path, program.init_state(), computation_digest=computation_digest)
+    if checkpoint.manifest_sha256(path) != sha256:
+        raise StageError(f"{path} changed while it was being evaluated (manifest sha256)")
+    return state
+
+
 def evaluate(
     recipe_json: Path,
     train_result: Path,
@@ -318,14 +326,15 @@ def evaluate(
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
-    With ``out_selected_export``, the selected checkpoint's weights are exported there
-    (the train stage exports the final ones).
+    One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
+    loaded again for TEST. With ``out_selected_export``, the selected checkpoint's weights
+    are exported there (the train stage exports the final ones).
     """
     recipe = recipes.load(recipe_json)
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
     program = recipe.strategy.build(recipe.data, arrays)
-    rows, states = [], {}
+    rows = []
     for path in _retained_checkpoints(Path(result["attempt_dir"])):
         try:
             state, manifest = checkpoint.load(
@@ -334,17 +343,16 @@ def evaluate(
         except checkpoint.CheckpointError as exc:
             rows.append({"step": None, "path": str(path), "rejected": str(exc)})
             continue
-        step = manifest["step"]
-        states[step] = state
         rows.append(
             {
-                "step": step,
+                "step": manifest["step"],
                 "path": str(path),
                 "sha256": checkpoint.manifest_sha256(path),
                 "state_hash": manifest["state_hash"],
                 "dev": program.evaluate(state),
             }
         )
+        del state  # before the next checkpoint is loaded
     scored = [r for r in rows if "dev" in r]
     if not scored:
         raise StageError(f"no verifiable checkpoint to evaluate for {result['attempt_dir']}")
@@ -352,11 +360,14 @@ def evaluate(
     sign = 1.0 if mode == "min" else -1.0
     # Best DEV score wins; among equals the later step (more training) wins.
     selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
-    test = program.evaluate_test(states[selected["step"]])
+    state = _load_selected(
+        Path(selected["path"]), selected["sha256"], program, recipe.computation_digest
+    )
+    test = program.evaluate_test(state)
     if out_selected_export is not None:
         if out_selected_export.exists():
             shutil.rmtree(out_selected_export)
-        program.export(states[selected["step"]], out_selected_export)
+        program.export(state, out_selected_export)
     acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
     metrics = {
         "computation_digest": recipe.computation_digest,
