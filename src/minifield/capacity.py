@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .attempt_layout import EVENTS
 from .attempts import chain as attempt_chain
 from .events import read as read_events
 
@@ -176,7 +177,7 @@ def measure_run(result_json: Path, recipe: dict) -> dict:
     wall = updates = checkpoints = 0.0
     update_count = commit_count = 0
     for directory in attempt_chain(Path(attempt_dir)):
-        events_path = directory / "events.jsonl"
+        events_path = directory / EVENTS
         if not events_path.is_file():
             raise CapacityError(f"{events_path}: missing events file of attempt {directory.name}")
         events, _ = read_events(events_path)

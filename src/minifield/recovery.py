@@ -30,6 +30,7 @@ from typing import Any
 from . import atomic, checkpoint, examples, inputs
 from . import recipe as recipes
 from . import supervise as supervisor
+from .attempt_layout import CHECKPOINTS, EVENTS, RESULT
 from .events import read as read_events
 
 FORMAT = "minifield-proof/1"
@@ -81,8 +82,8 @@ def _updates(events: list[dict]) -> dict[int, dict]:
 
 
 def _run_record(outcome: dict, attempt_dir: Path) -> dict:
-    events_path = attempt_dir / "events.jsonl"
-    result_path = attempt_dir / "result.json"
+    events_path = attempt_dir / EVENTS
+    result_path = attempt_dir / RESULT
     result = atomic.read_json(result_path) if result_path.is_file() else None
     return {
         "attempt_dir": str(attempt_dir),
@@ -319,7 +320,7 @@ def prove(
     # 1. uninterrupted reference
     ref_outcome, ref_dir = launch("reference")
     proof["reference"] = _run_record(ref_outcome, ref_dir)
-    ref_updates = _updates(read_events(ref_dir / "events.jsonl")[0]) if ref_dir.is_dir() else {}
+    ref_updates = _updates(read_events(ref_dir / EVENTS)[0]) if ref_dir.is_dir() else {}
     proof["reference"]["state_hashes"] = [
         {"step": s, "state_hash": ref_updates[s].get("state_hash")} for s in sorted(ref_updates)
     ]
@@ -338,9 +339,7 @@ def prove(
     fault_outcome, fault_dir = launch("faulted", "--fail-after-step", str(k))
     faulted = _run_record(fault_outcome, fault_dir)
     faulted["exited"] = _process_exited(fault_outcome.get("pid"))
-    fault_updates = (
-        _updates(read_events(fault_dir / "events.jsonl")[0]) if fault_dir.is_dir() else {}
-    )
+    fault_updates = _updates(read_events(fault_dir / EVENTS)[0]) if fault_dir.is_dir() else {}
     faulted["last_update_step"] = max(fault_updates, default=0)
     faulted["state_hashes"] = [
         {"step": s, "state_hash": fault_updates[s].get("state_hash")} for s in sorted(fault_updates)
@@ -360,7 +359,7 @@ def prove(
         return finish()
 
     # 3. validate the last committed checkpoint, independently of the worker
-    ckpt_root = fault_dir / "checkpoints"
+    ckpt_root = fault_dir / CHECKPOINTS
     committed = checkpoint.committed_steps(ckpt_root)
     if not committed:
         proof["problem"] = f"The faulted run left no committed checkpoint in {ckpt_root}"
@@ -393,7 +392,7 @@ def prove(
     # 4. resume in a new attempt
     res_outcome, res_dir = launch("resumed", "--resume-from", fault_dir)
     resumed = _run_record(res_outcome, res_dir)
-    res_events = read_events(res_dir / "events.jsonl")[0] if res_dir.is_dir() else []
+    res_events = read_events(res_dir / EVENTS)[0] if res_dir.is_dir() else []
     restored = next((e for e in res_events if e["type"] == "restored"), None)
     res_updates = _updates(res_events)
     resumed["restored"] = (
@@ -427,7 +426,7 @@ def prove(
     )
     div = result["first_divergence"]
     if div is not None and div["what"] == "restored checkpoint":
-        ref_ckpt = ref_dir / "checkpoints" / checkpoint.step_dir_name(last)
+        ref_ckpt = ref_dir / CHECKPOINTS / checkpoint.step_dir_name(last)
         if (ref_ckpt / checkpoint.MANIFEST).is_file():
             div["parts"] = _manifest_part_diff(ref_ckpt, path)
     proof["comparison"] = result["rows"]

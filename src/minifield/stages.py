@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import atomic, checkpoint, examples, inputs, leases, recovery, supervise, train
 from . import recipe as recipes
+from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EXPORT, RESULT
 from .attempts import newest_first
 from .digest import sha256_file
 
@@ -64,7 +65,7 @@ def latest_attempt(job_dir: Path) -> Path | None:
     candidates = []
     if job_dir.is_dir():
         for entry in job_dir.iterdir():
-            info = entry / train.ATTEMPT_FILE
+            info = entry / ATTEMPT_JSON
             if info.is_file():
                 candidates.append((atomic.read_json(info).get("started", ""), entry.name, entry))
     return max(candidates)[2] if candidates else None
@@ -261,7 +262,7 @@ def train_attempt(
     _append_run_to_log(log, outcome)
     code = outcome["exit_code"]
     attempt_dir = job_dir / attempt_id
-    result_path = attempt_dir / train.RESULT_FILE
+    result_path = attempt_dir / RESULT
     if not result_path.is_file():
         raise StageError(
             f"training attempt {attempt_dir} ended {outcome['classification']} "
@@ -283,7 +284,7 @@ def train_attempt(
         )
     if out_export.exists():
         shutil.rmtree(out_export)
-    shutil.copytree(attempt_dir / "export", out_export)
+    shutil.copytree(attempt_dir / EXPORT, out_export)
     atomic.write_json(
         out_result,
         {
@@ -303,7 +304,7 @@ def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
     by_step: dict[int, Path] = {}
     for directory in newest_first(attempt_dir):
-        ckpt_dir = directory / "checkpoints"
+        ckpt_dir = directory / CHECKPOINTS
         for step in checkpoint.committed_steps(ckpt_dir):
             by_step.setdefault(step, ckpt_dir / checkpoint.step_dir_name(step))
     return [by_step[s] for s in sorted(by_step)]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .attempt_layout import EVENTS
 from .attempts import chain as attempt_chain
 from .events import read as read_events
 
@@ -265,7 +266,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
 def attempt_event_files(attempt_dir: Path) -> list[Path]:
     """``events.jsonl`` of an attempt and of every attempt it resumed from, oldest first."""
     chain = attempt_chain(Path(attempt_dir))
-    files = [d / "events.jsonl" for d in chain if (d / "events.jsonl").is_file()]
+    files = [d / EVENTS for d in chain if (d / EVENTS).is_file()]
     if not files:
         raise SummaryError(f"{attempt_dir}: no events.jsonl in the attempt or the ones before it")
     return files
