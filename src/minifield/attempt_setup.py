@@ -129,12 +129,8 @@ def _write_attempt_json(attempt: Attempt, compute_before: float) -> None:
 
 def prepare(attempt: Attempt) -> SetUp:
     """Everything before the first update; returns what to do next (never raises)."""
-    options, recipe, events, progress = (
-        attempt.options,
-        attempt.recipe,
-        attempt.events,
-        attempt.progress,
-    )
+    options, recipe = attempt.options, attempt.recipe
+    events, progress = attempt.events, attempt.progress
     data = recipe.data
     phase = "start"
     try:
