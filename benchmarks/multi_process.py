@@ -136,9 +136,7 @@ def main() -> int:
     ):
         a, b = one[key] * scale, two[key] * scale
         print(f"{label:>28} {a:>19.1f} {unit:<2} {b:>19.1f} {unit:<2} {b / a:>7.2f}")
-    print(
-        f"per-update state hashes ({len(one['hashes'])}) and final state hash identical: {same}"
-    )
+    print(f"per-update state hashes ({len(one['hashes'])}) and final state hash identical: {same}")
     print(f"final state hash {two['final_state_hash']}")
     return 0 if same else 1
 

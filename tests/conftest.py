@@ -11,6 +11,85 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]  # test_fast_tier runs this conftest on probe tests
+
+
+# -- the fast tier -------------------------------------------------------------------------------
+# `pytest -m "not slow"` is the in-process tier. A test that starts a process (worker, Snakemake,
+# the CLI, a server, a cluster) must be marked `slow`; one that is not fails here, naming the
+# command, so the tier cannot quietly grow process start-ups. The guard covers fixture set-up
+# too (a fixture that starts a process makes every test using it slow), not tear-down: a
+# module's fixtures end in its last test's tear-down, whichever tier that test is in.
+
+
+class UnmarkedSubprocess(RuntimeError):
+    """A test outside the slow tier started a process."""
+
+
+_fast_test: pytest.Item | None = None  # the item being run, while it is not marked slow
+_original_popen_init = subprocess.Popen.__init__
+# System probes that libraries run once per interpreter, whichever test comes first: the
+# standard library's platform.processor() (the environment fingerprint) and matplotlib's font
+# cache. They start nothing of ours and cost milliseconds.
+_INCIDENTAL_PROBES = {"uname", "fc-list"}
+
+
+def _program(args) -> str:
+    """The started program's file name (a string is a shell line: its first word)."""
+    if isinstance(args, str | bytes):
+        words = os.fsdecode(args).split()
+        return Path(words[0]).name if words else ""
+    first = next(iter(args), "")
+    return Path(os.fsdecode(first)).name if first else ""
+
+
+def _guarded_popen_init(self, args, *rest, **options):
+    if _fast_test is not None and _program(args) not in _INCIDENTAL_PROBES:
+        _fast_test.stash[_started_key] = args
+        raise UnmarkedSubprocess(
+            f"{_fast_test.nodeid} starts a process ({args!r}) but is not marked slow: "
+            "add @pytest.mark.slow (or the module's pytestmark)"
+        )
+    _original_popen_init(self, args, *rest, **options)
+
+
+_started_key = pytest.StashKey[object]()
+subprocess.Popen.__init__ = _guarded_popen_init
+
+
+def _guard(item: pytest.Item):
+    global _fast_test
+    _fast_test = None if item.get_closest_marker("slow") else item
+    try:
+        yield
+    finally:
+        _fast_test = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _guard(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guard(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Fail the set-up or call that started a process even where the test swallowed the
+    exception."""
+    outcome = yield
+    report = outcome.get_result()
+    started = item.stash.get(_started_key, None)
+    if started is not None:
+        del item.stash[_started_key]
+        if report.passed:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} started a process ({started!r}) but is not marked slow"
+            )
 
 
 def linear_recipe(**overrides) -> dict:
@@ -77,14 +156,32 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
-def worker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "minifield.worker", *map(str, args)]
+def worker_args(*flags, **options) -> list[str]:
+    """The worker's arguments: ``flags`` as spelled (``"--validate-only"``), then one option per
+    keyword in the order given: ``input_root=p`` is ``--input-root p``, ``True`` the bare flag
+    (``record_state_hashes=True``), ``None`` or ``False`` leaves the option out."""
+    args = [str(flag) for flag in flags]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        args.append("--" + name.replace("_", "-"))
+        if value is not True:
+            args.append(str(value))
+    return args
 
 
-def run_worker(*args, check_codes=None, timeout=300, env=None) -> subprocess.CompletedProcess:
-    """Run ``minifield-worker`` as a real subprocess."""
+def worker_command(*flags, **options) -> list[str]:
+    """``minifield-worker`` with ``worker_args``, on this interpreter."""
+    return [sys.executable, "-m", "minifield.worker", *worker_args(*flags, **options)]
+
+
+def run_worker(
+    *flags, check_codes=None, timeout=300, env=None, **options
+) -> subprocess.CompletedProcess:
+    """Run ``minifield-worker`` as a real subprocess (arguments as ``worker_args`` takes them);
+    ``check_codes`` fails the test on any other exit code, showing both streams' ends."""
     proc = subprocess.run(
-        worker_command(*args),
+        worker_command(*flags, **options),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -108,14 +205,41 @@ def repo() -> Path:
     return REPO
 
 
-def snakemake_in(workdir: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run the repository's workflow in ``workdir`` (a user's project directory)."""
-    return subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-         "--directory", str(workdir), "--cores", "2", *args],
-        capture_output=True, text=True, timeout=timeout, check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+def snakemake_command(workdir: Path, *args: str, cores: int | None = 2) -> list[str]:
+    """``snakemake`` on the repository's Snakefile in ``workdir`` (a user's project directory);
+    ``cores=None`` leaves the core count to a profile."""
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+               "--directory", str(workdir)]  # fmt: skip
+    if cores is not None:
+        command += ["--cores", str(cores)]
+    return [*command, *map(str, args)]
+
+
+def run_snakemake(
+    workdir: Path,
+    *args: str,
+    cores: int | None = 2,
+    check: bool = False,
+    timeout: int = 900,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the workflow in ``workdir`` as a real process, output captured; ``check`` fails the
+    test on a non-zero exit, showing the ends of both streams."""
+    proc = subprocess.run(
+        snakemake_command(workdir, *args, cores=cores),
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"snakemake {' '.join(map(str, args))} exited {proc.returncode}\n"
+            f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-5000:]}"
+        )
+    return proc
 
 
 @pytest.fixture(scope="session")
@@ -135,8 +259,7 @@ def linear_demo_run(tmp_path_factory) -> Path:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["recipes"] = ["config/recipes/linear-demo.yaml"]
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    proc = snakemake_in(workdir)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_snakemake(workdir, check=True)
     return workdir
 
 

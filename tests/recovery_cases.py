@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import linear_recipe, worker_command, write_recipe
+from conftest import linear_recipe, write_recipe
 
 
 @dataclass(frozen=True)
@@ -37,19 +37,15 @@ CASES = [
 ]
 
 
-def worker_args(recipe: Path, input_root: Path, out: Path, attempt: str, *extra) -> list[str]:
-    return worker_command(
-        "--job",
-        recipe,
-        "--input-root",
-        input_root,
-        "--output-root",
-        out,
-        "--attempt-id",
-        attempt,
-        "--record-state-hashes",
-        *extra,
-    )
+def attempt_options(recipe: Path, input_root: Path, out: Path, attempt: str) -> dict:
+    """Worker options for one recorded attempt (``worker_command``/``run_worker`` keywords)."""
+    return {
+        "job": recipe,
+        "input_root": input_root,
+        "output_root": out,
+        "attempt_id": attempt,
+        "record_state_hashes": True,
+    }
 
 
 def events_of(attempt_dir: Path) -> list[dict]:

@@ -74,6 +74,7 @@ def test_exact_boundaries_where_floats_overshoot(seconds, arrivals, reserve, by_
     )
 
 
+@pytest.mark.slow
 def test_cli_prints_one_json_object_with_inputs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "minifield.cli", "capacity", "--seconds-per-job", "3600",
@@ -91,6 +92,7 @@ def test_cli_prints_one_json_object_with_inputs(tmp_path):
     assert "hypothetical" in figures["note"] and "Not a cloud price" in figures["note"]
 
 
+@pytest.mark.slow
 def test_cli_rejects_nan_in_a_real_process(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "minifield.cli", "capacity", "--seconds-per-job=nan",

@@ -63,16 +63,12 @@ def dp_recipe(space, devices: int, shard_params: bool = False) -> dict:
 
 def _run(space, recipe_path, out, visible: int, *extra, codes=(0,)):
     return run_worker(
-        "--job",
-        recipe_path,
-        "--input-root",
-        space["input_root"],
-        "--output-root",
-        out,
-        "--compilation-cache",
-        space["cache"],
-        "--record-state-hashes",
         *extra,
+        job=recipe_path,
+        input_root=space["input_root"],
+        output_root=out,
+        compilation_cache=space["cache"],
+        record_state_hashes=True,
         check_codes=codes,
         env=devices_env(visible),
     )
@@ -153,6 +149,7 @@ def test_sharding_rule_splits_the_first_axis_the_device_count_divides():
 # -- 1 device vs 4 devices ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_four_device_loss_curve_matches_one_device_within_tolerance(one, four):
     a, b = _updates(one["attempt"]), _updates(four["attempt"])
     assert [e["step"] for e in a] == [e["step"] for e in b] == list(range(1, MAX_STEPS + 1))
@@ -180,6 +177,7 @@ def test_four_device_loss_curve_matches_one_device_within_tolerance(one, four):
     assert plain["placement"] is None
 
 
+@pytest.mark.slow
 def test_sharded_parameters_train_the_same_curve(space, one):
     sharded = _single_run(space, "four-sharded", 4, shard_params=True)
     events = read_events(sharded["attempt"] / "events.jsonl")
@@ -215,6 +213,7 @@ def crashed(space, four) -> Path:
     return attempt
 
 
+@pytest.mark.slow
 def test_resume_on_the_same_four_devices_is_bit_identical(space, four, crashed):
     out = crashed.parent.parent
     _run(space, four["recipe"], out, 4, "--resume-from", crashed)
@@ -233,6 +232,7 @@ def test_resume_on_the_same_four_devices_is_bit_identical(space, four, crashed):
     assert placement["placement"]["devices"] == 4
 
 
+@pytest.mark.slow
 def test_resume_on_another_device_count_is_refused_unless_overridden(space, four, crashed):
     out = space["root"] / "other-count"
     proc = _run(space, four["recipe"], out, 2, "--resume-from", crashed, codes=(2,))
@@ -270,6 +270,7 @@ def test_resume_on_another_device_count_is_refused_unless_overridden(space, four
     assert result["environment"]["device_count"] == 8
 
 
+@pytest.mark.slow
 def test_another_data_parallel_degree_is_another_computation(space, crashed):
     two = write_recipe(space["root"] / "two.json", dp_recipe(space, 2))
     out = space["root"] / "other-degree"
@@ -280,6 +281,7 @@ def test_another_data_parallel_degree_is_another_computation(space, crashed):
     )
 
 
+@pytest.mark.slow
 def test_fewer_visible_devices_than_requested_fails_in_phase_device(space, four):
     out = space["root"] / "too-few"
     proc = _run(space, four["recipe"], out, 1, codes=(1,))
@@ -289,6 +291,7 @@ def test_fewer_visible_devices_than_requested_fails_in_phase_device(space, four)
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in result["error"]["message"]
 
 
+@pytest.mark.slow
 def test_a_data_parallel_checkpoint_evaluates_without_the_mesh(four):
     """The evaluate stage and the store load checkpoints in a plain process (one device is
     enough): only an update needs the mesh, and evaluation always runs on one device."""

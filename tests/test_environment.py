@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from conftest import REPO
 
 from minifield import environment
@@ -38,6 +39,7 @@ def test_differences_name_each_changed_field():
     assert environment.differences(before, {**before, "code_hash": "x", "platform": "y"}) == {}
 
 
+@pytest.mark.slow  # runs git for the reference revision
 def test_source_revision_is_read_without_running_git(monkeypatch):
     monkeypatch.delenv("MINIFIELD_SOURCE_REVISION", raising=False)
     head = subprocess.run(

@@ -91,6 +91,7 @@ def cli(*args, timeout=120) -> subprocess.CompletedProcess:
 # --- through the command line --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_correct_token_fetches_verifies_and_caches(tmp_path, tls, server):
     job = write_recipe(tmp_path / "job.json", remote_recipe(server.url("a", "blob")))
     creds = write_credentials(tmp_path / "creds.json", {server.origin: TOKEN})
@@ -116,6 +117,7 @@ def test_correct_token_fetches_verifies_and_caches(tmp_path, tls, server):
         assert TOKEN not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_missing_token_is_refused_naming_origin_and_status(tmp_path, tls, server):
     job = write_recipe(tmp_path / "job.json", remote_recipe(server.url("a", "blob")))
     proc = cli(
@@ -130,6 +132,7 @@ def test_missing_token_is_refused_naming_origin_and_status(tmp_path, tls, server
     assert len(server.requests) == 1  # an authorization failure is not retried
 
 
+@pytest.mark.slow
 def test_world_readable_credentials_file_is_refused(tmp_path, tls, server):
     job = write_recipe(tmp_path / "job.json", remote_recipe(server.url("a", "blob")))
     creds = write_credentials(tmp_path / "creds.json", {server.origin: TOKEN}, mode=0o644)
@@ -148,6 +151,7 @@ def test_world_readable_credentials_file_is_refused(tmp_path, tls, server):
 # --- the library, in process ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_wrong_token_is_refused_naming_origin_and_status(tmp_path, tls, server):
     s = settings(tmp_path, tls, [server.origin], {server.origin: "tok-wrong"})
     with pytest.raises(fetch.FetchError) as err:
@@ -159,6 +163,7 @@ def test_wrong_token_is_refused_naming_origin_and_status(tmp_path, tls, server):
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("route", "expected", "requests"),
     [
@@ -183,6 +188,7 @@ def test_bad_bodies_never_land_in_the_cache(tmp_path, tls, server, route, expect
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["flaky503", "flaky-drop"])
 def test_transient_failure_is_retried_then_verified(tmp_path, tls, server, route):
     s = settings(tmp_path, tls, [server.origin], {server.origin: TOKEN})
@@ -197,6 +203,7 @@ def test_transient_failure_is_retried_then_verified(tmp_path, tls, server, route
     )
 
 
+@pytest.mark.slow
 def test_progress_is_shown_for_large_files(tmp_path, tls, server):
     s = settings(tmp_path, tls, [server.origin], {server.origin: TOKEN}, progress_min_bytes=1 << 20)
     log = io.StringIO()
@@ -209,6 +216,7 @@ def test_progress_is_shown_for_large_files(tmp_path, tls, server):
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_same_origin_redirect_is_followed(tmp_path, tls, server):
     s = settings(tmp_path, tls, [server.origin], {server.origin: TOKEN})
     fetch.fetch_blob(server.url("redirect-same", "blob"), ASSET_SHA, len(ASSET), s)
@@ -216,6 +224,7 @@ def test_same_origin_redirect_is_followed(tmp_path, tls, server):
     assert cache_files(tmp_path / "cache") == [f"sha256/{ASSET_SHA}"]
 
 
+@pytest.mark.slow
 def test_redirect_to_another_origin_is_refused_even_if_allowed(tmp_path, tls, server):
     with AssetServer(tls=tls) as other:
         other.add("blob", ASSET)
@@ -229,6 +238,7 @@ def test_redirect_to_another_origin_is_refused_even_if_allowed(tmp_path, tls, se
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 def test_token_goes_only_to_its_own_origin(tmp_path, tls, server):
     with AssetServer(tls=tls) as other:
         other.add("blob", ASSET)
@@ -246,6 +256,7 @@ def test_token_goes_only_to_its_own_origin(tmp_path, tls, server):
         assert server.requests[-1]["authorization"] == f"Bearer {TOKEN}"
 
 
+@pytest.mark.slow
 def test_origin_not_on_the_list_is_refused_without_a_request(tmp_path, tls, server):
     s = settings(tmp_path, tls, ["https://assets.example"], {server.origin: TOKEN})
     with pytest.raises(fetch.FetchError) as err:
@@ -258,6 +269,7 @@ def test_origin_not_on_the_list_is_refused_without_a_request(tmp_path, tls, serv
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 def test_plain_http_to_a_non_loopback_origin_is_refused(tmp_path, tls):
     with pytest.raises(origins.OriginError, match="uses plain http: only https is fetched"):
         settings(tmp_path, tls, ["http://assets.example"], allow_insecure_loopback=True)
@@ -267,6 +279,7 @@ def test_plain_http_to_a_non_loopback_origin_is_refused(tmp_path, tls):
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 def test_plain_http_on_loopback_needs_the_explicit_flag(tmp_path, tls):
     with AssetServer() as plain:
         plain.add("blob", ASSET)
@@ -278,6 +291,7 @@ def test_plain_http_on_loopback_needs_the_explicit_flag(tmp_path, tls):
     assert cache_files(tmp_path / "cache") == [f"sha256/{ASSET_SHA}"]
 
 
+@pytest.mark.slow
 def test_untrusted_certificate_is_refused(tmp_path, tls, server):
     s = settings(tmp_path, tls, [server.origin], {server.origin: TOKEN}, ca_bundle=None)
     with pytest.raises(fetch.FetchError, match="TLS verification failed for"):
@@ -285,6 +299,7 @@ def test_untrusted_certificate_is_refused(tmp_path, tls, server):
     assert cache_files(tmp_path / "cache") == []
 
 
+@pytest.mark.slow
 def test_corrupt_cached_blob_is_discarded_and_fetched_again(tmp_path, tls, server):
     s = settings(tmp_path, tls, [server.origin], {server.origin: TOKEN})
     blob = fetch.blob_path(s.cache_dir, ASSET_SHA)
@@ -295,6 +310,7 @@ def test_corrupt_cached_blob_is_discarded_and_fetched_again(tmp_path, tls, serve
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == ASSET_SHA
 
 
+@pytest.mark.slow
 def test_every_failing_input_is_named(tmp_path, tls, server):
     server.add("other", b"other bytes")
     recipe = remote_recipe(server.url("mismatch", "blob"))

@@ -9,14 +9,12 @@ import hashlib
 import json
 import os
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO
+from conftest import run_snakemake
 from remote_server import AssetServer, make_certificate
 
 from minifield import fetch
@@ -30,23 +28,13 @@ def examples_jsonl() -> bytes:
     return "".join(json.dumps({"x": x, "y": round(2 * x + 1, 6)}) + "\n" for x in xs).encode()
 
 
-def snakemake(workdir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--cores", "2"],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-
-
 def files_under(*roots: Path):
     for root in roots:
         if root.exists():
             yield from (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+@pytest.mark.slow
 def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
     data = examples_jsonl()
     sha = hashlib.sha256(data).hexdigest()
@@ -85,7 +73,7 @@ def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
 
         config["remote_inputs"]["allowed_origins"].append(server.origin)
         config_path.write_text(yaml.safe_dump(config))
-        proc = snakemake(tmp_path)
+        proc = run_snakemake(tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert server.requests == [
             {"path": "/a/examples.jsonl", "authorization": f"Bearer {TOKEN}"}
@@ -124,6 +112,7 @@ def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
     assert TOKEN not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_stage_refusal_leaves_no_input_root(tmp_path):
     """The rule's stage with the origin not allowed: a clear error, nothing placed or cached."""
     data = examples_jsonl()

@@ -30,6 +30,7 @@ def child(tmp_path, codes: dict | None = None) -> list[str]:
     return [sys.executable, "-c", CHILD, str(tmp_path), json.dumps(codes or {})]
 
 
+@pytest.mark.slow
 def test_local_processes_get_one_coordinator_and_distinct_ids(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "3")  # not a SLURM task when launched locally
     assert launch.launch(child(tmp_path), 3, mode="local") == 0
@@ -42,11 +43,13 @@ def test_local_processes_get_one_coordinator_and_distinct_ids(tmp_path, monkeypa
         assert "SLURM_STEP_NUM_TASKS" not in env
 
 
+@pytest.mark.slow
 def test_one_process_is_started_plainly(tmp_path):
     assert launch.launch(child(tmp_path), 1) == 0
     assert [p.name for p in tmp_path.glob("*.json")] == ["single.json"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("codes", "expected"),
     [
@@ -60,6 +63,7 @@ def test_exit_code_is_process_0s_unless_only_another_failed(tmp_path, codes, exp
     assert launch.launch(child(tmp_path, codes), 2, mode="local") == expected
 
 
+@pytest.mark.slow
 def test_a_dead_peer_does_not_leave_the_launch_hanging(tmp_path):
     stuck = [sys.executable, "-c", (
         "import os, sys, time\n"
@@ -71,6 +75,7 @@ def test_a_dead_peer_does_not_leave_the_launch_hanging(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_every_process(tmp_path):
     program = (
         "import os, signal, sys, time\n"

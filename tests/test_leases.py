@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minifield import leases
+from minifield import leases, locks
 
 # One job: lease, run a supervised child that reports the CUDA_VISIBLE_DEVICES it sees,
 # and record when the lease was held (CLOCK_MONOTONIC is shared by all processes).
@@ -75,6 +75,7 @@ def _assert_no_shared_slot(records: list[dict]) -> None:
                 assert not overlap, f"jobs shared GPU(s) {set(a['gpus']) & set(b['gpus'])}"
 
 
+@pytest.mark.slow
 def test_concurrent_jobs_never_share_a_slot(tmp_path):
     records = _jobs(tmp_path, 6, 1, ["0", "1"])
     _assert_no_shared_slot(records)
@@ -84,6 +85,7 @@ def test_concurrent_jobs_never_share_a_slot(tmp_path):
     assert {r["gpus"][0] for r in records} <= {"0", "1"}
 
 
+@pytest.mark.slow
 def test_multi_gpu_leases_are_all_or_nothing(tmp_path):
     records = _jobs(tmp_path, 4, 2, ["a", "b", "c"])
     _assert_no_shared_slot(records)
@@ -100,6 +102,7 @@ def _try(lease_dir: Path) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_lease_is_released_when_the_holder_is_killed(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
@@ -115,6 +118,7 @@ def test_lease_is_released_when_the_holder_is_killed(tmp_path):
     assert _try(tmp_path / "leases")
 
 
+@pytest.mark.slow
 def test_lease_outlives_a_killed_supervisor_while_its_child_runs(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
@@ -159,7 +163,7 @@ def test_one_training_attempt_per_computation(tmp_path):
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     work = tmp_path / "work"
     work.mkdir()
-    fd = leases.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
+    fd = locks.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
     try:
         with pytest.raises(stages.StageError, match="still running"):
             stages.train_attempt(

@@ -366,6 +366,7 @@ def test_params_are_fp32_nested_dicts_with_the_configured_tables():
 # ----------------------------------------------------------------------------- bf16 gradients
 
 
+@pytest.mark.slow  # JAX compiles for ~20 s: kept out of the fast tier
 def test_bf16_gradients_follow_the_fp32_gradients():
     """The custom VJP is a gradient of the bf16 forward: close to the FP32 model's."""
     exs = examples()
@@ -384,6 +385,7 @@ def test_bf16_gradients_follow_the_fp32_gradients():
     assert np.linalg.norm(flat16 - flat32) < 0.05 * np.linalg.norm(flat32)  # measured 0.012
 
 
+@pytest.mark.slow  # JAX compiles for ~20 s: kept out of the fast tier
 def test_steps_are_bitwise_reproducible_through_a_state_round_trip():
     """Same state and batch => same next state, also after a host round trip of the
     complete state (what a checkpoint does)."""

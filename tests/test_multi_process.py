@@ -26,15 +26,17 @@ from pathlib import Path
 import pytest
 from conftest import (
     read_events,
+    run_snakemake,
     run_worker,
     small_sft_inputs,
     small_sft_recipe,
-    snakemake_in,
     worker_command,
     write_recipe,
 )
 
 from minifield import recipe as recipes
+
+pytestmark = pytest.mark.slow  # every test starts worker processes
 
 MAX_STEPS = 12
 EVERY = 4
@@ -65,8 +67,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_processes(out: Path, *args, count: int = 2, per_process=None) -> list[dict]:
-    """Start ``count`` workers of one attempt; stdout/stderr of each go to files in ``out``."""
+def start_processes(out: Path, *, count: int = 2, per_process=None, **options) -> list[dict]:
+    """Start ``count`` workers of one attempt (``options`` as ``worker_command`` takes them,
+    ``per_process(rank)`` adds a process's own); stdout/stderr of each go to files in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -78,11 +81,11 @@ def start_processes(out: Path, *args, count: int = 2, per_process=None) -> list[
             "MINIFIELD_NUM_PROCESSES": str(count),
             "MINIFIELD_PROCESS_ID": str(rank),
         }
-        extra = per_process(rank) if per_process else []
+        own = per_process(rank) if per_process else {}
         stdout, stderr = out / f"process-{rank}.out", out / f"process-{rank}.err"
         with open(stdout, "w") as o, open(stderr, "w") as e:
             proc = subprocess.Popen(
-                worker_command("--distributed", *args, *extra),
+                worker_command("--distributed", **options, **own),
                 stdout=o,
                 stderr=e,
                 env={**os.environ, **env},
@@ -132,13 +135,13 @@ def reference(space) -> Path:
     """One process over two forced host devices: what the two-process runs must equal."""
     out = space["root"] / "one-process"
     run_worker(
-        "--job", mp_recipe(space, "reference"),
-        "--input-root", space["input_root"],
-        "--output-root", out,
-        "--record-state-hashes",
+        job=mp_recipe(space, "reference"),
+        input_root=space["input_root"],
+        output_root=out,
+        record_state_hashes=True,
         check_codes=(0,),
         env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-    )  # fmt: skip
+    )
     (attempt,) = attempts(out)
     return attempt
 
@@ -147,11 +150,11 @@ def test_two_processes_train_one_attempt_bit_identical_to_one_process(space, ref
     out = space["root"] / "two-processes"
     procs = start_processes(
         out,
-        "--job", mp_recipe(space, "two"),
-        "--input-root", space["input_root"],
-        "--output-root", out,
-        "--record-state-hashes",
-    )  # fmt: skip
+        job=mp_recipe(space, "two"),
+        input_root=space["input_root"],
+        output_root=out,
+        record_state_hashes=True,
+    )
     assert wait_all(procs) == [0, 0], describe(procs)
 
     # one attempt, written by process 0 alone
@@ -195,11 +198,12 @@ def test_signal_to_one_process_preempts_both_at_the_same_step(space, reference):
     # Both processes pause after update STALL_STEP; process 1 alone gets SIGTERM meanwhile.
     procs = start_processes(
         out,
-        "--job", mp_recipe(space, "preempt"),
-        "--input-root", space["input_root"],
-        "--output-root", out,
-        "--stall-after-step", STALL_STEP, "--stall-seconds", "3",
-    )  # fmt: skip
+        job=mp_recipe(space, "preempt"),
+        input_root=space["input_root"],
+        output_root=out,
+        stall_after_step=STALL_STEP,
+        stall_seconds=3,
+    )
     deadline = time.monotonic() + 180
     while f"update {STALL_STEP}/" not in procs[1]["stderr"].read_text():
         assert time.monotonic() < deadline and procs[1]["proc"].poll() is None, describe(procs)
@@ -231,10 +235,10 @@ def test_a_set_up_failure_in_one_process_fails_every_process(space, tmp_path):
     out = tmp_path / "out"
     procs = start_processes(
         out,
-        "--job", mp_recipe(space, "setup"),
-        "--output-root", out,
-        per_process=lambda rank: ["--input-root", space["input_root"] if rank == 0 else other_root],
-    )  # fmt: skip
+        job=mp_recipe(space, "setup"),
+        output_root=out,
+        per_process=lambda rank: {"input_root": space["input_root"] if rank == 0 else other_root},
+    )
     assert wait_all(procs) == [2, 2], describe(procs)
     (attempt,) = attempts(out)
     failed = result(attempt)
@@ -251,10 +255,10 @@ def test_processes_must_hold_the_whole_mesh(space, tmp_path):
     out = tmp_path / "out"
     procs = start_processes(
         out,
-        "--job", mp_recipe(space, "one-device", devices=1, shard_params=False),
-        "--input-root", space["input_root"],
-        "--output-root", out,
-    )  # fmt: skip
+        job=mp_recipe(space, "one-device", devices=1, shard_params=False),
+        input_root=space["input_root"],
+        output_root=out,
+    )
     assert wait_all(procs) == [1, 1], describe(procs)
     error = result(attempts(out)[0])["error"]
     assert error["phase"] == "device"
@@ -268,10 +272,11 @@ def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
     worker has said beforehand whom it waited for, and the output root is untouched."""
     started = time.monotonic()
     proc = run_worker(
-        "--distributed", "--join-timeout", "3",
-        "--job", mp_recipe(space, "alone"),
-        "--input-root", space["input_root"],
-        "--output-root", tmp_path / "out",
+        "--distributed",
+        join_timeout=3,
+        job=mp_recipe(space, "alone"),
+        input_root=space["input_root"],
+        output_root=tmp_path / "out",
         timeout=120,
         env={
             "JAX_PLATFORMS": "cpu",
@@ -279,7 +284,7 @@ def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
             "MINIFIELD_NUM_PROCESSES": "2",
             "MINIFIELD_PROCESS_ID": "0",
         },
-    )  # fmt: skip
+    )
     assert proc.returncode not in (0, None)
     assert time.monotonic() - started < 100  # far below the default 300 s
     assert "process 0 of 2 joining coordinator 127.0.0.1:" in proc.stderr
@@ -290,12 +295,12 @@ def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
 def test_an_srun_step_of_several_tasks_needs_distributed(space, tmp_path):
     """Without --distributed, N tasks would be N independent copies writing one job."""
     proc = run_worker(
-        "--job", mp_recipe(space, "srun"),
-        "--input-root", space["input_root"],
-        "--output-root", tmp_path / "out",
+        job=mp_recipe(space, "srun"),
+        input_root=space["input_root"],
+        output_root=tmp_path / "out",
         check_codes=(2,),
         env={"SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"},
-    )  # fmt: skip
+    )
     assert "pass --distributed" in proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -326,7 +331,7 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     (project / "config" / "config.yaml").write_text(json.dumps(config))
     cdigest = recipes.load(recipe_path).computation_digest
     target = f"results/computations/{cdigest[:16]}/eval/metrics.json"
-    proc = snakemake_in(project, target, timeout=600)
+    proc = run_snakemake(project, target, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
 
     base = project / "results" / "computations" / cdigest[:16]

@@ -61,10 +61,15 @@ def tiny_recipe(space, **sections) -> dict:
 
 
 def _run(space, recipe_path, out, *extra, codes=(0,), cache=True):
-    args = ["--job", recipe_path, "--input-root", space["input_root"], "--output-root", out]
-    if cache:
-        args += ["--compilation-cache", space["cache"]]
-    return run_worker(*args, "--record-state-hashes", *extra, check_codes=codes)
+    return run_worker(
+        *extra,
+        job=recipe_path,
+        input_root=space["input_root"],
+        output_root=out,
+        compilation_cache=space["cache"] if cache else None,
+        record_state_hashes=True,
+        check_codes=codes,
+    )
 
 
 def _attempts(out: Path) -> list[Path]:
@@ -162,6 +167,7 @@ def test_data_order_is_a_pure_function_of_seed_and_step():
 # -- a run, its evaluation and its export -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_worker_run_completes_evaluates_and_exports(reference, space):
     result, attempt = reference["result"], reference["attempt"]
     assert result["status"] == "completed" and result["steps_completed"] == MAX_STEPS
@@ -216,6 +222,7 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
     assert verdict["checks"][0]["name"] == "dev_exact_match" and verdict["passed"]
 
 
+@pytest.mark.slow
 def test_evaluate_export_refuses_a_dev_file_that_is_not_the_pinned_one(reference, tmp_path):
     import shutil
 
@@ -229,6 +236,7 @@ def test_evaluate_export_refuses_a_dev_file_that_is_not_the_pinned_one(reference
         recipe.strategy.evaluate_export(recipe.data, copy)
 
 
+@pytest.mark.slow
 def test_generate_cli_on_the_exported_model(reference):
     export_dir = reference["attempt"] / "export"
     proc = subprocess.run(
@@ -285,6 +293,7 @@ def _resume_and_compare(space, reference, out, previous):
     return attempts
 
 
+@pytest.mark.slow
 def test_sigkill_during_training_then_resume_is_bit_identical(space, reference):
     out = space["root"] / "kill-train"
     proc = _run(space, reference["recipe"], out, "--fail-after-step", "3", codes=(1,))
@@ -299,6 +308,7 @@ def test_sigkill_during_training_then_resume_is_bit_identical(space, reference):
     assert compiled[0]["compilation_cache"] == str(space["cache"])
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_identical(space, reference):
     out = space["root"] / "kill-checkpoint"
     proc = _run(
@@ -318,22 +328,18 @@ def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_identical(space, r
     assert restored[0]["step"] == 2  # the half-written step 4 was never used
 
 
+@pytest.mark.slow
 def test_sigkill_during_evaluation_then_resume_is_bit_identical(space, reference):
     """Kill once step 2 is committed and its periodic evaluation is running (no cache, so the
     evaluation has to compile first and lasts long enough to be hit)."""
     out = space["root"] / "kill-eval"
-    args = [
-        "--job",
-        reference["recipe"],
-        "--input-root",
-        space["input_root"],
-        "--output-root",
-        out,
-        "--record-state-hashes",
-    ]
-    proc = subprocess.Popen(
-        worker_command(*args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    command = worker_command(
+        job=reference["recipe"],
+        input_root=space["input_root"],
+        output_root=out,
+        record_state_hashes=True,
     )
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
         events_path = None
@@ -400,6 +406,7 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     assert isinstance(exported.generate("abc", max_new_tokens=3), str)
 
 
+@pytest.mark.slow
 def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(space, reference):
     """prepare → train (worker subprocess, cache under the work dir) → evaluate, as Snakemake runs them."""
     import shutil

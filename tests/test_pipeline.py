@@ -2,37 +2,12 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
+import pytest
 import yaml
-from conftest import REPO, copy_run, run_worker
+from conftest import REPO, copy_run, run_snakemake, run_worker
 
-
-def snakemake(workdir, *extra, check=True):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            "--cores",
-            "2",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"snakemake failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        )
-    return proc
+pytestmark = pytest.mark.slow  # every test runs Snakemake or the worker
 
 
 def make_project(tmp_path, recipe_edit=None):
@@ -52,9 +27,7 @@ def make_project(tmp_path, recipe_edit=None):
 
 
 def digest_of(recipe_path):
-    verdict = json.loads(
-        run_worker("--job", recipe_path, "--validate-only", check_codes=[0]).stdout
-    )
+    verdict = json.loads(run_worker("--validate-only", job=recipe_path, check_codes=[0]).stdout)
     return verdict["computation_digest"]
 
 
@@ -82,7 +55,7 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
     assert (project / "work" / digest[:16] / "attempts").is_dir()
     assert not list((project / "results").rglob("checkpoints"))
 
-    again = snakemake(project)
+    again = run_snakemake(project, check=True)
     assert "Nothing to be done" in again.stdout + again.stderr
 
     before = (cdir / "eval" / "metrics.json").read_bytes()
@@ -92,7 +65,7 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
     new_digest = digest_of(recipe_path)
     assert new_digest != digest
     # up to the new computation's evaluation (publication and capacity add nothing here)
-    snakemake(project, f"results/computations/{new_digest[:16]}/eval/metrics.json")
+    run_snakemake(project, f"results/computations/{new_digest[:16]}/eval/metrics.json", check=True)
     assert (
         project / "results" / "computations" / new_digest[:16] / "eval" / "metrics.json"
     ).is_file()
@@ -104,14 +77,10 @@ def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
     reference_recipe = make_project(reference_dir)
     digest = digest_of(reference_recipe)[:16]
     run_worker(
-        "--job",
-        reference_recipe,
-        "--input-root",
-        reference_dir / "data",
-        "--output-root",
-        tmp_path / "ref-out",
-        "--attempt-id",
-        "ref",
+        job=reference_recipe,
+        input_root=reference_dir / "data",
+        output_root=tmp_path / "ref-out",
+        attempt_id="ref",
         check_codes=[0],
     )
     reference = json.loads(
@@ -127,20 +96,15 @@ def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
         k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
     }
     run_worker(
-        "--job",
-        recipe_path,
-        "--input-root",
-        project / "data",
-        "--output-root",
-        attempts,
-        "--attempt-id",
-        "crashed",
-        "--fail-after-step",
-        "5",
+        job=recipe_path,
+        input_root=project / "data",
+        output_root=attempts,
+        attempt_id="crashed",
+        fail_after_step=5,
         check_codes=[1],
         env=snakemake_threads,
     )
-    snakemake(project)
+    run_snakemake(project, check=True)
     result = json.loads(
         (project / "results" / "computations" / digest / "train" / "result.json").read_text()
     )
@@ -159,7 +123,7 @@ def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
         recipe["training"]["momentum"] = 1.5
 
     make_project(tmp_path, break_it)
-    proc = snakemake(tmp_path, check=False)
+    proc = run_snakemake(tmp_path)
     assert proc.returncode != 0
     assert "/training/momentum" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
@@ -167,6 +131,6 @@ def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
 
 def test_workflow_lints_clean(tmp_path):
     make_project(tmp_path)
-    proc = snakemake(tmp_path, "--lint", check=False)
+    proc = run_snakemake(tmp_path, "--lint")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Congratulations" in proc.stdout + proc.stderr

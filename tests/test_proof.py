@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,35 +12,16 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from conftest import REPO, copy_run, linear_recipe, write_recipe
+from conftest import REPO, copy_run, linear_recipe, run_snakemake, write_recipe
 
 from minifield import recovery
 from minifield.recipe import load_schema
 
+pytestmark = pytest.mark.slow  # real Snakemake runs and the prove CLI
+
 
 def _events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "--snakefile",
-            str(REPO / "Snakefile"),
-            "--cores",
-            "2",
-            "--nolock",
-            *args,
-        ],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +148,7 @@ def test_failing_proof_stops_the_pipeline_with_its_diagnosis(pipeline, tmp_path)
     runs_before = sorted((workdir / "work").glob("*/runs/*"))
     override = tmp_path / "failing.yaml"
     override.write_text(yaml.safe_dump({"qualification": {"fail_after_step": 1}}))
-    proc = _snakemake(workdir, "--configfile", str(override))
+    proc = run_snakemake(workdir, "--nolock", "--configfile", str(override))
     assert proc.returncode != 0
     log = (workdir / "logs" / "qualify" / f"{pipeline['cdir'].name}.log").read_text()
     assert "before the first checkpoint" in log

@@ -6,23 +6,13 @@ import csv
 import hashlib
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, copy_run, read_events
+from conftest import copy_run, read_events, run_snakemake
 
 pytestmark = pytest.mark.slow
-
-
-def snakemake(workdir: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-         "--directory", str(workdir), "--cores", "2", *args],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
 
 
 def write_config(workdir: Path, **sections) -> None:
@@ -48,7 +38,7 @@ def pipeline(tmp_path_factory, linear_demo_run):
             "max_steps_factors": [2],
         },
     )
-    proc = snakemake(workdir)
+    proc = run_snakemake(workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (computation,) = (workdir / "results" / "computations").iterdir()
     return workdir, computation
@@ -128,7 +118,7 @@ def test_activate_rule_refuses_a_waived_proof_then_activates_with_the_proof(pipe
     workdir, computation = pipeline
     # Publishing with the proof explicitly waived records the waiver; the gate refuses it.
     write_config(workdir, store={"dir": "store", "activate": True, "require_proof": False})
-    proc = snakemake(workdir)
+    proc = run_snakemake(workdir)
     assert proc.returncode != 0
     log = (workdir / "logs" / "activate" / f"{computation.name}.log").read_text()
     assert "missing provenance: recovery_proof" in log
@@ -138,7 +128,7 @@ def test_activate_rule_refuses_a_waived_proof_then_activates_with_the_proof(pipe
     # Back to the default (the qualify rule's proof is required): publish reruns with the
     # proof and activation passes the gate.
     write_config(workdir, store={"dir": "store", "activate": True, "require_proof": "auto"})
-    proc = snakemake(workdir)
+    proc = run_snakemake(workdir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     proof = computation / "qualification" / "proof.json"
     publication = json.loads((computation / "publication.json").read_text())

@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_worker, write_recipe
+from conftest import REPO, run_worker, worker_command, write_recipe
 from recovery_cases import (
     CASES,
+    attempt_options,
     events_of,
     run_and_kill,
     update_hashes,
-    worker_args,
     write_case_recipe,
 )
 
@@ -38,7 +38,7 @@ def reference(request, tmp_path_factory):
     recipe = write_case_recipe(tmp, case)
     input_root = REPO / case.input_root
     proc = subprocess.run(
-        worker_args(recipe, input_root, tmp / "ref", "reference"),
+        worker_command(**attempt_options(recipe, input_root, tmp / "ref", "reference")),
         capture_output=True,
         text=True,
         timeout=600,
@@ -104,6 +104,7 @@ def _committed_step(chain_dirs: list[Path]) -> int:
     return max(steps, default=0)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_resumes_to_the_reference(reference):
     """SIGKILL at >= 10 points: right after an update, right after a committed checkpoint
     (both chosen from the live event stream), or in the middle of a checkpoint write."""
@@ -141,7 +142,10 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
                 return False  # the worker kills itself mid-write
 
             outcome = run_and_kill(
-                worker_args(reference["recipe"], reference["input_root"], out, name, *extra),
+                worker_command(
+                    *extra,
+                    **attempt_options(reference["recipe"], reference["input_root"], out, name),
+                ),
                 should_kill,
             )
             attempt_dir = out / reference["job"] / name
@@ -160,13 +164,9 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
         # finish the chain: resume to completion
         final = out / reference["job"] / f"c{chain}-final"
         proc = subprocess.run(
-            worker_args(
-                reference["recipe"],
-                reference["input_root"],
-                out,
-                final.name,
-                "--resume-from",
-                chain_dirs[-1],
+            worker_command(
+                **attempt_options(reference["recipe"], reference["input_root"], out, final.name),
+                resume_from=chain_dirs[-1],
             ),
             capture_output=True,
             text=True,
@@ -192,6 +192,7 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
     print(f"\nkill points (seed {KILL_SEED}):", json.dumps(kills))
 
 
+@pytest.mark.slow
 def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     """SIGTERM (direct, then forwarded by the supervisor) → exit 3 with a committed checkpoint;
     a changed fingerprint is refused, accepted only with the override (recorded); the resumed
@@ -203,7 +204,9 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
 
     # A: SIGTERM (twice) straight to the worker while it is inside update 3's aftermath
     a = subprocess.Popen(
-        worker_args(recipe, root, out, "A", "--stall-after-step", "3", "--stall-seconds", "5"),
+        worker_command(
+            **attempt_options(recipe, root, out, "A"), stall_after_step=3, stall_seconds=5
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -229,8 +232,12 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     b = subprocess.Popen(
         [sys.executable, "-m", "minifield.cli", "supervise", "--run-dir", str(run_dir)]
         + ["--deadline-s", "300", "--stall-s", "120", "--grace-s", "60", "--"]
-        + worker_args(recipe, root, out, "B", "--resume-from", a_dir)
-        + ["--stall-after-step", "5", "--stall-seconds", "5"],
+        + worker_command(
+            **attempt_options(recipe, root, out, "B"),
+            resume_from=a_dir,
+            stall_after_step=5,
+            stall_seconds=5,
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -259,7 +266,8 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     }
     before = _snapshot(b_dir)
     c = run_worker(
-        *worker_args(recipe, root, out, "C", "--resume-from", b_dir)[3:],
+        **attempt_options(recipe, root, out, "C"),
+        resume_from=b_dir,
         check_codes=[2],
         env=changed,
     )
@@ -269,8 +277,9 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
 
     # D: the explicit override resumes, is recorded, and reaches the reference's final state
     run_worker(
-        *worker_args(recipe, root, out, "D", "--resume-from", b_dir)[3:],
-        "--allow-environment-change",
+        **attempt_options(recipe, root, out, "D"),
+        resume_from=b_dir,
+        allow_environment_change=True,
         check_codes=[0],
         env=changed,
     )
@@ -287,7 +296,8 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
 
     # E: resuming a completed attempt trains nothing and reports the same final state
     run_worker(
-        *worker_args(recipe, root, out, "E", "--resume-from", d_dir)[3:],
+        **attempt_options(recipe, root, out, "E"),
+        resume_from=d_dir,
         check_codes=[0],
         env=changed,
     )
@@ -302,14 +312,10 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     other = case.recipe()
     other["training"] = {**other.get("training", {}), "seed": 99}
     f = run_worker(
-        "--job",
-        write_recipe(tmp_path / "other.json", other),
-        "--input-root",
-        root,
-        "--output-root",
-        out,
-        "--resume-from",
-        d_dir,
+        job=write_recipe(tmp_path / "other.json", other),
+        input_root=root,
+        output_root=out,
+        resume_from=d_dir,
         check_codes=[2],
         env=changed,
     )
@@ -317,6 +323,7 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     assert _snapshot(d_dir) == before
 
 
+@pytest.mark.slow
 def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_path):
     case = reference["case"]
     # keep more checkpoints; retention is operational, so the computation is the same
@@ -329,10 +336,7 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     )
     out, job, root = tmp_path / "out", reference["job"], reference["input_root"]
     k = 4 * case.every + 2
-    run_worker(
-        *worker_args(recipe, root, out, "crashed", "--fail-after-step", str(k))[3:],
-        check_codes=[1],
-    )
+    run_worker(**attempt_options(recipe, root, out, "crashed"), fail_after_step=k, check_codes=[1])
     crashed = out / job / "crashed" / "checkpoints"
     steps = sorted(int(p.name[5:]) for p in crashed.glob("step-*"))
     e = case.every
@@ -349,7 +353,8 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     before = _snapshot(out / job / "crashed")
 
     proc = run_worker(
-        *worker_args(recipe, root, out, "resumed", "--resume-from", out / job / "crashed")[3:],
+        **attempt_options(recipe, root, out, "resumed"),
+        resume_from=out / job / "crashed",
         check_codes=[0],
     )
     events = events_of(out / job / "resumed")
@@ -365,13 +370,14 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     assert _snapshot(out / job / "crashed") == before  # the evidence is left as it was
 
 
+@pytest.mark.slow
 def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
     """limits.max_compute_seconds counts training seconds over all attempts (raw events)."""
     case = reference["case"]
     limits = {"max_steps": case.steps, "max_compute_seconds": 1e-9}
     recipe = write_case_recipe(tmp_path, case, limits=limits)
     out, job, root = tmp_path / "out", reference["job"], reference["input_root"]
-    run_worker(*worker_args(recipe, root, out, "first")[3:], check_codes=[4])
+    run_worker(**attempt_options(recipe, root, out, "first"), check_codes=[4])
     first = out / job / "first"
     # the budget is checked before each update: one update is done, then it is used up
     assert sorted(update_hashes(first)) == [1]
@@ -380,9 +386,7 @@ def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
         result["status"] == "limit_reached" and "max_compute_seconds" in result["error"]["message"]
     )
     assert result["checkpoint"]["step"] == 1
-    run_worker(
-        *worker_args(recipe, root, out, "second", "--resume-from", first)[3:], check_codes=[4]
-    )
+    run_worker(**attempt_options(recipe, root, out, "second"), resume_from=first, check_codes=[4])
     second = out / job / "second"
     assert update_hashes(second) == {}  # the restart did not get a fresh budget
     spent = sum(e["seconds"] for e in events_of(first) if e["type"] == "update")
@@ -392,6 +396,7 @@ def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
     assert limit["step"] == 1
 
 
+@pytest.mark.slow
 def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
     import jax
 
@@ -401,7 +406,9 @@ def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
 
     recipe = write_case_recipe(tmp_path, reference["case"], runtime={"backend": "gpu"})
     outcome = supervise.supervise(
-        worker_args(recipe, reference["input_root"], tmp_path / "out", "gpu-please"),
+        worker_command(
+            **attempt_options(recipe, reference["input_root"], tmp_path / "out", "gpu-please")
+        ),
         tmp_path / "run",
         deadline_s=300,
         stall_s=120,

@@ -13,12 +13,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, copy_run, read_events
+from conftest import copy_run, read_events, run_snakemake
+
+pytestmark = pytest.mark.slow  # real Snakemake runs
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 REPORT_ITEMS = {
@@ -32,25 +33,12 @@ REPORT_ITEMS = {
 TAB_RED = np.array([0xD6, 0x27, 0x28]) / 255  # matplotlib "tab:red": the DEV curve in loss.png
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), *args],
-        cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, f"snakemake {args} exited {proc.returncode}\n{proc.stderr[-5000:]}"
-    return proc
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, linear_demo_run) -> Path:
     """The linear demo run end to end plus the report, in a private copy."""
     workdir = copy_run(linear_demo_run, tmp_path_factory.mktemp("report") / "project")
-    snakemake(workdir, "--cores", "2")
-    snakemake(workdir, "--report", "results/report.html")
+    run_snakemake(workdir, check=True)
+    run_snakemake(workdir, "--report", "results/report.html", check=True)
     return workdir
 
 

@@ -97,6 +97,7 @@ def test_demo_generator_is_deterministic_checkable_and_disjoint():
             assert 3 <= len(e.prompt) <= 6 and e.prompt.isalpha() and e.response == e.prompt[::-1]
 
 
+@pytest.mark.slow
 def test_shipped_demo_files_are_what_make_demo_data_writes_and_the_recipe_pins(tmp_path, repo):
     out = tmp_path / "demo"
     proc = subprocess.run(

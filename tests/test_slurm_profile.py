@@ -30,7 +30,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_events, small_sft_inputs, small_sft_recipe, write_recipe
+from conftest import (
+    read_events,
+    small_sft_inputs,
+    small_sft_recipe,
+    snakemake_command,
+    worker_args,
+    write_recipe,
+)
 
 from minifield import recipe as recipes
 
@@ -76,6 +83,7 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     assert "gres" not in flat.replace("gres/", "")
 
 
+@pytest.mark.slow
 def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
     the bookkeeping rules, and gives train the GPU request and its own runtime/memory; with
@@ -202,9 +210,12 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.Popen:
         del env[key]  # a pytest run inside a SLURM job must not leak its job into ours
     log = open(workdir / "snakemake.out", "w")  # noqa: SIM115 - closed by the caller via wait
     command = [
-        "timeout", "-k", "10", str(RUN_TIMEOUT),
-        str(VENV_BIN / "snakemake"), "-s", str(REPO / "Snakefile"), *args,
-    ]  # fmt: skip
+        "timeout",
+        "-k",
+        "10",
+        str(RUN_TIMEOUT),
+        *snakemake_command(workdir, *args, cores=None),
+    ]
     return subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -321,6 +332,7 @@ def test_slurm_profile_runs_pipeline_like_local(slurm_cluster, tmp_path):
     assert len(devices) == 1 and devices[0] in {str(i) for i in range(FAKE_GPUS)}, visible
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
     """`srun -n 2`: each task finds the coordinator from SLURM's environment, JAX's distributed
@@ -344,8 +356,9 @@ def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
     assert len({r["coordinator"] for r in reports}) == 1
 
 
-def _srun_two_tasks(out: Path, *worker_args) -> subprocess.CompletedProcess:
-    """``srun -n 2 minifield-worker --distributed ...``, each task's output in its own file."""
+def _srun_two_tasks(out: Path, **options) -> subprocess.CompletedProcess:
+    """``srun -n 2 minifield-worker --distributed ...`` (``options`` as ``worker_args`` takes
+    them), each task's output in its own file."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     for key in [k for k in env if k.startswith(("SLURM_", "MINIFIELD_"))]:
         del env[key]
@@ -354,7 +367,7 @@ def _srun_two_tasks(out: Path, *worker_args) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["timeout", "-k", "10", "300", "srun", "-N1", "-n2", "--mem-per-cpu=1500", "-t", "5",
          "--output", str(out / "task-%t.out"), "--error", str(out / "task-%t.err"),
-         str(VENV_BIN / "minifield-worker"), "--distributed", *map(str, worker_args)],
+         str(VENV_BIN / "minifield-worker"), *worker_args("--distributed", **options)],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
 
@@ -378,10 +391,12 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     )
     recipe_path = write_recipe(tmp_path / "recipe.json", recipe)
     output_root = tmp_path / "attempts"
-    common = (
-        "--job", recipe_path, "--input-root", inputs["input_root"],
-        "--output-root", output_root, "--record-state-hashes",
-    )  # fmt: skip
+    common = {
+        "job": recipe_path,
+        "input_root": inputs["input_root"],
+        "output_root": output_root,
+        "record_state_hashes": True,
+    }
 
     def new_attempt(before: set) -> Path:
         (attempt,) = set((output_root / "srun-test").iterdir()) - before
@@ -392,7 +407,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
         return {e["step"]: e["state_hash"] for e in events if e["type"] == "update"}
 
     # 1. uninterrupted, two processes
-    proc = _srun_two_tasks(tmp_path / "whole", *common)
+    proc = _srun_two_tasks(tmp_path / "whole", **common)
     assert proc.returncode == 0, f"srun exited {proc.returncode}\n{_task_logs(tmp_path / 'whole')}"
     whole = new_attempt(set())
     result = json.loads((whole / "result.json").read_text())
@@ -406,7 +421,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     assert len(hashes(whole)) == 8
 
     # 2. both tasks crash right after update 5: the checkpoint of step 4 is the last commit
-    proc = _srun_two_tasks(tmp_path / "crash", *common, "--fail-after-step", 5)
+    proc = _srun_two_tasks(tmp_path / "crash", **common, fail_after_step=5)
     assert proc.returncode != 0, _task_logs(tmp_path / "crash")
     crashed = new_attempt({whole})
     assert not (crashed / "result.json").exists()  # a hard exit leaves no result
@@ -414,7 +429,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     assert committed == ["step-00000002", "step-00000004"]
 
     # 3. resumed by two new tasks: the same bits as the uninterrupted run, update by update
-    proc = _srun_two_tasks(tmp_path / "resume", *common, "--resume-from", crashed)
+    proc = _srun_two_tasks(tmp_path / "resume", **common, resume_from=crashed)
     assert proc.returncode == 0, f"srun exited {proc.returncode}\n{_task_logs(tmp_path / 'resume')}"
     resumed = new_attempt({whole, crashed})
     events = read_events(resumed / "events.jsonl")
@@ -428,6 +443,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
     assert final["final_state_hash"] == result["final_state_hash"]
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
     """SIGTERM to ``minifield.launch`` inside an allocation (what a supervisor sends) reaches
@@ -449,9 +465,9 @@ def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
         proc = subprocess.Popen(
             ["timeout", "-k", "10", "240", "salloc", "-n2", "--mem-per-cpu=1500", "-t", "5",
              python, "-m", "minifield.launch", "--processes", "2", "--",
-             python, "-m", "minifield.worker", "--distributed", "--job", str(recipe_path),
-             "--input-root", str(inputs["input_root"]), "--output-root", str(tmp_path / "out"),
-             "--stall-after-step", "3", "--stall-seconds", "5"],
+             python, "-m", "minifield.worker",
+             *worker_args("--distributed", job=recipe_path, input_root=inputs["input_root"],
+                          output_root=tmp_path / "out", stall_after_step=3, stall_seconds=5)],
             stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=tmp_path,
         )  # fmt: skip
     deadline = time.monotonic() + 180

@@ -1,5 +1,6 @@
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,6 +77,14 @@ def test_non_increasing_step_is_rejected_and_retention_prunes(tmp_path):
 
 
 def test_checkpoint_contains_no_pickle(tmp_path):
-    committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
-    for file in (committed.path / "arrays").iterdir():
-        np.load(file, allow_pickle=False)  # raises if an object array / pickle were stored
+    state = make_state(w=1.5, step=1)
+    committed = checkpoint.save(tmp_path, state, step=1, computation_digest="c" * 64)
+    # One .npy per state leaf (the documented layout arrays/00000.npy ...), counted from the
+    # state itself, so an empty or partial arrays directory fails here.
+    leaves = jax.tree_util.tree_leaves(state)
+    files = sorted((committed.path / "arrays").iterdir())
+    assert [f.name for f in files] == [f"{i:05d}.npy" for i in range(len(leaves))]
+    # raises if an object array / pickle were stored
+    stored = [np.load(file, allow_pickle=False) for file in files]
+    as_bytes = sorted((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, stored))
+    assert as_bytes == sorted((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, leaves))

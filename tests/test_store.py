@@ -7,10 +7,12 @@ hashlib, json and numpy, never with the store's own helpers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,10 @@ import numpy as np
 import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
-from minifield import cli, stages
+from minifield import cli, recovery, stages
+from minifield import store as stores
+
+pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
 
 HELDOUT_X = (-1.5, -0.37, 0.22, 1.5)
 
@@ -29,31 +34,35 @@ HELDOUT_X = (-1.5, -0.37, 0.22, 1.5)
 # -- real training runs (module scope: each is a real worker process) ---------------------------
 
 
-def _train(root: Path, **overrides) -> dict:
-    """validate → prepare → real worker → evaluate, as the pipeline stages do."""
+def _train(root: Path, prove: bool = True, **overrides) -> dict:
+    """validate → prepare → real worker → evaluate (→ recovery proof), as the pipeline does."""
     root.mkdir(parents=True)
     raw = write_recipe(root / "raw.json", linear_recipe(**overrides))
     stages.validate(raw, root / "recipe.json", root / "validation.json")
     stages.prepare(root / "recipe.json", root, root / "examples")
     run_worker(
-        "--job", root / "recipe.json", "--input-root", root, "--output-root", root / "attempts",
-        check_codes=(0,),
-    )  # fmt: skip
+        job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
+    )
     (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
     stages.evaluate(
         root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
     )
-    # A stand-in for the qualification rule's proof.json: the store checks only its verdict.
-    (root / "proof.json").write_text(json.dumps({"passed": True, "diagnosis": "test stand-in"}))
+    if prove:
+        # The qualification rule's recovery proof: reference, crash, resume (real workers).
+        proof = recovery.prove(
+            root / "recipe.json", root, root / "work", root / "proof.json",
+            examples_dir=root / "examples",
+        )  # fmt: skip
+        assert proof["passed"], proof["diagnosis"]
     return {
         "root": root,
         "export": attempt / "export",
         "recipe": root / "recipe.json",
         "result": root / "result.json",
         "metrics": root / "metrics.json",
-        "proof": root / "proof.json",
+        "proof": root / "proof.json" if prove else None,
     }
 
 
@@ -64,9 +73,12 @@ def runs(tmp_path_factory):
         "a": _train(base / "a", job_id="store-a"),
         # more updates: a second, different and better model
         "b": _train(base / "b", job_id="store-b", limits={"max_steps": 12}),
-        # a threshold the model cannot meet: the declared validation fails
+        # a threshold the model cannot meet: the declared validation fails (no proof needed)
         "strict": _train(
-            base / "strict", job_id="store-strict", evaluation={"max_heldout_mse": 1e-9}
+            base / "strict",
+            prove=False,
+            job_id="store-strict",
+            evaluation={"max_heldout_mse": 1e-9},
         ),
     }
 
@@ -242,7 +254,7 @@ def test_publish_activate_publish_activate_rollback(tmp_path, runs):
 
 def test_failed_gate_thresholds_not_met(active_store, runs):
     store, _ = active_store
-    strict = publish(store, runs["strict"])
+    strict = publish(store, runs["strict"], "--no-proof", "thresholds test", omit=("proof",))
     message = refused(store, "activate", strict)
     assert "declared validation failed" in message
     # The store's own re-evaluation reaches the same verdict as the declared one.
@@ -333,13 +345,126 @@ def test_missing_provenance(active_store, runs):
     assert proc.returncode == 2 and "--no-proof" in proc.stderr
 
 
-def test_failing_recovery_proof(tmp_path, active_store, runs):
+# -- the recovery proof must qualify this very computation ------------------------------------
+
+
+def _bad_proofs(runs) -> dict[str, tuple[bytes, str]]:
+    """Proofs that must not qualify run ``b``, each with what its refusal must name: the
+    foreign computation's digest, or the number of the step that differs or is missing.
+
+    Built from ``b``'s and ``a``'s genuine passing proofs by editing the JSON here;
+    ``passed`` stays true in each, so only a verdict recomputed from the recorded
+    hashes and digest can refuse them.
+    """
+    own = json.loads(runs["b"]["proof"].read_text())
+    foreign = json.loads(runs["a"]["proof"].read_text())
+    assert own["passed"] and foreign["passed"]
+    assert foreign["computation_digest"] != own["computation_digest"]
+    restored = own["resumed"]["restored"]["step"]
+    last = own["settings"]["steps"]
+    assert restored + 1 < last
+
+    altered = copy.deepcopy(own)  # the resumed hash of the last step, in every place recorded
+    for row in altered["resumed"]["state_hashes"] + altered["comparison"]:
+        if row["step"] == last:
+            key = "state_hash" if "state_hash" in row else "resumed"
+            row[key] = hashlib.sha256(b"another state").hexdigest()
+
+    missing = copy.deepcopy(own)  # no update after the restored checkpoint
+    gone = restored + 1
+    missing["resumed"]["state_hashes"] = [
+        row for row in missing["resumed"]["state_hashes"] if row["step"] != gone
+    ]
+    missing["comparison"] = [row for row in missing["comparison"] if row["step"] != gone]
+    missing["next_update"] = None
+
+    def encoded(document: dict) -> bytes:
+        return json.dumps(document, indent=2).encode()
+
+    return {
+        "foreign": (runs["a"]["proof"].read_bytes(), foreign["computation_digest"]),
+        "altered": (encoded(altered), str(last)),
+        "missing": (encoded(missing), str(gone)),
+    }
+
+
+def _proof_refusal_names(message: str, named: str) -> bool:
+    """Whether a line of ``message`` refuses the proof and names ``named`` as a whole word
+    (a step number, not a digit inside a hash)."""
+    prefix = "recovery proof does not qualify this computation: "
+    return any(
+        re.search(rf"(?<![0-9a-f]){re.escape(named)}(?![0-9a-f])", line.split(prefix, 1)[1])
+        for line in message.splitlines()
+        if prefix in line
+    )
+
+
+@pytest.mark.parametrize("case", ["foreign", "altered", "missing"])
+def test_publication_refuses_a_proof_that_does_not_qualify_the_computation(
+    tmp_path, active_store, runs, case
+):
     store, _ = active_store
+    data, named = _bad_proofs(runs)[case]
     proof = tmp_path / "proof.json"
-    proof.write_text(json.dumps({"passed": False, "diagnosis": "state diverged at step 3"}))
-    failing = dict(runs["b"], proof=proof)
-    content_id = publish(store, failing)
-    assert "diverged at step 3" in refused(store, "activate", content_id)
+    proof.write_bytes(data)
+    artifacts_before = sorted(p.name for p in (store / "artifacts").iterdir())
+    args = ["publish", runs["b"]["export"], "--recipe", runs["b"]["recipe"]]
+    args += ["--train-result", runs["b"]["result"], "--metrics", runs["b"]["metrics"]]
+    message = refused(store, *args, "--proof", proof)  # exit 1, active.json byte-identical
+    assert _proof_refusal_names(message, named)
+    assert "nothing published" in message
+    assert sorted(p.name for p in (store / "artifacts").iterdir()) == artifacts_before
+
+    # The pipeline's publish rule (workflow/scripts/publish.py) refuses the same way.
+    before = (store / "active.json").read_bytes()
+    out = tmp_path / "publication.json"
+    with pytest.raises(stores.Refused) as caught:
+        stores.publish_computation(
+            store, runs["b"]["export"], runs["b"]["recipe"], runs["b"]["result"],
+            runs["b"]["metrics"], proof, out,
+        )  # fmt: skip
+    assert _proof_refusal_names("\n".join(caught.value.reasons), named)
+    assert not out.exists()
+    assert (store / "active.json").read_bytes() == before
+
+
+def _artifact_with_proof(store: Path, content_id: str, proof: bytes) -> str:
+    """A copy of artifact ``content_id`` holding ``proof`` as its evidence, with the manifest
+    and the content id recomputed here (hashlib, json), so that every integrity check
+    passes and only the proof itself can be refused: what a store written by an older
+    gate, or by hand, may hold."""
+    source = store / "artifacts" / content_id
+    manifest = json.loads((source / "manifest.json").read_text())
+    digest = hashlib.sha256(proof).hexdigest()
+    for item in manifest["payload"]:
+        if item["path"] == "evidence/proof.json":
+            item.update(sha256=digest, size=len(proof))
+    manifest["provenance"]["recovery_proof"]["sha256"] = digest
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    new_id = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    target = store / "artifacts" / new_id
+    shutil.copytree(source, target)
+    (target / "evidence" / "proof.json").write_bytes(proof)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    return new_id
+
+
+def test_activation_refuses_a_proof_that_does_not_qualify_the_computation(active_store, runs):
+    store, _ = active_store
+    b = publish(store, runs["b"])
+    # Control: the same construction with b's own proof (re-encoded) passes the whole gate.
+    genuine = json.dumps(json.loads(runs["b"]["proof"].read_text())).encode()
+    control = _artifact_with_proof(store, b, genuine)
+    assert control != b
+    assert store_cli(store, "verify", control).returncode == 0
+
+    for case, (data, named) in _bad_proofs(runs).items():
+        content_id = _artifact_with_proof(store, b, data)
+        message = refused(store, "activate", content_id)  # exit 1, active.json byte-identical
+        assert _proof_refusal_names(message, named), (case, message)
+        for other in ("content id mismatch", "payload file", "declared validation failed"):
+            assert other not in message, (case, message)
+        assert store_cli(store, "verify", content_id).returncode == 1
 
 
 def test_rollback_with_no_previous_and_unknown_id(active_store):

@@ -257,6 +257,7 @@ def test_bad_events_are_rejected_naming_file_and_field(tmp_path, line, needle):
     assert str(path) in str(caught.value) and needle in str(caught.value)
 
 
+@pytest.mark.slow
 def test_cli_prints_json_and_exits_2_on_bad_input(completed_attempt, tmp_path):
     proc = summarize_cli(completed_attempt)
     assert proc.returncode == 0, proc.stderr
@@ -278,14 +279,15 @@ def test_missing_and_empty_files_are_rejected(tmp_path):
             summarize.summarize(files)
 
 
+@pytest.mark.slow
 def test_real_crash_and_resume_against_raw_events(tmp_path):
     """A real worker fails after update 3 and is resumed; totals recomputed here from raw lines."""
     recipe = write_recipe(tmp_path / "recipe.json", linear_recipe())
     out = tmp_path / "out"
-    common = ["--job", recipe, "--input-root", REPO / "data", "--output-root", out]
-    run_worker(*common, "--attempt-id", "a1", "--fail-after-step", "3", check_codes={1})
+    common = {"job": recipe, "input_root": REPO / "data", "output_root": out}
+    run_worker(**common, attempt_id="a1", fail_after_step=3, check_codes={1})
     first = out / "linear-test" / "a1"
-    run_worker(*common, "--attempt-id", "a2", "--resume-from", first, check_codes={0})
+    run_worker(**common, attempt_id="a2", resume_from=first, check_codes={0})
     second = out / "linear-test" / "a2"
     proc = summarize_cli("--attempt-dir", second)
     assert proc.returncode == 0, proc.stderr

@@ -144,6 +144,7 @@ def test_classify_rules():
     )
 
 
+@pytest.mark.slow
 def test_completed_needs_exit_zero_and_event_and_keeps_malformed_lines(tmp_path, child):
     outcome = supervise.supervise(child + ["complete"], tmp_path / "r", deadline_s=60, stall_s=60)
     assert outcome["classification"] == "completed"
@@ -162,6 +163,7 @@ def test_completed_needs_exit_zero_and_event_and_keeps_malformed_lines(tmp_path,
     assert crash["classification"] == "failed" and crash["exit_code"] == 7
 
 
+@pytest.mark.slow
 def test_start_failure_is_recorded(tmp_path):
     outcome = supervise.supervise(
         [str(tmp_path / "no-such-program")], tmp_path / "r", deadline_s=5, stall_s=5
@@ -171,6 +173,7 @@ def test_start_failure_is_recorded(tmp_path):
     assert json.loads((tmp_path / "r" / "run.json").read_text())["classification"] == "failed"
 
 
+@pytest.mark.slow
 def test_stall_kills_the_whole_group_and_reaps(tmp_path, child):
     stall_s, grace_s = 2.0, 1.0
     started = time.monotonic()
@@ -198,6 +201,7 @@ def test_stall_kills_the_whole_group_and_reaps(tmp_path, child):
     assert not _group_has_live_member(outcome["pgid"])
 
 
+@pytest.mark.slow
 def test_deadline_sends_sigterm_and_keeps_the_events(tmp_path, child):
     outcome = supervise.supervise(
         child + ["busy"], tmp_path / "r", deadline_s=1.5, stall_s=60, grace_s=20
@@ -211,6 +215,7 @@ def test_deadline_sends_sigterm_and_keeps_the_events(tmp_path, child):
     assert _gone(outcome["pid"])
 
 
+@pytest.mark.slow
 def test_bounded_capture(tmp_path, child):
     outcome = supervise.supervise(
         child + ["noisy"],
@@ -227,6 +232,7 @@ def test_bounded_capture(tmp_path, child):
     assert kept.startswith("x" * 1000) and "299000 more bytes not kept" in kept
 
 
+@pytest.mark.slow
 def test_cli_forwards_sigterm_and_exits_with_the_classification(tmp_path, child):
     run_dir = tmp_path / "r"
     proc = subprocess.Popen(
@@ -254,6 +260,7 @@ def test_cli_forwards_sigterm_and_exits_with_the_classification(tmp_path, child)
     assert json.loads(out)["classification"] == "preempted"
 
 
+@pytest.mark.slow
 def test_cli_usage_errors(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "minifield.cli", "supervise", "--run-dir", str(tmp_path)]
@@ -264,22 +271,18 @@ def test_cli_usage_errors(tmp_path):
     assert proc.returncode == 2 and "--deadline-s must be > 0" in proc.stderr
 
 
+@pytest.mark.slow
 def test_injected_worker_stall_is_stalled_and_reaped(tmp_path):
     """The real worker, stalled after update 2: it ignores SIGTERM while hung, so SIGKILL."""
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     stall_s, grace_s = 15.0, 2.0  # stall_s covers the worker's start-up (imports, compile)
     outcome = supervise.supervise(
         worker_command(
-            "--job",
-            recipe,
-            "--input-root",
-            REPO / "data",
-            "--output-root",
-            tmp_path / "out",
-            "--stall-after-step",
-            "2",
-            "--stall-seconds",
-            "300",
+            job=recipe,
+            input_root=REPO / "data",
+            output_root=tmp_path / "out",
+            stall_after_step=2,
+            stall_seconds=300,
         ),
         tmp_path / "run",
         deadline_s=300,

@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from conftest import linear_recipe, read_events, run_worker, worker_command, write_recipe
 
+pytestmark = pytest.mark.slow  # every test runs the worker as a process
+
 
 def run_dir(out, job="linear-test", attempt="a1"):
     return out / job / attempt
@@ -26,15 +28,11 @@ def job(tmp_path):
 def reference(tmp_path, job):
     """An uninterrupted run of the 12-update job."""
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        tmp_path / "ref",
-        "--attempt-id",
-        "ref",
-        "--record-state-hashes",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "ref",
+        attempt_id="ref",
+        record_state_hashes=True,
         check_codes=[0],
     )
     return result_of(tmp_path / "ref", "ref")
@@ -53,7 +51,7 @@ def test_validate_only_names_all_three_mistakes(tmp_path):
         inputs=[{"name": "examples", "path": "linear/examples.jsonl"}],
     )
     proc = run_worker(
-        "--job", write_recipe(tmp_path / "bad.json", bad), "--validate-only", check_codes=[2]
+        "--validate-only", job=write_recipe(tmp_path / "bad.json", bad), check_codes=[2]
     )
     verdict = json.loads(proc.stdout)
     assert verdict["valid"] is False
@@ -65,7 +63,7 @@ def test_validate_only_names_all_three_mistakes(tmp_path):
 
 
 def test_validate_only_valid_recipe_reports_digest_and_strategy(job):
-    verdict = json.loads(run_worker("--job", job, "--validate-only", check_codes=[0]).stdout)
+    verdict = json.loads(run_worker("--validate-only", job=job, check_codes=[0]).stdout)
     assert verdict["valid"] is True and len(verdict["computation_digest"]) == 64
     assert verdict["strategy"] == {"name": "linear-momentum", "version": "1.0.0"}
 
@@ -98,25 +96,16 @@ def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, ref
 
 
 def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None, stall_s=60):
-    args = [
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        attempt,
-        "--stall-after-step",
-        str(stall_after),
-        "--stall-seconds",
-        str(stall_s),
-    ]
-    if resume_from:
-        args += ["--resume-from", resume_from]
-    proc = subprocess.Popen(
-        worker_command(*args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    command = worker_command(
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id=attempt,
+        stall_after_step=stall_after,
+        stall_seconds=stall_s,
+        resume_from=resume_from,
     )
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:  # the worker echoes each event: wait for update K
         event = json.loads(line)
         if event["type"] == "update" and event["step"] == stall_after:
@@ -133,16 +122,11 @@ def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference
     proc.wait(timeout=30)
     assert not (run_dir(out, attempt="killed") / "result.json").exists()
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "resumed",
-        "--resume-from",
-        run_dir(out, attempt="killed"),
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="resumed",
+        resume_from=run_dir(out, attempt="killed"),
         check_codes=[0],
     )
     resumed = result_of(out, "resumed")
@@ -173,16 +157,11 @@ def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, 
         and events[-1]["checkpoint_sha256"] == preempted["checkpoint"]["sha256"]
     )
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "after",
-        "--resume-from",
-        run_dir(out, attempt="term"),
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="after",
+        resume_from=run_dir(out, attempt="term"),
         check_codes=[0],
     )
     assert result_of(out, "after")["final_state_hash"] == reference["final_state_hash"]
@@ -191,16 +170,11 @@ def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, 
 def test_resuming_a_completed_attempt_trains_nothing(tmp_path, job, reference):
     out = tmp_path / "ref"
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "again",
-        "--resume-from",
-        run_dir(out, attempt="ref"),
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="again",
+        resume_from=run_dir(out, attempt="ref"),
         check_codes=[0],
     )
     again = result_of(out, "again")
@@ -226,16 +200,11 @@ def test_resume_with_a_recipe_of_another_digest_is_refused(tmp_path, job, refere
         linear_recipe(limits={"max_steps": 12}, training={"learning_rate": 0.05}),
     )
     proc = run_worker(
-        "--job",
-        other,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        tmp_path / "ref",
-        "--attempt-id",
-        "x",
-        "--resume-from",
-        run_dir(tmp_path / "ref", attempt="ref"),
+        job=other,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "ref",
+        attempt_id="x",
+        resume_from=run_dir(tmp_path / "ref", attempt="ref"),
         check_codes=[2],
     )
     assert "refusing to resume" in proc.stderr and "computation" in proc.stderr
@@ -254,16 +223,11 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     data[-2] ^= 0xFF
     target.write_bytes(bytes(data))
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "r",
-        "--resume-from",
-        run_dir(out, attempt="k"),
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="r",
+        resume_from=run_dir(out, attempt="k"),
         check_codes=[0],
     )
     events = read_events(run_dir(out, attempt="r") / "events.jsonl")
@@ -281,14 +245,10 @@ def test_missing_or_mismatching_input_exits_2_before_training(tmp_path):
         linear_recipe(inputs=[{"name": "examples", "path": "ex.jsonl", "sha256": "0" * 64}]),
     )
     proc = run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        tmp_path / "out",
-        "--attempt-id",
-        "a",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "out",
+        attempt_id="a",
         check_codes=[2],
     )
     result = result_of(tmp_path / "out", "a")
@@ -302,14 +262,10 @@ def test_missing_or_mismatching_input_exits_2_before_training(tmp_path):
 def test_reused_attempt_id_is_refused_without_touching_the_old_attempt(tmp_path, job, reference):
     before = (run_dir(tmp_path / "ref", attempt="ref") / "result.json").read_bytes()
     proc = run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        tmp_path / "ref",
-        "--attempt-id",
-        "ref",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "ref",
+        attempt_id="ref",
         check_codes=[2],
     )
     assert "fresh attempt_id" in proc.stderr
@@ -323,14 +279,10 @@ def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
     )
     out = tmp_path / "out"
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "a",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="a",
         check_codes=[4],
     )
     first = result_of(out, "a")
@@ -338,16 +290,11 @@ def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
     assert first["checkpoint"]["step"] == 1
     # A restart does not renew the budget: no further update is made.
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "b",
-        "--resume-from",
-        out / "linear-test" / "a",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="b",
+        resume_from=out / "linear-test" / "a",
         check_codes=[4],
     )
     events = read_events(out / "linear-test" / "b" / "events.jsonl")
@@ -361,32 +308,22 @@ def test_environment_change_is_refused_unless_allowed(tmp_path, job):
     proc.wait(timeout=30)
     changed = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
     refused = run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "r1",
-        "--resume-from",
-        out / "linear-test" / "k",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="r1",
+        resume_from=out / "linear-test" / "k",
         env=changed,
         check_codes=[2],
     )
     assert "environment changed" in refused.stderr and "xla_flags" in refused.stderr
     run_worker(
-        "--job",
-        job,
-        "--input-root",
-        tmp_path / "in",
-        "--output-root",
-        out,
-        "--attempt-id",
-        "r2",
-        "--resume-from",
-        out / "linear-test" / "k",
-        "--allow-environment-change",
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="r2",
+        resume_from=out / "linear-test" / "k",
+        allow_environment_change=True,
         env=changed,
         check_codes=[0],
     )

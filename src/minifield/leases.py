@@ -1,9 +1,8 @@
 """GPU slots: exclusive leases through lock files, so concurrent jobs never share a GPU.
 
 Each GPU id has a lock file ``<lease_dir>/gpu-<id>.lock``. A job leases a slot by
-taking an exclusive ``fcntl.flock`` on it (non-blocking, trying each slot in
-turn, waiting and retrying while all are busy). The kernel releases a flock when
-the last descriptor of the open file is closed, so a lease ends however its
+taking its lock (:mod:`minifield.locks`: non-blocking, trying each slot in turn,
+waiting and retrying while all are busy, all or nothing). A lock ends however its
 holder ends — normal exit, exception, SIGKILL. The descriptors are also handed to
 the supervised child (``pass_fds``), so the slot stays taken as long as the child
 runs, even if the supervising process itself dies first.
@@ -14,8 +13,6 @@ The child sees only its slot(s) through ``CUDA_VISIBLE_DEVICES``. With no GPU
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import re
 import shutil
@@ -25,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from . import locks
 
 _GPU_LINE = re.compile(r"^GPU (\d+):")
 
@@ -84,20 +83,6 @@ class Lease:
         self.fds = []
 
 
-def try_lock(path: Path, holder: Mapping[str, object]) -> int | None:
-    """Exclusive non-blocking flock on ``path`` (created if needed); the fd, or None if held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    # Who holds it, for people looking at the lease directory; the lock itself is the flock.
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-    return fd
-
-
 def acquire(
     lease_dir: Path,
     gpus: Sequence[str],
@@ -122,7 +107,7 @@ def acquire(
         taken: list[tuple[str, Path, int]] = []
         for gpu in gpus:
             path = lease_dir / f"gpu-{gpu}.lock"
-            fd = try_lock(path, info)
+            fd = locks.try_lock(path, info)
             if fd is not None:
                 taken.append((gpu, path, fd))
                 if len(taken) == count:

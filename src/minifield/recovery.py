@@ -439,3 +439,65 @@ def prove(
         and len(result["rows"]) >= steps - last
     )
     return finish()
+
+
+def verdict(proof: Any, computation_digest: str | None) -> list[str]:
+    """Why ``proof`` does not qualify ``computation_digest``; an empty list accepts it.
+
+    Provisional: written in the store branch so publication and activation can call the
+    single verdict; the proof branch replaces it. The verdict is recomputed from the hashes
+    the proof records, not taken from its ``passed`` field alone.
+    """
+    if not isinstance(proof, dict):
+        return ["the proof is not a JSON object"]
+    reasons = []
+    if proof.get("computation_digest") != computation_digest:
+        reasons.append(
+            f"the proof is of computation {proof.get('computation_digest')!r}, "
+            f"not of this one ({computation_digest!r})"
+        )
+    if proof.get("passed") is not True:
+        reasons.append(
+            f"the proof did not pass (passed={proof.get('passed')!r}): {proof.get('diagnosis')!r}"
+        )
+
+    def hashes(run: Any) -> dict:
+        rows = run.get("state_hashes") if isinstance(run, dict) else None
+        if not isinstance(rows, list):
+            return {}
+        return {r.get("step"): r.get("state_hash") for r in rows if isinstance(r, dict)}
+
+    reference, resumed = hashes(proof.get("reference")), hashes(proof.get("resumed"))
+    restored = (proof.get("resumed") or {}).get("restored") or {}
+    restored_step = restored.get("step")
+    steps = (proof.get("settings") or {}).get("steps")
+    if not isinstance(restored_step, int) or not isinstance(steps, int):
+        return [
+            *reasons,
+            "the proof records no restored checkpoint step or no qualification length",
+        ]
+    if not restored_step < steps <= len(reference):
+        return [
+            *reasons,
+            f"the proof's reference records {len(reference)} state hashes for a qualification of "
+            f"{steps} updates resumed after step {restored_step}",
+        ]
+    if restored_step > 0 and restored.get("state_hash") != reference.get(restored_step):
+        reasons.append(
+            f"the restored checkpoint's state hash at step {restored_step} differs from the "
+            "reference's"
+        )
+    for step in range(restored_step + 1, steps + 1):
+        if resumed.get(step) is None or reference.get(step) is None:
+            which = "resumed run" if resumed.get(step) is None else "reference"
+            first = " (the first update after the restored checkpoint)"
+            reasons.append(
+                f"step {step} is missing in the {which}"
+                + (first if step == restored_step + 1 else "")
+            )
+        elif resumed[step] != reference[step]:
+            reasons.append(
+                f"step {step}: the resumed state hash {resumed[step]} differs from the "
+                f"reference's {reference[step]}"
+            )
+    return reasons

@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import atomic, checkpoint, examples, inputs, leases, recovery, supervise, train
+from . import atomic, checkpoint, examples, inputs, leases, locks, recovery, supervise, train
 from . import recipe as recipes
 from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EXPORT, RESULT
 from .attempts import newest_first
@@ -231,7 +231,7 @@ def train_attempt(
     # this lock (inherited descriptor) until it ends, so a new attempt cannot race it.
     work_dir.mkdir(parents=True, exist_ok=True)
     lock_path = work_dir / "train.lock"
-    lock_fd = leases.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
+    lock_fd = locks.try_lock(lock_path, {"attempt_id": attempt_id, "pid": os.getpid()})
     if lock_fd is None:
         holder = lock_path.read_text(encoding="utf-8", errors="replace").strip()
         raise StageError(

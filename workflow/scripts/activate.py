@@ -4,13 +4,13 @@ from pathlib import Path
 
 from minifield import store
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 try:
     store.activate_publication(
-        Path(snakemake.params.store_dir),  # noqa: F821
-        Path(snakemake.input.publication),  # noqa: F821
-        Path(snakemake.output[0]),  # noqa: F821
-        lock_timeout=snakemake.params.lock_timeout_s,  # noqa: F821
+        Path(snakemake.params.store_dir),
+        Path(snakemake.input.publication),
+        Path(snakemake.output[0]),
+        lock_timeout=snakemake.params.lock_timeout_s,
     )
 except store.Refused as exc:
     # Name every failed check in the log; the pointer was left unchanged.

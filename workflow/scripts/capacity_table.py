@@ -4,8 +4,8 @@ from pathlib import Path
 
 from minifield import capacity
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 capacity.table(
-    [Path(p) for p in snakemake.input],  # noqa: F821
-    Path(snakemake.output[0]),  # noqa: F821
+    [Path(p) for p in snakemake.input],
+    Path(snakemake.output[0]),
 )

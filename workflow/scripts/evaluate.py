@@ -4,11 +4,11 @@ from pathlib import Path
 
 from minifield import stages
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 stages.evaluate(
-    Path(snakemake.input.recipe),  # noqa: F821
-    Path(snakemake.input.result),  # noqa: F821
-    Path(snakemake.input.examples).parent,  # noqa: F821
-    Path(snakemake.output.metrics),  # noqa: F821
-    Path(snakemake.output.selected_export),  # noqa: F821
+    Path(snakemake.input.recipe),
+    Path(snakemake.input.result),
+    Path(snakemake.input.examples).parent,
+    Path(snakemake.output.metrics),
+    Path(snakemake.output.selected_export),
 )

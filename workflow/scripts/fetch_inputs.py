@@ -4,12 +4,12 @@ from pathlib import Path
 
 from minifield import fetch
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 fetch.stage(
-    Path(snakemake.input.recipe),  # noqa: F821
-    snakemake.config["remote_inputs"],  # noqa: F821
-    Path(snakemake.params.work_dir),  # noqa: F821
-    Path(snakemake.params.input_root),  # noqa: F821
-    Path(snakemake.output.root),  # noqa: F821
-    Path(snakemake.output.record),  # noqa: F821
+    Path(snakemake.input.recipe),
+    snakemake.config["remote_inputs"],
+    Path(snakemake.params.work_dir),
+    Path(snakemake.params.input_root),
+    Path(snakemake.output.root),
+    Path(snakemake.output.record),
 )

@@ -4,9 +4,9 @@ from pathlib import Path
 
 from minifield import stages
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 stages.hash_inputs(
-    Path(snakemake.input.recipe),  # noqa: F821
-    Path(snakemake.params.input_root),  # noqa: F821
-    Path(snakemake.output[0]),  # noqa: F821
+    Path(snakemake.input.recipe),
+    Path(snakemake.params.input_root),
+    Path(snakemake.output[0]),
 )

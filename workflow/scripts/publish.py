@@ -4,16 +4,16 @@ from pathlib import Path
 
 from minifield import store
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-inputs = snakemake.input  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
+inputs = snakemake.input
 store.publish_computation(
-    Path(snakemake.params.store_dir),  # noqa: F821
+    Path(snakemake.params.store_dir),
     Path(inputs.export),
     Path(inputs.recipe),
     Path(inputs.result),
     Path(inputs.metrics),
     Path(inputs.proof) if "proof" in inputs.keys() else None,
-    Path(snakemake.output[0]),  # noqa: F821
-    no_proof=snakemake.params.no_proof or None,  # noqa: F821
-    lock_timeout=snakemake.params.lock_timeout_s,  # noqa: F821
+    Path(snakemake.output[0]),
+    no_proof=snakemake.params.no_proof or None,
+    lock_timeout=snakemake.params.lock_timeout_s,
 )

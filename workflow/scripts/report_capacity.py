@@ -5,6 +5,6 @@ from pathlib import Path
 
 from minifield import reporting
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-given = snakemake.input.get("capacity")  # noqa: F821
-reporting.capacity_table(Path(given) if given else None, Path(snakemake.output[0]))  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
+given = snakemake.input.get("capacity")
+reporting.capacity_table(Path(given) if given else None, Path(snakemake.output[0]))

@@ -4,5 +4,5 @@ from pathlib import Path
 
 from minifield import reporting
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-reporting.evaluation_table(Path(snakemake.input.metrics), Path(snakemake.output[0]))  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
+reporting.evaluation_table(Path(snakemake.input.metrics), Path(snakemake.output[0]))

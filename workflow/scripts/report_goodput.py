@@ -4,6 +4,6 @@ from pathlib import Path
 
 from minifield import reporting
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
-reporting.plot_goodput(Path(snakemake.input.summary), Path(snakemake.output.figure))  # noqa: F821
-reporting.throughput_table(Path(snakemake.input.summary), Path(snakemake.output.table))  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
+reporting.plot_goodput(Path(snakemake.input.summary), Path(snakemake.output.figure))
+reporting.throughput_table(Path(snakemake.input.summary), Path(snakemake.output.table))

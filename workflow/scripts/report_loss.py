@@ -4,9 +4,9 @@ from pathlib import Path
 
 from minifield import reporting
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 reporting.plot_loss(
-    Path(snakemake.input.result),  # noqa: F821
-    Path(snakemake.input.metrics),  # noqa: F821
-    Path(snakemake.output[0]),  # noqa: F821
+    Path(snakemake.input.result),
+    Path(snakemake.input.metrics),
+    Path(snakemake.output[0]),
 )

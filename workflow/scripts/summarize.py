@@ -4,8 +4,8 @@ from pathlib import Path
 
 from minifield import summarize
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 summarize.summarize_training(
-    Path(snakemake.input.result),  # noqa: F821
-    Path(snakemake.output[0]),  # noqa: F821
+    Path(snakemake.input.result),
+    Path(snakemake.output[0]),
 )

@@ -4,17 +4,17 @@ from pathlib import Path
 
 from minifield import stages
 
-sys.stderr = open(snakemake.log[0], "a")  # noqa: F821
-t = snakemake.config["train"]  # noqa: F821  (operational: not a rerun trigger)
+sys.stderr = open(snakemake.log[0], "a")
+t = snakemake.config["train"]  # operational: not a rerun trigger
 stages.train_attempt(
-    Path(snakemake.input.recipe),  # noqa: F821
-    Path(snakemake.params.input_root),  # noqa: F821
-    Path(snakemake.input.examples).parent,  # noqa: F821
-    Path(snakemake.params.work_dir),  # noqa: F821
-    Path(snakemake.output.result),  # noqa: F821
-    Path(snakemake.output.export),  # noqa: F821
-    Path(snakemake.log[0]),  # noqa: F821
-    proof=Path(snakemake.input.proof),  # noqa: F821
+    Path(snakemake.input.recipe),
+    Path(snakemake.params.input_root),
+    Path(snakemake.input.examples).parent,
+    Path(snakemake.params.work_dir),
+    Path(snakemake.output.result),
+    Path(snakemake.output.export),
+    Path(snakemake.log[0]),
+    proof=Path(snakemake.input.proof),
     record_state_hashes=t["record_state_hashes"],
     allow_environment_change=t["allow_environment_change"],
     deadline_s=t["deadline_seconds"],
@@ -22,7 +22,7 @@ stages.train_attempt(
     grace_s=t["grace_seconds"],
     gpus=t["gpus"],
     gpus_per_job=t["gpus_per_job"],
-    lease_dir=Path(snakemake.params.lease_dir),  # noqa: F821
+    lease_dir=Path(snakemake.params.lease_dir),
     lease_wait_s=t["lease_wait_seconds"],
     processes=t["processes"],
 )

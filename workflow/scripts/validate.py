@@ -4,9 +4,9 @@ from pathlib import Path
 
 from minifield import stages
 
-sys.stderr = open(snakemake.log[0], "w")  # noqa: F821
+sys.stderr = open(snakemake.log[0], "w")
 stages.validate(
-    Path(snakemake.input.recipe),  # noqa: F821
-    Path(snakemake.output.recipe),  # noqa: F821
-    Path(snakemake.output.validation),  # noqa: F821
+    Path(snakemake.input.recipe),
+    Path(snakemake.output.recipe),
+    Path(snakemake.output.validation),
 )

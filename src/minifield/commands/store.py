@@ -1,8 +1,9 @@
 """``minifield store``: publish, activate, roll back and inspect artifacts in the publication store.
 
 Exit codes: 0 success; 1 refused (a check failed: the reasons are printed, the
-pointer is unchanged); 2 bad request (unknown id, unreadable input, incoherent
-provenance); 3 the store is locked by another writer past ``--lock-timeout``.
+pointer is unchanged; a refused publication stores nothing); 2 bad request
+(unknown id, unreadable input, incoherent provenance); 3 the store is locked by
+another writer past ``--lock-timeout``.
 """
 
 from __future__ import annotations
@@ -85,10 +86,12 @@ def run(args) -> int:
         return 0
     except stores.Refused as exc:
         what = f" {exc.content_id}" if exc.content_id else ""
-        print(
-            f"minifield store: {args.action}{what} refused; {root / stores.POINTER} unchanged:",
-            file=sys.stderr,
+        kept = (
+            "nothing published"
+            if args.action == "publish"
+            else f"{root / stores.POINTER} unchanged"
         )
+        print(f"minifield store: {args.action}{what} refused; {kept}:", file=sys.stderr)
         for reason in exc.reasons:
             print(f"  - {reason}", file=sys.stderr)
         return EXIT_REFUSED
