@@ -7,10 +7,13 @@ import json
 
 import jax
 import numpy as np
+import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield import export, stages
 from minifield.strategies.linear_momentum import LinearProgram
+
+pytestmark = pytest.mark.slow  # a worker run makes the checkpoints
 
 
 def _checkpoint_params(checkpoint_dir) -> dict[str, np.ndarray]:
@@ -34,9 +37,12 @@ def test_evaluate_holds_one_checkpoint_at_a_time_and_exports_the_dev_selected_on
         linear_recipe(limits={"max_steps": 12}, checkpoint={"every_steps": 2, "keep": 6}),
     )
     run_worker(
-        "--job", job, "--input-root", tmp_path / "in", "--output-root", tmp_path / "out",
-        "--attempt-id", "a", check_codes=[0],
-    )  # fmt: skip
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "out",
+        attempt_id="a",
+        check_codes=[0],
+    )
     attempt = tmp_path / "out" / "linear-test" / "a"
     recipe_json = tmp_path / "recipe.json"
     stages.validate(job, recipe_json, tmp_path / "validation.json")

@@ -246,8 +246,9 @@ def hand_schedule(peak, warmup, max_steps, ratio, s):
     return floor + (peak - floor) * (1 + math.cos(math.pi * progress)) / 2
 
 
+@pytest.mark.slow  # JAX compiles two steps for ~20 s: kept out of the fast tier
 def test_logged_learning_rate_is_the_schedule_and_leaves_the_state_alone():
-    cfg = tiny(compute_dtype="float32")
+    cfg = tiny(n_layers=1, compute_dtype="float32")
     training = {"learning_rate": 3e-3, "warmup_steps": 3, "min_learning_rate_ratio": 0.2}
     max_steps = 8
     tx = make_optimizer(training, max_steps)

@@ -1,6 +1,7 @@
 """The worker through real subprocesses: listing, validation, runs, kills, resumes."""
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -341,18 +342,24 @@ def sparse_job(tmp_path):
         linear_recipe(limits={"max_steps": 12}, checkpoint={"every_steps": 5, "keep": 3}),
     )
     run_worker(
-        "--job", job, "--input-root", tmp_path / "in", "--output-root", tmp_path / "ref",
-        "--attempt-id", "sparse-ref", check_codes=[0],
-    )  # fmt: skip
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "ref",
+        attempt_id="sparse-ref",
+        check_codes=[0],
+    )
     return job, result_of(tmp_path / "ref", "sparse-ref")
 
 
 def _resume_to_the_end(tmp_path, job, out, previous: str) -> dict:
     run_worker(
-        "--job", job, "--input-root", tmp_path / "in", "--output-root", out,
-        "--attempt-id", f"after-{previous}", "--resume-from", run_dir(out, attempt=previous),
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id=f"after-{previous}",
+        resume_from=run_dir(out, attempt=previous),
         check_codes=[0],
-    )  # fmt: skip
+    )
     return result_of(out, f"after-{previous}")
 
 
@@ -366,11 +373,17 @@ def test_a_closed_stdout_preempts_with_a_checkpoint_and_resume_matches(
     job, reference = sparse_job
     out = tmp_path / "out"
     stderr_log = tmp_path / "stderr.log"
-    args = ["--job", job, "--input-root", tmp_path / "in", "--output-root", out,
-            "--attempt-id", "closed", "--stall-after-step", "2", "--stall-seconds", "3"]  # fmt: skip
+    command = worker_command(
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="closed",
+        stall_after_step=2,
+        stall_seconds=3,
+    )
     with open(stderr_log, "w") as stderr_file:
         proc = subprocess.Popen(
-            worker_command(*args),
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if closed == "stdout-and-stderr" else stderr_file,
             text=True,
@@ -418,13 +431,9 @@ def test_worker_piped_into_head_exits_3_with_a_result(tmp_path, sparse_job):
     """``minifield-worker ... | head -3``, as a user types it."""
     job, reference = sparse_job
     out = tmp_path / "out"
-    command = " ".join(
-        f"'{a}'"
-        for a in worker_command(
-            "--job", job, "--input-root", tmp_path / "in", "--output-root", out,
-            "--attempt-id", "head",
-        )
-    )  # fmt: skip
+    command = shlex.join(
+        worker_command(job=job, input_root=tmp_path / "in", output_root=out, attempt_id="head")
+    )
     proc = subprocess.run(
         ["bash", "-c", f'{command} | head -3; echo "worker exit ${{PIPESTATUS[0]}}" >&2'],
         capture_output=True,
