@@ -27,8 +27,8 @@ child = [sys.executable, "-c",
     "print(json.dumps({'type': 'completed', 'cvd': os.environ.get('CUDA_VISIBLE_DEVICES')}))"]
 with leases.lease(lease_dir, gpus, count, wait_s=120, poll_s=0.02) as held:
     acquired = time.monotonic()
-    outcome = supervise.supervise(child, out.with_suffix(".run"), deadline_s=60, stall_s=60,
-                                  env=held.env(os.environ), pass_fds=held.fds)
+    outcome = supervise.supervise(child, out.with_suffix(".run"), supervise.Settings(
+        deadline_s=60, stall_s=60, env=held.env(os.environ), pass_fds=held.fds))
     released = time.monotonic()
 out.write_text(json.dumps({"gpus": held.gpus, "acquired": acquired, "released": released,
                            "seen": outcome["events"][0]["cvd"],
@@ -44,8 +44,8 @@ child = [sys.executable, "-c",
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)",
     sys.argv[2]]
 if sys.argv[3] == "child":
-    supervise.supervise(child, Path(sys.argv[2] + ".run"), deadline_s=300, stall_s=300,
-                        pass_fds=held.fds, forward_signals=False)
+    supervise.supervise(child, Path(sys.argv[2] + ".run"), supervise.Settings(
+        deadline_s=300, stall_s=300, pass_fds=held.fds, forward_signals=False))
 else:
     print("held", flush=True)
     time.sleep(300)

@@ -410,8 +410,7 @@ def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
             **attempt_options(recipe, reference["input_root"], tmp_path / "out", "gpu-please")
         ),
         tmp_path / "run",
-        deadline_s=300,
-        stall_s=120,
+        supervise.Settings(deadline_s=300, stall_s=120),
     )
     assert outcome["classification"] == "failed" and outcome["exit_code"] == 1
     assert outcome["termination"]["by"] is None  # it ended by itself, not by a time bound

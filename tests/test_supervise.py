@@ -14,6 +14,9 @@ import pytest
 from conftest import REPO, linear_recipe, worker_command, write_recipe
 
 from minifield import supervise
+from minifield.supervise import Settings
+
+MINUTE = Settings(deadline_s=60, stall_s=60)
 
 CHILD = r"""
 import json, signal, subprocess, sys, time
@@ -142,11 +145,50 @@ def test_classify_rules():
         c(exit_code=-11, completed_event=False, supervisor_action=None, forwarded=False)[0]
         == "failed"
     )
+    # the supervisor's own preemption on cue: exit 3 is a preemption, anything else is not
+    assert (
+        c(exit_code=3, completed_event=False, supervisor_action="preempt", forwarded=False)[0]
+        == "preempted"
+    )
+    assert (
+        c(exit_code=-9, completed_event=False, supervisor_action="preempt", forwarded=False)[0]
+        == "cancelled"
+    )
+
+
+def test_settings_refuse_impossible_bounds_and_match_the_config_defaults():
+    for bad in (
+        {"deadline_s": 0},
+        {"stall_s": -1},
+        {"grace_s": -0.5},
+        {"deadline_s": float("nan")},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Settings(**bad)
+    assert Settings(pass_fds=[3, 4]).pass_fds == (3, 4)
+    # one source of defaults: the config schema and config.yaml say what Settings says
+    import yaml
+
+    schema = json.loads((REPO / "workflow" / "schemas" / "config.schema.json").read_text())
+    train = schema["properties"]["train"]["properties"]
+    qualification = schema["properties"]["qualification"]["properties"]
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    expected = {
+        "train": (supervise.TRAINING, train, config["train"]),
+        "qualification": (supervise.QUALIFICATION, qualification, config["qualification"]),
+    }
+    for section, (settings, keys, values) in expected.items():
+        for key, attribute in (("deadline_seconds", "deadline_s"), ("stall_seconds", "stall_s")):
+            assert keys[key]["default"] == values[key] == getattr(settings, attribute), section
+    # qualification runs use train.grace_seconds
+    assert train["grace_seconds"]["default"] == config["train"]["grace_seconds"]
+    assert config["train"]["grace_seconds"] == supervise.QUALIFICATION.grace_s
+    assert supervise.QUALIFICATION.grace_s == supervise.TRAINING.grace_s
 
 
 @pytest.mark.slow
 def test_completed_needs_exit_zero_and_event_and_keeps_malformed_lines(tmp_path, child):
-    outcome = supervise.supervise(child + ["complete"], tmp_path / "r", deadline_s=60, stall_s=60)
+    outcome = supervise.supervise(child + ["complete"], tmp_path / "r", MINUTE)
     assert outcome["classification"] == "completed"
     assert [e["type"] for e in outcome["events"]] == ["attempt_started", "completed"]
     assert outcome["malformed_lines"] == [
@@ -157,16 +199,16 @@ def test_completed_needs_exit_zero_and_event_and_keeps_malformed_lines(tmp_path,
     assert json.loads((tmp_path / "r" / "run.json").read_text()) == json.loads(json.dumps(outcome))
     assert _gone(outcome["pid"])
 
-    exit0 = supervise.supervise(child + ["exit0"], tmp_path / "e", deadline_s=60, stall_s=60)
+    exit0 = supervise.supervise(child + ["exit0"], tmp_path / "e", MINUTE)
     assert exit0["classification"] == "failed" and exit0["exit_code"] == 0
-    crash = supervise.supervise(child + ["crash"], tmp_path / "c", deadline_s=60, stall_s=60)
+    crash = supervise.supervise(child + ["crash"], tmp_path / "c", MINUTE)
     assert crash["classification"] == "failed" and crash["exit_code"] == 7
 
 
 @pytest.mark.slow
 def test_start_failure_is_recorded(tmp_path):
     outcome = supervise.supervise(
-        [str(tmp_path / "no-such-program")], tmp_path / "r", deadline_s=5, stall_s=5
+        [str(tmp_path / "no-such-program")], tmp_path / "r", Settings(deadline_s=5, stall_s=5)
     )
     assert outcome["classification"] == "failed"
     assert "could not start" in outcome["reason"]
@@ -178,7 +220,9 @@ def test_stall_kills_the_whole_group_and_reaps(tmp_path, child):
     stall_s, grace_s = 2.0, 1.0
     started = time.monotonic()
     outcome = supervise.supervise(
-        child + ["stall"], tmp_path / "r", deadline_s=120, stall_s=stall_s, grace_s=grace_s
+        child + ["stall"],
+        tmp_path / "r",
+        Settings(deadline_s=120, stall_s=stall_s, grace_s=grace_s),
     )
     elapsed = time.monotonic() - started
     assert outcome["classification"] == "stalled"
@@ -204,7 +248,7 @@ def test_stall_kills_the_whole_group_and_reaps(tmp_path, child):
 @pytest.mark.slow
 def test_deadline_sends_sigterm_and_keeps_the_events(tmp_path, child):
     outcome = supervise.supervise(
-        child + ["busy"], tmp_path / "r", deadline_s=1.5, stall_s=60, grace_s=20
+        child + ["busy"], tmp_path / "r", Settings(deadline_s=1.5, stall_s=60, grace_s=20)
     )
     assert outcome["classification"] == "timeout"
     assert outcome["exit_code"] == 3  # the child's own orderly reaction to SIGTERM
@@ -216,14 +260,29 @@ def test_deadline_sends_sigterm_and_keeps_the_events(tmp_path, child):
 
 
 @pytest.mark.slow
+def test_preemption_on_cue_sends_sigterm_after_that_update(tmp_path, child):
+    """The supervisor itself sends SIGTERM once it has seen update 5; the child (which
+    exits 3 on SIGTERM) is then classified preempted, and the record says who stopped it."""
+    outcome = supervise.supervise(
+        child + ["busy"], tmp_path / "r", Settings(deadline_s=60, stall_s=60, grace_s=20),
+        preempt_after_step=5,
+    )  # fmt: skip
+    assert outcome["classification"] == "preempted" and outcome["exit_code"] == 3
+    assert outcome["termination"]["by"] == "preempt" and outcome["preempt_after_step"] == 5
+    assert outcome["termination"]["sigkill_after_s"] is None
+    steps = [e["step"] for e in outcome["events"] if e["type"] == "update"]
+    assert steps[:5] == [1, 2, 3, 4, 5]  # the cue was seen before the signal went out
+    assert outcome["events"][-1] == {"type": "preempted", "signal": signal.SIGTERM}
+    on_disk = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert on_disk["termination"]["by"] == "preempt"
+
+
+@pytest.mark.slow
 def test_bounded_capture(tmp_path, child):
     outcome = supervise.supervise(
         child + ["noisy"],
         tmp_path / "r",
-        deadline_s=60,
-        stall_s=60,
-        max_log_bytes=1000,
-        stderr_tail_bytes=500,
+        Settings(deadline_s=60, stall_s=60, max_log_bytes=1000, stderr_tail_bytes=500),
     )
     assert outcome["classification"] == "completed"
     assert outcome["stderr_bytes"] == 300000
@@ -285,9 +344,7 @@ def test_injected_worker_stall_is_stalled_and_reaped(tmp_path):
             stall_seconds=300,
         ),
         tmp_path / "run",
-        deadline_s=300,
-        stall_s=stall_s,
-        grace_s=grace_s,
+        Settings(deadline_s=300, stall_s=stall_s, grace_s=grace_s),
     )
     assert outcome["classification"] == "stalled", outcome["reason"]
     assert outcome["signal"] == "SIGKILL"

@@ -6,8 +6,11 @@ previous stage wrote and writes its own outputs atomically.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 from . import atomic, checkpoint, examples, inputs, leases, locks, recovery, supervise, train
@@ -71,8 +74,10 @@ def latest_attempt(job_dir: Path) -> Path | None:
     return max(candidates)[2] if candidates else None
 
 
-def _worker_env(recipe: recipes.Recipe, held: leases.Lease) -> dict[str, str]:
-    env = held.env(os.environ)
+def _worker_env(
+    recipe: recipes.Recipe, held: leases.Lease, base: Mapping[str, str] | None
+) -> dict[str, str]:
+    env = held.env(os.environ if base is None else base)
     if recipe.data.get("runtime", {}).get("backend") == "cpu":
         # A CPU recipe on a GPU host must not grab (or wait for) a GPU.
         env["JAX_PLATFORMS"] = "cpu"
@@ -97,15 +102,17 @@ def _append_run_to_log(log: Path, outcome: dict) -> None:
 
 
 def check_proof(proof_path: Path, recipe: recipes.Recipe) -> dict:
-    """The recovery proof gate of training: a passing proof of this very computation."""
-    proof = atomic.read_json(proof_path)
-    if proof.get("computation_digest") != recipe.computation_digest:
+    """The recovery proof gate of training: :func:`recovery.verdict` for this computation."""
+    try:
+        proof = atomic.read_json(proof_path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StageError(f"{proof_path}: cannot read the recovery proof: {exc}") from exc
+    reasons = recovery.verdict(proof, recipe.computation_digest)
+    if reasons:
         raise StageError(
-            f"{proof_path}: proof of computation {proof.get('computation_digest')}, "
-            f"but training computation {recipe.computation_digest}"
+            f"{proof_path}: not an acceptable recovery proof of computation "
+            f"{recipe.computation_digest}; training is blocked: " + "; ".join(reasons)
         )
-    if proof.get("passed") is not True:
-        raise StageError(f"{proof_path}: recovery proof failed: {proof.get('diagnosis')}")
     return proof
 
 
@@ -119,9 +126,8 @@ def qualify(
     *,
     steps: int | None = None,
     fail_after_step: int | None = None,
-    deadline_s: float = 3600.0,
-    stall_s: float = 600.0,
-    grace_s: float = 30.0,
+    mode: str = recovery.DEFAULT_MODE,
+    supervision: supervise.Settings = supervise.QUALIFICATION,
     gpus: list | None = None,
     gpus_per_job: int = 1,
     lease_dir: Path | None = None,
@@ -149,12 +155,13 @@ def qualify(
             out_proof,
             steps=steps,
             fail_after_step=fail_after_step,
+            mode=mode,
             examples_dir=examples_dir,
-            deadline_s=deadline_s,
-            stall_s=stall_s,
-            grace_s=grace_s,
-            env=_worker_env(recipe, held),
-            pass_fds=tuple(held.fds),
+            supervision=dataclasses.replace(
+                supervision,
+                env=_worker_env(recipe, held, supervision.env),
+                pass_fds=(*supervision.pass_fds, *held.fds),
+            ),
             processes=processes,
         )
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -181,9 +188,7 @@ def train_attempt(
     proof: Path | None = None,
     record_state_hashes: bool = True,
     allow_environment_change: bool = False,
-    deadline_s: float = 86400.0,
-    stall_s: float = 900.0,
-    grace_s: float = 60.0,
+    supervision: supervise.Settings = supervise.TRAINING,
     gpus: list | None = None,
     gpus_per_job: int = 1,
     lease_dir: Path | None = None,
@@ -251,11 +256,11 @@ def train_attempt(
             outcome = supervise.supervise(
                 command,
                 work_dir / "runs" / attempt_id,
-                deadline_s=deadline_s,
-                stall_s=stall_s,
-                grace_s=grace_s,
-                env=_worker_env(recipe, held),
-                pass_fds=(*held.fds, lock_fd),
+                dataclasses.replace(
+                    supervision,
+                    env=_worker_env(recipe, held, supervision.env),
+                    pass_fds=(*supervision.pass_fds, *held.fds, lock_fd),
+                ),
             )
     finally:
         os.close(lock_fd)

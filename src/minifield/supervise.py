@@ -7,13 +7,15 @@ parses as a JSON object with a ``type`` is an event, anything else is kept as a
 malformed line with its line number. Both streams are also written to
 ``stdout.log`` / ``stderr.log`` in the run directory, each capped in size.
 
-Two time bounds end a run early: a wall-clock deadline (``timeout``) and a stall
+How a run is supervised is one :class:`Settings` object (the defaults live there
+only). Two time bounds end a run early: a wall-clock deadline (``timeout``) and a stall
 timeout, i.e. no event for ``stall_s`` seconds (``stalled``). Either sends
 SIGTERM to the group, waits ``grace_s``, sends SIGKILL, and then always waits
 for the child (reaps it) and kills any group member left behind. SIGINT/SIGTERM
 sent to the supervisor are forwarded to the group, so a worker commits a
 checkpoint and exits ``preempted``; if it does not exit within the grace period
-it is killed as well.
+it is killed as well. With ``preempt_after_step=K`` the supervisor itself sends that
+SIGTERM once it sees update K's event: a preemption on cue (the recovery proof uses it).
 
 ``classification`` is ``completed`` only on exit 0 **and** a ``completed``
 event; otherwise ``failed``, ``timeout``, ``stalled``, ``preempted`` or
@@ -32,6 +34,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,47 @@ WORKER_PREEMPTED, WORKER_LIMIT = 3, 4
 #: signals that mean "someone stopped this run" rather than "it crashed"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGHUP)
 _POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How one child process is supervised. Every default of the project lives here.
+
+    ``deadline_s``: wall-clock limit; ``stall_s``: longest time without an event (it counts
+    from launch, so it covers start-up and compilation); ``grace_s``: SIGTERM to SIGKILL.
+    ``env``/``pass_fds``: the child's environment (None: inherit) and the descriptors it
+    keeps (GPU leases, the training lock). The rest bounds what is held and logged.
+    """
+
+    deadline_s: float = 86400.0
+    stall_s: float = 900.0
+    grace_s: float = 60.0
+    env: Mapping[str, str] | None = field(default=None, repr=False)
+    pass_fds: tuple[int, ...] = ()
+    cwd: Path | None = None
+    forward_signals: bool = True
+    max_events: int = 10000
+    max_malformed: int = 1000
+    max_log_bytes: int = 16 << 20
+    stderr_tail_bytes: int = 16384
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pass_fds", tuple(self.pass_fds))
+        for name in ("deadline_s", "stall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s!r}")
+
+    def bounds(self) -> dict[str, float]:
+        """The time bounds, as recorded in run.json and proof.json."""
+        return {"deadline_s": self.deadline_s, "stall_s": self.stall_s, "grace_s": self.grace_s}
+
+
+#: a training attempt: the defaults above
+TRAINING = Settings()
+#: the qualification's runs are the recipe's first few updates: an hour is already generous
+QUALIFICATION = Settings(deadline_s=3600.0)
 
 
 def _now_iso() -> str:
@@ -86,7 +130,14 @@ class _CappedLog:
 class _StdoutReader(threading.Thread):
     """Parses the child's stdout into events and malformed lines (both bounded)."""
 
-    def __init__(self, stream, log: _CappedLog, max_events: int, max_malformed: int):
+    def __init__(
+        self,
+        stream,
+        log: _CappedLog,
+        max_events: int,
+        max_malformed: int,
+        preempt_after_step: int | None = None,
+    ):
         super().__init__(daemon=True)
         self.stream = stream
         self.log = log
@@ -98,6 +149,8 @@ class _StdoutReader(threading.Thread):
         self.types_seen: set[str] = set()
         self.terminal: dict | None = None  # last completed/failed/preempted/limit_reached event
         self.last_activity = time.monotonic()
+        self.preempt_after_step = preempt_after_step
+        self.preempt_cue: float | None = None  # when update ``preempt_after_step`` was seen
 
     def run(self) -> None:
         number = 0
@@ -121,6 +174,12 @@ class _StdoutReader(threading.Thread):
                 self.types_seen.add(value["type"])
                 if value["type"] in ("completed", "failed", "preempted", "limit_reached"):
                     self.terminal = value
+                if (
+                    self.preempt_cue is None
+                    and value["type"] == "update"
+                    and value.get("step") == self.preempt_after_step
+                ):
+                    self.preempt_cue = self.last_activity
             else:
                 self.malformed_total += 1
                 if len(self.malformed) < self.max_malformed:
@@ -213,6 +272,13 @@ def classify(
         return "timeout", "the wall-clock deadline was reached; the supervisor stopped the run"
     if supervisor_action == "stalled":
         return "stalled", "no event within the stall timeout; the supervisor stopped the run"
+    if supervisor_action == "preempt":
+        if exit_code == WORKER_PREEMPTED:
+            return "preempted", "the supervisor preempted the run on cue (checkpoint committed)"
+        return (
+            "cancelled",
+            f"the supervisor preempted the run on cue; it ended with exit {exit_code}",
+        )
     if forwarded:
         if exit_code == WORKER_PREEMPTED:
             return "preempted", "a forwarded signal preempted the run (checkpoint committed)"
@@ -237,44 +303,32 @@ def classify(
 def supervise(
     command: Sequence[str],
     run_dir: Path,
+    settings: Settings,
     *,
-    deadline_s: float,
-    stall_s: float,
-    grace_s: float = 10.0,
-    env: Mapping[str, str] | None = None,
-    cwd: Path | None = None,
-    pass_fds: Sequence[int] = (),
-    max_events: int = 10000,
-    max_malformed: int = 1000,
-    max_log_bytes: int = 16 << 20,
-    stderr_tail_bytes: int = 16384,
-    forward_signals: bool = True,
+    preempt_after_step: int | None = None,
 ) -> dict:
     """Run ``command`` under supervision; write and return the outcome (``run.json``).
 
-    ``command`` is an argument list; it is never passed through a shell. The stall
-    clock starts at launch, so ``stall_s`` must cover start-up (imports, compilation)
-    until the first event.
+    ``command`` is an argument list; it is never passed through a shell. With
+    ``preempt_after_step=K``, the supervisor sends SIGTERM to the group as soon as it sees
+    update K's event (then the grace period and SIGKILL as for any stop).
     """
     if isinstance(command, str) or not command:
         raise ValueError("command must be a non-empty argument list (no shell strings)")
-    if deadline_s <= 0 or stall_s <= 0 or grace_s < 0:
-        raise ValueError("deadline_s and stall_s must be > 0 and grace_s >= 0")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out_log = _CappedLog(run_dir / "stdout.log", max_log_bytes)
-    err_log = _CappedLog(run_dir / "stderr.log", max_log_bytes)
+    out_log = _CappedLog(run_dir / "stdout.log", settings.max_log_bytes)
+    err_log = _CappedLog(run_dir / "stderr.log", settings.max_log_bytes)
     forwarder = _Forwarder()
     started_iso, started_mono, started_time = _now_iso(), time.monotonic(), time.time()
     outcome: dict[str, Any] = {
         "command": list(map(str, command)),
         "run_dir": str(run_dir),
-        "deadline_s": deadline_s,
-        "stall_s": stall_s,
-        "grace_s": grace_s,
+        **settings.bounds(),
+        "preempt_after_step": preempt_after_step,
         "started": started_iso,
     }
-    if forward_signals:
+    if settings.forward_signals:
         forwarder.install()
     try:
         try:
@@ -284,9 +338,9 @@ def supervise(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                env=dict(env) if env is not None else None,
-                cwd=cwd,
-                pass_fds=tuple(pass_fds),
+                env=dict(settings.env) if settings.env is not None else None,
+                cwd=settings.cwd,
+                pass_fds=settings.pass_fds,
             )
         except OSError as exc:
             out_log.close()
@@ -309,12 +363,19 @@ def supervise(
         forwarder.pgid = pgid
         for record in forwarder.received:  # a signal that arrived before the child existed
             _signal_group(pgid, getattr(signal, record["signal"]))
-        stdout = _StdoutReader(child.stdout, out_log, max_events, max_malformed)
-        stderr = _StderrReader(child.stderr, err_log, stderr_tail_bytes)
+        stdout = _StdoutReader(
+            child.stdout,
+            out_log,
+            settings.max_events,
+            settings.max_malformed,
+            preempt_after_step,
+        )
+        stderr = _StderrReader(child.stderr, err_log, settings.stderr_tail_bytes)
         stdout.start()
         stderr.start()
 
-        action: str | None = None  # "timeout" | "stalled" when the supervisor stops the run
+        # "timeout" | "stalled" | "preempt" when the supervisor stops the run
+        action: str | None = None
         term_sent = kill_sent = None
         forwarded_at = None
         while True:
@@ -325,15 +386,21 @@ def supervise(
             if forwarder.received and forwarded_at is None:
                 forwarded_at = forwarder.received[0]["mono"]
             if action is None and term_sent is None and forwarded_at is None:
-                if now - started_mono >= deadline_s:
+                if now - started_mono >= settings.deadline_s:
                     action = "timeout"
-                elif now - max(stdout.last_activity, started_mono) >= stall_s:
+                elif now - max(stdout.last_activity, started_mono) >= settings.stall_s:
                     action = "stalled"
+                elif stdout.preempt_cue is not None:
+                    action = "preempt"
                 if action is not None:
                     term_sent = now
                     _signal_group(pgid, signal.SIGTERM)
             stop_requested = term_sent if term_sent is not None else forwarded_at
-            if stop_requested is not None and kill_sent is None and now - stop_requested >= grace_s:
+            if (
+                stop_requested is not None
+                and kill_sent is None
+                and now - stop_requested >= settings.grace_s
+            ):
                 kill_sent = now
                 _signal_group(pgid, signal.SIGKILL)
             time.sleep(_POLL_S)
@@ -349,7 +416,7 @@ def supervise(
         stdout.join(timeout=10)
         stderr.join(timeout=10)
     finally:
-        if forward_signals:
+        if settings.forward_signals:
             forwarder.restore()
         out_log.close()
         err_log.close()

@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-from minifield import stages
+from minifield import stages, supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 q = snakemake.params.qualification
@@ -16,9 +16,12 @@ stages.qualify(
     Path(snakemake.log[0]),
     steps=q["steps"],
     fail_after_step=q["fail_after_step"],
-    deadline_s=q["deadline_seconds"],
-    stall_s=q["stall_seconds"],
-    grace_s=t["grace_seconds"],
+    mode=q["mode"],
+    supervision=supervise.Settings(
+        deadline_s=q["deadline_seconds"],
+        stall_s=q["stall_seconds"],
+        grace_s=t["grace_seconds"],
+    ),
     gpus=t["gpus"],
     gpus_per_job=t["gpus_per_job"],
     lease_dir=Path(snakemake.params.lease_dir),

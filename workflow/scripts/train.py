@@ -2,7 +2,7 @@
 import sys
 from pathlib import Path
 
-from minifield import stages
+from minifield import stages, supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 t = snakemake.config["train"]  # operational: not a rerun trigger
@@ -17,9 +17,11 @@ stages.train_attempt(
     proof=Path(snakemake.input.proof),
     record_state_hashes=t["record_state_hashes"],
     allow_environment_change=t["allow_environment_change"],
-    deadline_s=t["deadline_seconds"],
-    stall_s=t["stall_seconds"],
-    grace_s=t["grace_seconds"],
+    supervision=supervise.Settings(
+        deadline_s=t["deadline_seconds"],
+        stall_s=t["stall_seconds"],
+        grace_s=t["grace_seconds"],
+    ),
     gpus=t["gpus"],
     gpus_per_job=t["gpus_per_job"],
     lease_dir=Path(snakemake.params.lease_dir),

@@ -10,12 +10,21 @@ import json
 import sys
 from pathlib import Path
 
+from .. import recovery
+from .. import supervise as supervisor
+
 
 def run(args) -> int:
     # imported here: loading the CLI (e.g. for `minifield supervise`) should not load JAX
     from .. import recipe as recipes
-    from .. import recovery
 
+    try:
+        supervision = supervisor.Settings(
+            deadline_s=args.deadline_s, stall_s=args.stall_s, grace_s=args.grace_s
+        )
+    except ValueError as exc:
+        print(f"minifield prove: --{str(exc).replace('_', '-')}", file=sys.stderr)
+        return 2
     try:
         proof = recovery.prove(
             args.recipe,
@@ -24,19 +33,25 @@ def run(args) -> int:
             args.out,
             steps=args.steps,
             fail_after_step=args.fail_after_step,
+            mode=args.mode,
             examples_dir=args.examples,
-            deadline_s=args.deadline_s,
-            stall_s=args.stall_s,
-            grace_s=args.grace_s,
+            supervision=supervision,
         )
     except recipes.RecipeError as exc:
         print(str(exc), file=sys.stderr)
         return 2
     summary = {
         "passed": proof["passed"],
+        "mode": proof["settings"]["mode"],
         "diagnosis": proof["diagnosis"],
         "checkpoint_used": proof["checkpoint_used"],
         "first_divergence": proof["first_divergence"],
+        "preempted": {
+            key: (proof["preempted"] or {}).get(key)
+            for key in ("passed", "receipt", "first_divergence")
+        }
+        if proof["preempted"] is not None
+        else None,
         "proof": str(args.out or Path(proof["proof_dir"]) / "proof.json"),
         "seconds": round(proof["seconds"], 3),
     }
@@ -45,8 +60,11 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
+    defaults = supervisor.QUALIFICATION
     parser = sub.add_parser(
-        "prove", help="recovery proof: reference, crash after update k, resume, compare hashes"
+        "prove",
+        help="recovery proof: reference, crash and/or preemption after update k, resume, "
+        "compare hashes",
     )
     parser.add_argument("recipe", type=Path, help="recipe file (JSON or YAML)")
     parser.add_argument("--input-root", type=Path, default=Path("data"))
@@ -55,9 +73,18 @@ def register(sub) -> None:
     )
     parser.add_argument("--out", type=Path, help="also write proof.json here")
     parser.add_argument("--steps", type=int, help="qualification length (default: from cadence)")
-    parser.add_argument("--fail-after-step", type=int, metavar="K", help="fault point")
+    parser.add_argument(
+        "--fail-after-step", type=int, metavar="K", help="crash/preemption point (default every+1)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=recovery.MODES,
+        default=recovery.DEFAULT_MODE,
+        help="interruption(s) to prove recovery from: a crash, a preemption (SIGTERM through "
+        f"the supervisor, exit 3) or both (default {recovery.DEFAULT_MODE})",
+    )
     parser.add_argument("--examples", type=Path, help="prepared examples directory")
-    parser.add_argument("--deadline-s", type=float, default=3600.0)
-    parser.add_argument("--stall-s", type=float, default=600.0)
-    parser.add_argument("--grace-s", type=float, default=30.0)
+    parser.add_argument("--deadline-s", type=float, default=defaults.deadline_s)
+    parser.add_argument("--stall-s", type=float, default=defaults.stall_s)
+    parser.add_argument("--grace-s", type=float, default=defaults.grace_s)
     parser.set_defaults(func=run)

@@ -21,19 +21,16 @@ def run(args) -> int:
     if not command:
         print("minifield supervise: no command given after '--'", file=sys.stderr)
         return 2
-    for name in ("deadline_s", "stall_s"):
-        if getattr(args, name) <= 0:
-            print(f"minifield supervise: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
-            return 2
-    if args.grace_s < 0:
-        print("minifield supervise: --grace-s must be >= 0", file=sys.stderr)
+    try:
+        settings = supervisor.Settings(
+            deadline_s=args.deadline_s, stall_s=args.stall_s, grace_s=args.grace_s
+        )
+    except ValueError as exc:
+        # the message starts with the field name: say it as the flag the user typed
+        print(f"minifield supervise: --{str(exc).replace('_', '-')}", file=sys.stderr)
         return 2
     outcome = supervisor.supervise(
-        command,
-        args.run_dir,
-        deadline_s=args.deadline_s,
-        stall_s=args.stall_s,
-        grace_s=args.grace_s,
+        command, args.run_dir, settings, preempt_after_step=args.preempt_after_step
     )
     summary = {
         k: outcome.get(k)
@@ -62,7 +59,16 @@ def register(sub) -> None:
         help="stop the child when no event arrives for this long (includes start-up)",
     )
     parser.add_argument(
-        "--grace-s", type=float, default=10.0, help="SIGTERM→SIGKILL grace period (default 10)"
+        "--grace-s",
+        type=float,
+        default=supervisor.Settings.grace_s,
+        help=f"SIGTERM→SIGKILL grace period (default {supervisor.Settings.grace_s:g})",
+    )
+    parser.add_argument(
+        "--preempt-after-step",
+        type=int,
+        metavar="K",
+        help="send SIGTERM to the child once it reports update K (a preemption on cue)",
     )
     parser.add_argument("child", nargs="+", metavar="-- COMMAND ...", help="the command to run")
     parser.set_defaults(func=run)
