@@ -455,10 +455,29 @@ def flax_rope_theta(monkeypatch):
 
 
 def _flax_model(directory: Path, hf: dict):
-    flax_model, info = _flax_class(hf).from_pretrained(
-        directory, from_pt=True, output_loading_info=True, dtype=jnp.float32
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    """transformers' model from the directory; every one of its parameters must be the file's
+    tensor (from_pretrained would silently randomise a weight it did not find)."""
+    from flax.traverse_util import flatten_dict
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(directory / "model.safetensors"))
+    if hf["tie_word_embeddings"]:
+        # transformers' Flax Llama/Mistral never tie (they always build an lm_head): their view
+        # of a tied model is the same function with the embedding copied into lm_head.
+        directory = directory.parent / f"{directory.name}-flax-untied"
+        stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
+        write_checkpoint(directory, {**hf, "tie_word_embeddings": False}, stored)
+    flax_model = _flax_class(hf).from_pretrained(directory, from_pt=True, dtype=jnp.float32)
+    seen = set()
+    for name, value in flatten_dict(flax_model.params, sep=".").items():
+        # Flax Dense kernels are [in, out], embeddings ".embedding" (the reference script's map)
+        if name.endswith(".kernel"):
+            name, value = name[: -len(".kernel")] + ".weight", np.asarray(value).T
+        elif name.endswith(".embedding"):
+            name = name[: -len(".embedding")] + ".weight"
+        np.testing.assert_array_equal(np.asarray(value), stored[name], err_msg=name)
+        seen.add(name)
+    assert seen == set(stored)
     return flax_model
 
 
@@ -493,10 +512,11 @@ def test_our_written_checkpoint_loads_in_transformers_with_equal_logits(
     cfg, params = hf_checkpoint.load(case["dir"], max_len=64, compute_dtype="float32")
     # Change the weights, so a passing test cannot be the source checkpoint read back.
     params = jax.tree_util.tree_map(lambda x: x * 1.01, params)
-    hf_checkpoint.write(tmp_path, cfg, params)
-    written_hf = json.loads((tmp_path / "config.json").read_text())
+    written = tmp_path / "written"
+    hf_checkpoint.write(written, cfg, params)
+    written_hf = json.loads((written / "config.json").read_text())
     assert written_hf["architectures"] == ["LlamaForCausalLM"]  # Mistral without window = Llama
-    reference = _flax_model(tmp_path, written_hf)
+    reference = _flax_model(written, written_hf)
     theirs = np.asarray(reference(np.asarray(ROWS, np.int32)).logits)
     np.testing.assert_allclose(our_logits(cfg, params, ROWS), theirs, atol=1e-4)
 

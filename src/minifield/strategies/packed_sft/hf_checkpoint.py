@@ -252,7 +252,8 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
     expected = expected_tensors(cfg)
     files = _tensor_files(directory)
     present = set(files)
-    if cfg.tie_embeddings and "lm_head.weight" in present:
+    duplicate_head = cfg.tie_embeddings and "lm_head.weight" in present
+    if duplicate_head:
         present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
     missing = sorted(set(expected) - present)
     if missing:
@@ -296,6 +297,17 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                     node = node.setdefault(part, {})
                 node[leaf] = jnp.asarray(value)
                 del value
+    if duplicate_head:
+        path = files["lm_head.weight"]
+        with safe_open(path, framework="numpy") as f:
+            head = f.get_tensor("lm_head.weight")
+        if head.shape != expected["model.embed_tokens.weight"][2] or not np.array_equal(
+            head.astype(np.float32), np.asarray(params["embed"]["tokens"])
+        ):
+            raise CheckpointError(
+                f"{path}: tensor lm_head.weight differs from model.embed_tokens.weight, but "
+                "config.json says tie_word_embeddings"
+            )
     params.setdefault("blocks", {})
     return cfg, params
 
