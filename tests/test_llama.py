@@ -212,9 +212,7 @@ def test_each_segment_of_a_packed_row_equals_the_example_alone(checkpoints, name
     segments = [[1] * 5 + [2] * 9 + [3] * 4 + [0, 0]]
     positions = [list(range(5)) + list(range(9)) + list(range(4)) + [0, 1]]
     packed = np.asarray(
-        forward(
-            params, cfg, *(jnp.asarray(x, jnp.int32) for x in (tokens, segments, positions))
-        )
+        forward(params, cfg, *(jnp.asarray(x, jnp.int32) for x in (tokens, segments, positions)))
     )[0]
     for example, start in ((a, 0), (b, 5), (c, 14)):
         alone = our_logits(cfg, params, [example])[0]
@@ -552,8 +550,27 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     recipe["training"]["learning_rate"] = 0.01
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4}
     path = write_recipe(tmp_path / "recipe.json", recipe)
-    run_worker(job=path, input_root=tmp_path / "in", output_root=tmp_path / "out", check_codes=(0,))
-    (attempt,) = (tmp_path / "out" / "llama-test").iterdir()
+
+    def run(out, *extra, codes=(0,)):
+        run_worker(
+            *extra,
+            job=path,
+            input_root=tmp_path / "in",
+            output_root=tmp_path / out,
+            record_state_hashes=True,
+            check_codes=codes,
+        )
+        return sorted((tmp_path / out / "llama-test").iterdir(), key=lambda p: p.stat().st_mtime)
+
+    def hashes(attempts):
+        return {
+            e["step"]: e["state_hash"]
+            for a in attempts
+            for e in read_events(a / "events.jsonl")
+            if e["type"] == "update"
+        }
+
+    (attempt,) = run("out")
     result = json.loads((attempt / "result.json").read_text())
     assert result["status"] == "completed" and result["steps_completed"] == 4
     updates = [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
@@ -562,3 +579,19 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     exported = json.loads((attempt / "export" / "model.json").read_text())["config"]["model"]
     assert exported["architecture"] == "llama" and exported["n_kv_heads"] == 2
     assert exported["qkv_bias"] is True and exported["rope_theta"] == 50000.0
+
+    # the store's view: the export alone reproduces the run's final DEV metrics
+    final = [e for e in read_events(attempt / "events.jsonl") if e["type"] == "evaluation"][-1]
+    loaded = recipes.load(path)
+    again = loaded.strategy.evaluate_export(loaded.data, attempt / "export")
+    assert again["dev_loss"] == pytest.approx(final["metrics"]["dev_loss"], rel=1e-6)
+    assert again["dev_exact_match"] == final["metrics"]["dev_exact_match"]
+
+    # a crash after update 3, resumed from the step-2 checkpoint: the same states bit for bit
+    (crashed,) = run("crash", "--fail-after-step", "3", codes=(1,))
+    (_, resumed) = run("crash", "--resume-from", crashed)
+    assert hashes([crashed, resumed]) == hashes([attempt])
+    assert (
+        json.loads((resumed / "result.json").read_text())["final_state_hash"]
+        == (result["final_state_hash"])
+    )
