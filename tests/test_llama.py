@@ -595,3 +595,32 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
         json.loads((resumed / "result.json").read_text())["final_state_hash"]
         == (result["final_state_hash"])
     )
+
+
+def test_a_tied_checkpoint_may_repeat_the_embedding_as_lm_head_but_not_differ(tmp_path):
+    hf = {**LLAMA, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    tensors = hf_tensors(hf, seed=4)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    cfg, params = hf_checkpoint.load(write_checkpoint(tmp_path / "same", hf, tensors))
+    assert cfg.tie_embeddings and "head" not in params
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0
+    with pytest.raises(CheckpointError, match=r"lm_head.weight differs from model.embed_tokens"):
+        hf_checkpoint.load(write_checkpoint(tmp_path / "differs", hf, tensors))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_config_json_as_transformers_writes_it_reads_the_same(tmp_path, name):
+    """transformers' own config classes write every key they know (rope_scaling null,
+    attention_bias, use_sliding_window, ...): their config.json must read as the bare one."""
+    import transformers
+
+    hf = CONFIGS[name]
+    config_class = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }[hf["architectures"][0]]
+    config_class(**{k: v for k, v in hf.items() if k != "model_type"}).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == hf["architectures"]
+    assert hf_checkpoint.config_from_hf(written) == hf_checkpoint.config_from_hf(hf)
