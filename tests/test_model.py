@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minifield.state import state_hash
 from minifield.strategies.packed_sft.model import (
     ModelConfig,
     flops_per_token,
@@ -18,7 +20,7 @@ from minifield.strategies.packed_sft.model import (
     init_params,
     loss_fn,
 )
-from minifield.strategies.packed_sft.optimizer import make_optimizer
+from minifield.strategies.packed_sft.optimizer import make_optimizer, make_schedule
 from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step
 
 
@@ -232,6 +234,37 @@ def test_train_step_updates_the_complete_state_and_learns_a_fixed_batch():
     assert float(metrics["tokens"]) == sum(
         int(m[1:].sum()) for seed in range(3) for _, m in examples(seed)
     )
+
+
+def hand_schedule(peak, warmup, max_steps, ratio, s):
+    """Learning rate of the update after ``s`` updates: linear warmup, then cosine to
+    ``ratio * peak`` at ``max_steps`` (float64 on the host, written out from the formula)."""
+    if s < warmup:
+        return peak * (s + 1) / warmup
+    floor = peak * ratio
+    progress = min(max((s - warmup) / (max_steps - warmup), 0.0), 1.0)
+    return floor + (peak - floor) * (1 + math.cos(math.pi * progress)) / 2
+
+
+@pytest.mark.slow  # JAX compiles two steps for ~20 s: kept out of the fast tier
+def test_logged_learning_rate_is_the_schedule_and_leaves_the_state_alone():
+    cfg = tiny(n_layers=1, compute_dtype="float32")
+    training = {"learning_rate": 3e-3, "warmup_steps": 3, "min_learning_rate_ratio": 0.2}
+    max_steps = 8
+    tx = make_optimizer(training, max_steps)
+    batch = pack([examples(seed) for seed in range(2)], 32)
+    logged = jax.jit(make_train_step(cfg, tx, make_schedule(training, max_steps)))
+    plain = jax.jit(make_train_step(cfg, tx))
+    with_rate = without_rate = init_train_state(cfg, tx, seed=0)
+    for s in range(max_steps + 2):  # past max_steps the rate stays at the floor
+        with_rate, metrics = logged(with_rate, batch)
+        without_rate, plain_metrics = plain(without_rate, batch)
+        assert "learning_rate" not in plain_metrics
+        assert float(metrics["learning_rate"]) == pytest.approx(
+            hand_schedule(3e-3, 3, max_steps, 0.2, s), rel=1e-6
+        )
+    # reporting the rate changes no bit of the state
+    assert state_hash(with_rate) == state_hash(without_rate)
 
 
 # ----------------------------------------------------------------------------- generation

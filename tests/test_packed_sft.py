@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -179,6 +180,20 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
         assert event["loss"] == pytest.approx(event["loss_sum"] / event["loss_tokens"], rel=1e-5)
         assert 4 <= event["examples"] and event["tokens"] <= 4 * 32
     assert updates[-1]["state_hash"] == result["final_state_hash"]
+    # the learning rate each update applied: warmup, then cosine down to ratio x peak at
+    # max_steps, written out by hand from the validated recipe's values
+    training = recipes.load(reference["recipe"]).data["training"]
+    assert training["decay"] == "cosine"
+    peak, warmup = training["learning_rate"], training["warmup_steps"]
+    floor = peak * training["min_learning_rate_ratio"]
+    for event in updates:
+        s = event["step"] - 1  # updates applied before this one
+        if s < warmup:
+            expected = peak * (s + 1) / warmup
+        else:
+            progress = (s - warmup) / (MAX_STEPS - warmup)
+            expected = floor + (peak - floor) * (1 + math.cos(math.pi * progress)) / 2
+        assert event["learning_rate"] == pytest.approx(expected, rel=1e-6)
     evaluations = [e for e in events if e["type"] == "evaluation"]
     assert [(e["step"], e["final"]) for e in evaluations] == [(2, False), (4, False), (6, True)]
     final = evaluations[-1]["metrics"]

@@ -319,7 +319,7 @@ def test_real_crash_and_resume_against_raw_events(tmp_path):
 
 def test_attempt_chain_matches_the_worker_resume_chain(tmp_path):
     """The summary's own chain walk agrees with the worker's (newest first there)."""
-    from minifield import train
+    from minifield import attempts
 
     for name, previous in [("a1", None), ("a2", "a1"), ("a3", "a2")]:
         (tmp_path / name).mkdir()
@@ -327,4 +327,4 @@ def test_attempt_chain_matches_the_worker_resume_chain(tmp_path):
         (tmp_path / name / "attempt.json").write_text(json.dumps({"resumed_from": resumed}))
     ours = summarize.attempt_chain(tmp_path / "a3")
     assert [p.name for p in ours] == ["a1", "a2", "a3"]
-    assert list(reversed(train._attempt_chain(tmp_path / "a3"))) == ours
+    assert list(reversed(attempts.newest_first(tmp_path / "a3"))) == ours

@@ -1,6 +1,7 @@
 """The worker through real subprocesses: listing, validation, runs, kills, resumes."""
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -83,6 +84,7 @@ def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, ref
     updates = [e for e in events if e["type"] == "update"]
     assert [u["step"] for u in updates] == list(range(1, 13))
     assert all(u["examples"] == 8 and u["seconds"] > 0 for u in updates)
+    assert all(u["learning_rate"] == 0.04 for u in updates)  # the schema's default, constant
     assert updates[-1]["state_hash"] == reference["final_state_hash"]
     committed = [e["step"] for e in events if e["type"] == "checkpoint_committed"]
     assert committed == [2, 4, 6, 8, 10, 12]
@@ -329,3 +331,121 @@ def test_environment_change_is_refused_unless_allowed(tmp_path, job):
     assert (
         result_of(out, "r2")["environment_override"]["xla_flags"]["current"] == changed["XLA_FLAGS"]
     )
+
+
+@pytest.fixture
+def sparse_job(tmp_path):
+    """The 12-update job with a checkpoint every 5 updates, and its uninterrupted result."""
+    (tmp_path / "in").mkdir(exist_ok=True)
+    job = write_recipe(
+        tmp_path / "sparse.json",
+        linear_recipe(limits={"max_steps": 12}, checkpoint={"every_steps": 5, "keep": 3}),
+    )
+    run_worker(
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=tmp_path / "ref",
+        attempt_id="sparse-ref",
+        check_codes=[0],
+    )
+    return job, result_of(tmp_path / "ref", "sparse-ref")
+
+
+def _resume_to_the_end(tmp_path, job, out, previous: str) -> dict:
+    run_worker(
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id=f"after-{previous}",
+        resume_from=run_dir(out, attempt=previous),
+        check_codes=[0],
+    )
+    return result_of(out, f"after-{previous}")
+
+
+@pytest.mark.parametrize("closed", ["stdout", "stdout-and-stderr"])
+def test_a_closed_stdout_preempts_with_a_checkpoint_and_resume_matches(
+    tmp_path, sparse_job, closed
+):
+    """The reader of the event stream goes away mid-run (a pipe's reader ended; a supervisor
+    died, taking stderr's reader too): the worker stops echoing, commits the updates made
+    since its last checkpoint, writes result.json and exits 3, without a traceback."""
+    job, reference = sparse_job
+    out = tmp_path / "out"
+    stderr_log = tmp_path / "stderr.log"
+    command = worker_command(
+        job=job,
+        input_root=tmp_path / "in",
+        output_root=out,
+        attempt_id="closed",
+        stall_after_step=2,
+        stall_seconds=3,
+    )
+    with open(stderr_log, "w") as stderr_file:
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if closed == "stdout-and-stderr" else stderr_file,
+            text=True,
+        )
+        for line in proc.stdout:  # read a few events live, up to update 2 (then it stalls)
+            event = json.loads(line)
+            if event["type"] == "update" and event["step"] == 2:
+                break
+        proc.stdout.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        code = proc.wait(timeout=120)
+    assert code == 3
+    attempt = run_dir(out, attempt="closed")
+    result = result_of(out, "closed")
+    events = read_events(attempt / "events.jsonl")
+    # the events file went on after stdout closed: the update that found it closed, its
+    # checkpoint (not on the every-5 cadence: made for the preemption) and the preemption
+    updates = [e["step"] for e in events if e["type"] == "update"]
+    stopped_at = updates[-1]
+    assert updates == list(range(1, stopped_at + 1)) and 2 < stopped_at < 12
+    preempted = events[-1]
+    assert preempted["type"] == "preempted" and preempted["step"] == stopped_at
+    assert preempted["signal"] is None and preempted["reason"].startswith("stdout closed")
+    committed = [e for e in events if e["type"] == "checkpoint_committed"]
+    assert committed[-1]["step"] == stopped_at
+    manifest = attempt / "checkpoints" / f"step-{stopped_at:08d}" / "manifest.json"
+    import hashlib
+
+    manifest_sha = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert result["status"] == "preempted" and result["steps_completed"] == stopped_at
+    assert result["checkpoint"]["step"] == stopped_at
+    assert result["checkpoint"]["sha256"] == preempted["checkpoint_sha256"] == manifest_sha
+    if closed == "stdout":
+        stderr = stderr_log.read_text()
+        assert "stdout closed" in stderr
+        assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+    resumed = _resume_to_the_end(tmp_path, job, out, "closed")
+    assert resumed["final_state_hash"] == reference["final_state_hash"]
+    resumed_events = read_events(run_dir(out, attempt="after-closed") / "events.jsonl")
+    assert next(e for e in resumed_events if e["type"] == "restored")["step"] == stopped_at
+
+
+def test_worker_piped_into_head_exits_3_with_a_result(tmp_path, sparse_job):
+    """``minifield-worker ... | head -3``, as a user types it."""
+    job, reference = sparse_job
+    out = tmp_path / "out"
+    command = shlex.join(
+        worker_command(job=job, input_root=tmp_path / "in", output_root=out, attempt_id="head")
+    )
+    proc = subprocess.run(
+        ["bash", "-c", f'{command} | head -3; echo "worker exit ${{PIPESTATUS[0]}}" >&2'],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert len(proc.stdout.splitlines()) == 3
+    assert "worker exit 3" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr
+    result = result_of(out, "head")
+    assert result["status"] == "preempted"
+    assert result["checkpoint"]["step"] == result["steps_completed"]
+    resumed = _resume_to_the_end(tmp_path, job, out, "head")
+    assert resumed["final_state_hash"] == reference["final_state_hash"]

@@ -11,8 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import atomic
-
-ATTEMPT_FILE = "attempt.json"
+from .attempt_layout import ATTEMPT_JSON
 
 
 def chain(attempt_dir: Path) -> list[Path]:
@@ -21,7 +20,12 @@ def chain(attempt_dir: Path) -> list[Path]:
     while current is not None and current.resolve() not in seen:
         seen.add(current.resolve())
         found.append(current)
-        info = current / ATTEMPT_FILE
+        info = current / ATTEMPT_JSON
         previous = atomic.read_json(info).get("resumed_from") if info.is_file() else None
         current = Path(previous) if previous else None
     return list(reversed(found))
+
+
+def newest_first(attempt_dir: Path) -> list[Path]:
+    """The attempt and the attempts it resumed from, newest first (the order a resume searches)."""
+    return list(reversed(chain(attempt_dir)))

@@ -36,6 +36,7 @@ from typing import Any
 
 from . import atomic
 from . import supervise as supervisor
+from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, RESULT
 from .events import read as read_events
 
 FORMAT = "minifield-proof/1"
@@ -112,8 +113,8 @@ def _hash_list(updates: dict[int, dict]) -> list[dict]:
 
 
 def _run_record(outcome: dict, attempt_dir: Path) -> dict:
-    events_path = attempt_dir / "events.jsonl"
-    result_path = attempt_dir / "result.json"
+    events_path = attempt_dir / EVENTS
+    result_path = attempt_dir / RESULT
     result = atomic.read_json(result_path) if result_path.is_file() else None
     return {
         "attempt_dir": str(attempt_dir),
@@ -178,7 +179,7 @@ class _Runs:
             preempt_after_step=preempt_after_step,
         )
         attempt_dir = self.job_dir / name
-        events_file = attempt_dir / "events.jsonl"
+        events_file = attempt_dir / EVENTS
         events = read_events(events_file)[0] if events_file.is_file() else []
         return outcome, attempt_dir, events
 
@@ -242,7 +243,7 @@ def last_committed_checkpoint(proof: dict, attempt_dir: Path, k: int) -> dict:
     """The newest committed checkpoint of the faulted run (what a resume must restore)."""
     from . import checkpoint
 
-    ckpt_root = attempt_dir / "checkpoints"
+    ckpt_root = attempt_dir / CHECKPOINTS
     committed = checkpoint.committed_steps(ckpt_root)
     if not committed:
         raise ProofProblem(f"The faulted run left no committed checkpoint in {ckpt_root}")
@@ -275,7 +276,7 @@ def run_preempted(runs: _Runs, section: dict, k: int) -> Path:
     record["last_update_step"] = max(updates, default=0)
     record["state_hashes"] = _hash_list(updates)
     event = next((e for e in events if e["type"] == "preempted"), None)
-    result_path = attempt_dir / "result.json"
+    result_path = attempt_dir / RESULT
     result = atomic.read_json(result_path) if result_path.is_file() else {}
     receipt = section["receipt"] = {
         "step": event.get("step") if event else None,
@@ -362,7 +363,7 @@ def run_resumed(
     """
     outcome, attempt_dir, events = runs.launch(name, "--resume-from", from_dir)
     record = section["resumed"] = _run_record(outcome, attempt_dir)
-    info_path = attempt_dir / "attempt.json"
+    info_path = attempt_dir / ATTEMPT_JSON
     info = atomic.read_json(info_path) if info_path.is_file() else {}
     record["resumed_from"] = info.get("resumed_from")
     restored = next((e for e in events if e["type"] == "restored"), None)
@@ -500,7 +501,7 @@ def compare_with_reference(
     )
     div = result["first_divergence"]
     if div is not None and div["what"] == "restored checkpoint":
-        ref_ckpt = runs.job_dir / "reference" / "checkpoints" / checkpoint.step_dir_name(start)
+        ref_ckpt = runs.job_dir / "reference" / CHECKPOINTS / checkpoint.step_dir_name(start)
         if (ref_ckpt / checkpoint.MANIFEST).is_file():
             div["parts"] = _manifest_part_diff(ref_ckpt, Path(checkpoint_used["path"]))
     section["comparison"] = result["rows"]

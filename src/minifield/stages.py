@@ -13,12 +13,14 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import atomic, attempts, examples, inputs, leases, locks, recovery, supervise
+from . import atomic, examples, inputs, leases, locks, recovery, supervise
 from . import recipe as recipes
+from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EXPORT, RESULT
+from .attempts import newest_first
+from .digest import sha256_file
 
 # checkpoint and train import JAX: they are imported in the stages that need them, so that
 # the validate, hash_inputs and prepare jobs start without JAX.
-from .digest import sha256_file
 
 
 class StageError(Exception):
@@ -69,7 +71,7 @@ def latest_attempt(job_dir: Path) -> Path | None:
     candidates = []
     if job_dir.is_dir():
         for entry in job_dir.iterdir():
-            info = entry / attempts.ATTEMPT_FILE
+            info = entry / ATTEMPT_JSON
             if info.is_file():
                 candidates.append((atomic.read_json(info).get("started", ""), entry.name, entry))
     return max(candidates)[2] if candidates else None
@@ -270,7 +272,7 @@ def train_attempt(
     _append_run_to_log(log, outcome)
     code = outcome["exit_code"]
     attempt_dir = job_dir / attempt_id
-    result_path = attempt_dir / train.RESULT_FILE
+    result_path = attempt_dir / RESULT
     if not result_path.is_file():
         raise StageError(
             f"training attempt {attempt_dir} ended {outcome['classification']} "
@@ -292,7 +294,7 @@ def train_attempt(
         )
     if out_export.exists():
         shutil.rmtree(out_export)
-    shutil.copytree(attempt_dir / "export", out_export)
+    shutil.copytree(attempt_dir / EXPORT, out_export)
     atomic.write_json(
         out_result,
         {
@@ -310,14 +312,24 @@ def train_attempt(
 
 def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
-    from . import checkpoint, train
+    from . import checkpoint
 
     by_step: dict[int, Path] = {}
-    for directory in train._attempt_chain(attempt_dir):
-        ckpt_dir = directory / "checkpoints"
+    for directory in newest_first(attempt_dir):
+        ckpt_dir = directory / CHECKPOINTS
         for step in checkpoint.committed_steps(ckpt_dir):
             by_step.setdefault(step, ckpt_dir / checkpoint.step_dir_name(step))
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _load_selected(path: Path, sha256: str, program, computation_digest: str):
+    """The selected checkpoint's state, verified again, and still the one DEV scored."""
+    from . import checkpoint
+
+    state, _ = checkpoint.load(path, program.init_state(), computation_digest=computation_digest)
+    if checkpoint.manifest_sha256(path) != sha256:
+        raise StageError(f"{path} changed while it was being evaluated (manifest sha256)")
+    return state
 
 
 def evaluate(
@@ -329,8 +341,9 @@ def evaluate(
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
-    With ``out_selected_export``, the selected checkpoint's weights are exported there
-    (the train stage exports the final ones).
+    One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
+    loaded again for TEST. With ``out_selected_export``, the selected checkpoint's weights
+    are exported there (the train stage exports the final ones).
     """
     from . import checkpoint
 
@@ -338,7 +351,7 @@ def evaluate(
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
     program = recipe.strategy.build(recipe.data, arrays)
-    rows, states = [], {}
+    rows = []
     for path in _retained_checkpoints(Path(result["attempt_dir"])):
         try:
             state, manifest = checkpoint.load(
@@ -347,17 +360,16 @@ def evaluate(
         except checkpoint.CheckpointError as exc:
             rows.append({"step": None, "path": str(path), "rejected": str(exc)})
             continue
-        step = manifest["step"]
-        states[step] = state
         rows.append(
             {
-                "step": step,
+                "step": manifest["step"],
                 "path": str(path),
                 "sha256": checkpoint.manifest_sha256(path),
                 "state_hash": manifest["state_hash"],
                 "dev": program.evaluate(state),
             }
         )
+        del state  # before the next checkpoint is loaded
     scored = [r for r in rows if "dev" in r]
     if not scored:
         raise StageError(f"no verifiable checkpoint to evaluate for {result['attempt_dir']}")
@@ -365,11 +377,14 @@ def evaluate(
     sign = 1.0 if mode == "min" else -1.0
     # Best DEV score wins; among equals the later step (more training) wins.
     selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
-    test = program.evaluate_test(states[selected["step"]])
+    state = _load_selected(
+        Path(selected["path"]), selected["sha256"], program, recipe.computation_digest
+    )
+    test = program.evaluate_test(state)
     if out_selected_export is not None:
         if out_selected_export.exists():
             shutil.rmtree(out_selected_export)
-        program.export(states[selected["step"]], out_selected_export)
+        program.export(state, out_selected_export)
     acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
     metrics = {
         "computation_digest": recipe.computation_digest,

@@ -16,8 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 
-STATE_PARTS = ("params", "opt_state", "rng", "step", "cursor")
-
 
 def _key_name(entry: Any) -> str:
     for attr in ("key", "name", "idx"):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import atomic
+from .attempt_layout import EVENTS
 from .attempts import chain as attempt_chain
 from .events import read as read_events
 
@@ -285,7 +286,7 @@ def attempt_event_files(attempt_dir: Path) -> list[Path]:
         raise SummaryError(
             f"{attempt_dir}: cannot follow the attempts it resumed from ({exc})"
         ) from None
-    files = [d / "events.jsonl" for d in chain if (d / "events.jsonl").is_file()]
+    files = [d / EVENTS for d in chain if (d / EVENTS).is_file()]
     if not files:
         raise SummaryError(f"{attempt_dir}: no events.jsonl in the attempt or the ones before it")
     return files

@@ -24,7 +24,8 @@ class LinearProgram(Program):
         self.tokens_per_step = 0
         self.x = jnp.asarray(examples["x"], dtype=jnp.float32)
         self.y = jnp.asarray(examples["y"], dtype=jnp.float32)
-        self.optimizer = optax.sgd(training["learning_rate"], momentum=training["momentum"])
+        self.learning_rate = float(training["learning_rate"])
+        self.optimizer = optax.sgd(self.learning_rate, momentum=training["momentum"])
         self._compiled = None
 
     def init_state(self) -> dict:
@@ -78,7 +79,8 @@ class LinearProgram(Program):
             self.compile()
         new_state, metrics = self._compiled(state, self.x, self.y)
         jax.block_until_ready(new_state)
-        return new_state, {"loss": float(metrics["loss"])}
+        # a constant learning rate, reported like packed-sft's scheduled one
+        return new_state, {"loss": float(metrics["loss"]), "learning_rate": self.learning_rate}
 
     def evaluate(self, state: dict) -> dict[str, float]:
         w = float(np.asarray(state["params"]["w"])[0])

@@ -178,10 +178,6 @@ def init_params(cfg: ModelConfig, key) -> dict:
     return params
 
 
-def count_params(params) -> int:
-    return int(sum(np.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(params)))
-
-
 # ----------------------------------------------------------------------------- products
 
 

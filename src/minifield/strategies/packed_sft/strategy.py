@@ -244,7 +244,11 @@ class PackedSFTProgram(Program):
         self.eval_every = recipe["evaluation"]["eval_every"]
         max_steps = recipe["limits"]["max_steps"]
         self.optimizer = optimizer.make_optimizer(training, max_steps)
-        self._step_fn = sft_step.make_train_step(self.cfg, self.optimizer)
+        # the schedule only adds the update's learning rate to its metrics (the optimizer
+        # applies its own copy), so the state, and its hash, are the same with or without it
+        self._step_fn = sft_step.make_train_step(
+            self.cfg, self.optimizer, optimizer.make_schedule(training, max_steps)
+        )
         self._init = sft_step.init_train_state
         self._compiled = None
         self.data_parallel = parallel.DataParallel.from_training(training)
