@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,9 @@ ROTARY_BASE = 10000.0
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture and precision. Hashable, so it can be a static argument of ``jax.jit``."""
+
+    #: the GPT-style block of this module; ``llama.LlamaConfig`` selects the Llama block
+    architecture: ClassVar[str] = "gpt"
 
     vocab_size: int
     d_model: int
@@ -116,6 +119,15 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def config_from_dict(d: dict):
+    """The config a ``to_dict()`` form describes: Llama when it says so, else this module's."""
+    if d.get("architecture") == "llama":
+        from .llama import LlamaConfig
+
+        return LlamaConfig.from_dict(d)
+    return ModelConfig.from_dict(d)
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -126,6 +138,10 @@ def init_params(cfg: ModelConfig, key) -> dict:
     into the residual stream (``attn/wo``, ``mlp/w2``) scaled by 1/sqrt(2 n_layers) so the
     residual variance does not grow with depth; biases 0, LayerNorm scale 1.
     """
+    if cfg.architecture == "llama":
+        from . import llama
+
+        return llama.init_params(cfg, key)
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     keys = iter(jax.random.split(key, 4 + 4 * L))
     residual_scale = 1.0 / math.sqrt(2 * L)
@@ -230,10 +246,10 @@ def _layer_norm(x_BxTxD, norm, dtype):
 # ----------------------------------------------------------------------------- attention
 
 
-def _rotate(x_BxTxHxK, positions_BxT):
+def _rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE):
     """Rotary position embedding (rotate-half form), applied in FP32."""
     half = x_BxTxHxK.shape[-1] // 2
-    inv_freq_K2 = ROTARY_BASE ** (-jnp.arange(half, dtype=F32) / half)
+    inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
     angle_BxTx1xK2 = (positions_BxT.astype(F32)[:, :, None] * inv_freq_K2)[:, :, None, :]
     cos, sin = jnp.cos(angle_BxTx1xK2), jnp.sin(angle_BxTx1xK2)
     x = x_BxTxHxK.astype(F32)
@@ -289,6 +305,10 @@ def forward(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
     ``positions`` must be < ``cfg.max_len`` with learned positions (a gather clamps
     larger indices silently); the packer's row length bounds them.
     """
+    if cfg.architecture == "llama":
+        from . import llama
+
+        return llama.forward(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
     # Gather from the FP32 tables and round afterwards, so the embedding gradient is
     # scatter-added in FP32.
     h_BxTxD = params["embed"]["tokens"][tokens_BxT]
@@ -359,6 +379,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     output projection) + attention scores and mixing: 12 x layers x seq_len x D
     (counted over the full, unmasked row, the usual convention).
     """
+    if cfg.architecture == "llama":
+        from . import llama
+
+        return llama.flops_per_token(cfg, seq_len)
     D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
     matmul_params = L * (4 * D * D + 2 * D * F) + D * V
     return float(6 * matmul_params + 12 * L * seq_len * D)

@@ -44,9 +44,63 @@ def _model_api():
     return model, optimizer, sft_step
 
 
+#: recipe keys only the Llama architecture reads, with the values an absent key means
+LLAMA_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
+
+
+def normalize_model_section(model: dict) -> list[dict]:
+    """Give the model section one spelling per computation; returns errors.
+
+    ``architecture`` has no schema default so that every recipe written before it keeps its
+    computation digest: ``gpt`` (the default) is removed, and a Llama section gets its
+    defaults filled here (``n_kv_heads`` = ``n_heads``), floats as floats, and loses
+    ``positions`` (Llama is always rotary).
+    """
+    llama_keys = ["n_kv_heads", *LLAMA_DEFAULTS]
+    if model.get("architecture", "gpt") == "gpt":
+        model.pop("architecture", None)
+        return [
+            {"path": f"/model/{key}", "message": "only for model.architecture llama"}
+            for key in llama_keys
+            if key in model
+        ]
+    model.setdefault("n_kv_heads", model["n_heads"])
+    for key, default in LLAMA_DEFAULTS.items():
+        model.setdefault(key, default)
+    model["rope_theta"], model["norm_eps"] = float(model["rope_theta"]), float(model["norm_eps"])
+    model.pop("positions", None)
+    errors = []
+    if model["n_heads"] % model["n_kv_heads"]:
+        errors.append(
+            {
+                "path": "/model/n_kv_heads",
+                "message": f"must divide model.n_heads={model['n_heads']} "
+                f"(got {model['n_kv_heads']})",
+            }
+        )
+    return errors
+
+
 def model_config(recipe: dict, vocab_size: int):
     model, _, _ = _model_api()
     section = recipe["model"]
+    if section.get("architecture") == "llama":
+        from .llama import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            d_model=section["d_model"],
+            n_layers=section["n_layers"],
+            n_heads=section["n_heads"],
+            n_kv_heads=section["n_kv_heads"],
+            d_ff=section["d_ff"],
+            max_len=recipe["training"]["seq_len"],
+            rope_theta=section["rope_theta"],
+            norm_eps=section["norm_eps"],
+            qkv_bias=section["qkv_bias"],
+            tie_embeddings=section["tie_embeddings"],
+            compute_dtype=section["compute_dtype"],
+        )
     return model.ModelConfig(
         vocab_size=vocab_size,
         d_model=section["d_model"],
@@ -353,7 +407,7 @@ class ExportedModel:
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.model = model
-        self.cfg = model.ModelConfig.from_dict(self.config["model"])
+        self.cfg = model.config_from_dict(self.config["model"])
         self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
         template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
         template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
@@ -412,6 +466,7 @@ class PackedSFT(Strategy):
                 }
             )
         model = recipe["model"]
+        errors += normalize_model_section(model)
         if model["d_model"] % model["n_heads"]:
             errors.append(
                 {
@@ -419,7 +474,10 @@ class PackedSFT(Strategy):
                     "message": f"must divide model.d_model={model['d_model']} (got {model['n_heads']})",
                 }
             )
-        elif model["positions"] == "rotary" and (model["d_model"] // model["n_heads"]) % 2:
+        elif (
+            model.get("positions", "rotary") == "rotary"
+            and (model["d_model"] // model["n_heads"]) % 2
+        ):
             errors.append(
                 {
                     "path": "/model/positions",

@@ -1,0 +1,343 @@
+"""HuggingFace Llama-family checkpoints in and out: ``config.json`` + safetensors.
+
+Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
+``.ckpt``, ``.pth``) are refused, never unpickled. Tensors are read one at a time and converted
+to FP32 (F32, BF16 and F16 are accepted), so the load holds at most one source tensor beside
+the FP32 result. Every shape is checked against ``config.json`` before any tensor is read.
+
+:data:`NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this project's
+parameter paths (see :mod:`.llama`). ``transpose`` marks a ``torch.nn.Linear`` weight, which
+PyTorch stores ``[out, in]`` and :mod:`.llama` holds ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .llama import LlamaConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
+ACCEPTED_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}
+#: HF ``architectures`` entry -> ``model_type`` written on export
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
+NAME_TABLE = [
+    ("model.embed_tokens.weight",                        "embed/tokens",              False),
+    ("model.layers.{i}.input_layernorm.weight",          "blocks/{i}/attn_norm/scale", False),
+    ("model.layers.{i}.self_attn.q_proj.weight",         "blocks/{i}/attn/wq",        True),
+    ("model.layers.{i}.self_attn.k_proj.weight",         "blocks/{i}/attn/wk",        True),
+    ("model.layers.{i}.self_attn.v_proj.weight",         "blocks/{i}/attn/wv",        True),
+    ("model.layers.{i}.self_attn.q_proj.bias",           "blocks/{i}/attn/bq",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.k_proj.bias",           "blocks/{i}/attn/bk",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.v_proj.bias",           "blocks/{i}/attn/bv",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.o_proj.weight",         "blocks/{i}/attn/wo",        True),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),
+    ("model.layers.{i}.mlp.gate_proj.weight",            "blocks/{i}/mlp/w_gate",     True),
+    ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
+    ("model.layers.{i}.mlp.down_proj.weight",            "blocks/{i}/mlp/w_down",     True),
+    ("model.norm.weight",                                "final_norm/scale",          False),
+    ("lm_head.weight",                                   "head/w",                    True),  # untied
+]  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this loader cannot use; the message names the file and the reason."""
+
+
+# ----------------------------------------------------------------------------- names and shapes
+
+
+def _param_shape(cfg: LlamaConfig, path: str) -> tuple[int, ...]:
+    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
+    D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    leaf = path.rsplit("/", 2)
+    kind = "/".join(leaf[-2:])
+    return {
+        "embed/tokens": (V, D),
+        "attn_norm/scale": (D,),
+        "mlp_norm/scale": (D,),
+        "final_norm/scale": (D,),
+        "attn/wq": (D, HK),
+        "attn/wk": (D, GK),
+        "attn/wv": (D, GK),
+        "attn/bq": (HK,),
+        "attn/bk": (GK,),
+        "attn/bv": (GK,),
+        "attn/wo": (HK, D),
+        "mlp/w_gate": (D, F),
+        "mlp/w_up": (D, F),
+        "mlp/w_down": (F, D),
+        "head/w": (D, V),
+    }[kind]
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+    """HF name -> (internal path, transpose, HF shape) for every tensor ``cfg`` has."""
+    out = {}
+    for hf, internal, transpose in NAME_TABLE:
+        if internal.endswith(("/bq", "/bk", "/bv")) and not cfg.qkv_bias:
+            continue
+        if internal == "head/w" and cfg.tie_embeddings:
+            continue
+        layers = range(cfg.n_layers) if "{i}" in hf else [None]
+        for i in layers:
+            name = hf if i is None else hf.format(i=i)
+            path = internal if i is None else internal.format(i=f"{i:02d}")
+            shape = _param_shape(cfg, path)
+            out[name] = (path, transpose, shape[::-1] if transpose else shape)
+    return out
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def config_from_hf(
+    hf: dict, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
+) -> LlamaConfig:
+    """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
+
+    def refuse(reason: str):
+        raise CheckpointError(f"{source}: {reason}")
+
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        refuse(f"architectures {archs!r} is not supported (expected one of {list(ARCHITECTURES)})")
+    arch = archs[0]
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) != "default":
+        refuse(f"rope_scaling {scaling!r} is not supported (only plain rotary positions)")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {hf['hidden_act']!r} is not supported (expected 'silu')")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias true is not supported")
+    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
+        refuse("attention_bias true (an o_proj bias) is not supported")
+    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
+        refuse("use_sliding_window true is not supported")
+    window, max_pos = hf.get("sliding_window"), hf.get("max_position_embeddings")
+    if arch == "MistralForCausalLM" and window is not None and window < (max_pos or 0):
+        refuse(f"sliding_window {window} < max_position_embeddings {max_pos} is not supported")
+    try:
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        if hf.get("head_dim") not in (None, hidden // heads):
+            refuse(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=hidden,
+            n_layers=hf["num_hidden_layers"],
+            n_heads=heads,
+            n_kv_heads=hf.get("num_key_value_heads") or heads,
+            d_ff=hf["intermediate_size"],
+            max_len=max_len if max_len is not None else max_pos,
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            compute_dtype=compute_dtype,
+        )
+    except KeyError as e:
+        refuse(f"missing key {e.args[0]!r}")
+    except (ValueError, TypeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        refuse(str(e))
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """``config.json`` for :func:`write`: Qwen2 when the model has q/k/v biases, else Llama."""
+    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+    return {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _refuse_pickles(directory: Path) -> None:
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not (directory / SINGLE_FILE).exists() and not (directory / INDEX_FILE).exists():
+        raise CheckpointError(
+            f"{directory / pickles[0]}: pickle checkpoints are refused (unpickling runs "
+            f"arbitrary code); convert the model to safetensors ({SINGLE_FILE})"
+        )
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
+    from safetensors import safe_open
+
+    index_path = directory / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
+        files = {}
+        for name, shard in weight_map.items():
+            shard_path = directory / shard
+            if Path(shard).suffix != ".safetensors" or shard_path.parent != directory:
+                raise CheckpointError(
+                    f"{index_path}: tensor {name} names shard {shard!r}, not a .safetensors "
+                    "file in this directory"
+                )
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index_path}: tensor {name} names missing shard {shard}")
+            files[name] = shard_path
+        return files
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(single, framework="numpy") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
+    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory.
+
+    Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
+    unsupported config, a missing or unexpected tensor, a shape disagreeing with
+    ``config.json``, an unsupported dtype, or an index naming a missing shard.
+    """
+    import jax.numpy as jnp
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    if directory.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{directory}: pickle checkpoints are refused (unpickling runs arbitrary code); "
+            f"give an HF directory with {SINGLE_FILE}"
+        )
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    _refuse_pickles(directory)
+    config_path = directory / CONFIG_FILE
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: cannot read ({e})") from None
+    cfg = config_from_hf(hf, str(config_path), max_len, compute_dtype)
+    expected = expected_tensors(cfg)
+    files = _tensor_files(directory)
+    present = set(files)
+    duplicate_head = cfg.tie_embeddings and "lm_head.weight" in present
+    if duplicate_head:
+        present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(f"{directory}: tensor {missing[0]} missing ({len(missing)} in all)")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]} "
+            f"({len(unexpected)} in all) for {hf['architectures'][0]} as config.json describes"
+        )
+    # Every shape and dtype first (headers only), so a bad checkpoint fails before any load.
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="numpy") as f:
+            for name in names:
+                info = f.get_slice(name)
+                shape, dtype = tuple(info.get_shape()), info.get_dtype()
+                if shape != expected[name][2]:
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
+                        f"{list(expected[name][2])}"
+                    )
+                if dtype not in ACCEPTED_DTYPES:
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has dtype {dtype} "
+                        f"(accepted: {sorted(ACCEPTED_DTYPES)})"
+                    )
+    params: dict = {}
+    for path, names in by_file.items():
+        with safe_open(path, framework="numpy") as f:
+            for name in names:
+                internal, transpose, _ = expected[name]
+                value = f.get_tensor(name).astype(np.float32)
+                if transpose:
+                    value = np.ascontiguousarray(value.T)
+                node = params
+                *parents, leaf = internal.split("/")
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = jnp.asarray(value)
+                del value
+    if duplicate_head:
+        path = files["lm_head.weight"]
+        with safe_open(path, framework="numpy") as f:
+            head = f.get_tensor("lm_head.weight")
+        if head.shape != expected["model.embed_tokens.weight"][2] or not np.array_equal(
+            head.astype(np.float32), np.asarray(params["embed"]["tokens"])
+        ):
+            raise CheckpointError(
+                f"{path}: tensor lm_head.weight differs from model.embed_tokens.weight, but "
+                "config.json says tie_word_embeddings"
+            )
+    params.setdefault("blocks", {})
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write(directory: str | Path, cfg: LlamaConfig, params) -> None:
+    """Write ``params`` as a PyTorch-named FP32 ``model.safetensors`` plus ``config.json``."""
+    from safetensors.numpy import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+        node = params
+        for part in internal.split("/"):
+            node = node[part]
+        value = np.asarray(node, dtype=np.float32)
+        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+        if tensors[name].shape != shape:
+            raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
+    # Temporary names renamed into place: an interrupted write leaves no half-written file.
+    weights_tmp, config_tmp = directory / f".{SINGLE_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
+    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
+    config_tmp.write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    os.replace(weights_tmp, directory / SINGLE_FILE)
+    os.replace(config_tmp, directory / CONFIG_FILE)
+
+
+def fp32_bytes(cfg: LlamaConfig) -> int:
+    """Bytes of the FP32 parameters (for memory figures)."""
+    return 4 * sum(math.prod(s) for _, _, s in expected_tensors(cfg).values())
