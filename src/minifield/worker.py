@@ -229,7 +229,8 @@ def _main(argv: list[str]) -> int:
             import jax
 
             jax.distributed.shutdown()
-    if outcome.status == "invalid":
+    if outcome.status == "invalid" and outcome.error:
+        # refused before an attempt was opened: nothing on disk says why, so say it here
         print(f"minifield-worker: {outcome.error['message']}", file=sys.stderr)
     elif not group.is_writer:
         print(
