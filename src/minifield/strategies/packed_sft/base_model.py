@@ -60,6 +60,12 @@ def _link_directory(recipe: dict, files: dict[str, Path], directory: Path) -> No
     ``model.safetensors.index.json`` and every shard under its own file name (the index names
     shards by file name)."""
     base, items = recipe["model"]["base"], _input_items(recipe)
+    for name in base["weights"]:
+        if Path(location(items[name])).suffix in hf_checkpoint.PICKLE_SUFFIXES:
+            raise BaseModelError(
+                f"{files[name]}: pickle checkpoints are refused (unpickling runs arbitrary code); "
+                "pin the model's safetensors files instead"
+            )
     links = {hf_checkpoint.CONFIG_FILE: base["config"]}
     if "index" in base:
         links[hf_checkpoint.INDEX_FILE] = base["index"]
@@ -101,17 +107,24 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
     model = recipe["model"]
     base = model["base"]
     seq_len = recipe["training"]["seq_len"]
+    from safetensors import SafetensorError
+
     with tempfile.TemporaryDirectory(prefix="minifield-base-") as tmp:
         directory = Path(tmp)
         _link_directory(recipe, files, directory)
         try:
             cfg, params = hf_checkpoint.load(directory, seq_len, model["compute_dtype"])
-        except hf_checkpoint.CheckpointError as exc:
-            # name the pinned file, not the private link
+        except (hf_checkpoint.CheckpointError, SafetensorError, OSError) as exc:
+            # name the pinned files, not the private links
             message = str(exc)
             for link in sorted(directory.iterdir(), key=lambda p: -len(str(p))):
-                message = message.replace(str(link), str(link.resolve()))
-            message = message.replace(str(directory), f"base model {base['config']}")
+                target = link.resolve()
+                named = str(target) if target.name == link.name else f"{target} (as {link.name})"
+                message = message.replace(str(link), named)
+            weights = ", ".join(str(files[name]) for name in base["weights"])
+            message = message.replace(str(directory), f"base model weights {weights}")
+            if not isinstance(exc, hf_checkpoint.CheckpointError):
+                message = f"base model weights {weights}: not readable ({message})"
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)

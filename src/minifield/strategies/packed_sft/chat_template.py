@@ -88,8 +88,11 @@ def encode(messages: list[dict], template: ChatTemplate, backend, eos_id: int, w
     ``prompt`` is every token before the assistant span, ``response`` the span's tokens through
     the first ``eos_id``; ``where`` (``file:line``) goes into every error.
     """
-    prompt_text = template.render(messages[:-1], add_generation_prompt=True)
-    full_text = template.render(messages)
+    try:
+        prompt_text = template.render(messages[:-1], add_generation_prompt=True)
+        full_text = template.render(messages)
+    except ChatTemplateError as exc:
+        raise ChatTemplateError(f"{where}: {exc}") from None
     if not full_text.startswith(prompt_text):
         raise ChatTemplateError(
             f"{where}: rendering the conversation without its last message (with "
