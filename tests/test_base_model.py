@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +161,9 @@ def test_training_starts_from_the_base_weights_read_from_the_file(root, tmp_path
         32, 2, 4, 2, 48, 340,
     )  # fmt: skip
     assert cfg.rope_theta == 50000.0 and cfg.norm_eps == 1e-5 and not cfg.tie_embeddings
-    assert program.init_state()["params"]["embed"]["tokens"] is not state["params"]["embed"]["tokens"]
+    assert (
+        program.init_state()["params"]["embed"]["tokens"] is not state["params"]["embed"]["tokens"]
+    )
 
 
 def test_examples_are_rendered_with_the_base_models_chat_template(root):
@@ -195,6 +196,14 @@ def test_a_different_base_file_is_a_different_computation(root):
     second = recipes.validate(base_recipe(root))
     assert first.computation_digest != second.computation_digest
     assert first.examples_digest != second.examples_digest
+    weights = root / "base" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"][0] += 1.0
+    save_file(tensors, str(weights), {"format": "pt"})
+    assert recipes.validate(base_recipe(root)).computation_digest not in (
+        first.computation_digest,
+        second.computation_digest,
+    )
     # and the recipe's template override is part of both digests too
     third = recipes.validate(base_recipe(root, {"chat_template": CHATML}))
     assert third.computation_digest != second.computation_digest
@@ -365,10 +374,13 @@ def test_a_bad_base_model_ends_the_worker_with_exit_2_and_nothing_trained(root, 
     path = write_recipe(tmp_path / "recipe.json", base_recipe(root))
     (attempt,) = _run(tmp_path, path, root, "out", codes=(2,))
     result = json.loads((attempt / "result.json").read_text())
-    assert result["status"] == "invalid" and result["steps_completed"] == 0
-    assert "model.safetensors: tensor" in json.dumps(result) and "config.json implies" in (
-        json.dumps(result)
+    # exit 2 (checked by _run): invalid inputs; the attempt's status is "failed" in the examples
+    # phase, the error naming the pinned file, the tensor and config.json
+    assert result["status"] == "failed" and result["steps_completed"] == 0
+    assert result["error"]["phase"] == "examples"
+    assert result["error"]["message"] == (
+        f"{root / 'base' / 'model.safetensors'}: tensor model.layers.0.mlp.gate_proj.weight has "
+        "shape [48, 32], config.json implies [40, 32]"
     )
     assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
-    assert not any(p.name.startswith("ckpt") for p in attempt.rglob("*"))
-    shutil.rmtree(tmp_path / "out")
+    assert result["checkpoint"] is None and result["final_state_hash"] is None

@@ -133,9 +133,7 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
         for path, value in _flatten(params)
     }
     arrays[CONFIG_ARRAY] = np.frombuffer(config_path.read_bytes(), dtype=np.uint8)
-    arrays[TOKENIZER_ARRAY] = np.frombuffer(
-        files[base["tokenizer"]].read_bytes(), dtype=np.uint8
-    )
+    arrays[TOKENIZER_ARRAY] = np.frombuffer(files[base["tokenizer"]].read_bytes(), dtype=np.uint8)
     arrays[TOKENIZER_CONFIG_ARRAY] = np.frombuffer(
         files[base["tokenizer_config"]].read_bytes(), dtype=np.uint8
     )

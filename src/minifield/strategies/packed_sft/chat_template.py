@@ -75,7 +75,9 @@ class ChatTemplate:
                 **self.variables,
             )
         except ChatTemplateError as exc:
-            raise ChatTemplateError(f"{self.where}: chat_template failed to render: {exc}") from None
+            raise ChatTemplateError(
+                f"{self.where}: chat_template failed to render: {exc}"
+            ) from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
             raise ChatTemplateError(
                 f"{self.where}: chat_template failed to render ({type(exc).__name__}: {exc})"

@@ -667,6 +667,7 @@ class PackedSFT(Strategy):
         if "base" in recipe["model"]:
             arrays, meta["base_model"] = base_model.load(recipe, files)
             tokenizer, template = _base_tokenizer(recipe, arrays, files)
+            meta["chat_template"] = template.source
 
             def encode_split(split):
                 return _encode_chat_split(files[split], tokenizer, template)

@@ -131,7 +131,9 @@ def _token_string(value, where: str, key: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise TokenizerError(f"{where}: {key} must be a string or {{'content': string}} (got {value!r})")
+    raise TokenizerError(
+        f"{where}: {key} must be a string or {{'content': string}} (got {value!r})"
+    )
 
 
 def from_base_model(
