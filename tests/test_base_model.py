@@ -223,6 +223,8 @@ def test_recipe_section_refusals_with_a_base_model(root):
     for model, where in [
         ({"architecture": "gpt"}, "/model/architecture"),
         ({"tokenizer": {"kind": "tokenizers-json"}}, "/model/tokenizer"),
+        ({"positions": "learned"}, "/model/positions"),
+        ({"d_model": 30, "n_heads": 4}, "/model/n_heads"),
     ]:
         with pytest.raises(recipes.RecipeError) as info:
             recipes.validate(base_recipe(root, model))
@@ -230,6 +232,12 @@ def test_recipe_section_refusals_with_a_base_model(root):
     recipe = base_recipe(root)
     recipe["inputs"] = [i for i in recipe["inputs"] if i["name"] != "base-tokenizer"]
     with pytest.raises(recipes.RecipeError, match="base-tokenizer"):
+        recipes.validate(recipe)
+    # a template override without a base model has nothing to render for
+    recipe = base_recipe(root, {"chat_template": "x"})
+    del recipe["model"]["base"]
+    recipe["inputs"] = recipe["inputs"][:3]
+    with pytest.raises(recipes.RecipeError, match="/model/chat_template"):
         recipes.validate(recipe)
 
 
