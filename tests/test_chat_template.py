@@ -44,6 +44,16 @@ ZEPHYR = """{% for message in messages %}
 {% endif %}
 {% endfor %}"""
 
+# SmolLM3/TRL style: the assistant turn inside transformers' {% generation %} block tag
+GENERATION_TAG = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
 #: template -> (special tokens, the text of the trained span for answer "olleh world")
 CASES = {
     "llama3": (
@@ -54,6 +64,11 @@ CASES = {
     "chatml": (
         CHATML,
         {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "olleh world<|im_end|>",
+    ),
+    "generation-tag": (
+        GENERATION_TAG,
+        {"eos_token": "<|im_end|>"},
         "olleh world<|im_end|>",
     ),
     "zephyr": (

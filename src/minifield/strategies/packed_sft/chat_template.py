@@ -1,7 +1,8 @@
 """Chat examples rendered with a base model's own ``chat_template`` (Jinja).
 
 The environment copies transformers' ``apply_chat_template`` (4.x): a sandboxed, immutable
-Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension,
+Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension
+and the ``{% generation %}`` block tag,
 a ``tojson`` filter that keeps non-ASCII text, and a ``raise_exception`` global; the template
 sees ``messages``, ``add_generation_prompt`` and the tokenizer's special token strings
 (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``). The rendered text is tokenized
@@ -30,6 +31,27 @@ class ChatTemplateError(Exception):
     """A chat template that does not compile, fails to render, or has no assistant span."""
 
 
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` renders its body, as in transformers (which
+    uses the tag to mark assistant tokens; the span here comes from the prefix render)."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_render_body")
+            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _render_body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
 def _environment():
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -43,7 +65,9 @@ def _environment():
         )
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_generation_tag(), jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
