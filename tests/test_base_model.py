@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -327,6 +328,27 @@ def test_a_sharded_base_model_loads_like_the_single_file(root):
     assert params and params == [k for k in sharded if k.startswith("base.")]
     for key in params:
         np.testing.assert_array_equal(single[key], sharded[key])
+
+
+def test_remote_base_files_are_found_by_input_name_as_fetch_places_them(root):
+    """A remote input lives at its name under the input root (where fetch_inputs puts it), so
+    remote shards are named as the index names them."""
+    _, (single, _) = _prepare(base_recipe(root), root)
+    recipe = _sharded(root)
+    renamed = {"base-shard-0": "model-00001-of-00002.safetensors"}
+    renamed["base-shard-1"] = "model-00002-of-00002.safetensors"
+    for item in recipe["inputs"]:
+        if item["name"].startswith("base"):
+            source = root / item.pop("path")
+            item["name"] = renamed.get(item["name"], item["name"])
+            item["url"] = f"https://models.example/{source.name}"
+            item["size"] = source.stat().st_size
+            shutil.copyfile(source, root / item["name"])  # what fetch_inputs places
+    base = recipe["model"]["base"]
+    base["weights"] = [renamed[n] for n in base["weights"]]
+    _, (remote, _) = _prepare(recipe, root)
+    for key in [k for k in single if k.startswith("base.")]:
+        np.testing.assert_array_equal(single[key], remote[key])
 
 
 def test_an_index_naming_a_missing_shard_is_refused(root):
