@@ -387,6 +387,9 @@ class PackedSFTProgram(Program):
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
         if self.cfg.architecture == "llama":
             # A HuggingFace directory (see hf_export); the GPT model keeps the .npy format.
+            import jax
+
+            from ...state import to_host
             from . import hf_export
 
             tokenizer_json = None
@@ -395,7 +398,7 @@ class PackedSFTProgram(Program):
             hf_export.write(
                 directory,
                 self.cfg,
-                state["params"],
+                jax.tree_util.tree_map(to_host, state["params"]),  # gathered if sharded
                 self.tokenizer,
                 tokenizer_json,
                 {EXPORT_DEV_FILE: dev_bytes},
