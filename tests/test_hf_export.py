@@ -170,6 +170,32 @@ def test_export_directory_lists_every_file_with_its_sha256_and_loads_back(tmp_pa
         ExportedModel(directory)
 
 
+def test_a_tokenizers_json_run_exports_its_file_and_its_special_tokens(tmp_path):
+    from test_tokenizer import _write_bpe
+    from tokenizers import Tokenizer
+
+    source = _write_bpe(tmp_path / "source.json")
+    tokenizer = tokenizers.from_file(source, {"sep": "<unk>"})
+    cfg, params = tiny_llama(vocab_size=tokenizer.vocab_size)
+    config = {
+        "strategy": {"name": "packed-sft", "version": "12.0.0"},
+        "model": cfg.to_dict(),
+        "tokenizer": tokenizer.config("tokenizer.json"),
+    }
+    directory = tmp_path / "export"
+    hf_export.write(directory, cfg, params, tokenizer, source.read_bytes(), {}, config, "float32")
+    assert (directory / "tokenizer.json").read_bytes() == source.read_bytes()
+    backend = Tokenizer.from_file(str(source))
+    special = json.loads((directory / "tokenizer_config.json").read_text())
+    assert (special["sep_token"], special["eos_token"]) == ("<unk>", "<eos>")
+    assert special["added_tokens_decoder"][str(backend.token_to_id("<unk>"))]["content"] == "<unk>"
+    generation = json.loads((directory / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == backend.token_to_id("<eos>")
+    assert generation["bos_token_id"] == backend.token_to_id("<bos>")
+    assert generation["pad_token_id"] == backend.token_to_id("<pad>")
+    assert ExportedModel(directory).tokenizer.sep_id == backend.token_to_id("<unk>")
+
+
 def test_config_json_disagreeing_with_model_json_is_refused(tmp_path):
     directory = tmp_path / "export"
     _write_export(directory)
@@ -249,6 +275,19 @@ def test_worker_export_loads_in_transformers_with_equal_logits_and_tokens(
     assert {p.name for p in directory.iterdir()} == HF_FILES
     hf = json.loads((directory / "config.json").read_text())
     assert hf["architectures"] == ["LlamaForCausalLM"] and hf["torch_dtype"] == "float32"
+    # transformers' tokenizer from the export encodes as the run did (id = UTF-8 byte)
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    assert (hf_tokenizer.bos_token_id, hf_tokenizer.eos_token_id) == (257, 258)
+    assert (hf_tokenizer.pad_token_id, hf_tokenizer.sep_token_id) == (256, 259)
+    text = "<bos>héllo wörld<sep>"
+    assert hf_tokenizer(text, add_special_tokens=False).input_ids == [
+        257,
+        *"héllo wörld".encode(),
+        259,
+    ]
+
     flax_rope_theta(hf["rope_theta"])
     reference = _flax_model(directory, hf)
     cfg, params = hf_checkpoint.load(directory, compute_dtype="float32")
