@@ -46,6 +46,9 @@ def _model_api():
     return model, optimizer, sft_step
 
 
+#: ``evaluation.export_dtype`` when absent: the stored tensors of an HF export (Llama only)
+DEFAULT_EXPORT_DTYPE = "float32"
+
 #: recipe keys only the Llama architecture reads, with the values an absent key means
 LLAMA_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
 
@@ -140,6 +143,26 @@ def base_model_inputs(model: dict) -> list[str]:
         return []
     names = [base["config"], *base["weights"], base["tokenizer"], base["tokenizer_config"]]
     return names + ([base["index"]] if "index" in base else [])
+
+
+def normalize_export_dtype(recipe: dict) -> list[dict]:
+    """``evaluation.export_dtype`` has no schema default, so recipes written before it keep
+    their digest: the default (float32) is removed. Another value is part of the
+    computation digest (through the evaluation section) because it changes the published
+    bytes and the figures the gate re-evaluates from them. Only a Llama model has it (the
+    GPT model's export is the project's own FP32 format)."""
+    evaluation = recipe["evaluation"]
+    if evaluation.get("export_dtype", DEFAULT_EXPORT_DTYPE) == DEFAULT_EXPORT_DTYPE:
+        evaluation.pop("export_dtype", None)
+        return []
+    if recipe["model"].get("architecture") != "llama":
+        return [
+            {
+                "path": "/evaluation/export_dtype",
+                "message": "only for model.architecture llama (the GPT export is FP32 .npy)",
+            }
+        ]
+    return []
 
 
 def model_config(recipe: dict, vocab_size: int):
@@ -481,6 +504,33 @@ class PackedSFTProgram(Program):
 
         directory.mkdir(parents=True, exist_ok=True)
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
+        if self.cfg.architecture == "llama":
+            # A HuggingFace directory (see hf_export); the GPT model keeps the .npy format.
+            import jax
+
+            from ...state import to_host
+            from . import hf_export
+
+            tokenizer_json = None
+            if "tokenizer_json" in self.arrays:
+                tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
+            hf_export.write(
+                directory,
+                self.cfg,
+                jax.tree_util.tree_map(to_host, state["params"]),  # gathered if sharded
+                self.tokenizer,
+                tokenizer_json,
+                {EXPORT_DEV_FILE: dev_bytes},
+                export_config(
+                    self.recipe,
+                    self.cfg,
+                    self.tokenizer,
+                    EXPORT_TOKENIZER_FILE if tokenizer_json is not None else None,
+                    dev_bytes,
+                ),
+                self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
+            )
+            return
         (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
         tokenizer_file = None
         if "tokenizer_json" in self.arrays:
@@ -526,8 +576,13 @@ class ExportedModel:
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.model = model
-        self.cfg = model.config_from_dict(self.config["model"])
         self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+        if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
+            from . import hf_export
+
+            self.cfg, self.params = hf_export.load(self.directory, self.config)
+            return
+        self.cfg = model.config_from_dict(self.config["model"])
         template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
         template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
         try:
@@ -585,6 +640,7 @@ class PackedSFT(Strategy):
                     "message": f"packed-sft accepts only inputs {wanted}; got unexpected {unknown}",
                 }
             )
+        errors += normalize_export_dtype(recipe)
         if "d_model" not in model or "n_heads" not in model:
             pass  # a base model's config.json gives them (checked at prepare)
         elif model["d_model"] % model["n_heads"]:
