@@ -9,7 +9,9 @@ safetensors file read back independently (``safetensors.numpy.load_file``, trans
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 from test_chat_template import CHATML, make_tokenizer
 from test_llama import LLAMA, hf_tensors
 
-from minifield import examples, inputs, stages
+from minifield import cli, examples, export, inputs, stages
 from minifield import recipe as recipes
 from minifield.strategies.packed_sft import base_model, sft_data
 
@@ -414,3 +416,74 @@ def test_a_bad_base_model_ends_the_worker_with_exit_2_and_nothing_trained(root, 
     )
     assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
     assert result["checkpoint"] is None and result["final_state_hash"] is None
+
+
+def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_template(
+    root, tmp_path
+):
+    """The export carries the base model's own tokenizer files byte for byte and its eos/bos
+    ids; it loads back (ExportedModel, the store's gate, ``minifield generate``) and prompts
+    are the chat template's generation prompt, as transformers renders it."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from minifield.strategies.packed_sft.model import greedy_generate
+    from minifield.strategies.packed_sft.strategy import ExportedModel
+
+    recipe = base_recipe(root)
+    loaded, (arrays, _) = _prepare(recipe, root)
+    program = loaded.strategy.build(loaded.data, arrays)
+    state = program.init_state()
+    directory = tmp_path / "export"
+    program.export(state, directory)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (directory / name).read_bytes() == (root / "base" / name).read_bytes(), name
+    backend = Tokenizer.from_file(str(root / "base" / "tokenizer.json"))
+    generation = json.loads((directory / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == backend.token_to_id("<|im_end|>")
+    assert generation["pad_token_id"] == backend.token_to_id("<|endoftext|>")
+    assert generation["bos_token_id"] is None  # the base model has no bos_token
+
+    exported = ExportedModel(directory)
+    # the test's tokenizer_config.json names no tokenizer_class (AutoTokenizer would pick
+    # Llama's, which needs a bos_token); the fast tokenizer reads the files as they are
+    reference = PreTrainedTokenizerFast.from_pretrained(str(directory))
+    conversation = [{"role": "user", "content": "reverse: abc"}]
+    expected = reference.apply_chat_template(
+        conversation, tokenize=True, add_generation_prompt=True
+    )
+    assert exported.prompt_ids("reverse: abc") == list(expected)
+    # the gate re-evaluates the export alone to the figures the run measured (FP32 export)
+    measured = program.evaluate(state)
+    gate = loaded.strategy.evaluate_export(loaded.data, directory)
+    assert gate["dev_exact_match"] == measured["dev_exact_match"]
+    np.testing.assert_allclose(gate["dev_loss"], measured["dev_loss"], rtol=1e-5)
+    # minifield generate (its command, in process): greedy tokens from the generation prompt,
+    # decoded without special tokens
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(
+            ["generate", "--model", str(directory), "--prompt", "reverse: abc"]
+            + ["--max-new-tokens", "6"]
+        )
+    assert code == 0
+    new = greedy_generate(
+        exported.params, exported.cfg, list(expected), 6, generation["eos_token_id"]
+    )
+    text = reference.decode(new, skip_special_tokens=True)
+    assert out.getvalue() == text + "\n"
+
+
+def test_a_damaged_base_model_export_is_refused_naming_the_file(root, tmp_path):
+    from minifield.strategies.packed_sft.strategy import ExportedModel
+
+    loaded, (arrays, _) = _prepare(base_recipe(root), root)
+    program = loaded.strategy.build(loaded.data, arrays)
+    directory = tmp_path / "export"
+    program.export(program.init_state(), directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    # the listed sha256 no longer matches: export.read refuses before any parsing
+    with pytest.raises(export.ExportError, match="tokenizer_config.json"):
+        ExportedModel(directory)

@@ -204,17 +204,74 @@ def tokenizer_and_template(
         )
     source, template_where = recipe["model"].get("chat_template"), "recipe model.chat_template"
     if source is None:
-        source, template_where = config.get("chat_template"), where["tokenizer_config"]
-        if isinstance(source, list):  # named templates: the one transformers uses by default
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str) or not source:
-            raise BaseModelError(
-                f"{where['tokenizer_config']}: no chat_template (set model.chat_template in "
-                "the recipe to give one)"
-            )
+        source, template_where = (
+            config_template(config, where["tokenizer_config"]),
+            where["tokenizer_config"],
+        )
     try:
         template = chat_template.ChatTemplate(source, strings, template_where)
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template
+
+
+def config_template(config: dict, where: str) -> str:
+    """The chat template a ``tokenizer_config.json`` gives (of named templates, the one
+    transformers uses by default)."""
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        raise BaseModelError(
+            f"{where}: no chat_template (set model.chat_template in the recipe to give one)"
+        )
+    return source
+
+
+#: ``tokenizer.kind`` an export of a base-model run records: the base model's own
+#: ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) sit in the export
+EXPORT_TOKENIZER_KIND = "base-model"
+
+
+def export_tokenizer_config(recipe: dict, tokenizer_config: bytes) -> bytes:
+    """The ``tokenizer_config.json`` an export carries: the base model's file byte for byte,
+    or with ``chat_template`` replaced by the recipe's ``model.chat_template`` (the template
+    the run was trained with, which transformers' ``apply_chat_template`` then uses)."""
+    override = recipe["model"].get("chat_template")
+    if override is None:
+        return tokenizer_config
+    config = json.loads(tokenizer_config.decode("utf-8"))
+    config["chat_template"] = override
+    return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def exported_tokenizer(directory: Path, settings: dict):
+    """``(tokenizer, chat template)`` of an export recorded with ``EXPORT_TOKENIZER_KIND``;
+    a damaged file is a :class:`BaseModelError` naming it."""
+    tokenizer_path = directory / settings["file"]
+    config_path = directory / settings["config_file"]
+    try:
+        tokenizer_json = tokenizer_path.read_bytes()
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BaseModelError(f"{directory}: unreadable tokenizer files ({exc})") from None
+    if not isinstance(config, dict):
+        raise BaseModelError(f"{config_path}: expected a JSON object")
+    try:
+        tokenizer, strings = tokenizers.from_base_model(
+            tokenizer_json, config, str(tokenizer_path), str(config_path)
+        )
+        template = chat_template.ChatTemplate(
+            config_template(config, str(config_path)), strings, str(config_path)
+        )
+    except (tokenizers.TokenizerError, chat_template.ChatTemplateError) as exc:
+        raise BaseModelError(str(exc)) from None
+    return tokenizer, template
+
+
+def generation_prompt(template, backend, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as the user's turn followed by the template's generation
+    prompt: the text the evaluation's prompt is (``chat_template.encode``'s prefix)."""
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(backend.encode(text, add_special_tokens=False).ids)

@@ -117,22 +117,28 @@ def write(
     extra_files: dict[str, bytes],
     config: dict,
     dtype: str,
+    tokenizer_config_json: bytes | None = None,
 ) -> dict:
     """Write the HF directory and its ``model.json`` (written last: a directory without it
     is not an export). ``tokenizer_json``: the run's tokenizer file, None for the byte
-    tokenizer. ``config``: the project's export config; returns the ``model.json`` content."""
+    tokenizer. ``tokenizer_config_json``: a base model's ``tokenizer_config.json`` (its
+    special tokens and chat template), written as given; None writes the one
+    :func:`tokenizer_config` describes. ``config``: the project's export config; returns the
+    ``model.json`` content."""
     directory.mkdir(parents=True, exist_ok=True)
     hf_checkpoint.write(directory, cfg, params, dtype)
     files = {
         TOKENIZER_FILE: tokenizer_json if tokenizer_json is not None else byte_tokenizer_json(),
         **extra_files,
     }
+    generated = [(GENERATION_CONFIG_FILE, generation_config(tokenizer, cfg.max_len))]
+    if tokenizer_config_json is not None:
+        files[TOKENIZER_CONFIG_FILE] = tokenizer_config_json
+    else:
+        generated.append((TOKENIZER_CONFIG_FILE, tokenizer_config(tokenizer, cfg.max_len)))
     for name, data in files.items():
         atomic.write_bytes(directory / name, data)
-    for name, content in (
-        (TOKENIZER_CONFIG_FILE, tokenizer_config(tokenizer, cfg.max_len)),
-        (GENERATION_CONFIG_FILE, generation_config(tokenizer, cfg.max_len)),
-    ):
+    for name, content in generated:
         atomic.write_bytes(directory / name, (json.dumps(content, indent=2) + "\n").encode())
     return export.write_files(
         directory, {**config, "weights": {"format": WEIGHTS_FORMAT, "dtype": dtype}}

@@ -511,9 +511,14 @@ class PackedSFTProgram(Program):
             from ...state import to_host
             from . import hf_export
 
-            tokenizer_json = None
+            tokenizer_json = tokenizer_config_json = None
             if "tokenizer_json" in self.arrays:
                 tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
+            if "base" in self.recipe["model"]:
+                tokenizer_config_json = base_model.export_tokenizer_config(
+                    self.recipe,
+                    np.asarray(self.arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
+                )
             hf_export.write(
                 directory,
                 self.cfg,
@@ -529,6 +534,7 @@ class PackedSFTProgram(Program):
                     dev_bytes,
                 ),
                 self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
+                tokenizer_config_json,
             )
             return
         (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
@@ -546,11 +552,24 @@ class PackedSFTProgram(Program):
 
 
 def export_config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
+    tokenizer_settings = tokenizer.config(tokenizer_file)
+    layout = "<bos> prompt <sep> response <eos>"
+    if "base" in recipe["model"]:
+        # the base model's tokenizer files, beside the weights under their HF names
+        from .hf_export import TOKENIZER_CONFIG_FILE
+
+        tokenizer_settings = {
+            "kind": base_model.EXPORT_TOKENIZER_KIND,
+            "file": tokenizer_file,
+            "config_file": TOKENIZER_CONFIG_FILE,
+            "vocab_size": tokenizer.vocab_size,
+        }
+        layout = "chat_template (tokenizer_config.json)"
     return {
         "strategy": {"name": PackedSFT.name, "version": PackedSFT.version},
         "model": cfg.to_dict(),
-        "tokenizer": tokenizer.config(tokenizer_file),
-        "layout": "<bos> prompt <sep> response <eos>",
+        "tokenizer": tokenizer_settings,
+        "layout": layout,
         "packing": {
             "seq_len": recipe["training"]["seq_len"],
             "overlong": recipe["training"]["overlong"],
@@ -576,7 +595,16 @@ class ExportedModel:
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.model = model
-        self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+        self.template = None  # a base-model run's chat template (prompts are rendered with it)
+        if self.config.get("tokenizer", {}).get("kind") == base_model.EXPORT_TOKENIZER_KIND:
+            try:
+                self.tokenizer, self.template = base_model.exported_tokenizer(
+                    self.directory, self.config["tokenizer"]
+                )
+            except base_model.BaseModelError as exc:
+                raise export.ExportError(str(exc)) from None
+        else:
+            self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
         if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
             from . import hf_export
 
@@ -590,9 +618,18 @@ class ExportedModel:
         except ValueError as exc:
             raise export.ExportError(f"{self.directory}: {exc}") from exc
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """``prompt`` encoded as training laid it out: the chat template's user turn and
+        generation prompt for a base-model run, else ``<bos> prompt <sep>``."""
+        if self.template is not None:
+            try:
+                return base_model.generation_prompt(self.template, self.tokenizer._backend, prompt)
+            except chat_template.ChatTemplateError as exc:
+                raise ValueError(str(exc)) from None
+        return sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer).prompt
+
     def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
-        encoded = sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer)
-        ids = encoded.prompt
+        ids = self.prompt_ids(prompt)
         budget = min(max_new_tokens, self.cfg.max_len - len(ids))
         if budget <= 0:
             raise ValueError(
@@ -798,7 +835,10 @@ class PackedSFT(Strategy):
                 f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
                 f"recipe pins {pinned}"
             )
-        encoded = _encode_split(dev_path, exported.tokenizer)
+        if exported.template is not None:
+            encoded = _encode_chat_split(dev_path, exported.tokenizer, exported.template)
+        else:
+            encoded = _encode_split(dev_path, exported.tokenizer)
         arrays, _ = _eval_arrays("dev", encoded, recipe, exported.tokenizer.pad_id)
         evaluator = Evaluator(
             exported.cfg,
