@@ -1,6 +1,9 @@
 """Exported weights: one .npy per parameter plus ``model.json`` (config and per-file sha256).
 
-This is what users load to use a trained model, and what the store publishes.
+This is what users load to use a trained model, and what the store publishes. A second form
+(:data:`FILES_FORMAT`, written by :func:`write_files`) keeps weights in files of another format
+(a HuggingFace directory): ``model.json`` then lists every other file of the directory with its
+sha256, and :func:`read` verifies them all and returns no arrays (the caller loads the files).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from .digest import sha256_bytes
 
 MODEL_FILE = "model.json"
 FORMAT = "minifield-export/1"
+FILES_FORMAT = "minifield-export-files/1"
 
 
 class ExportError(Exception):
@@ -46,12 +50,37 @@ def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]
     return model
 
 
+def write_files(directory: Path, config: dict[str, Any]) -> dict:
+    """``model.json`` for a directory whose files are already written: each file (every file
+    under ``directory`` but ``model.json``) with its size and sha256, plus ``config``."""
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == MODEL_FILE or path.name.startswith("."):
+            continue
+        data = path.read_bytes()
+        files.append({"file": rel, "size": len(data), "sha256": sha256_bytes(data)})
+    model = {"format": FILES_FORMAT, "config": config, "files": files}
+    atomic.write_json(directory / MODEL_FILE, model)
+    return model
+
+
 def read(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Load and verify exported weights; raises ExportError naming the bad file."""
+    """Load and verify exported weights; raises ExportError naming the bad file.
+
+    A :data:`FILES_FORMAT` export has every listed file verified and gives no arrays."""
     model_path = directory / MODEL_FILE
     if not model_path.is_file():
         raise ExportError(f"{model_path}: missing (not an exported model directory)")
     model = atomic.read_json(model_path)
+    if model.get("format") == FILES_FORMAT:
+        for entry in model["files"]:
+            file = directory / entry["file"]
+            if not file.is_file():
+                raise ExportError(f"{file}: missing (listed in {model_path})")
+            if sha256_bytes(file.read_bytes()) != entry["sha256"]:
+                raise ExportError(f"{file}: sha256 mismatch with {model_path}")
+        return {}, model["config"]
     if model.get("format") != FORMAT:
         raise ExportError(f"{model_path}: format {model.get('format')!r}, expected {FORMAT!r}")
     params = {}

@@ -33,7 +33,10 @@ def register(sub) -> None:
         "generate", help="greedy generation from an exported packed-sft model directory"
     )
     parser.add_argument(
-        "--model", type=Path, required=True, help="export directory (model.json + weights/)"
+        "--model",
+        type=Path,
+        required=True,
+        help="export directory (model.json + weights/, or an HF directory from a llama run)",
     )
     parser.add_argument(
         "--prompt",

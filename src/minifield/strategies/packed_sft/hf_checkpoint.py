@@ -315,9 +315,26 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
 # ----------------------------------------------------------------------------- writing
 
 
-def write(directory: str | Path, cfg: LlamaConfig, params) -> None:
-    """Write ``params`` as a PyTorch-named FP32 ``model.safetensors`` plus ``config.json``."""
+def _export_dtypes() -> dict:
+    import ml_dtypes
+
+    return {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+#: tensor dtypes :func:`write` can store (the ``torch_dtype`` written in ``config.json``)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write(directory: str | Path, cfg: LlamaConfig, params, dtype: str = "float32") -> None:
+    """Write ``params`` as a PyTorch-named ``model.safetensors`` plus ``config.json``.
+
+    ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
+    ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
     from safetensors.numpy import save_file
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
+    stored_dtype = _export_dtypes()[dtype]
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -330,10 +347,11 @@ def write(directory: str | Path, cfg: LlamaConfig, params) -> None:
         tensors[name] = np.ascontiguousarray(value.T if transpose else value)
         if tensors[name].shape != shape:
             raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
+        tensors[name] = tensors[name].astype(stored_dtype)
     # Temporary names renamed into place: an interrupted write leaves no half-written file.
     weights_tmp, config_tmp = directory / f".{SINGLE_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp.write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    config_tmp.write_text(json.dumps({**config_to_hf(cfg), "torch_dtype": dtype}, indent=2) + "\n")
     os.replace(weights_tmp, directory / SINGLE_FILE)
     os.replace(config_tmp, directory / CONFIG_FILE)
 

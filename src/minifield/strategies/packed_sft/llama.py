@@ -28,6 +28,7 @@ table mapping them to HF names)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -192,7 +193,8 @@ def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
     return y_BxTxN.astype(cfg.dtype)
 
 
-def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
+def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
+    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype)."""
     B, T, _ = x_BxTxD.shape
     H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
@@ -200,21 +202,33 @@ def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
     v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
     q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT, cfg.rope_theta)
     k_BxTxGxK = _rotate(k_BxTxGxK, positions_BxT, cfg.rope_theta)
+    return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
+
+
+def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS, p):
+    """Attention of T queries over S keys/values (S = T in training, the cache length when
+    generating), then the output projection."""
+    B, T, H, K = q_BxTxHxK.shape
+    S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
     # Grouped-query attention: query head h reads key/value head h // (H / G) (HF's repeat_kv).
-    k_BxTxHxK = jnp.repeat(k_BxTxGxK, H // G, axis=2)
-    v_BxTxHxK = jnp.repeat(v_BxTxGxK, H // G, axis=2)
+    k_BxSxHxK = jnp.repeat(k_BxSxGxK, H // G, axis=2)
+    v_BxSxHxK = jnp.repeat(v_BxSxGxK, H // G, axis=2)
     # Canonical 3-D [B*H, T, K] batched dots, as in model._attention (the fast XLA:CPU path).
     N = B * H
-    q_NxTxK, k_NxTxK, v_NxTxK = (
-        t.transpose(0, 2, 1, 3).reshape(N, T, K) for t in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
-    )
-    scores_NxTxT = _einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxTxK, out_dtype=F32)
-    scores_BxHxTxT = scores_NxTxT.reshape(B, H, T, T) * (K**-0.5)
-    scores_BxHxTxT = jnp.where(mask_Bx1xTxT, scores_BxHxTxT, jnp.finfo(F32).min)
-    probs_NxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(cfg.dtype).reshape(N, T, T)
-    out_NxTxK = _einsum(cfg, "nts,nsk->ntk", probs_NxTxT, v_NxTxK)
+    q_NxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(N, T, K)
+    k_NxSxK, v_NxSxK = (t.transpose(0, 2, 1, 3).reshape(N, S, K) for t in (k_BxSxHxK, v_BxSxHxK))
+    scores_NxTxS = _einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
+    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * (K**-0.5)
+    scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, jnp.finfo(F32).min)
+    probs_NxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(cfg.dtype).reshape(N, T, S)
+    out_NxTxK = _einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
     out_BxTxHK = out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)
     return _project(cfg, out_BxTxHK, p["wo"])
+
+
+def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
+    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT)
+    return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p)
 
 
 def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
@@ -222,6 +236,14 @@ def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
     up_BxTxF = _einsum(cfg, "btd,df->btf", x_BxTxD, p["w_up"], out_dtype=F32)
     act_BxTxF = (jax.nn.silu(gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
     return _project(cfg, act_BxTxF, p["w_down"])
+
+
+def _head(params, cfg: LlamaConfig, h_BxTxD):
+    """FP32 logits from the last hidden states (final norm, then the tied or separate head)."""
+    h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
+    if cfg.tie_embeddings:
+        return _einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
+    return _einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
 
 
 def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
@@ -234,10 +256,7 @@ def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
         h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask_Bx1xTxT, positions_BxT)
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
         h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
-    h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
-    if cfg.tie_embeddings:
-        return _einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
-    return _einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+    return _head(params, cfg, h_BxTxD)
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
@@ -247,3 +266,90 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     matmul_params = L * (2 * D * HK + 2 * D * GK + 3 * D * F) + D * V
     return float(6 * matmul_params + 12 * L * seq_len * HK)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def empty_cache(cfg: LlamaConfig, batch: int, length: int) -> dict:
+    """Key/value cache: per layer ``[B, L, G, K]`` keys and values in the compute dtype."""
+    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {
+        f"{i:02d}": {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+        for i in range(cfg.n_layers)
+    }
+
+
+def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, last_B):
+    """One generation step over a single unpacked row per batch entry.
+
+    The keys and values of ``tokens`` are written into ``cache`` at their ``positions``;
+    each query attends to every cache slot at or before its own position (slots after it
+    may hold stale values and are masked, exactly as the full forward masks the slots after
+    the prompt). Returns the FP32 logits at slot ``last_B[b]`` of each row ``[B, V]`` and the
+    updated cache. ``T`` is the whole buffer for the prompt (prefill) and 1 per new token.
+    """
+    B, T = tokens_BxT.shape
+    S = next(iter(cache.values()))["k"].shape[1]
+    rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    # query at position t sees cache slot s iff s <= t (one causal segment per row)
+    mask_Bx1xTxS = (jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None])[:, None]
+    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    new_cache = {}
+    for name in sorted(params["blocks"], key=int):
+        block = params["blocks"][name]
+        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT)
+        k_BxSxGxK = cache[name]["k"].at[rows_BxT, positions_BxT].set(k_BxTxGxK)
+        v_BxSxGxK = cache[name]["v"].at[rows_BxT, positions_BxT].set(v_BxTxGxK)
+        new_cache[name] = {"k": k_BxSxGxK, "v": v_BxSxGxK}
+        h_BxTxD = h_BxTxD + _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS, block["attn"])
+        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
+        h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+    last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
+    return _head(params, cfg, last_Bx1xD)[:, 0], new_cache
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def generate_rows_cached(params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_B, stop):
+    """:func:`.model._generate_rows` with a key/value cache: the prompt buffer runs through
+    the model once, then each new token costs one single-position step instead of a full
+    forward over the buffer. The same loop, stopping rules and outputs."""
+    B, L = buffer_BxL.shape
+    rows_B = jnp.arange(B)
+    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    logits_BxV, cache = forward_cached(
+        params,
+        cfg,
+        buffer_BxL,
+        positions_BxL,
+        empty_cache(cfg, B, L),
+        jnp.maximum(lengths_B - 1, 0),
+    )
+
+    def cond(carry):
+        i, _, _, done_B, _, _ = carry
+        return (i < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
+        next_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        write_B = ~done_B
+        slot_B = jnp.minimum(len_B, L - 1)
+        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
+            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
+        )
+        len_B = len_B + write_B.astype(jnp.int32)
+        done_B = done_B | (write_B & (next_B == stop)) | (len_B >= L)
+        # The token just written (a finished row rewrites its last slot with the same values).
+        last_B = jnp.minimum(len_B - 1, L - 1)
+        token_Bx1 = buf_BxL[rows_B, last_B][:, None]
+        logits_BxV, cache = forward_cached(
+            params, cfg, token_Bx1, last_B[:, None], cache, jnp.zeros((B,), jnp.int32)
+        )
+        return i + 1, buf_BxL, len_B, done_B, logits_BxV, cache
+
+    done0_B = lengths_B >= L
+    carry = (jnp.int32(0), buffer_BxL, lengths_B, done0_B, logits_BxV, cache)
+    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return buf_BxL, len_B

@@ -433,8 +433,13 @@ def greedy_generate_batch(
     prompts: list[list[int]],
     max_new_tokens: int,
     stop_token: int | None,
+    cache: bool = True,
 ) -> list[list[int]]:
     """Greedy continuations of several prompts in one compiled loop (see :func:`greedy_generate`).
+
+    ``cache``: a Llama model generates with a key/value cache (one single-position step per
+    new token, :func:`.llama.generate_rows_cached`); ``False`` (or the GPT model) runs the
+    full forward over the buffer for every token. Both give the same tokens.
 
     The buffer length is rounded up to a multiple of 32 (at most ``cfg.max_len``) so
     that similar calls share one compilation (the token budget and stop token are
@@ -460,7 +465,10 @@ def greedy_generate_batch(
         buffer[row, : len(prompt)] = prompt
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     stop = -1 if stop_token is None else int(stop_token)
-    out, out_lengths = _generate_rows(
+    generate_rows = _generate_rows
+    if cache and cfg.architecture == "llama":
+        from .llama import generate_rows_cached as generate_rows
+    out, out_lengths = generate_rows(
         params,
         cfg,
         jnp.asarray(buffer),
@@ -484,6 +492,7 @@ def greedy_generate(
     prompt_tokens: list[int],
     max_new_tokens: int,
     stop_token: int | None,
+    cache: bool = True,
 ) -> list[int]:
     """Greedy (argmax) continuation of one prompt: the new tokens only, prompt excluded.
 
@@ -491,4 +500,6 @@ def greedy_generate(
     token itself is not returned), or when prompt + continuation fill ``cfg.max_len``.
     Deterministic: argmax breaks ties by the lowest token id.
     """
-    return greedy_generate_batch(params, cfg, [list(prompt_tokens)], max_new_tokens, stop_token)[0]
+    return greedy_generate_batch(
+        params, cfg, [list(prompt_tokens)], max_new_tokens, stop_token, cache
+    )[0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...atomic import write_bytes
@@ -37,6 +37,17 @@ class DataError(Exception):
 class Example:
     prompt: str
     response: str
+    #: a chat row's messages as given (a base model's chat template renders these)
+    messages: tuple | None = field(default=None, compare=False)
+
+    def conversation(self) -> list[dict]:
+        """The example as chat messages: a prompt/response row is one user and one assistant turn."""
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        return [
+            {"role": "user", "content": self.prompt},
+            {"role": "assistant", "content": self.response},
+        ]
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,7 @@ def _from_chat(messages, where: str) -> Example:
             "to be the assistant's (it is the response)"
         )
     prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-    return Example(prompt, messages[-1]["content"])
+    return Example(prompt, messages[-1]["content"], tuple(dict(m) for m in messages))
 
 
 def parse_row(row, where: str) -> Example:

@@ -2,7 +2,9 @@
 
 Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
 ``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
-``tokenizers-json``. The prepare stage packs each split into rows
+``tokenizers-json``, or the files of a base model that ``model.base`` names
+(:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
+tokenizer and chat template encode the examples). The prepare stage packs each split into rows
 (:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
 answers for exact-match evaluation by greedy generation.
 
@@ -22,7 +24,7 @@ import numpy as np
 from ... import export
 from ...digest import sha256_bytes
 from ..base import Program, Strategy
-from . import packing, sft_data
+from . import base_model, chat_template, packing, sft_data
 from . import tokenizer as tokenizers
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
@@ -44,8 +46,24 @@ def _model_api():
     return model, optimizer, sft_step
 
 
+#: ``evaluation.export_dtype`` when absent: the stored tensors of an HF export (Llama only)
+DEFAULT_EXPORT_DTYPE = "float32"
+
 #: recipe keys only the Llama architecture reads, with the values an absent key means
 LLAMA_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
+
+
+#: model keys whose schema has no default (a base model supplies them), with the values an
+#: absent key means without a base model (the values the schema held before, so every recipe
+#: keeps its computation digest)
+MODEL_DEFAULTS = {
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "d_ff": 256,
+    "positions": "learned",
+    "tie_embeddings": True,
+}
 
 
 def normalize_model_section(model: dict) -> list[dict]:
@@ -54,12 +72,23 @@ def normalize_model_section(model: dict) -> list[dict]:
     ``architecture`` has no schema default so that every recipe written before it keeps its
     computation digest: ``gpt`` (the default) is removed, and a Llama section gets its
     defaults filled here (``n_kv_heads`` = ``n_heads``), floats as floats, and loses
-    ``positions`` (Llama is always rotary).
+    ``positions`` (Llama is always rotary). With ``base`` (a pinned base model) nothing is
+    filled in: the dimensions come from its ``config.json`` at prepare, and the keys the
+    recipe states are kept to be checked against it there.
     """
+    if "base" in model:
+        return _normalize_base_section(model)
+    errors = [
+        {"path": f"/model/{key}", "message": "only with model.base (a pinned base model)"}
+        for key in ("chat_template",)
+        if key in model
+    ]
+    for key, default in MODEL_DEFAULTS.items():
+        model.setdefault(key, default)
     llama_keys = ["n_kv_heads", *LLAMA_DEFAULTS]
     if model.get("architecture", "gpt") == "gpt":
         model.pop("architecture", None)
-        return [
+        return errors + [
             {"path": f"/model/{key}", "message": "only for model.architecture llama"}
             for key in llama_keys
             if key in model
@@ -69,7 +98,6 @@ def normalize_model_section(model: dict) -> list[dict]:
         model.setdefault(key, default)
     model["rope_theta"], model["norm_eps"] = float(model["rope_theta"]), float(model["norm_eps"])
     model.pop("positions", None)
-    errors = []
     if model["n_heads"] % model["n_kv_heads"]:
         errors.append(
             {
@@ -81,9 +109,67 @@ def normalize_model_section(model: dict) -> list[dict]:
     return errors
 
 
+def _normalize_base_section(model: dict) -> list[dict]:
+    errors = []
+    if model.setdefault("architecture", "llama") != "llama":
+        errors.append(
+            {
+                "path": "/model/architecture",
+                "message": "a base model (model.base) is a Llama-family checkpoint: "
+                "architecture must be llama or absent",
+            }
+        )
+    if "positions" in model:
+        errors.append({"path": "/model/positions", "message": "not with model.base (rotary)"})
+    tokenizer = model.pop("tokenizer", {"kind": "byte"})
+    if tokenizer.get("kind") != "byte" or tokenizer.get("special_tokens"):
+        errors.append(
+            {
+                "path": "/model/tokenizer",
+                "message": "not with model.base: the base model's tokenizer.json and "
+                "tokenizer_config.json are used (model.base.tokenizer, tokenizer_config)",
+            }
+        )
+    for key in ("rope_theta", "norm_eps"):
+        if key in model:
+            model[key] = float(model[key])
+    return errors
+
+
+def base_model_inputs(model: dict) -> list[str]:
+    """Names of the pinned inputs that form the base model (empty without one)."""
+    base = model.get("base")
+    if not base:
+        return []
+    names = [base["config"], *base["weights"], base["tokenizer"], base["tokenizer_config"]]
+    return names + ([base["index"]] if "index" in base else [])
+
+
+def normalize_export_dtype(recipe: dict) -> list[dict]:
+    """``evaluation.export_dtype`` has no schema default, so recipes written before it keep
+    their digest: the default (float32) is removed. Another value is part of the
+    computation digest (through the evaluation section) because it changes the published
+    bytes and the figures the gate re-evaluates from them. Only a Llama model has it (the
+    GPT model's export is the project's own FP32 format)."""
+    evaluation = recipe["evaluation"]
+    if evaluation.get("export_dtype", DEFAULT_EXPORT_DTYPE) == DEFAULT_EXPORT_DTYPE:
+        evaluation.pop("export_dtype", None)
+        return []
+    if recipe["model"].get("architecture") != "llama":
+        return [
+            {
+                "path": "/evaluation/export_dtype",
+                "message": "only for model.architecture llama (the GPT export is FP32 .npy)",
+            }
+        ]
+    return []
+
+
 def model_config(recipe: dict, vocab_size: int):
     model, _, _ = _model_api()
     section = recipe["model"]
+    if "base" in section:
+        raise ValueError("a base model's config comes from its config.json (base_model_config)")
     if section.get("architecture") == "llama":
         from .llama import LlamaConfig
 
@@ -138,6 +224,38 @@ def _tokenizer_from_examples(recipe: dict, arrays: dict[str, np.ndarray]) -> tok
     )
 
 
+def _base_tokenizer(recipe: dict, arrays: dict[str, np.ndarray], files=None):
+    """The base model's tokenizer and chat template, from the prepared arrays."""
+    base = recipe["model"]["base"]
+    where = {
+        k: str(files[base[k]]) if files else f"base model input {base[k]!r}"
+        for k in ("tokenizer", "tokenizer_config")
+    }
+    return base_model.tokenizer_and_template(
+        recipe,
+        np.asarray(arrays[base_model.TOKENIZER_ARRAY]).tobytes(),
+        np.asarray(arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
+        where,
+        base_model.config_from_arrays(recipe, arrays).vocab_size,
+    )
+
+
+def _encode_chat_split(path: Path, tokenizer, template) -> list[sft_data.Encoded]:
+    """A split rendered with the base model's chat template (a failure is a bad input)."""
+    out = []
+    for index, example in enumerate(sft_data.read_jsonl(path)):
+        where = f"{path} (example {index + 1})"
+        try:
+            out.append(
+                chat_template.encode(
+                    example.conversation(), template, tokenizer._backend, tokenizer.eos_id, where
+                )
+            )
+        except chat_template.ChatTemplateError as exc:
+            raise base_model.BaseModelError(str(exc)) from None
+    return out
+
+
 def _encode_split(path: Path, tokenizer) -> list[sft_data.Encoded]:
     return [sft_data.encode(e, tokenizer) for e in sft_data.read_jsonl(path)]
 
@@ -152,6 +270,22 @@ def _eval_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, 
     generation = packing.prompts_and_answers(whole[:limit], pad_id)
     arrays.update({f"{split}_{k}": v for k, v in generation.items()})
     return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
+
+
+def _state_from_params(params: dict, optimizer, seed: int) -> dict:
+    """The step-0 state starting from given FP32 parameters (a base model's): the same layout
+    as ``sft_step.init_train_state``, whose random initialisation it replaces."""
+    import jax
+    import jax.numpy as jnp
+
+    params = jax.tree_util.tree_map(lambda a: jnp.array(a, dtype=jnp.float32), params)
+    return {
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+        "step": jnp.zeros((), jnp.int32),
+        "cursor": jnp.zeros((), jnp.int32),
+    }
 
 
 class Evaluator:
@@ -234,8 +368,14 @@ class PackedSFTProgram(Program):
         self.recipe = recipe
         self.arrays = arrays
         training = recipe["training"]
-        self.tokenizer = _tokenizer_from_examples(recipe, arrays)
-        self.cfg = model_config(recipe, self.tokenizer.vocab_size)
+        self.base_params = None
+        if "base" in recipe["model"]:
+            self.tokenizer, _ = _base_tokenizer(recipe, arrays)
+            self.cfg = base_model.config_from_arrays(recipe, arrays)
+            self.base_params = base_model.params_from_arrays(arrays)
+        else:
+            self.tokenizer = _tokenizer_from_examples(recipe, arrays)
+            self.cfg = model_config(recipe, self.tokenizer.vocab_size)
         self.seed = training["seed"]
         self.batch_size = training["batch_size"]
         self.n_rows = int(arrays["train_tokens"].shape[0])
@@ -264,7 +404,9 @@ class PackedSFTProgram(Program):
         )
 
     def init_state(self) -> dict:
-        return self._init(self.cfg, self.optimizer, self.seed)
+        if self.base_params is None:
+            return self._init(self.cfg, self.optimizer, self.seed)
+        return _state_from_params(self.base_params, self.optimizer, self.seed)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
@@ -362,6 +504,39 @@ class PackedSFTProgram(Program):
 
         directory.mkdir(parents=True, exist_ok=True)
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
+        if self.cfg.architecture == "llama":
+            # A HuggingFace directory (see hf_export); the GPT model keeps the .npy format.
+            import jax
+
+            from ...state import to_host
+            from . import hf_export
+
+            tokenizer_json = tokenizer_config_json = None
+            if "tokenizer_json" in self.arrays:
+                tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
+            if "base" in self.recipe["model"]:
+                tokenizer_config_json = base_model.export_tokenizer_config(
+                    self.recipe,
+                    np.asarray(self.arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
+                )
+            hf_export.write(
+                directory,
+                self.cfg,
+                jax.tree_util.tree_map(to_host, state["params"]),  # gathered if sharded
+                self.tokenizer,
+                tokenizer_json,
+                {EXPORT_DEV_FILE: dev_bytes},
+                export_config(
+                    self.recipe,
+                    self.cfg,
+                    self.tokenizer,
+                    EXPORT_TOKENIZER_FILE if tokenizer_json is not None else None,
+                    dev_bytes,
+                ),
+                self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
+                tokenizer_config_json,
+            )
+            return
         (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
         tokenizer_file = None
         if "tokenizer_json" in self.arrays:
@@ -377,11 +552,24 @@ class PackedSFTProgram(Program):
 
 
 def export_config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
+    tokenizer_settings = tokenizer.config(tokenizer_file)
+    layout = "<bos> prompt <sep> response <eos>"
+    if "base" in recipe["model"]:
+        # the base model's tokenizer files, beside the weights under their HF names
+        from .hf_export import TOKENIZER_CONFIG_FILE
+
+        tokenizer_settings = {
+            "kind": base_model.EXPORT_TOKENIZER_KIND,
+            "file": tokenizer_file,
+            "config_file": TOKENIZER_CONFIG_FILE,
+            "vocab_size": tokenizer.vocab_size,
+        }
+        layout = "chat_template (tokenizer_config.json)"
     return {
         "strategy": {"name": PackedSFT.name, "version": PackedSFT.version},
         "model": cfg.to_dict(),
-        "tokenizer": tokenizer.config(tokenizer_file),
-        "layout": "<bos> prompt <sep> response <eos>",
+        "tokenizer": tokenizer_settings,
+        "layout": layout,
         "packing": {
             "seq_len": recipe["training"]["seq_len"],
             "overlong": recipe["training"]["overlong"],
@@ -407,8 +595,22 @@ class ExportedModel:
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.model = model
+        self.template = None  # a base-model run's chat template (prompts are rendered with it)
+        if self.config.get("tokenizer", {}).get("kind") == base_model.EXPORT_TOKENIZER_KIND:
+            try:
+                self.tokenizer, self.template = base_model.exported_tokenizer(
+                    self.directory, self.config["tokenizer"]
+                )
+            except base_model.BaseModelError as exc:
+                raise export.ExportError(str(exc)) from None
+        else:
+            self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+        if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
+            from . import hf_export
+
+            self.cfg, self.params = hf_export.load(self.directory, self.config)
+            return
         self.cfg = model.config_from_dict(self.config["model"])
-        self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
         template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
         template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
         try:
@@ -416,9 +618,18 @@ class ExportedModel:
         except ValueError as exc:
             raise export.ExportError(f"{self.directory}: {exc}") from exc
 
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """``prompt`` encoded as training laid it out: the chat template's user turn and
+        generation prompt for a base-model run, else ``<bos> prompt <sep>``."""
+        if self.template is not None:
+            try:
+                return base_model.generation_prompt(self.template, self.tokenizer._backend, prompt)
+            except chat_template.ChatTemplateError as exc:
+                raise ValueError(str(exc)) from None
+        return sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer).prompt
+
     def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
-        encoded = sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer)
-        ids = encoded.prompt
+        ids = self.prompt_ids(prompt)
         budget = min(max_new_tokens, self.cfg.max_len - len(ids))
         if budget <= 0:
             raise ValueError(
@@ -443,10 +654,11 @@ class PackedSFT(Strategy):
     selection_metric = ("dev_loss", "min")
 
     def check(self, recipe: dict) -> list[dict]:
-        errors = []
+        model = recipe["model"]
+        errors = normalize_model_section(model)
         names = [i["name"] for i in recipe.get("inputs", [])]
-        wanted = list(SPLITS)
-        tokenizer = recipe["model"]["tokenizer"]
+        wanted = list(SPLITS) + base_model_inputs(model)
+        tokenizer = model.get("tokenizer", {"kind": "byte"})
         if tokenizer["kind"] == "tokenizers-json":
             wanted.append(tokenizer["input"])
         missing = [n for n in wanted if n not in names]
@@ -465,9 +677,10 @@ class PackedSFT(Strategy):
                     "message": f"packed-sft accepts only inputs {wanted}; got unexpected {unknown}",
                 }
             )
-        model = recipe["model"]
-        errors += normalize_model_section(model)
-        if model["d_model"] % model["n_heads"]:
+        errors += normalize_export_dtype(recipe)
+        if "d_model" not in model or "n_heads" not in model:
+            pass  # a base model's config.json gives them (checked at prepare)
+        elif model["d_model"] % model["n_heads"]:
             errors.append(
                 {
                     "path": "/model/n_heads",
@@ -526,23 +739,42 @@ class PackedSFT(Strategy):
     def data_spec(self, recipe: dict) -> dict:
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
         training, evaluation = recipe["training"], recipe["evaluation"]
-        return {
+        spec = {
             "strategy": self.name,
             "prepare_version": PREPARE_VERSION,
             "inputs": pinned,
-            "tokenizer": recipe["model"]["tokenizer"],
+            "tokenizer": recipe["model"].get("tokenizer"),
             "seq_len": training["seq_len"],
             "overlong": training["overlong"],
             "max_generate_examples": evaluation["max_generate_examples"],
         }
+        if "base" in recipe["model"]:
+            # only with a base model, so every other recipe keeps its examples digest
+            spec["tokenizer"] = None
+            spec["base"] = recipe["model"]["base"]
+            spec["chat_template"] = recipe["model"].get("chat_template")
+        return spec
 
     def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
-        tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
         training = recipe["training"]
         arrays: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"tokenizer": tokenizer.config(), "splits": {}}
+        meta: dict[str, Any] = {"splits": {}}
+        if "base" in recipe["model"]:
+            arrays, meta["base_model"] = base_model.load(recipe, files)
+            tokenizer, template = _base_tokenizer(recipe, arrays, files)
+            meta["chat_template"] = template.source
+
+            def encode_split(split):
+                return _encode_chat_split(files[split], tokenizer, template)
+        else:
+            tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
+
+            def encode_split(split):
+                return _encode_split(files[split], tokenizer)
+
+        meta["tokenizer"] = tokenizer.config()
         for split in SPLITS:
-            encoded = _encode_split(files[split], tokenizer)
+            encoded = encode_split(split)
             if split == "train":
                 packed = packing.pack(
                     encoded, training["seq_len"], training["overlong"], tokenizer.pad_id
@@ -558,7 +790,7 @@ class PackedSFT(Strategy):
                 arrays.update(split_arrays)
                 meta["splits"][split] = stats
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
-        if tokenizer.kind == "tokenizers-json":
+        if tokenizer.kind == "tokenizers-json" and "base" not in recipe["model"]:
             arrays["tokenizer_json"] = np.frombuffer(
                 files[recipe["model"]["tokenizer"]["input"]].read_bytes(), dtype=np.uint8
             )
@@ -603,7 +835,10 @@ class PackedSFT(Strategy):
                 f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
                 f"recipe pins {pinned}"
             )
-        encoded = _encode_split(dev_path, exported.tokenizer)
+        if exported.template is not None:
+            encoded = _encode_chat_split(dev_path, exported.tokenizer, exported.template)
+        else:
+            encoded = _encode_split(dev_path, exported.tokenizer)
         arrays, _ = _eval_arrays("dev", encoded, recipe, exported.tokenizer.pad_id)
         evaluator = Evaluator(
             exported.cfg,

@@ -125,6 +125,69 @@ def from_bytes(
     return _wrap(backend, special_tokens, where)
 
 
+def _token_string(value, where: str, key: str) -> str | None:
+    """A ``tokenizer_config.json`` special token: a string, an AddedToken dict, or null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise TokenizerError(
+        f"{where}: {key} must be a string or {{'content': string}} (got {value!r})"
+    )
+
+
+def from_base_model(
+    tokenizer_json: bytes, tokenizer_config: dict, where: str, config_where: str
+) -> tuple[Tokenizer, dict[str, str | None]]:
+    """A base model's tokenizer: ``tokenizer.json`` plus ``tokenizer_config.json``'s special
+    tokens; returns it with the special token strings (what a chat template sees).
+
+    Ids come from the files: ``eos_token`` is required (it ends every trained turn and stops
+    generation); ``bos_token`` may be null (Qwen2 has none); without ``pad_token`` padding uses
+    the eos id (padded slots are never attended to nor trained, so any id serves). There is
+    no ``<sep>``: the chat template separates the turns.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        backend = HFTokenizer.from_str(tokenizer_json.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - the library raises plain Exception subclasses
+        raise TokenizerError(f"{where}: not a loadable tokenizer.json ({exc})") from exc
+    strings = {
+        key: _token_string(tokenizer_config.get(key), config_where, key)
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
+    ids = {}
+    for key, token in strings.items():
+        if token is None:
+            continue
+        token_id = backend.token_to_id(token)
+        if token_id is None:
+            raise TokenizerError(
+                f"{config_where}: {key}={token!r} is not in the vocabulary of {where}"
+            )
+        ids[key] = token_id
+    if "eos_token" not in ids:
+        raise TokenizerError(
+            f"{config_where}: no eos_token (needed to end each assistant turn and generation)"
+        )
+    eos = ids["eos_token"]
+    names = {"pad": strings["pad_token"] or strings["eos_token"], "eos": strings["eos_token"]}
+    if strings["bos_token"] is not None:
+        names["bos"] = strings["bos_token"]
+    tokenizer = Tokenizer(
+        "tokenizers-json",
+        backend.get_vocab_size(with_added_tokens=True),
+        ids.get("pad_token", eos),
+        ids.get("bos_token"),
+        eos,
+        None,
+        backend,
+        names,
+    )
+    return tokenizer, strings
+
+
 def from_settings(settings: dict, files: dict[str, Path]) -> Tokenizer:
     """The tokenizer a recipe's ``model.tokenizer`` names (``files``: verified inputs by name)."""
     if settings.get("kind", "byte") == "byte":
