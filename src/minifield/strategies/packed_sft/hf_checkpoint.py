@@ -16,10 +16,12 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .llama import LlamaConfig
+if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
+    from .llama import LlamaConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -109,6 +111,7 @@ def config_from_hf(
     hf: dict, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
 ) -> LlamaConfig:
     """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
+    from .llama import LlamaConfig
 
     def refuse(reason: str):
         raise CheckpointError(f"{source}: {reason}")
