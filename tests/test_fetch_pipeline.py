@@ -61,6 +61,8 @@ def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
             "recipes": ["config/recipes/remote.yaml"],
             "input_root": "data",
             "work_dir": "work",
+            # the crash proof alone: preemption proofs are tested in test_proof.py
+            "qualification": {"mode": "crash"},
             "remote_inputs": {
                 "allowed_origins": ["https://assets.example"],  # plus the server's, below
                 "credentials_file": str(creds),

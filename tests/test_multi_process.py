@@ -327,6 +327,8 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
         "input_root": "data",
         "work_dir": "work",
         "train": {"retries": 0, "processes": 2},
+        # the crash proof alone: preemption proofs are tested in test_proof.py
+        "qualification": {"mode": "crash"},
     }
     (project / "config" / "config.yaml").write_text(json.dumps(config))
     cdigest = recipes.load(recipe_path).computation_digest

@@ -20,7 +20,13 @@ def make_project(tmp_path, recipe_edit=None):
     (tmp_path / "config" / "recipes" / "linear.yaml").write_text(yaml.safe_dump(recipe))
     (tmp_path / "config" / "config.yaml").write_text(
         yaml.safe_dump(
-            {"recipes": ["config/recipes/linear.yaml"], "input_root": "data", "work_dir": "work"}
+            {
+                "recipes": ["config/recipes/linear.yaml"],
+                "input_root": "data",
+                "work_dir": "work",
+                # the crash proof alone: preemption proofs are tested in test_proof.py
+                "qualification": {"mode": "crash"},
+            }
         )
     )
     return tmp_path / "config" / "recipes" / "linear.yaml"
@@ -59,6 +65,11 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
     assert "Nothing to be done" in again.stdout + again.stderr
 
     before = (cdir / "eval" / "metrics.json").read_bytes()
+    # the new computation's proof: the crash part alone (test_proof.py covers both modes)
+    config_path = project / "config" / "config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["qualification"] = {**config.get("qualification", {}), "mode": "crash"}
+    config_path.write_text(yaml.safe_dump(config))
     recipe = yaml.safe_load(recipe_path.read_text())
     recipe["training"]["learning_rate"] = 0.05
     recipe_path.write_text(yaml.safe_dump(recipe))

@@ -199,6 +199,8 @@ def _workspace(root: Path, gpus: int, processes: int = 1) -> Path:
         "work_dir": "work",
         # no retries: a failure must show, not be papered over by a second try
         "train": {"retries": 0, "request_gpus": gpus, "processes": processes},
+        # the crash proof alone: preemption proofs are tested in test_proof.py
+        "qualification": {"mode": "crash"},
     }
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return root
