@@ -107,6 +107,7 @@ def demo_run(tmp_path_factory) -> Path:
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert "config/recipes/llama-sft-demo.yaml" in config["recipes"]  # in the default pipeline
     config["recipes"] = ["config/recipes/llama-sft-demo.yaml"]
+    config["qualification"]["mode"] = "crash"  # preemption is proven elsewhere (suite time)
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     run_snakemake(workdir, check=True)
     cdigest = minifield.validate(DEMO_RECIPE).computation_digest[:16]
