@@ -123,9 +123,7 @@ def minimal_loss(params, batch, compute):
 
     def rms(x, scale):
         x = x.astype(F32)
-        return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * scale).astype(
-            compute
-        )
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * scale).astype(compute)
 
     inv = THETA ** (-jnp.arange(0, K, 2, dtype=F32) / K)
     angle = pos[..., None].astype(F32) * inv  # [B, T, K/2]

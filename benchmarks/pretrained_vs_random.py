@@ -96,7 +96,9 @@ def run_like_the_pipeline(recipe: dict, work: Path) -> tuple[dict, Path]:
     if not result.ok:
         raise SystemExit(f"{recipe['job_id']}: {result.status} {result.error}")
     # what the train stage records for evaluate: the attempt's result and where it is
-    atomic.write_json(work / "result.json", {**result.result, "attempt_dir": str(result.attempt_dir)})
+    atomic.write_json(
+        work / "result.json", {**result.result, "attempt_dir": str(result.attempt_dir)}
+    )
     metrics = stages.evaluate(work / "recipe.json", work / "result.json", prepared, work / "m.json")
     return metrics, prepared
 
@@ -129,8 +131,10 @@ def main() -> None:
         identical = _same_examples(*(prepared for _, prepared in out.values()))
     print(f"same training token ids and loss mask in both runs: {identical}")
     steps = demo["limits"]["max_steps"]
-    print(f"\n{steps} updates of batch {demo['training']['batch_size']} each, seed "
-          f"{demo['training']['seed']}, checkpoint selected on DEV\n")
+    print(
+        f"\n{steps} updates of batch {demo['training']['batch_size']} each, seed "
+        f"{demo['training']['seed']}, checkpoint selected on DEV\n"
+    )
     print("| start | DEV exact-match | DEV loss | TEST exact-match | TEST loss | selected step |")
     print("|---|---|---|---|---|---|")
     for label, (metrics, _) in out.items():

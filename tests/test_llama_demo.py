@@ -156,7 +156,11 @@ def test_the_export_loads_in_transformers_and_generate_prints_its_greedy_text(de
     ids = np.asarray([prompt], np.int32)
     theirs = np.asarray(reference(ids).logits)[0]
     ours = model.forward(
-        params, cfg, jnp.asarray(ids), jnp.ones_like(jnp.asarray(ids)), jnp.arange(len(prompt))[None]
+        params,
+        cfg,
+        jnp.asarray(ids),
+        jnp.ones_like(jnp.asarray(ids)),
+        jnp.arange(len(prompt))[None],
     )
     np.testing.assert_allclose(np.asarray(ours)[0], theirs, atol=1e-4)
 

@@ -206,11 +206,8 @@ def produce_base(data_root: Path, recipe_path: Path, work: Path, command: str) -
         "export": "the attempt's export/ (final state, FP32 safetensors), tokenizer_config.json "
         "with <unk> and chat_template added",
         "files": {
-            name: sha256_file(target / name)
-            for name in (*BASE_EXPORT_FILES, TOKENIZER_CONFIG_FILE)
+            name: sha256_file(target / name) for name in (*BASE_EXPORT_FILES, TOKENIZER_CONFIG_FILE)
         },
     }
-    write_bytes(
-        target / PROVENANCE_FILE, (json.dumps(provenance, indent=2) + "\n").encode("utf-8")
-    )
+    write_bytes(target / PROVENANCE_FILE, (json.dumps(provenance, indent=2) + "\n").encode("utf-8"))
     return provenance
