@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 from test_base_model import BASE, _prepare, _run, base_recipe, make_inputs
 
 from minifield import recipe as recipes
+from minifield import stages
 from minifield.strategies.packed_sft import lora, model
 
 RANK, ALPHA = 4, 8.0
@@ -303,6 +304,23 @@ def test_a_lora_run_trains_only_adapters_and_resumes_bit_identically(tmp_path):
         "cursor",
         "frozen_base",
     }
+    # the pipeline's evaluate stage scores the adapter checkpoints (with the base from the
+    # prepared examples) and exports the DEV-selected one, which the store's gate re-evaluates
+    recipe_json = tmp_path / "validated.json"
+    stages.validate(path, recipe_json, tmp_path / "validation.json")
+    stages.prepare(recipe_json, root, tmp_path / "examples")
+    train_result = tmp_path / "train-result.json"
+    train_result.write_text(json.dumps({**result, "attempt_dir": str(resumed)}))
+    metrics = stages.evaluate(
+        recipe_json, train_result, tmp_path / "examples", tmp_path / "metrics.json",
+        tmp_path / "selected",
+    )  # fmt: skip
+    assert 4 in [row["step"] for row in metrics["checkpoints"]]
+    assert (tmp_path / "selected" / "adapter" / "adapter_model.safetensors").is_file()
+    loaded = recipes.load(recipe_json)
+    gate = loaded.strategy.evaluate_export(loaded.data, tmp_path / "selected")
+    assert gate["dev_exact_match"] == metrics["selected_dev"]["dev_exact_match"]
+    np.testing.assert_allclose(gate["dev_loss"], metrics["selected_dev"]["dev_loss"], rtol=1e-6)
     # only the targets changed: every other tensor of the merged export is the base file's,
     # rounded to the BF16 it was held in (bit patterns computed here with integer numpy)
     base = load_file(str(root / "base" / "model.safetensors"))
