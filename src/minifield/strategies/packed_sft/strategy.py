@@ -4,8 +4,9 @@ Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``tr
 ``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
-tokenizer and chat template encode the examples). The prepare stage packs each split into rows
-(:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
+tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
+on it are trained, :mod:`minifield.strategies.packed_sft.lora`). The prepare stage packs each
+split into rows (:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
 answers for exact-match evaluation by greedy generation.
 
 The rows of update ``n`` are a pure function of (seed, n): the row order of
