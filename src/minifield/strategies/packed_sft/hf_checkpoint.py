@@ -304,7 +304,9 @@ def _read_fp32(stream, start: int, end: int, shape, source: np.dtype, transpose:
     for first in range(0, rows, _TRANSPOSE_ROWS):
         part = block[: min(_TRANSPOSE_ROWS, rows - first)]
         _read_into(stream, part)
-        np.copyto(out[:, first : first + part.shape[0]], part.T, casting="unsafe")
+        # widen contiguously first (ml_dtypes' cast loop is slow on a strided view)
+        rows_f32 = part if source == np.float32 else part.astype(np.float32)
+        out[:, first : first + part.shape[0]] = rows_f32.T
     return out
 
 
