@@ -377,3 +377,34 @@ def test_fused_attention_recipe_needs_whole_blocks():
     assert "multiple of 32" in error["message"] and "got 48" in error["message"]
     document["training"]["seq_len"] = 96
     recipes.validate(document, "sft-demo.yaml")
+
+
+def test_scanned_layers_carry_lora_adapters():
+    """LoRA's adapted weights (a pytree per target matrix) stack and scan like plain ones:
+    the adapters' gradient is the loop's."""
+    from minifield.strategies.packed_sft import lora
+
+    cfg = llama(n_layers=2)
+    base = model.init_params(cfg, jax.random.key(0))
+    settings = lora.LoraSettings(rank=2, alpha=4.0, targets=("q_proj", "v_proj"))
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    adapters = {"blocks": {}}
+    for layer in base["blocks"]:
+        adapters["blocks"][layer] = {"attn": {}}
+        for leaf in ("wq", "wv"):
+            w = base["blocks"][layer]["attn"][leaf]
+            a = jax.random.normal(next(keys), (w.shape[0], 2)) * 0.1
+            b = jax.random.normal(next(keys), (2, w.shape[1])) * 0.1
+            adapters["blocks"][layer]["attn"][leaf] = {"a": a, "b": b}
+    batch = packed_batch()
+
+    def loss_and_adapter_grads(c):
+        def loss(ad):
+            return model.loss_fn(lora.adapted(base, ad, settings), c, batch)[0]
+
+        return jax.jit(jax.value_and_grad(loss))(adapters)
+
+    loss, grads = loss_and_adapter_grads(cfg)
+    loss_s, grads_s = loss_and_adapter_grads(with_execution(cfg, scan_layers=True))
+    np.testing.assert_allclose(float(loss_s), float(loss), rtol=1e-6)
+    assert_trees_close(grads_s, grads, rtol=1e-5, atol=1e-6)
