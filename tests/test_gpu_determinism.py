@@ -33,3 +33,14 @@ def test_without_jax_platforms_the_installed_plugin_decides():
     env: dict[str, str] = {}
     assert environment.add_gpu_determinism_flags(env) == [] and env == {}
     assert "jax_cuda12_plugin" not in environment.fingerprint()
+
+
+def test_a_changed_cuda_plugin_is_a_bit_defining_difference():
+    recorded = {"jax": "0.10.2", "jax_cuda12_plugin": "0.10.2"}
+    assert environment.differences(recorded, dict(recorded)) == {}
+    changed = {**recorded, "jax_cuda12_plugin": "0.10.3"}
+    assert environment.differences(recorded, changed) == {
+        "jax_cuda12_plugin": {"recorded": "0.10.2", "current": "0.10.3"}
+    }
+    cpu = {"jax": "0.10.2"}  # CPU fingerprints have no plugin field on either side
+    assert environment.differences(cpu, dict(cpu)) == {}

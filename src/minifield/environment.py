@@ -48,8 +48,10 @@ BIT_DEFINING = (
     "threefry_partitionable",
     "matmul_precision",
     "x64",
-    "jax_cuda12_plugin",
 )
+#: bit-defining fields recorded only where they apply (absent on CPU hosts, so CPU
+#: fingerprints and results are unchanged); compared before a resume like the others
+OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin",)
 
 #: XLA flags a run on a GPU gets by default (:func:`add_gpu_determinism_flags`): without them
 #: XLA:GPU may use atomics for scatter-add (the embedding gradient) and reductions, and pick
@@ -188,6 +190,6 @@ def differences(recorded: dict, current: dict) -> dict:
     """``{field: {"recorded": a, "current": b}}`` for every bit-defining field that differs."""
     return {
         key: {"recorded": recorded.get(key), "current": current.get(key)}
-        for key in BIT_DEFINING
+        for key in (*BIT_DEFINING, *OPTIONAL_BIT_DEFINING)
         if recorded.get(key) != current.get(key)
     }
