@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import api, distributed, strategies
+from . import api, distributed, environment, strategies
 from .arguments import bounded_float, bounded_int
 from .cli import report_unexpected
 
@@ -161,6 +161,8 @@ def _start_processes(args) -> distributed.Group:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # before JAX starts its backend: a GPU run computes deterministically (environment.py)
+    environment.add_gpu_determinism_flags()
     try:
         return _main(argv)
     except KeyboardInterrupt:

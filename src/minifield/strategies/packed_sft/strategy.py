@@ -25,7 +25,7 @@ import numpy as np
 from ... import export
 from ...digest import sha256_bytes
 from ..base import Program, Strategy
-from . import base_model, chat_template, lora, packing, sft_data
+from . import base_model, chat_template, execution, lora, packing, sft_data
 from . import tokenizer as tokenizers
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
@@ -378,6 +378,8 @@ class PackedSFTProgram(Program):
         else:
             self.tokenizer = _tokenizer_from_examples(recipe, arrays)
             self.cfg = model_config(recipe, self.tokenizer.vocab_size)
+        # how the model computes (attention kernel, scan, remat, loss chunks): execution.py
+        self.cfg = execution.with_recipe_options(self.cfg, recipe)
         self.seed = training["seed"]
         self.batch_size = training["batch_size"]
         self.n_rows = int(arrays["train_tokens"].shape[0])
@@ -734,6 +736,7 @@ class PackedSFT(Strategy):
             )
         errors += normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
+        errors += execution.normalize_recipe(recipe)
         if "d_model" not in model or "n_heads" not in model:
             pass  # a base model's config.json gives them (checked at prepare)
         elif model["d_model"] % model["n_heads"]:
