@@ -38,6 +38,8 @@ FORMAT = "minifield-checkpoint/1"
 MANIFEST = "manifest.json"
 #: bytes hashed and written at a time (a chunk stays in cache between the two)
 _CHUNK = 4 << 20
+#: threads writing array files at once
+_WRITERS = max(2, min(8, os.cpu_count() or 2))
 
 
 class CheckpointError(Exception):
@@ -66,30 +68,25 @@ def _npy_header(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _write_array(path: Path, array: np.ndarray):
-    """Write ``array`` as an ``.npy`` file (not yet fsynced), hashing the bytes as they go;
-    returns ``(open handle, sha256 of the file)``."""
+def _write_array(path: Path, array: np.ndarray) -> str:
+    """Write ``array`` as an ``.npy`` file and fsync it, hashing the bytes as they are
+    written; returns the file's sha256. An error names the file."""
     header, data = _npy_header(array), byte_view(array)
     digest = hashlib.sha256(header)
-    handle = open(path, "wb")
     try:
-        handle.write(header)
-        for start in range(0, data.size, _CHUNK):
-            chunk = data[start : start + _CHUNK]
-            digest.update(chunk)
-            handle.write(chunk)
-        handle.flush()
-    except BaseException:
-        handle.close()
+        with open(path, "wb") as handle:
+            handle.write(header)
+            for start in range(0, data.size, _CHUNK):
+                chunk = data[start : start + _CHUNK]
+                digest.update(chunk)
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
-    return handle, digest.hexdigest()
-
-
-def _sync_and_close(handle) -> None:
-    try:
-        os.fsync(handle.fileno())
-    finally:
-        handle.close()
+    return digest.hexdigest()
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -181,30 +178,25 @@ def _write_contents(
     """Write and fsync every array file under ``tmp/arrays``; return the manifest (and its
     bytes as ``atomic.write_json`` would write them)."""
     items = sorted(arrays.items())
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint") as pool:
-        # hashlib and fsync release the GIL: the state hash and the fsyncs overlap the writes
+    files = [f"arrays/{index:05d}.npy" for index in range(len(items))]
+    # hashlib, file writes and fsync release the GIL: the arrays are written (each hashed as
+    # it goes, each fsynced) by several threads, the state hash computed by one more
+    with ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="checkpoint") as pool:
         hashing = None if known_state_hash else pool.submit(hash_named_arrays, items)
-        syncs, entries = [], []
-        try:
-            for index, (name, array) in enumerate(items):
-                file = f"arrays/{index:05d}.npy"
-                handle, sha256 = _write_array(tmp / file, array)
-                syncs.append(pool.submit(_sync_and_close, handle))
-                entries.append(
-                    {
-                        "name": name,
-                        "file": file,
-                        "dtype": array.dtype.str,
-                        "shape": list(array.shape),
-                        "sha256": sha256,
-                    }
-                )
-        finally:
-            # every handle is closed (and every error seen) before the directory is judged
-            for sync in syncs:
-                sync.exception()
-        for sync in syncs:
-            sync.result()
+        writes = [
+            pool.submit(_write_array, tmp / file, array)
+            for file, (_, array) in zip(files, items, strict=True)
+        ]
+        entries = [
+            {
+                "name": name,
+                "file": file,
+                "dtype": array.dtype.str,
+                "shape": list(array.shape),
+                "sha256": write.result(),
+            }
+            for file, (name, array), write in zip(files, items, writes, strict=True)
+        ]
         state_hash_value = known_state_hash or hashing.result()
     atomic.fsync_dir(tmp / "arrays")
     manifest = {
