@@ -47,7 +47,7 @@ from minifield.checkpointing import Checkpointing  # noqa: E402
 from minifield.digest import sha256_bytes  # noqa: E402
 from minifield.events import EventLog  # noqa: E402
 from minifield.faults import Faults  # noqa: E402
-from minifield.state import hash_named_arrays, named_arrays, part_hashes_of  # noqa: E402
+from minifield.state import hash_named_arrays, named_arrays  # noqa: E402
 from minifield.strategies.packed_sft.model import ModelConfig  # noqa: E402
 from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
 from minifield.strategies.packed_sft.sft_step import (  # noqa: E402
@@ -165,8 +165,7 @@ def hashing_cost(d_model: int, layers: int, rounds: int) -> dict:
         update_s.append(time.perf_counter() - started)
         started = time.perf_counter()
         snapshot = HostSnapshot()
-        snapshot.hash_of(state, 1)
-        part_hashes_of(snapshot.arrays_of(state, 1))
+        snapshot.hashes_of(state, 1)
         snapshot.forget()
         hash_s.append(time.perf_counter() - started)
     update, hashed = statistics.median(update_s), statistics.median(hash_s)

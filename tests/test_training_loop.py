@@ -316,3 +316,14 @@ def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path
     again = {e["step"]: e["state_hash"] for e in later if e["type"] == "update"}
     assert sorted(again) == [3, 4, 5, 6]
     assert 4 in hashes and again[3] == hashes[3] and again[4] == hashes[4]
+
+
+def test_whole_and_part_hashes_hashed_in_parallel_equal_the_hand_computed_ones():
+    from minifield.state import hashes_of
+
+    arrays = _flat(_state(3))
+    whole, parts = hashes_of(arrays)
+    assert whole == _hash_by_hand(arrays)
+    assert sorted(parts) == ["cursor", "opt_state", "params", "rng", "step"]
+    for part, value in parts.items():
+        assert value == _hash_by_hand({n: a for n, a in arrays.items() if n.split("/")[0] == part})

@@ -110,6 +110,25 @@ def hashes(state: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
     return hash_named_arrays(sorted(arrays.items())), part_hashes_of(arrays)
 
 
+def hashes_of(arrays: Mapping[str, np.ndarray]) -> tuple[str, dict[str, str]]:
+    """``(state_hash, part_hashes)`` of named host arrays, the parts hashed on other threads
+    while this one hashes the whole (hashlib releases the GIL): on several cores the two
+    cost about one pass over the state instead of two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    parts = sorted({name.split("/", 1)[0] for name in arrays})
+    with ThreadPoolExecutor(max_workers=min(4, len(parts)) or 1) as pool:
+        futures = {
+            part: pool.submit(
+                hash_named_arrays,
+                sorted((n, a) for n, a in arrays.items() if n == part or n.startswith(part + "/")),
+            )
+            for part in parts
+        }
+        whole = hash_named_arrays(sorted(arrays.items()))
+        return whole, {part: future.result() for part, future in futures.items()}
+
+
 def part_hashes_of(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
     """``part_hashes`` of a state already flattened to named host arrays."""
     parts: dict[str, str] = {}

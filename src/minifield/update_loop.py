@@ -29,7 +29,7 @@ from typing import Any
 from .attempt_result import Progress
 from .events import EventLog
 from .hash_cadence import HashCadence
-from .state import hash_named_arrays, named_arrays, part_hashes_of
+from .state import hash_named_arrays, hashes_of, named_arrays
 from .stopping import Stop, Stopping
 
 Hook = Callable[[Any, int, float], None]
@@ -70,6 +70,12 @@ class HostSnapshot:
         if self.state_hash is None:
             self.state_hash = hash_named_arrays(sorted(arrays.items()))
         return self.state_hash
+
+    def hashes_of(self, state, step: int) -> tuple[str, dict[str, str]]:
+        """The complete-state hash and one per state part (the update event's)."""
+        whole, parts = hashes_of(self.arrays_of(state, step))
+        self.state_hash = whole
+        return whole, parts
 
     def known_hash(self, step: int) -> str | None:
         return self.state_hash if self.step == step else None
@@ -214,8 +220,9 @@ class UpdateLoop:
         if hashed_state is not None:
             # Both from one host copy: the whole-state hash, and one per part so that a
             # divergence can be named (params, opt_state, rng, step, cursor).
-            update["state_hash"] = self.snapshot.hash_of(hashed_state, step)
-            update["part_hashes"] = part_hashes_of(self.snapshot.arrays_of(hashed_state, step))
+            update["state_hash"], update["part_hashes"] = self.snapshot.hashes_of(
+                hashed_state, step
+            )
         self.events.emit("update", **update)
         self.progress.metrics["final_loss"] = metrics.get("loss")
         self.say(
