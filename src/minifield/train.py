@@ -253,10 +253,11 @@ class Attempt:
         faults = self.options.faults
 
         def after_update(state, step: int, compute_used: float) -> None:
-            if step == faults.fail_after_step:
-                # which checkpoint survives the injected crash must not depend on how far a
-                # background write got (a SIGKILL tests that); a crash after update K finds
-                # the checkpoints taken up to K committed
+            if step in (faults.fail_after_step, faults.stall_after_step):
+                # which checkpoint survives the injected crash (or a kill during the stall)
+                # must not depend on how far a background write got (a SIGKILL mid-write and
+                # --kill-during-checkpoint test that): the checkpoints taken before the
+                # fault are committed when it strikes
                 self.checkpoints.wait()
             faults.after_update(state, step, compute_used)
 
