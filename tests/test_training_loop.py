@@ -298,6 +298,7 @@ def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path
     assert checkpoint.committed_steps(attempt / "checkpoints") == [2]
     assert not list((attempt / "checkpoints").glob(".tmp-*"))  # cleaned up after the error
     hashes = {e["step"]: e["state_hash"] for e in events if e["type"] == "update"}
+    assert sorted(hashes) == list(range(1, max(hashes) + 1))  # every update computed, reported
     good = attempt / "checkpoints" / "step-00000002"
     manifest = json.loads((good / "manifest.json").read_text())
     for entry in manifest["arrays"]:

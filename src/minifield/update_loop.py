@@ -190,10 +190,17 @@ class UpdateLoop:
             if due or hash_due or step == self.max_steps:
                 compute_used = self._report(pending, compute_used, state if hash_due else None)
                 pending = None
-            for hook in due:
-                hook(state, step, compute_used)
-            for work in self.between_updates:
-                work()
+            try:
+                for hook in due:
+                    hook(state, step, compute_used)
+                for work in self.between_updates:
+                    work()
+            except Exception:
+                # the attempt fails (a background checkpoint write, say): the update already
+                # computed is still reported before its ``failed`` event
+                if pending is not None:
+                    self._report(pending, compute_used, None)
+                raise
         if pending is not None:  # only when max_steps was reached at entry: nothing pending
             compute_used = self._report(pending, compute_used, None)
         return Finished(state, step, compute_used)
