@@ -252,18 +252,17 @@ class Attempt:
     def _fault_hook(self):
         faults = self.options.faults
 
-        def after_update(state, step: int, compute_used: float) -> None:
-            if step in (faults.fail_after_step, faults.stall_after_step):
-                # which checkpoint survives the injected crash (or a kill during the stall)
-                # must not depend on how far a background write got (a SIGKILL mid-write and
-                # --kill-during-checkpoint test that): the checkpoints taken before the
-                # fault are committed when it strikes
-                self.checkpoints.wait()
-            faults.after_update(state, step, compute_used)
+        def due(step: int) -> bool:
+            return step in (faults.fail_after_step, faults.stall_after_step)
 
-        return loop_hook(
-            after_update, lambda step: step in (faults.fail_after_step, faults.stall_after_step)
-        )
+        def settle(step: int) -> None:
+            # which checkpoint survives the injected crash (or a kill once the update before
+            # the stall is seen) must not depend on how far a background write got (a SIGKILL
+            # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+            # update K are committed before update K is reported
+            self.checkpoints.wait()
+
+        return loop_hook(faults.after_update, due, settle)
 
     def _complete(self, program, state, step: int) -> Ending:
         """The final evaluation, the export and the final state hash."""

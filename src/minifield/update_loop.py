@@ -109,14 +109,18 @@ def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
     return evaluate
 
 
-def loop_hook(run: Hook, due: Callable[[int], bool]) -> Hook:
+def loop_hook(
+    run: Hook, due: Callable[[int], bool], settle: Callable[[int], None] | None = None
+) -> Hook:
     """``run`` as a hook that the loop calls only after the updates ``due`` accepts (it waits
-    for the device only then)."""
+    for the device only then). ``settle(step)``, if given, runs before that update is
+    reported: what must be finished before anyone reading the events sees the update."""
 
     def hook(state, step: int, compute_used: float) -> None:
         run(state, step, compute_used)
 
     hook.due = due
+    hook.settle = settle
     return hook
 
 
@@ -188,6 +192,9 @@ class UpdateLoop:
             due = [hook for hook in self.hooks if _due(hook, step)]
             hash_due = self.cadence.due(step)
             if due or hash_due or step == self.max_steps:
+                for hook in due:
+                    if getattr(hook, "settle", None) is not None:
+                        hook.settle(step)
                 compute_used = self._report(pending, compute_used, state if hash_due else None)
                 pending = None
             try:
