@@ -169,12 +169,18 @@ class UpdateLoop:
         self.between_updates = list(between_updates)
         self.snapshot = snapshot or HostSnapshot()
         self._last_ready = time.monotonic()
+        # no update measured yet: every one counts until one is
+        self._longest_update = float("inf")
 
     def run(self, state, step: int, compute_used: float) -> Finished | Stopped:
         program = self.program
         pending: _Pending | None = None
         self._last_ready = time.monotonic()
         while step < self.max_steps:
+            if pending is not None and self._near_compute_budget(compute_used):
+                # the budget check must see the pending update's seconds too
+                compute_used = self._report(pending, compute_used, None)
+                pending = None
             stop = self.stopping.before_update(step, compute_used)
             if stop is not None:
                 if pending is not None:
@@ -212,6 +218,13 @@ class UpdateLoop:
             compute_used = self._report(pending, compute_used, None)
         return Finished(state, step, compute_used)
 
+    def _near_compute_budget(self, compute_used: float) -> bool:
+        """Whether the compute budget could run out within the pending update: then the loop
+        waits for it before deciding. Far from the end (more than three of the longest
+        updates so far left) the decision cannot change by one update and nothing waits."""
+        budget = self.stopping.limits.get("max_compute_seconds")
+        return bool(budget) and budget - compute_used <= 3 * self._longest_update
+
     def _report(self, pending: _Pending, compute_used: float, hashed_state) -> float:
         """Read ``pending``'s metrics back (waiting for its update), emit its ``update`` event;
         returns the compute used including it."""
@@ -222,6 +235,7 @@ class UpdateLoop:
         # previous one if it was still busy with that one
         seconds = ready - max(pending.dispatched, self._last_ready)
         self._last_ready = ready
+        self._longest_update = max(self._longest_update, seconds)
         compute_used += seconds
         self.progress.steps_completed = step
         update = {
