@@ -328,3 +328,27 @@ def test_whole_and_part_hashes_hashed_in_parallel_equal_the_hand_computed_ones()
     assert sorted(parts) == ["cursor", "opt_state", "params", "rng", "step"]
     for part, value in parts.items():
         assert value == _hash_by_hand({n: a for n, a in arrays.items() if n.split("/")[0] == part})
+
+
+def test_summary_counts_the_time_a_background_checkpoint_held_the_loop_up(tmp_path):
+    """A background commit's ``seconds`` overlap the updates; the summary's checkpoint time is
+    what it blocked (``blocking_seconds``), so the job's wall time is not counted twice."""
+    from minifield import summarize
+
+    events = tmp_path / "events.jsonl"
+    rows = [
+        {"type": "attempt_started", "attempt_id": "a"},
+        {"type": "update", "step": 1, "examples": 4, "tokens": 0, "seconds": 1.0},
+        {"type": "update", "step": 2, "examples": 4, "tokens": 0, "seconds": 1.0},
+        {"type": "update", "step": 3, "examples": 4, "tokens": 0, "seconds": 1.0},
+        {"type": "checkpoint_committed", "step": 2, "seconds": 1.5, "blocking_seconds": 0.25},
+        {"type": "completed", "steps": 3},
+    ]
+    events.write_text(
+        "".join(
+            json.dumps({"seq": i, **r, "time": 1000.0 + i, "mono": float(i)}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    summary = summarize.summarize([events])
+    assert summary["checkpoint_s"] == 0.25 and summary["committed_checkpoints_count"] == 1
