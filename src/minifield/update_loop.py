@@ -214,7 +214,7 @@ class UpdateLoop:
                 if pending is not None:
                     self._report(pending, compute_used, None)
                 raise
-        if pending is not None:  # only when max_steps was reached at entry: nothing pending
+        if pending is not None:  # not reached: the last update is reported in the loop
             compute_used = self._report(pending, compute_used, None)
         return Finished(state, step, compute_used)
 
