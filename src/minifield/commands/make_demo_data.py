@@ -10,9 +10,40 @@ from ..arguments import bounded_int
 from ..strategies.packed_sft import sft_data
 
 
-def run(args) -> int:
+def _run_llama(args) -> int:
+    """The Llama demo's inputs under ``args.directory`` (an input root) and, with
+    ``--llama-base RECIPE``, the base model trained by that recipe into ``llama-base/``."""
+    import tempfile
+
+    from ..strategies.packed_sft import llama_demo
+
     try:
-        pins = sft_data.write_demo(args.directory, seed=args.seed)
+        seed = llama_demo.SEED if args.seed is None else args.seed
+        pins = llama_demo.write(args.directory, seed=seed)
+        print(json.dumps(pins, indent=2))
+        if args.llama_base is None:
+            return 0
+        command = f"minifield make-demo-data {args.directory} --llama-base {args.llama_base}"
+        with tempfile.TemporaryDirectory(prefix="minifield-llama-base-") as work:
+            provenance = llama_demo.produce_base(
+                args.directory, args.llama_base, Path(work), command
+            )
+    except OSError as exc:
+        print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
+        return 2
+    except llama_demo.ProduceError as exc:
+        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(provenance, indent=2))
+    return 0
+
+
+def run(args) -> int:
+    if args.llama or args.llama_base is not None:
+        return _run_llama(args)
+    try:
+        seed = sft_data.DEMO_SEED if args.seed is None else args.seed
+        pins = sft_data.write_demo(args.directory, seed=seed)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2
@@ -37,7 +68,21 @@ def register(sub) -> None:
     parser.add_argument(
         "--seed",
         type=bounded_int(0, 2**63 - 1),
-        default=sft_data.DEMO_SEED,
+        default=None,
         help="generator seed (default: the demo's)",
+    )
+    parser.add_argument(
+        "--llama",
+        action="store_true",
+        help="write the Llama demo's inputs instead, DIR being the input root: "
+        "llama-base/tokenizer.json, llama-base/pretrain/*.jsonl, llama-sft-demo/*.jsonl",
+    )
+    parser.add_argument(
+        "--llama-base",
+        type=Path,
+        metavar="RECIPE",
+        help="as --llama, then train the base model RECIPE (config/recipes/llama-base.yaml) "
+        "from random init and write its HF export, chat template and provenance.json into "
+        "DIR/llama-base/ (minutes)",
     )
     parser.set_defaults(func=run)
