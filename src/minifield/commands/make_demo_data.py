@@ -11,6 +11,8 @@ from ..strategies.packed_sft import sft_data
 
 
 def run(args) -> int:
+    if args.two_stage:
+        return run_two_stage(args.directory)
     try:
         pins = sft_data.write_demo(args.directory, seed=args.seed)
     except OSError as exc:
@@ -28,6 +30,21 @@ def run(args) -> int:
     return 0
 
 
+def run_two_stage(directory: Path) -> int:
+    """The two-stage demo's supervised pairs, derived from ``DIR/corpus/train.jsonl``."""
+    from ..inputs import InputError
+    from ..strategies.two_stage import demo_data
+
+    try:
+        pins = demo_data.write_pairs(directory / "corpus", directory / "sft")
+    except (OSError, InputError) as exc:
+        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
+        return 2
+    out = {s: {"path": str(directory / "sft" / f"{s}.jsonl"), "sha256": h} for s, h in pins.items()}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "make-demo-data",
@@ -39,5 +56,11 @@ def register(sub) -> None:
         type=bounded_int(0, 2**63 - 1),
         default=sft_data.DEMO_SEED,
         help="generator seed (default: the demo's)",
+    )
+    parser.add_argument(
+        "--two-stage",
+        action="store_true",
+        help="instead: derive the two-stage demo's word-completion pairs DIR/sft/*.jsonl from "
+        "the shipped corpus DIR/corpus/train.jsonl (data/two-stage, docs/two-stage.md)",
     )
     parser.set_defaults(func=run)

@@ -8,17 +8,17 @@ Python Software Foundation text, redistributed under the PSF License Agreement
 why the corpus is shipped rather than regenerated.
 
 The supervised pairs of stage 2 are derived from the corpus byte-identically by
-:func:`write_pairs` (``minifield make-demo-data --two-stage``): the task is *word completion*:
-the prompt is the first four letters of a word of the documentation, the response is the
-word of at least seven letters with that prefix that occurs most often in the stage-1 TRAIN
-documents (ties: alphabetical). Prefixes are split into train/dev/test by their sha256, so
-DEV and TEST ask for words the SFT training never showed, but stage 1 read: the point of the
-comparison with a random initialisation (docs/two-stage.md).
+:func:`write_pairs` (``minifield make-demo-data --two-stage``): the task is *word completion
+in context*: the prompt is the 40 characters of a document that end four letters into a word
+of at least seven letters, the response is the rest of that word. About one such word in
+three is taken (by the sha256 of its place), in document order, up to 1500/150/150 pairs;
+each split's pairs come from the corpus split of the same name, so DEV and TEST complete
+words in documents neither stage trained on: what stage 1 contributes is the language of
+the documentation, not a memorised answer (the comparison in docs/two-stage.md).
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import inspect
 import json
@@ -94,7 +94,13 @@ MODULES = (
 )
 PREFIX_LETTERS = 4
 MIN_WORD_LETTERS = 7
-_WORD = re.compile(r"[a-z]+")
+#: characters of the document a prompt ends with (the word's first letters included)
+CONTEXT_CHARS = 40
+#: about one word in this many becomes a pair (chosen by the sha256 of its place)
+PICK_ONE_IN = 3
+#: pairs per split
+PAIRS = {"train": 1500, "dev": 150, "test": 150}
+_WORD = re.compile(r"[A-Za-z]+")
 
 
 def _split_of(key: str, dev_share: int = 10, test_share: int = 10) -> str:
@@ -150,32 +156,32 @@ def read_corpus_split(path: Path) -> list[str]:
     return read_documents(path)
 
 
-def supervised_pairs(train_documents: list[str]) -> dict[str, list[dict]]:
-    """Word-completion pairs from the stage-1 TRAIN documents (module docstring)."""
-    counts: collections.Counter = collections.Counter()
-    for text in train_documents:
-        counts.update(w for w in _WORD.findall(text.lower()) if len(w) >= MIN_WORD_LETTERS)
-    best: dict[str, tuple[int, str]] = {}
-    for word, count in counts.items():
-        if count < 2:
-            continue
-        prefix = word[:PREFIX_LETTERS]
-        current = best.get(prefix)
-        if current is None or (-count, word) < (-current[0], current[1]):
-            best[prefix] = (count, word)
-    splits: dict[str, list[dict]] = {s: [] for s in SPLITS}
-    for prefix in sorted(best):
-        splits[_split_of("prefix:" + prefix, 15, 15)].append(
-            {"prompt": prefix, "response": best[prefix][1]}
-        )
-    return splits
+def supervised_pairs(documents: list[str], limit: int, context: int = CONTEXT_CHARS) -> list[dict]:
+    """Word-completion pairs from ``documents`` (module docstring), at most ``limit``."""
+    rows = []
+    for index, text in enumerate(documents):
+        for match in _WORD.finditer(text):
+            word = match.group()
+            if len(word) < MIN_WORD_LETTERS:
+                continue
+            cut = match.start() + PREFIX_LETTERS
+            key = f"{index}:{match.start()}"
+            if int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % PICK_ONE_IN:
+                continue
+            rows.append(
+                {"prompt": text[max(0, cut - context) : cut], "response": word[PREFIX_LETTERS:]}
+            )
+            if len(rows) == limit:
+                return rows
+    return rows
 
 
 def write_pairs(corpus_dir: Path, out_dir: Path) -> dict[str, str]:
-    """``{train,dev,test}.jsonl`` of pairs derived from ``corpus_dir/train.jsonl``."""
-    pairs = supervised_pairs(read_corpus_split(corpus_dir / "train.jsonl"))
+    """``{train,dev,test}.jsonl`` of pairs derived from the corpus split of the same name."""
     pins = {}
-    for split, rows in pairs.items():
+    for split in SPLITS:
+        documents = read_corpus_split(corpus_dir / f"{split}.jsonl")
+        rows = supervised_pairs(documents, PAIRS[split])
         data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
         write_bytes(out_dir / f"{split}.jsonl", data)
         pins[split] = sha256_bytes(data)

@@ -192,6 +192,7 @@ class TwoStage(Strategy):
             raise export.ExportError(
                 f"{dev_path}: sha256 {sha256_bytes(data)}, but the recipe pins {pinned} for dev"
             )
+        check_lineage(recipe, config, directory / export.MODEL_FILE)
         tokenizer = tokenizers.from_config(config["tokenizer"], directory)
         cfg, params = hf_export.load(directory, config)
         evaluator = sft.Evaluator(
@@ -203,6 +204,25 @@ class TwoStage(Strategy):
         encoded = [sft_data.encode(e, tokenizer) for e in sft_data.read_jsonl(dev_path)]
         arrays, _ = sft._eval_arrays("dev", encoded, recipe, tokenizer.pad_id)
         return evaluator.split_metrics(params, arrays, "dev")
+
+
+def check_lineage(recipe: dict, config: dict, where: Path) -> None:
+    """The export's recorded start must be the recipe's: for stage 2, the stage-1
+    computation digest and the sha256 of the stage-1 export record it pinned. The store's
+    gate calls this through :meth:`TwoStage.evaluate_export` before it activates."""
+    stage1 = (recipe["model"].get("init") or {}).get("stage1")
+    expected = None
+    if stage1:
+        pins = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
+        expected = {
+            "computation_digest": stage1["computation_digest"],
+            "record_sha256": pins.get(stage1["record"]),
+        }
+    if config.get("stage") != recipe["training"]["stage"] or config.get("stage1") != expected:
+        raise export.ExportError(
+            f"{where}: lineage {config.get('stage')!r} from {config.get('stage1')} is not the "
+            f"recipe's ({recipe['training']['stage']!r} from {expected})"
+        )
 
 
 def _corpus_split(split: str, path: Path, tokenizer, seq_len: int) -> tuple[dict, dict]:
