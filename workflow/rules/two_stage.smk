@@ -8,8 +8,7 @@ from pathlib import Path
 from minifield import stage_links
 
 TWO_STAGE_LINKS = {
-    (link.s1, link.s2): link
-    for link in stage_links.load_links(config, COMPUTATIONS)
+    (link.s1, link.s2): link for link in stage_links.load_links(config, COMPUTATIONS)
 }
 
 
@@ -24,7 +23,9 @@ def two_stage_link_of(wildcards):
 
 def linked_stage2(wildcards):
     """The stage-2 computation the link wrote (Snakemake runs the link first if needed)."""
-    directory = checkpoints.two_stage_link.get(s1=wildcards.s1, s2=wildcards.s2).output.root
+    directory = checkpoints.two_stage_link.get(
+        s1=wildcards.s1, s2=wildcards.s2
+    ).output.root
     return stage_links.register_stage2(COMPUTATIONS, str(Path(directory).parent))
 
 
