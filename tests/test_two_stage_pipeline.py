@@ -130,7 +130,7 @@ def test_two_stage_pipeline_links_stages_by_digest_and_reruns_only_what_changed(
     edit(stage2_path, learning_rate=0.002)
     s2_new = digest(stage2_path)
     target = f"results/two-stage/{s1}/{s2_new}/comparison.json"
-    second = run_snakemake(project, *configfile, target, check=True)
+    second = run_snakemake(project, target, *configfile, check=True)
     assert ran(second).count("train") == 1 and ran(second).count("two_stage_link") == 1
     assert stage1_result.stat().st_mtime_ns == stage1_mtime
     c2_new = json.loads((project / target).read_text())["stage2"]["computation_digest"]

@@ -11,6 +11,12 @@ TWO_STAGE_LINKS = {
     (link.s1, link.s2): link for link in stage_links.load_links(config, COMPUTATIONS)
 }
 
+# A stage-2 recipe already linked is registered when parsing too: a job started in its own
+# Snakemake process (a cluster executor) finds its computation by digest.
+for _link in TWO_STAGE_LINKS.values():
+    if Path(_link.directory, "stage2.json").is_file():
+        stage_links.register_stage2(COMPUTATIONS, _link.directory)
+
 
 wildcard_constraints:
     s1="[0-9a-f]{16}",

@@ -86,8 +86,6 @@ class TwoStage(Strategy):
                     "1's HF export): llama or absent",
                 }
             )
-        if stage == "pretrain" and "init" in model and "stage1" in model["init"]:
-            pass  # continued pretraining from an earlier stage-1 export is allowed
         if stage == "pretrain" and evaluation.get("min_dev_exact_match", 0) > 0:
             errors.append(
                 {
