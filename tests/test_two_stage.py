@@ -354,6 +354,7 @@ def test_demo_recipes_pin_the_shipped_files():
         assert len(inputs.verify(recipe, REPO / "data")) == 3
 
 
+@pytest.mark.slow  # compiles the model's loss and forward (JAX compile-heavy)
 def test_bits_per_byte_of_packed_rows_equals_each_document_scored_alone(stage1):
     """The packed evaluation (chunks, masks, padding batches) against each DEV document run
     alone through the model in float64 numpy log-softmax, summed by hand."""
@@ -385,6 +386,7 @@ def test_bits_per_byte_of_packed_rows_equals_each_document_scored_alone(stage1):
     assert packed["dev_bits_per_byte"] == pytest.approx(nats / (math.log(2) * n_bytes), rel=1e-5)
 
 
+@pytest.mark.slow  # compiles evaluation and generation (JAX compile-heavy)
 def test_the_gate_reevaluates_an_export_and_refuses_a_lineage_other_than_the_recipes(stage1):
     from minifield.export import ExportError
 
