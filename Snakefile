@@ -31,9 +31,11 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/publish.smk"
 include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/two_stage.smk"
 
 
 rule all:
     default_target: True
     input:
         final_targets(),
+        two_stage_targets,

@@ -101,7 +101,7 @@ def test_unparseable_file_names_the_file(tmp_path):
 # -- values the worker cannot honour are refused at validation (issue 11, defect 2) ------------
 
 SCHEMAS = ["recipe.schema.json", "strategy-linear-momentum.schema.json",
-           "strategy-packed-sft.schema.json"]  # fmt: skip
+           "strategy-packed-sft.schema.json", "strategy-two-stage.schema.json"]  # fmt: skip
 
 
 def _leaves(schema, pointer=""):

@@ -21,6 +21,9 @@ class ConfigError(Exception):
 class Computation:
     path: Path  # the recipe file
     recipe: recipes.Recipe
+    #: an input root another rule makes for this computation (a two-stage computation's
+    #: stage 2: its data and the stage-1 export), or None
+    own_root: str | None = None
 
     @property
     def cdigest(self) -> str:
@@ -31,13 +34,33 @@ class Computation:
         return short(self.recipe.examples_digest)
 
 
-def load_computations(config: dict) -> dict[str, Computation]:
+class Computations(dict):
+    """Short computation digest → computation: the configured recipes, iterated for the
+    workflow's targets, plus computations registered once their recipe exists (a two-stage
+    computation's stage 2, whose digest covers stage 1's export): found by digest, never
+    iterated, so the configured targets stay what parsing the config gave."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.registered: dict[str, Computation] = {}
+
+    def __missing__(self, cdigest: str) -> Computation:
+        return self.registered[cdigest]
+
+    def register(self, computation: Computation) -> Computation:
+        return self.registered.setdefault(computation.cdigest, computation)
+
+    def every(self) -> list[Computation]:
+        return [*self.values(), *self.registered.values()]
+
+
+def load_computations(config: dict) -> Computations:
     """Validate every configured recipe; map short computation digest → computation.
 
     All recipes are validated before anything fails, so one run names every bad
     recipe. Two recipe files with the same digest are the same computation.
     """
-    found: dict[str, Computation] = {}
+    found = Computations()
     problems = []
     for entry in config["recipes"]:
         path = Path(entry)
@@ -71,7 +94,10 @@ def fetched_root(computation: Computation) -> str:
 
 
 def fetched_roots(computation: Computation) -> list[str]:
-    """``[fetched_root]`` for a computation with url inputs, ``[]`` otherwise (rule inputs)."""
+    """``[fetched_root]`` for a computation with url inputs, its own root for one that has
+    one, ``[]`` otherwise (rule inputs)."""
+    if computation.own_root is not None:
+        return [computation.own_root]
     return [fetched_root(computation)] if has_remote_inputs(computation) else []
 
 
@@ -79,14 +105,20 @@ def input_root(computation: Computation, configured_root: str) -> str:
     """Where the stages and the worker find this computation's inputs.
 
     A recipe with remote inputs gets its own root (remote inputs under their name,
-    local ones linked at their path): the worker resolves every input under one root.
+    local ones linked at their path): the worker resolves every input under one root. So
+    does a computation with its own root.
     """
+    if computation.own_root is not None:
+        return computation.own_root
     return fetched_root(computation) if has_remote_inputs(computation) else configured_root
 
 
 def for_examples(computations: dict[str, Computation], edigest: str) -> Computation:
     """A computation whose data settings produce the examples ``edigest`` (any one will do)."""
-    for computation in computations.values():
+    every = (
+        computations.every() if isinstance(computations, Computations) else computations.values()
+    )
+    for computation in every:
         if computation.edigest == edigest:
             return computation
     raise ConfigError(f"no configured recipe has examples digest {edigest}")

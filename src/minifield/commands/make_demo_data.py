@@ -39,6 +39,8 @@ def _run_llama(args) -> int:
 
 
 def run(args) -> int:
+    if args.two_stage:
+        return run_two_stage(args.directory)
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
@@ -56,6 +58,21 @@ def run(args) -> int:
             indent=2,
         )
     )
+    return 0
+
+
+def run_two_stage(directory: Path) -> int:
+    """The two-stage demo's supervised pairs, derived from ``DIR/corpus/train.jsonl``."""
+    from ..inputs import InputError
+    from ..strategies.two_stage import demo_data
+
+    try:
+        pins = demo_data.write_pairs(directory / "corpus", directory / "sft")
+    except (OSError, InputError) as exc:
+        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
+        return 2
+    out = {s: {"path": str(directory / "sft" / f"{s}.jsonl"), "sha256": h} for s, h in pins.items()}
+    print(json.dumps(out, indent=2))
     return 0
 
 
@@ -84,5 +101,11 @@ def register(sub) -> None:
         help="as --llama, then train the base model RECIPE (config/recipes/llama-base.yaml) "
         "from random init and write its HF export, chat template and provenance.json into "
         "DIR/llama-base/ (minutes)",
+    )
+    parser.add_argument(
+        "--two-stage",
+        action="store_true",
+        help="instead: derive the two-stage demo's word-completion pairs DIR/sft/*.jsonl from "
+        "the shipped corpus DIR/corpus/train.jsonl (data/two-stage, docs/two-stage.md)",
     )
     parser.set_defaults(func=run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import Program, Strategy
 from .linear_momentum import LinearMomentum
 from .packed_sft import PackedSFT
+from .two_stage import TwoStage
 
 _REGISTRY: dict[tuple[str, str], Strategy] = {}
 
@@ -23,5 +24,6 @@ def available() -> list[Strategy]:
 
 register(LinearMomentum())
 register(PackedSFT())
+register(TwoStage())
 
 __all__ = ["Program", "Strategy", "available", "get", "register"]
