@@ -4,6 +4,8 @@ directories (old results stay). Tiny model, few updates."""
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -119,6 +121,14 @@ def test_two_stage_pipeline_links_stages_by_digest_and_reruns_only_what_changed(
     assert comparison["stage2"]["computation_digest"] == c2
     assert (link_dir / "report" / "two-stage.html").is_file()
     assert sorted(ran(first)).count("train") == 2
+    # `minifield generate` reads both stages' exports (stage 1 continues the raw prompt)
+    for export_dir in (stage1_export, c2dir / "train" / "export"):
+        out = subprocess.run(
+            [sys.executable, "-m", "minifield.cli", "generate", "--model", str(export_dir)]
+            + ["--prompt", "the", "--max-new-tokens", "4"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (export_dir, out.stderr)
 
     # nothing changed: nothing to do
     again = run_snakemake(project, *configfile, "-n", check=True)

@@ -667,9 +667,10 @@ class ExportedModel:
         model, _, _ = _model_api()
         self.directory = Path(directory)
         flat, self.config = export.read(self.directory)
-        if self.config.get("strategy", {}).get("name") != PackedSFT.name:
+        # two-stage exports are this model family too (stage 1 continues raw text)
+        if self.config.get("strategy", {}).get("name") not in (PackedSFT.name, "two-stage"):
             raise export.ExportError(
-                f"{self.directory / export.MODEL_FILE}: not a packed-sft export "
+                f"{self.directory / export.MODEL_FILE}: not a packed-sft or two-stage export "
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.model = model
@@ -698,7 +699,11 @@ class ExportedModel:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """``prompt`` encoded as training laid it out: the chat template's user turn and
-        generation prompt for a base-model run, else ``<bos> prompt <sep>``."""
+        generation prompt for a base-model run, ``<bos> prompt`` for a causal-LM stage
+        (raw text continues), else ``<bos> prompt <sep>``."""
+        if self.config.get("stage") == "pretrain":
+            head = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+            return [*head, *self.tokenizer.encode(prompt)]
         if self.template is not None:
             try:
                 return base_model.generation_prompt(self.template, self.tokenizer._backend, prompt)
