@@ -46,7 +46,9 @@ def _start_server(root: Path) -> tuple[subprocess.Popen, str]:
                "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                "--artifacts-destination", str(root / "artifacts")]  # fmt: skip
     log = open(root / "server.log", "wb")
-    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    # No background job runner (workers for MLflow's own scheduled jobs): not used here.
+    quiet = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True, env=quiet)
     uri = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:

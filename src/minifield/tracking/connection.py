@@ -32,6 +32,8 @@ _ENV_LOCK = threading.Lock()
 _CLIENT_ENV = {
     # our retry loop decides; the client's own would wait minutes inside one call
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    # the client prints run links on our stdout, where the commands print their records
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 _STATUS_IN_MESSAGE = re.compile(r"error code (\d{3})")
 

@@ -90,7 +90,7 @@ class Delivery:
                     "create run",
                     self.client.create_run,
                     self.experiment_id(),
-                    tags={**tags, **identity},
+                    tags={k: v[:MAX_PARAM_CHARS] for k, v in {**tags, **identity}.items()},
                     run_name=name,
                 )
                 run_id = run.info.run_id
