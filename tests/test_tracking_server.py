@@ -378,6 +378,9 @@ class _Proxy:
             sink.shutdown(socket.SHUT_WR)
 
     def stop(self) -> None:
+        # shutdown first: it wakes the thread blocked in accept() (close alone would not)
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for sock in self.sockets:
             with contextlib.suppress(OSError):
