@@ -559,6 +559,7 @@ _PART_HINTS = {
     "rng": "the random key differs: the RNG state is not part of the checkpoint or is advanced differently",
     "cursor": "the data cursor differs: data order is not a pure function of the saved state",
     "step": "the step counter differs",
+    "frozen_base": "the frozen base model's identity differs (LoRA): another base was loaded",
 }
 
 

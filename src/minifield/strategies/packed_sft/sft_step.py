@@ -40,17 +40,20 @@ def make_train_step(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     schedule: Callable | None = None,
+    objective: Callable = loss_fn,
 ):
     """The pure update ``(state, batch) -> (state, metrics)``.
 
     Metrics (device scalars, FP32): ``loss`` (mean over counted targets), ``loss_sum``,
     ``tokens`` (counted targets), ``grad_norm`` (global norm before clipping) and, when
     ``schedule`` (see ``optimizer.make_schedule``) is given, ``learning_rate`` of this update.
+    ``objective(params, cfg, batch) -> (loss, aux)`` is differentiated with respect to
+    ``state["params"]`` (:mod:`.lora` passes one that adds its adapters to a frozen base).
     """
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, cfg, batch)
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, cfg, batch)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {
             "params": optax.apply_updates(params, updates),

@@ -4,8 +4,9 @@ Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``tr
 ``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
-tokenizer and chat template encode the examples). The prepare stage packs each split into rows
-(:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
+tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
+on it are trained, :mod:`minifield.strategies.packed_sft.lora`). The prepare stage packs each
+split into rows (:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST prompts with their expected
 answers for exact-match evaluation by greedy generation.
 
 The rows of update ``n`` are a pure function of (seed, n): the row order of
@@ -24,7 +25,7 @@ import numpy as np
 from ... import export
 from ...digest import sha256_bytes
 from ..base import Program, Strategy
-from . import base_model, chat_template, packing, sft_data
+from . import base_model, chat_template, lora, packing, sft_data
 from . import tokenizer as tokenizers
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
@@ -369,6 +370,7 @@ class PackedSFTProgram(Program):
         self.arrays = arrays
         training = recipe["training"]
         self.base_params = None
+        self.lora = lora.LoraSettings.from_recipe(recipe["model"])  # None: full fine-tuning
         if "base" in recipe["model"]:
             self.tokenizer, _ = _base_tokenizer(recipe, arrays)
             self.cfg = base_model.config_from_arrays(recipe, arrays)
@@ -391,6 +393,8 @@ class PackedSFTProgram(Program):
         )
         self._init = sft_step.init_train_state
         self._compiled = None
+        if self.lora is not None:
+            self._lora_setup(training, max_steps)
         self.data_parallel = parallel.DataParallel.from_training(training)
         # set by compile(): the mesh and the shardings of the state and the batch
         self._mesh = None
@@ -403,7 +407,26 @@ class PackedSFTProgram(Program):
             self.tokenizer.pad_id,
         )
 
+    def _lora_setup(self, training: dict, max_steps: int) -> None:
+        """LoRA: the step trains the adapters against the frozen base (held on the device
+        once, in ``base_dtype``); evaluation runs on the merged weights."""
+        import jax
+
+        _, optimizer, _ = _model_api()
+        self._base = lora.frozen_base(self.base_params, self.lora)
+        self._base_identity = lora.base_identity(
+            self.recipe, base_model_inputs(self.recipe["model"])
+        )
+        self._step_fn = lora.make_train_step(
+            self.cfg, self.lora, self.optimizer, optimizer.make_schedule(training, max_steps)
+        )
+        self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
+
     def init_state(self) -> dict:
+        if self.lora is not None:
+            return lora.init_state(
+                self.cfg, self.lora, self.optimizer, self.seed, self._base_identity
+            )
         if self.base_params is None:
             return self._init(self.cfg, self.optimizer, self.seed)
         return _state_from_params(self.base_params, self.optimizer, self.seed)
@@ -426,6 +449,12 @@ class PackedSFTProgram(Program):
         abstract_batch = {
             k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.batch(0).items()
         }
+        if self.lora is not None:  # one device (checked at validation); the base an argument
+            fn = jax.jit(self._step_fn, donate_argnums=(0,))
+            abstract_base = jax.eval_shape(lambda: self._base)
+            step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
+            self._compiled = lambda state, batch: step(state, self._base, batch)
+            return
         if self.data_parallel.devices == 1:
             fn = jax.jit(self._step_fn, donate_argnums=(0,))
             self._compiled = fn.lower(abstract_state, abstract_batch).compile()
@@ -487,6 +516,8 @@ class PackedSFTProgram(Program):
 
         from ...state import to_host
 
+        if self.lora is not None:  # the merged FP32 weights, as the export holds them
+            return self._merge(self._base, state["params"])
         if self._state_shardings is None:
             return state["params"]
         # to_host: a collective when the parameters are sharded over several processes
@@ -519,13 +550,8 @@ class PackedSFTProgram(Program):
                     self.recipe,
                     np.asarray(self.arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
                 )
-            hf_export.write(
-                directory,
-                self.cfg,
-                jax.tree_util.tree_map(to_host, state["params"]),  # gathered if sharded
-                self.tokenizer,
-                tokenizer_json,
-                {EXPORT_DEV_FILE: dev_bytes},
+            params, config = (
+                state["params"],
                 export_config(
                     self.recipe,
                     self.cfg,
@@ -533,6 +559,20 @@ class PackedSFTProgram(Program):
                     EXPORT_TOKENIZER_FILE if tokenizer_json is not None else None,
                     dev_bytes,
                 ),
+            )
+            if self.lora is not None:
+                # the PEFT adapter in adapter/, beside the merged model (what transformers,
+                # the store's gate and `minifield generate` load without the base)
+                config["lora"] = self._export_adapter(state, directory / lora.ADAPTER_DIR)
+                params = self._merge(self._base, state["params"])
+            hf_export.write(
+                directory,
+                self.cfg,
+                jax.tree_util.tree_map(to_host, params),  # gathered if sharded
+                self.tokenizer,
+                tokenizer_json,
+                {EXPORT_DEV_FILE: dev_bytes},
+                config,
                 self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
                 tokenizer_config_json,
             )
@@ -549,6 +589,21 @@ class PackedSFTProgram(Program):
             named_arrays(state["params"]),
             export_config(self.recipe, self.cfg, self.tokenizer, tokenizer_file, dev_bytes),
         )
+
+    def _export_adapter(self, state: dict, directory: Path) -> dict:
+        """Write the PEFT adapter; returns what ``model.json`` records of it."""
+        items = {i["name"]: i for i in self.recipe["inputs"]}
+        config_item = items[self.recipe["model"]["base"]["config"]]
+        # PEFT's base_model_name_or_path: where the pinned base model's config.json lives
+        where = config_item.get("path") or config_item.get("url") or config_item["name"]
+        base_name = where.rsplit("/", 1)[0] if "/" in where else "."
+        lora.write_adapter(directory, self.lora, state["params"], base_name)
+        names = base_model_inputs(self.recipe["model"])
+        return {
+            **self.lora.to_dict(),
+            "adapter_dir": lora.ADAPTER_DIR,
+            "base_inputs": {name: items[name]["sha256"] for name in sorted(names)},
+        }
 
 
 def export_config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
@@ -678,6 +733,7 @@ class PackedSFT(Strategy):
                 }
             )
         errors += normalize_export_dtype(recipe)
+        errors += lora.normalize_section(recipe)
         if "d_model" not in model or "n_heads" not in model:
             pass  # a base model's config.json gives them (checked at prepare)
         elif model["d_model"] % model["n_heads"]:
