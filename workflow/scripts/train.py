@@ -20,6 +20,7 @@ if (snakemake.config.get("tracking") or {}).get("enabled"):
             log_path=Path(snakemake.log[0]).with_suffix(".delivery.log"),
         )
 
+
 stages.train_attempt(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
