@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -116,6 +117,7 @@ def main() -> int:
             stages.validate(args.recipe, root / "recipe.json", root / "validation.json")
             stages.prepare(root / "recipe.json", args.input_root, root / "examples")
             figures: dict[str, list] = {"off": [], "on": []}
+            cpu_shares: list[float] = []
             for round_ in range(args.rounds):
                 for mode in ("off", "on"):
                     name = f"a-{mode}-{round_}"
@@ -132,12 +134,23 @@ def main() -> int:
                         if mode == "on"
                         else None
                     )
+                    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
                     outcome = supervise.supervise(
                         command, root / "runs" / name,
                         supervise.Settings(forward_signals=False), companion=companion,
                     )  # fmt: skip
+                    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (
+                        cpu_after.ru_stime - cpu_before.ru_stime
+                    )
+                    follower_cpu = outcome["companion"]["cpu_s"] if companion else 0.0
+                    worker_cpu = cpu - follower_cpu
                     seconds, wall = _updates(out / job / name)
                     figures[mode].append((statistics.median(seconds), wall))
+                    if companion:
+                        cpu_shares.append(follower_cpu / worker_cpu)
+                        print(f"      CPU: worker {worker_cpu:.2f} s, delivery follower "
+                              f"{follower_cpu:.2f} s = {follower_cpu / worker_cpu:.1%}")  # fmt: skip
                     print(f"  {mode:>3} round {round_}: {outcome['classification']}, median update "
                           f"{statistics.median(seconds) * 1e3:.2f} ms, updates 1..{args.steps} "
                           f"wall {wall:.2f} s"
@@ -149,6 +162,8 @@ def main() -> int:
             print(f"overhead of live delivery: median update {on * 1e3:.2f} ms on vs "
                   f"{off * 1e3:.2f} ms off = {on / off:.3f}x; update wall {on_wall:.2f} s vs "
                   f"{off_wall:.2f} s = {on_wall / off_wall:.3f}x (goal <= 1.02x)")  # fmt: skip
+            print(f"delivery follower CPU / worker CPU: median {statistics.median(cpu_shares):.1%} "
+                  "(the most it can take from training on a saturated machine)")  # fmt: skip
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
