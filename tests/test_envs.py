@@ -39,15 +39,15 @@ def locked_versions() -> dict[str, str]:
     return versions
 
 
-def env_spec() -> tuple[list[str], dict[str, str]]:
-    spec = yaml.safe_load(ENV_FILE.read_text())
+def env_spec(env_file: Path = ENV_FILE) -> tuple[list[str], dict[str, str]]:
+    spec = yaml.safe_load(env_file.read_text())
     conda, pip = [], {}
     for dependency in spec["dependencies"]:
         if isinstance(dependency, dict):
             for line in dependency["pip"]:
                 requirement = Requirement(line)
                 specifier = str(requirement.specifier)
-                assert specifier.startswith("=="), f"{ENV_FILE}: '{line}' is not an exact pin"
+                assert specifier.startswith("=="), f"{env_file}: '{line}' is not an exact pin"
                 pip[canonicalize_name(requirement.name)] = specifier[2:]
         else:
             conda.append(dependency)
@@ -109,3 +109,47 @@ def test_every_rule_that_runs_code_declares_the_conda_env(path):
         env = (path.parent / match.group(1)).resolve()
         assert env.is_file(), f"{path.name}: rule {name} uses missing env {env}"
         assert env.parent == REPO / "envs"
+
+
+GPU_ENV_FILE = REPO / "envs" / "minifield-gpu.yaml"
+
+
+def locked_closure(name: str, extra: str) -> dict[str, str]:
+    """``name[extra]`` and everything it pulls in, as uv.lock resolves them for Python 3.11 on
+    Linux (x86_64)."""
+    lock = tomllib.loads((REPO / "uv.lock").read_text())
+    versions = locked_versions()
+    environment = {**TARGET, "platform_machine": "x86_64", "platform_system": "Linux"}
+    packages = {
+        canonicalize_name(p["name"]): p
+        for p in lock["package"]
+        if versions.get(canonicalize_name(p["name"])) == p["version"]
+    }
+    found: dict[str, str] = {}
+    todo = [(canonicalize_name(name), extra)]
+    while todo:
+        current, wanted_extra = todo.pop()
+        package = packages[current]
+        found[current] = package["version"]
+        dependencies = list(package.get("dependencies", []))
+        if wanted_extra:
+            dependencies += package.get("optional-dependencies", {}).get(wanted_extra, [])
+        for dependency in dependencies:
+            marker = dependency.get("marker")
+            if marker and not Marker(marker).evaluate(environment):
+                continue
+            if canonicalize_name(dependency["name"]) not in found:
+                todo.append((canonicalize_name(dependency["name"]), None))
+    return found
+
+
+def test_gpu_env_is_the_cpu_env_plus_the_locked_cuda_plugin():
+    conda, cpu = env_spec()
+    gpu_conda, gpu = env_spec(GPU_ENV_FILE)
+    assert gpu_conda == conda
+    cuda = locked_closure("jax-cuda12-plugin", "with-cuda")
+    assert {"jax-cuda12-pjrt", "nvidia-cudnn-cu12"} <= set(cuda)
+    assert gpu == {**cpu, **cuda}
+    assert cuda["jax-cuda12-plugin"] == cpu["jax"] == cpu["jaxlib"]
+    script = GPU_ENV_FILE.with_name("minifield-gpu.post-deploy.sh")
+    assert "--no-deps" in script.read_text()

@@ -279,6 +279,32 @@ def test_verdict_refuses_one_altered_resumed_hash():
                     f"at step(s) {proof['comparison'][2]['step']}")  # fmt: skip
 
 
+def test_verdict_refuses_comparisons_on_updates_without_hashes():
+    """A proof whose runs hashed only every other update cannot claim the updates between."""
+    proof = _real_proof()
+    proof["settings"]["state_hash_every"] = 2
+    for record in (proof["reference"], proof["resumed"]):
+        record["state_hashes"] = [
+            {"step": r["step"], "state_hash": r["state_hash"] if r["step"] % 2 == 0 else None}
+            for r in record["state_hashes"]
+        ]
+    odd = [r["step"] for r in proof["comparison"] if r["step"] % 2 and r["what"] == "update"]
+    for row in proof["comparison"]:
+        if row["step"] in odd:
+            row["reference"] = row["resumed"] = None  # claimed, and flagged equal, unhashed
+            row["equal"] = True
+    _refusal(
+        proof,
+        "recorded state hashes at cadence 2, not after every update",
+        f"crash: the recorded comparison claims step(s) {', '.join(map(str, odd))}, where the "
+        f"reference or the resumed run recorded no state hash",
+    )
+    # the cadence alone is refused even with every hash present
+    proof = _real_proof()
+    proof["settings"]["state_hash_every"] = "checkpoint"
+    _refusal(proof, "recorded state hashes at cadence 'checkpoint'")
+
+
 def test_verdict_refuses_a_missing_restore_step():
     for section in ("crash", "preempt"):
         proof = _real_proof()

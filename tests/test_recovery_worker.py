@@ -159,6 +159,19 @@ def test_sigkill_at_random_points_resumes_to_the_reference(reference):
             if kind == "during_checkpoint_write":
                 # arrays written, never committed: no manifest, so no resume can pick it up
                 assert torn and not (attempt_dir / "checkpoints" / f"step-{step:08d}").exists()
+                # the write was killed on the background writer's thread: the previous good
+                # checkpoint is whole and is the reference's state (the next attempt must
+                # restore it: checked above for every attempt of the chain)
+                previous = _committed_step([*chain_dirs, attempt_dir])
+                assert previous < step
+                if previous:
+                    (good,) = [
+                        d / "checkpoints" / f"step-{previous:08d}"
+                        for d in [*chain_dirs, attempt_dir]
+                        if (d / "checkpoints" / f"step-{previous:08d}" / "manifest.json").is_file()
+                    ]
+                    manifest = _verify_checkpoint_by_hand(good)
+                    assert manifest["state_hash"] == reference["hashes"][previous]
             kills.append({"kind": kind, "step": step, "attempt": name, "torn_checkpoint": torn})
             chain_dirs.append(attempt_dir)
         # finish the chain: resume to completion

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import recipe as recipes
+from .hash_cadence import HashCadence
 
 if TYPE_CHECKING:
     from . import distributed, train
@@ -215,13 +216,17 @@ def run(
     attempt_id: str | None = None,
     examples_dir: str | os.PathLike | None = None,
     allow_environment_change: bool = False,
-    record_state_hashes: bool = False,
+    record_state_hashes: bool | int | str = False,
     compilation_cache: str | os.PathLike | None = None,
     stop_after_step: int | None = None,
     faults: train.Faults | None = None,
     group: distributed.Group | None = None,
 ) -> RunResult:
     """Run one training attempt of ``recipe`` into ``OUTPUT_ROOT/<job_id>/<attempt_id>/``.
+
+    ``record_state_hashes`` is the per-update state-hash cadence: ``True`` or ``1`` (every
+    update), an integer K (every K-th), ``False`` or ``"checkpoint"`` (none: the checkpoint
+    manifests carry the hash).
 
     The same as ``minifield-worker --job RECIPE --input-root … --output-root …``
     with the matching options; the result is the attempt's ``result.json``.
@@ -236,6 +241,10 @@ def run(
     problems = run_problems(
         input_root, resume_from=resume_from, stop_after_step=stop_after_step, faults=faults
     )
+    try:
+        HashCadence.parse(record_state_hashes)
+    except ValueError as exc:
+        problems.append(f"record_state_hashes: {exc}")
     if problems:
         return _invalid("; ".join(problems), "arguments", checked.computation_digest)
 

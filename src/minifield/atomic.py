@@ -37,10 +37,13 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def json_bytes(value: Any) -> bytes:
+    """The bytes ``write_json`` writes for ``value``."""
+    return (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+
+
 def write_json(path: str | Path, value: Any) -> None:
-    write_bytes(
-        path, (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-    )
+    write_bytes(path, json_bytes(value))
 
 
 def read_json(path: str | Path) -> Any:

@@ -7,7 +7,9 @@ Layout of one committed checkpoint::
         arrays/00000.npy ...     one .npy per state leaf (allow_pickle=False)
 
 A checkpoint is written into a temporary sibling directory, every file is
-fsynced, the directory is renamed into place and the parent fsynced. A reader
+fsynced, the directory is renamed into place and the parent fsynced. Each array
+file is hashed while it is written (no second pass over the bytes); the state hash
+is computed alongside, or taken from the caller when it hashed that state already. A reader
 verifies every array's sha256, shape and dtype against the manifest and the
 recomputed state hash against the recorded one; anything that fails is never
 used.
@@ -15,22 +17,29 @@ used.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 from . import atomic
 from .digest import sha256_bytes, sha256_file
-from .state import named_arrays, restore_like, state_hash
+from .state import byte_view, hash_named_arrays, named_arrays, restore_like, state_hash
 
 FORMAT = "minifield-checkpoint/1"
 MANIFEST = "manifest.json"
+#: bytes hashed and written at a time (a chunk stays in cache between the two)
+_CHUNK = 4 << 20
+#: threads writing array files at once
+_WRITERS = max(2, min(8, os.cpu_count() or 2))
 
 
 class CheckpointError(Exception):
@@ -51,17 +60,33 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _npy_bytes(array: np.ndarray) -> bytes:
+def _npy_header(array: np.ndarray) -> bytes:
+    """The ``.npy`` header ``np.save`` writes for ``array`` (format 1.0: our names and shapes
+    always fit), so a file is written from the array's own memory without a serialised copy."""
     buffer = io.BytesIO()
-    np.save(buffer, np.asarray(array, order="C"), allow_pickle=False)
+    npy_format.write_array_header_1_0(buffer, npy_format.header_data_from_array_1_0(array))
     return buffer.getvalue()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
+def _write_array(path: Path, array: np.ndarray) -> str:
+    """Write ``array`` as an ``.npy`` file and fsync it, hashing the bytes as they are
+    written; returns the file's sha256. An error names the file."""
+    header, data = _npy_header(array), byte_view(array)
+    digest = hashlib.sha256(header)
+    try:
+        with open(path, "wb") as handle:
+            handle.write(header)
+            for start in range(0, data.size, _CHUNK):
+                chunk = data[start : start + _CHUNK]
+                digest.update(chunk)
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+    return digest.hexdigest()
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -87,11 +112,19 @@ def save(
     extra: dict | None = None,
     keep: int | None = None,
     before_commit=None,
+    known_state_hash: str | None = None,
 ) -> Committed:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
+    One pass over the bytes: each array file is hashed while it is written, its fsync runs
+    on a second thread while the next file is written, and the complete-state hash is
+    computed on a third (``known_state_hash``, when the caller hashed this very state
+    already, spares it). Durability is that of before: every file fsynced, then the
+    directories, then the rename, then the parent.
+
     ``before_commit`` (fault injection only) is called once the arrays are written, before
-    the manifest and the rename that commit the checkpoint.
+    the manifest and the rename that commit the checkpoint. On any error the temporary
+    directory is removed (best effort) and the previous checkpoints are untouched.
     """
     started = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
@@ -105,46 +138,76 @@ def save(
     tmp = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    (tmp / "arrays").mkdir(parents=True)
-    arrays = named_arrays(state)
-    entries = []
-    for index, (name, array) in enumerate(sorted(arrays.items())):
-        data = _npy_bytes(array)
-        file = f"arrays/{index:05d}.npy"
-        _write_synced(tmp / file, data)
-        entries.append(
-            {
-                "name": name,
-                "file": file,
-                "dtype": array.dtype.str,
-                "shape": list(array.shape),
-                "sha256": sha256_bytes(data),
-            }
+    try:
+        (tmp / "arrays").mkdir(parents=True)
+        manifest, manifest_bytes = _write_contents(
+            tmp, named_arrays(state), step, computation_digest, extra, known_state_hash
         )
-    manifest = {
-        "format": FORMAT,
-        "step": step,
-        "computation_digest": computation_digest,
-        "state_hash": state_hash(state),
-        "arrays": entries,
-        "extra": extra or {},
-    }
-    atomic.fsync_dir(tmp / "arrays")
-    if before_commit is not None:
-        before_commit()
-    atomic.write_json(tmp / MANIFEST, manifest)
-    os.rename(tmp, final)
-    atomic.fsync_dir(directory)
+        if before_commit is not None:
+            before_commit()
+        with open(tmp / MANIFEST, "wb") as handle:
+            handle.write(manifest_bytes)
+            handle.flush()
+            os.fsync(handle.fileno())
+        atomic.fsync_dir(tmp)
+        os.rename(tmp, final)
+        atomic.fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if keep is not None:
         prune(directory, keep)
     return Committed(
         step=step,
         path=final,
-        sha256=sha256_file(final / MANIFEST),
+        sha256=sha256_bytes(manifest_bytes),
         state_hash=manifest["state_hash"],
         seconds=time.monotonic() - started,
         manifest=manifest,
     )
+
+
+def _write_contents(
+    tmp: Path,
+    arrays: dict[str, np.ndarray],
+    step: int,
+    computation_digest: str,
+    extra: dict | None,
+    known_state_hash: str | None,
+) -> tuple[dict, bytes]:
+    """Write and fsync every array file under ``tmp/arrays``; return the manifest (and its
+    bytes as ``atomic.write_json`` would write them)."""
+    items = sorted(arrays.items())
+    files = [f"arrays/{index:05d}.npy" for index in range(len(items))]
+    # hashlib, file writes and fsync release the GIL: the arrays are written (each hashed as
+    # it goes, each fsynced) by several threads, the state hash computed by one more
+    with ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="checkpoint") as pool:
+        hashing = None if known_state_hash else pool.submit(hash_named_arrays, items)
+        writes = [
+            pool.submit(_write_array, tmp / file, array)
+            for file, (_, array) in zip(files, items, strict=True)
+        ]
+        entries = [
+            {
+                "name": name,
+                "file": file,
+                "dtype": array.dtype.str,
+                "shape": list(array.shape),
+                "sha256": write.result(),
+            }
+            for file, (name, array), write in zip(files, items, writes, strict=True)
+        ]
+        state_hash_value = known_state_hash or hashing.result()
+    atomic.fsync_dir(tmp / "arrays")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "computation_digest": computation_digest,
+        "state_hash": state_hash_value,
+        "arrays": entries,
+        "extra": extra or {},
+    }
+    return manifest, atomic.json_bytes(manifest)
 
 
 def prune(directory: Path, keep: int) -> None:

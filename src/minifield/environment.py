@@ -49,6 +49,17 @@ BIT_DEFINING = (
     "matmul_precision",
     "x64",
 )
+#: bit-defining fields recorded only where they apply (absent on CPU hosts, so CPU
+#: fingerprints and results are unchanged); compared before a resume like the others
+OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin",)
+
+#: XLA flags a run on a GPU gets by default (:func:`add_gpu_determinism_flags`): without them
+#: XLA:GPU may use atomics for scatter-add (the embedding gradient) and reductions, and pick
+#: kernels by timing, so two runs of the same program can differ in their last bits and the
+#: recovery proof's bit-exact resume would fail. ``xla_gpu_deterministic_ops`` also implies
+#: ``xla_gpu_exclude_nondeterministic_ops``. Their cost on a training step is not measured here.
+GPU_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",)
+CUDA_PLUGIN = "jax-cuda12-plugin"
 
 
 def _version(package: str) -> str | None:
@@ -118,10 +129,37 @@ def source_revision() -> str | None:
         return None
 
 
+def runs_on_gpu(environ=os.environ) -> bool:
+    """Whether JAX will pick a GPU in this process (decided before JAX starts): JAX_PLATFORMS
+    names cuda/gpu, or it is unset and the CUDA plugin is installed."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms[0] in ("cuda", "gpu")
+    return _version(CUDA_PLUGIN) is not None
+
+
+def add_gpu_determinism_flags(environ=os.environ) -> list[str]:
+    """Before JAX starts: append :data:`GPU_DETERMINISM_FLAGS` to ``XLA_FLAGS`` for a process
+    that runs on a GPU, except a flag the user already set (their value is kept). The flags
+    then show in the fingerprint's ``xla_flags`` like any other. A CPU process is left alone
+    (its fingerprint does not change). Returns the flags added."""
+    if not runs_on_gpu(environ):
+        return []
+    current = environ.get("XLA_FLAGS", "")
+    named = {flag.split("=", 1)[0] for flag in current.split()}
+    added = [flag for flag in GPU_DETERMINISM_FLAGS if flag.split("=", 1)[0] not in named]
+    if added:
+        environ["XLA_FLAGS"] = " ".join([*current.split(), *added])
+    return added
+
+
 def fingerprint() -> dict:
     import jax
 
     devices = jax.devices()
+    extra = {}
+    if _version(CUDA_PLUGIN) is not None:  # only where installed: CPU fingerprints unchanged
+        extra["jax_cuda12_plugin"] = _version(CUDA_PLUGIN)
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -144,6 +182,7 @@ def fingerprint() -> dict:
         "package_version": __version__,
         "code_hash": code_hash(),
         "source_revision": source_revision(),
+        **extra,
     }
 
 
@@ -151,6 +190,6 @@ def differences(recorded: dict, current: dict) -> dict:
     """``{field: {"recorded": a, "current": b}}`` for every bit-defining field that differs."""
     return {
         key: {"recorded": recorded.get(key), "current": current.get(key)}
-        for key in BIT_DEFINING
+        for key in (*BIT_DEFINING, *OPTIONAL_BIT_DEFINING)
         if recorded.get(key) != current.get(key)
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,8 +67,14 @@ class EventLog:
         self._echo = echo
         self._on_echo_closed = on_echo_closed
         self._seq = 0
+        # a background checkpoint writer may emit (a fault's last word) while the loop does
+        self._lock = threading.Lock()
 
     def emit(self, type_: str, *, durable: bool = False, **fields: Any) -> dict:
+        with self._lock:
+            return self._emit(type_, durable, fields)
+
+    def _emit(self, type_: str, durable: bool, fields: dict[str, Any]) -> dict:
         event = {
             "seq": self._seq,
             "time": time.time(),

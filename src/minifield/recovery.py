@@ -48,6 +48,9 @@ LEGACY_MODE = "crash"
 #: seconds the preempted run's worker holds still after update k: the supervisor's SIGTERM
 #: (sent within a poll interval of seeing that update's event) must land before update k+1
 PREEMPT_HOLD_S = 3.0
+#: the state-hash cadence of the proof's runs: every update, since every update after the
+#: restored checkpoint is compared (the verdict refuses a proof recorded at another one)
+PROOF_HASH_EVERY = 1
 #: the worker's exit codes the proof relies on (0 completed, 1 failed, 2 invalid, 3 preempted,
 #: 4 limit)
 EXIT_FAILED, EXIT_PREEMPTED = 1, supervisor.WORKER_PREEMPTED
@@ -156,7 +159,9 @@ class _Runs:
         self.job_dir = out_root / recipe.job_id
         self.common: list[str | Path] = [
             "--job", recipe_path, "--input-root", input_root, "--output-root", out_root,
-            "--stop-after-step", str(steps), "--record-state-hashes",
+            "--stop-after-step", str(steps),
+            # every update carries its state hash: the proof compares every update
+            "--state-hash-every", str(PROOF_HASH_EVERY),
             # Shared with training: the proof's runs compile once, and the proof then also
             # covers a resume that loads its executable from the persistent cache.
             "--compilation-cache", Path(work_dir) / "jax-cache",
@@ -662,6 +667,7 @@ def prove(
             "preempt_after_step": k if mode in ("preempt", "both") else None,
             "every_steps": recipe.data["checkpoint"]["every_steps"],
             "max_steps": recipe.data["limits"]["max_steps"],
+            "state_hash_every": PROOF_HASH_EVERY,
             **supervision.bounds(),
             "processes": processes,
         },
@@ -793,14 +799,21 @@ def _resumed_reasons(
     # the recorded comparison, judged by its own hashes (its ``equal`` flags are not read)
     if not isinstance(rows, list) or not rows:
         return [*reasons, f"{part}: the proof records no comparison"]
-    unequal, covered = [], set()
+    unequal, covered, unhashed = [], set(), []
     for row in rows:
         row = _obj(row)
         step = row.get("step") if _is_step(row.get("step")) else -1
         covered.add(step)
+        if not row.get("reference") or not row.get("resumed"):
+            unhashed.append(step)
         agrees = reference is None or reference.get(step) == row.get("reference")
         if not row.get("reference") or row.get("reference") != row.get("resumed") or not agrees:
             unequal.append(step)
+    if unhashed:
+        reasons.append(
+            f"{part}: the recorded comparison claims step(s) {_steps_text(unhashed)}, where the "
+            f"reference or the resumed run recorded no state hash"
+        )
     if unequal:
         reasons.append(
             f"{part}: the recorded comparison is not equal (or not the reference's hash) at "
@@ -902,6 +915,13 @@ def verdict(proof: object, computation_digest: str | None) -> list[str]:
     mode, steps = settings.get("mode", LEGACY_MODE), settings.get("steps")
     if mode not in MODES or not _is_step(steps) or steps < 1:
         return [*reasons, f"the proof's settings are malformed (mode {mode!r}, steps {steps!r})"]
+    # a proof from before the cadence existed hashed every update
+    cadence = settings.get("state_hash_every", PROOF_HASH_EVERY)
+    if cadence != PROOF_HASH_EVERY:
+        reasons.append(
+            f"the proof's runs recorded state hashes at cadence {cadence!r}, not after every "
+            f"update: the updates between hashes are not compared"
+        )
     reference = _hash_map(_obj(proof.get("reference")).get("state_hashes"))
     if reference is None:
         reasons.append("the reference run's state_hashes are missing or malformed")

@@ -189,7 +189,7 @@ def train_attempt(
     log: Path,
     *,
     proof: Path | None = None,
-    record_state_hashes: bool = True,
+    record_state_hashes: bool | int | str = True,
     allow_environment_change: bool = False,
     supervision: supervise.Settings = supervise.TRAINING,
     gpus: list | None = None,
@@ -233,8 +233,11 @@ def train_attempt(
     ]
     if previous is not None:
         args += ["--resume-from", previous]
-    if record_state_hashes:
+    if record_state_hashes is True:
         args.append("--record-state-hashes")
+    elif record_state_hashes:
+        # a cadence: every K-th update, or "checkpoint"
+        args += ["--state-hash-every", str(record_state_hashes)]
     if allow_environment_change:
         args.append("--allow-environment-change")
     command = supervise.worker_command(*args, processes=processes)

@@ -186,9 +186,12 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                 high_water = max(high_water, step)
             elif kind == "checkpoint_committed":
                 durable = int(event["step"])
+                # the time the loop spent on it: a background commit's ``seconds`` overlap
+                # the updates, only its ``blocking_seconds`` held training up
+                held = float(event.get("blocking_seconds", event["seconds"]))
                 totals["checkpoints"] += 1
-                totals["checkpoint_s"] += float(event["seconds"])
-                attempt["checkpoint_s"] += float(event["seconds"])
+                totals["checkpoint_s"] += held
+                attempt["checkpoint_s"] += held
                 attempt["checkpoints_count"] += 1
             elif kind == "restored":
                 # A rejected newer checkpoint makes the restore point older than ``durable``.

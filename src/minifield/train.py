@@ -48,13 +48,14 @@ from .attempt_result import (
     Progress,
 )
 from .attempt_setup import AdoptCompleted, SetUpFailed, new_attempt_id
+from .checkpoint_writer import CheckpointWriteError
 from .checkpointing import Checkpointing
 from .events import EventLog, write_line
 from .faults import Faults
 from .recipe import Recipe
 from .resume import ResumeRefused
 from .stopping import Preempt, Stopping
-from .update_loop import Stopped, UpdateLoop, periodic_evaluation
+from .update_loop import HostSnapshot, Stopped, UpdateLoop, loop_hook, periodic_evaluation
 
 #: the names other modules have used for these files (the layout lives in attempt_layout)
 ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
@@ -85,7 +86,9 @@ class Options:
     attempt_id: str | None = None
     examples_dir: Path | None = None
     allow_environment_change: bool = False
-    record_state_hashes: bool = False
+    #: the per-update state-hash cadence: True/1 every update, K every K updates,
+    #: False/"checkpoint" none (checkpoint manifests always carry the hash)
+    record_state_hashes: bool | int | str = False
     #: JAX persistent compilation cache directory (None: no persistent cache)
     compilation_cache: Path | None = None
     #: operational step limit (qualification runs): end after this many updates with a
@@ -136,6 +139,8 @@ class Attempt:
             if group.is_writer
             else EventLog(None, None)
         )
+        # one host copy per step, shared by the update's state hash and a checkpoint
+        self.snapshot = HostSnapshot()
         self.checkpoints = Checkpointing(
             self.dir / CHECKPOINTS,
             computation_digest=self.recipe.computation_digest,
@@ -146,6 +151,7 @@ class Attempt:
             group=group,
             events=self.events,
             faults=self.options.faults,
+            snapshot=self.snapshot,
         )
 
     def say(self, message: str) -> None:
@@ -168,10 +174,22 @@ class Attempt:
             return self._finish(self._adopt(outcome.previous))
         try:
             return self._finish(self._train(outcome))
+        except CheckpointWriteError as exc:
+            self._settle_checkpoints()
+            return self._finish(Ending.failed(AttemptError("checkpoint", str(exc))))
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
+            self._settle_checkpoints()
             return self._finish(
                 Ending.failed(AttemptError("train", f"{type(exc).__name__}: {exc}"))
             )
+
+    def _settle_checkpoints(self) -> None:
+        """On a failure, let a background write in flight end (and report it) before the
+        attempt's last event, so that nothing is written after ``result.json``."""
+        try:
+            self.checkpoints.wait()
+        except CheckpointWriteError as exc:
+            self.say(str(exc))
 
     def _adopt(self, previous) -> Ending:
         """Resuming a completed attempt trains nothing and reports the same final state."""
@@ -202,12 +220,14 @@ class Attempt:
             events=self.events,
             progress=self.progress,
             hooks=[
-                self.options.faults.after_update,
-                self.checkpoints.on_cadence,
+                self._fault_hook(),
+                self.checkpoints.hook(),
                 periodic_evaluation(program, self.events, max_steps),
             ],
             record_state_hashes=self.options.record_state_hashes,
             say=self.say,
+            between_updates=[self.checkpoints.collect],
+            snapshot=self.snapshot,
         )
         # restored arrays come from host files: put them where the compiled update wants
         # them (over several processes a collective, hence only once all agreed to start)
@@ -229,11 +249,26 @@ class Attempt:
             return Ending.limit_reached(end.stop.reason)
         return self._complete(program, end.state, end.step)
 
+    def _fault_hook(self):
+        faults = self.options.faults
+
+        def due(step: int) -> bool:
+            return step in (faults.fail_after_step, faults.stall_after_step)
+
+        def settle(step: int) -> None:
+            # which checkpoint survives the injected crash (or a kill once the update before
+            # the stall is seen) must not depend on how far a background write got (a SIGKILL
+            # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+            # update K are committed before update K is reported
+            self.checkpoints.wait()
+
+        return loop_hook(faults.after_update, due, settle)
+
     def _complete(self, program, state, step: int) -> Ending:
         """The final evaluation, the export and the final state hash."""
         import jax
 
-        from .state import state_hash, to_host
+        from .state import to_host
 
         if self.options.group.size > 1:
             # one host copy on every process (a collective when sharded over processes), so
@@ -251,7 +286,7 @@ class Attempt:
         )
         if self.options.group.is_writer:
             program.export(state, self.dir / EXPORT)
-        self.progress.final_state_hash = state_hash(state)
+        self.progress.final_state_hash = self.snapshot.hash_of(state, step)
         return Ending.completed()
 
     def _finish(self, ending: Ending) -> int:

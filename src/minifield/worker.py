@@ -16,12 +16,21 @@ import os
 import sys
 from pathlib import Path
 
-from . import api, distributed, strategies
+from . import api, distributed, environment, strategies
 from .arguments import bounded_float, bounded_int
 from .cli import report_unexpected
 
 #: an update number the state's int32 step counter can reach
 _STEP = bounded_int(1, 2**31 - 1)
+
+
+def _hash_cadence(value: str) -> int | str:
+    from .hash_cadence import HashCadence
+
+    try:
+        return HashCadence.parse(value).describe()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +70,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record-state-hashes",
         action="store_true",
-        help="add the complete-state hash to every update event",
+        help="add the complete-state hash to every update event (= --state-hash-every 1)",
+    )
+    parser.add_argument(
+        "--state-hash-every",
+        type=_hash_cadence,
+        metavar="K|checkpoint",
+        help="add the complete-state hash to every K-th update event; 'checkpoint': to none "
+        "(the checkpoints' manifests always carry it). Default: 1 with "
+        "--record-state-hashes, else checkpoint",
     )
     parser.add_argument(
         "--compilation-cache",
@@ -161,6 +178,8 @@ def _start_processes(args) -> distributed.Group:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # before JAX starts its backend: a GPU run computes deterministically (environment.py)
+    environment.add_gpu_determinism_flags()
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -218,7 +237,11 @@ def _main(argv: list[str]) -> int:
             attempt_id=args.attempt_id,
             examples_dir=args.examples,
             allow_environment_change=args.allow_environment_change,
-            record_state_hashes=args.record_state_hashes,
+            record_state_hashes=(
+                args.state_hash_every
+                if args.state_hash_every is not None
+                else args.record_state_hashes
+            ),
             compilation_cache=args.compilation_cache,
             stop_after_step=args.stop_after_step,
             faults=faults,

@@ -30,7 +30,7 @@ stages.train_attempt(
     Path(snakemake.output.export),
     Path(snakemake.log[0]),
     proof=Path(snakemake.input.proof),
-    record_state_hashes=t["record_state_hashes"],
+    record_state_hashes=t["record_state_hashes"] and t.get("state_hash_every", 1),
     allow_environment_change=t["allow_environment_change"],
     supervision=supervise.Settings(
         deadline_s=t["deadline_seconds"],

@@ -9,6 +9,7 @@ builds a :class:`Program`: the compiled pure functions over the complete state.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,17 @@ class Program(ABC):
     @abstractmethod
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         """One update; returns the new state and host metrics after the device finished."""
+
+    def dispatch(self, state: dict, step: int) -> tuple[dict, Callable[[], dict[str, float]]]:
+        """Start update ``step + 1`` from ``state`` (at ``step``) without waiting for it.
+
+        Returns the new state (arrays the device may still be computing) and a function that
+        waits for the update and returns its host metrics. The update loop calls that
+        function only after the next update is queued, so the device does not idle while
+        the host reads and reports. The default is the synchronous ``step``.
+        """
+        new_state, metrics = self.step(state)
+        return new_state, lambda: metrics
 
     #: run a periodic evaluation every this many updates (0: only at the end)
     eval_every: int = 0

@@ -75,12 +75,19 @@ class LinearProgram(Program):
         )
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
+        new_state, read_metrics = self.dispatch(state, -1)
+        jax.block_until_ready(new_state)
+        return new_state, read_metrics()
+
+    def dispatch(self, state: dict, step: int):
         if self._compiled is None:
             self.compile()
         new_state, metrics = self._compiled(state, self.x, self.y)
-        jax.block_until_ready(new_state)
         # a constant learning rate, reported like packed-sft's scheduled one
-        return new_state, {"loss": float(metrics["loss"]), "learning_rate": self.learning_rate}
+        return new_state, lambda: {
+            "loss": float(metrics["loss"]),
+            "learning_rate": self.learning_rate,
+        }
 
     def evaluate(self, state: dict) -> dict[str, float]:
         w = float(np.asarray(state["params"]["w"])[0])

@@ -36,7 +36,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate, segment_mask
+from . import attention, layer_stack
+from .execution import Execution
+from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate
 
 ARCHITECTURE = "llama"
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
@@ -60,6 +62,8 @@ class LlamaConfig:
     qkv_bias: bool = DEFAULTS["qkv_bias"]
     tie_embeddings: bool = False
     compute_dtype: str = "bfloat16"
+    #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
+    execution: Execution = Execution()
 
     def __post_init__(self):
         errors = []
@@ -127,7 +131,9 @@ class LlamaConfig:
         return cls(**d)
 
     def to_dict(self) -> dict:
-        return {"architecture": ARCHITECTURE, **dataclasses.asdict(self)}
+        out = {"architecture": ARCHITECTURE, **dataclasses.asdict(self)}
+        del out["execution"]
+        return out
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -231,24 +237,11 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 
-def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS, p):
+def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
     """Attention of T queries over S keys/values (S = T in training, the cache length when
-    generating), then the output projection."""
-    B, T, H, K = q_BxTxHxK.shape
-    S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
-    # Grouped-query attention: query head h reads key/value head h // (H / G) (HF's repeat_kv).
-    k_BxSxHxK = jnp.repeat(k_BxSxGxK, H // G, axis=2)
-    v_BxSxHxK = jnp.repeat(v_BxSxGxK, H // G, axis=2)
-    # Canonical 3-D [B*H, T, K] batched dots, as in model._attention (the fast XLA:CPU path).
-    N = B * H
-    q_NxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(N, T, K)
-    k_NxSxK, v_NxSxK = (t.transpose(0, 2, 1, 3).reshape(N, S, K) for t in (k_BxSxHxK, v_BxSxHxK))
-    scores_NxTxS = _einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
-    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * (K**-0.5)
-    scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, jnp.finfo(F32).min)
-    probs_NxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(cfg.dtype).reshape(N, T, S)
-    out_NxTxK = _einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
-    out_BxTxHK = out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)
+    generating), then the output projection. ``mask``: :func:`.attention.packed_mask`'s, or a
+    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`.attention.xla_mix`."""
+    out_BxTxHK = attention.mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
     return _project(cfg, out_BxTxHK, p["wo"])
 
 
@@ -274,15 +267,23 @@ def _head(params, cfg: LlamaConfig, h_BxTxD):
 
 def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch (see :func:`.model.forward`)."""
+    return _head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
+
+
+def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
+    """The residual stream after the last block (before the final norm, see
+    :func:`.model.hidden`); the blocks run as :mod:`.layer_stack` says."""
     h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
-    mask_Bx1xTxT = segment_mask(segments_BxT)
-    for name in sorted(params["blocks"], key=int):
-        block = params["blocks"][name]
+    mask = attention.packed_mask(cfg, segments_BxT)
+
+    def block_fn(block, h_BxTxD):
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask_Bx1xTxT, positions_BxT)
+        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
-    return _head(params, cfg, h_BxTxD)
+        return h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+
+    names = sorted(params["blocks"], key=int)
+    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:

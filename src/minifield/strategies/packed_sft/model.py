@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .execution import Execution
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
@@ -60,6 +62,9 @@ class ModelConfig:
     positions: str = "learned"  # "learned" (a table of max_len rows) or "rotary"
     tie_embeddings: bool = True  # output projection = token embedding transposed
     compute_dtype: str = "bfloat16"  # "bfloat16" or "float32"
+    #: how it computes (attention kernel, scan, remat, loss chunks): not architecture, so
+    #: ``to_dict`` leaves it out (see :mod:`.execution`)
+    execution: Execution = Execution()
 
     def __post_init__(self):
         errors = []
@@ -116,7 +121,9 @@ class ModelConfig:
         return cls(**d)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["execution"]
+        return out
 
 
 def config_from_dict(d: dict):
@@ -270,7 +277,10 @@ def segment_mask(segments_BxT):
     return (same_BxTxT & causal_TxT)[:, None, :, :]
 
 
-def _attention(cfg: ModelConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
+def _attention(cfg: ModelConfig, x_BxTxD, p, mask, positions_BxT):
+    """``mask``: :func:`.attention.packed_mask`'s (the dense mask, or segment ids)."""
+    from . import attention
+
     B, T, D = x_BxTxD.shape
     H, K = cfg.n_heads, cfg.head_dim
     qkv_BxTx3D = _dense(cfg, x_BxTxD, p["wqkv"], p["bqkv"])
@@ -280,19 +290,7 @@ def _attention(cfg: ModelConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
     if cfg.positions == "rotary":
         q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT)
         k_BxTxHxK = _rotate(k_BxTxHxK, positions_BxT)
-    # Heads to a contiguous [B*H, T, K] layout (the reshape after the transpose makes XLA
-    # materialise it): batched dots of this canonical 3-D form run on the fast BF16 path,
-    # 4-D ones are upcast to FP32 by XLA:CPU.
-    N = B * H
-    q_NxTxK, k_NxTxK, v_NxTxK = (
-        t.transpose(0, 2, 1, 3).reshape(N, T, K) for t in (q_BxTxHxK, k_BxTxHxK, v_BxTxHxK)
-    )
-    scores_NxTxT = _einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxTxK, out_dtype=F32)
-    scores_BxHxTxT = scores_NxTxT.reshape(B, H, T, T) * (K**-0.5)
-    scores_BxHxTxT = jnp.where(mask_Bx1xTxT, scores_BxHxTxT, jnp.finfo(F32).min)
-    probs_NxTxT = jax.nn.softmax(scores_BxHxTxT, axis=-1).astype(cfg.dtype).reshape(N, T, T)
-    out_NxTxK = _einsum(cfg, "nts,nsk->ntk", probs_NxTxT, v_NxTxK)
-    out_BxTxD = out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, D)
+    out_BxTxD = attention.mix(cfg, q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask)
     return _dense(cfg, out_BxTxD, p["wo"], p["bo"])
 
 
@@ -309,22 +307,45 @@ def forward(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
         from . import llama
 
         return llama.forward(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
+    return head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
+
+
+def hidden(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
+    """The residual stream after the last block ``[B, T, D]`` (compute dtype, before the
+    final norm); :func:`head` turns it into logits."""
+    from . import attention, layer_stack
+
+    if cfg.architecture == "llama":
+        from . import llama
+
+        return llama.hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
     # Gather from the FP32 tables and round afterwards, so the embedding gradient is
     # scatter-added in FP32.
     h_BxTxD = params["embed"]["tokens"][tokens_BxT]
     if cfg.positions == "learned":
         h_BxTxD = h_BxTxD + params["embed"]["positions"][positions_BxT]
     h_BxTxD = h_BxTxD.astype(cfg.dtype)
-    mask_Bx1xTxT = segment_mask(segments_BxT)
-    for name in sorted(params["blocks"]):
-        block = params["blocks"][name]
+    mask = attention.packed_mask(cfg, segments_BxT)
+
+    def block_fn(block, h_BxTxD):
         a_BxTxD = _layer_norm(h_BxTxD, block["ln1"], cfg.dtype)
         # h + (f(x)) keeps the residual add outside the projection's fusion (faster on CPU).
-        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask_Bx1xTxT, positions_BxT)
+        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
         a_BxTxD = _layer_norm(h_BxTxD, block["ln2"], cfg.dtype)
         m = block["mlp"]
         u_BxTxF = jax.nn.gelu(_dense(cfg, a_BxTxD, m["w1"], m["b1"]))
-        h_BxTxD = h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
+        return h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
+
+    names = sorted(params["blocks"])
+    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
+
+
+def head(params, cfg: ModelConfig, h_BxTxD):
+    """FP32 logits ``[B, T, V]`` from :func:`hidden`'s states (final norm, output projection)."""
+    if cfg.architecture == "llama":
+        from . import llama
+
+        return llama._head(params, cfg, h_BxTxD)
     h_BxTxD = _layer_norm(h_BxTxD, params["ln_f"], cfg.dtype)
     if cfg.tie_embeddings:
         return _einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
@@ -354,6 +375,16 @@ def token_losses(params, cfg: ModelConfig, batch):
     :func:`loss_weights` before summing.
     """
     tokens_BxT = batch["tokens"]
+    if cfg.execution.loss_chunk_tokens:
+        from .cross_entropy import chunked_token_losses
+
+        h_BxTxD = hidden(params, cfg, tokens_BxT, batch["segments"], batch["positions"])
+        return chunked_token_losses(
+            functools.partial(head, params, cfg),
+            h_BxTxD,
+            jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1))),
+            cfg.execution.loss_chunk_tokens,
+        )
     logits_BxTxV = forward(params, cfg, tokens_BxT, batch["segments"], batch["positions"])
     targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
     logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
@@ -459,6 +490,9 @@ def greedy_generate_batch(
             raise ValueError("every prompt needs at least one token")
     if max_new_tokens == 0:
         return [[] for _ in prompts]
+    # Generation runs buffers of any length through the XLA attention (the fused kernel wants
+    # whole blocks) and needs no remat or loss chunks; a scanned stack stays scanned.
+    cfg = dataclasses.replace(cfg, execution=Execution(scan_layers=cfg.execution.scan_layers))
     length = min(cfg.max_len, -(-(longest + max_new_tokens) // 32) * 32)
     buffer = np.zeros((len(prompts), length), np.int32)
     for row, prompt in enumerate(prompts):

@@ -25,7 +25,7 @@ import numpy as np
 from ... import export
 from ...digest import sha256_bytes
 from ..base import Program, Strategy
-from . import base_model, chat_template, lora, packing, sft_data
+from . import base_model, chat_template, execution, lora, packing, sft_data
 from . import tokenizer as tokenizers
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
@@ -378,6 +378,8 @@ class PackedSFTProgram(Program):
         else:
             self.tokenizer = _tokenizer_from_examples(recipe, arrays)
             self.cfg = model_config(recipe, self.tokenizer.vocab_size)
+        # how the model computes (attention kernel, scan, remat, loss chunks): execution.py
+        self.cfg = execution.with_recipe_options(self.cfg, recipe)
         self.seed = training["seed"]
         self.batch_size = training["batch_size"]
         self.n_rows = int(arrays["train_tokens"].shape[0])
@@ -491,22 +493,43 @@ class PackedSFTProgram(Program):
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         import jax
 
+        new_state, read_metrics = self.dispatch(state, int(state["step"]))
+        jax.block_until_ready(new_state)
+        return new_state, read_metrics()
+
+    def _batch_and_counts(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        batch = self.batch(step)
+        # the step's "tokens" counts trained targets; the event's "tokens" means tokens consumed
+        counts = {
+            "examples": int(np.count_nonzero((batch["positions"] == 0) & (batch["segments"] > 0))),
+            "tokens": int(np.count_nonzero(batch["segments"])),
+        }
+        return batch, counts
+
+    def dispatch(self, state: dict, step: int):
+        """Queue the update on the device and return at once: the batch was built ahead on
+        the host (:class:`~minifield.batch_prefetch.Prefetcher`), the metrics are read back
+        when the caller asks for them (no device sync here)."""
+        import jax
+
+        from ...batch_prefetch import Prefetcher
+
         if self._compiled is None:
             self.compile()
-        batch = self.batch(int(state["step"]))
+        if getattr(self, "_batches", None) is None:
+            self._batches = Prefetcher(self._batch_and_counts)
+        batch, counts = self._batches.get(step)
         device_batch = batch
         if self._batch_sharding is not None:
             device_batch = jax.device_put(batch, self._batch_sharding)
         new_state, metrics = self._compiled(state, device_batch)
-        jax.block_until_ready(new_state)
-        host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
-        # the step's "tokens" counts trained targets; the event's "tokens" means tokens consumed
-        host["loss_tokens"] = host.pop("tokens", float("nan"))
-        host["examples"] = int(
-            np.count_nonzero((batch["positions"] == 0) & (batch["segments"] > 0))
-        )
-        host["tokens"] = int(np.count_nonzero(batch["segments"]))
-        return new_state, host
+
+        def read_metrics() -> dict[str, float]:
+            host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+            host["loss_tokens"] = host.pop("tokens", float("nan"))
+            return {**host, **counts}
+
+        return new_state, read_metrics
 
     def _eval_params(self, state: dict):
         """Evaluation and generation run on one device: a mesh-placed state is copied to this
@@ -734,6 +757,7 @@ class PackedSFT(Strategy):
             )
         errors += normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
+        errors += execution.normalize_recipe(recipe)
         if "d_model" not in model or "n_heads" not in model:
             pass  # a base model's config.json gives them (checked at prepare)
         elif model["d_model"] % model["n_heads"]:
