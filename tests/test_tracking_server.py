@@ -31,6 +31,8 @@ from minifield import cli, supervise
 from minifield.digest import sha256_file
 
 pytestmark = pytest.mark.slow  # a real tracking server, real workers, real Snakemake
+# No usage reports from the client in this process (and no sender thread in forked children).
+os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
 
 def _free_port() -> int:

@@ -34,6 +34,9 @@ _CLIENT_ENV = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
     # the client prints run links on our stdout, where the commands print their records
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+    # a pipeline does not report its usage to anyone but the configured server (and a
+    # background sender thread must not hold locks a forked process inherits)
+    "MLFLOW_DISABLE_TELEMETRY": "true",
 }
 _STATUS_IN_MESSAGE = re.compile(r"error code (\d{3})")
 
