@@ -257,6 +257,15 @@ class Delivery:
                     e.get("type") in attempt_events.TERMINAL for e in batch.events
                 )
                 self._advance(cursor, cursor_path, batch, on_batch)
+            if not terminal_seen and not cursor.finished and cursor.delivered_seq >= 0:
+                # Killed after the terminal event's batch was accepted but before the run
+                # was ended: the delivered part of the file says whether it is over.
+                events, _ = _read_all(events_path)
+                terminal_seen = any(
+                    e.get("type") in attempt_events.TERMINAL
+                    and e.get("seq", -1) <= cursor.delivered_seq
+                    for e in events
+                )
             if terminal_seen and not cursor.finished:
                 self._finish_attempt_run(cursor, events_path)
                 cursor.finished = True
