@@ -32,6 +32,7 @@ include: "workflow/rules/publish.smk"
 include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/two_stage.smk"
+include: "workflow/rules/tracking.smk"
 
 
 rule all:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import atomic, examples, inputs, leases, locks, recovery, supervise
@@ -197,8 +197,12 @@ def train_attempt(
     lease_dir: Path | None = None,
     lease_wait_s: float = 3600.0,
     processes: int = 1,
+    live_delivery: Callable[[Path], supervise.Companion] | None = None,
 ) -> dict:
     """Run one supervised worker attempt, resuming the computation's latest attempt if any.
+
+    ``live_delivery(attempt_dir)``, when given, makes the supervisor's companion that
+    delivers the attempt's events while it trains (:mod:`minifield.tracking.live`).
 
     Attempts live under ``work_dir`` (not a declared output), so a failed job's
     checkpoints survive Snakemake's clean-up and the next try resumes from them.
@@ -269,6 +273,7 @@ def train_attempt(
                     env=_worker_env(recipe, held, supervision.env),
                     pass_fds=(*supervision.pass_fds, *held.fds, lock_fd),
                 ),
+                companion=live_delivery(job_dir / attempt_id) if live_delivery else None,
             )
     finally:
         os.close(lock_fd)

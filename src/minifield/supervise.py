@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import atomic
 
@@ -96,6 +96,14 @@ class Settings:
 TRAINING = Settings()
 #: the qualification's runs are the recipe's first few updates: an hour is already generous
 QUALIFICATION = Settings(deadline_s=3600.0)
+
+
+class Companion(Protocol):
+    """Something that runs beside a supervised child; neither method may raise."""
+
+    def start(self) -> None: ...
+
+    def finish(self) -> dict: ...
 
 
 def _now_iso() -> str:
@@ -306,12 +314,16 @@ def supervise(
     settings: Settings,
     *,
     preempt_after_step: int | None = None,
+    companion: Companion | None = None,
 ) -> dict:
     """Run ``command`` under supervision; write and return the outcome (``run.json``).
 
     ``command`` is an argument list; it is never passed through a shell. With
     ``preempt_after_step=K``, the supervisor sends SIGTERM to the group as soon as it sees
-    update K's event (then the grace period and SIGKILL as for any stop).
+    update K's event (then the grace period and SIGKILL as for any stop). A ``companion``
+    (live delivery to a tracking server, :mod:`minifield.tracking.live`) is started once the
+    child runs and finished after it was reaped; what it reports is ``run.json``'s
+    ``companion``. It runs beside the child and can neither delay nor fail it.
     """
     if isinstance(command, str) or not command:
         raise ValueError("command must be a non-empty argument list (no shell strings)")
@@ -373,6 +385,8 @@ def supervise(
         stderr = _StderrReader(child.stderr, err_log, settings.stderr_tail_bytes)
         stdout.start()
         stderr.start()
+        if companion is not None:
+            companion.start()
 
         # "timeout" | "stalled" | "preempt" when the supervisor stops the run
         action: str | None = None
@@ -415,6 +429,8 @@ def supervise(
                 time.sleep(_POLL_S)
         stdout.join(timeout=10)
         stderr.join(timeout=10)
+        if companion is not None:
+            outcome["companion"] = companion.finish()
     finally:
         if settings.forward_signals:
             forwarder.restore()

@@ -121,6 +121,8 @@ def final_targets():
         ]
         if config["store"]["activate"]:
             targets.append(f"{base}/activation.json")
+        if config["tracking"]["enabled"]:
+            targets.append(f"{base}/tracking.json")
     return targets + ["results/capacity.csv"] + report_targets()
 
 
@@ -175,3 +177,22 @@ def report_targets():
             f"results/computations/{cdigest}/report/{item}" for item in REPORT_ITEMS
         ]
     return targets
+
+
+def deliver_inputs(wildcards):
+    """What the deliver rule sends: evaluation, summary and report plots, the proof and the
+    publication (so that the registry version exists before the run is closed)."""
+    base = f"results/computations/{wildcards.cdigest}"
+    inputs = {
+        "recipe": f"{base}/recipe.json",
+        "validation": f"{base}/validation.json",
+        "result": f"{base}/train/result.json",
+        "metrics": f"{base}/eval/metrics.json",
+        "summary": f"{base}/summary.json",
+        "plots": [f"{base}/report/loss.png", f"{base}/report/goodput.png"],
+    }
+    if rules.has("qualify"):
+        inputs["proof"] = f"{base}/qualification/proof.json"
+    if rules.has("publish"):
+        inputs["publication"] = f"{base}/publication.json"
+    return inputs

@@ -5,12 +5,18 @@ from pathlib import Path
 from minifield import store
 
 sys.stderr = open(snakemake.log[0], "w")
+mirror = None
+if (snakemake.config.get("tracking") or {}).get("enabled"):
+    from minifield.tracking import registry, settings
+
+    mirror = registry.RegistryMirror(settings.from_config(snakemake.config))
 try:
     store.activate_publication(
         Path(snakemake.params.store_dir),
         Path(snakemake.input.publication),
         Path(snakemake.output[0]),
         lock_timeout=snakemake.params.lock_timeout_s,
+        mirror=mirror,
     )
 except store.Refused as exc:
     # Name every failed check in the log; the pointer was left unchanged.

@@ -5,6 +5,11 @@ from pathlib import Path
 from minifield import store
 
 sys.stderr = open(snakemake.log[0], "w")
+mirror = None
+if (snakemake.config.get("tracking") or {}).get("enabled"):
+    from minifield.tracking import registry, settings
+
+    mirror = registry.RegistryMirror(settings.from_config(snakemake.config))
 inputs = snakemake.input
 store.publish_computation(
     Path(snakemake.params.store_dir),
@@ -16,4 +21,5 @@ store.publish_computation(
     Path(snakemake.output[0]),
     no_proof=snakemake.params.no_proof or None,
     lock_timeout=snakemake.params.lock_timeout_s,
+    mirror=mirror,
 )

@@ -6,6 +6,21 @@ from minifield import stages, supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 t = snakemake.config["train"]  # operational: not a rerun trigger
+live_delivery = None
+if (snakemake.config.get("tracking") or {}).get("enabled"):
+    from minifield.tracking import live, settings
+
+    tracking = settings.from_config(snakemake.config)
+
+    def live_delivery(attempt_dir):
+        return live.LiveDelivery(
+            tracking,
+            attempt_dir,
+            recipe_json=Path(snakemake.input.recipe),
+            log_path=Path(snakemake.log[0]).with_suffix(".delivery.log"),
+        )
+
+
 stages.train_attempt(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
@@ -27,4 +42,5 @@ stages.train_attempt(
     lease_dir=Path(snakemake.params.lease_dir),
     lease_wait_s=t["lease_wait_seconds"],
     processes=t["processes"],
+    live_delivery=live_delivery,
 )

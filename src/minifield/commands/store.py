@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from .. import store as stores
+from ..tracking.connection import TrackingError
 
 EXIT_REFUSED, EXIT_BAD_REQUEST, EXIT_LOCKED = 1, 2, 3
 
@@ -36,9 +37,34 @@ def _print(value) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+def _mirror(config: Path):
+    """The model-registry mirror when ``tracking`` is enabled in the config (else None)."""
+    from ..tracking import registry
+
+    return registry.mirror_for(config)
+
+
+def _report_mirror(store) -> None:
+    report = store.mirror_report
+    if report is not None and not report["ok"]:
+        print(
+            f"minifield store: warning: the model registry was not updated ({report['error']}); "
+            "the store is unchanged by this and stays the source of truth; "
+            "`minifield store verify ID` shows the disagreement",
+            file=sys.stderr,
+        )
+
+
 def run(args) -> int:
     root = args.store if args.store is not None else default_store_dir(args.config)
-    store = stores.Store(root, lock_timeout=None if args.lock_timeout < 0 else args.lock_timeout)
+    try:
+        mirror = _mirror(args.config)
+    except ValueError as exc:  # the tracking settings of the config are unusable
+        print(f"minifield store: {exc}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    store = stores.Store(
+        root, lock_timeout=None if args.lock_timeout < 0 else args.lock_timeout, mirror=mirror
+    )
     try:
         if args.action == "publish":
             content_id, created = store.publish(
@@ -54,6 +80,7 @@ def run(args) -> int:
                 f"in {root} (not activated)",
                 file=sys.stderr,
             )
+            _report_mirror(store)
             print(content_id)
         elif args.action in ("activate", "rollback"):
             report = store.activate(args.id) if args.action == "activate" else store.rollback()
@@ -72,10 +99,27 @@ def run(args) -> int:
                     "previous": pointer["previous"],
                     "reevaluation": report["reevaluation"],
                     "acceptance": report["acceptance"],
+                    "registry": store.mirror_report,
                 }
             )
+            _report_mirror(store)
         elif args.action == "verify":
-            _print(store.check(args.id))
+            report = store.check(args.id)
+            if mirror is not None:
+                disagreements = mirror.disagreements(store, args.id)
+                report["registry"] = {"agrees": not disagreements, "disagreements": disagreements}
+                _print(report)
+                if disagreements:
+                    print(
+                        f"minifield store: verify {args.id}: the model registry disagrees "
+                        "with the store:",
+                        file=sys.stderr,
+                    )
+                    for line in disagreements:
+                        print(f"  - {line}", file=sys.stderr)
+                    return EXIT_REFUSED
+            else:
+                _print(report)
         elif args.action == "show":
             if args.id:
                 _print({"content_id": args.id, "manifest": store.manifest(args.id)})
@@ -101,6 +145,9 @@ def run(args) -> int:
     except (stores.StoreError, OSError, ValueError) as exc:
         print(f"minifield store: {args.action}: {exc}", file=sys.stderr)
         return EXIT_BAD_REQUEST
+    except TrackingError as exc:  # verify could not ask the registry
+        print(f"minifield store: {args.action}: model registry: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
 
 
 def register(sub) -> None:

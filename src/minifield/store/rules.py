@@ -21,9 +21,12 @@ def publish_computation(
     *,
     no_proof: str | None = None,
     lock_timeout: float | None = 600.0,
+    mirror=None,
 ) -> dict:
-    """The ``publish`` rule: publish one computation's export and write ``publication.json``."""
-    store = Store(store_dir, lock_timeout=lock_timeout)
+    """The ``publish`` rule: publish one computation's export and write ``publication.json``.
+
+    ``mirror``: the model registry to tell (:mod:`.hooks`); its report is ``registry``."""
+    store = Store(store_dir, lock_timeout=lock_timeout, mirror=mirror)
     content_id, created = store.publish(
         export_dir,
         recipe_json=recipe_json,
@@ -58,16 +61,24 @@ def publish_computation(
         "validation_covers_payload": manifest["validation"].get("covers_payload"),
         "activated": False,
     }
+    if store.mirror_report is not None:
+        record["registry"] = store.mirror_report
     atomic.write_json(out_publication, record)
     return record
 
 
 def activate_publication(
-    store_dir: Path, publication: Path, out_activation: Path, *, lock_timeout: float | None = 600.0
+    store_dir: Path,
+    publication: Path,
+    out_activation: Path,
+    *,
+    lock_timeout: float | None = 600.0,
+    mirror=None,
 ) -> dict:
     """The optional ``activate`` rule: activate a published computation through the full gate."""
     content_id = atomic.read_json(publication)["content_id"]
-    report = Store(store_dir, lock_timeout=lock_timeout).activate(content_id)
+    store = Store(store_dir, lock_timeout=lock_timeout, mirror=mirror)
+    report = store.activate(content_id)
     record = {
         "content_id": content_id,
         "changed": report["changed"],
@@ -77,5 +88,7 @@ def activate_publication(
         "acceptance": report["acceptance"],
         "time": now_iso(),
     }
+    if store.mirror_report is not None:
+        record["registry"] = store.mirror_report
     atomic.write_json(out_activation, record)
     return record

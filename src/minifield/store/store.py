@@ -12,16 +12,24 @@ from typing import Any
 
 from .. import atomic, locks
 from ..digest import sha256_file
-from . import gate, pointer
+from . import gate, hooks, pointer
 from . import manifest as manifests
 from .errors import LockTimeout, StoreError
 from .layout import ARTIFACTS, LOCK, MANIFEST, POINTER, PROOF_EVIDENCE, is_sha256
 
 
 class Store:
-    def __init__(self, root: str | Path, lock_timeout: float | None = 60.0):
+    def __init__(
+        self,
+        root: str | Path,
+        lock_timeout: float | None = 60.0,
+        mirror: hooks.Mirror | None = None,
+    ):
         self.root = Path(root)
         self.lock_timeout = lock_timeout
+        # told after each publication and move (the model registry); see .hooks
+        self.mirror = mirror
+        self.mirror_report: dict | None = None
 
     # -- locations ----------------------------------------------------------------------
     @property
@@ -68,25 +76,31 @@ class Store:
         content_id = manifests.content_id(manifest)
         with self.lock():
             target = self.artifacts / content_id
-            if target.is_dir():
-                return content_id, False
-            self.artifacts.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.artifacts))
-            try:
-                for item in manifest["payload"]:
-                    source = (
-                        Path(sources["proof"])
-                        if item["path"] == PROOF_EVIDENCE
-                        else Path(export_dir) / item["path"]
-                    )
-                    _copy_verified(source, staging / item["path"], item["sha256"])
-                atomic.write_json(staging / MANIFEST, manifest)
-                os.replace(staging, target)
-                atomic.fsync_dir(self.artifacts)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-        return content_id, True
+            created = not target.is_dir()
+            if created:
+                self._write_artifact(export_dir, sources, manifest, target)
+        # after the lock: a mirror (model registry) is told, never able to undo this
+        self.mirror_report = hooks.notify(self.mirror, "published", self, content_id)
+        return content_id, created
+
+    def _write_artifact(self, export_dir: Path, sources: dict, manifest: dict, target: Path):
+        """Stage every payload file and the manifest, then rename into place (under the lock)."""
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.artifacts))
+        try:
+            for item in manifest["payload"]:
+                source = (
+                    Path(sources["proof"])
+                    if item["path"] == PROOF_EVIDENCE
+                    else Path(export_dir) / item["path"]
+                )
+                _copy_verified(source, staging / item["path"], item["sha256"])
+            atomic.write_json(staging / MANIFEST, manifest)
+            os.replace(staging, target)
+            atomic.fsync_dir(self.artifacts)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
     # -- read -----------------------------------------------------------------------------
     def manifest(self, content_id: str) -> dict:
@@ -126,10 +140,15 @@ class Store:
 
     def activate(self, content_id: str) -> dict:
         self.artifact_dir(content_id)  # rejects a malformed id before taking the lock
-        return self._move("activate", content_id)
+        return self._mirrored(self._move("activate", content_id))
 
     def rollback(self) -> dict:
-        return self._move("rollback", None)
+        return self._mirrored(self._move("rollback", None))
+
+    def _mirrored(self, report: dict) -> dict:
+        """After a move passed the gate (never after a refusal): tell the mirror."""
+        self.mirror_report = hooks.notify(self.mirror, "moved", self, report["pointer"])
+        return report
 
     def _move(self, action: str, target: str | None) -> dict:
         """Check ``target`` (``None`` for rollback: the pointer's ``previous``) and move to it.
