@@ -31,6 +31,7 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/publish.smk"
 include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/two_stage_common.smk"
 include: "workflow/rules/two_stage.smk"
 include: "workflow/rules/tracking.smk"
 

@@ -180,8 +180,9 @@ def report_targets():
 
 
 def deliver_inputs(wildcards):
-    """What the deliver rule sends: evaluation, summary and report plots, the proof and the
-    publication (so that the registry version exists before the run is closed)."""
+    """The inputs of the delivery to the tracking server: evaluation, summary and report
+    plots, the proof and the publication (so that the registry version exists before the
+    run is closed). No "rule ...:" text here: Snakemake's linter would take it for a rule."""
     base = f"results/computations/{wildcards.cdigest}"
     inputs = {
         "recipe": f"{base}/recipe.json",
