@@ -182,7 +182,8 @@ def report_targets():
 def deliver_inputs(wildcards):
     """The inputs of the delivery to the tracking server: evaluation, summary and report
     plots, the proof and the publication (so that the registry version exists before the
-    run is closed). No "rule ...:" text here: Snakemake's linter would take it for a rule."""
+    run is closed). Its wording avoids the word before a colon that the linter takes for a
+    rule definition."""
     base = f"results/computations/{wildcards.cdigest}"
     inputs = {
         "recipe": f"{base}/recipe.json",
