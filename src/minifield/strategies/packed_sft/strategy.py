@@ -273,13 +273,18 @@ def _eval_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, 
     return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
 
 
-def _state_from_params(params: dict, optimizer, seed: int) -> dict:
+def _state_from_params(params: dict, optimizer, seed: int, stacked: bool = False) -> dict:
     """The step-0 state starting from given FP32 parameters (a base model's): the same layout
-    as ``sft_step.init_train_state``, whose random initialisation it replaces."""
+    as ``sft_step.init_train_state``, whose random initialisation it replaces (``stacked``:
+    the blocks stacked, as a scanned run holds them, see ``layer_stack``)."""
     import jax
     import jax.numpy as jnp
 
+    from . import layer_stack
+
     params = jax.tree_util.tree_map(lambda a: jnp.array(a, dtype=jnp.float32), params)
+    if stacked:
+        params = layer_stack.stack_layers(params)
     return {
         "params": params,
         "opt_state": optimizer.init(params),
@@ -431,7 +436,9 @@ class PackedSFTProgram(Program):
             )
         if self.base_params is None:
             return self._init(self.cfg, self.optimizer, self.seed)
-        return _state_from_params(self.base_params, self.optimizer, self.seed)
+        return _state_from_params(
+            self.base_params, self.optimizer, self.seed, self.cfg.execution.scan_layers
+        )
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
@@ -538,14 +545,15 @@ class PackedSFTProgram(Program):
         import jax
 
         from ...state import to_host
+        from . import layer_stack
 
         if self.lora is not None:  # the merged FP32 weights, as the export holds them
             return self._merge(self._base, state["params"])
         if self._state_shardings is None:
-            return state["params"]
+            return layer_stack.per_layer(state["params"])
         # to_host: a collective when the parameters are sharded over several processes
         params = jax.tree_util.tree_map(to_host, state["params"])
-        return jax.device_put(params, jax.local_devices()[0])
+        return layer_stack.per_layer(jax.device_put(params, jax.local_devices()[0]))
 
     def evaluate(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
@@ -555,7 +563,9 @@ class PackedSFTProgram(Program):
 
     def export(self, state: dict, directory: Path) -> None:
         from ...state import named_arrays
+        from . import layer_stack
 
+        state = {**state, "params": layer_stack.per_layer(state["params"])}  # scanned runs
         directory.mkdir(parents=True, exist_ok=True)
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
         if self.cfg.architecture == "llama":
