@@ -8,6 +8,8 @@ checked as properties of the placement, in one process that sees 4 forced host d
 - its complete-state hash equals the hash of the plain one-device initialisation;
 - a restored checkpoint stays on the host until placed slice by slice, a base model's host
   weights likewise, both with the one-device hash;
+- (in process) the initialisation compiled as one program gives the op-by-op bits, for the
+  GPT and the Llama model: what lets the sharded state keep the one-device hash;
 - evaluation runs with the parameters still sharded, its DEV loss within 1e-6 relative of
   one-device evaluation (a different grouping of FP32 sums), and greedy generation on the mesh
   gives the same tokens.
@@ -20,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import small_sft_inputs, small_sft_recipe, write_recipe
 
@@ -103,3 +106,36 @@ def test_evaluation_runs_on_the_mesh(report):
     assert mesh["loss"] == pytest.approx(one["loss"], rel=1e-6)
     assert report["generated_mesh"] == report["generated_one"]
     assert all(len(tokens) == 8 for tokens in report["generated_one"])
+
+
+@pytest.mark.parametrize("architecture", ["gpt", "llama"])
+def test_compiled_initialisation_has_the_op_by_op_bits(architecture):
+    """One device, no mesh: jit-compiling the whole initialisation lets XLA see the sampler
+    and its scale together (it folded their constants before ``model.scaled_normal``)."""
+    import jax
+
+    from minifield.strategies.packed_sft import llama, model
+
+    if architecture == "gpt":
+        cfg = model.ModelConfig(
+            vocab_size=260, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=32
+        )
+    else:
+        cfg = llama.LlamaConfig(
+            vocab_size=260, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_len=32
+        )
+    key = jax.random.key(11)
+    op_by_op = model.init_params(cfg, key)
+    compiled = jax.jit(lambda: model.init_params(cfg, key))()
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(op_by_op)[0]]
+    differing = [
+        name
+        for name, a, b in zip(
+            names,
+            jax.tree_util.tree_leaves(op_by_op),
+            jax.tree_util.tree_leaves(compiled),
+            strict=True,
+        )
+        if not np.array_equal(np.asarray(a), np.asarray(b))
+    ]
+    assert differing == []
