@@ -140,7 +140,7 @@ def config_from_dict(d: dict):
 
 def scaled_normal(key, shape, std: float):
     """N(0, std²) samples in FP32, with the same bits whether run op by op or inside one
-    jit-compiled initialisation (the sharded one, see ``parallel.DataParallel``): without the
+    jit-compiled initialisation (the sharded one, see ``parallel.sharded_program``): without the
     barrier XLA folds ``std`` into the sampler's own constant factor (sqrt 2) when it sees
     both, which moves the last bit of some values and so the state hash."""
     return jax.lax.optimization_barrier(jax.random.normal(key, shape, F32)) * std

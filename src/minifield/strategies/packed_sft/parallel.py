@@ -23,7 +23,7 @@ device.
 
 No array of the state passes through one device on its way to the mesh: a fresh state is
 computed by one program compiled with the state's shardings as output shardings
-(:func:`create_sharded`: each device computes only its own slices, the random parameters
+(:func:`sharded_program`: each device computes only its own slices, the random parameters
 included), and host arrays (a restored checkpoint, a base model's weights) are placed
 leaf by leaf with :func:`place` (each device receives only its slice; in a mesh over
 several processes each process creates only its own devices' shards).
@@ -128,12 +128,7 @@ def place_tree(tree, shardings):
 
 
 def sharded_program(make: Callable, shardings):
-    """``make`` jit-compiled with ``shardings`` as its output shardings."""
-    return jax.jit(make, out_shardings=shardings)
-
-
-def create_sharded(make: Callable, shardings, *args):
-    """``make(*args)`` computed by one program whose outputs have ``shardings``.
+    """``make`` jit-compiled with ``shardings`` as its output shardings.
 
     Each device computes only the slices it holds (random parameters too: the threefry
     generator is partitionable, so a slice's values are those of the whole array), so the
@@ -141,4 +136,4 @@ def create_sharded(make: Callable, shardings, *args):
     (the model's initialisation keeps XLA from refolding its constants, see
     ``model.scaled_normal``), so the state hash does not depend on the placement.
     """
-    return sharded_program(make, shardings)(*args)
+    return jax.jit(make, out_shardings=shardings)
