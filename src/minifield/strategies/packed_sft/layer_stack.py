@@ -52,20 +52,20 @@ def _is_layered(node) -> bool:
     return isinstance(node, dict) and isinstance(node.get("blocks"), dict)
 
 
-def stack_layers(tree):
+def stack_layers(tree, stack=jnp.stack):
     """``tree`` with every ``{"blocks": {"00": t0, "01": t1, ...}, ...}`` dict in it (the
     parameters, and each moment estimate of an optimizer state) turned into
     ``{"blocks": {STACKED: t}, ...}``, the leaves of ``t`` the layers' leaves stacked in
-    layer order along a new leading axis."""
+    layer order along a new leading axis (``stack``: ``np.stack`` for host arrays)."""
 
-    def stack(node):
+    def stack_node(node):
         if not _is_layered(node) or STACKED in node["blocks"]:
             return node
         layers = [node["blocks"][name] for name in layer_names(node["blocks"])]
-        stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layers)
+        stacked = jax.tree_util.tree_map(lambda *leaves: stack(leaves), *layers)
         return {**node, "blocks": {STACKED: stacked}}
 
-    return jax.tree_util.tree_map(stack, tree, is_leaf=_is_layered)
+    return jax.tree_util.tree_map(stack_node, tree, is_leaf=_is_layered)
 
 
 def holds_stacked(cfg) -> bool:
