@@ -214,5 +214,5 @@ def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    params = init(shape, jax.random.key(0))
+    params = jax.jit(init, static_argnums=0)(shape, jax.random.key(0))
     return jax.jit(step, donate_argnums=(0, 1)), params, optimizer.init(params)

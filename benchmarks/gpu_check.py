@@ -365,7 +365,8 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     batch = minimal.packed_batch(rows, seq, shape.vocab_size)
     implementations = {}
     optimizer = make_optimizer({}, MAX_STEPS)
-    state = init_train_state(cfg, optimizer, seed=0)
+    # one compiled program, created on the device (op by op it is a dispatch per array)
+    state = jax.jit(lambda: init_train_state(cfg, optimizer, seed=0))()
     out["param_count"] = count_params(state["params"])
     started = time.perf_counter()
     ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
@@ -510,7 +511,8 @@ def section_checkpoint(args, context, report) -> dict:
     from minifield.update_loop import HostSnapshot
 
     cfg = llama_config(model_shape(args, "125m"), seq_len(args), execution(args))
-    state = init_train_state(cfg, make_optimizer({}, MAX_STEPS), seed=0)
+    optimizer = make_optimizer({}, MAX_STEPS)
+    state = jax.jit(lambda: init_train_state(cfg, optimizer, seed=0))()
     jax.block_until_ready(state)
     arrays = named_arrays(state)
     nbytes = sum(int(np.dtype(a.dtype).itemsize) * math.prod(a.shape) for a in arrays.values())
@@ -529,6 +531,12 @@ def section_checkpoint(args, context, report) -> dict:
         out["device_to_host_s"] = time.perf_counter() - started
         rows = {"raw_s": [], "sync_s": [], "sync_cpu_s": [], "blocked_s": [], "durable_s": []}
         for step in range(1, args.checkpoint_rounds + 1):
+            spent = (
+                sum(rows[k][-1] for k in ("raw_s", "sync_s", "durable_s")) if rows["raw_s"] else 0
+            )
+            if time.time() + 1.5 * spent > args.deadline:  # stop rather than be killed
+                log(f"  stopping after {step - 1} rounds (time limit)")
+                break
             rows["raw_s"].append(raw_commit(directory, host))
             wall, cpu = sync_commit(directory / "sync", state, step)
             rows["sync_s"].append(wall)
