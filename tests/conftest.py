@@ -205,6 +205,14 @@ def repo() -> Path:
     return REPO
 
 
+# The SLURM executor plugin (a dependency) runs `scontrol show config` when Snakemake imports
+# it, at every start. Where SLURM's client tools are installed but no controller answers (this
+# machine outside the cluster tests; CI), scontrol retries for about 9 s before it fails, and
+# every Snakemake run waits for it. Runs without a cluster point scontrol at a configuration
+# with no controller, which fails at once; the cluster tests use the real one.
+NO_CONTROLLER_SLURM_CONF = REPO / "tests" / "slurm" / "no-controller.conf"
+
+
 def snakemake_command(workdir: Path, *args: str, cores: int | None = 2) -> list[str]:
     """``snakemake`` on the repository's Snakefile in ``workdir`` (a user's project directory);
     ``cores=None`` leaves the core count to a profile."""
@@ -232,7 +240,12 @@ def run_snakemake(
         text=True,
         timeout=timeout,
         check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF),
+            **(env or {}),
+        },
     )
     if check and proc.returncode != 0:
         raise AssertionError(

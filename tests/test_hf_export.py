@@ -257,6 +257,7 @@ def _llama_run(root: Path) -> dict:
         root / "work",
         root / "proof.json",
         examples_dir=root / "examples",
+        mode="crash",  # test_proof.py covers both modes
     )
     assert proof["passed"], proof["diagnosis"]
     return {"root": root, "export": attempt / "export", "attempt": attempt}

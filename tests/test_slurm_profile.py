@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import (
+    NO_CONTROLLER_SLURM_CONF,
     read_events,
     small_sft_inputs,
     small_sft_recipe,
@@ -90,7 +91,8 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     `train.processes: 2`, qualify and train ask for 2 tasks as an `mpi` job (the executor
     submits --ntasks=2 and does not wrap the job in a one-task srun), nothing else does."""
     workdir = _workspace(tmp_path, gpus=1, processes=2)
-    proc = _snakemake(workdir, "--profile", str(REPO / "profiles" / "slurm"), "-n", _target())
+    profile = ("--profile", str(REPO / "profiles" / "slurm"))
+    proc = _snakemake(workdir, *profile, "-n", _target(), cluster=False)
     output = _finish(proc, workdir, "dry-run")
     assert "workflow specific profile" in output and "profiles/default" in output
     assert "Group job prep" in output and "Group job training" in output
@@ -206,10 +208,14 @@ def _workspace(root: Path, gpus: int, processes: int = 1) -> Path:
     return root
 
 
-def _snakemake(workdir: Path, *args: str) -> subprocess.Popen:
+def _snakemake(workdir: Path, *args: str, cluster: bool = True) -> subprocess.Popen:
+    """Snakemake in the background; ``cluster=False``: no controller is expected (a dry run),
+    so scontrol is told there is none (``NO_CONTROLLER_SLURM_CONF``) rather than retrying."""
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     for key in [k for k in env if k.startswith("SLURM_")]:
         del env[key]  # a pytest run inside a SLURM job must not leak its job into ours
+    if not cluster:
+        env["SLURM_CONF"] = str(NO_CONTROLLER_SLURM_CONF)
     log = open(workdir / "snakemake.out", "w")  # noqa: SIM115 - closed by the caller via wait
     command = [
         "timeout",

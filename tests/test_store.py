@@ -53,7 +53,7 @@ def _train(root: Path, prove: bool = True, **overrides) -> dict:
         # The qualification rule's recovery proof: reference, crash, resume (real workers).
         proof = recovery.prove(
             root / "recipe.json", root, root / "work", root / "proof.json",
-            examples_dir=root / "examples",
+            examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
         )  # fmt: skip
         assert proof["passed"], proof["diagnosis"]
     return {
