@@ -413,6 +413,8 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
             tokens_per_s=out["tokens_per_step"] / step_s,
             model_flops_per_s=out["flops_per_step"] / step_s,
             mfu=out["flops_per_step"] / step_s / peak if peak else None,
+            # against what a plain BF16 matmul reaches on this device (the achievable peak)
+            mfu_vs_measured_peak=out["flops_per_step"] / step_s / measured if measured else None,
         )
         log(
             f"  {name}: {step_s * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s, "
