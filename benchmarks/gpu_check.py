@@ -72,6 +72,7 @@ SECTION_LIMIT_S = {
 BUDGET_S = 450.0  # the whole check: under 8 minutes on one H200
 TINY_BUDGET_S = 300.0
 NOT_APPLICABLE = "not_applicable"  # a section this backend has no use for (not a failure)
+INTERRUPTED = threading.Event()  # set by SIGINT/SIGTERM in the parent
 #: a section is not started with less time than this left in the budget
 MIN_SECTION_S = 20.0
 
@@ -92,7 +93,7 @@ SEQ_LEN, TINY_SEQ_LEN = 2048, 64
 BATCH = {"125m": 16, "350m": 8}
 TINY_BATCH = {"125m": 2, "350m": 2}
 #: with --jobs: the order sections start in (longest first on a CPU)
-TINY_ORDER = ("device", "recovery", "step_350m", "step_125m", "checkpoint", "determinism_cost")
+JOBS_ORDER = ("device", "recovery", "step_350m", "step_125m", "checkpoint", "determinism_cost")
 MAX_STEPS = 1000  # the learning-rate schedule's length (the check runs far fewer)
 
 #: the recovery proof's recipe: the demo's pinned data, a small Llama model
@@ -701,30 +702,36 @@ def run_section(args, name: str, limit: float, context_path: Path, record) -> di
     reader = threading.Thread(target=_echo, args=(child.stdout, tail), daemon=True)
     reader.start()
     timed_out, seen = False, None
-    while True:
-        try:
-            child.wait(0.25)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        if time.monotonic() - started > limit:
-            timed_out = True
-            _stop(child)
-            break
-        try:  # partial results land in the JSON as they come
-            stamp = section_out.stat().st_mtime_ns
-            if stamp != seen:
-                seen = stamp
-                record(name, json.loads(section_out.read_text()))
-        except (OSError, json.JSONDecodeError):
-            pass
+    try:
+        while True:
+            try:
+                child.wait(0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() - started > limit or INTERRUPTED.is_set():
+                timed_out = True
+                _stop(child)
+                break
+            try:  # partial results land in the JSON as they come
+                stamp = section_out.stat().st_mtime_ns
+                if stamp != seen:
+                    seen = stamp
+                    record(name, json.loads(section_out.read_text()))
+            except (OSError, json.JSONDecodeError):
+                pass
+    except BaseException:  # the child is in a session of its own: end it with the parent
+        _stop(child)
+        raise
     reader.join(5)
     seconds = time.monotonic() - started
     try:
         result = json.loads(section_out.read_text())
     except (OSError, json.JSONDecodeError):
         result = {}
-    if timed_out:
+    if timed_out and INTERRUPTED.is_set():
+        result.update(status="interrupted", error="the check was interrupted (SIGINT/SIGTERM)")
+    elif timed_out:
         result.update(status="timeout", error=f"no result within the {limit:.0f} s limit")
     elif child.returncode != 0 and result.get("status") != "failed":
         result.update(
@@ -838,7 +845,9 @@ def run_parent(args) -> int:
         with lock:
             remaining = deadline - time.monotonic()
             device = out["sections"].get("device")
-            if name != "device" and device is not None and device.get("status") != "ok":
+            if INTERRUPTED.is_set():
+                result = {"status": "skipped", "error": "the check was interrupted"}
+            elif name != "device" and device is not None and device.get("status") != "ok":
                 result = {"status": "skipped", "error": "the device section did not pass"}
             elif name == "determinism_cost" and expected_backend(args) != "gpu":
                 result = {"status": NOT_APPLICABLE, "reason": "the flags apply to GPUs only"}
@@ -863,6 +872,10 @@ def run_parent(args) -> int:
         why = result.get("error") or result.get("reason")
         log(f"section {name}: {result['status']}" + (f" ({why})" if why else ""))
 
+    # SIGINT/SIGTERM: stop the running section(s) and their workers, skip the rest, and still
+    # write the JSON (sections run in sessions of their own, so the signal reaches only us)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: INTERRUPTED.set())
     log(f"writing {out_path}; budget {budget:.0f} s; work in {args.work_dir}")
     for name in args.sections:
         out["sections"][name] = {"status": "pending"}
@@ -873,13 +886,14 @@ def run_parent(args) -> int:
     if "device" in args.sections:
         run_one("device")
     jobs = args.jobs
-    if jobs > 1 and (out["sections"].get("device") or {}).get("backend") not in ("cpu", None):
+    device = out["sections"].get("device") or {}
+    if jobs > 1 and device.get("backend", expected_backend(args)) != "cpu":
         log("--jobs ignored: sections share one accelerator, so they run one at a time")
         jobs = 1
     if jobs > 1:
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             # longest first, so the pool's last section is a short one
-            for future in [pool.submit(run_one, n) for n in sorted(rest, key=TINY_ORDER.index)]:
+            for future in [pool.submit(run_one, n) for n in sorted(rest, key=JOBS_ORDER.index)]:
                 future.result()
     else:
         for name in rest:
