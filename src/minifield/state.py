@@ -56,7 +56,12 @@ def named_arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def restore_like(template: Any, arrays: Mapping[str, np.ndarray]) -> Any:
-    """Rebuild a state with ``template``'s structure from named arrays, checking every leaf."""
+    """Rebuild a state with ``template``'s structure from named arrays, checking every leaf.
+
+    A leaf goes where the template's lives when that is one device; a template leaf spread
+    over several devices (a state created in its sharding) leaves the value on the host, for
+    ``Program.place`` to put each device's slice there: the whole array never lands on one
+    device first (nor is read from a mesh spanning processes)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
     wanted = []
     for path, leaf in leaves:
@@ -64,17 +69,20 @@ def restore_like(template: Any, arrays: Mapping[str, np.ndarray]) -> Any:
         if name not in arrays:
             raise ValueError(f"checkpoint lacks state array {name!r}")
         value = arrays[name]
-        expected = np.asarray(leaf)
-        if value.shape != expected.shape or value.dtype != expected.dtype:
+        # shape and dtype only: the template may be spread over processes (not readable here)
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        expected = np.dtype(dtype), tuple(np.shape(leaf))
+        if (value.dtype, value.shape) != expected:
             raise ValueError(
                 f"state array {name!r} is {value.dtype}{list(value.shape)}, "
-                f"expected {expected.dtype}{list(expected.shape)}"
+                f"expected {expected[0]}{list(expected[1])}"
             )
-        wanted.append(value)
+        spread = isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+        wanted.append(value if spread else jax.numpy.asarray(value))
     extra = set(arrays) - {"/".join(_key_name(e) for e in p) for p, _ in leaves}
     if extra:
         raise ValueError(f"checkpoint has unexpected state arrays {sorted(extra)}")
-    return jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(v) for v in wanted])
+    return jax.tree_util.tree_unflatten(treedef, wanted)
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from . import attention, layer_stack
 from .execution import Execution
-from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate
+from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate, scaled_normal
 
 ARCHITECTURE = "llama"
 DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
@@ -148,7 +148,7 @@ def init_params(cfg: LlamaConfig, key) -> dict:
     residual_scale = 1.0 / math.sqrt(2 * L)
 
     def normal(shape, std):
-        return jax.random.normal(next(keys), shape, F32) * std
+        return scaled_normal(next(keys), shape, std)
 
     params: dict[str, Any] = {
         "embed": {"tokens": normal((V, D), 0.02)},

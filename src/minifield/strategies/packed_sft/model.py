@@ -138,6 +138,14 @@ def config_from_dict(d: dict):
 # ----------------------------------------------------------------------------- parameters
 
 
+def scaled_normal(key, shape, std: float):
+    """N(0, std²) samples in FP32, with the same bits whether run op by op or inside one
+    jit-compiled initialisation (the sharded one, see ``parallel.sharded_program``): without the
+    barrier XLA folds ``std`` into the sampler's own constant factor (sqrt 2) when it sees
+    both, which moves the last bit of some values and so the state hash."""
+    return jax.lax.optimization_barrier(jax.random.normal(key, shape, F32)) * std
+
+
 def init_params(cfg: ModelConfig, key) -> dict:
     """FP32 parameters as nested dicts with string keys.
 
@@ -154,7 +162,7 @@ def init_params(cfg: ModelConfig, key) -> dict:
     residual_scale = 1.0 / math.sqrt(2 * L)
 
     def normal(shape, std):
-        return jax.random.normal(next(keys), shape, F32) * std
+        return scaled_normal(next(keys), shape, std)
 
     def norm():
         return {"scale": jnp.ones((D,), F32), "bias": jnp.zeros((D,), F32)}

@@ -20,13 +20,22 @@ computation (it lives under ``training``, inside the computation digest).
 The mesh is built lazily, only when an update is compiled or a state placed, so a
 process that merely evaluates checkpoints or exports weights needs no more than one
 device.
+
+No array of the state passes through one device on its way to the mesh: a fresh state is
+computed by one program compiled with the state's shardings as output shardings
+(:func:`sharded_program`: each device computes only its own slices, the random parameters
+included), and host arrays (a restored checkpoint, a base model's weights) are placed
+leaf by leaf with :func:`place` (each device receives only its slice; in a mesh over
+several processes each process creates only its own devices' shards).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS = "data"
@@ -98,3 +107,33 @@ def describe(shardings: dict) -> dict:
     leaves = jax.tree_util.tree_leaves(shardings)
     sharded = sum(1 for s in leaves if not s.is_fully_replicated)
     return {"sharded_arrays": sharded, "replicated_arrays": len(leaves) - sharded}
+
+
+def place(value, sharding):
+    """``value`` with ``sharding``, no device ever holding more than its own slice.
+
+    A host array goes to each (addressable) device as that device's slice
+    (``jax.make_array_from_callback``), not as a whole array first put on one device; a
+    device array is resharded (nothing moves when it already has ``sharding``).
+    """
+    if isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place_tree(tree, shardings):
+    """:func:`place` for every leaf of ``tree`` (``shardings`` has the same structure)."""
+    return jax.tree_util.tree_map(place, tree, shardings)
+
+
+def sharded_program(make: Callable, shardings):
+    """``make`` jit-compiled with ``shardings`` as its output shardings.
+
+    Each device computes only the slices it holds (random parameters too: the threefry
+    generator is partitionable, so a slice's values are those of the whole array), so the
+    state is never whole on one device. The values are the ones ``make`` gives op by op
+    (the model's initialisation keeps XLA from refolding its constants, see
+    ``model.scaled_normal``), so the state hash does not depend on the placement.
+    """
+    return jax.jit(make, out_shardings=shardings)

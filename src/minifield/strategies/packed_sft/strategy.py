@@ -299,21 +299,37 @@ class Evaluator:
         self.model, self.cfg = model, cfg
         self.batch_size, self.eos_id, self.pad_id = batch_size, eos_id, pad_id
         self._loss = jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
+        self._rows_sharding = None  # set by on_mesh: loss rows split over the data axis
+        self._loss_rows = batch_size
+
+    def on_mesh(self, rows_sharding, devices: int) -> None:
+        """Evaluate the loss on the data-parallel mesh: the parameters stay in the state's
+        shardings and each batch of rows is split over the devices like a training batch,
+        padded up to a multiple of ``devices`` (padding rows count nothing)."""
+        self._rows_sharding = rows_sharding
+        self._loss_rows = -(-self.batch_size // devices) * devices
 
     def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
+        from ...state import to_host
+
         n = rows["tokens"].shape[0]
         total, count = 0.0, 0.0
-        for start in range(0, n, self.batch_size):
-            index = np.arange(start, start + self.batch_size)
+        for start in range(0, n, self._loss_rows):
+            index = np.arange(start, start + self._loss_rows)
             valid = index < n
             index = np.where(valid, index, 0)
             batch = {k: np.asarray(rows[k][index]) for k in ROW_FIELDS}
             batch["loss_mask"] = batch["loss_mask"] * valid[:, None].astype(np.float32)
+            if self._rows_sharding is not None:
+                from .parallel import place
+
+                batch = {k: place(v, self._rows_sharding) for k, v in batch.items()}
             out = self._loss(params, batch)
-            total += float(out["loss_sum"])
-            count += float(out["tokens"])
+            # to_host: the replicated sums of a mesh spanning processes are read locally
+            total += float(to_host(out["loss_sum"]))
+            count += float(to_host(out["tokens"]))
         mean = total / count if count else float("nan")
         return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else float("inf")}
 
@@ -402,6 +418,7 @@ class PackedSFTProgram(Program):
         self._mesh = None
         self._state_shardings = None
         self._batch_sharding = None
+        self._mesh_init = None  # the initialisation compiled for the mesh (init_state)
         self.evaluator = Evaluator(
             self.cfg,
             recipe["evaluation"]["batch_size"],
@@ -425,6 +442,12 @@ class PackedSFTProgram(Program):
         self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
 
     def init_state(self) -> dict:
+        if self._state_shardings is not None:
+            return self._init_on_mesh()
+        return self._init_on_one_device()
+
+    def _init_on_one_device(self) -> dict:
+        """The step-0 state on the default device, op by op (also its shapes for compiling)."""
         if self.lora is not None:
             return lora.init_state(
                 self.cfg, self.lora, self.optimizer, self.seed, self._base_identity
@@ -432,6 +455,35 @@ class PackedSFTProgram(Program):
         if self.base_params is None:
             return self._init(self.cfg, self.optimizer, self.seed)
         return _state_from_params(self.base_params, self.optimizer, self.seed)
+
+    def _init_on_mesh(self) -> dict:
+        """The step-0 state created in the compiled update's shardings (never whole on one
+        device): random parameters computed slice by slice on the devices that hold them, or
+        a base model's host weights placed slice by slice; the same bits as ``init_state``
+        on one device. Compiled once (a resume builds a template state first)."""
+        from . import parallel
+
+        shardings = self._state_shardings
+        if self.base_params is None:
+            if self._mesh_init is None:
+                self._mesh_init = (
+                    parallel.sharded_program(
+                        lambda: self._init(self.cfg, self.optimizer, self.seed), shardings
+                    )
+                    .lower()
+                    .compile()
+                )
+            return self._mesh_init()
+        params = parallel.place_tree(self.base_params, shardings["params"])
+        if self._mesh_init is None:
+            self._mesh_init = (
+                parallel.sharded_program(
+                    lambda p: _state_from_params(p, self.optimizer, self.seed), shardings
+                )
+                .lower(params)
+                .compile()
+            )
+        return self._mesh_init(params)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
@@ -443,10 +495,9 @@ class PackedSFTProgram(Program):
         the state's buffers. Without it (``devices: 1``) a plain single-device jit."""
         import jax
 
-        from . import parallel
-
         abstract_state = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(self.init_state)
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+            jax.eval_shape(self._init_on_one_device),
         )
         abstract_batch = {
             k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self.batch(0).items()
@@ -461,18 +512,34 @@ class PackedSFTProgram(Program):
             fn = jax.jit(self._step_fn, donate_argnums=(0,))
             self._compiled = fn.lower(abstract_state, abstract_batch).compile()
             return
-        dp = self.data_parallel
-        self._mesh = dp.mesh()
-        self._state_shardings = dp.state_shardings(self._mesh, abstract_state)
-        self._batch_sharding = dp.batch_sharding(self._mesh)
+        self.lay_out_mesh()
         batch_shardings = {k: self._batch_sharding for k in abstract_batch}
         fn = jax.jit(
             self._step_fn,
             in_shardings=(self._state_shardings, batch_shardings),
-            out_shardings=(self._state_shardings, dp.replicated(self._mesh)),
+            out_shardings=(self._state_shardings, self.data_parallel.replicated(self._mesh)),
             donate_argnums=(0,),
         )
         self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+
+    def lay_out_mesh(self) -> None:
+        """The data-parallel mesh and the shardings of the state and the batch, without
+        compiling the update (``compile`` starts with it; a no-op on one device or done
+        twice). From then on ``init_state`` creates the state in its shardings and
+        evaluation runs on the mesh; before, a one-device state (the template a process that
+        only evaluates checkpoints restores into)."""
+        import jax
+
+        from . import parallel
+
+        dp = self.data_parallel
+        if self._mesh is not None or self.lora is not None or dp.devices == 1:
+            return
+        abstract_state = jax.eval_shape(self._init_on_one_device)
+        self._mesh = dp.mesh()
+        self._state_shardings = dp.state_shardings(self._mesh, abstract_state)
+        self._batch_sharding = dp.batch_sharding(self._mesh)
+        self.evaluator.on_mesh(self._batch_sharding, dp.devices)
         self.placement = {
             "devices": dp.devices,
             "shard_params": dp.shard_params,
@@ -481,14 +548,15 @@ class PackedSFTProgram(Program):
         }
 
     def place(self, state: dict) -> dict:
-        """Put a fresh or restored state on the mesh with the compiled step's shardings."""
-        import jax
+        """Put a fresh or restored state on the mesh with the compiled step's shardings: a
+        fresh state is already there (``init_state``), a restored one arrives as host arrays
+        and each device receives only its slices (``parallel.place``)."""
+        from . import parallel
 
-        if self._compiled is None:
-            self.compile()
+        self.lay_out_mesh()
         if self._state_shardings is None:
             return state
-        return jax.device_put(state, self._state_shardings)
+        return parallel.place_tree(state, self._state_shardings)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         import jax
@@ -532,20 +600,17 @@ class PackedSFTProgram(Program):
         return new_state, read_metrics
 
     def _eval_params(self, state: dict):
-        """Evaluation and generation run on one device: a mesh-placed state is copied to this
-        process's first device, so the figures do not depend on the data-parallel device
-        count (or on how many processes hold the mesh: each evaluates its own copy)."""
-        import jax
-
-        from ...state import to_host
+        """The parameters evaluation runs with. On a data-parallel mesh they stay in the
+        state's shardings (a host copy, which the end of a multi-process attempt passes, is
+        placed there slice by slice): never gathered onto one device, so a model that needs
+        ``shard_params`` to fit is evaluated as it trains."""
+        from . import parallel
 
         if self.lora is not None:  # the merged FP32 weights, as the export holds them
             return self._merge(self._base, state["params"])
         if self._state_shardings is None:
             return state["params"]
-        # to_host: a collective when the parameters are sharded over several processes
-        params = jax.tree_util.tree_map(to_host, state["params"])
-        return jax.device_put(params, jax.local_devices()[0])
+        return parallel.place_tree(state["params"], self._state_shardings["params"])
 
     def evaluate(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
