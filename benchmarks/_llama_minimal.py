@@ -1,0 +1,218 @@
+"""A minimal JAX+optax training loop of the Llama model, the baseline our step is measured against.
+
+The same model as ``LlamaConfig`` (RMSNorm, rotary, grouped-query attention by repeating
+key/value heads, segment-restricted causal softmax, SwiGLU, untied head, cross-entropy on the
+counted targets) written from the equations as one params dict, one loss,
+``optax.chain(clip_by_global_norm, adamw(warmup+cosine))`` and ``jax.jit`` with donation. In
+BF16 mode every product is BF16 x BF16 with FP32 accumulation in forward and backward (its own
+custom VJP), as ours. Attention is either the dense XLA form (``[B, H, T, T]`` scores under a
+mask) or the fused Pallas kernel called directly (``mha(segment_ids=…, causal=True)``, its
+default tiling; Pallas's interpreter on CPU).
+
+Used by ``llama_step.py`` (CPU, d512) and ``gpu_check.py`` (125M / 350M on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from minifield.strategies.packed_sft.optimizer import DEFAULTS
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model's dimensions (what ``LlamaConfig`` says with the same names)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
+    """Rows of several segments (16..T/2 tokens), positions restarting per segment, loss on
+    the second half of each segment, a little padding at the end of a row."""
+    rng = np.random.default_rng(seed)
+    batch = {k: np.zeros((B, T), np.int32) for k in ("tokens", "segments", "positions")}
+    batch["loss_mask"] = np.zeros((B, T), np.float32)
+    batch["tokens"][:] = rng.integers(0, vocab, (B, T))
+    shortest = min(16, T // 4)
+    for r in range(B):
+        at, seg = 0, 1
+        while at < T - shortest - 4:
+            n = int(min(rng.integers(shortest, max(T // 2, shortest + 1)), T - 4 - at))
+            batch["segments"][r, at : at + n] = seg
+            batch["positions"][r, at : at + n] = np.arange(n)
+            batch["loss_mask"][r, at + n // 2 : at + n] = 1.0
+            at, seg = at + n, seg + 1
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def bf16_dot(eq, a, b):
+    """BF16 x BF16 -> FP32 einsum whose backward products are BF16 x BF16 -> FP32 too."""
+    return jnp.einsum(eq, a.astype(BF16), b.astype(BF16), preferred_element_type=F32)
+
+
+def _bf16_dot_fwd(eq, a, b):
+    # the operands' dtypes ride along as zero-size arrays (residuals must be arrays)
+    protos = (jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))
+    return bf16_dot(eq, a, b), (a.astype(BF16), b.astype(BF16), *protos)
+
+
+def _bf16_dot_bwd(eq, res, g):
+    a, b, a_proto, b_proto = res
+    ins, out = eq.split("->")
+    sa, sb = ins.split(",")
+    g = g.astype(BF16)
+    da = jnp.einsum(f"{out},{sb}->{sa}", g, b, preferred_element_type=F32)
+    db = jnp.einsum(f"{sa},{out}->{sb}", a, g, preferred_element_type=F32)
+    return da.astype(a_proto.dtype), db.astype(b_proto.dtype)
+
+
+bf16_dot.defvjp(_bf16_dot_fwd, _bf16_dot_bwd)
+
+
+def init(shape: Shape, key) -> dict:
+    D, F, V, K = shape.d_model, shape.d_ff, shape.vocab_size, shape.head_dim
+    H, G = shape.n_heads, shape.n_kv_heads
+    keys = iter(jax.random.split(key, 4 + 7 * shape.n_layers))
+
+    def normal(dims, scale):
+        return jax.random.normal(next(keys), dims, F32) * scale
+
+    layers = [
+        {
+            "ln1": jnp.ones(D),
+            "ln2": jnp.ones(D),
+            "wq": normal((D, H * K), D**-0.5),
+            "wk": normal((D, G * K), D**-0.5),
+            "wv": normal((D, G * K), D**-0.5),
+            "wo": normal((H * K, D), D**-0.5),
+            "wg": normal((D, F), D**-0.5),
+            "wu": normal((D, F), D**-0.5),
+            "wd": normal((F, D), F**-0.5),
+        }
+        for _ in range(shape.n_layers)
+    ]
+    return {
+        "emb": normal((V, D), 0.02),
+        "layers": layers,
+        "norm": jnp.ones(D),
+        "head": normal((D, V), D**-0.5),
+    }
+
+
+def _dense_attention(dot, compute, q, k, v, seg):
+    B, T, H, K = q.shape
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0) & causal  # [B, T, T]
+    q, k, v = (t.transpose(0, 2, 1, 3).reshape(B * H, T, K) for t in (q, k, v))
+    s = dot("ntk,nsk->nts", q, k).reshape(B, H, T, T) * K**-0.5
+    s = jnp.where(mask[:, None], s, jnp.finfo(F32).min)
+    a = jax.nn.softmax(s, -1).astype(compute).reshape(B * H, T, T)
+    o = dot("nts,nsk->ntk", a, v).astype(compute)
+    return o.reshape(B, H, T, K).transpose(0, 2, 1, 3)
+
+
+def _fused_attention(compute, q, k, v, seg):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    K = q.shape[-1]
+    return pallas_attention.mha(
+        q.astype(compute),
+        k.astype(compute),
+        v.astype(compute),
+        seg,
+        sm_scale=K**-0.5,
+        causal=True,
+        interpret=jax.default_backend() == "cpu",
+    ).astype(compute)
+
+
+def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
+    dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
+    tokens, seg, pos = batch["tokens"], batch["segments"], batch["positions"]
+    B, T = tokens.shape
+    H, G, K = shape.n_heads, shape.n_kv_heads, shape.head_dim
+
+    def rms(x, scale):
+        x = x.astype(F32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + shape.norm_eps) * scale
+        return x.astype(compute)
+
+    inv = shape.rope_theta ** (-jnp.arange(0, K, 2, dtype=F32) / K)
+    angle = pos[..., None].astype(F32) * inv  # [B, T, K/2]
+    cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+
+    def rope(x):
+        x1, x2 = x[..., : K // 2].astype(F32), x[..., K // 2 :].astype(F32)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(compute)
+
+    h = params["emb"][tokens].astype(compute)
+    for p in params["layers"]:
+        x = rms(h, p["ln1"])
+        q = rope(dot("btd,dn->btn", x, p["wq"]).astype(compute).reshape(B, T, H, K))
+        k = rope(dot("btd,dn->btn", x, p["wk"]).astype(compute).reshape(B, T, G, K))
+        v = dot("btd,dn->btn", x, p["wv"]).astype(compute).reshape(B, T, G, K)
+        k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
+        if attention == "pallas":
+            o = _fused_attention(compute, q, k, v, seg)
+        else:
+            o = _dense_attention(dot, compute, q, k, v, seg)
+        h = h + dot("btn,nd->btd", o.reshape(B, T, H * K), p["wo"]).astype(compute)
+        x = rms(h, p["ln2"])
+        g = dot("btd,df->btf", x, p["wg"])
+        u = dot("btd,df->btf", x, p["wu"])
+        h = h + dot("btf,fd->btd", (jax.nn.silu(g) * u).astype(compute), p["wd"]).astype(compute)
+    logits = dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
+    weight = jnp.pad(jnp.where(counted, batch["loss_mask"][:, 1:], 0.0), ((0, 0), (0, 1)))
+    logp = jax.nn.log_softmax(logits, -1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+
+
+def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
+    """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
+    loss)`` jit-compiled with params and optimizer state donated; the optimizer has the
+    project's default settings (``optimizer.DEFAULTS``)."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, DEFAULTS["learning_rate"], DEFAULTS["warmup_steps"], max_steps
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(DEFAULTS["grad_clip_norm"]),
+        optax.adamw(
+            schedule,
+            b1=DEFAULTS["b1"],
+            b2=DEFAULTS["b2"],
+            eps=DEFAULTS["eps"],
+            weight_decay=DEFAULTS["weight_decay"],
+            mask=lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params),
+        ),
+    )
+
+    def step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch, shape, compute, attention)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    params = jax.jit(init, static_argnums=0)(shape, jax.random.key(0))
+    return jax.jit(step, donate_argnums=(0, 1)), params, optimizer.init(params)

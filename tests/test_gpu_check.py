@@ -1,0 +1,264 @@
+"""The prepared device check (benchmarks/gpu_check.py), run end to end on CPU with tiny models.
+
+The check's JSON is read against facts worked out here: parameter counts and FLOPs from the
+Llama formulas, MFU and ratios recomputed from the JSON's own raw timings, the recovery
+proof's hashes from the runs' event files, the backend from this interpreter's JAX. And the
+minimal loop the check compares our step with computes the same model as ours.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from conftest import REPO, read_events
+
+SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+RUN_SECTIONS = ("device", "step_125m", "step_350m", "recovery", "checkpoint")
+
+
+def llama_params(d, layers, heads, kv_heads, d_ff, vocab):
+    """Parameters of an untied Llama block stack, counted by hand: per layer q and o (D x D),
+    k and v (D x G*K), gate, up, down (3 D x F), two RMSNorm scales; embedding, final norm,
+    head."""
+    kv = kv_heads * (d // heads)
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * d_ff + 2 * d
+    return layers * per_layer + vocab * d + d + d * vocab
+
+
+def llama_flops_per_token(d, layers, heads, kv_heads, d_ff, vocab, seq):
+    """6 x weights used in products (per layer 2 D^2 + 2 D G K + 3 D F, plus the head D V) +
+    12 x layers x seq x D for attention scores and mixing (the full row, the usual count)."""
+    kv = kv_heads * (d // heads)
+    return (
+        6 * (layers * (2 * d * d + 2 * d * kv + 3 * d * d_ff) + d * vocab) + 12 * layers * seq * d
+    )
+
+
+def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # The tiny run checks that every section runs and what it records, not speed: without
+    # XLA's backend optimisations its compilations take a third less time (the flag is
+    # recorded in the JSON and every run of the recovery proof gets it alike).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "XLA_FLAGS": flags},
+    )
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory) -> dict:
+    """One tiny run of every section (two at a time on the two cores), its work kept."""
+    root = tmp_path_factory.mktemp("gpu-check")
+    out = root / "tmp" / "x.json"
+    proc = _run(out, "--jobs", "2", "--work-dir", str(root / "work"))
+    assert out.exists(), proc.stderr[-4000:]
+    return {"proc": proc, "doc": json.loads(out.read_text())}
+
+
+@pytest.mark.slow
+def test_every_section_runs_end_to_end_on_cpu(check):
+    proc, doc = check["proc"], check["doc"]
+    sections = doc["sections"]
+    statuses = {name: section["status"] for name, section in sections.items()}
+    assert statuses == {**dict.fromkeys(RUN_SECTIONS, "ok"), "determinism_cost": "not_applicable"}
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert doc["format"] == "minifield-gpu-check/1" and doc["tiny"] is True
+    assert doc["summary"]["sections_not_ok"] == []
+    # progress went to stderr, the JSON to the file
+    assert "section recovery: ok" in proc.stderr and proc.stdout == ""
+    # every goal carries a value measured in this run
+    assert all(goal["value"] is not None for goal in doc["summary"]["goals"].values())
+
+
+@pytest.mark.slow
+def test_device_section_names_the_cpu_backend_of_this_jax(check):
+    device = check["doc"]["sections"]["device"]
+    assert device["backend"] == "cpu" and device["expected_backend"] == "cpu"
+    assert {d["platform"] for d in device["devices"]} == {"cpu"}
+    assert device["device_count"] == len(device["devices"]) >= 1
+    assert device["jax"] == metadata.version("jax")
+    assert device["jaxlib"] == metadata.version("jaxlib")
+    # the project's device check passed and its event says what it found
+    assert device["device_check"] == {"passed": True, "error": None}
+    assert device["device_event"]["backend"] == "cpu"
+    assert device["device_event"]["device_count"] == device["device_count"]
+    # on CPU no determinism flags are added (they are GPU flags)
+    assert device["determinism_flags_added"] == []
+    assert device["matmul_peak_bf16_flops"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["125m", "350m"])
+def test_step_section_counts_and_mfu_agree_with_the_formulas(check, size):
+    section = check["doc"]["sections"][f"step_{size}"]
+    model, seq, rows = section["model"], section["seq_len"], section["batch_rows"]
+    dims = (model["d_model"], model["n_layers"], model["n_heads"], model["n_kv_heads"],
+            model["d_ff"], model["vocab_size"])  # fmt: skip
+    assert model["tie_embeddings"] is False
+    # both implementations hold the model the formula counts
+    assert section["param_count"] == llama_params(*dims)
+    assert section["minimal"]["param_count"] == llama_params(*dims)
+    assert section["flops_per_token"] == llama_flops_per_token(*dims, seq)
+    assert section["tokens_per_step"] == rows * seq
+    assert section["flops_per_step"] == section["flops_per_token"] * rows * seq
+    assert section["compute_dtype"] == "bfloat16"
+    assert section["execution"]["scan_layers"] is True
+
+    # on CPU the peak is the matmul peak the device section measured
+    device = check["doc"]["sections"]["device"]
+    assert section["peak_flops"] == device["matmul_peak_bf16_flops"]
+    assert section["peak_source"].startswith("measured")
+    for impl in ("ours", "minimal"):
+        row = section[impl]
+        assert row["step_s"] == statistics.median(row["step_s_rounds"])
+        assert len(row["step_s_rounds"]) == section["rounds_done"] >= 1
+        assert math.isclose(row["mfu"], section["flops_per_step"] / row["step_s"] /
+                            section["peak_flops"], rel_tol=1e-12)  # fmt: skip
+        assert math.isclose(row["tokens_per_s"], rows * seq / row["step_s"], rel_tol=1e-12)
+        assert row["mfu_vs_measured_peak"] == row["mfu"]  # on CPU the peak is the measured one
+        assert row["compile_s"] > 0
+        # a freshly initialised model predicts about uniformly: loss near ln(vocab)
+        assert abs(row["loss_first"] - math.log(model["vocab_size"])) < 1.5
+    ratios = [o / m for o, m in zip(section["ours"]["step_s_rounds"],
+                                    section["minimal"]["step_s_rounds"], strict=True)]  # fmt: skip
+    assert math.isclose(section["ours_over_minimal"], statistics.median(ratios), rel_tol=1e-12)
+
+
+@pytest.mark.slow
+def test_full_size_models_are_about_125m_and_350m_parameters(check):
+    """The GPU sizes, counted from shapes by the tiny run, against the hand count of the
+    documented dimensions (docs/gpu-check.md)."""
+    sections = check["doc"]["sections"]
+    small = sections["step_125m"]["full_size"]
+    large = sections["step_350m"]["full_size"]
+    assert small["model"] == {"d_model": 768, "n_layers": 12, "n_heads": 12, "d_ff": 1792}
+    assert large["model"] == {"d_model": 1024, "n_layers": 24, "n_heads": 16, "d_ff": 2560}
+    assert small["param_count"] == llama_params(768, 12, 12, 12, 1792, 32000) == 127_027_968
+    assert large["param_count"] == llama_params(1024, 24, 16, 16, 2560, 32000) == 354_993_152
+    assert large["flops_per_token"] == llama_flops_per_token(1024, 24, 16, 16, 2560, 32000, 2048)
+
+
+@pytest.mark.slow
+def test_recovery_proof_is_bit_exact_by_the_runs_own_events(check):
+    recovery = check["doc"]["sections"]["recovery"]
+    assert recovery["bit_exact"] is True and recovery["verdict_reasons"] == []
+    assert recovery["environment"]["backend"] == "cpu"
+    k, restored = recovery["fail_after_step"], recovery["checkpoint_step"]
+    assert 1 <= restored <= k < recovery["steps"]
+
+    def hashes(attempt_dir):
+        events = read_events(Path(attempt_dir) / "events.jsonl")
+        return {e["step"]: e["state_hash"] for e in events if e["type"] == "update"}
+
+    reference = hashes(recovery["reference_attempt_dir"])
+    faulted = hashes(recovery["faulted_attempt_dir"])
+    resumed = hashes(recovery["resumed_attempt_dir"])
+    assert sorted(reference) == list(range(1, recovery["steps"] + 1))
+    assert max(faulted) == k  # it crashed right after update k
+    # the resumed attempt redid the updates after the checkpoint, each bit-identical
+    assert sorted(resumed) == list(range(restored + 1, recovery["steps"] + 1))
+    assert all(resumed[s] == reference[s] for s in resumed)
+    assert recovery["steps_compared"] == sorted(resumed)
+    # and the JSON reports those very hashes
+    assert {int(s): h for s, h in recovery["reference_state_hashes"].items()} == reference
+    assert {int(s): h for s, h in recovery["resumed_state_hashes"].items()} == resumed
+    attempt = json.loads((Path(recovery["resumed_attempt_dir"]) / "attempt.json").read_text())
+    assert attempt["computation_digest"] == recovery["computation_digest"]
+
+
+@pytest.mark.slow
+def test_checkpoint_section_ratios_come_from_its_own_timings(check):
+    sections = check["doc"]["sections"]
+    checkpoint = sections["checkpoint"]
+    # parameters + two AdamW moments in FP32, plus a few scalars (counts, step, cursor, rng)
+    params = sections["step_125m"]["param_count"]
+    assert 12 * params <= checkpoint["state_bytes"] < 12 * params + 256
+    rows = checkpoint["all"]
+    assert len(rows["raw_s"]) == checkpoint["rounds_done"] == checkpoint["rounds"]
+    for name in ("raw_s", "sync_s", "blocked_s", "durable_s"):
+        assert checkpoint[name] == statistics.median(rows[name])
+    assert math.isclose(
+        checkpoint["sync_over_raw_bandwidth"], checkpoint["raw_s"] / checkpoint["sync_s"]
+    )
+    assert math.isclose(
+        checkpoint["blocking_over_sync_time"], checkpoint["blocked_s"] / checkpoint["sync_s"]
+    )
+    assert math.isclose(
+        checkpoint["raw_fsync_bytes_per_s"], checkpoint["state_bytes"] / checkpoint["raw_s"]
+    )
+    # blocked is a part of the background commit's time to durability
+    assert checkpoint["blocked_s"] <= checkpoint["durable_s"]
+
+
+@pytest.mark.slow
+def test_a_section_out_of_time_is_recorded_and_the_check_goes_on(tmp_path):
+    out = tmp_path / "x.json"
+    proc = _run(out, "--sections", "step_125m", "determinism_cost",
+                "--section-limit", "step_125m=1")  # fmt: skip
+    assert proc.returncode == 1
+    doc = json.loads(out.read_text())
+    step = doc["sections"]["step_125m"]
+    assert step["status"] == "timeout" and "1 s limit" in step["error"]
+    assert step["limit_s"] == 1
+    # the next section was still considered, and the summary names the one that failed
+    assert doc["sections"]["determinism_cost"]["status"] == "not_applicable"
+    assert doc["summary"]["sections_not_ok"] == ["step_125m"]
+    assert doc["summary"]["goals"]["ours_over_minimal_125m"]["met"] is None
+
+
+@pytest.mark.slow  # two JAX compilations
+def test_minimal_loop_is_the_same_model_as_ours():
+    """Same parameters, same packed batch: the minimal loop's loss (written from the equations)
+    equals our Llama's (FP32, so the two differ only by summation order)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import _llama_minimal as minimal
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import jax
+    import jax.numpy as jnp
+
+    from minifield.strategies.packed_sft import llama
+    from minifield.strategies.packed_sft.model import loss_fn
+
+    shape = minimal.Shape(32, 2, 4, 2, 48, 96)
+    cfg = llama.LlamaConfig(
+        vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_len=64,
+        compute_dtype="float32",
+    )  # fmt: skip
+    ours = llama.init_params(cfg, jax.random.key(3))
+    blocks = [ours["blocks"][name] for name in sorted(ours["blocks"], key=int)]
+    theirs = {
+        "emb": ours["embed"]["tokens"],
+        "norm": ours["final_norm"]["scale"],
+        "head": ours["head"]["w"],
+        "layers": [
+            {
+                "ln1": b["attn_norm"]["scale"],
+                "ln2": b["mlp_norm"]["scale"],
+                **{k: b["attn"][k] for k in ("wq", "wk", "wv", "wo")},
+                "wg": b["mlp"]["w_gate"],
+                "wu": b["mlp"]["w_up"],
+                "wd": b["mlp"]["w_down"],
+            }
+            for b in blocks
+        ],
+    }
+    batch = minimal.packed_batch(3, 64, 96, seed=1)
+    assert int(batch["segments"].max()) >= 2  # several segments per row
+    expected = float(jax.jit(loss_fn, static_argnums=1)(ours, cfg, batch)[0])
+    got = float(jax.jit(minimal.loss, static_argnums=(2, 3))(theirs, batch, shape, jnp.float32))
+    assert math.isclose(got, expected, rel_tol=1e-5), (got, expected)
