@@ -8,13 +8,21 @@ In one run on one machine it measures
     jit-compiled once with donated state) for each model size and precision;
 (c) a minimal, idiomatic JAX+optax loop of the same model written in this file
     (same architecture, segment mask, loss, AdamW + clipping; its own BF16 custom-VJP
-    product so that its BF16 mode is the same computation as ours).
+    product so that its BF16 mode is the same computation as ours);
+(d) with ``--worker-loop``, our update as the worker runs it (impl ``loop``): a real
+    packed-sft program built from a recipe over generated SFT data (the worker's execution
+    defaults), driven by the worker's ``UpdateLoop`` (``Program.dispatch`` with its batch
+    prefetcher and host->device copy, metrics read back and an ``update`` event written to
+    an events file); one update per call, state hashes at checkpoints only (the cadence
+    that costs nothing per update; hashing cost is measured elsewhere). Its vocabulary is
+    the program's tokenizer's; with ``--worker-loop`` every implementation uses that size.
 
 Combinations are interleaved round by round so ratios come from the same window.
 Printed per row: median step time, tokens/s, model GFLOP/s, MFU against the FP32 and
 the BF16 peak, ours / minimal, and BF16 speed-up over FP32.
 
 Usage: uv run python benchmarks/bench_train.py [--quick] [--rounds 5] [--steps 4]
+    [--sizes d128 d256] [--worker-loop] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,6 +215,85 @@ def ours_setup(D, L, T, bf16):
     return run, cfg
 
 
+# ----------------------------------------------------------------------------- the worker's loop
+
+
+def _worker_recipe(D, L, T, bf16, pins) -> dict:
+    return {
+        "job_id": "bench-loop",
+        "product": {"name": "bench", "version": "0"},
+        "strategy": {"name": "packed-sft", "version": "12.0.0"},
+        "inputs": [
+            {"name": s, "path": f"sft/{s}.jsonl", "sha256": pins[s]}
+            for s in ("train", "dev", "test")
+        ],
+        "model": {
+            "d_model": D,
+            "n_layers": L,
+            "n_heads": HEADS,
+            "d_ff": 4 * D,
+            "compute_dtype": "bfloat16" if bf16 else "float32",
+        },
+        "training": {"seq_len": T, "batch_size": BATCH, **TRAINING},
+        "limits": {"max_steps": MAX_STEPS},
+        "checkpoint": {"every_steps": MAX_STEPS, "keep": 1},
+        "evaluation": {"eval_every": 0, "batch_size": BATCH, "max_generate_examples": 1},
+    }
+
+
+def worker_program(D, L, T, bf16, root: Path):
+    """A packed-sft program as the worker builds it (recipe checked, examples prepared)."""
+    import hashlib
+
+    from minifield import recipe as recipes
+    from minifield.strategies.packed_sft import sft_data
+
+    data = root / "sft"
+    pins = {}
+    if not data.exists():
+        data.mkdir(parents=True)
+    sizes = {"train": 2000, "dev": 8, "test": 8}
+    for split, rows in sft_data.demo_examples(seed=0, sizes=sizes).items():
+        blob = sft_data.to_jsonl(rows)
+        (data / f"{split}.jsonl").write_bytes(blob)
+        pins[split] = hashlib.sha256(blob).hexdigest()
+    checked = recipes.validate(_worker_recipe(D, L, T, bf16, pins))
+    files = {i["name"]: root / i["path"] for i in checked.data["inputs"]}
+    arrays, _ = checked.strategy.prepare(checked.data, files)
+    return checked.strategy.build(checked.data, arrays)
+
+
+def worker_loop_setup(program, events_path: Path):
+    """``run()``: one update through the worker's ``UpdateLoop`` (it returns once the update
+    is reported, as the loop does at its last step)."""
+    from minifield import distributed
+    from minifield.attempt_result import Progress
+    from minifield.events import EventLog
+    from minifield.stopping import Stopping
+    from minifield.update_loop import UpdateLoop
+
+    events = EventLog(events_path, None)
+    stopping = Stopping({}, stop_after_step=None, group=distributed.Group(), started_mono=0)
+    box = {"state": program.place(program.init_state()), "step": 0}
+
+    def run(_batch):
+        loop = UpdateLoop(
+            program,
+            max_steps=box["step"] + 1,
+            stopping=stopping,
+            events=events,
+            progress=Progress(),
+            hooks=[],
+            record_state_hashes="checkpoint",
+            say=lambda message: None,
+        )
+        end = loop.run(box["state"], box["step"], 0.0)
+        box["state"], box["step"] = end.state, end.step
+        return end.state["step"]
+
+    return run
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -216,25 +304,38 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps of each combination per round")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 4 steps, 1024^3 peak probe")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument(
+        "--worker-loop",
+        action="store_true",
+        help="also time our update as the worker's UpdateLoop runs it (impl 'loop')",
+    )
     args = ap.parse_args()
+    global VOCAB
+    workdir = Path(tempfile.mkdtemp(prefix="bench-train-"))
     if args.quick:
         args.rounds, args.steps = 2, 4
     probe = peak_probe(1024 if args.quick else 2048)
     print(
         f"jax {jax.__version__} backend={jax.default_backend()} cpus={os.cpu_count()} "
-        f"batch={BATCH} vocab={VOCAB} heads={HEADS} loadavg={os.getloadavg()[0]:.2f}",
+        f"batch={BATCH} heads={HEADS} vocab={'program' if args.worker_loop else VOCAB} loadavg={os.getloadavg()[0]:.2f}",
         flush=True,
     )
 
     combos, peaks = {}, []
     for size in args.sizes:
         D, L, T = SIZES[size]
-        batch = packed_batch(BATCH, T)
         for precision in ("f32", "bf16"):
             bf16 = precision == "bf16"
+            impls = []
+            if args.worker_loop:
+                program = worker_program(D, L, T, bf16, workdir)
+                VOCAB = program.cfg.vocab_size  # the same model in every implementation
+                events = workdir / f"events-{size}-{precision}.jsonl"
+                impls.append(("loop", worker_loop_setup(program, events)))
+            batch = packed_batch(BATCH, T)
             ours, cfg = ours_setup(D, L, T, bf16)
             minimal = minimal_setup(D, L, T, bf16)
-            for impl, run in (("ours", ours), ("minimal", minimal)):
+            for impl, run in (("ours", ours), ("minimal", minimal), *impls):
                 t0 = time.perf_counter()
                 run(batch).block_until_ready()
                 first = time.perf_counter() - t0
@@ -255,6 +356,7 @@ def main() -> None:
     # The order is shuffled every pass: a step that follows a large one (d256) starts with
     # cold caches, and a fixed order would always charge that to the same combination.
     order = random.Random(0)
+    loads = []
     for r in range(args.rounds):
         peaks.append(probe())
         for _ in range(args.steps):
@@ -266,7 +368,8 @@ def main() -> None:
                 c["run"](c["batch"]).block_until_ready()
                 times[key].append(time.perf_counter() - t0)
                 cpu[key].append(time.process_time() - c0)
-        print(f"  round {r + 1}/{args.rounds} done, loadavg {os.getloadavg()[0]:.2f}", flush=True)
+        loads.append(round(os.getloadavg()[0], 2))
+        print(f"  round {r + 1}/{args.rounds} done, loadavg {loads[-1]:.2f}", flush=True)
 
     peak32 = statistics.median(p["f32"] for p in peaks)
     peak16 = statistics.median(p["bf16_f32acc"] for p in peaks)
@@ -304,6 +407,7 @@ def main() -> None:
             n_layers=L,
             seq_len=T,
             batch=BATCH,
+            vocab=c["cfg"].vocab_size,
             precision=precision,
             impl=impl,
             first_step_s=c["first"],
@@ -335,7 +439,10 @@ def main() -> None:
     )
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"peak_f32": peak32, "peak_bf16": peak16, "rows": rows}, indent=1)
+            json.dumps(
+                {"peak_f32": peak32, "peak_bf16": peak16, "loadavg": loads, "rows": rows},
+                indent=1,
+            )
         )
 
 

@@ -4,12 +4,14 @@ For each depth (default 4, 16, 32 layers) and each layer stack (``model.scan_lay
 then true) the complete update (forward, backward, AdamW) is traced, lowered and compiled
 for abstract inputs, as the worker's ``compile()`` does, and the wall time is taken. A warm-up
 compile of a 1-layer model comes first so one-time JAX set-up is not charged to the first
-figure. Prints the seconds and the ratios against the 4-layer figure of the same stack.
+figure. Prints the seconds (wall, and CPU time of this process: less disturbed by other
+work on a shared machine) and the ratios against the 4-layer figure of the same stack.
 ``--part grad`` compiles only the loss and its gradient (no optimizer update), which shows how
 much of the depth-dependence is the model and how much the per-layer optimizer update.
 
     uv run python benchmarks/compile_depth.py [--layers 4 16 32] [--d-model 256] [--seq-len 256]
         [--batch 4] [--architecture gpt|llama] [--remat none|full|dots_saveable] [--part step|grad]
+        [--stacks loop scan]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import jax
@@ -48,7 +51,8 @@ def config(args, layers: int, scan: bool):
     return dataclasses.replace(cfg, execution=Execution(scan_layers=scan, remat=args.remat))
 
 
-def compile_seconds(cfg, batch: int, seq_len: int, part: str = "step") -> float:
+def compile_seconds(cfg, batch: int, seq_len: int, part: str = "step") -> tuple[float, float]:
+    """Wall and CPU seconds to trace, lower and compile the update (or ``grad``)."""
     tx = optimizer.make_optimizer(TRAINING, 100)
     step = sft_step.make_train_step(cfg, tx)
     state = jax.eval_shape(lambda: sft_step.init_train_state(cfg, tx, 0))
@@ -61,9 +65,9 @@ def compile_seconds(cfg, batch: int, seq_len: int, part: str = "step") -> float:
     rows = jax.ShapeDtypeStruct((batch, seq_len), jax.numpy.int32)
     abstract_batch = {"tokens": rows, "segments": rows, "positions": rows}
     abstract_batch["loss_mask"] = jax.ShapeDtypeStruct((batch, seq_len), jax.numpy.float32)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     jax.jit(step, donate_argnums=(0,)).lower(state, abstract_batch).compile()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def main() -> int:
@@ -75,28 +79,36 @@ def main() -> int:
     parser.add_argument("--architecture", choices=["gpt", "llama"], default="gpt")
     parser.add_argument("--remat", choices=["none", "full", "dots_saveable"], default="none")
     parser.add_argument("--part", choices=["step", "grad"], default="step")
+    parser.add_argument("--stacks", nargs="+", choices=["loop", "scan"], default=["loop", "scan"])
     args = parser.parse_args()
     compile_seconds(config(args, 1, False), args.batch, args.seq_len, args.part)  # warm-up
-    results = {}
-    for scan in (False, True):
-        stack = "scan" if scan else "loop"
+    results, cpu = {}, {}
+    for stack in args.stacks:
+        scan = stack == "scan"
         for layers in args.layers:
-            seconds = compile_seconds(
+            seconds, cpu_seconds = compile_seconds(
                 config(args, layers, scan), args.batch, args.seq_len, args.part
             )
             results[f"{stack}_{layers}"] = round(seconds, 2)
-            print(f"{stack:4s} {layers:3d} layers: {seconds:7.2f} s", flush=True)
+            cpu[f"{stack}_{layers}"] = round(cpu_seconds, 2)
+            print(
+                f"{stack:4s} {layers:3d} layers: {seconds:7.2f} s (CPU {cpu_seconds:7.2f} s)",
+                flush=True,
+            )
     first, last = args.layers[0], args.layers[-1]
-    ratios = {
-        f"{stack}_{last}_over_{first}": round(
-            results[f"{stack}_{last}"] / results[f"{stack}_{first}"], 2
+    ratios = {}
+    for stack in args.stacks:
+        for name, figures in (("", results), ("cpu_", cpu)):
+            ratios[f"{name}{stack}_{last}_over_{first}"] = round(
+                figures[f"{stack}_{last}"] / figures[f"{stack}_{first}"], 2
+            )
+    if len(args.stacks) == 2:
+        ratios[f"loop_over_scan_at_{last}"] = round(
+            results[f"loop_{last}"] / results[f"scan_{last}"], 2
         )
-        for stack in ("loop", "scan")
-    }
-    ratios[f"loop_over_scan_at_{last}"] = round(
-        results[f"loop_{last}"] / results[f"scan_{last}"], 2
-    )
-    print(json.dumps({"settings": vars(args), "seconds": results, "ratios": ratios}, indent=1))
+    load = round(os.getloadavg()[0], 2)
+    report = {"settings": vars(args), "seconds": results, "cpu_seconds": cpu, "ratios": ratios}
+    print(json.dumps({**report, "loadavg_at_end": load}, indent=1))
     return 0
 
 

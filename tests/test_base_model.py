@@ -487,3 +487,27 @@ def test_a_damaged_base_model_export_is_refused_naming_the_file(root, tmp_path):
     # the listed sha256 no longer matches: export.read refuses before any parsing
     with pytest.raises(export.ExportError, match="tokenizer_config.json"):
         ExportedModel(directory)
+
+
+def test_a_scanned_run_holds_the_base_weights_stacked_and_exports_them_per_layer(root, tmp_path):
+    """``model.scan_layers``: the state holds the blocks stacked along a layer axis (each
+    layer's slice is the file's tensor), and the export writes them back per layer, equal to
+    the base file byte for byte (FP32, nothing trained)."""
+    loaded, (arrays, _) = _prepare(base_recipe(root, {"scan_layers": True}), root)
+    program = loaded.strategy.build(loaded.data, arrays)
+    state = program.init_state()
+    assert set(state["params"]["blocks"]) == {"stacked"}
+    on_disk = load_file(str(root / "base" / "model.safetensors"))
+    for name, (ours, transposed) in HF_TO_OURS.items():
+        expected = on_disk[name].T if transposed else on_disk[name]
+        if ours.startswith("blocks/"):
+            _, layer, rest = ours.split("/", 2)
+            held = _get(state["params"], f"blocks/stacked/{rest}")[int(layer)]
+        else:
+            held = _get(state["params"], ours)
+        np.testing.assert_array_equal(held, expected, err_msg=name)
+    program.export(state, tmp_path / "export")
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert set(exported) == set(on_disk)
+    for name, tensor in on_disk.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from pathlib import Path
 
 import jax
@@ -15,7 +16,7 @@ import pytest
 
 from minifield import recipe as recipes
 from minifield.state import named_arrays, restore_like, state_hash
-from minifield.strategies.packed_sft import attention, model
+from minifield.strategies.packed_sft import attention, layer_stack, model
 from minifield.strategies.packed_sft.cross_entropy import chunked_token_losses
 from minifield.strategies.packed_sft.execution import Execution
 from minifield.strategies.packed_sft.llama import LlamaConfig
@@ -207,6 +208,62 @@ def test_scanned_layers_give_the_default_loss_and_gradients(reference, family):
     # the gradient keeps the per-layer layout of the parameters
     assert jax.tree_util.tree_structure(grads_s) == jax.tree_util.tree_structure(params)
     assert_trees_close(grads_s, grads, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- scanned update
+
+# Weight decay large enough that decaying a LayerNorm/bias leaf by mistake (a stacked [L, D]
+# vector looks like a matrix) moves it by lr * wd = 5e-3 per update, far outside the tolerance;
+# a learning rate high enough that clipping is active (grad norm > 1 at initialisation).
+SCAN_TRAINING = {"learning_rate": 1e-2, "warmup_steps": 1, "weight_decay": 0.5}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scanned_update_holds_stacked_layers_and_matches_the_looped_update(family):
+    """The reference is the default per-layer loop: three updates of the scanned (stacked)
+    state and of the looped one give the same parameters and AdamW moments, per element."""
+    cfg = FAMILIES[family]()
+    tx = make_optimizer(SCAN_TRAINING, 10)
+    scanned_cfg = with_execution(cfg, scan_layers=True)
+    looped = init_train_state(cfg, tx, seed=0)
+    scanned = init_train_state(scanned_cfg, tx, seed=0)
+    names = named_arrays(scanned)
+    # the state holds the blocks stacked, in the parameters and in both AdamW moments
+    assert not any("blocks/00" in name for name in names)
+    wo = [name for name in names if name.endswith("blocks/stacked/attn/wo")]
+    assert len(wo) == 3 and all(names[n].shape[0] == cfg.n_layers for n in wo), sorted(names)
+    assert_trees_equal(layer_stack.per_layer(scanned), looped)  # the same initial values
+    loop_step, scan_step = (
+        jax.jit(make_train_step(cfg, tx)),
+        jax.jit(make_train_step(scanned_cfg, tx)),
+    )
+    for seed in range(3):
+        looped, loop_metrics = loop_step(looped, packed_batch(seed=seed))
+        scanned, scan_metrics = scan_step(scanned, packed_batch(seed=seed))
+        assert float(loop_metrics["grad_norm"]) > 1.0  # clipping is at work
+        np.testing.assert_allclose(scan_metrics["grad_norm"], loop_metrics["grad_norm"], rtol=1e-5)
+    per_layer = layer_stack.per_layer(scanned)
+    assert jax.tree_util.tree_structure(per_layer) == jax.tree_util.tree_structure(looped)
+    assert_trees_close(per_layer, looped, rtol=1e-4, atol=1e-6)
+
+
+def _operations(text: str) -> list[str]:
+    return sorted(re.findall(r"= (?:stablehlo|chlo|mhlo|func)\.[a-z_]+", text))
+
+
+def test_the_scanned_update_program_does_not_grow_with_depth():
+    """What makes its compile time independent of depth: the lowered update of a 2-layer and
+    of a 5-layer model hold the same operations (only the layer axis's size differs); the
+    looped update grows with each layer."""
+
+    def operations(layers, scan):
+        cfg = with_execution(gpt(n_layers=layers), scan_layers=scan)
+        tx = make_optimizer(SCAN_TRAINING, 10)
+        state = jax.eval_shape(lambda: init_train_state(cfg, tx, seed=0))
+        return _operations(jax.jit(make_train_step(cfg, tx)).lower(state, packed_batch()).as_text())
+
+    assert operations(2, scan=True) == operations(5, scan=True)
+    assert len(operations(5, scan=False)) > len(operations(2, scan=False)) + 100
 
 
 # ----------------------------------------------------------------------------- chunked loss

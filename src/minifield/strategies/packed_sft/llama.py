@@ -282,7 +282,7 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
         return h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
 
-    names = sorted(params["blocks"], key=int)
+    names = layer_stack.layer_names(params["blocks"])
     return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
 
 

@@ -344,7 +344,7 @@ def hidden(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
         u_BxTxF = jax.nn.gelu(_dense(cfg, a_BxTxD, m["w1"], m["b1"]))
         return h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
 
-    names = sorted(params["blocks"])
+    names = layer_stack.layer_names(params["blocks"])
     return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
 
 

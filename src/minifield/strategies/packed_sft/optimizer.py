@@ -25,7 +25,9 @@ Schedule, with ``s`` the number of updates already applied (0 for the first upda
   ``P + (m - P) * progress``, constant ``P``.
 
 Weight decay applies to parameters with two or more dimensions (weight matrices and
-embedding tables), not to biases or LayerNorm parameters. The optimizer state's moment
+embedding tables), not to biases or LayerNorm parameters; a leaf holding layers stacked along
+its first axis (:func:`.layer_stack.stack_layers`, the scanned update) is judged by the rank
+of one layer's leaf, so every element decays as it would in the per-layer layout. The optimizer state's moment
 estimates have the parameters' dtype (FP32); its step counters are int32 scalars.
 """
 
@@ -36,6 +38,8 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
+
+from . import layer_stack
 
 DEFAULTS = {
     "learning_rate": 1e-3,
@@ -108,7 +112,11 @@ def make_schedule(training: dict, max_steps: int):
 
 
 def _decay_mask(params):
-    return jax.tree_util.tree_map(lambda leaf: leaf.ndim >= 2, params)
+    def decays(path, leaf):
+        rank = leaf.ndim - 1 if layer_stack.is_stacked_leaf(path) else leaf.ndim
+        return rank >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(training: dict, max_steps: int) -> optax.GradientTransformation:

@@ -273,13 +273,18 @@ def _eval_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, 
     return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
 
 
-def _state_from_params(params: dict, optimizer, seed: int) -> dict:
+def _state_from_params(params: dict, optimizer, seed: int, stacked: bool = False) -> dict:
     """The step-0 state starting from given FP32 parameters (a base model's): the same layout
-    as ``sft_step.init_train_state``, whose random initialisation it replaces."""
+    as ``sft_step.init_train_state``, whose random initialisation it replaces (``stacked``:
+    the blocks stacked, as a scanned run holds them, see ``layer_stack``)."""
     import jax
     import jax.numpy as jnp
 
+    from . import layer_stack
+
     params = jax.tree_util.tree_map(lambda a: jnp.array(a, dtype=jnp.float32), params)
+    if stacked:
+        params = layer_stack.stack_layers(params)
     return {
         "params": params,
         "opt_state": optimizer.init(params),
@@ -454,7 +459,9 @@ class PackedSFTProgram(Program):
             )
         if self.base_params is None:
             return self._init(self.cfg, self.optimizer, self.seed)
-        return _state_from_params(self.base_params, self.optimizer, self.seed)
+        return _state_from_params(
+            self.base_params, self.optimizer, self.seed, self.cfg.execution.scan_layers
+        )
 
     def _init_on_mesh(self) -> dict:
         """The step-0 state created in the compiled update's shardings (never whole on one
@@ -474,7 +481,12 @@ class PackedSFTProgram(Program):
                     .compile()
                 )
             return self._mesh_init()
-        params = parallel.place_tree(self.base_params, shardings["params"])
+        host = self.base_params
+        if self.cfg.execution.scan_layers:  # stacked on the host, placed slice by slice
+            from . import layer_stack
+
+            host = layer_stack.stack_layers(host, stack=np.stack)
+        params = parallel.place_tree(host, shardings["params"])
         if self._mesh_init is None:
             self._mesh_init = (
                 parallel.sharded_program(
@@ -603,14 +615,17 @@ class PackedSFTProgram(Program):
         """The parameters evaluation runs with. On a data-parallel mesh they stay in the
         state's shardings (a host copy, which the end of a multi-process attempt passes, is
         placed there slice by slice): never gathered onto one device, so a model that needs
-        ``shard_params`` to fit is evaluated as it trains."""
-        from . import parallel
+        ``shard_params`` to fit is evaluated as it trains. Per layer: a scanned run's state
+        holds its blocks stacked (``layer_stack``)."""
+        from . import layer_stack, parallel
 
         if self.lora is not None:  # the merged FP32 weights, as the export holds them
             return self._merge(self._base, state["params"])
         if self._state_shardings is None:
-            return state["params"]
-        return parallel.place_tree(state["params"], self._state_shardings["params"])
+            return layer_stack.per_layer(state["params"])
+        return layer_stack.per_layer(
+            parallel.place_tree(state["params"], self._state_shardings["params"])
+        )
 
     def evaluate(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
@@ -620,7 +635,9 @@ class PackedSFTProgram(Program):
 
     def export(self, state: dict, directory: Path) -> None:
         from ...state import named_arrays
+        from . import layer_stack
 
+        state = {**state, "params": layer_stack.per_layer(state["params"])}  # scanned runs
         directory.mkdir(parents=True, exist_ok=True)
         dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
         if self.cfg.architecture == "llama":

@@ -293,7 +293,7 @@ class TwoStageProgram(sft.PackedSFTProgram):
         import jax
 
         from ...state import to_host
-        from ..packed_sft import hf_export
+        from ..packed_sft import hf_export, layer_stack
 
         directory.mkdir(parents=True, exist_ok=True)
         pins = {i["name"]: i for i in self.recipe["inputs"]}
@@ -328,7 +328,8 @@ class TwoStageProgram(sft.PackedSFTProgram):
         hf_export.write(
             directory,
             self.cfg,
-            jax.tree_util.tree_map(to_host, state["params"]),
+            # per layer: a scanned run holds its blocks stacked (packed_sft.layer_stack)
+            jax.tree_util.tree_map(to_host, layer_stack.per_layer(state["params"])),
             self.tokenizer,
             tokenizer_json,
             {dev_file: dev_bytes},
