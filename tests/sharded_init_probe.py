@@ -8,6 +8,7 @@ Every reference figure here comes from the plain one-device code path of the sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -119,6 +120,21 @@ def main(recipe_path: str) -> None:
     report["eval_params"] = leaf_report(eval_params)
     report["generated_mesh"] = model.greedy_generate_batch(eval_params, mesh.cfg, prompts, 8, None)
     report["generated_one"] = model.greedy_generate_batch(params_one, one.cfg, prompts, 8, None)
+    # a scanned model of 4 layers holds its blocks stacked [4, ...]: the shardings chosen for
+    # it (shapes only: nothing is created)
+    scanned = dataclasses.replace(
+        mesh.cfg, n_layers=4, execution=dataclasses.replace(mesh.cfg.execution, scan_layers=True)
+    )
+    abstract = jax.eval_shape(lambda: mesh._init(scanned, mesh.optimizer, 0))
+    shardings = mesh.data_parallel.state_shardings(mesh._mesh, abstract)
+    report["scanned"] = [
+        {"name": jax.tree_util.keystr(path), "shape": list(leaf.shape), "spec": list(spec.spec)}
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_flatten_with_path(abstract["params"])[0],
+            jax.tree_util.tree_leaves(shardings["params"]),
+            strict=True,
+        )
+    ]
     print(json.dumps(report))
 
 

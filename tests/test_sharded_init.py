@@ -122,3 +122,21 @@ def test_a_compiled_scaled_normal_has_the_op_by_op_bits():
         op_by_op = np.asarray(scaled_normal(key, shape, std))
         compiled = np.asarray(jax.jit(lambda: scaled_normal(key, shape, std))())  # noqa: B023
         assert np.array_equal(op_by_op, compiled), (shape, std)
+
+
+@pytest.mark.slow
+def test_stacked_layers_are_split_within_each_layer_never_along_the_layer_axis(report):
+    """With ``scan_layers`` the blocks are held ``[layers, ...]``: the scan takes one layer per
+    iteration, so a split along that axis would leave whole layers on single devices. Here
+    4 layers on 4 devices: the layer axis is divisible, and must still not be the one split."""
+    stacked = [leaf for leaf in report["scanned"] if "'stacked'" in leaf["name"]]
+    assert stacked and all(leaf["shape"][0] == 4 for leaf in stacked)
+    split = [leaf for leaf in stacked if "data" in leaf["spec"]]
+    assert len(split) >= len(stacked) // 2, stacked
+    for leaf in split:
+        axis = leaf["spec"].index("data")
+        assert axis >= 1 and leaf["shape"][axis] % DEVICES == 0, leaf
+    # an unstacked leaf (the embedding) is still split along its first divisible axis
+    embedding = next(leaf for leaf in report["scanned"] if "'stacked'" not in leaf["name"])
+    first = next(i for i, n in enumerate(embedding["shape"]) if n % DEVICES == 0)
+    assert embedding["spec"][first] == "data", embedding

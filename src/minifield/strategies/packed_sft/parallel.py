@@ -7,7 +7,8 @@ visible devices with a single axis ``"data"``:
 - the batch is split along its first (row) axis, ``B / N`` rows per device;
 - parameters and optimizer state are replicated on every device, or, with
   ``shard_params: true``, each array is split along its first axis whose size ``N``
-  divides (arrays with no such axis, and scalars, stay replicated);
+  divides (arrays with no such axis, and scalars, stay replicated; stacked layers of
+  ``model.scan_layers`` are split within each layer, never along the layer axis);
 - RNG key data, the step and the data cursor are replicated.
 
 XLA inserts the collectives (the all-reduce of the gradients, or reduce-scatter /
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import layer_stack
 
 AXIS = "data"
 
@@ -69,9 +72,9 @@ class DataParallel:
     def replicated(self, mesh: Mesh) -> NamedSharding:
         return NamedSharding(mesh, PartitionSpec())
 
-    def _leaf_spec(self, shape: tuple[int, ...]) -> PartitionSpec:
-        for axis, size in enumerate(shape):
-            if size % self.devices == 0 and size >= self.devices:
+    def _leaf_spec(self, shape: tuple[int, ...], first_axis: int = 0) -> PartitionSpec:
+        for axis in range(first_axis, len(shape)):
+            if shape[axis] % self.devices == 0 and shape[axis] >= self.devices:
                 return PartitionSpec(*([None] * axis), AXIS)
         return PartitionSpec()
 
@@ -79,15 +82,19 @@ class DataParallel:
         """A sharding per leaf of the complete state (same tree structure)."""
         replicated = self.replicated(mesh)
 
-        def sharded(leaf):
+        def sharded(path, leaf):
             if not self.shard_params or self.devices == 1 or not leaf.shape:
                 return replicated
-            return NamedSharding(mesh, self._leaf_spec(tuple(leaf.shape)))
+            # Stacked layers (``model.scan_layers``) are split within each layer, never along
+            # the layer axis: the scan takes one layer per iteration, and a layer held by one
+            # device would have to be gathered whole before the loop.
+            first_axis = 1 if layer_stack.is_stacked_leaf(path) else 0
+            return NamedSharding(mesh, self._leaf_spec(tuple(leaf.shape), first_axis))
 
         out = {}
         for part, subtree in abstract_state.items():
             if part in ("params", "opt_state"):
-                out[part] = jax.tree_util.tree_map(sharded, subtree)
+                out[part] = jax.tree_util.tree_map_with_path(sharded, subtree)
             else:
                 out[part] = jax.tree_util.tree_map(lambda _: replicated, subtree)
         return out
