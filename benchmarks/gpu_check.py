@@ -119,12 +119,9 @@ def _clean(value):
 
 def write_json(path: Path, value: dict) -> None:
     """Atomically (a reader sees the previous version or this one, never half of one)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(_clean(value), handle, indent=2, allow_nan=False)
-        handle.write("\n")
-    os.replace(tmp, path)
+    from minifield import atomic
+
+    atomic.write_json(path, _clean(value))
 
 
 # ----------------------------------------------------------------------------- shared settings

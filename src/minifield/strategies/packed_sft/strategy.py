@@ -318,6 +318,7 @@ class Evaluator:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
         from ...state import to_host
+        from .parallel import place
 
         n = rows["tokens"].shape[0]
         total, count = 0.0, 0.0
@@ -328,8 +329,6 @@ class Evaluator:
             batch = {k: np.asarray(rows[k][index]) for k in ROW_FIELDS}
             batch["loss_mask"] = batch["loss_mask"] * valid[:, None].astype(np.float32)
             if self._rows_sharding is not None:
-                from .parallel import place
-
                 batch = {k: place(v, self._rows_sharding) for k, v in batch.items()}
             out = self._loss(params, batch)
             # to_host: the replicated sums of a mesh spanning processes are read locally
@@ -459,8 +458,10 @@ class PackedSFTProgram(Program):
             )
         if self.base_params is None:
             return self._init(self.cfg, self.optimizer, self.seed)
+        from . import layer_stack
+
         return _state_from_params(
-            self.base_params, self.optimizer, self.seed, self.cfg.execution.scan_layers
+            self.base_params, self.optimizer, self.seed, layer_stack.holds_stacked(self.cfg)
         )
 
     def _init_on_mesh(self) -> dict:
@@ -468,34 +469,23 @@ class PackedSFTProgram(Program):
         device): random parameters computed slice by slice on the devices that hold them, or
         a base model's host weights placed slice by slice; the same bits as ``init_state``
         on one device. Compiled once (a resume builds a template state first)."""
-        from . import parallel
+        from . import layer_stack, parallel
 
         shardings = self._state_shardings
         if self.base_params is None:
-            if self._mesh_init is None:
-                self._mesh_init = (
-                    parallel.sharded_program(
-                        lambda: self._init(self.cfg, self.optimizer, self.seed), shardings
-                    )
-                    .lower()
-                    .compile()
-                )
-            return self._mesh_init()
-        host = self.base_params
-        if self.cfg.execution.scan_layers:  # stacked on the host, placed slice by slice
-            from . import layer_stack
+            make, args = (lambda: self._init(self.cfg, self.optimizer, self.seed)), ()
+        else:
+            host = self.base_params
+            if layer_stack.holds_stacked(self.cfg):  # stacked on the host, placed slice by slice
+                host = layer_stack.stack_layers(host, stack=np.stack)
+            args = (parallel.place_tree(host, shardings["params"]),)
 
-            host = layer_stack.stack_layers(host, stack=np.stack)
-        params = parallel.place_tree(host, shardings["params"])
+            def make(params):
+                return _state_from_params(params, self.optimizer, self.seed)
+
         if self._mesh_init is None:
-            self._mesh_init = (
-                parallel.sharded_program(
-                    lambda p: _state_from_params(p, self.optimizer, self.seed), shardings
-                )
-                .lower(params)
-                .compile()
-            )
-        return self._mesh_init(params)
+            self._mesh_init = parallel.sharded_program(make, shardings).lower(*args).compile()
+        return self._mesh_init(*args)
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
