@@ -107,6 +107,20 @@ def parse_row(row, where: str) -> Example:
     return Example(row["prompt"], row["response"])
 
 
+def json_rows(lines, path, error: type[Exception]):
+    """``(row, "file:line")`` for every non-blank line of a JSONL file (``lines``: its lines
+    in order); a line that is not JSON raises ``error`` naming the file and line."""
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{where}: not valid JSON ({exc.msg})") from None
+        yield row, where
+
+
 def read_jsonl(path: Path) -> list[Example]:
     """Every example of a supervised JSONL file; raises DataError with ``file:line`` on a bad row."""
     examples = []
@@ -116,14 +130,7 @@ def read_jsonl(path: Path) -> list[Example]:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
     with handle:
         try:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{where}: not valid JSON ({exc.msg})") from exc
+            for row, where in json_rows(handle, path, DataError):
                 examples.append(parse_row(row, where))
         except UnicodeDecodeError as exc:
             raise DataError(f"{path}: not UTF-8 text ({exc})") from exc

@@ -19,12 +19,11 @@ predicted tokens, as it would be for any tokenizer, so the figure compares acros
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from ...inputs import InputError
-from ..packed_sft.sft_data import Encoded
+from ..packed_sft.sft_data import Encoded, json_rows
 
 
 class CorpusError(InputError):
@@ -49,14 +48,7 @@ def read_documents(path: Path) -> list[str]:
         documents = [text] if text.strip() else []
     else:
         documents = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{where}: not valid JSON ({exc.msg})") from None
+        for row, where in json_rows(text.splitlines(), path, CorpusError):
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise CorpusError(f'{where}: expected a JSON object with a string "text" field')
             if row["text"].strip():
