@@ -175,6 +175,19 @@ def worker_command(*flags, **options) -> list[str]:
     return [sys.executable, "-m", "minifield.worker", *worker_args(*flags, **options)]
 
 
+def run_generate(model_dir: Path, prompt: str, max_new_tokens: int) -> subprocess.CompletedProcess:
+    """``minifield generate --model MODEL_DIR --prompt PROMPT`` as a user runs it (a real
+    process, output captured; the caller judges the exit code and the text)."""
+    return subprocess.run(
+        [sys.executable, "-m", "minifield.cli", "generate", "--model", str(model_dir)]
+        + ["--prompt", prompt, "--max-new-tokens", str(max_new_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 def run_worker(
     *flags, check_codes=None, timeout=300, env=None, **options
 ) -> subprocess.CompletedProcess:

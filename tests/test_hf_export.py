@@ -13,14 +13,13 @@ import hashlib
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 import test_llama
-from conftest import run_worker, write_recipe
+from conftest import run_generate, run_worker, write_recipe
 from test_llama import _flax_model, _recipe
 
 from minifield import cli, export, recovery, stages
@@ -318,14 +317,7 @@ def test_worker_export_loads_in_transformers_with_equal_logits_and_tokens(
 def test_minifield_generate_runs_on_the_export(llama_run):
     directory = llama_run["export"]
     prompt = json.loads((directory / "dev.jsonl").read_text().splitlines()[0])["prompt"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "minifield.cli", "generate", "--model", str(directory)]
-        + ["--prompt", prompt, "--max-new-tokens", "12"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_generate(directory, prompt, 12)
     assert proc.returncode == 0, proc.stderr
     # the same text as greedy decoding from the HF files alone (tokens -> bytes by hand)
     cfg, params = hf_checkpoint.load(directory, compute_dtype="float32")

@@ -15,14 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO, run_generate, run_snakemake
 
 import minifield
 from minifield.strategies.packed_sft import llama_demo, sft_data
@@ -167,13 +165,6 @@ def test_the_export_loads_in_transformers_and_generate_prints_its_greedy_text(de
     generated = reference.generate(ids, max_new_tokens=20, do_sample=False)
     new = np.asarray(generated.sequences)[0, len(prompt) :].tolist()
     expected = hf_tokenizer.decode(new, skip_special_tokens=True)
-    proc = subprocess.run(
-        [sys.executable, "-m", "minifield.cli", "generate", "--model", str(directory)]
-        + ["--prompt", prompt_text, "--max-new-tokens", "20"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_generate(directory, prompt_text, 20)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected + "\n"

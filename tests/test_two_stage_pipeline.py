@@ -4,12 +4,10 @@ directories (old results stay). Tiny model, few updates."""
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO, run_generate, run_snakemake
 
 from minifield import recipe as recipes
 from minifield.digest import sha256_file
@@ -123,11 +121,7 @@ def test_two_stage_pipeline_links_stages_by_digest_and_reruns_only_what_changed(
     assert sorted(ran(first)).count("train") == 2
     # `minifield generate` reads both stages' exports (stage 1 continues the raw prompt)
     for export_dir in (stage1_export, c2dir / "train" / "export"):
-        out = subprocess.run(
-            [sys.executable, "-m", "minifield.cli", "generate", "--model", str(export_dir)]
-            + ["--prompt", "the", "--max-new-tokens", "4"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+        out = run_generate(export_dir, "the", 4)
         assert out.returncode == 0 and "Traceback" not in out.stderr, (export_dir, out.stderr)
 
     # nothing changed: nothing to do
