@@ -28,17 +28,7 @@ from minifield.strategies.packed_sft import model, optimizer, sft_step
 from minifield.strategies.packed_sft.execution import Execution
 from minifield.strategies.packed_sft.llama import LlamaConfig
 
-TRAINING = {
-    "learning_rate": 3e-3,
-    "warmup_steps": 1,
-    "decay": "cosine",
-    "min_learning_rate_ratio": 0.1,
-    "weight_decay": 0.01,
-    "b1": 0.9,
-    "b2": 0.99,
-    "eps": 1e-8,
-    "grad_clip_norm": 1.0,
-}
+TRAINING = {**optimizer.DEFAULTS, "learning_rate": 3e-3, "warmup_steps": 1}
 
 
 def config(args, layers: int, scan: bool):

@@ -76,13 +76,9 @@ def holds_stacked(cfg) -> bool:
 def per_layer(tree):
     """The inverse of :func:`stack_layers`: ``tree`` with stacked ``blocks`` split into
     ``00``, ``01``, ... (unchanged when it holds none); compiled once per tree structure."""
-    found = []
-    jax.tree_util.tree_map(
-        lambda node: found.append(_is_layered(node) and STACKED in node["blocks"]),
-        tree,
-        is_leaf=_is_layered,
-    )
-    return _per_layer_compiled(tree) if any(found) else tree
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=_is_layered)
+    stacked = any(_is_layered(node) and STACKED in node["blocks"] for node in nodes)
+    return _per_layer_compiled(tree) if stacked else tree
 
 
 def _per_layer(tree):
