@@ -25,7 +25,7 @@ def now_iso() -> str:
 @dataclass(frozen=True)
 class AttemptError:
     """What went wrong, and in which phase (``start``, ``device``, ``inputs``, ``examples``,
-    ``compile``, ``restore``, ``resume``, ``train``, ``limits``)."""
+    ``compile``, ``restore``, ``resume``, ``train``, ``diverged``, ``limits``)."""
 
     phase: str
     message: str

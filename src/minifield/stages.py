@@ -294,6 +294,9 @@ def train_attempt(
         advice = (
             "a retry cannot fix this: correct the recipe, inputs or environment first"
             if code == train.EXIT_INVALID
+            # the computation is deterministic: resumed, it diverges at the same update
+            else "a retry diverges again: change the recipe (learning rate, base model) first"
+            if error.get("phase") == "diverged"
             else "the next run resumes from its last committed checkpoint"
         )
         raise StageError(

@@ -55,7 +55,14 @@ from .faults import Faults
 from .recipe import Recipe
 from .resume import ResumeRefused
 from .stopping import Preempt, Stopping
-from .update_loop import HostSnapshot, Stopped, UpdateLoop, loop_hook, periodic_evaluation
+from .update_loop import (
+    Diverged,
+    HostSnapshot,
+    Stopped,
+    UpdateLoop,
+    loop_hook,
+    periodic_evaluation,
+)
 
 #: the names other modules have used for these files (the layout lives in attempt_layout)
 ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
@@ -177,11 +184,35 @@ class Attempt:
         except CheckpointWriteError as exc:
             self._settle_checkpoints()
             return self._finish(Ending.failed(AttemptError("checkpoint", str(exc))))
+        except Diverged as exc:
+            self._settle_checkpoints()
+            return self._finish(self._diverged(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
             self._settle_checkpoints()
             return self._finish(
                 Ending.failed(AttemptError("train", f"{type(exc).__name__}: {exc}"))
             )
+
+    def _diverged(self, exc: Diverged) -> Ending:
+        """A non-finite update ends the attempt failed: nothing of that state is kept (no
+        checkpoint, no export); the reason names the update and the last committed checkpoint,
+        whose state was reached by updates all seen finite."""
+        newest = self.checkpoints.newest
+        if newest is None:
+            last = "no checkpoint was committed"
+        else:
+            last = f"the last finite state is the committed checkpoint of step {newest.step}"
+            last += f" ({newest.path})" if newest.path else ""
+        self.events.emit(
+            "diverged",
+            step=exc.step,
+            metric=exc.metric,
+            value=str(exc.value),
+            checkpoint=newest.as_dict() if newest else None,
+        )
+        self.say(f"{exc}; {last}")
+        message = f"{exc}: training diverged; {last}; nothing was exported"
+        return Ending.failed(AttemptError("diverged", message))
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the

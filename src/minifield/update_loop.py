@@ -15,12 +15,18 @@ after every update), a state hash on the cadence, or the last update. Events sta
 complete and in step order: a pending update is reported before anything else is
 emitted, and before the loop ends for any reason.
 
+**Divergence.** An update whose metrics (loss, gradient norm, …) are not finite ends the
+loop with :class:`Diverged`, raised where the metrics are read anyway (one update late, no
+extra host sync), before its ``update`` event and before any hook of that step: a
+checkpoint is only taken of a state whose update was seen finite.
+
 **State-hash cadence** (:class:`HashCadence`): every update, every K updates, or at
 checkpoints only (whose manifests always carry the complete-state hash).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +54,23 @@ class Stopped:
     step: int
     compute_used: float
     stop: Stop
+
+
+class Diverged(Exception):  # noqa: N818 - an ending, like Finished and Stopped
+    """Update ``step``'s metric ``metric`` came back ``value``, not a finite number."""
+
+    def __init__(self, step: int, metric: str, value: float):
+        super().__init__(f"update {step}: {metric} is {value} (not finite)")
+        self.step, self.metric, self.value = step, metric, value
+
+
+def non_finite(metrics: dict) -> tuple[str, float] | None:
+    """The first metric (in name order) that is a float but not a finite one, else None."""
+    for name in sorted(metrics):
+        value = metrics[name]
+        if isinstance(value, float) and not math.isfinite(value):
+            return name, value
+    return None
 
 
 class HostSnapshot:
@@ -230,6 +253,9 @@ class UpdateLoop:
         returns the compute used including it."""
         program, step = self.program, pending.step
         metrics = pending.read_metrics()
+        bad = non_finite(metrics)
+        if bad is not None:
+            raise Diverged(step, *bad)
         ready = time.monotonic()
         # the update's own time: from its dispatch, or from when the device finished the
         # previous one if it was still busy with that one
