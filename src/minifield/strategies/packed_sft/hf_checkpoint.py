@@ -3,7 +3,8 @@
 Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
 ``.ckpt``, ``.pth``) are refused, never unpickled. Tensors are read one at a time and converted
 to FP32 (F32, BF16 and F16 are accepted), so the load holds at most one source tensor beside
-the FP32 result. Every shape is checked against ``config.json`` before any tensor is read.
+the FP32 result. Every shape is checked against ``config.json`` (read by :mod:`.hf_config`)
+before any tensor is read, and every value is checked to be finite.
 
 :data:`NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this project's
 parameter paths (see :mod:`.llama`). ``transpose`` marks a ``torch.nn.Linear`` weight, which
@@ -20,20 +21,29 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+# config.json's reading and writing; the names are this module's too (one loader API)
+from .hf_config import ARCHITECTURES, CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
+
+__all__ = [
+    "ARCHITECTURES",
+    "CONFIG_FILE",
+    "EXPORT_DTYPES",
+    "CheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "expected_tensors",
+    "fp32_bytes",
+    "load",
+    "write",
+]
+
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from .llama import LlamaConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
 ACCEPTED_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}
-#: HF ``architectures`` entry -> ``model_type`` written on export
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 
 # HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
 NAME_TABLE = [
@@ -53,10 +63,6 @@ NAME_TABLE = [
     ("model.norm.weight",                                "final_norm/scale",          False),
     ("lm_head.weight",                                   "head/w",                    True),  # untied
 ]  # fmt: skip
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this loader cannot use; the message names the file and the reason."""
 
 
 # ----------------------------------------------------------------------------- names and shapes
@@ -102,88 +108,6 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, 
             shape = _param_shape(cfg, path)
             out[name] = (path, transpose, shape[::-1] if transpose else shape)
     return out
-
-
-# ----------------------------------------------------------------------------- config.json
-
-
-def config_from_hf(
-    hf: dict, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
-) -> LlamaConfig:
-    """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
-    from .llama import LlamaConfig
-
-    def refuse(reason: str):
-        raise CheckpointError(f"{source}: {reason}")
-
-    archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        refuse(f"architectures {archs!r} is not supported (expected one of {list(ARCHITECTURES)})")
-    arch = archs[0]
-    scaling = hf.get("rope_scaling")
-    if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) != "default":
-        refuse(f"rope_scaling {scaling!r} is not supported (only plain rotary positions)")
-    if hf.get("hidden_act", "silu") != "silu":
-        refuse(f"hidden_act {hf['hidden_act']!r} is not supported (expected 'silu')")
-    if hf.get("mlp_bias"):
-        refuse("mlp_bias true is not supported")
-    if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
-        refuse("attention_bias true (an o_proj bias) is not supported")
-    if arch == "Qwen2ForCausalLM" and hf.get("use_sliding_window"):
-        refuse("use_sliding_window true is not supported")
-    window, max_pos = hf.get("sliding_window"), hf.get("max_position_embeddings")
-    if arch == "MistralForCausalLM" and window is not None and window < (max_pos or 0):
-        refuse(f"sliding_window {window} < max_position_embeddings {max_pos} is not supported")
-    try:
-        heads = hf["num_attention_heads"]
-        hidden = hf["hidden_size"]
-        if hf.get("head_dim") not in (None, hidden // heads):
-            refuse(f"head_dim {hf['head_dim']} != hidden_size / num_attention_heads")
-        return LlamaConfig(
-            vocab_size=hf["vocab_size"],
-            d_model=hidden,
-            n_layers=hf["num_hidden_layers"],
-            n_heads=heads,
-            n_kv_heads=hf.get("num_key_value_heads") or heads,
-            d_ff=hf["intermediate_size"],
-            max_len=max_len if max_len is not None else max_pos,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            compute_dtype=compute_dtype,
-        )
-    except KeyError as e:
-        refuse(f"missing key {e.args[0]!r}")
-    except (ValueError, TypeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        refuse(str(e))
-
-
-def config_to_hf(cfg: LlamaConfig) -> dict:
-    """``config.json`` for :func:`write`: Qwen2 when the model has q/k/v biases, else Llama."""
-    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
-    return {
-        "architectures": [arch],
-        "model_type": ARCHITECTURES[arch],
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "torch_dtype": "float32",
-    }
 
 
 # ----------------------------------------------------------------------------- reading
@@ -315,7 +239,8 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
 
     Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
     unsupported config, a missing or unexpected tensor, a shape disagreeing with
-    ``config.json``, an unsupported dtype, or an index naming a missing shard.
+    ``config.json``, an unsupported dtype, a non-finite value, or an index naming a missing
+    shard.
     """
     import jax
     from safetensors import safe_open
@@ -348,7 +273,7 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
     if unexpected:
         raise CheckpointError(
             f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]} "
-            f"({len(unexpected)} in all) for {hf['architectures'][0]} as config.json describes"
+            f"({len(unexpected)} in all) for the model config.json describes"
         )
     # Every shape and dtype first (headers only), so a bad checkpoint fails before any load.
     by_file: dict[Path, list[str]] = {}
@@ -379,6 +304,12 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                 value = _read_fp32(
                     stream, start, end, shape, _source_dtype(name, offsets), transpose
                 )
+                if not np.isfinite(value).all():
+                    bad = np.flatnonzero(~np.isfinite(value)).size
+                    raise CheckpointError(
+                        f"{path}: tensor {name} holds {bad} non-finite values (NaN or "
+                        "infinity); a model cannot train from it"
+                    )
                 node = params
                 *parents, leaf = internal.split("/")
                 for part in parents:

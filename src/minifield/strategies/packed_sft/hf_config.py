@@ -1,0 +1,193 @@
+"""An HF ``config.json`` read into a :class:`~.llama.LlamaConfig`, and written back.
+
+Every field read is checked for its type (:class:`_Fields`), so a list where an object is
+expected, or a string where a number is, is refused naming the file and the field, never an
+``AttributeError`` later. ``null`` counts as absent (transformers writes ``"sliding_window":
+null``). The model class is chosen by ``model_type``, as transformers' ``AutoModel*`` does;
+``architectures``, when given, must name that same class (a ``gpt_neox`` config with Llama
+``architectures`` is a contradiction, refused naming both). A config without ``model_type``
+is read by its ``architectures`` entry.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
+    from .llama import LlamaConfig
+
+CONFIG_FILE = "config.json"
+#: ``model_type`` -> the HF causal-LM class of that type (``architectures`` entry)
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+#: HF ``architectures`` entry -> ``model_type``
+ARCHITECTURES = {arch: model_type for model_type, arch in MODEL_TYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this loader cannot use; the message names the file and the reason."""
+
+
+def _kind_name(value) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+
+
+#: expectation -> (its words, whether a value meets it)
+_KINDS = {
+    "count": ("a positive integer", lambda v: type(v) is int and v > 0),
+    "integer": ("an integer", lambda v: type(v) is int),
+    "number": ("a number", lambda v: type(v) in (int, float)),
+    "boolean": ("a boolean", lambda v: type(v) is bool),
+    "string": ("a string", lambda v: type(v) is str),
+    "object": ("an object", lambda v: type(v) is dict),
+    "strings": ("a list of strings", lambda v: type(v) is list and all(type(x) is str for x in v)),
+}
+_MISSING = object()
+
+
+class _Fields:
+    """Typed reads of one ``config.json`` object; every refusal names the file and field."""
+
+    def __init__(self, hf, source: str):
+        self.source = source
+        if not isinstance(hf, dict):
+            self.refuse(f"expected a JSON object, found {_kind_name(hf)}")
+        self.hf = hf
+
+    def refuse(self, reason: str):
+        raise CheckpointError(f"{self.source}: {reason}")
+
+    def get(self, field: str, kind: str, default=_MISSING):
+        """``field``'s value, checked to be ``kind`` (see :data:`_KINDS`); absent or null:
+        ``default``, or a refusal when there is none."""
+        value = self.hf.get(field)
+        if value is None:
+            if default is _MISSING:
+                self.refuse(f"missing key {field!r} ({_KINDS[kind][0]})")
+            return default
+        words, fits = _KINDS[kind]
+        if not fits(value):
+            self.refuse(f"{field} must be {words}, found {_kind_name(value)} {value!r}")
+        return value
+
+
+def _architecture(fields: _Fields) -> str:
+    """The HF class: ``model_type``'s, which ``architectures`` (if given) must agree with."""
+    archs = fields.get("architectures", "strings", None)
+    if archs is not None and (len(archs) != 1 or archs[0] not in ARCHITECTURES):
+        fields.refuse(
+            f"architectures {archs!r} is not supported (expected one of {list(ARCHITECTURES)})"
+        )
+    model_type = fields.get("model_type", "string", None)
+    if model_type is None:
+        if archs is None:
+            fields.refuse(f"neither model_type nor architectures (one of {list(MODEL_TYPES)})")
+        return archs[0]
+    if archs is not None and MODEL_TYPES.get(model_type) != archs[0]:
+        fields.refuse(
+            f"model_type {model_type!r} contradicts architectures {archs!r} (a "
+            f"{ARCHITECTURES[archs[0]]!r} class); transformers builds the model model_type names"
+        )
+    if model_type not in MODEL_TYPES:
+        fields.refuse(
+            f"model_type {model_type!r} is not supported (expected one of {list(MODEL_TYPES)})"
+        )
+    return MODEL_TYPES[model_type]
+
+
+def _refuse_unsupported(fields: _Fields, arch: str) -> None:
+    scaling = fields.get("rope_scaling", "object", None)
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "default":
+            fields.refuse(
+                f"rope_scaling {scaling!r} is not supported (only plain rotary positions)"
+            )
+    act = fields.get("hidden_act", "string", "silu")
+    if act != "silu":
+        fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
+    if fields.get("mlp_bias", "boolean", False):
+        fields.refuse("mlp_bias true is not supported")
+    if arch != "Qwen2ForCausalLM" and fields.get("attention_bias", "boolean", False):
+        fields.refuse("attention_bias true (an o_proj bias) is not supported")
+    if arch == "Qwen2ForCausalLM" and fields.get("use_sliding_window", "boolean", False):
+        fields.refuse("use_sliding_window true is not supported")
+    window = fields.get("sliding_window", "integer", None)
+    max_pos = fields.get("max_position_embeddings", "count", None)
+    if arch == "MistralForCausalLM" and window is not None and window < (max_pos or 0):
+        fields.refuse(
+            f"sliding_window {window} < max_position_embeddings {max_pos} is not supported"
+        )
+
+
+def config_from_hf(
+    hf, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
+) -> LlamaConfig:
+    """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
+    from .llama import LlamaConfig
+
+    fields = _Fields(hf, source)
+    arch = _architecture(fields)
+    _refuse_unsupported(fields, arch)
+    heads = fields.get("num_attention_heads", "count")
+    hidden = fields.get("hidden_size", "count")
+    head_dim = fields.get("head_dim", "count", None)
+    if head_dim not in (None, hidden // heads):
+        fields.refuse(f"head_dim {head_dim} != hidden_size / num_attention_heads")
+    if max_len is None:
+        max_len = fields.get("max_position_embeddings", "count")
+    sizes = {
+        "vocab_size": fields.get("vocab_size", "count"),
+        "d_model": hidden,
+        "n_layers": fields.get("num_hidden_layers", "count"),
+        "n_heads": heads,
+        "n_kv_heads": fields.get("num_key_value_heads", "count", heads),
+        "d_ff": fields.get("intermediate_size", "count"),
+        "max_len": max_len,
+        "rope_theta": float(fields.get("rope_theta", "number", 10000.0)),
+        "norm_eps": float(fields.get("rms_norm_eps", "number", 1e-6)),
+        "tie_embeddings": fields.get("tie_word_embeddings", "boolean", False),
+    }
+    try:
+        return LlamaConfig(
+            **sizes, qkv_bias=arch == "Qwen2ForCausalLM", compute_dtype=compute_dtype
+        )
+    except ValueError as e:  # the model's own checks (heads dividing, positive sizes, ...)
+        fields.refuse(str(e))
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """``config.json`` for an export: Qwen2 when the model has q/k/v biases, else Llama."""
+    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
+    return {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32",
+    }

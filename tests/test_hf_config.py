@@ -1,0 +1,112 @@
+"""config.json read field by field, each checked for type; the class chosen by model_type;
+non-finite base tensors refused. Each refusal names the file and the field (or tensor)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_base_model import _prepare, base_recipe
+from test_base_model import root as root  # noqa: F401 - the fixture
+from test_llama import LLAMA, _broken
+
+from minifield.strategies.packed_sft import base_model, hf_checkpoint, hf_config
+from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ([LLAMA], "expected a JSON object, found a list"),
+        ("llama", "expected a JSON object, found a string"),
+        ({**LLAMA, "rope_scaling": "linear"}, "rope_scaling must be an object, found a string"),
+        ({**LLAMA, "hidden_size": "32"}, "hidden_size must be a positive integer, found a string"),
+        ({**LLAMA, "num_hidden_layers": 2.0}, "num_hidden_layers must be a positive integer, fo"),
+        ({**LLAMA, "tie_word_embeddings": "no"}, "tie_word_embeddings must be a boolean, found a "),
+        ({**LLAMA, "rope_theta": [1.0]}, "rope_theta must be a number, found a list"),
+        ({**LLAMA, "architectures": "LlamaForCausalLM"}, "architectures must be a list of strin"),
+        ({**LLAMA, "hidden_act": None, "mlp_bias": 1}, "mlp_bias must be a boolean, found an int"),
+        ({**LLAMA, "sliding_window": "4k"}, "sliding_window must be an integer, found a string"),
+        ({**LLAMA, "model_type": 7}, "model_type must be a string, found an integer 7"),
+        ({k: v for k, v in LLAMA.items() if k != "vocab_size"}, "missing key 'vocab_size'"),
+        (
+            {k: v for k, v in LLAMA.items() if k not in ("model_type", "architectures")},
+            "neither model_type nor architectures",
+        ),
+        # transformers builds a GPT-NeoX model from this: refused, naming both
+        (
+            {**LLAMA, "model_type": "gpt_neox"},
+            r"model_type 'gpt_neox' contradicts architectures \['LlamaForCausalLM'\]",
+        ),
+        (
+            {**LLAMA, "model_type": "qwen2"},
+            r"model_type 'qwen2' contradicts architectures \['LlamaForCausalLM'\] \(a 'llama'",
+        ),
+        (
+            {k: v for k, v in LLAMA.items() if k != "architectures"} | {"model_type": "gpt_neox"},
+            "model_type 'gpt_neox' is not supported",
+        ),
+    ],
+)
+def test_a_bad_config_json_is_refused_naming_the_file_and_field(tmp_path, config, message):
+    directory = _broken(tmp_path)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"^{directory / 'config.json'}: {message}"):
+        hf_checkpoint.load(directory)
+
+
+def test_the_class_is_chosen_by_model_type_without_architectures():
+    bare = {k: v for k, v in LLAMA.items() if k != "architectures"}
+    assert hf_config.config_from_hf(bare) == hf_config.config_from_hf(LLAMA)
+    qwen2 = {**bare, "model_type": "qwen2"}
+    assert hf_config.config_from_hf(qwen2).qkv_bias  # Qwen2's q/k/v biases, by model_type
+    # a config of an older writer without model_type is read by its architectures entry
+    old = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    assert hf_config.config_from_hf(old) == hf_config.config_from_hf(LLAMA)
+
+
+def test_null_reads_as_absent_as_transformers_writes_it():
+    nulls = {**LLAMA, "rope_scaling": None, "sliding_window": None, "head_dim": None}
+    assert hf_config.config_from_hf(nulls) == hf_config.config_from_hf(LLAMA)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_base_tensor_is_refused_naming_the_file_and_tensor(tmp_path, value):
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def poison(tensors):
+        tensors[name][3, 5] = value
+        tensors[name][0, 0] = value
+
+    directory = _broken(tmp_path, edit=poison)
+    with pytest.raises(
+        CheckpointError,
+        match=f"^{directory / 'model.safetensors'}: tensor {name} holds 2 non-finite values",
+    ):
+        hf_checkpoint.load(directory)
+
+
+def test_a_non_finite_base_model_is_a_bad_input_naming_the_pinned_file(root):  # noqa: F811
+    from safetensors.numpy import load_file, save_file
+
+    weights = root / "base" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][7] = np.nan
+    save_file(tensors, str(weights), {"format": "pt"})
+    # BaseModelError is an InputError: the worker's exit 2 (the path
+    # test_base_model's worker test takes for a bad shape)
+    with pytest.raises(base_model.BaseModelError) as info:
+        _prepare(base_recipe(root), root)
+    assert str(info.value) == (
+        f"{weights}: tensor model.norm.weight holds 1 non-finite values (NaN or infinity); "
+        "a model cannot train from it"
+    )
+
+
+def test_a_config_json_list_is_a_bad_input_naming_the_pinned_file(root):  # noqa: F811
+    config = root / "base" / "config.json"
+    config.write_text(json.dumps([json.loads(config.read_text())]))
+    with pytest.raises(base_model.BaseModelError) as info:
+        _prepare(base_recipe(root), root)
+    assert str(info.value) == f"{config}: expected a JSON object, found a list"
