@@ -209,7 +209,9 @@ def tokenizer_and_template(
             where["tokenizer_config"],
         )
     try:
-        template = chat_template.ChatTemplate(source, strings, template_where)
+        template = chat_template.ChatTemplate(
+            source, strings, template_where, positions=recipe["training"]["seq_len"]
+        )
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template

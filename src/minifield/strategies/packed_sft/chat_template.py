@@ -7,6 +7,9 @@ a ``tojson`` filter that keeps non-ASCII text, and a ``raise_exception`` global;
 sees ``messages``, ``add_generation_prompt`` and the tokenizer's special token strings
 (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``). The rendered text is tokenized
 whole, without adding special tokens (the template writes them), as transformers does.
+Unlike transformers, a render is bounded in size and work (:mod:`.template_sandbox`,
+:meth:`ChatTemplate.max_chars`): a template that would write more, loop longer or build a
+larger value is refused, naming the template (and the example).
 ``strftime_now`` is left out on purpose: a date in the prompt would make the prepared
 examples depend on the day they were prepared.
 
@@ -22,9 +25,14 @@ from __future__ import annotations
 
 import json
 
+from . import template_sandbox
 from .sft_data import Encoded
 
 TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+#: characters one render may write beyond its messages' text, per position of ``seq_len``
+CHARS_PER_POSITION = 32
+#: characters one render may write in all (a conversation's text included)
+MAX_RENDERED_CHARS = 1 << 20
 
 
 class ChatTemplateError(Exception):
@@ -56,6 +64,34 @@ def _environment():
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox with a :class:`~.template_sandbox.Budget` per render."""
+
+        code_generator_class = template_sandbox.code_generator_class()
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+        budget = template_sandbox.Budget(0)
+
+        def call_binop(self, context, operator, left, right):
+            template_sandbox.check_binop(self.budget, operator, left, right)
+            return self.budget.built(super().call_binop(context, operator, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            template_sandbox.check_call(__self.budget, __obj, args, kwargs)
+            return __self.budget.built(super().call(__context, __obj, *args, **kwargs))
+
+        def is_safe_attribute(self, obj, attr, value):
+            if isinstance(obj, str) and attr in template_sandbox.UNSAFE_METHODS:
+                return False
+            return super().is_safe_attribute(obj, attr, value)
+
+        def bounded_iter(self, iterable, literal_chars):
+            return template_sandbox.bounded_iter(lambda: self.budget, iterable, literal_chars)
+
+        def bounded_concat(self, values):
+            parts = [str(v) for v in values]
+            self.budget.fits(sum(map(len, parts)), "a concatenation (~)")
+            return self.budget.built("".join(parts))
+
     def raise_exception(message):
         raise ChatTemplateError(f"the template raised: {message}")
 
@@ -64,48 +100,90 @@ def _environment():
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
+    def bounded_range(*args):
+        numbers = range(*args)
+        env.budget.fits(len(numbers), "a range")
+        env.budget.spend(len(numbers))
+        return numbers
+
+    env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_generation_tag(), jinja2.ext.loopcontrols],
+        # no constant folding at compile time: it would run operators outside the budget
+        optimized=False,
     )
     env.filters["tojson"] = tojson
+    env.filters = {
+        name: template_sandbox.bounded_filter(name, f, lambda: env.budget)
+        for name, f in env.filters.items()
+    }
     env.globals["raise_exception"] = raise_exception
+    env.globals["range"] = bounded_range
     return env
 
 
 class ChatTemplate:
-    """A compiled template plus the special token strings it may refer to."""
+    """A compiled template plus the special token strings it may refer to.
 
-    def __init__(self, source: str, special_tokens: dict[str, str | None], where: str):
+    ``positions`` (the recipe's ``seq_len``; None for an export's template in ``minifield
+    generate``) bounds what one render may write beyond the messages' own text:
+    :data:`CHARS_PER_POSITION` characters per position, and :data:`MAX_RENDERED_CHARS` in
+    all, whatever ``positions`` is."""
+
+    def __init__(
+        self,
+        source: str,
+        special_tokens: dict[str, str | None],
+        where: str,
+        positions: int | None = None,
+    ):
         import jinja2
 
-        self.source, self.where = source, where
+        self.source, self.where, self.positions = source, where, positions
         self.variables = {k: special_tokens.get(k) for k in TEMPLATE_VARIABLES}
+        self._env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = self._env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"{where}: chat_template does not compile ({exc})") from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        import jinja2
+    def max_chars(self, messages: list[dict]) -> int:
+        """How many characters rendering ``messages`` may produce (see the class)."""
+        if self.positions is None:
+            return MAX_RENDERED_CHARS
+        own = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        return min(MAX_RENDERED_CHARS, own + CHARS_PER_POSITION * self.positions)
 
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        limit = self.max_chars(messages)
+        self._env.budget = budget = template_sandbox.Budget(limit)
+        parts, length = [], 0
         try:
-            return self._template.render(
+            for part in self._template.generate(
                 messages=messages,
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.variables,
-            )
+            ):
+                length += len(part)
+                budget.fits(length, "the rendered text")
+                budget.spend(1 + len(part) // template_sandbox.CHARS_PER_UNIT)
+                parts.append(part)
         except ChatTemplateError as exc:
             raise ChatTemplateError(
                 f"{self.where}: chat_template failed to render: {exc}"
             ) from None
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+        except template_sandbox.BudgetExceeded as exc:
+            raise ChatTemplateError(
+                f"{self.where}: chat_template exceeds its bounds: {exc}"
+            ) from None
+        except (Exception, RecursionError, MemoryError) as exc:  # noqa: BLE001 - untrusted code
             raise ChatTemplateError(
                 f"{self.where}: chat_template failed to render ({type(exc).__name__}: {exc})"
             ) from None
+        return "".join(parts)
 
 
 def encode(messages: list[dict], template: ChatTemplate, backend, eos_id: int, where: str):
