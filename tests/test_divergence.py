@@ -85,3 +85,37 @@ def test_the_api_reports_a_divergence_as_a_failed_result(tmp_path):
     result, _ = _check_clean_failure(Path(run.attempt_dir))
     assert run.error == result["error"] and run.checkpoint == result["checkpoint"]
     assert run.final_state_hash is None and run.steps_completed == result["steps_completed"]
+
+
+@pytest.mark.slow
+def test_a_base_model_whose_gradient_overflows_fails_at_the_first_update(tmp_path):
+    """Finite base weights, lm_head scaled by 1e30: the loss (~1e31) is still finite, but the
+    gradient reaching the hidden states is ~1e30 per element, whose squares overflow FP32
+    (max ~3.4e38) in the global norm. Nothing is committed, nothing exported."""
+    from safetensors.numpy import load_file, save_file
+    from test_base_model import base_recipe, make_inputs
+
+    root = tmp_path / "in"
+    make_inputs(root)
+    weights = root / "base" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] *= np.float32(1e30)
+    assert all(np.isfinite(t).all() for t in tensors.values())
+    save_file(tensors, str(weights), {"format": "pt"})
+    path = write_recipe(tmp_path / "recipe.json", base_recipe(root))
+    proc = run_worker(job=path, input_root=root, output_root=tmp_path / "out", check_codes=(1,))
+    (attempt,) = (tmp_path / "out" / "base-test").iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "failed" and result["steps_completed"] == 0
+    assert result["error"] == {
+        "phase": "diverged",
+        "message": "update 1: grad_norm is inf (not finite): training diverged; no checkpoint "
+        "was committed; nothing was exported",
+    }
+    events = read_events(attempt / "events.jsonl")
+    assert not [e for e in events if e["type"] in ("update", "checkpoint_committed")]
+    assert [e["type"] for e in events[-2:]] == ["diverged", "failed"]
+    checkpoints = attempt / "checkpoints"
+    assert not (attempt / "export").exists()
+    assert not checkpoints.exists() or not list(checkpoints.iterdir())
+    assert "Traceback" not in proc.stderr

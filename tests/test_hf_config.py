@@ -110,3 +110,52 @@ def test_a_config_json_list_is_a_bad_input_naming_the_pinned_file(root):  # noqa
     with pytest.raises(base_model.BaseModelError) as info:
         _prepare(base_recipe(root), root)
     assert str(info.value) == f"{config}: expected a JSON object, found a list"
+
+
+def _list_config(root):
+    config = root / "base" / "config.json"
+    config.write_text(json.dumps([json.loads(config.read_text())]))
+    return f"{config}: expected a JSON object, found a list"
+
+
+def _nan_tensor(root):
+    from safetensors.numpy import load_file, save_file
+
+    weights = root / "base" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][0] = np.inf
+    save_file(tensors, str(weights), {"format": "pt"})
+    return f"{weights}: tensor model.norm.weight holds 1 non-finite values (NaN or infinity)"
+
+
+def _gpt_neox(root):
+    config = root / "base" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gpt_neox"}))
+    return f"{config}: model_type 'gpt_neox' contradicts architectures ['LlamaForCausalLM']"
+
+
+def _template_bomb(root):
+    config = root / "base" / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({**settings, "chat_template": "{{ 'x' * 10000000 }}"}))
+    return (
+        f"{root / 'sft' / 'train.jsonl'} (example 1): {config}: chat_template exceeds its "
+        "bounds: a repetition (*) would build 10,000,000 characters"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spoil", [_list_config, _nan_tensor, _gpt_neox, _template_bomb])
+def test_a_bad_base_model_is_exit_2_in_the_worker_with_one_line(root, tmp_path, spoil):  # noqa: F811
+    from conftest import read_events, run_worker, write_recipe
+
+    expected = spoil(root)
+    path = write_recipe(tmp_path / "recipe.json", base_recipe(root))
+    proc = run_worker(job=path, input_root=root, output_root=tmp_path / "out", check_codes=(2,))
+    (attempt,) = (tmp_path / "out" / "base-test").iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "failed" and result["error"]["phase"] == "examples"
+    assert result["error"]["message"].startswith(expected)
+    assert "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if expected in line]
+    assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
