@@ -49,6 +49,8 @@ BOUNDS = "T.json: chat_template exceeds its bounds: "
         ("{{ '{:>99999}'.format('x') }}", r"a format\(\) has a width or precision of 99999"),
         ("{{ ('x' * 100).replace('', 'y' * 30) }}", "a replace would build 3,130 characters"),
         ("{{ 2 ** 5000 }}", "an integer .* of more than 4096 bits"),
+        # 500 copies of the two messages, each written as its dict (over 30 characters)
+        ("{{ messages * 500 }}", r"a repetition \(\*\) would build [0-9,]{6} characters"),
         # the rendered text itself, written two characters at a time
         ("{% for i in range(2000) %}xy{% endfor %}", "the rendered text would build 2,060"),
     ],
@@ -58,6 +60,19 @@ def test_a_template_past_its_bounds_is_refused_naming_it(template, message):
     bounded = ChatTemplate(template, {}, "T.json", positions=64)
     with pytest.raises(ChatTemplateError, match="^" + BOUNDS + message):
         bounded.render(MESSAGES)
+
+
+def test_other_failures_name_the_template_and_the_exception():
+    for template, message in [
+        ("{{ lipsum(1000) }}", r"UndefinedError: 'lipsum' is undefined"),  # unbounded: absent
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+        ("{{ ('a\tb').expandtabs(9) }}", "SecurityError: access to attribute 'expandtabs'"),
+        ("{{ 2.0 ** 5000 }}", "OverflowError"),
+    ]:
+        with pytest.raises(ChatTemplateError, match=r"^T.json: chat_template failed to render \("):
+            ChatTemplate(template, {}, "T.json", positions=64).render(MESSAGES)
+        with pytest.raises(ChatTemplateError, match=message):
+            ChatTemplate(template, {}, "T.json", positions=64).render(MESSAGES)
 
 
 def test_the_size_limit_is_the_documented_one_exactly():

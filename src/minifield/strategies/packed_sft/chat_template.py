@@ -120,6 +120,8 @@ def _environment():
     }
     env.globals["raise_exception"] = raise_exception
     env.globals["range"] = bounded_range
+    # lipsum(n) writes n paragraphs: not a chat template's business, and unbounded
+    del env.globals["lipsum"]
     return env
 
 

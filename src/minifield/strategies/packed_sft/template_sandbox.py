@@ -98,7 +98,13 @@ def _int_result_bits(operator: str, left: int, right: int) -> int:
 
 
 def _size(value) -> int:
-    return len(value) if isinstance(value, str | list | tuple) else len(str(value))
+    """Characters ``value`` takes when written: a list's are its items' (a list of ten long
+    strings is long, however few its items)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list | tuple):
+        return max(len(value), sum(_size(item) for item in value))
+    return len(str(value))
 
 
 def check_binop(budget: Budget, operator: str, left, right) -> None:
@@ -110,7 +116,7 @@ def check_binop(budget: Budget, operator: str, left, right) -> None:
     elif operator == "*":
         sized, count = (left, right) if type(right) is int else (right, left)
         if isinstance(sized, str | list | tuple) and type(count) is int:
-            budget.fits(len(sized) * max(count, 0), "a repetition (*)")
+            budget.fits(_size(sized) * max(count, 0), "a repetition (*)")
     elif operator == "+" and isinstance(left, str | list | tuple):
         budget.fits(_size(left) + _size(right), "a concatenation (+)")
     elif operator == "%" and isinstance(left, str):
@@ -176,12 +182,18 @@ def bounded_filter(name: str, function, budget_of):
     return bounded
 
 
-def _is_jinja_context(value) -> bool:
+@functools.cache
+def _jinja_contexts() -> tuple[type, ...]:
     from jinja2.environment import Environment
     from jinja2.nodes import EvalContext
     from jinja2.runtime import Context
 
-    return isinstance(value, Context | EvalContext | Environment)
+    return Context, EvalContext, Environment
+
+
+def _is_jinja_context(value) -> bool:
+    """The context, eval context or environment jinja passes a ``pass_*`` filter first."""
+    return isinstance(value, _jinja_contexts())
 
 
 def bounded_iter(budget_of, iterable: Iterable, literal_chars: int):
