@@ -165,10 +165,14 @@ def params_from_arrays(arrays: dict[str, np.ndarray]) -> dict:
     return params
 
 
+def base_config(arrays: dict[str, np.ndarray]) -> dict:
+    """The base model's ``config.json`` as prepared (what an export carries over)."""
+    return json.loads(np.asarray(arrays[CONFIG_ARRAY]).tobytes())
+
+
 def config_from_arrays(recipe: dict, arrays: dict[str, np.ndarray]):
-    hf = json.loads(np.asarray(arrays[CONFIG_ARRAY]).tobytes())
     return hf_checkpoint.config_from_hf(
-        hf,
+        base_config(arrays),
         f"base model {recipe['model']['base']['config']}",
         recipe["training"]["seq_len"],
         recipe["model"]["compute_dtype"],

@@ -345,11 +345,20 @@ def _export_dtypes() -> dict:
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def write(directory: str | Path, cfg: LlamaConfig, params, dtype: str = "float32") -> None:
+def write(
+    directory: str | Path,
+    cfg: LlamaConfig,
+    params,
+    dtype: str = "float32",
+    base_config: dict | None = None,
+) -> None:
     """Write ``params`` as a PyTorch-named ``model.safetensors`` plus ``config.json``.
 
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
-    ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
+    ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``base_config``: the ``config.json`` of
+    the base model ``params`` were trained from: written back with every field as it was
+    (``max_position_embeddings``, ``rope_scaling``, token ids, fields this project does not
+    read), only the dtype fields changed; without it, :func:`config_to_hf`'s."""
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
@@ -371,9 +380,24 @@ def write(directory: str | Path, cfg: LlamaConfig, params, dtype: str = "float32
     # Temporary names renamed into place: an interrupted write leaves no half-written file.
     weights_tmp, config_tmp = directory / f".{SINGLE_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
     save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp.write_text(json.dumps({**config_to_hf(cfg), "torch_dtype": dtype}, indent=2) + "\n")
+    config_tmp.write_text(json.dumps(exported_config(cfg, dtype, base_config), indent=2) + "\n")
     os.replace(weights_tmp, directory / SINGLE_FILE)
     os.replace(config_tmp, directory / CONFIG_FILE)
+
+
+#: ``config.json`` fields an export sets from the run, not the base (the stored dtype:
+#: ``torch_dtype``, and ``dtype``, transformers' newer name, where the base has it)
+EXPORT_SET_FIELDS = ("torch_dtype", "dtype")
+
+
+def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = None) -> dict:
+    """The ``config.json`` :func:`write` writes."""
+    if base_config is None:
+        return {**config_to_hf(cfg), "torch_dtype": dtype}
+    out = {**base_config, "torch_dtype": dtype}
+    if "dtype" in base_config:
+        out["dtype"] = dtype
+    return out
 
 
 def fp32_bytes(cfg: LlamaConfig) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import rotary
+
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from .llama import LlamaConfig
 
@@ -108,13 +110,6 @@ def _architecture(fields: _Fields) -> str:
 
 
 def _refuse_unsupported(fields: _Fields, arch: str) -> None:
-    scaling = fields.get("rope_scaling", "object", None)
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind != "default":
-            fields.refuse(
-                f"rope_scaling {scaling!r} is not supported (only plain rotary positions)"
-            )
     act = fields.get("hidden_act", "string", "silu")
     if act != "silu":
         fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
@@ -146,8 +141,11 @@ def config_from_hf(
     head_dim = fields.get("head_dim", "count", None)
     if head_dim not in (None, hidden // heads):
         fields.refuse(f"head_dim {head_dim} != hidden_size / num_attention_heads")
+    max_positions = fields.get("max_position_embeddings", "count", None)
     if max_len is None:
         max_len = fields.get("max_position_embeddings", "count")
+    scaling = fields.get("rope_scaling", "object", None)
+    scaling = () if scaling is None else rotary.read(scaling, fields.refuse, max_len, max_positions)
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
@@ -162,7 +160,10 @@ def config_from_hf(
     }
     try:
         return LlamaConfig(
-            **sizes, qkv_bias=arch == "Qwen2ForCausalLM", compute_dtype=compute_dtype
+            **sizes,
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            compute_dtype=compute_dtype,
+            rope_scaling=scaling,
         )
     except ValueError as e:  # the model's own checks (heads dividing, positive sizes, ...)
         fields.refuse(str(e))
@@ -185,7 +186,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "max_position_embeddings": cfg.max_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rotary.to_hf(cfg.rope_scaling),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,

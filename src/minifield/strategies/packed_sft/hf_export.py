@@ -4,7 +4,8 @@ Files, all written by this module and then listed with their sha256 in ``model.j
 (:func:`minifield.export.write_files`), so the store's manifest and gate verify them as they
 verify any export::
 
-    config.json              LlamaForCausalLM / Qwen2ForCausalLM (hf_checkpoint.config_to_hf)
+    config.json              a base model's own, every field kept but the dtype; from
+                             scratch LlamaForCausalLM / Qwen2ForCausalLM (config_to_hf)
     model.safetensors        PyTorch names and [out, in] layouts, in the recipe's export dtype
     tokenizer.json           the run's tokenizers-library file, copied byte for byte; for the
                              built-in byte tokenizer an equivalent one built here
@@ -118,15 +119,17 @@ def write(
     config: dict,
     dtype: str,
     tokenizer_config_json: bytes | None = None,
+    base_config: dict | None = None,
 ) -> dict:
     """Write the HF directory and its ``model.json`` (written last: a directory without it
     is not an export). ``tokenizer_json``: the run's tokenizer file, None for the byte
     tokenizer. ``tokenizer_config_json``: a base model's ``tokenizer_config.json`` (its
     special tokens and chat template), written as given; None writes the one
-    :func:`tokenizer_config` describes. ``config``: the project's export config; returns the
-    ``model.json`` content."""
+    :func:`tokenizer_config` describes. ``base_config``: the base model's ``config.json``,
+    carried over field by field (:func:`.hf_checkpoint.exported_config`). ``config``: the
+    project's export config; returns the ``model.json`` content."""
     directory.mkdir(parents=True, exist_ok=True)
-    hf_checkpoint.write(directory, cfg, params, dtype)
+    hf_checkpoint.write(directory, cfg, params, dtype, base_config)
     files = {
         TOKENIZER_FILE: tokenizer_json if tokenizer_json is not None else byte_tokenizer_json(),
         **extra_files,

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from . import attention, layer_stack
+from . import attention, layer_stack, rotary
 from .execution import Execution
 from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate, scaled_normal
 
@@ -62,10 +62,14 @@ class LlamaConfig:
     qkv_bias: bool = DEFAULTS["qkv_bias"]
     tie_embeddings: bool = False
     compute_dtype: str = "bfloat16"
+    #: ``rope_scaling`` as sorted (key, value) pairs, empty for the plain rotary (:mod:`.rotary`)
+    rope_scaling: tuple = ()
     #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
     execution: Execution = Execution()
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # to_dict's form (model.json)
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
         errors = []
         for name in (
             "vocab_size",
@@ -133,6 +137,9 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         out = {"architecture": ARCHITECTURE, **dataclasses.asdict(self)}
         del out["execution"]
+        out["rope_scaling"] = dict(self.rope_scaling)
+        if not self.rope_scaling:  # configs without it keep their recorded form
+            del out["rope_scaling"]
         return out
 
 
@@ -232,8 +239,9 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
     q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
     k_BxTxGxK = _project(cfg, x_BxTxD, p["wk"], p.get("bk")).reshape(B, T, G, K)
     v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
-    q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT, cfg.rope_theta)
-    k_BxTxGxK = _rotate(k_BxTxGxK, positions_BxT, cfg.rope_theta)
+    inv_freq_K2 = rotary.inv_freq(cfg.rope_theta, K // 2, cfg.rope_scaling)
+    q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2)
+    k_BxTxGxK = _rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2)
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 

@@ -261,10 +261,12 @@ def _layer_norm(x_BxTxD, norm, dtype):
 # ----------------------------------------------------------------------------- attention
 
 
-def _rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE):
-    """Rotary position embedding (rotate-half form), applied in FP32."""
+def _rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None):
+    """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
+    frequencies when not the plain ones of ``base`` (see :mod:`.rotary`)."""
     half = x_BxTxHxK.shape[-1] // 2
-    inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
+    if inv_freq_K2 is None:
+        inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
     angle_BxTx1xK2 = (positions_BxT.astype(F32)[:, :, None] * inv_freq_K2)[:, :, None, :]
     cos, sin = jnp.cos(angle_BxTx1xK2), jnp.sin(angle_BxTx1xK2)
     x = x_BxTxHxK.astype(F32)

@@ -637,7 +637,7 @@ class PackedSFTProgram(Program):
             from ...state import to_host
             from . import hf_export
 
-            tokenizer_json = tokenizer_config_json = None
+            tokenizer_json = tokenizer_config_json = base_config = None
             if "tokenizer_json" in self.arrays:
                 tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
             if "base" in self.recipe["model"]:
@@ -645,6 +645,7 @@ class PackedSFTProgram(Program):
                     self.recipe,
                     np.asarray(self.arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
                 )
+                base_config = base_model.base_config(self.arrays)
             params, config = (
                 state["params"],
                 export_config(
@@ -670,6 +671,7 @@ class PackedSFTProgram(Program):
                 config,
                 self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
                 tokenizer_config_json,
+                base_config,
             )
             return
         (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
