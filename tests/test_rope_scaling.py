@@ -13,6 +13,7 @@ length, never less than ``max_pos``. The checkpoints are random tensors under HF
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import jax
@@ -213,6 +214,17 @@ LONG_BASE = {
 ALLOWED_DIFFERENCES = {"torch_dtype": "float32"}
 
 
+#: Llama 3 instruct's: a list of eos ids, sampling settings, a max_length beyond seq_len
+GENERATION = {
+    "bos_token_id": 300,
+    "eos_token_id": [301, 302],
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_p": 0.9,
+    "max_length": 256,
+}
+
+
 @pytest.fixture
 def long_base(tmp_path):
     root = tmp_path / "inputs"
@@ -221,10 +233,22 @@ def long_base(tmp_path):
     return root
 
 
+def _with_generation_config(recipe: dict, root) -> dict:
+    """``recipe`` with the base model's ``generation_config.json`` pinned too."""
+    path = root / "base" / "generation_config.json"
+    path.write_text(json.dumps(GENERATION, indent=1))
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    recipe["inputs"].append({"name": "base-generation", "path": "base/generation_config.json"})
+    recipe["inputs"][-1]["sha256"] = sha
+    recipe["model"]["base"]["generation_config"] = "base-generation"
+    return recipe
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_an_export_keeps_every_field_of_the_base_config(long_base, tmp_path, lora):
     model_section = {"lora": {"rank": 2}} if lora else {}
-    loaded, (arrays, _) = _prepare(base_recipe(long_base, model_section), long_base)
+    recipe = _with_generation_config(base_recipe(long_base, model_section), long_base)
+    loaded, (arrays, _) = _prepare(recipe, long_base)
     program = loaded.strategy.build(loaded.data, arrays)
     state = program.init_state()
     directory = tmp_path / "export"
@@ -233,6 +257,8 @@ def test_an_export_keeps_every_field_of_the_base_config(long_base, tmp_path, lor
     assert sorted(exported) == sorted(LONG_BASE)
     for field, value in LONG_BASE.items():
         assert exported[field] == ALLOWED_DIFFERENCES.get(field, value), field
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (directory / name).read_bytes() == (long_base / "base" / name).read_bytes(), name
     # it loads back (the project's loader, at the run's rows) to the model the run evaluated
     from minifield.strategies.packed_sft.strategy import ExportedModel
 
@@ -254,3 +280,14 @@ def test_a_llama3_scaled_base_fine_tunes_in_the_worker(long_base, tmp_path):
     assert len(losses) == 4 and all(np.isfinite(losses))
     exported = json.loads((attempt / "export" / "config.json").read_text())
     assert exported["rope_scaling"] == LONG_BASE["rope_scaling"]
+
+
+def test_a_pinned_generation_config_that_is_not_an_object_is_refused_naming_it(long_base):
+    from minifield.strategies.packed_sft.base_model import BaseModelError
+
+    recipe = _with_generation_config(base_recipe(long_base), long_base)
+    path = long_base / "base" / "generation_config.json"
+    path.write_text("[1]")
+    recipe["inputs"][-1]["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(BaseModelError, match=f"^{path}: expected a JSON object$"):
+        _prepare(recipe, long_base)

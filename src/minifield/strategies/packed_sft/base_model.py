@@ -30,6 +30,8 @@ CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
     "tokenizer_json",
     "tokenizer_config_json",
 )
+#: a pinned ``model.base.generation_config`` (only then: other recipes keep their examples)
+GENERATION_CONFIG_ARRAY = "generation_config_json"
 
 
 #: recipe model key -> config.json field it must agree with (:func:`check_recipe_agrees`)
@@ -137,6 +139,10 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
     arrays[TOKENIZER_CONFIG_ARRAY] = np.frombuffer(
         files[base["tokenizer_config"]].read_bytes(), dtype=np.uint8
     )
+    if "generation_config" in base:  # carried into the export byte for byte
+        path = files[base["generation_config"]]
+        _read_json(path)
+        arrays[GENERATION_CONFIG_ARRAY] = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     description = {"config": cfg.to_dict(), "parameters": int(sum(a.size for a in arrays.values()))}
     return arrays, description
 

@@ -32,6 +32,7 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "expected_tensors",
+    "exported_config",
     "fp32_bytes",
     "load",
     "write",

@@ -10,7 +10,8 @@ verify any export::
     tokenizer.json           the run's tokenizers-library file, copied byte for byte; for the
                              built-in byte tokenizer an equivalent one built here
     tokenizer_config.json    the special tokens (strings and ids), model_max_length
-    generation_config.json   bos/eos/pad ids, max_length, greedy
+    generation_config.json   a pinned base model's own, byte for byte; else bos/eos/pad ids,
+                             max_length, greedy
     dev.jsonl                the DEV split (the gate re-evaluates the export on it)
     model.json               this project's metadata: strategy, model config, tokenizer, files
 
@@ -123,7 +124,9 @@ def write(
 ) -> dict:
     """Write the HF directory and its ``model.json`` (written last: a directory without it
     is not an export). ``tokenizer_json``: the run's tokenizer file, None for the byte
-    tokenizer. ``tokenizer_config_json``: a base model's ``tokenizer_config.json`` (its
+    tokenizer. ``extra_files``: written byte for byte (a base model's
+    ``generation_config.json`` among them replaces the generated one).
+    ``tokenizer_config_json``: a base model's ``tokenizer_config.json`` (its
     special tokens and chat template), written as given; None writes the one
     :func:`tokenizer_config` describes. ``base_config``: the base model's ``config.json``,
     carried over field by field (:func:`.hf_checkpoint.exported_config`). ``config``: the
@@ -134,7 +137,9 @@ def write(
         TOKENIZER_FILE: tokenizer_json if tokenizer_json is not None else byte_tokenizer_json(),
         **extra_files,
     }
-    generated = [(GENERATION_CONFIG_FILE, generation_config(tokenizer, cfg.max_len))]
+    generated = []
+    if GENERATION_CONFIG_FILE not in files:  # a base model's own, when pinned, else ours
+        generated.append((GENERATION_CONFIG_FILE, generation_config(tokenizer, cfg.max_len)))
     if tokenizer_config_json is not None:
         files[TOKENIZER_CONFIG_FILE] = tokenizer_config_json
     else:

@@ -143,7 +143,7 @@ def base_model_inputs(model: dict) -> list[str]:
     if not base:
         return []
     names = [base["config"], *base["weights"], base["tokenizer"], base["tokenizer_config"]]
-    return names + ([base["index"]] if "index" in base else [])
+    return names + [base[key] for key in ("index", "generation_config") if key in base]
 
 
 def normalize_export_dtype(recipe: dict) -> list[dict]:
@@ -638,6 +638,7 @@ class PackedSFTProgram(Program):
             from . import hf_export
 
             tokenizer_json = tokenizer_config_json = base_config = None
+            extra = {EXPORT_DEV_FILE: dev_bytes}
             if "tokenizer_json" in self.arrays:
                 tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
             if "base" in self.recipe["model"]:
@@ -646,6 +647,10 @@ class PackedSFTProgram(Program):
                     np.asarray(self.arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes(),
                 )
                 base_config = base_model.base_config(self.arrays)
+                if base_model.GENERATION_CONFIG_ARRAY in self.arrays:
+                    extra[hf_export.GENERATION_CONFIG_FILE] = np.asarray(
+                        self.arrays[base_model.GENERATION_CONFIG_ARRAY]
+                    ).tobytes()
             params, config = (
                 state["params"],
                 export_config(
@@ -667,7 +672,7 @@ class PackedSFTProgram(Program):
                 jax.tree_util.tree_map(to_host, params),  # gathered if sharded
                 self.tokenizer,
                 tokenizer_json,
-                {EXPORT_DEV_FILE: dev_bytes},
+                extra,
                 config,
                 self.recipe["evaluation"].get("export_dtype", DEFAULT_EXPORT_DTYPE),
                 tokenizer_config_json,
