@@ -119,3 +119,13 @@ def test_a_base_model_whose_gradient_overflows_fails_at_the_first_update(tmp_pat
     assert not (attempt / "export").exists()
     assert not checkpoints.exists() or not list(checkpoints.iterdir())
     assert "Traceback" not in proc.stderr
+
+
+def test_a_non_finite_evaluation_is_a_divergence_before_its_event():
+    """No real run reaches it here (a finite update's state evaluates finite on these
+    recipes); the check the periodic and the final evaluation make before their event."""
+    from minifield.update_loop import Diverged, check_evaluation
+
+    check_evaluation(3, {"dev_loss": 2.5, "dev_exact_match": 1.0, "note": "x"})
+    with pytest.raises(Diverged, match=r"^update 3: the evaluation's dev_perplexity is inf \("):
+        check_evaluation(3, {"dev_loss": 701.0, "dev_perplexity": math.inf})

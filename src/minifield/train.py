@@ -60,6 +60,7 @@ from .update_loop import (
     HostSnapshot,
     Stopped,
     UpdateLoop,
+    check_evaluation,
     loop_hook,
     periodic_evaluation,
 )
@@ -307,6 +308,7 @@ class Attempt:
             state = jax.tree_util.tree_map(to_host, state)
         started = time.monotonic()
         final_metrics = program.evaluate(state)
+        check_evaluation(step, final_metrics)
         self.progress.metrics.update(final_metrics)
         self.events.emit(
             "evaluation",

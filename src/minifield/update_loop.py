@@ -73,6 +73,14 @@ def non_finite(metrics: dict) -> tuple[str, float] | None:
     return None
 
 
+def check_evaluation(step: int, metrics: dict) -> None:
+    """An evaluation of update ``step``'s state that is not finite (its DEV loss overflowed)
+    is a divergence too, raised before its event (JSON holds no NaN) and before an export."""
+    bad = non_finite(metrics)
+    if bad is not None:
+        raise Diverged(step, f"the evaluation's {bad[0]}", bad[1])
+
+
 class HostSnapshot:
     """The state of one step copied to the host at most once: the update's state hash, a
     checkpoint and the final hash of that step share the copy (and the hash)."""
@@ -120,6 +128,7 @@ def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
         if due(step):
             started = time.monotonic()
             metrics = program.evaluate(state)
+            check_evaluation(step, metrics)
             events.emit(
                 "evaluation",
                 step=step,
