@@ -124,7 +124,7 @@ def test_a_base_model_whose_gradient_overflows_fails_at_the_first_update(tmp_pat
 def test_a_non_finite_evaluation_is_a_divergence_before_its_event():
     """No real run reaches it here (a finite update's state evaluates finite on these
     recipes); the check the periodic and the final evaluation make before their event."""
-    from minifield.update_loop import Diverged, check_evaluation
+    from minifield.attempt.update_loop import Diverged, check_evaluation
 
     check_evaluation(3, {"dev_loss": 2.5, "dev_exact_match": 1.0, "note": "x"})
     with pytest.raises(Diverged, match=r"^update 3: the evaluation's dev_perplexity is inf \("):
@@ -135,7 +135,7 @@ def test_a_non_finite_evaluation_is_a_divergence_before_its_event():
 def test_the_train_stage_reports_a_divergence_and_that_a_retry_cannot_fix_it(tmp_path):
     """The pipeline's train stage (supervisor + worker, as Snakemake runs it) fails with the
     attempt's reason and says that resuming would diverge again; nothing is exported."""
-    from minifield import stages
+    from minifield.pipeline import stages
 
     recipe = _diverging_recipe(tmp_path / "in")
     source = write_recipe(tmp_path / "source.json", recipe)
