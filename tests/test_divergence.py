@@ -119,3 +119,44 @@ def test_a_base_model_whose_gradient_overflows_fails_at_the_first_update(tmp_pat
     assert not (attempt / "export").exists()
     assert not checkpoints.exists() or not list(checkpoints.iterdir())
     assert "Traceback" not in proc.stderr
+
+
+def test_a_non_finite_evaluation_is_a_divergence_before_its_event():
+    """No real run reaches it here (a finite update's state evaluates finite on these
+    recipes); the check the periodic and the final evaluation make before their event."""
+    from minifield.attempt.update_loop import Diverged, check_evaluation
+
+    check_evaluation(3, {"dev_loss": 2.5, "dev_exact_match": 1.0, "note": "x"})
+    with pytest.raises(Diverged, match=r"^update 3: the evaluation's dev_perplexity is inf \("):
+        check_evaluation(3, {"dev_loss": 701.0, "dev_perplexity": math.inf})
+
+
+@pytest.mark.slow
+def test_the_train_stage_reports_a_divergence_and_that_a_retry_cannot_fix_it(tmp_path):
+    """The pipeline's train stage (supervisor + worker, as Snakemake runs it) fails with the
+    attempt's reason and says that resuming would diverge again; nothing is exported."""
+    from minifield.pipeline import stages
+
+    recipe = _diverging_recipe(tmp_path / "in")
+    source = write_recipe(tmp_path / "source.json", recipe)
+    recipe_json = tmp_path / "recipe.json"
+    stages.validate(source, recipe_json, tmp_path / "validation.json")
+    stages.prepare(recipe_json, tmp_path / "in", tmp_path / "examples")
+    with pytest.raises(stages.StageError) as info:
+        stages.train_attempt(
+            recipe_json,
+            tmp_path / "in",
+            tmp_path / "examples",
+            tmp_path / "work",
+            tmp_path / "train" / "result.json",
+            tmp_path / "train" / "export",
+            tmp_path / "train.log",
+        )
+    (attempt,) = (tmp_path / "work" / "attempts" / recipe["job_id"]).iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    assert str(info.value) == (
+        f"training attempt {attempt} ended failed (supervisor: failed, exit 1): diverged: "
+        f"{result['error']['message']}; a retry diverges again: change the recipe (learning "
+        f"rate, base model) first. Log: {tmp_path / 'train.log'}"
+    )
+    assert not (tmp_path / "train").exists()

@@ -49,6 +49,10 @@ BOUNDS = "T.json: chat_template exceeds its bounds: "
         ("{{ '{:>99999}'.format('x') }}", r"a format\(\) has a width or precision of 99999"),
         ("{{ ('x' * 100).replace('', 'y' * 30) }}", "a replace would build 3,130 characters"),
         ("{{ 2 ** 5000 }}", "an integer .* of more than 4096 bits"),
+        # 3 lines of 'x' * 600 (1,802 characters), each indented by 100: 2,102
+        ("{{ ((('x' * 600) ~ '\n') * 3)|indent(100, true) }}", "the indent filter would build"),
+        # the messages as JSON: each nesting level's line indented 1,000 deep
+        ("{{ messages|tojson(indent=1000) }}", "the tojson filter would build"),
         # 500 copies of the two messages, each written as its dict (over 30 characters)
         ("{{ messages * 500 }}", r"a repetition \(\*\) would build [0-9,]{6} characters"),
         # the rendered text itself, written two characters at a time
@@ -95,7 +99,8 @@ RICH = (
     "{{ '%s:%03d' % (m.role[:2], loop.index0) }}{{ m.content.strip().split(' ')|join('_') }}"
     "{{ '{}|{:>4}'.format(ns.n, 'x') ~ eos_token }}{{ m|tojson }}\n{% endfor %}"
     "{{ range(3)|list|join(',') }}{{ ns.sys|replace('be', 'BE')|center(20) }}"
-    "{{ (messages|map(attribute='role')|list) * 2 }}{{ 7 ** 3 }}"
+    "{{ (messages|map(attribute='role')|list) * 2 }}{{ 7 ** 3 }}{{ messages|tojson(indent=2) }}"
+    "{{ messages[1].content|indent(2, true) }}{{ messages[1].content|wordwrap(5, wrapstring='|') }}"
 )
 
 

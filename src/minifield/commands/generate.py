@@ -8,9 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import export
-from ..arguments import bounded_int
+from ..state import export
 from ..strategies.packed_sft import tokenizer as tokenizers
+from . import bounded_int
 
 
 class PromptError(ValueError):
@@ -19,7 +19,7 @@ class PromptError(ValueError):
 
 def _prompts(given: list[str] | None, stdin) -> list[str]:
     """The ``--prompt`` values (whose undecodable argument bytes Python keeps as surrogate
-    escapes), or the non-blank lines of ``stdin`` (a binary stream), decoded strictly."""
+    escapes), or the non-blank lines of ``stdin``'s bytes, decoded strictly."""
     if given:
         for number, prompt in enumerate(given, 1):
             try:
@@ -31,7 +31,7 @@ def _prompts(given: list[str] | None, stdin) -> list[str]:
                 ) from None
         return given
     prompts = []
-    for number, raw in enumerate(stdin, 1):
+    for number, raw in enumerate(stdin.buffer, 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -52,7 +52,7 @@ def run(args) -> int:
     from ..strategies.packed_sft.strategy import ExportedModel
 
     try:
-        prompts = _prompts(args.prompt, sys.stdin.buffer)
+        prompts = _prompts(args.prompt, sys.stdin)
         model = ExportedModel(args.model)
     except (export.ExportError, tokenizers.TokenizerError, ValueError, OSError) as exc:
         print(f"minifield generate: {exc}", file=sys.stderr)

@@ -173,13 +173,36 @@ def bounded_filter(name: str, function, budget_of):
             check_join(budget, str(values[1]) if len(values) > 1 else "", subject)
         elif name == "format" and isinstance(subject, str):
             budget.format_string(subject, "the format filter")
-        elif name in ("indent", "wordwrap") and isinstance(subject, str):
-            extra = [v for v in (*values[1:], *kwargs.values()) if isinstance(v, str)]
-            lines = subject.count("\n") + 2 if name == "indent" else len(subject) + 1
-            budget.fits(len(subject) + lines * sum(len(s) for s in extra), f"the {name} filter")
+        elif name in ("indent", "wordwrap", "tojson"):
+            check_line_prefixes(
+                budget, name, subject, values[2:] if name == "wordwrap" else values[1:], kwargs
+            )
         return budget.built(function(*args, **kwargs))
 
     return bounded
+
+
+def check_line_prefixes(budget: Budget, name: str, subject, args, kwargs) -> None:
+    """``indent`` and ``tojson(indent=)`` repeat a prefix on every line, ``wordwrap`` its
+    ``wrapstring``: the result's size from the line count, before it is built."""
+    given = [*args, *kwargs.values()]
+    if name == "indent" and isinstance(subject, str):
+        width = next((v for v in given if type(v) in (int, str)), 4)
+        each = width if type(width) is int else len(width)
+        budget.fits(len(subject) + (subject.count("\n") + 1) * max(each, 0), "the indent filter")
+    elif name == "tojson":
+        indent = kwargs.get("indent", args[1] if len(args) > 1 else None)
+        if type(indent) is int and indent > 0:
+            import json
+
+            # with indent k a document is its indent=0 text plus k per nesting level per line
+            flat = len(json.dumps(subject, indent=0, default=str))
+            levels = len(json.dumps(subject, indent=1, default=str)) - flat
+            budget.fits(flat + indent * levels, "the tojson filter")
+    elif name == "wordwrap" and isinstance(subject, str):
+        wrap = kwargs.get("wrapstring", args[1] if len(args) > 1 else None)
+        if isinstance(wrap, str) and len(wrap) > 1:  # at most a line per character
+            budget.fits(len(subject) + (len(subject) + 1) * len(wrap), "the wordwrap filter")
 
 
 @functools.cache
