@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, copy_run, linear_recipe, run_snakemake, write_recipe
 
-from minifield.pipeline import stages
+from minifield.pipeline import errors, training
 from minifield.proof import recovery
 from minifield.recipe import load_schema
 
@@ -390,16 +390,16 @@ def test_training_gate_uses_the_verdict(tmp_path):
     recipe = SimpleNamespace(computation_digest=proof["computation_digest"])
     path = tmp_path / "proof.json"
     path.write_text(json.dumps(proof))
-    assert stages.check_proof(path, recipe)["passed"] is True
+    assert training.check_proof(path, recipe)["passed"] is True
     proof["preempted"]["resumed"]["state_hashes"][0]["state_hash"] = "0" * 64
     path.write_text(json.dumps(proof))
-    with pytest.raises(stages.StageError, match="preempt: the resumed run's state hash differs"):
-        stages.check_proof(path, recipe)
-    with pytest.raises(stages.StageError, match="of computation 'e0"):
-        stages.check_proof(path, SimpleNamespace(computation_digest="f" * 64))
+    with pytest.raises(errors.StageError, match="preempt: the resumed run's state hash differs"):
+        training.check_proof(path, recipe)
+    with pytest.raises(errors.StageError, match="of computation 'e0"):
+        training.check_proof(path, SimpleNamespace(computation_digest="f" * 64))
     path.write_bytes(b"\xff\xfe")
-    with pytest.raises(stages.StageError, match="cannot read the recovery proof"):
-        stages.check_proof(path, recipe)
+    with pytest.raises(errors.StageError, match="cannot read the recovery proof"):
+        training.check_proof(path, recipe)
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield import cli
 from minifield import store as stores
-from minifield.pipeline import stages
+from minifield.pipeline import evaluation, preparation
 from minifield.proof import recovery
 
 pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
@@ -40,15 +40,15 @@ def _train(root: Path, prove: bool = True, **overrides) -> dict:
     """validate → prepare → real worker → evaluate (→ recovery proof), as the pipeline does."""
     root.mkdir(parents=True)
     raw = write_recipe(root / "raw.json", linear_recipe(**overrides))
-    stages.validate(raw, root / "recipe.json", root / "validation.json")
-    stages.prepare(root / "recipe.json", root, root / "examples")
+    preparation.validate(raw, root / "recipe.json", root / "validation.json")
+    preparation.prepare(root / "recipe.json", root, root / "examples")
     run_worker(
         job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
     )
     (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    stages.evaluate(
+    evaluation.evaluate(
         root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
     )
     if prove:

@@ -171,7 +171,9 @@ class Attempt:
 
     def run(self) -> int:
         self.stopping.preemption.install()
-        outcome = attempt_setup.agree(attempt_setup.prepare(self), self.options.group)
+        outcome = attempt_setup.agree(
+            attempt_setup.prepare(_setup_context(self)), self.options.group
+        )
         if isinstance(outcome, SetUpFailed):
             return self._finish(Ending.failed(outcome.error, outcome.code))
         if isinstance(outcome, AdoptCompleted):
@@ -319,6 +321,27 @@ class Attempt:
         self.events.close()
         self.stopping.preemption.restore()
         return ending.code
+
+
+def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
+    """What set-up reads of an opened attempt, named."""
+    options = attempt.options
+    return attempt_setup.SetUpContext(
+        recipe=attempt.recipe,
+        attempt_id=attempt.attempt_id,
+        directory=attempt.dir,
+        env=attempt.env,
+        started=attempt.started,
+        group=options.group,
+        input_root=options.input_root,
+        examples_dir=options.examples_dir,
+        resume_from=options.resume_from,
+        allow_environment_change=options.allow_environment_change,
+        compilation_cache=options.compilation_cache,
+        events=attempt.events,
+        progress=attempt.progress,
+        say=attempt.say,
+    )
 
 
 def run(recipe: Recipe, options: Options) -> tuple[int, Path]:
