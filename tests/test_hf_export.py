@@ -25,7 +25,7 @@ from test_llama import _flax_model, _recipe
 from minifield import cli
 from minifield import recipe as recipes
 from minifield.pipeline import evaluation, preparation
-from minifield.proof import recovery
+from minifield.proof.prove import prove
 from minifield.state import export
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
@@ -253,7 +253,7 @@ def _llama_run(root: Path) -> dict:
     evaluation.evaluate(
         root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
     )
-    proof = recovery.prove(
+    proof = prove(
         root / "recipe.json",
         root / "in",
         root / "work",

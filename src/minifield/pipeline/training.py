@@ -17,7 +17,9 @@ from pathlib import Path
 from .. import atomic
 from .. import recipe as recipes
 from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT
-from ..proof import recovery
+from ..proof.document import DEFAULT_MODE, PROOF_FILE
+from ..proof.prove import prove
+from ..proof.verdict import verdict
 from ..supervision import leases, locks, supervise
 from .errors import StageError
 
@@ -61,12 +63,12 @@ def _append_run_to_log(log: Path, outcome: dict) -> None:
 
 
 def check_proof(proof_path: Path, recipe: recipes.Recipe) -> dict:
-    """The recovery proof gate of training: :func:`recovery.verdict` for this computation."""
+    """The recovery proof gate of training: :func:`verdict` for this computation."""
     try:
         proof = atomic.read_json(proof_path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StageError(f"{proof_path}: cannot read the recovery proof: {exc}") from exc
-    reasons = recovery.verdict(proof, recipe.computation_digest)
+    reasons = verdict(proof, recipe.computation_digest)
     if reasons:
         raise StageError(
             f"{proof_path}: not an acceptable recovery proof of computation "
@@ -85,7 +87,7 @@ def qualify(
     *,
     steps: int | None = None,
     fail_after_step: int | None = None,
-    mode: str = recovery.DEFAULT_MODE,
+    mode: str = DEFAULT_MODE,
     supervision: supervise.Settings = supervise.QUALIFICATION,
     gpus: list | None = None,
     gpus_per_job: int = 1,
@@ -107,7 +109,7 @@ def qualify(
         wait_s=lease_wait_s,
         holder={"job": recipe.job_id, "stage": "qualify"},
     ) as held:
-        proof = recovery.prove(
+        proof = prove(
             recipe_json,
             input_root,
             work_dir,
@@ -130,7 +132,7 @@ def qualify(
     if not proof["passed"]:
         raise StageError(
             f"recovery proof of {recipe_json} failed; training is blocked. {proof['diagnosis']} "
-            f"Evidence: {Path(proof['proof_dir']) / recovery.PROOF_FILE}"
+            f"Evidence: {Path(proof['proof_dir']) / PROOF_FILE}"
         )
     return proof
 
