@@ -198,16 +198,16 @@ def test_the_loop_reports_every_update_late_but_in_order_with_the_same_values(tm
     snapshot = HostSnapshot()
     checkpoints = _checkpointing(tmp_path, None)
     checkpoints.events, checkpoints.snapshot = events, snapshot
+    commit_on_cadence, collect_commits = checkpoints.hooks()
     loop = UpdateLoop(
         program,
         max_steps=7,
         stopping=Stopping({}, stop_after_step=None, group=distributed.Group(), started_mono=0),
         events=events,
         progress=Progress(),
-        hooks=[checkpoints.hook(), periodic_evaluation(program, events, 7)],
+        hooks=[commit_on_cadence, periodic_evaluation(program, events, 7), collect_commits],
         record_state_hashes=3,
         say=lambda message: None,
-        between_updates=[checkpoints.collect],
         snapshot=snapshot,
     )
     end = loop.run(program.place(program.init_state()), 0, 0.0)

@@ -10,7 +10,7 @@ already: :meth:`Checkpointing.ensure` is that one rule.
 the step boundary; a :class:`~minifield.attempt.checkpoint_writer.BackgroundWriter` writes and
 commits it while training goes on. Its ``checkpoint_committed`` event is emitted (and
 ``newest`` advanced) only once the commit is durable, by the loop's next
-:meth:`Checkpointing.collect`. :meth:`ensure` (the end of training, a preemption, a
+:meth:`Checkpointing.collect` (a hook that does not wait for the device). :meth:`ensure` (the end of training, a preemption, a
 limit) waits for the write in flight first. A failed background write fails the attempt
 (:class:`~minifield.attempt.checkpoint_writer.CheckpointWriteError`, naming the path). Over
 several processes commits stay synchronous: every process waits at the commit's barrier.
@@ -27,7 +27,7 @@ from .checkpoint_writer import BackgroundWriter, CheckpointWriteError, Done, Wri
 from .events import EventLog
 from .faults import Faults
 from .result import CheckpointRecord
-from .update_loop import HostSnapshot, loop_hook
+from .update_loop import Hook, HostSnapshot
 
 __all__ = ["CheckpointWriteError", "Checkpointing"]
 
@@ -159,6 +159,11 @@ class Checkpointing:
         else:
             self.commit_in_background(state, step, compute_used)
 
-    def hook(self):
-        """``on_cadence`` as an update-loop hook that says when it is due."""
-        return loop_hook(self.on_cadence, self.due)
+    def hooks(self) -> tuple[Hook, Hook]:
+        """The update-loop hooks: commit on the cadence (waiting for the update's state), and
+        report the background commits that became durable after every update (not waiting:
+        run it after the other hooks, so that it collects what they started)."""
+        return (
+            Hook(self.on_cadence, due=self.due),
+            Hook(lambda state, step, compute_used: self.collect(), waits=False),
+        )

@@ -59,7 +59,7 @@ from .result import (
 from .resume import ResumeRefused
 from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
 from .stopping import Preempt, Stopping
-from .update_loop import HostSnapshot, Stopped, UpdateLoop, loop_hook, periodic_evaluation
+from .update_loop import Hook, HostSnapshot, Stopped, UpdateLoop, periodic_evaluation
 
 #: the names other modules have used for these files (the layout lives in attempt_layout)
 ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
@@ -219,6 +219,7 @@ class Attempt:
         program = ready.program
         max_steps = self.recipe.data["limits"]["max_steps"]
         self.checkpoints.newest = ready.restored
+        commit_on_cadence, collect_commits = self.checkpoints.hooks()
         loop = UpdateLoop(
             program,
             max_steps=max_steps,
@@ -226,13 +227,13 @@ class Attempt:
             events=self.events,
             progress=self.progress,
             hooks=[
-                self._fault_hook(),
-                self.checkpoints.hook(),
+                fault_hook(self.options.faults, self.checkpoints),
+                commit_on_cadence,
                 periodic_evaluation(program, self.events, max_steps),
+                collect_commits,  # last: it reports what the hooks before it started
             ],
             record_state_hashes=self.options.record_state_hashes,
             say=self.say,
-            between_updates=[self.checkpoints.collect],
             snapshot=self.snapshot,
         )
         # restored arrays come from host files: put them where the compiled update wants
@@ -254,21 +255,6 @@ class Attempt:
             self.events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
             return Ending.limit_reached(end.stop.reason)
         return self._complete(program, end.state, end.step)
-
-    def _fault_hook(self):
-        faults = self.options.faults
-
-        def due(step: int) -> bool:
-            return step in (faults.fail_after_step, faults.stall_after_step)
-
-        def settle(step: int) -> None:
-            # which checkpoint survives the injected crash (or a kill once the update before
-            # the stall is seen) must not depend on how far a background write got (a SIGKILL
-            # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
-            # update K are committed before update K is reported
-            self.checkpoints.wait()
-
-        return loop_hook(faults.after_update, due, settle)
 
     def _complete(self, program, state, step: int) -> Ending:
         """The final evaluation, the export and the final state hash."""
@@ -321,6 +307,23 @@ class Attempt:
         self.events.close()
         self.stopping.preemption.restore()
         return ending.code
+
+
+def fault_hook(faults: Faults, checkpoints: Checkpointing) -> Hook:
+    """The injected fault after its update (tests and the recovery proof)."""
+
+    def settle(step: int) -> None:
+        # which checkpoint survives the injected crash (or a kill once the update before
+        # the stall is seen) must not depend on how far a background write got (a SIGKILL
+        # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+        # update K are committed before update K is reported
+        checkpoints.wait()
+
+    return Hook(
+        faults.after_update,
+        due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
+        settle=settle,
+    )
 
 
 def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
