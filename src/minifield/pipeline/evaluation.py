@@ -11,21 +11,16 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..attempt.chain import newest_first
-from ..attempt.layout import CHECKPOINTS
+from ..attempt.chain import committed_checkpoints
 from ..inputs import examples
 from .errors import StageError
 
 
 def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
     """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
-    from ..state import checkpoint
-
     by_step: dict[int, Path] = {}
-    for directory in newest_first(attempt_dir):
-        ckpt_dir = directory / CHECKPOINTS
-        for step in checkpoint.committed_steps(ckpt_dir):
-            by_step.setdefault(step, ckpt_dir / checkpoint.step_dir_name(step))
+    for step, path in committed_checkpoints(attempt_dir):
+        by_step.setdefault(step, path)
     return [by_step[s] for s in sorted(by_step)]
 
 

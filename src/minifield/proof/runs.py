@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import atomic
+from ..attempt.chain import committed_checkpoints
 from ..attempt.events import read as read_events
 from ..attempt.layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, RESULT
 from ..supervision import supervise as supervisor
@@ -163,12 +164,12 @@ def last_committed_checkpoint(proof: dict, attempt_dir: Path, k: int) -> dict:
     """The newest committed checkpoint of the faulted run (what a resume must restore)."""
     from ..state import checkpoint
 
-    ckpt_root = attempt_dir / CHECKPOINTS
-    committed = checkpoint.committed_steps(ckpt_root)
-    if not committed:
-        raise ProofProblem(f"The faulted run left no committed checkpoint in {ckpt_root}")
-    last = committed[-1]
-    path = ckpt_root / checkpoint.step_dir_name(last)
+    # the faulted run is a fresh attempt: its chain is itself
+    last, path = next(committed_checkpoints(attempt_dir), (None, None))
+    if path is None:
+        raise ProofProblem(
+            f"The faulted run left no committed checkpoint in {attempt_dir / CHECKPOINTS}"
+        )
     record = proof["checkpoint_used"] = {
         "step": last,
         "path": str(path),
