@@ -1,6 +1,6 @@
 """The tree is lint-clean: `ruff check`, `ruff format --check` and `snakefmt --check` over the
-whole repository, and `lint-imports` (the import contracts: layers, no circles), so CI's one
-test command enforces them (settings in pyproject.toml)."""
+whole repository, `lint-imports` (the import contracts: layers, no circles) and `vulture`
+(unused code), so CI's one test command enforces them (settings in pyproject.toml)."""
 
 import subprocess
 import sys
@@ -18,6 +18,8 @@ CHECKS = {
     "snakefmt": [*PYTHON, "snakefmt", "--check", "."],
     # import-linter has no `python -m` entry: its console script, beside this interpreter
     "lint-imports": [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+    # unused code (paths and the reviewed whitelist in pyproject.toml [tool.vulture])
+    "vulture": [*PYTHON, "vulture"],
 }
 
 

@@ -100,11 +100,6 @@ class BackgroundWriter:
             done, self._done = self._done, []
         return done
 
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return self._in_flight is not None
-
     def finished(self) -> list[Done]:
         """The writes committed since the last call, in step order (never waits); raises the
         error of a failed one."""

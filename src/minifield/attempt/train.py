@@ -44,7 +44,7 @@ from .checkpoint_cadence import Checkpointing
 from .checkpoint_writer import CheckpointWriteError
 from .events import EventLog, write_line
 from .faults import Faults
-from .layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, EXPORT, RESULT
+from .layout import CHECKPOINTS, EVENTS, EXPORT, RESULT
 from .result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -61,17 +61,12 @@ from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
 from .stopping import Preempt, Stopping
 from .update_loop import Hook, HostSnapshot, Stopped, UpdateLoop, periodic_evaluation
 
-#: the names other modules have used for these files (the layout lives in attempt_layout)
-ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
-
 __all__ = [
-    "ATTEMPT_FILE",
     "EXIT_COMPLETED",
     "EXIT_FAILED",
     "EXIT_INVALID",
     "EXIT_LIMIT",
     "EXIT_PREEMPTED",
-    "RESULT_FILE",
     "Attempt",
     "Faults",
     "Options",

@@ -159,7 +159,7 @@ class SignalForwarder:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum, _frame) -> None:
         self.received.append(
             {"signal": signal.Signals(signum).name, "mono": time.monotonic(), "time": time.time()}
         )
