@@ -18,7 +18,7 @@ recorded with its error and the others still run; the JSON is rewritten after ev
   that crashes after update k, a resume from its last checkpoint; complete-state hashes
   compared update by update, judged by ``verdict``;
 - ``checkpoint``: the 125M model's complete training state (on the device) committed as a raw
-  fsync'd file, synchronously (``checkpoint.save``) and in the background (``Checkpointing``):
+  fsync'd file, synchronously (``checkpoint.save``) and in the background (``CheckpointCadence``):
   bandwidths, blocking time ÷ synchronous time, one per-update state hash;
 - ``determinism_cost`` (GPU only): our 125M step without the GPU determinism flags, to price
   them against ``step_125m``.

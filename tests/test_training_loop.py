@@ -29,7 +29,7 @@ from conftest import (
     write_recipe,
 )
 
-from minifield.attempt.checkpoint_cadence import Checkpointing
+from minifield.attempt.checkpoint_cadence import CheckpointCadence
 from minifield.attempt.checkpoint_writer import CheckpointWriteError
 from minifield.attempt.events import EventLog
 from minifield.attempt.faults import Faults
@@ -96,8 +96,8 @@ class _DurabilityCheckingStream(io.StringIO):
         return super().write(text)
 
 
-def _checkpointing(tmp_path: Path, echo) -> Checkpointing:
-    return Checkpointing(
+def _checkpointing(tmp_path: Path, echo) -> CheckpointCadence:
+    return CheckpointCadence(
         tmp_path / "checkpoints",
         computation_digest="c" * 64,
         attempt_id="a",

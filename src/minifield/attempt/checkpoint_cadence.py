@@ -1,17 +1,19 @@
-"""When and by whom an attempt commits checkpoints (``checkpoint.py`` is the format of one).
+"""When and by whom an attempt commits checkpoints: the commit cadence (``state/checkpoint.py`` is
+the checkpoint format, ``checkpoint_writer.py`` the thread that writes one in the background).
 
 Every process brings the state to the host (a collective when the state is sharded over
 processes); process 0 alone writes and commits it; all leave once it is committed. A
 checkpoint is committed on the recipe's cadence, at the last update, and whenever the
 attempt stops early (preemption, a limit), unless one of that very step is committed
-already: :meth:`Checkpointing.ensure` is that one rule.
+already: :meth:`CheckpointCadence.ensure` is that one rule.
 
 **Asynchronous commits** (one process): a cadence checkpoint only takes the host copy at
 the step boundary; a :class:`~minifield.attempt.checkpoint_writer.BackgroundWriter` writes and
 commits it while training goes on. Its ``checkpoint_committed`` event is emitted (and
 ``newest`` advanced) only once the commit is durable, by the loop's next
-:meth:`Checkpointing.collect` (a hook that does not wait for the device). :meth:`ensure` (the end of training, a preemption, a
-limit) waits for the write in flight first. A failed background write fails the attempt
+:meth:`CheckpointCadence.collect` (a hook that does not wait for the device).
+:meth:`ensure` (the end of training, a preemption, a limit) waits for the write in flight
+first. A failed background write fails the attempt
 (:class:`~minifield.attempt.checkpoint_writer.CheckpointWriteError`, naming the path). Over
 several processes commits stay synchronous: every process waits at the commit's barrier.
 """
@@ -29,10 +31,10 @@ from .faults import Faults
 from .result import CheckpointRecord
 from .update_loop import Hook, HostSnapshot
 
-__all__ = ["CheckpointWriteError", "Checkpointing"]
+__all__ = ["CheckpointWriteError", "CheckpointCadence"]
 
 
-class Checkpointing:
+class CheckpointCadence:
     def __init__(
         self,
         directory: Path,

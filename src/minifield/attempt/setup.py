@@ -1,7 +1,7 @@
 """Everything an attempt does before its first update, and the processes' agreement on it.
 
 :func:`open_directory` creates the attempt's fresh directory (process 0) and tells every
-process its id. :func:`prepare` then writes ``attempt.json``, checks the previous attempt
+process its id. :func:`set_up` then writes ``attempt.json``, checks the previous attempt
 and the devices, verifies the inputs, loads the examples, compiles the update and restores
 the newest valid checkpoint; it never raises, but says what to do next as one of three
 outcomes. :func:`agree` makes every process of a multi-process attempt act on the same one.
@@ -150,7 +150,7 @@ def _write_attempt_json(context: SetUpContext, compute_before: float) -> None:
     )
 
 
-def prepare(context: SetUpContext) -> SetUp:
+def set_up(context: SetUpContext) -> SetUp:
     """Everything before the first update; returns what to do next (never raises)."""
     recipe, events, progress = context.recipe, context.events, context.progress
     data = recipe.data

@@ -12,7 +12,7 @@ This module is the orchestrator; each concern has its own module:
 - :mod:`~minifield.attempt.resume` — checking, adopting or restoring from a previous attempt;
 - :mod:`~minifield.attempt.device_check` — whether the visible devices fit the recipe;
 - :mod:`~minifield.attempt.stopping` — preemption (signals, a closed stdout), limits, the vote;
-- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpointing, evaluation, faults;
+- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpoints, evaluation, faults;
 - :mod:`~minifield.attempt.checkpoint_cadence` — when and by whom checkpoints are committed;
 - :mod:`~minifield.attempt.faults` — fault injection for tests and qualification;
 - :mod:`~minifield.attempt.result` — endings, exit codes and ``result.json``.
@@ -40,7 +40,7 @@ from ..supervision import distributed
 from . import environment
 from . import result as attempt_result
 from . import setup as attempt_setup
-from .checkpoint_cadence import Checkpointing
+from .checkpoint_cadence import CheckpointCadence
 from .checkpoint_writer import CheckpointWriteError
 from .events import EventLog, write_line
 from .faults import Faults
@@ -140,7 +140,7 @@ class Attempt:
         )
         # one host copy per step, shared by the update's state hash and a checkpoint
         self.snapshot = HostSnapshot()
-        self.checkpoints = Checkpointing(
+        self.checkpoints = CheckpointCadence(
             self.dir / CHECKPOINTS,
             computation_digest=self.recipe.computation_digest,
             attempt_id=self.attempt_id,
@@ -167,7 +167,7 @@ class Attempt:
     def run(self) -> int:
         self.stopping.preemption.install()
         outcome = attempt_setup.agree(
-            attempt_setup.prepare(_setup_context(self)), self.options.group
+            attempt_setup.set_up(_setup_context(self)), self.options.group
         )
         if isinstance(outcome, SetUpFailed):
             return self._finish(Ending.failed(outcome.error, outcome.code))
@@ -304,7 +304,7 @@ class Attempt:
         return ending.code
 
 
-def fault_hook(faults: Faults, checkpoints: Checkpointing) -> Hook:
+def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
     """The injected fault after its update (tests and the recovery proof)."""
 
     def settle(step: int) -> None:

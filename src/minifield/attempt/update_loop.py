@@ -1,8 +1,9 @@
 """The update loop: ask whether to stop, update, report, run the hooks; until ``max_steps``.
 
-Checkpointing, periodic evaluation and fault injection are :class:`Hook` s: what runs after
-an update (``run(state, step, compute_used)``), how often (``due(step)``) and how it settles
-(``settle(step)``, before that update is reported), as Levanter's ``add_hook(fn, every=N)``.
+Checkpoints on the cadence, periodic evaluation and fault injection are :class:`Hook` s:
+what runs after an update (``run(state, step, compute_used)``), how often (``due(step)``)
+and how it settles (``settle(step)``, before that update is reported), as Levanter's
+``add_hook(fn, every=N)``.
 They run in the order given. The loop itself knows nothing of them; it ends
 :class:`Finished` at ``max_steps`` or :class:`Stopped` when
 :class:`~minifield.attempt.stopping.Stopping` says so before an update.

@@ -17,8 +17,9 @@ from .capacity import BASIS_NOTE, CapacityError, plan
 
 
 def measure_run(result_json: Path, recipe: dict) -> dict:
-    """Measured seconds of a training job, taken from its summary (:mod:`minifield.observe.summarize`:
-    the one place that counts the raw events of every attempt it took).
+    """Measured seconds of a training job, taken from its summary
+    (:mod:`minifield.observe.summarize`: the one place that counts the raw events of every
+    attempt it took).
 
     ``job_wall_s`` is the summary's ``attempts_wall_time_s``: per attempt, the
     monotonic span from its first to its last event, summed over attempts. The
