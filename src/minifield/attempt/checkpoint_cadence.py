@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 from ..state import checkpoint
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from .checkpoint_writer import BackgroundWriter, CheckpointWriteError, Done, Write
 from .events import EventLog
 from .faults import Faults
-from .result import CheckpointRecord
 from .update_loop import Hook, HostSnapshot
 
 __all__ = ["CheckpointWriteError", "CheckpointCadence"]
@@ -77,13 +77,13 @@ class CheckpointCadence:
             known_state_hash=known_hash,
         )
 
-    def _committed(self, committed: checkpoint.Committed, **timing) -> CheckpointRecord:
-        self.newest = CheckpointRecord(committed.step, str(committed.path), committed.sha256)
+    def _committed(self, committed: CheckpointRecord, **timing) -> CheckpointRecord:
+        self.newest = committed
         self.events.emit(
             "checkpoint_committed",
             durable=True,
             step=committed.step,
-            path=str(committed.path),
+            path=committed.path,
             sha256=committed.sha256,
             state_hash=committed.state_hash,
             **timing,

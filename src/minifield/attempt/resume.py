@@ -16,12 +16,12 @@ from typing import Any
 
 from .. import atomic
 from ..state import checkpoint
+from ..state.checkpoint import CheckpointRecord
 from . import chain as attempts
 from . import environment
 from .events import EventLog
 from .events import read as read_events
 from .layout import ATTEMPT_JSON, EVENTS, RESULT
-from .result import CheckpointRecord
 
 
 class ResumeRefused(Exception):
@@ -132,7 +132,7 @@ def restore(
         events.emit(
             "restored", step=step, path=str(path), sha256=sha, state_hash=manifest["state_hash"]
         )
-        return Restored(state, CheckpointRecord(step, str(path), sha))
+        return Restored(state, CheckpointRecord(step, str(path), sha, manifest["state_hash"]))
     events.emit(
         "restore_fallback",
         reason="no valid committed checkpoint in the attempt chain; starting from step 0",

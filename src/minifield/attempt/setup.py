@@ -21,11 +21,12 @@ from typing import Any
 from .. import atomic
 from ..inputs import examples, pinned
 from ..recipe import Recipe
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import device_check, resume
 from .events import EventLog
 from .layout import ATTEMPT_JSON
-from .result import EXIT_FAILED, EXIT_INVALID, AttemptError, CheckpointRecord, Progress
+from .result import EXIT_FAILED, EXIT_INVALID, AttemptError, Progress
 from .resume import ResumeRefused
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..recipe import Recipe
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import environment
 from . import result as attempt_result
@@ -52,7 +53,6 @@ from .result import (
     EXIT_LIMIT,
     EXIT_PREEMPTED,
     AttemptError,
-    CheckpointRecord,
     Ending,
     Progress,
 )

@@ -170,11 +170,9 @@ def last_committed_checkpoint(proof: dict, attempt_dir: Path, k: int) -> dict:
         raise ProofProblem(
             f"The faulted run left no committed checkpoint in {attempt_dir / CHECKPOINTS}"
         )
-    record = proof["checkpoint_used"] = {
-        "step": last,
-        "path": str(path),
-        "sha256": checkpoint.manifest_sha256(path),
-    }
+    record = proof["checkpoint_used"] = checkpoint.CheckpointRecord(
+        last, str(path), checkpoint.manifest_sha256(path)
+    ).as_dict()
     if last > k:
         raise ProofProblem(f"Checkpoint step {last} is after the fault at update {k}")
     return record
@@ -244,11 +242,10 @@ def receipt_checkpoint(section: dict) -> dict:
 
     receipt = section["receipt"]
     path = Path(receipt["path"])
-    record = section["checkpoint_used"] = {
-        "step": receipt["step"],
-        "path": receipt["path"],
-        "sha256": checkpoint.manifest_sha256(path) if path.is_dir() else None,
-    }
+    sha256 = checkpoint.manifest_sha256(path) if path.is_dir() else None
+    record = section["checkpoint_used"] = checkpoint.CheckpointRecord(
+        receipt["step"], receipt["path"], sha256
+    ).as_dict()
     if record["sha256"] != receipt["sha256"]:
         raise ProofProblem(
             f"The checkpoint the receipt names ({path}) has manifest sha256 "
