@@ -135,15 +135,15 @@ def test_a_non_finite_evaluation_is_a_divergence_before_its_event():
 def test_the_train_stage_reports_a_divergence_and_that_a_retry_cannot_fix_it(tmp_path):
     """The pipeline's train stage (supervisor + worker, as Snakemake runs it) fails with the
     attempt's reason and says that resuming would diverge again; nothing is exported."""
-    from minifield.pipeline import stages
+    from minifield.pipeline import errors, preparation, training
 
     recipe = _diverging_recipe(tmp_path / "in")
     source = write_recipe(tmp_path / "source.json", recipe)
     recipe_json = tmp_path / "recipe.json"
-    stages.validate(source, recipe_json, tmp_path / "validation.json")
-    stages.prepare(recipe_json, tmp_path / "in", tmp_path / "examples")
-    with pytest.raises(stages.StageError) as info:
-        stages.train_attempt(
+    preparation.validate(source, recipe_json, tmp_path / "validation.json")
+    preparation.prepare(recipe_json, tmp_path / "in", tmp_path / "examples")
+    with pytest.raises(errors.StageError) as info:
+        training.train_attempt(
             recipe_json,
             tmp_path / "in",
             tmp_path / "examples",
