@@ -386,13 +386,10 @@ def write(
     os.replace(config_tmp, directory / CONFIG_FILE)
 
 
-#: ``config.json`` fields an export sets from the run, not the base (the stored dtype:
-#: ``torch_dtype``, and ``dtype``, transformers' newer name, where the base has it)
-EXPORT_SET_FIELDS = ("torch_dtype", "dtype")
-
-
 def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = None) -> dict:
-    """The ``config.json`` :func:`write` writes."""
+    """The ``config.json`` :func:`write` writes: a base model's fields all kept but the ones
+    the run sets, the stored dtype (``torch_dtype``, and ``dtype``, transformers' newer name,
+    where the base has it)."""
     if base_config is None:
         return {**config_to_hf(cfg), "torch_dtype": dtype}
     out = {**base_config, "torch_dtype": dtype}
