@@ -427,8 +427,8 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from minifield.strategies.packed_sft.exported import ExportedModel
     from minifield.strategies.packed_sft.model import greedy_generate
-    from minifield.strategies.packed_sft.strategy import ExportedModel
 
     recipe = base_recipe(root)
     loaded, (arrays, _) = _prepare(recipe, root)
@@ -475,7 +475,7 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
 
 
 def test_a_damaged_base_model_export_is_refused_naming_the_file(root, tmp_path):
-    from minifield.strategies.packed_sft.strategy import ExportedModel
+    from minifield.strategies.packed_sft.exported import ExportedModel
 
     loaded, (arrays, _) = _prepare(base_recipe(root), root)
     program = loaded.strategy.build(loaded.data, arrays)

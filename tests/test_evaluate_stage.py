@@ -11,7 +11,7 @@ import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield import export, stages
-from minifield.strategies.linear_momentum_program import LinearProgram
+from minifield.strategies.linear_momentum.program import LinearProgram
 
 pytestmark = pytest.mark.slow  # a worker run makes the checkpoints
 

@@ -26,7 +26,7 @@ from minifield import cli, export, recovery, stages
 from minifield import recipe as recipes
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
-from minifield.strategies.packed_sft.strategy import ExportedModel
+from minifield.strategies.packed_sft.exported import ExportedModel
 
 flax_rope_theta = test_llama.flax_rope_theta  # the fixture (transformers' rope_theta gap)
 

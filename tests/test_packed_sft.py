@@ -19,8 +19,7 @@ import pytest
 from conftest import read_events, run_worker, worker_command, write_recipe
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import sft_data
-from minifield.strategies.packed_sft import strategy as packed_sft
+from minifield.strategies.packed_sft import batches, exported, sft_data
 
 MAX_STEPS = 6
 
@@ -153,15 +152,12 @@ def test_changing_only_the_optimizer_keeps_the_examples_digest(space):
 def test_data_order_is_a_pure_function_of_seed_and_step():
     n_rows, batch = 10, 4
     # update n consumes global positions 4n..4n+3 of the epoch permutations laid end to end
-    stream = np.concatenate([packed_sft.epoch_order(3, e, n_rows) for e in range(3)])
+    stream = np.concatenate([batches.epoch_order(3, e, n_rows) for e in range(3)])
     for step in range(6):
         expected = stream[step * batch : (step + 1) * batch]
-        assert packed_sft.rows_for_step(3, step, batch, n_rows).tolist() == expected.tolist()
-    assert sorted(packed_sft.epoch_order(3, 0, n_rows)) == list(range(n_rows))
-    assert (
-        packed_sft.epoch_order(3, 0, n_rows).tolist()
-        != packed_sft.epoch_order(4, 0, n_rows).tolist()
-    )
+        assert batches.rows_for_step(3, step, batch, n_rows).tolist() == expected.tolist()
+    assert sorted(batches.epoch_order(3, 0, n_rows)) == list(range(n_rows))
+    assert batches.epoch_order(3, 0, n_rows).tolist() != batches.epoch_order(4, 0, n_rows).tolist()
 
 
 # -- a run, its evaluation and its export -------------------------------------------------------
@@ -409,9 +405,9 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     program = validated.strategy.build(validated.data, loaded)
     program.export(program.init_state(), tmp_path / "export")
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == path.read_bytes()
-    exported = packed_sft.ExportedModel(tmp_path / "export")
-    assert exported.cfg.vocab_size == tok.vocab_size
-    assert isinstance(exported.generate("abc", max_new_tokens=3), str)
+    model = exported.ExportedModel(tmp_path / "export")
+    assert model.cfg.vocab_size == tok.vocab_size
+    assert isinstance(model.generate("abc", max_new_tokens=3), str)
 
 
 @pytest.mark.slow
@@ -452,7 +448,7 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     for event in read_events(attempt_dir / "events.jsonl"):
         if event["type"] != "update":
             continue
-        rows = packed_sft.rows_for_step(0, event["step"] - 1, 4, n_rows)
+        rows = batches.rows_for_step(0, event["step"] - 1, 4, n_rows)
         segments, positions = arrays["train_segments"][rows], arrays["train_positions"][rows]
         assert event["tokens"] == int(np.count_nonzero(segments))
         assert event["examples"] == int(np.count_nonzero((positions == 0) & (segments > 0)))
