@@ -75,9 +75,6 @@ class Execution:
         return cls(**values)
 
 
-DEFAULT = Execution()
-
-
 def with_recipe_options(cfg, recipe: dict):
     """``cfg`` (a model config) computing as the recipe's execution options say."""
     import dataclasses
