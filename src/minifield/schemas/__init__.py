@@ -19,6 +19,10 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 SUFFIX = ".schema.json"
+#: the packed-sft strategy's schema (its ``x-absent`` values are read by the model code too)
+PACKED_SFT = "strategy-packed-sft.schema.json"
+#: the training block packed-sft and two-stage share (the optimizer's defaults)
+TRAINING = "strategy-training.schema.json"
 
 
 @functools.cache

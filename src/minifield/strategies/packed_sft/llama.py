@@ -42,7 +42,7 @@ from .primitives import F32, ArchitectureConfig, einsum, rotate, scaled_normal
 
 ARCHITECTURE = "llama"
 #: what an absent ``rope_theta``, ``norm_eps``, ``qkv_bias`` mean: the recipe schema says
-_ABSENT = schemas.absent("strategy-packed-sft.schema.json", "model")
+_ABSENT = schemas.absent(schemas.PACKED_SFT, "model")
 
 
 @dataclass(frozen=True)

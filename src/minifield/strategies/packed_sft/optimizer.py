@@ -57,12 +57,11 @@ KEYS = (
     "grad_clip_norm",
 )
 DECAYS = ("cosine", "linear", "constant")
-TRAINING_SCHEMA = "strategy-training.schema.json"
 
 
 def defaults() -> dict:
     """``{key: default}`` of :data:`KEYS`, as the recipe schema gives them."""
-    shared = schemas.defaults(TRAINING_SCHEMA)
+    shared = schemas.defaults(schemas.TRAINING)
     return {key: shared[key] for key in KEYS}
 
 

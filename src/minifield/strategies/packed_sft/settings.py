@@ -23,7 +23,7 @@ from . import base_model
 from . import tokenizer as tokenizers
 
 NAME, VERSION = "packed-sft", "12.0.0"
-SCHEMA_FILE = "strategy-packed-sft.schema.json"
+SCHEMA_FILE = schemas.PACKED_SFT
 
 #: model keys only the Llama architecture reads
 LLAMA_KEYS = ("rope_theta", "norm_eps", "qkv_bias")
