@@ -47,7 +47,7 @@ class PackedSFTProgram(Program):
         if self.lora is not None:
             self._lora_setup(schedule)
         self._compiled = None
-        self._batches = None  # the prefetcher, started by the first dispatch
+        self._prefetcher = None  # started by the first dispatch
         self.data_parallel = parallel.DataParallel.from_training(training)
         self.layout = None  # set by lay_out_mesh(): the mesh and the state's shardings
         self.evaluator = Evaluator(
@@ -157,9 +157,9 @@ class PackedSFTProgram(Program):
 
         if self._compiled is None:
             self.compile()
-        if self._batches is None:
-            self._batches = Prefetcher(self.batches.with_counts)
-        batch, counts = self._batches.get(step)
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(self.batches.with_counts)
+        batch, counts = self._prefetcher.get(step)
         if self.layout is not None:
             batch = jax.device_put(batch, self.layout.batch)
         new_state, metrics = self._compiled(state, batch)
