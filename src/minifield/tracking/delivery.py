@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .. import atomic, locks
+from .. import atomic
+from ..supervision import locks
 from . import attempt_events
 from .cursor import Cursor, path_for
 from .runs import LOCK_WAIT_S, Runs, provenance_of
@@ -151,7 +152,7 @@ def _terminal_delivered(events_path: Path, delivered_seq: int) -> bool:
 
 
 def _read_all(path: Path) -> tuple[list[dict], list[dict]]:
-    from .. import events
+    from ..attempt import events
 
     return events.read(path)
 

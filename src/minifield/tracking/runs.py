@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import locks
+from ..supervision import locks
 from . import attempt_events
 from .connection import Connection
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import export
+from ...state import export
 from ..base import Program, Strategy
 from .teacher import N_EXAMPLES, heldout_mse, teacher_examples
 

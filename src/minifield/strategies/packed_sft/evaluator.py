@@ -53,7 +53,7 @@ class Evaluator:
     def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
-        from ...state import to_host
+        from ...state.arrays import to_host
         from .parallel import place
 
         n = rows["tokens"].shape[0]

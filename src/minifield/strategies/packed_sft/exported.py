@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ... import export
 from ...digest import sha256_bytes
+from ...state import export
 from . import base_model, chat_template, lora, settings, sft_data
 from . import tokenizer as tokenizers
 
@@ -62,7 +62,7 @@ def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, l
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
     store's gate and ``minifield generate`` load without the base).
     """
-    from ...state import named_arrays
+    from ...state.arrays import named_arrays
 
     directory.mkdir(parents=True, exist_ok=True)
     dev_bytes = np.asarray(arrays["dev_jsonl"]).tobytes()
@@ -79,7 +79,7 @@ def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, l
         return
     import jax
 
-    from ...state import to_host
+    from ...state.arrays import to_host
     from . import hf_export
 
     tokenizer_config_json = None
@@ -124,7 +124,7 @@ class ExportedModel:
     def __init__(self, directory: Path):
         import jax
 
-        from ...state import restore_like
+        from ...state.arrays import restore_like
         from . import model
 
         self.directory = Path(directory)

@@ -149,11 +149,11 @@ class PackedSFTProgram(Program):
 
     def dispatch(self, state: dict, step: int):
         """Queue the update on the device and return at once: the batch was built ahead on
-        the host (:class:`~minifield.batch_prefetch.Prefetcher`), the metrics are read back
+        the host (:class:`.batch_prefetch.Prefetcher`), the metrics are read back
         when the caller asks for them (no device sync here)."""
         import jax
 
-        from ...batch_prefetch import Prefetcher
+        from .batch_prefetch import Prefetcher
 
         if self._compiled is None:
             self.compile()
