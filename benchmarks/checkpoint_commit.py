@@ -12,7 +12,7 @@ packed-sft model (``init_train_state``), on this machine's disk, round by round:
   written, fsyncs overlapping the writes, the state hash computed alongside), also with the
   state hash already known (what a checkpoint at a hashed update gets), and its CPU time
   (``sync_cpu``: the hashing and copying that a busy machine has to find cores for);
-- **asynchronous commit**: :class:`minifield.attempt.checkpoint_cadence.Checkpointing` with its
+- **asynchronous commit**: :class:`minifield.attempt.checkpoint_cadence.CheckpointCadence` with its
   background writer: the time the update loop is blocked at the step boundary (the host
   copy, handing it over), then the wait for durability.
 
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import TRAINING, VOCAB, packed_batch  # noqa: E402
 
 from minifield import atomic  # noqa: E402
-from minifield.attempt.checkpoint_cadence import Checkpointing  # noqa: E402
+from minifield.attempt.checkpoint_cadence import CheckpointCadence  # noqa: E402
 from minifield.attempt.events import EventLog  # noqa: E402
 from minifield.attempt.faults import Faults  # noqa: E402
 from minifield.attempt.update_loop import HostSnapshot  # noqa: E402
@@ -136,7 +136,7 @@ def sync_commit(directory: Path, state, step: int, known_hash: str | None = None
 
 def async_commit(directory: Path, state, step: int) -> tuple[float, float]:
     """(seconds the loop was blocked, seconds until the commit was durable)."""
-    checkpoints = Checkpointing(
+    checkpoints = CheckpointCadence(
         directory,
         computation_digest="bench",
         attempt_id="bench",

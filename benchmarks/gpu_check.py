@@ -13,12 +13,12 @@ recorded with its error and the others still run; the JSON is rewritten after ev
   model (``_llama_minimal.py``), Llama-style at about 125M and 350M parameters, BF16, sequence
   2048, fused (Pallas) attention in both; compile time, step time, tokens/s, model FLOP/s and
   MFU against the dense BF16 peak (989 TFLOP/s on H100/H200; elsewhere the measured peak);
-- ``recovery``: the recovery proof (``recovery.prove``: real workers under the supervisor) of a
+- ``recovery``: the recovery proof (``prove``: real workers under the supervisor) of a
   small Llama recipe on this device with the same execution options: a reference run, a run
   that crashes after update k, a resume from its last checkpoint; complete-state hashes
-  compared update by update, judged by ``recovery.verdict``;
+  compared update by update, judged by ``verdict``;
 - ``checkpoint``: the 125M model's complete training state (on the device) committed as a raw
-  fsync'd file, synchronously (``checkpoint.save``) and in the background (``Checkpointing``):
+  fsync'd file, synchronously (``checkpoint.save``) and in the background (``CheckpointCadence``):
   bandwidths, blocking time ÷ synchronous time, one per-update state hash;
 - ``determinism_cost`` (GPU only): our 125M step without the GPU determinism flags, to price
   them against ``step_125m``.
@@ -450,7 +450,8 @@ def section_determinism_cost(args, context, report) -> dict:
 
 def section_recovery(args, context, report) -> dict:
     from minifield import recipe as recipes
-    from minifield.proof import recovery
+    from minifield.proof.prove import prove
+    from minifield.proof.verdict import verdict
     from minifield.supervision import supervise as supervisor
 
     work = Path(args.work_dir) / "recovery"
@@ -462,11 +463,11 @@ def section_recovery(args, context, report) -> dict:
     # every worker is bounded by what is left of the section
     supervision = supervisor.Settings(deadline_s=limit, stall_s=limit, grace_s=5.0)
     log(f"  recovery proof ({args.proof_mode}) of {checked.computation_digest[:16]}")
-    proof = recovery.prove(
+    proof = prove(
         recipe_path, REPO / "data", work, work / "proof.json",
         mode=args.proof_mode, supervision=supervision,
     )  # fmt: skip
-    reasons = recovery.verdict(proof, checked.computation_digest)
+    reasons = verdict(proof, checked.computation_digest)
     reference = {h["step"]: h["state_hash"] for h in proof["reference"]["state_hashes"]}
     out = {
         "recipe": {k: checked.data[k] for k in ("model", "training", "checkpoint", "runtime")},

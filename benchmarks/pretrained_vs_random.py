@@ -36,7 +36,7 @@ import yaml  # noqa: E402
 import minifield  # noqa: E402
 from minifield import atomic  # noqa: E402
 from minifield.inputs import examples  # noqa: E402
-from minifield.pipeline import stages  # noqa: E402
+from minifield.pipeline import evaluation, preparation  # noqa: E402
 
 DEMO = ROOT / "config/recipes/llama-sft-demo.yaml"
 BASE_INPUTS = ("base-config", "base-weights", "base-tokenizer", "base-tokenizer-config")
@@ -85,9 +85,9 @@ def run_like_the_pipeline(recipe: dict, work: Path) -> tuple[dict, Path]:
     work.mkdir(parents=True)
     raw = work / "raw.json"
     raw.write_text(json.dumps(recipe))
-    stages.validate(raw, work / "recipe.json", work / "validation.json")
+    preparation.validate(raw, work / "recipe.json", work / "validation.json")
     prepared = work / "examples"
-    stages.prepare(work / "recipe.json", ROOT / "data", prepared)
+    preparation.prepare(work / "recipe.json", ROOT / "data", prepared)
     with _stdout_to_stderr():  # the attempt's events; stdout is the table
         result = minifield.run(
             work / "recipe.json",
@@ -101,7 +101,9 @@ def run_like_the_pipeline(recipe: dict, work: Path) -> tuple[dict, Path]:
     atomic.write_json(
         work / "result.json", {**result.result, "attempt_dir": str(result.attempt_dir)}
     )
-    metrics = stages.evaluate(work / "recipe.json", work / "result.json", prepared, work / "m.json")
+    metrics = evaluation.evaluate(
+        work / "recipe.json", work / "result.json", prepared, work / "m.json"
+    )
     return metrics, prepared
 
 

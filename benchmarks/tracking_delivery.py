@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import preparation
 from minifield.supervision import supervise
 from minifield.tracking import connection, delivery, live, settings
 
@@ -115,8 +115,8 @@ def main() -> int:
                   f"{took:.2f} s = {args.events / took:.0f} events/s, "
                   f"{args.events * 5 / took:.0f} points/s (batches of 100 events)")  # fmt: skip
 
-            stages.validate(args.recipe, root / "recipe.json", root / "validation.json")
-            stages.prepare(root / "recipe.json", args.input_root, root / "examples")
+            preparation.validate(args.recipe, root / "recipe.json", root / "validation.json")
+            preparation.prepare(root / "recipe.json", args.input_root, root / "examples")
             figures: dict[str, list] = {"off": [], "on": []}
             cpu_shares: list[float] = []
             for round_ in range(args.rounds):

@@ -26,7 +26,7 @@ from test_llama import LLAMA, hf_tensors
 from minifield import cli
 from minifield import recipe as recipes
 from minifield.inputs import examples, pinned
-from minifield.pipeline import stages
+from minifield.pipeline import preparation
 from minifield.state import export
 from minifield.strategies.packed_sft import base_model, sft_data
 
@@ -151,7 +151,7 @@ def test_training_starts_from_the_base_weights_read_from_the_file(root, tmp_path
     recipe = base_recipe(root)
     path = write_recipe(tmp_path / "recipe.json", recipe)
     # the real prepare stage, to disk, and the program built from what it wrote
-    stages.prepare(path, root, tmp_path / "examples")
+    preparation.prepare(path, root, tmp_path / "examples")
     loaded = recipes.load(path)
     arrays, _ = examples.load(tmp_path / "examples", loaded.examples_digest)
     program = loaded.strategy.build(loaded.data, arrays)

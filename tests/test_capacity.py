@@ -11,7 +11,7 @@ from fractions import Fraction
 import pytest
 
 from minifield import cli
-from minifield.observe import capacity
+from minifield.observe import capacity, capacity_scenarios
 
 # (seconds_per_job, arrivals_per_hour, workers, reserve_fraction, price) -> figures by hand.
 HAND_CASES = [
@@ -242,7 +242,7 @@ def test_measured_run_across_a_restart_by_hand(tmp_path):
         "job_id": "j", "environment": {"backend": "cpu", "device_kind": ["cpu"]},
     }))  # fmt: skip
     recipe = {"limits": {"max_steps": 4}, "checkpoint": {"every_steps": 2}}
-    m = capacity.measure_run(result, recipe)
+    m = capacity_scenarios.measure_run(result, recipe)
     # worker time: the spans 2.0 + 3.0; the 3.0 s between the attempts is not a worker's
     assert m["job_wall_s"] == pytest.approx(5.0)
     assert m["updates"] == 5 and m["update_s"] == pytest.approx(1.25)
@@ -253,7 +253,7 @@ def test_measured_run_across_a_restart_by_hand(tmp_path):
     assert [(a["attempt_id"], a["wall_s"], a["updates"], a["checkpoint_commits"], a["status"])
             for a in m["attempts"]] == [("a1", 2.0, 3, 1, "interrupted"),
                                         ("a2", 3.0, 2, 1, "completed")]  # fmt: skip
-    rows = {r["scenario"]: r for r in capacity.scenarios(m, [1], [2])}
+    rows = {r["scenario"]: r for r in capacity_scenarios.scenarios(m, [1], [2])}
     assert rows["measured"]["seconds_per_job"] == pytest.approx(5.0)
     # 3.5 other + 4 updates x 0.25 + 4 commits x 0.125
     assert rows["checkpoint_every_1"]["seconds_per_job"] == pytest.approx(5.0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
-from minifield.pipeline import stages
+from minifield.pipeline import evaluation, preparation
 from minifield.state import export
 from minifield.strategies.linear_momentum.program import LinearProgram
 
@@ -46,8 +46,8 @@ def test_evaluate_holds_one_checkpoint_at_a_time_and_exports_the_dev_selected_on
     )
     attempt = tmp_path / "out" / "linear-test" / "a"
     recipe_json = tmp_path / "recipe.json"
-    stages.validate(job, recipe_json, tmp_path / "validation.json")
-    stages.prepare(recipe_json, tmp_path / "in", tmp_path / "examples")
+    preparation.validate(job, recipe_json, tmp_path / "validation.json")
+    preparation.prepare(recipe_json, tmp_path / "in", tmp_path / "examples")
     result = json.loads((attempt / "result.json").read_text())
     train_result = tmp_path / "train-result.json"
     train_result.write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
@@ -62,7 +62,7 @@ def test_evaluate_holds_one_checkpoint_at_a_time_and_exports_the_dev_selected_on
         return scored(self, state)
 
     monkeypatch.setattr(LinearProgram, "evaluate", counting)
-    metrics = stages.evaluate(
+    metrics = evaluation.evaluate(
         recipe_json, train_result, tmp_path / "examples", tmp_path / "metrics.json",
         tmp_path / "selected-export",
     )  # fmt: skip

@@ -18,6 +18,7 @@ from conftest import run_snakemake
 from remote_server import AssetServer, make_certificate
 
 from minifield.inputs import fetch
+from minifield.pipeline import preparation
 
 TOKEN = "tok-" + secrets.token_hex(16)
 
@@ -143,7 +144,7 @@ def test_stage_refusal_leaves_no_input_root(tmp_path):
         section = {"allowed_origins": ["https://assets.example"], "ca_bundle": str(cert)}
         root = tmp_path / "results" / "fetched" / "0123456789abcdef"
         with pytest.raises(fetch.FetchError, match=f"origin {server.origin} of {url} is not an"):
-            fetch.stage(
+            preparation.fetch_inputs(
                 recipe, section, tmp_path / "work", tmp_path / "data", root, tmp_path / "f.json"
             )
         assert server.requests == []
@@ -175,7 +176,7 @@ def test_stage_links_local_inputs_at_their_path(tmp_path):
         )
     )
     root = tmp_path / "results" / "fetched" / "0123456789abcdef"
-    record = fetch.stage(
+    record = preparation.fetch_inputs(
         recipe, {}, tmp_path / "work", tmp_path / "data", root, tmp_path / "fetched.json"
     )
     assert (root / "linear" / "examples.jsonl").read_bytes() == data

@@ -24,8 +24,8 @@ from test_llama import _flax_model, _recipe
 
 from minifield import cli
 from minifield import recipe as recipes
-from minifield.pipeline import stages
-from minifield.proof import recovery
+from minifield.pipeline import evaluation, preparation
+from minifield.proof.prove import prove
 from minifield.state import export
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
@@ -239,8 +239,8 @@ def _llama_run(root: Path) -> dict:
     recipe["training"]["learning_rate"] = 0.01
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4}
     raw = write_recipe(root / "raw.json", recipe)
-    stages.validate(raw, root / "recipe.json", root / "validation.json")
-    stages.prepare(root / "recipe.json", root / "in", root / "examples")
+    preparation.validate(raw, root / "recipe.json", root / "validation.json")
+    preparation.prepare(root / "recipe.json", root / "in", root / "examples")
     run_worker(
         job=root / "recipe.json",
         input_root=root / "in",
@@ -250,10 +250,10 @@ def _llama_run(root: Path) -> dict:
     (attempt,) = (root / "attempts" / "hf-export").iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    stages.evaluate(
+    evaluation.evaluate(
         root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
     )
-    proof = recovery.prove(
+    proof = prove(
         root / "recipe.json",
         root / "in",
         root / "work",

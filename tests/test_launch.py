@@ -102,9 +102,8 @@ def test_sigterm_reaches_every_process(tmp_path):
 
 def test_inside_a_slurm_allocation_it_runs_srun():
     env = {"SLURM_JOB_ID": "17", "SLURM_NTASKS": "2"}
-    assert launch.in_slurm_allocation(2, env)
-    assert not launch.in_slurm_allocation(4, env)  # too few tasks: local processes instead
-    assert not launch.in_slurm_allocation(2, {"SLURM_NTASKS": "2"})
+    assert launch.allocation_tasks(env) == 2
+    assert launch.allocation_tasks({"SLURM_NTASKS": "2"}) is None  # no job: not inside one
     assert launch.allocation_tasks({}) is None
     assert launch.srun_command(["w", "--x"], 2) == [
         "srun", "--ntasks=2", "--kill-on-bad-exit=1", "w", "--x",

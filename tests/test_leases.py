@@ -158,15 +158,15 @@ def test_one_training_attempt_per_computation(tmp_path):
     attempt is refused before any worker starts."""
     from conftest import REPO, linear_recipe, write_recipe
 
-    from minifield.pipeline import stages
+    from minifield.pipeline import errors, training
 
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     work = tmp_path / "work"
     work.mkdir()
     fd = locks.try_lock(work / "train.lock", {"pid": os.getpid(), "who": "test"})
     try:
-        with pytest.raises(stages.StageError, match="still running"):
-            stages.train_attempt(
+        with pytest.raises(errors.StageError, match="still running"):
+            training.train_attempt(
                 recipe,
                 REPO / "data",
                 tmp_path / "examples",

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 from test_base_model import BASE, _prepare, _run, base_recipe, make_inputs
 
 from minifield import recipe as recipes
-from minifield.pipeline import stages
+from minifield.pipeline import evaluation, preparation
 from minifield.strategies.packed_sft import lora, model
 
 RANK, ALPHA = 4, 8.0
@@ -299,11 +299,11 @@ def test_a_lora_run_trains_only_adapters_and_resumes_bit_identically(tmp_path):
     # the pipeline's evaluate stage scores the adapter checkpoints (with the base from the
     # prepared examples) and exports the DEV-selected one, which the store's gate re-evaluates
     recipe_json = tmp_path / "validated.json"
-    stages.validate(path, recipe_json, tmp_path / "validation.json")
-    stages.prepare(recipe_json, root, tmp_path / "examples")
+    preparation.validate(path, recipe_json, tmp_path / "validation.json")
+    preparation.prepare(recipe_json, root, tmp_path / "examples")
     train_result = tmp_path / "train-result.json"
     train_result.write_text(json.dumps({**result, "attempt_dir": str(resumed)}))
-    metrics = stages.evaluate(
+    metrics = evaluation.evaluate(
         recipe_json, train_result, tmp_path / "examples", tmp_path / "metrics.json",
         tmp_path / "selected",
     )  # fmt: skip

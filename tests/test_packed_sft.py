@@ -415,19 +415,19 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     """prepare → train (worker subprocess, cache under the work dir) → evaluate, as Snakemake runs them."""
     import shutil
 
-    from minifield.pipeline import stages
+    from minifield.pipeline import evaluation, preparation, training
 
     root = space["root"] / "stages"
     recipe_json = root / "recipe.json"
-    stages.validate(reference["recipe"], recipe_json, root / "validation.json")
-    manifest = stages.prepare(recipe_json, space["input_root"], root / "examples")
+    preparation.validate(reference["recipe"], recipe_json, root / "validation.json")
+    manifest = preparation.prepare(recipe_json, space["input_root"], root / "examples")
     train_stats = manifest["meta"]["splits"]["train"]
     assert train_stats["examples"] == 96 and train_stats["rejected"] == 0
     assert manifest["meta"]["packing_efficiency"] == train_stats["efficiency"]
     work = root / "work"
     # seed the work dir's cache with the module's executables (only to save test time)
     shutil.copytree(space["cache"], work / "jax-cache")
-    result = stages.train_attempt(
+    result = training.train_attempt(
         recipe_json,
         space["input_root"],
         root / "examples",
@@ -452,7 +452,7 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
         segments, positions = arrays["train_segments"][rows], arrays["train_positions"][rows]
         assert event["tokens"] == int(np.count_nonzero(segments))
         assert event["examples"] == int(np.count_nonzero((positions == 0) & (segments > 0)))
-    metrics = stages.evaluate(
+    metrics = evaluation.evaluate(
         recipe_json,
         root / "train" / "result.json",
         root / "examples",

@@ -15,8 +15,10 @@ import pytest
 import yaml
 from conftest import REPO, copy_run, linear_recipe, run_snakemake, write_recipe
 
-from minifield.pipeline import stages
-from minifield.proof import recovery
+from minifield.pipeline import errors, training
+from minifield.proof.comparison import compare, divergence_text
+from minifield.proof.document import FORMAT
+from minifield.proof.verdict import verdict
 from minifield.recipe import load_schema
 
 # Real Snakemake runs and the prove CLI are slow; the verdict tests read documents only.
@@ -104,7 +106,7 @@ def test_demo_proof_passes_and_its_evidence_checks_out(pipeline):
         assert res[step]["part_hashes"] == ref[step]["part_hashes"]
 
     _check_preemption_part_by_hand(proof, workdir, ref)
-    assert recovery.verdict(proof, validation["computation_digest"]) == []
+    assert verdict(proof, validation["computation_digest"]) == []
 
     # training ran only after the proof, under the supervisor
     result = json.loads((cdir / "train" / "result.json").read_text())
@@ -166,7 +168,7 @@ def test_divergence_names_the_step_and_the_state_part(pipeline):
     bad = start + 2
     resumed[bad]["state_hash"] = "0" * 64
     resumed[bad]["part_hashes"]["opt_state"] = "0" * 64
-    result = recovery.compare(
+    result = compare(
         ref,
         resumed,
         restored_step=start,
@@ -176,13 +178,13 @@ def test_divergence_names_the_step_and_the_state_part(pipeline):
     div = result["first_divergence"]
     assert div["step"] == bad and div["parts"] == ["opt_state"] and div["what"] == "update"
     assert result["next_update"]["equal"] is True
-    text = recovery.divergence_text(div, "crash")
+    text = divergence_text(div, "crash")
     assert f"step {bad}" in text and "optimizer state" in text and "crash" in text
 
     del resumed[bad]
-    div = recovery.compare(
-        ref, resumed, restored_step=start, restored_state_hash="f" * 64, steps=steps
-    )["first_divergence"]
+    div = compare(ref, resumed, restored_step=start, restored_state_hash="f" * 64, steps=steps)[
+        "first_divergence"
+    ]
     assert div["step"] == start and div["what"] == "restored checkpoint"
 
 
@@ -233,7 +235,7 @@ def _real_proof(name: str = "linear-demo-both.json") -> dict:
 
 
 def _refusal(proof: dict, *expected: str) -> list[str]:
-    reasons = recovery.verdict(proof, _real_proof()["computation_digest"])
+    reasons = verdict(proof, _real_proof()["computation_digest"])
     assert reasons, "an altered proof was accepted"
     text = "\n".join(reasons)
     for fragment in expected:
@@ -246,17 +248,17 @@ def test_verdict_accepts_real_proofs_old_and_new():
     assert both["settings"]["mode"] == "both" and "mode" not in legacy["settings"]
     for proof in (both, legacy):
         jsonschema.validate(proof, load_schema("proof.schema.json"))
-        assert recovery.verdict(proof, proof["computation_digest"]) == []
+        assert verdict(proof, proof["computation_digest"]) == []
 
 
 def test_verdict_refuses_a_foreign_proof():
     proof = _real_proof()
     other = "ab" * 32
-    reasons = recovery.verdict(proof, other)
+    reasons = verdict(proof, other)
     assert any(f"not {other}" in r and proof["computation_digest"] in r for r in reasons)
     # documents that are not this format's proofs at all; a status field is no substitute
     for foreign in ([], "passed", {"passed": True}, {"status": "pass", "passed": True}):
-        assert recovery.verdict(foreign, proof["computation_digest"])
+        assert verdict(foreign, proof["computation_digest"])
     status_only = {k: v for k, v in proof.items() if k != "passed"} | {"status": "pass"}
     _refusal(status_only, "does not say it passed (passed=None)")
 
@@ -323,7 +325,7 @@ def test_verdict_refuses_a_missing_restore_step():
 def test_verdict_refuses_passed_inconsistent_with_the_records():
     proof = _real_proof()
     proof["passed"] = False  # every hash equal, but the proof itself does not pass
-    assert recovery.verdict(proof, proof["computation_digest"]) == [
+    assert verdict(proof, proof["computation_digest"]) == [
         f"the proof does not say it passed (passed=False): {proof['diagnosis']}"
     ]
     proof = _real_proof()
@@ -354,7 +356,7 @@ def test_verdict_never_raises_on_malformed_documents():
     good = _real_proof()
     digest = good["computation_digest"]
     broken = [
-        {"format": recovery.FORMAT},
+        {"format": FORMAT},
         {**good, "settings": "six"},
         {**good, "settings": {**good["settings"], "steps": True}},
         {**good, "reference": {"state_hashes": "abc"}},
@@ -364,7 +366,7 @@ def test_verdict_never_raises_on_malformed_documents():
         {**good, "faulted": None, "checkpoint_used": None},
     ]
     for proof in broken:
-        assert recovery.verdict(proof, digest), proof
+        assert verdict(proof, digest), proof
 
     # every value anywhere in the document replaced by every JSON type: a list of reasons
     def paths(value, prefix=()):
@@ -381,7 +383,7 @@ def test_verdict_never_raises_on_malformed_documents():
             for key in path[:-1]:
                 parent = parent[key]
             parent[path[-1]] = junk
-            reasons = recovery.verdict(proof, digest)
+            reasons = verdict(proof, digest)
             assert isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)
 
 
@@ -390,16 +392,16 @@ def test_training_gate_uses_the_verdict(tmp_path):
     recipe = SimpleNamespace(computation_digest=proof["computation_digest"])
     path = tmp_path / "proof.json"
     path.write_text(json.dumps(proof))
-    assert stages.check_proof(path, recipe)["passed"] is True
+    assert training.check_proof(path, recipe)["passed"] is True
     proof["preempted"]["resumed"]["state_hashes"][0]["state_hash"] = "0" * 64
     path.write_text(json.dumps(proof))
-    with pytest.raises(stages.StageError, match="preempt: the resumed run's state hash differs"):
-        stages.check_proof(path, recipe)
-    with pytest.raises(stages.StageError, match="of computation 'e0"):
-        stages.check_proof(path, SimpleNamespace(computation_digest="f" * 64))
+    with pytest.raises(errors.StageError, match="preempt: the resumed run's state hash differs"):
+        training.check_proof(path, recipe)
+    with pytest.raises(errors.StageError, match="of computation 'e0"):
+        training.check_proof(path, SimpleNamespace(computation_digest="f" * 64))
     path.write_bytes(b"\xff\xfe")
-    with pytest.raises(stages.StageError, match="cannot read the recovery proof"):
-        stages.check_proof(path, recipe)
+    with pytest.raises(errors.StageError, match="cannot read the recovery proof"):
+        training.check_proof(path, recipe)
 
 
 @pytest.mark.slow
@@ -423,5 +425,5 @@ def test_prove_cli_preempt_mode_alone(tmp_path):
     jsonschema.validate(proof, load_schema("proof.schema.json"))
     assert proof["settings"]["mode"] == "preempt" and proof["faulted"] is None
     assert proof["preempted"]["receipt"]["step"] == proof["settings"]["preempt_after_step"] == 3
-    assert recovery.verdict(proof, proof["computation_digest"]) == []
+    assert verdict(proof, proof["computation_digest"]) == []
     assert json.loads(proc.stdout)["preempted"]["passed"] is True

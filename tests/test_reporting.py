@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minifield.observe import reporting
+from minifield.observe.report import results, training
 
 H = {c: c * 64 for c in "abcdef"}  # readable fake sha256 strings
 
@@ -28,7 +28,7 @@ def test_recovery_table_compares_hash_sequences_and_flags_divergence(tmp_path):
         },
     )
     out = tmp_path / "recovery.html"
-    reporting.recovery_table(proof, out)
+    results.recovery_table(proof, out)
     page = out.read_text()
     assert "FAILED" in page
     assert page.count(">equal<") == 2 and page.count(">DIFFERENT<") == 1
@@ -37,9 +37,9 @@ def test_recovery_table_compares_hash_sequences_and_flags_divergence(tmp_path):
 
 def test_missing_optional_inputs_say_which_rule_is_absent(tmp_path):
     for function, rule in [
-        (reporting.recovery_table, "qualify"),
-        (reporting.publication_table, "publish"),
-        (reporting.capacity_table, "capacity_table"),
+        (results.recovery_table, "qualify"),
+        (results.publication_table, "publish"),
+        (results.capacity_table, "capacity_table"),
     ]:
         out = tmp_path / f"{rule}.html"
         function(None, out)
@@ -50,7 +50,7 @@ def test_capacity_and_publication_tables_show_the_records(tmp_path):
     csv_path = tmp_path / "capacity.csv"
     csv_path.write_text("scenario,seconds_per_job,min_workers_with_reserve\nmeasured,12.5,2\n")
     out = tmp_path / "capacity.html"
-    reporting.capacity_table(csv_path, out)
+    results.capacity_table(csv_path, out)
     page = out.read_text()
     assert "<th>min_workers_with_reserve</th>" in page and '<td class="num">12.5</td>' in page
     assert "hypothetical" in page.lower() or "assumptions" in page
@@ -59,7 +59,7 @@ def test_capacity_and_publication_tables_show_the_records(tmp_path):
         {"content_id": H["f"], "provenance": {"recipe_digest": H["a"]}, "active": True},
     )
     out = tmp_path / "publication.html"
-    reporting.publication_table(record, out)
+    results.publication_table(record, out)
     page = out.read_text()
     assert H["f"] in page and "provenance.recipe_digest" in page and ">yes<" in page
 
@@ -87,7 +87,7 @@ def test_evaluation_table_marks_the_dev_selected_checkpoint(tmp_path):
         },
     )
     out = tmp_path / "evaluation.html"
-    reporting.evaluation_table(metrics, out)
+    results.evaluation_table(metrics, out)
     page = out.read_text()
     selected = page.split('<tr class="selected">')[1].split("</tr>")[0]
     assert '<td class="num">4</td>' in selected and "DEV-selected" in selected
@@ -133,9 +133,9 @@ def test_goodput_chart_and_throughput_table_from_a_summary(tmp_path):
             "note": "update_duty_fraction ... is not hardware utilization.",
         },
     )
-    reporting.plot_goodput(summary, tmp_path / "goodput.png")
+    training.plot_goodput(summary, tmp_path / "goodput.png")
     assert (tmp_path / "goodput.png").read_bytes().startswith(b"\x89PNG")
-    reporting.throughput_table(summary, tmp_path / "throughput.html")
+    training.throughput_table(summary, tmp_path / "throughput.html")
     page = (tmp_path / "throughput.html").read_text()
     assert "update_duty_fraction" in page and "not hardware utilization" in page
     assert '<td class="num">0.375</td>' in page
@@ -168,7 +168,7 @@ def test_recovery_table_shows_the_proofs_own_comparison(tmp_path):
         },
     )
     out = tmp_path / "recovery.html"
-    reporting.recovery_table(proof, out)
+    results.recovery_table(proof, out)
     page = out.read_text()
     assert "passed" in page and "reproduced the computation exactly" in page
     assert "<th>what</th>" in page and page.count(">restored checkpoint<") == 1

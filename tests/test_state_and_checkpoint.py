@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ def test_state_hash_covers_every_part_and_names_the_one_that_differs():
 def test_roundtrip_keeps_scalars_shapes_and_hash(tmp_path):
     state = make_state(w=2.5, step=4)
     committed = checkpoint.save(tmp_path, state, step=4, computation_digest="c" * 64)
-    restored, manifest = checkpoint.load(committed.path, make_state(), computation_digest="c" * 64)
+    restored, manifest = checkpoint.load(
+        Path(committed.path), make_state(), computation_digest="c" * 64
+    )
     assert manifest["step"] == 4
     assert np.asarray(restored["step"]).shape == ()
     assert state_hash(restored) == state_hash(state) == committed.state_hash
@@ -63,7 +66,7 @@ def test_flipped_byte_truncation_and_missing_manifest_are_detected(tmp_path):
 def test_other_computation_is_refused(tmp_path):
     committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="a" * 64)
     with pytest.raises(checkpoint.CheckpointError, match="belongs to computation"):
-        checkpoint.load(committed.path, make_state(), computation_digest="b" * 64)
+        checkpoint.load(Path(committed.path), make_state(), computation_digest="b" * 64)
 
 
 def test_non_increasing_step_is_rejected_and_retention_prunes(tmp_path):
@@ -82,7 +85,7 @@ def test_checkpoint_contains_no_pickle(tmp_path):
     # One .npy per state leaf (the documented layout arrays/00000.npy ...), counted from the
     # state itself, so an empty or partial arrays directory fails here.
     leaves = jax.tree_util.tree_leaves(state)
-    files = sorted((committed.path / "arrays").iterdir())
+    files = sorted((Path(committed.path) / "arrays").iterdir())
     assert [f.name for f in files] == [f"{i:05d}.npy" for i in range(len(leaves))]
     # raises if an object array / pickle were stored
     stored = [np.load(file, allow_pickle=False) for file in files]

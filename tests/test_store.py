@@ -25,8 +25,8 @@ from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield import cli
 from minifield import store as stores
-from minifield.pipeline import stages
-from minifield.proof import recovery
+from minifield.pipeline import evaluation, preparation
+from minifield.proof.prove import prove
 
 pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
 
@@ -36,24 +36,24 @@ HELDOUT_X = (-1.5, -0.37, 0.22, 1.5)
 # -- real training runs (module scope: each is a real worker process) ---------------------------
 
 
-def _train(root: Path, prove: bool = True, **overrides) -> dict:
+def _train(root: Path, with_proof: bool = True, **overrides) -> dict:
     """validate → prepare → real worker → evaluate (→ recovery proof), as the pipeline does."""
     root.mkdir(parents=True)
     raw = write_recipe(root / "raw.json", linear_recipe(**overrides))
-    stages.validate(raw, root / "recipe.json", root / "validation.json")
-    stages.prepare(root / "recipe.json", root, root / "examples")
+    preparation.validate(raw, root / "recipe.json", root / "validation.json")
+    preparation.prepare(root / "recipe.json", root, root / "examples")
     run_worker(
         job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
     )
     (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
     result = json.loads((attempt / "result.json").read_text())
     (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    stages.evaluate(
+    evaluation.evaluate(
         root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
     )
-    if prove:
+    if with_proof:
         # The qualification rule's recovery proof: reference, crash, resume (real workers).
-        proof = recovery.prove(
+        proof = prove(
             root / "recipe.json", root, root / "work", root / "proof.json",
             examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
         )  # fmt: skip
@@ -64,7 +64,7 @@ def _train(root: Path, prove: bool = True, **overrides) -> dict:
         "recipe": root / "recipe.json",
         "result": root / "result.json",
         "metrics": root / "metrics.json",
-        "proof": root / "proof.json" if prove else None,
+        "proof": root / "proof.json" if with_proof else None,
     }
 
 
@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
         # a threshold the model cannot meet: the declared validation fails (no proof needed)
         "strict": _train(
             base / "strict",
-            prove=False,
+            with_proof=False,
             job_id="store-strict",
             evaluation={"max_heldout_mse": 1e-9},
         ),

@@ -29,7 +29,7 @@ from conftest import (
     write_recipe,
 )
 
-from minifield.attempt.checkpoint_cadence import Checkpointing
+from minifield.attempt.checkpoint_cadence import CheckpointCadence
 from minifield.attempt.checkpoint_writer import CheckpointWriteError
 from minifield.attempt.events import EventLog
 from minifield.attempt.faults import Faults
@@ -96,8 +96,8 @@ class _DurabilityCheckingStream(io.StringIO):
         return super().write(text)
 
 
-def _checkpointing(tmp_path: Path, echo) -> Checkpointing:
-    return Checkpointing(
+def _checkpointing(tmp_path: Path, echo) -> CheckpointCadence:
+    return CheckpointCadence(
         tmp_path / "checkpoints",
         computation_digest="c" * 64,
         attempt_id="a",
@@ -133,7 +133,8 @@ def test_background_commits_are_reported_once_durable_in_step_order(tmp_path):
     assert checkpoints.newest.step == 6
     # the same bytes as a synchronous commit writes
     sync = checkpoint.save(tmp_path / "sync", states[6], step=6, computation_digest="c" * 64)
-    assert [e["sha256"] for e in sync.manifest["arrays"]] == [
+    sync_manifest = json.loads((Path(sync.path) / "manifest.json").read_text())
+    assert [e["sha256"] for e in sync_manifest["arrays"]] == [
         e["sha256"]
         for e in json.loads((Path(events[-1]["path"]) / "manifest.json").read_text())["arrays"]
     ]
@@ -198,16 +199,16 @@ def test_the_loop_reports_every_update_late_but_in_order_with_the_same_values(tm
     snapshot = HostSnapshot()
     checkpoints = _checkpointing(tmp_path, None)
     checkpoints.events, checkpoints.snapshot = events, snapshot
+    commit_on_cadence, collect_commits = checkpoints.hooks()
     loop = UpdateLoop(
         program,
         max_steps=7,
         stopping=Stopping({}, stop_after_step=None, group=distributed.Group(), started_mono=0),
         events=events,
         progress=Progress(),
-        hooks=[checkpoints.hook(), periodic_evaluation(program, events, 7)],
+        hooks=[commit_on_cadence, periodic_evaluation(program, events, 7), collect_commits],
         record_state_hashes=3,
         say=lambda message: None,
-        between_updates=[checkpoints.collect],
         snapshot=snapshot,
     )
     end = loop.run(program.place(program.init_state()), 0, 0.0)

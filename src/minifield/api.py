@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import recipe as recipes
 from .attempt.hash_cadence import HashCadence
+from .attempt.layout import RESULT
 
 if TYPE_CHECKING:
     from .attempt import train
@@ -273,7 +274,7 @@ def run(
         return _invalid(
             f"cannot open an attempt under {output_root}: {exc}", "open", checked.computation_digest
         )
-    result_path = attempt_dir / train.RESULT_FILE
+    result_path = attempt_dir / RESULT
     if not options.group.is_writer or not result_path.is_file():
         return RunResult(
             status=_STATUS_OF_CODE.get(code, "failed"),

@@ -15,10 +15,10 @@ import argparse
 import importlib
 import os
 import pkgutil
-import shlex
 import sys
 
 from . import commands
+from .commands import report_unexpected
 
 EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130
@@ -33,16 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
         module.register(sub)
     return parser
-
-
-def report_unexpected(program: str, argv: list[str], exc: BaseException) -> None:
-    """One line on stderr for an error no check anticipated: what, and on which input."""
-    detail = " ".join(str(exc).split())[:500] or "(no message)"
-    print(
-        f"{program}: unexpected {type(exc).__name__}: {detail} (arguments: "
-        f"{shlex.join(argv)[:500]}); set MINIFIELD_TRACEBACK=1 for the traceback",
-        file=sys.stderr,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

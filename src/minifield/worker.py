@@ -18,8 +18,7 @@ from pathlib import Path
 
 from . import api, strategies
 from .attempt import environment
-from .cli import report_unexpected
-from .commands import bounded_float, bounded_int
+from .commands import bounded_float, bounded_int, report_unexpected
 from .supervision import distributed
 
 #: an update number the state's int32 step counter can reach

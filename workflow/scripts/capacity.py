@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.observe.capacity.for_run
+# Thin adapter: snakemake object -> minifield.observe.capacity_scenarios.for_run
 import sys
 from pathlib import Path
 
-from minifield.observe import capacity
+from minifield.observe import capacity_scenarios
 
 sys.stderr = open(snakemake.log[0], "w")
-capacity.for_run(
+capacity_scenarios.for_run(
     Path(snakemake.input.result),
     Path(snakemake.input.recipe),
     dict(snakemake.params.assumptions),

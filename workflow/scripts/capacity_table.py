@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.observe.capacity.table
+# Thin adapter: snakemake object -> minifield.observe.capacity_scenarios.table
 import sys
 from pathlib import Path
 
-from minifield.observe import capacity
+from minifield.observe import capacity_scenarios
 
 sys.stderr = open(snakemake.log[0], "w")
-capacity.table(
+capacity_scenarios.table(
     [Path(p) for p in snakemake.input],
     Path(snakemake.output[0]),
 )

@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.evaluate
+# Thin adapter: snakemake object -> minifield.pipeline.evaluation.evaluate
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import evaluation
 
 sys.stderr = open(snakemake.log[0], "w")
-stages.evaluate(
+evaluation.evaluate(
     Path(snakemake.input.recipe),
     Path(snakemake.input.result),
     Path(snakemake.input.examples).parent,

@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.inputs.fetch.stage
+# Thin adapter: snakemake object -> minifield.pipeline.preparation.fetch_inputs
 import sys
 from pathlib import Path
 
-from minifield.inputs import fetch
+from minifield.pipeline import preparation
 
 sys.stderr = open(snakemake.log[0], "w")
-fetch.stage(
+preparation.fetch_inputs(
     Path(snakemake.input.recipe),
     snakemake.config["remote_inputs"],
     Path(snakemake.params.work_dir),

@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.hash_inputs
+# Thin adapter: snakemake object -> minifield.pipeline.preparation.hash_inputs
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import preparation
 
 sys.stderr = open(snakemake.log[0], "w")
-stages.hash_inputs(
+preparation.hash_inputs(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
     Path(snakemake.output[0]),

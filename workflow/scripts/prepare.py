@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.prepare
+# Thin adapter: snakemake object -> minifield.pipeline.preparation.prepare
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import preparation
 
 sys.stderr = open(snakemake.log[0], "w")
-stages.prepare(
+preparation.prepare(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
     Path(snakemake.output[0]).parent,

@@ -1,14 +1,14 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.qualify
+# Thin adapter: snakemake object -> minifield.pipeline.training.qualify
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import training
 from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 q = snakemake.params.qualification
 t = snakemake.config["train"]  # operational: not a rerun trigger
-stages.qualify(
+training.qualify(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
     Path(snakemake.input.examples).parent,

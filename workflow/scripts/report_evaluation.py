@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.observe.reporting.evaluation_table
+# Thin adapter: snakemake object -> minifield.observe.report.results.evaluation_table
 import sys
 from pathlib import Path
 
-from minifield.observe import reporting
+from minifield.observe.report import results
 
 sys.stderr = open(snakemake.log[0], "w")
-reporting.evaluation_table(Path(snakemake.input.metrics), Path(snakemake.output[0]))
+results.evaluation_table(Path(snakemake.input.metrics), Path(snakemake.output[0]))

@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.observe.reporting.plot_loss
+# Thin adapter: snakemake object -> minifield.observe.report.training.plot_loss
 import sys
 from pathlib import Path
 
-from minifield.observe import reporting
+from minifield.observe.report import training
 
 sys.stderr = open(snakemake.log[0], "w")
-reporting.plot_loss(
+training.plot_loss(
     Path(snakemake.input.result),
     Path(snakemake.input.metrics),
     Path(snakemake.output[0]),

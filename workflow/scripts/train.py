@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.train_attempt
+# Thin adapter: snakemake object -> minifield.pipeline.training.train_attempt
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import training
 from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
@@ -22,7 +22,7 @@ if (snakemake.config.get("tracking") or {}).get("enabled"):
         )
 
 
-stages.train_attempt(
+training.train_attempt(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
     Path(snakemake.input.examples).parent,

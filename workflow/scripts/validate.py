@@ -1,11 +1,11 @@
-# Thin adapter: snakemake object -> minifield.pipeline.stages.validate
+# Thin adapter: snakemake object -> minifield.pipeline.preparation.validate
 import sys
 from pathlib import Path
 
-from minifield.pipeline import stages
+from minifield.pipeline import preparation
 
 sys.stderr = open(snakemake.log[0], "w")
-stages.validate(
+preparation.validate(
     Path(snakemake.input.recipe),
     Path(snakemake.output.recipe),
     Path(snakemake.output.validation),

@@ -1,17 +1,19 @@
-"""When and by whom an attempt commits checkpoints (``checkpoint.py`` is the format of one).
+"""When and by whom an attempt commits checkpoints: the commit cadence (``state/checkpoint.py`` is
+the checkpoint format, ``checkpoint_writer.py`` the thread that writes one in the background).
 
 Every process brings the state to the host (a collective when the state is sharded over
 processes); process 0 alone writes and commits it; all leave once it is committed. A
 checkpoint is committed on the recipe's cadence, at the last update, and whenever the
 attempt stops early (preemption, a limit), unless one of that very step is committed
-already: :meth:`Checkpointing.ensure` is that one rule.
+already: :meth:`CheckpointCadence.ensure` is that one rule.
 
 **Asynchronous commits** (one process): a cadence checkpoint only takes the host copy at
 the step boundary; a :class:`~minifield.attempt.checkpoint_writer.BackgroundWriter` writes and
 commits it while training goes on. Its ``checkpoint_committed`` event is emitted (and
 ``newest`` advanced) only once the commit is durable, by the loop's next
-:meth:`Checkpointing.collect`. :meth:`ensure` (the end of training, a preemption, a
-limit) waits for the write in flight first. A failed background write fails the attempt
+:meth:`CheckpointCadence.collect` (a hook that does not wait for the device).
+:meth:`ensure` (the end of training, a preemption, a limit) waits for the write in flight
+first. A failed background write fails the attempt
 (:class:`~minifield.attempt.checkpoint_writer.CheckpointWriteError`, naming the path). Over
 several processes commits stay synchronous: every process waits at the commit's barrier.
 """
@@ -22,17 +24,17 @@ import time
 from pathlib import Path
 
 from ..state import checkpoint
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from .checkpoint_writer import BackgroundWriter, CheckpointWriteError, Done, Write
 from .events import EventLog
 from .faults import Faults
-from .result import CheckpointRecord
-from .update_loop import HostSnapshot, loop_hook
+from .update_loop import Hook, HostSnapshot
 
-__all__ = ["CheckpointWriteError", "Checkpointing"]
+__all__ = ["CheckpointWriteError", "CheckpointCadence"]
 
 
-class Checkpointing:
+class CheckpointCadence:
     def __init__(
         self,
         directory: Path,
@@ -75,13 +77,13 @@ class Checkpointing:
             known_state_hash=known_hash,
         )
 
-    def _committed(self, committed: checkpoint.Committed, **timing) -> CheckpointRecord:
-        self.newest = CheckpointRecord(committed.step, str(committed.path), committed.sha256)
+    def _committed(self, committed: CheckpointRecord, **timing) -> CheckpointRecord:
+        self.newest = committed
         self.events.emit(
             "checkpoint_committed",
             durable=True,
             step=committed.step,
-            path=str(committed.path),
+            path=committed.path,
             sha256=committed.sha256,
             state_hash=committed.state_hash,
             **timing,
@@ -159,6 +161,11 @@ class Checkpointing:
         else:
             self.commit_in_background(state, step, compute_used)
 
-    def hook(self):
-        """``on_cadence`` as an update-loop hook that says when it is due."""
-        return loop_hook(self.on_cadence, self.due)
+    def hooks(self) -> tuple[Hook, Hook]:
+        """The update-loop hooks: commit on the cadence (waiting for the update's state), and
+        report the background commits that became durable after every update (not waiting:
+        run it after the other hooks, so that it collects what they started)."""
+        return (
+            Hook(self.on_cadence, due=self.due),
+            Hook(lambda state, step, compute_used: self.collect(), waits=False),
+        )

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..state.checkpoint import Committed
+from ..state.checkpoint import CheckpointRecord
 
 
 class CheckpointWriteError(Exception):
@@ -32,7 +32,7 @@ class Write:
     """One checkpoint to commit: its step, and the function that commits it."""
 
     step: int
-    commit: Callable[[], Committed]
+    commit: Callable[[], CheckpointRecord]
     #: seconds the update loop was held up taking it (the host copy, a previous write)
     blocking_seconds: float = 0.0
     submitted: float = field(default_factory=time.monotonic)
@@ -41,7 +41,7 @@ class Write:
 @dataclass(frozen=True)
 class Done:
     write: Write
-    committed: Committed
+    committed: CheckpointRecord
     #: from the write's submission until it was durable
     seconds: float
 
@@ -99,11 +99,6 @@ class BackgroundWriter:
         with self._lock:
             done, self._done = self._done, []
         return done
-
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return self._in_flight is not None
 
     def finished(self) -> list[Done]:
         """The writes committed since the last call, in step order (never waits); raises the

@@ -13,8 +13,6 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from .. import __version__
-
 #: environment variables that change numerics or device placement
 RELEVANT_ENV = (
     "XLA_FLAGS",
@@ -179,7 +177,9 @@ def fingerprint() -> dict:
         "matmul_precision": str(jax.config.jax_default_matmul_precision),
         "x64": bool(jax.config.jax_enable_x64),
         "cpu_count": os.cpu_count(),
-        "package_version": __version__,
+        # the installed distribution's version (pyproject.toml), not an import of the package
+        # root: the root imports the API, which imports the attempt
+        "package_version": _version("minifield"),
         "code_hash": code_hash(),
         "source_revision": source_revision(),
         **extra,

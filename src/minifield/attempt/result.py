@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..state.checkpoint import CheckpointRecord
 from . import environment
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
@@ -32,28 +33,6 @@ class AttemptError:
 
     def as_dict(self) -> dict[str, str]:
         return {"phase": self.phase, "message": self.message}
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    """The newest committed checkpoint of the attempt (or of the one it continues).
-
-    ``path`` and ``sha256`` (of its manifest) are None on processes other than 0, which take
-    part in a commit but do not write it.
-    """
-
-    step: int
-    path: str | None
-    sha256: str | None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "path": self.path, "sha256": self.sha256}
-
-    @classmethod
-    def from_dict(cls, value: dict | None) -> CheckpointRecord | None:
-        if value is None:
-            return None
-        return cls(step=value["step"], path=value.get("path"), sha256=value.get("sha256"))
 
 
 @dataclass(frozen=True)

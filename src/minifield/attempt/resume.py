@@ -16,12 +16,12 @@ from typing import Any
 
 from .. import atomic
 from ..state import checkpoint
+from ..state.checkpoint import CheckpointRecord
 from . import chain as attempts
 from . import environment
 from .events import EventLog
 from .events import read as read_events
-from .layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, RESULT
-from .result import CheckpointRecord
+from .layout import ATTEMPT_JSON, EVENTS, RESULT
 
 
 class ResumeRefused(Exception):
@@ -121,23 +121,18 @@ def restore(
 
     Every checkpoint passed over is named in a ``checkpoint_rejected`` event.
     """
-    for attempt_dir in attempts.newest_first(previous):
-        ckpt_dir = attempt_dir / CHECKPOINTS
-        for step in reversed(checkpoint.committed_steps(ckpt_dir)):
-            path = ckpt_dir / checkpoint.step_dir_name(step)
-            try:
-                state, manifest = checkpoint.load(
-                    path, template, computation_digest=computation_digest
-                )
-            except checkpoint.CheckpointError as exc:
-                events.emit("checkpoint_rejected", step=step, path=str(path), reason=str(exc))
-                say(f"rejected checkpoint {path}: {exc}")
-                continue
-            sha = checkpoint.manifest_sha256(path)
-            events.emit(
-                "restored", step=step, path=str(path), sha256=sha, state_hash=manifest["state_hash"]
-            )
-            return Restored(state, CheckpointRecord(step, str(path), sha))
+    for step, path in attempts.committed_checkpoints(previous):
+        try:
+            state, manifest = checkpoint.load(path, template, computation_digest=computation_digest)
+        except checkpoint.CheckpointError as exc:
+            events.emit("checkpoint_rejected", step=step, path=str(path), reason=str(exc))
+            say(f"rejected checkpoint {path}: {exc}")
+            continue
+        sha = checkpoint.manifest_sha256(path)
+        events.emit(
+            "restored", step=step, path=str(path), sha256=sha, state_hash=manifest["state_hash"]
+        )
+        return Restored(state, CheckpointRecord(step, str(path), sha, manifest["state_hash"]))
     events.emit(
         "restore_fallback",
         reason="no valid committed checkpoint in the attempt chain; starting from step 0",

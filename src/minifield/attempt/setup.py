@@ -1,7 +1,7 @@
 """Everything an attempt does before its first update, and the processes' agreement on it.
 
 :func:`open_directory` creates the attempt's fresh directory (process 0) and tells every
-process its id. :func:`prepare` then writes ``attempt.json``, checks the previous attempt
+process its id. :func:`set_up` then writes ``attempt.json``, checks the previous attempt
 and the devices, verifies the inputs, loads the examples, compiles the update and restores
 the newest valid checkpoint; it never raises, but says what to do next as one of three
 outcomes. :func:`agree` makes every process of a multi-process attempt act on the same one.
@@ -13,20 +13,41 @@ import datetime as dt
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import atomic
 from ..inputs import examples, pinned
+from ..recipe import Recipe
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import device_check, resume
+from .events import EventLog
 from .layout import ATTEMPT_JSON
-from .result import EXIT_FAILED, EXIT_INVALID, AttemptError, CheckpointRecord
+from .result import EXIT_FAILED, EXIT_INVALID, AttemptError, Progress
 from .resume import ResumeRefused
 
-if TYPE_CHECKING:
-    from .train import Attempt
+
+@dataclass(frozen=True)
+class SetUpContext:
+    """What set-up reads of the attempt (its directory is open, its event log too)."""
+
+    recipe: Recipe
+    attempt_id: str
+    directory: Path
+    env: dict[str, Any]  # the environment fingerprint
+    started: str
+    group: distributed.Group
+    input_root: Path
+    examples_dir: Path | None
+    resume_from: Path | None
+    allow_environment_change: bool
+    compilation_cache: Path | None
+    events: EventLog
+    progress: Progress  # set-up fills in inputs, steps completed and the environment override
+    say: Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -107,76 +128,75 @@ def open_directory(
     return text, job_dir / text
 
 
-def _write_attempt_json(attempt: Attempt, compute_before: float) -> None:
-    options, recipe = attempt.options, attempt.recipe
+def _write_attempt_json(context: SetUpContext, compute_before: float) -> None:
+    recipe, group = context.recipe, context.group
     atomic.write_json(
-        attempt.dir / ATTEMPT_JSON,
+        context.directory / ATTEMPT_JSON,
         {
             "job_id": recipe.data["job_id"],
-            "attempt_id": attempt.attempt_id,
+            "attempt_id": context.attempt_id,
             "computation_digest": recipe.computation_digest,
             "examples_digest": recipe.examples_digest,
-            "resumed_from": str(options.resume_from.resolve()) if options.resume_from else None,
+            "resumed_from": str(context.resume_from.resolve()) if context.resume_from else None,
             "compute_seconds_before": compute_before,
-            "environment": attempt.env,
-            "environment_override": attempt.progress.environment_override,
+            "environment": context.env,
+            "environment_override": context.progress.environment_override,
             "processes": {
-                "count": options.group.size,
-                "source": options.group.topology.source,
-                "coordinator": options.group.topology.coordinator,
+                "count": group.size,
+                "source": group.topology.source,
+                "coordinator": group.topology.coordinator,
             },
-            "started": attempt.started,
+            "started": context.started,
         },
     )
 
 
-def prepare(attempt: Attempt) -> SetUp:
+def set_up(context: SetUpContext) -> SetUp:
     """Everything before the first update; returns what to do next (never raises)."""
-    options, recipe = attempt.options, attempt.recipe
-    events, progress = attempt.events, attempt.progress
+    recipe, events, progress = context.recipe, context.events, context.progress
     data = recipe.data
     phase = "start"
     try:
         previous = None
-        if options.resume_from:
+        if context.resume_from:
             previous = resume.check(
-                options.resume_from,
+                context.resume_from,
                 computation_digest=recipe.computation_digest,
-                env=attempt.env,
-                allow_environment_change=options.allow_environment_change,
+                env=context.env,
+                allow_environment_change=context.allow_environment_change,
             )
             progress.environment_override = previous.environment_override
-        compute_before = resume.compute_seconds(options.resume_from) if previous else 0.0
-        if options.group.is_writer:
-            _write_attempt_json(attempt, compute_before)
+        compute_before = resume.compute_seconds(context.resume_from) if previous else 0.0
+        if context.group.is_writer:
+            _write_attempt_json(context, compute_before)
         events.emit(
             "attempt_started",
             job_id=data["job_id"],
-            attempt_id=attempt.attempt_id,
+            attempt_id=context.attempt_id,
             computation_digest=recipe.computation_digest,
-            resumed_from=str(options.resume_from) if options.resume_from else None,
+            resumed_from=str(context.resume_from) if context.resume_from else None,
             environment_override=progress.environment_override,
         )
         phase = "device"
-        device_check.check(recipe, attempt.env, options.group, events)
+        device_check.check(recipe, context.env, context.group, events)
         if previous is not None:
             done = resume.completed(previous.directory)
             if done is not None:
                 return AdoptCompleted(done)
 
         phase = "inputs"
-        verified = pinned.verify(data, options.input_root)
+        verified = pinned.verify(data, context.input_root)
         progress.inputs = [
             {"name": v["name"], "path": v["path"], "sha256": v["sha256"]} for v in verified
         ]
         events.emit("inputs_verified", inputs=progress.inputs)
 
         phase = "examples"
-        if options.examples_dir is not None:
-            example_arrays, _ = examples.load(options.examples_dir, recipe.examples_digest)
+        if context.examples_dir is not None:
+            example_arrays, _ = examples.load(context.examples_dir, recipe.examples_digest)
         else:
             example_arrays, _ = recipe.strategy.prepare(
-                data, pinned.files_by_name(data, options.input_root)
+                data, pinned.files_by_name(data, context.input_root)
             )
 
         phase = "compile"
@@ -186,7 +206,7 @@ def prepare(attempt: Attempt) -> SetUp:
         events.emit(
             "compiled",
             seconds=time.monotonic() - started,
-            compilation_cache=str(options.compilation_cache) if options.compilation_cache else None,
+            compilation_cache=str(context.compilation_cache) if context.compilation_cache else None,
             placement=program.placement,
         )
 
@@ -198,7 +218,7 @@ def prepare(attempt: Attempt) -> SetUp:
                 program.init_state(),
                 computation_digest=recipe.computation_digest,
                 events=events,
-                say=attempt.say,
+                say=context.say,
             )
         state = restored.state if restored else program.init_state()
         step = int(state["step"])

@@ -55,7 +55,7 @@ class Preemption:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, _frame) -> None:
         if self.signal is None:
             self.signal = signum
 

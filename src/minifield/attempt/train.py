@@ -12,7 +12,7 @@ This module is the orchestrator; each concern has its own module:
 - :mod:`~minifield.attempt.resume` — checking, adopting or restoring from a previous attempt;
 - :mod:`~minifield.attempt.device_check` — whether the visible devices fit the recipe;
 - :mod:`~minifield.attempt.stopping` — preemption (signals, a closed stdout), limits, the vote;
-- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpointing, evaluation, faults;
+- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpoints, evaluation, faults;
 - :mod:`~minifield.attempt.checkpoint_cadence` — when and by whom checkpoints are committed;
 - :mod:`~minifield.attempt.faults` — fault injection for tests and qualification;
 - :mod:`~minifield.attempt.result` — endings, exit codes and ``result.json``.
@@ -36,15 +36,16 @@ from pathlib import Path
 
 from .. import atomic
 from ..recipe import Recipe
+from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import environment
 from . import result as attempt_result
 from . import setup as attempt_setup
-from .checkpoint_cadence import Checkpointing
+from .checkpoint_cadence import CheckpointCadence
 from .checkpoint_writer import CheckpointWriteError
 from .events import EventLog, write_line
 from .faults import Faults
-from .layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, EXPORT, RESULT
+from .layout import CHECKPOINTS, EVENTS, EXPORT, RESULT
 from .result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -52,26 +53,20 @@ from .result import (
     EXIT_LIMIT,
     EXIT_PREEMPTED,
     AttemptError,
-    CheckpointRecord,
     Ending,
     Progress,
 )
 from .resume import ResumeRefused
 from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
 from .stopping import Preempt, Stopping
-from .update_loop import HostSnapshot, Stopped, UpdateLoop, loop_hook, periodic_evaluation
-
-#: the names other modules have used for these files (the layout lives in attempt_layout)
-ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
+from .update_loop import Hook, HostSnapshot, Stopped, UpdateLoop, periodic_evaluation
 
 __all__ = [
-    "ATTEMPT_FILE",
     "EXIT_COMPLETED",
     "EXIT_FAILED",
     "EXIT_INVALID",
     "EXIT_LIMIT",
     "EXIT_PREEMPTED",
-    "RESULT_FILE",
     "Attempt",
     "Faults",
     "Options",
@@ -145,7 +140,7 @@ class Attempt:
         )
         # one host copy per step, shared by the update's state hash and a checkpoint
         self.snapshot = HostSnapshot()
-        self.checkpoints = Checkpointing(
+        self.checkpoints = CheckpointCadence(
             self.dir / CHECKPOINTS,
             computation_digest=self.recipe.computation_digest,
             attempt_id=self.attempt_id,
@@ -171,7 +166,9 @@ class Attempt:
 
     def run(self) -> int:
         self.stopping.preemption.install()
-        outcome = attempt_setup.agree(attempt_setup.prepare(self), self.options.group)
+        outcome = attempt_setup.agree(
+            attempt_setup.set_up(_setup_context(self)), self.options.group
+        )
         if isinstance(outcome, SetUpFailed):
             return self._finish(Ending.failed(outcome.error, outcome.code))
         if isinstance(outcome, AdoptCompleted):
@@ -217,6 +214,7 @@ class Attempt:
         program = ready.program
         max_steps = self.recipe.data["limits"]["max_steps"]
         self.checkpoints.newest = ready.restored
+        commit_on_cadence, collect_commits = self.checkpoints.hooks()
         loop = UpdateLoop(
             program,
             max_steps=max_steps,
@@ -224,13 +222,13 @@ class Attempt:
             events=self.events,
             progress=self.progress,
             hooks=[
-                self._fault_hook(),
-                self.checkpoints.hook(),
+                fault_hook(self.options.faults, self.checkpoints),
+                commit_on_cadence,
                 periodic_evaluation(program, self.events, max_steps),
+                collect_commits,  # last: it reports what the hooks before it started
             ],
             record_state_hashes=self.options.record_state_hashes,
             say=self.say,
-            between_updates=[self.checkpoints.collect],
             snapshot=self.snapshot,
         )
         # restored arrays come from host files: put them where the compiled update wants
@@ -252,21 +250,6 @@ class Attempt:
             self.events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
             return Ending.limit_reached(end.stop.reason)
         return self._complete(program, end.state, end.step)
-
-    def _fault_hook(self):
-        faults = self.options.faults
-
-        def due(step: int) -> bool:
-            return step in (faults.fail_after_step, faults.stall_after_step)
-
-        def settle(step: int) -> None:
-            # which checkpoint survives the injected crash (or a kill once the update before
-            # the stall is seen) must not depend on how far a background write got (a SIGKILL
-            # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
-            # update K are committed before update K is reported
-            self.checkpoints.wait()
-
-        return loop_hook(faults.after_update, due, settle)
 
     def _complete(self, program, state, step: int) -> Ending:
         """The final evaluation, the export and the final state hash."""
@@ -319,6 +302,44 @@ class Attempt:
         self.events.close()
         self.stopping.preemption.restore()
         return ending.code
+
+
+def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
+    """The injected fault after its update (tests and the recovery proof)."""
+
+    def settle(step: int) -> None:
+        # which checkpoint survives the injected crash (or a kill once the update before
+        # the stall is seen) must not depend on how far a background write got (a SIGKILL
+        # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+        # update K are committed before update K is reported
+        checkpoints.wait()
+
+    return Hook(
+        faults.after_update,
+        due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
+        settle=settle,
+    )
+
+
+def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
+    """What set-up reads of an opened attempt, named."""
+    options = attempt.options
+    return attempt_setup.SetUpContext(
+        recipe=attempt.recipe,
+        attempt_id=attempt.attempt_id,
+        directory=attempt.dir,
+        env=attempt.env,
+        started=attempt.started,
+        group=options.group,
+        input_root=options.input_root,
+        examples_dir=options.examples_dir,
+        resume_from=options.resume_from,
+        allow_environment_change=options.allow_environment_change,
+        compilation_cache=options.compilation_cache,
+        events=attempt.events,
+        progress=attempt.progress,
+        say=attempt.say,
+    )
 
 
 def run(recipe: Recipe, options: Options) -> tuple[int, Path]:

@@ -1,17 +1,20 @@
 """The update loop: ask whether to stop, update, report, run the hooks; until ``max_steps``.
 
-Checkpointing, periodic evaluation and fault injection are hooks, each a callable
-``hook(state, step, compute_used)`` run after an update, in the order given. The loop
-itself knows nothing of them; it ends :class:`Finished` at ``max_steps`` or
-:class:`Stopped` when :class:`~minifield.attempt.stopping.Stopping` says so before an update.
+Checkpoints on the cadence, periodic evaluation and fault injection are :class:`Hook` s:
+what runs after an update (``run(state, step, compute_used)``), how often (``due(step)``)
+and how it settles (``settle(step)``, before that update is reported), as Levanter's
+``add_hook(fn, every=N)``.
+They run in the order given. The loop itself knows nothing of them; it ends
+:class:`Finished` at ``max_steps`` or :class:`Stopped` when
+:class:`~minifield.attempt.stopping.Stopping` says so before an update.
 
 **No host stalls.** An update is *dispatched* (:meth:`~minifield.strategies.base.Program.
 dispatch`) and the loop goes on without waiting for the device: the metrics of update
 ``n`` are read back (and its ``update`` event emitted) only once update ``n + 1`` is
 queued behind it, so the device never idles while the host reports. The loop waits for
 update ``n`` itself only when something needs its state on the host at that step: a hook
-that is due (a hook's ``due(step)``, when it has one, says so; a hook without it is due
-after every update), a state hash on the cadence, or the last update. Events stay
+that is due and ``waits`` for it, a state hash on the cadence, or the last update. A hook
+that only collects finished work (``waits=False``) runs without making the loop wait. Events stay
 complete and in step order: a pending update is reported before anything else is
 emitted, and before the loop ends for any reason.
 
@@ -32,7 +35,26 @@ from .hash_cadence import HashCadence
 from .result import Progress
 from .stopping import Stop, Stopping
 
-Hook = Callable[[Any, int, float], None]
+
+def after_every_update(step: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Hook:
+    """What the loop runs after an update, how often, and how it settles.
+
+    ``run(state, step, compute_used)`` runs after every update ``due(step)`` accepts, in the
+    order the hooks were given. ``settle(step)``, if given, runs before that update is
+    reported: what must be finished before anyone reading the events sees the update.
+    ``waits``: whether a due hook needs the update's state on the host (the loop then waits
+    for the device); a hook that only collects finished background work does not.
+    """
+
+    run: Callable[[Any, int, float], None]
+    due: Callable[[int], bool] = after_every_update
+    settle: Callable[[int], None] | None = None
+    waits: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,47 +108,22 @@ class HostSnapshot:
 
 
 def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
-    """A hook: the DEV metrics every ``program.eval_every`` updates (the final one excepted,
-    which the attempt evaluates when it completes)."""
+    """The DEV metrics every ``program.eval_every`` updates (the final one excepted, which
+    the attempt evaluates when it completes)."""
     every = getattr(program, "eval_every", 0)
 
-    def due(step: int) -> bool:
-        return bool(every) and step % every == 0 and step < max_steps
-
     def evaluate(state, step: int, compute_used: float) -> None:
-        if due(step):
-            started = time.monotonic()
-            metrics = program.evaluate(state)
-            events.emit(
-                "evaluation",
-                step=step,
-                metrics=metrics,
-                seconds=time.monotonic() - started,
-                final=False,
-            )
+        started = time.monotonic()
+        metrics = program.evaluate(state)
+        events.emit(
+            "evaluation",
+            step=step,
+            metrics=metrics,
+            seconds=time.monotonic() - started,
+            final=False,
+        )
 
-    evaluate.due = due
-    return evaluate
-
-
-def loop_hook(
-    run: Hook, due: Callable[[int], bool], settle: Callable[[int], None] | None = None
-) -> Hook:
-    """``run`` as a hook that the loop calls only after the updates ``due`` accepts (it waits
-    for the device only then). ``settle(step)``, if given, runs before that update is
-    reported: what must be finished before anyone reading the events sees the update."""
-
-    def hook(state, step: int, compute_used: float) -> None:
-        run(state, step, compute_used)
-
-    hook.due = due
-    hook.settle = settle
-    return hook
-
-
-def _due(hook: Hook, step: int) -> bool:
-    due = getattr(hook, "due", None)
-    return True if due is None else bool(due(step))
+    return Hook(evaluate, due=lambda step: bool(every) and step % every == 0 and step < max_steps)
 
 
 @dataclass
@@ -150,7 +147,6 @@ class UpdateLoop:
         hooks: Sequence[Hook],
         record_state_hashes: bool | int | str | HashCadence,
         say: Callable[[str], None],
-        between_updates: Sequence[Callable[[], None]] = (),
         snapshot: HostSnapshot | None = None,
     ):
         self.program = program
@@ -165,8 +161,6 @@ class UpdateLoop:
             else HashCadence.parse(record_state_hashes)
         )
         self.say = say
-        #: cheap, non-blocking work after every update (collecting finished checkpoint writes)
-        self.between_updates = list(between_updates)
         self.snapshot = snapshot or HostSnapshot()
         self._last_ready = time.monotonic()
         # no update measured yet: every one counts until one is
@@ -195,27 +189,25 @@ class UpdateLoop:
             if pending is not None:
                 compute_used = self._report(pending, compute_used, None)
             pending = _Pending(step, read_metrics, dispatched)
-            due = [hook for hook in self.hooks if _due(hook, step)]
+            due = [hook for hook in self.hooks if hook.due(step)]
+            waiting = [hook for hook in due if hook.waits]
             hash_due = self.cadence.due(step)
-            if due or hash_due or step == self.max_steps:
-                for hook in due:
-                    if getattr(hook, "settle", None) is not None:
+            if waiting or hash_due or step == self.max_steps:
+                for hook in waiting:
+                    if hook.settle is not None:
                         hook.settle(step)
                 compute_used = self._report(pending, compute_used, state if hash_due else None)
                 pending = None
             try:
                 for hook in due:
-                    hook(state, step, compute_used)
-                for work in self.between_updates:
-                    work()
+                    hook.run(state, step, compute_used)
             except Exception:
                 # the attempt fails (a background checkpoint write, say): the update already
                 # computed is still reported before its ``failed`` event
                 if pending is not None:
                     self._report(pending, compute_used, None)
                 raise
-        if pending is not None:  # not reached: the last update is reported in the loop
-            compute_used = self._report(pending, compute_used, None)
+        # the last update was reported in the loop (``step == max_steps`` waits for it)
         return Finished(state, step, compute_used)
 
     def _near_compute_budget(self, compute_used: float) -> bool:

@@ -1,7 +1,8 @@
 """Sub-commands of ``minifield``: one module each, every module defines ``register(subparsers)``.
 
-This package also holds the argument types the commands and ``minifield-worker`` share:
-they refuse what a command cannot use. ``argparse``'s plain ``float`` accepts ``nan``,
+This package also holds what the commands and ``minifield-worker`` share: the one-line
+report of an error no check anticipated, and argument types that refuse what a command
+cannot use. ``argparse``'s plain ``float`` accepts ``nan``,
 ``inf`` and ``1e400`` (also infinite), and ``int`` accepts any size; either then fails deep
 inside a command with a traceback. These types check the value where it is parsed, so
 argparse reports it as a usage error (exit 2) naming the option.
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
+import sys
 from collections.abc import Callable
 
 
@@ -52,3 +55,13 @@ def bounded_float(minimum: float, maximum: float, *, above: bool = False) -> Cal
 
     parse.__name__ = "number"
     return parse
+
+
+def report_unexpected(program: str, argv: list[str], exc: BaseException) -> None:
+    """One line on stderr for an error no check anticipated: what, and on which input."""
+    detail = " ".join(str(exc).split())[:500] or "(no message)"
+    print(
+        f"{program}: unexpected {type(exc).__name__}: {detail} (arguments: "
+        f"{shlex.join(argv)[:500]}); set MINIFIELD_TRACEBACK=1 for the traceback",
+        file=sys.stderr,
+    )

@@ -15,6 +15,7 @@ def _run_llama(args) -> int:
     ``--llama-base RECIPE``, the base model trained by that recipe into ``llama-base/``."""
     import tempfile
 
+    from .. import api
     from ..strategies.packed_sft import llama_demo
 
     try:
@@ -24,10 +25,14 @@ def _run_llama(args) -> int:
         if args.llama_base is None:
             return 0
         command = f"minifield make-demo-data {args.directory} --llama-base {args.llama_base}"
+        checked = api.validate(args.llama_base)
+        if not checked.valid:
+            problems = "; ".join(f"{e['path']}: {e['message']}" for e in checked.errors)
+            raise llama_demo.ProduceError(f"{args.llama_base}: not a valid recipe ({problems})")
         with tempfile.TemporaryDirectory(prefix="minifield-llama-base-") as work:
-            provenance = llama_demo.produce_base(
-                args.directory, args.llama_base, Path(work), command
-            )
+            # trained from its random initialisation on the inputs just written
+            result = api.run(checked, input_root=args.directory, output_root=Path(work))
+            provenance = llama_demo.produce_base(args.directory, args.llama_base, result, command)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2

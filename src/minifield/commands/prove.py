@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..proof import recovery
+from ..proof.document import DEFAULT_MODE, MODES
+from ..proof.prove import prove
 from ..supervision import supervise as supervisor
 
 
@@ -26,7 +27,7 @@ def run(args) -> int:
         print(f"minifield prove: --{str(exc).replace('_', '-')}", file=sys.stderr)
         return 2
     try:
-        proof = recovery.prove(
+        proof = prove(
             args.recipe,
             args.input_root,
             args.work_dir,
@@ -78,10 +79,10 @@ def register(sub) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=recovery.MODES,
-        default=recovery.DEFAULT_MODE,
+        choices=MODES,
+        default=DEFAULT_MODE,
         help="interruption(s) to prove recovery from: a crash, a preemption (SIGTERM through "
-        f"the supervisor, exit 3) or both (default {recovery.DEFAULT_MODE})",
+        f"the supervisor, exit 3) or both (default {DEFAULT_MODE})",
     )
     parser.add_argument("--examples", type=Path, help="prepared examples directory")
     parser.add_argument("--deadline-s", type=float, default=defaults.deadline_s)

@@ -36,9 +36,8 @@ from urllib.parse import urljoin
 import requests
 
 from .. import atomic
-from .. import recipe as recipes
 from ..digest import sha256_file
-from . import credentials, origins, pinned
+from . import credentials, origins
 
 _CHUNK = 1 << 20
 _MIB = float(1 << 20)
@@ -392,60 +391,3 @@ def fetch_inputs(
     if problems:
         raise FetchError(settings.credentials.redact("; ".join(problems)))
     return records
-
-
-def stage(
-    recipe_json: Path,
-    remote_config: dict,
-    work_dir: Path,
-    local_input_root: Path,
-    out_root: Path,
-    out_record: Path,
-) -> dict:
-    """Pipeline stage: build a computation's own input root (remote inputs by name, local
-    inputs linked at their paths), then move it into place in one rename.
-
-    The worker resolves every input under a single input root, so a recipe with remote
-    inputs gets this per-computation root instead of the configured one.
-    """
-    loaded = recipes.load(recipe_json)
-    recipe = loaded.data
-    settings = Settings.from_config(remote_config, work_dir)
-    remote_names = {item["name"] for item in remote_items(recipe)}
-    out_root = Path(out_root)
-    out_root.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{out_root.name}.", dir=out_root.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(building, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
-    try:
-        local = []
-        for item in recipe.get("inputs", []):
-            if "path" not in item:
-                continue
-            if item["path"] in remote_names:
-                raise FetchError(
-                    f"input {item['name']!r}: path {item['path']!r} collides with the name of a "
-                    "remote input (remote inputs are placed at the input root under their name)"
-                )
-            source = pinned.resolve(local_input_root, item["path"])
-            if not source.is_file():
-                raise FetchError(f"input {item['name']!r}: {source} does not exist")
-            place(source, building / item["path"])
-            local.append({"name": item["name"], "path": item["path"]})
-        remote = fetch_inputs(recipe, building, settings)
-        if out_root.exists():
-            shutil.rmtree(out_root)
-        os.replace(building, out_root)
-    finally:
-        if building.exists():
-            shutil.rmtree(building)
-    record = {
-        "computation_digest": loaded.computation_digest,
-        "input_root": str(out_root),
-        "cache_dir": str(settings.cache_dir),
-        "remote": remote,
-        "local": local,
-    }
-    atomic.write_json(out_record, record)
-    return record

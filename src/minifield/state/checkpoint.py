@@ -21,7 +21,6 @@ import hashlib
 import io
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,13 +46,28 @@ class CheckpointError(Exception):
 
 
 @dataclass(frozen=True)
-class Committed:
+class CheckpointRecord:
+    """One committed checkpoint: the one record of it (a commit, a restore, ``result.json``).
+
+    ``sha256`` is that of its manifest file, which names this exact checkpoint. ``path`` and
+    ``sha256`` are None on processes other than 0, which take part in a commit but do not
+    write it; ``state_hash`` is None where it is not known (read back from a ``result.json``).
+    """
+
     step: int
-    path: Path
-    sha256: str  # sha256 of the manifest file: names this exact checkpoint
-    state_hash: str
-    seconds: float
-    manifest: dict
+    path: str | None
+    sha256: str | None
+    state_hash: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``result.json`` and the receipts record: step, path and manifest sha256."""
+        return {"step": self.step, "path": self.path, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, value: dict | None) -> CheckpointRecord | None:
+        if value is None:
+            return None
+        return cls(step=value["step"], path=value.get("path"), sha256=value.get("sha256"))
 
 
 def step_dir_name(step: int) -> str:
@@ -113,7 +127,7 @@ def save(
     keep: int | None = None,
     before_commit=None,
     known_state_hash: str | None = None,
-) -> Committed:
+) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
     One pass over the bytes: each array file is hashed while it is written, its fsync runs
@@ -126,7 +140,6 @@ def save(
     the manifest and the rename that commit the checkpoint. On any error the temporary
     directory is removed (best effort) and the previous checkpoints are untouched.
     """
-    started = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     existing = committed_steps(directory)
     if existing and step <= existing[-1]:
@@ -157,13 +170,11 @@ def save(
         raise
     if keep is not None:
         prune(directory, keep)
-    return Committed(
+    return CheckpointRecord(
         step=step,
-        path=final,
+        path=str(final),
         sha256=sha256_bytes(manifest_bytes),
         state_hash=manifest["state_hash"],
-        seconds=time.monotonic() - started,
-        manifest=manifest,
     )
 
 

@@ -73,12 +73,6 @@ def _slurm_query(*command: str) -> str:
         return ""
 
 
-def in_slurm_allocation(processes: int, env: Mapping[str, str] | None = None) -> bool:
-    """True inside a SLURM job that has at least ``processes`` tasks to run them in."""
-    tasks = allocation_tasks(env)
-    return tasks is not None and tasks >= processes
-
-
 def srun_command(command: Sequence[str], processes: int, step_name: str = "") -> list[str]:
     name = [f"--job-name={step_name}"] if step_name else []
     return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *name, *command]
@@ -117,7 +111,7 @@ def _exit_code(returncode: int) -> int:
 
 
 def _forward_signals(children: list[subprocess.Popen], slurm_step: tuple | None) -> dict:
-    def forward(signum, frame):  # noqa: ARG001
+    def forward(signum, _frame):
         if slurm_step is not None:
             step = step_id(*slurm_step)
             if step is not None:

@@ -25,13 +25,10 @@ function returns.
 
 from __future__ import annotations
 
-import collections
 import datetime as dt
-import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import atomic
+from .child import CappedLog, SignalForwarder, StderrReader, StdoutReader, group_alive, signal_group
 
 RUN_FILE = "run.json"
 #: supervisor exit code per classification (0 only for ``completed``)
@@ -110,162 +108,6 @@ def _now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
-class _CappedLog:
-    """A log file that stops growing at ``limit`` bytes and says how much it dropped."""
-
-    def __init__(self, path: Path, limit: int):
-        self.path = path
-        self.limit = limit
-        self.written = 0
-        self.dropped = 0
-        self._handle = open(path, "wb")
-
-    def write(self, data: bytes) -> None:
-        room = self.limit - self.written
-        if room > 0:
-            chunk = data[:room]
-            self._handle.write(chunk)
-            self._handle.flush()
-            self.written += len(chunk)
-        self.dropped += max(0, len(data) - max(room, 0))
-
-    def close(self) -> None:
-        if self.dropped:
-            self._handle.write(f"\n[log capped: {self.dropped} more bytes not kept]\n".encode())
-        self._handle.close()
-
-
-class _StdoutReader(threading.Thread):
-    """Parses the child's stdout into events and malformed lines (both bounded)."""
-
-    def __init__(
-        self,
-        stream,
-        log: _CappedLog,
-        max_events: int,
-        max_malformed: int,
-        preempt_after_step: int | None = None,
-    ):
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.log = log
-        self.events: collections.deque = collections.deque(maxlen=max_events)
-        self.events_total = 0
-        self.malformed: list[dict] = []
-        self.malformed_total = 0
-        self.max_malformed = max_malformed
-        self.types_seen: set[str] = set()
-        self.terminal: dict | None = None  # last completed/failed/preempted/limit_reached event
-        self.last_activity = time.monotonic()
-        self.preempt_after_step = preempt_after_step
-        self.preempt_cue: float | None = None  # when update ``preempt_after_step`` was seen
-
-    def run(self) -> None:
-        number = 0
-        while True:
-            line = self.stream.readline(1 << 20)
-            if not line:
-                break
-            number += 1
-            self.log.write(line)
-            text = line.decode("utf-8", errors="replace").rstrip("\n")
-            if not text.strip():
-                continue
-            try:
-                value = json.loads(text)
-            except ValueError:
-                value = None
-            if isinstance(value, dict) and isinstance(value.get("type"), str):
-                self.last_activity = time.monotonic()
-                self.events.append(value)
-                self.events_total += 1
-                self.types_seen.add(value["type"])
-                if value["type"] in ("completed", "failed", "preempted", "limit_reached"):
-                    self.terminal = value
-                if (
-                    self.preempt_cue is None
-                    and value["type"] == "update"
-                    and value.get("step") == self.preempt_after_step
-                ):
-                    self.preempt_cue = self.last_activity
-            else:
-                self.malformed_total += 1
-                if len(self.malformed) < self.max_malformed:
-                    self.malformed.append({"line": number, "text": text[:2000]})
-        self.stream.close()
-
-
-class _StderrReader(threading.Thread):
-    def __init__(self, stream, log: _CappedLog, tail_bytes: int):
-        super().__init__(daemon=True)
-        self.stream = stream
-        self.log = log
-        self.tail: collections.deque = collections.deque()
-        self.tail_size = 0
-        self.tail_bytes = tail_bytes
-        self.total = 0
-
-    def run(self) -> None:
-        while True:
-            chunk = self.stream.read1(65536) if hasattr(self.stream, "read1") else b""
-            if not chunk:
-                break
-            self.total += len(chunk)
-            self.log.write(chunk)
-            self.tail.append(chunk)
-            self.tail_size += len(chunk)
-            while self.tail_size - len(self.tail[0]) >= self.tail_bytes:
-                self.tail_size -= len(self.tail.popleft())
-        self.stream.close()
-
-    def text(self) -> str:
-        return b"".join(self.tail)[-self.tail_bytes :].decode("utf-8", errors="replace")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-class _Forwarder:
-    """Forward SIGINT/SIGTERM received by this process to the child's group (main thread only)."""
-
-    def __init__(self) -> None:
-        self.received: list[dict] = []
-        self.pgid: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
-        self.received.append(
-            {"signal": signal.Signals(signum).name, "mono": time.monotonic(), "time": time.time()}
-        )
-        if self.pgid is not None:
-            _signal_group(self.pgid, signum)
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def classify(
     *,
     exit_code: int | None,
@@ -329,9 +171,9 @@ def supervise(
         raise ValueError("command must be a non-empty argument list (no shell strings)")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    out_log = _CappedLog(run_dir / "stdout.log", settings.max_log_bytes)
-    err_log = _CappedLog(run_dir / "stderr.log", settings.max_log_bytes)
-    forwarder = _Forwarder()
+    out_log = CappedLog(run_dir / "stdout.log", settings.max_log_bytes)
+    err_log = CappedLog(run_dir / "stderr.log", settings.max_log_bytes)
+    forwarder = SignalForwarder()
     started_iso, started_mono, started_time = _now_iso(), time.monotonic(), time.time()
     outcome: dict[str, Any] = {
         "command": list(map(str, command)),
@@ -374,15 +216,15 @@ def supervise(
         pgid = child.pid  # start_new_session: the child leads its own group
         forwarder.pgid = pgid
         for record in forwarder.received:  # a signal that arrived before the child existed
-            _signal_group(pgid, getattr(signal, record["signal"]))
-        stdout = _StdoutReader(
+            signal_group(pgid, getattr(signal, record["signal"]))
+        stdout = StdoutReader(
             child.stdout,
             out_log,
             settings.max_events,
             settings.max_malformed,
             preempt_after_step,
         )
-        stderr = _StderrReader(child.stderr, err_log, settings.stderr_tail_bytes)
+        stderr = StderrReader(child.stderr, err_log, settings.stderr_tail_bytes)
         stdout.start()
         stderr.start()
         if companion is not None:
@@ -408,7 +250,7 @@ def supervise(
                     action = "preempt"
                 if action is not None:
                     term_sent = now
-                    _signal_group(pgid, signal.SIGTERM)
+                    signal_group(pgid, signal.SIGTERM)
             stop_requested = term_sent if term_sent is not None else forwarded_at
             if (
                 stop_requested is not None
@@ -416,16 +258,16 @@ def supervise(
                 and now - stop_requested >= settings.grace_s
             ):
                 kill_sent = now
-                _signal_group(pgid, signal.SIGKILL)
+                signal_group(pgid, signal.SIGKILL)
             time.sleep(_POLL_S)
         exit_code = child.wait()  # reaps the child: no zombie is left behind
         reaped = time.monotonic()
         # The group outlives its leader if anything else joined it: kill the rest.
-        leftovers = _group_alive(pgid)
+        leftovers = group_alive(pgid)
         if leftovers:
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
-            while _group_alive(pgid) and time.monotonic() < deadline:
+            while group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
         stdout.join(timeout=10)
         stderr.join(timeout=10)
@@ -464,7 +306,7 @@ def supervise(
             if stdout.events_total
             else None,
             "group_members_left_after_reap": leftovers,
-            "group_alive_at_end": _group_alive(pgid),
+            "group_alive_at_end": group_alive(pgid),
         },
         forwarded_signals=[
             {"signal": r["signal"], "after_s": r["mono"] - started_mono} for r in forwarder.received

@@ -162,18 +162,13 @@ def base_tokenizer_config(exported: dict) -> dict:
     return config
 
 
-def produce_base(data_root: Path, recipe_path: Path, work: Path, command: str) -> dict:
-    """Train the base recipe from its random initialisation (inputs under ``data_root``, the
-    attempt under ``work``) and write its HF export into ``data_root/llama-base/`` with the
-    chat template and a provenance record; returns the provenance."""
-    from ... import api
+def produce_base(data_root: Path, recipe_path: Path, result, command: str) -> dict:
+    """Write the HF export of the base recipe's run (``result``: the ``minifield.run`` result
+    of training it from its random initialisation on the inputs under ``data_root``) into
+    ``data_root/llama-base/`` with the chat template and a provenance record; returns the
+    provenance."""
     from ...digest import sha256_file
 
-    checked = api.validate(recipe_path)
-    if not checked.valid:
-        problems = "; ".join(f"{e['path']}: {e['message']}" for e in checked.errors)
-        raise ProduceError(f"{recipe_path}: not a valid recipe ({problems})")
-    result = api.run(checked, input_root=data_root, output_root=work)
     if not result.ok:
         raise ProduceError(f"{recipe_path}: the run ended {result.status}: {result.error}")
     export_dir = result.attempt_dir / "export"

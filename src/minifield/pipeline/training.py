@@ -1,7 +1,8 @@
-"""The pipeline stages as plain functions: each Snakemake script calls exactly one of these.
+"""The stages that run supervised workers: ``qualify`` (the recovery proof that gates
+training) and ``train`` (one attempt, resuming the computation's latest).
 
-validate → hash_inputs → prepare → qualify → train → evaluate. Each reads the files the
-previous stage wrote and writes its own outputs atomically.
+Both hold GPU leases for their workers; ``train`` also holds the computation's one-attempt
+lock. The attempt module imports JAX: it is imported only inside :func:`train_attempt`.
 """
 
 from __future__ import annotations
@@ -15,58 +16,12 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..attempt.chain import newest_first
-from ..attempt.layout import ATTEMPT_JSON, CHECKPOINTS, EXPORT, RESULT
-from ..digest import sha256_file
-from ..inputs import examples, pinned
-from ..proof import recovery
+from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT
+from ..proof.document import DEFAULT_MODE, PROOF_FILE
+from ..proof.prove import prove
+from ..proof.verdict import verdict
 from ..supervision import leases, locks, supervise
-
-# checkpoint and train import JAX: they are imported in the stages that need them, so that
-# the validate, hash_inputs and prepare jobs start without JAX.
-
-
-class StageError(Exception):
-    pass
-
-
-def validate(recipe_path: Path, out_recipe: Path, out_validation: Path) -> None:
-    """Validated recipe (defaults filled) plus a validation record with both digests."""
-    recipe = recipes.load(recipe_path)
-    atomic.write_json(out_recipe, recipe.data)
-    atomic.write_json(
-        out_validation,
-        {
-            "valid": True,
-            "source": str(recipe_path),
-            "source_sha256": sha256_file(recipe_path),
-            "computation_digest": recipe.computation_digest,
-            "examples_digest": recipe.examples_digest,
-            "strategy": {"name": recipe.strategy.name, "version": recipe.strategy.version},
-        },
-    )
-
-
-def hash_inputs(recipe_json: Path, input_root: Path, out_inputs: Path) -> None:
-    recipe = recipes.load(recipe_json)
-    verified = pinned.verify(recipe.data, input_root)
-    atomic.write_json(
-        out_inputs,
-        {
-            "computation_digest": recipe.computation_digest,
-            "input_root": str(input_root),
-            "inputs": verified,
-        },
-    )
-
-
-def prepare(recipe_json: Path, input_root: Path, out_dir: Path) -> dict:
-    recipe = recipes.load(recipe_json)
-    pinned.verify(recipe.data, input_root)
-    arrays, meta = recipe.strategy.prepare(
-        recipe.data, pinned.files_by_name(recipe.data, input_root)
-    )
-    return examples.write(out_dir, arrays, meta, recipe.examples_digest)
+from .errors import StageError
 
 
 def latest_attempt(job_dir: Path) -> Path | None:
@@ -108,12 +63,12 @@ def _append_run_to_log(log: Path, outcome: dict) -> None:
 
 
 def check_proof(proof_path: Path, recipe: recipes.Recipe) -> dict:
-    """The recovery proof gate of training: :func:`recovery.verdict` for this computation."""
+    """The recovery proof gate of training: :func:`verdict` for this computation."""
     try:
         proof = atomic.read_json(proof_path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StageError(f"{proof_path}: cannot read the recovery proof: {exc}") from exc
-    reasons = recovery.verdict(proof, recipe.computation_digest)
+    reasons = verdict(proof, recipe.computation_digest)
     if reasons:
         raise StageError(
             f"{proof_path}: not an acceptable recovery proof of computation "
@@ -132,7 +87,7 @@ def qualify(
     *,
     steps: int | None = None,
     fail_after_step: int | None = None,
-    mode: str = recovery.DEFAULT_MODE,
+    mode: str = DEFAULT_MODE,
     supervision: supervise.Settings = supervise.QUALIFICATION,
     gpus: list | None = None,
     gpus_per_job: int = 1,
@@ -154,7 +109,7 @@ def qualify(
         wait_s=lease_wait_s,
         holder={"job": recipe.job_id, "stage": "qualify"},
     ) as held:
-        proof = recovery.prove(
+        proof = prove(
             recipe_json,
             input_root,
             work_dir,
@@ -177,7 +132,7 @@ def qualify(
     if not proof["passed"]:
         raise StageError(
             f"recovery proof of {recipe_json} failed; training is blocked. {proof['diagnosis']} "
-            f"Evidence: {Path(proof['proof_dir']) / recovery.PROOF_FILE}"
+            f"Evidence: {Path(proof['proof_dir']) / PROOF_FILE}"
         )
     return proof
 
@@ -319,98 +274,3 @@ def train_attempt(
         },
     )
     return result
-
-
-def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
-    """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
-    from ..state import checkpoint
-
-    by_step: dict[int, Path] = {}
-    for directory in newest_first(attempt_dir):
-        ckpt_dir = directory / CHECKPOINTS
-        for step in checkpoint.committed_steps(ckpt_dir):
-            by_step.setdefault(step, ckpt_dir / checkpoint.step_dir_name(step))
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _load_selected(path: Path, sha256: str, program, computation_digest: str):
-    """The selected checkpoint's state, verified again, and still the one DEV scored."""
-    from ..state import checkpoint
-
-    state, _ = checkpoint.load(path, program.init_state(), computation_digest=computation_digest)
-    if checkpoint.manifest_sha256(path) != sha256:
-        raise StageError(f"{path} changed while it was being evaluated (manifest sha256)")
-    return state
-
-
-def evaluate(
-    recipe_json: Path,
-    train_result: Path,
-    examples_dir: Path,
-    out_metrics: Path,
-    out_selected_export: Path | None = None,
-) -> dict:
-    """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
-
-    One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
-    loaded again for TEST. With ``out_selected_export``, the selected checkpoint's weights
-    are exported there (the train stage exports the final ones).
-    """
-    from ..state import checkpoint
-
-    recipe = recipes.load(recipe_json)
-    result = atomic.read_json(train_result)
-    arrays, _ = examples.load(examples_dir, recipe.examples_digest)
-    program = recipe.strategy.build(recipe.data, arrays)
-    rows = []
-    for path in _retained_checkpoints(Path(result["attempt_dir"])):
-        try:
-            state, manifest = checkpoint.load(
-                path, program.init_state(), computation_digest=recipe.computation_digest
-            )
-        except checkpoint.CheckpointError as exc:
-            rows.append({"step": None, "path": str(path), "rejected": str(exc)})
-            continue
-        rows.append(
-            {
-                "step": manifest["step"],
-                "path": str(path),
-                "sha256": checkpoint.manifest_sha256(path),
-                "state_hash": manifest["state_hash"],
-                "dev": program.evaluate(state),
-            }
-        )
-        del state  # before the next checkpoint is loaded
-    scored = [r for r in rows if "dev" in r]
-    if not scored:
-        raise StageError(f"no verifiable checkpoint to evaluate for {result['attempt_dir']}")
-    metric, mode = recipe.strategy.selection_metric
-    sign = 1.0 if mode == "min" else -1.0
-    # Best DEV score wins; among equals the later step (more training) wins.
-    selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
-    state = _load_selected(
-        Path(selected["path"]), selected["sha256"], program, recipe.computation_digest
-    )
-    test = program.evaluate_test(state)
-    if out_selected_export is not None:
-        if out_selected_export.exists():
-            shutil.rmtree(out_selected_export)
-        program.export(state, out_selected_export)
-    acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
-    metrics = {
-        "computation_digest": recipe.computation_digest,
-        "final_state_hash": result["final_state_hash"],
-        "checkpoints": rows,
-        "selection": {
-            "split": "dev",
-            "metric": metric,
-            "mode": mode,
-            "step": selected["step"],
-            "sha256": selected["sha256"],
-        },
-        "selected_dev": selected["dev"],
-        "test": test,
-        "acceptance": acceptance,
-    }
-    atomic.write_json(out_metrics, metrics)
-    return metrics

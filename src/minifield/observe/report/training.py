@@ -1,0 +1,286 @@
+"""Report items of training: the loss curves, goodput and throughput (from the events and
+the summary)."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from ... import atomic
+from ...attempt.events import read as read_events
+from ..summarize import attempt_event_files
+from . import page
+
+
+def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
+    """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked."""
+    plt = page.pyplot()
+    result = atomic.read_json(train_result)
+    metrics = atomic.read_json(metrics_json)
+    selection = metrics.get("selection", {})
+    metric = selection.get("metric", "loss")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    committed: set[int] = set()
+    plotted: list[float] = []  # every value on the loss axis, to choose its scale
+    evaluations: list[tuple[int, float]] = []
+    for path in attempt_event_files(Path(result["attempt_dir"])):
+        events, _ = read_events(path)
+        updates = [e for e in events if e["type"] == "update" and "loss" in e]
+        label = next((e.get("attempt_id") for e in events if e["type"] == "attempt_started"), None)
+        if updates:
+            ax.plot(
+                [e["step"] for e in updates],
+                [e["loss"] for e in updates],
+                marker=".",
+                markersize=3 if len(updates) > 60 else 6,
+                linewidth=1.2,
+                label=f"train loss, attempt {label or path.parent.name}",
+            )
+            plotted += [e["loss"] for e in updates]
+        committed |= {int(e["step"]) for e in events if e["type"] == "checkpoint_committed"}
+        evaluations += [
+            (int(e["step"]), float(e["metrics"][metric]))
+            for e in events
+            if e["type"] == "evaluation"
+            and isinstance(e.get("metrics"), dict)
+            and isinstance(e["metrics"].get(metric), int | float)
+        ]
+    for index, step in enumerate(sorted(committed)):
+        ax.axvline(
+            step,
+            color="0.6",
+            linestyle=":",
+            linewidth=1,
+            label="committed checkpoint" if index == 0 else None,
+        )
+    dev_ax = ax.twinx() if selection.get("mode") == "max" else ax
+    scored = [r for r in metrics.get("checkpoints", []) if isinstance(r.get("dev"), dict)]
+    if scored:
+        dev_ax.plot(
+            [r["step"] for r in scored],
+            [r["dev"][metric] for r in scored],
+            marker="o",
+            color="tab:red",
+            linewidth=1.4,
+            label=f"DEV {metric} per retained checkpoint",
+        )
+    if evaluations:
+        dev_ax.scatter(
+            [s for s, _ in evaluations],
+            [v for _, v in evaluations],
+            marker="x",
+            color="tab:purple",
+            zorder=5,
+            label=f"{metric} from evaluation events",
+        )
+    chosen = next((r for r in scored if r["step"] == selection.get("step")), None)
+    if chosen is not None:
+        dev_ax.scatter(
+            [chosen["step"]],
+            [chosen["dev"][metric]],
+            marker="*",
+            s=260,
+            color="gold",
+            edgecolor="black",
+            zorder=6,
+            label=f"DEV-selected checkpoint (step {chosen['step']})",
+        )
+    if dev_ax is ax:
+        plotted += [r["dev"][metric] for r in scored] + [v for _, v in evaluations]
+    if plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
+        ax.set_yscale("log")  # a loss falling by orders of magnitude: keep its tail readable
+    ax.set_xlabel("update step")
+    ax.set_ylabel("train loss" if dev_ax is not ax else f"train loss / DEV {metric}")
+    if dev_ax is not ax:
+        dev_ax.set_ylabel(f"DEV {metric} (higher is better)")
+    ax.set_title(f"Loss curves — computation {str(result.get('computation_digest'))[:16]}")
+    ax.grid(True, alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if dev_ax is not ax:
+        more_handles, more_labels = dev_ax.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    page.save_png(fig, out_png)
+
+
+# -- throughput and goodput -------------------------------------------------------------
+GOODPUT_PARTS = [
+    ("productive_update_s", "productive updates", "tab:green"),
+    ("redone_update_s", "redone updates (lost to restarts)", "tab:red"),
+    ("compile_s", "compile", "tab:orange"),
+    ("checkpoint_s", "checkpoint commits", "tab:blue"),
+    ("evaluation_s", "evaluation", "tab:purple"),
+    ("between_attempts_s", "between attempts", "tab:brown"),
+    ("other_s", "other (start-up, inputs, restore, export)", "0.75"),
+]
+
+
+def plot_goodput(summary_json: Path, out_png: Path) -> None:
+    """Where the job's wall time went, per attempt and in total (stacked seconds)."""
+    plt = page.pyplot()
+    summary = atomic.read_json(summary_json)
+    rows = []
+    for index, attempt in enumerate(summary["attempts"]):
+        accounted = sum(
+            attempt[k] for k in ("update_s", "compile_s", "checkpoint_s", "evaluation_s")
+        )
+        rows.append(
+            (
+                f"attempt {index + 1}\n{attempt.get('attempt_id') or ''}",
+                {
+                    "productive_update_s": attempt["update_s"] - attempt["redone_update_s"],
+                    "redone_update_s": attempt["redone_update_s"],
+                    "compile_s": attempt["compile_s"],
+                    "checkpoint_s": attempt["checkpoint_s"],
+                    "evaluation_s": attempt["evaluation_s"],
+                    "between_attempts_s": 0.0,
+                    "other_s": max(0.0, attempt["wall_s"] - accounted),
+                },
+            )
+        )
+    rows.append(("whole job", summary["goodput"]))
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.6 * len(rows)))
+    names = [name for name, _ in rows]
+    left = [0.0] * len(rows)
+    for key, label, color in GOODPUT_PARTS:
+        widths = [max(0.0, parts.get(key, 0.0)) for _, parts in rows]
+        total = summary["goodput"].get(key, 0.0)
+        ax.barh(
+            names,
+            widths,
+            left=left,
+            color=color,
+            label=f"{label}: {page.fmt(total)} s",
+            height=0.55,
+        )
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds of wall time")
+    fraction = summary["goodput"].get("productive_fraction")
+    share = "—" if fraction is None else f"{fraction * 100:.3g} %"
+    ax.set_title(
+        f"Goodput: productive updates are {share} of the job's "
+        f"{page.fmt(summary['job_wall_time_s'])} s wall time"
+    )
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    ax.grid(True, axis="x", alpha=0.3)
+    page.save_png(fig, out_png)
+
+
+THROUGHPUT_ROWS = [
+    ("attempts_count", "attempts in the job", "count"),
+    ("final_status", "status of the last attempt", ""),
+    ("updates_count", "update events (including redone ones)", "count"),
+    ("processed_examples_count", "examples processed by all updates", "count"),
+    ("processed_tokens_count", "tokens processed by all updates", "count"),
+    ("processed_loss_tokens_count", "tokens that carried loss (when the events say)", "count"),
+    ("update_time_s", "sum of synchronized update durations", "s"),
+    ("update_examples_per_s", "update-path throughput: examples ÷ update time", "examples/s"),
+    ("update_tokens_per_s", "update-path throughput: tokens ÷ update time", "tokens/s"),
+    ("job_wall_time_s", "job wall time: first to last event (+ gaps between attempts)", "s"),
+    ("job_examples_per_s", "whole-job throughput: examples ÷ job wall time", "examples/s"),
+    ("job_tokens_per_s", "whole-job throughput: tokens ÷ job wall time", "tokens/s"),
+    (
+        "job_productive_examples_per_s",
+        "whole-job goodput: non-redone examples ÷ wall",
+        "examples/s",
+    ),
+    ("update_duty_fraction", "update duty fraction: update time ÷ job wall time", "fraction"),
+    ("completed_steps_count", "steps completed by the current state", "count"),
+    ("checkpointed_steps_count", "steps covered by the newest committed checkpoint", "count"),
+    (
+        "uncheckpointed_updates_count",
+        "completed updates not yet in a committed checkpoint",
+        "count",
+    ),
+    ("committed_checkpoints_count", "committed checkpoints", "count"),
+    ("compile_s", "compile time", "s"),
+    ("checkpoint_s", "checkpoint commit time", "s"),
+    ("evaluation_s", "evaluation time", "s"),
+]
+RESTART_ROWS = [
+    ("restarts_count", "restarts (attempts after the first)", "count"),
+    ("redone_updates_count", "updates redone after a resume", "count"),
+    ("redone_examples_count", "examples redone after a resume", "count"),
+    ("redone_update_s", "update time spent redoing lost work", "s"),
+    (
+        "lost_uncheckpointed_updates_count",
+        "updates lost with a dead process (not committed)",
+        "count",
+    ),
+    ("between_attempts_s", "wall time between attempts", "s"),
+    ("resumed_compile_s", "compile time of resumed attempts", "s"),
+    ("lost_s", "time lost to restarts: redone + between + resumed compile", "s"),
+    ("lost_fraction", "time lost to restarts ÷ job wall time", "fraction"),
+]
+
+
+def throughput_table(summary_json: Path, out_html: Path) -> None:
+    summary = atomic.read_json(summary_json)
+    headers = ["field", "value", "unit", "meaning"]
+    main = [[k, summary.get(k), unit, meaning] for k, meaning, unit in THROUGHPUT_ROWS]
+    restarts = [
+        [f"restarts.{k}", summary["restarts"].get(k), unit, meaning]
+        for k, meaning, unit in RESTART_ROWS
+    ]
+    wall = summary["job_wall_time_s"]
+    goodput = [
+        [
+            f"goodput.{key}",
+            summary["goodput"][key],
+            "s",
+            label,
+            (summary["goodput"][key] / wall) if wall > 0 else None,
+        ]
+        for key, label, _ in GOODPUT_PARTS
+    ]
+    attempts = [
+        [
+            index + 1,
+            a.get("attempt_id"),
+            a["status"],
+            a["restored_step_count"],
+            a["first_update_step_count"],
+            a["completed_steps_count"],
+            a["updates_count"],
+            a["redone_updates_count"],
+            a["uncheckpointed_updates_count"],
+            a["wall_s"],
+            a["update_s"],
+            a["compile_s"],
+            a["checkpoint_s"],
+        ]
+        for index, a in enumerate(summary["attempts"])
+    ]
+    body = (
+        f'<p class="note">{html.escape(summary.get("note", ""))} Measured on this machine for this '
+        "job; not an accelerator or fleet throughput claim.</p>"
+        + page.table(headers, main)
+        + "<h2>Goodput breakdown (sums to the job wall time)</h2>"
+        + page.table(["component", "seconds", "unit", "meaning", "fraction of wall time"], goodput)
+        + "<h2>Time lost to restarts</h2>"
+        + page.table(headers, restarts)
+        + "<h2>Attempts (oldest first)</h2>"
+        + page.table(
+            [
+                "#",
+                "attempt",
+                "status",
+                "restored step",
+                "first update step",
+                "steps at end",
+                "updates",
+                "redone",
+                "uncheck- pointed",
+                "wall s",
+                "update s",
+                "compile s",
+                "checkpoint s",
+            ],
+            attempts,
+        )
+    )
+    page.write_page(out_html, "Throughput and goodput", body)
+
+
+# -- evaluation -------------------------------------------------------------------------

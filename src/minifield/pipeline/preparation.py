@@ -1,0 +1,113 @@
+"""The stages before training: validate the recipe, fetch remote inputs into the
+computation's own input root, hash the inputs, prepare the examples.
+
+None imports JAX, so these jobs start quickly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .. import atomic
+from .. import recipe as recipes
+from ..digest import sha256_file
+from ..inputs import examples, fetch, pinned
+
+
+def validate(recipe_path: Path, out_recipe: Path, out_validation: Path) -> None:
+    """Validated recipe (defaults filled) plus a validation record with both digests."""
+    recipe = recipes.load(recipe_path)
+    atomic.write_json(out_recipe, recipe.data)
+    atomic.write_json(
+        out_validation,
+        {
+            "valid": True,
+            "source": str(recipe_path),
+            "source_sha256": sha256_file(recipe_path),
+            "computation_digest": recipe.computation_digest,
+            "examples_digest": recipe.examples_digest,
+            "strategy": {"name": recipe.strategy.name, "version": recipe.strategy.version},
+        },
+    )
+
+
+def hash_inputs(recipe_json: Path, input_root: Path, out_inputs: Path) -> None:
+    recipe = recipes.load(recipe_json)
+    verified = pinned.verify(recipe.data, input_root)
+    atomic.write_json(
+        out_inputs,
+        {
+            "computation_digest": recipe.computation_digest,
+            "input_root": str(input_root),
+            "inputs": verified,
+        },
+    )
+
+
+def prepare(recipe_json: Path, input_root: Path, out_dir: Path) -> dict:
+    recipe = recipes.load(recipe_json)
+    pinned.verify(recipe.data, input_root)
+    arrays, meta = recipe.strategy.prepare(
+        recipe.data, pinned.files_by_name(recipe.data, input_root)
+    )
+    return examples.write(out_dir, arrays, meta, recipe.examples_digest)
+
+
+def fetch_inputs(
+    recipe_json: Path,
+    remote_config: dict,
+    work_dir: Path,
+    local_input_root: Path,
+    out_root: Path,
+    out_record: Path,
+) -> dict:
+    """Pipeline stage: build a computation's own input root (remote inputs by name, local
+    inputs linked at their paths), then move it into place in one rename.
+
+    The worker resolves every input under a single input root, so a recipe with remote
+    inputs gets this per-computation root instead of the configured one.
+    """
+    loaded = recipes.load(recipe_json)
+    recipe = loaded.data
+    settings = fetch.Settings.from_config(remote_config, work_dir)
+    remote_names = {item["name"] for item in fetch.remote_items(recipe)}
+    out_root = Path(out_root)
+    out_root.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{out_root.name}.", dir=out_root.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(building, 0o777 & ~umask)  # mkdtemp's 0700 is for the temporary name only
+    try:
+        local = []
+        for item in recipe.get("inputs", []):
+            if "path" not in item:
+                continue
+            if item["path"] in remote_names:
+                raise fetch.FetchError(
+                    f"input {item['name']!r}: path {item['path']!r} collides with the name of a "
+                    "remote input (remote inputs are placed at the input root under their name)"
+                )
+            source = pinned.resolve(local_input_root, item["path"])
+            if not source.is_file():
+                raise fetch.FetchError(f"input {item['name']!r}: {source} does not exist")
+            fetch.place(source, building / item["path"])
+            local.append({"name": item["name"], "path": item["path"]})
+        remote = fetch.fetch_inputs(recipe, building, settings)
+        if out_root.exists():
+            shutil.rmtree(out_root)
+        os.replace(building, out_root)
+    finally:
+        if building.exists():
+            shutil.rmtree(building)
+    record = {
+        "computation_digest": loaded.computation_digest,
+        "input_root": str(out_root),
+        "cache_dir": str(settings.cache_dir),
+        "remote": remote,
+        "local": local,
+    }
+    atomic.write_json(out_record, record)
+    return record
