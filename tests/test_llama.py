@@ -24,7 +24,7 @@ from conftest import read_events, run_worker, write_recipe
 from safetensors.numpy import save_file
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import hf_checkpoint, model, sft_data
+from minifield.strategies.packed_sft import hf_checkpoint, llama, model, sft_data
 from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
 
 LLAMA = {
@@ -201,7 +201,31 @@ def test_bf16_products_stay_close_to_fp32(checkpoints):
     assert cfg.compute_dtype == "bfloat16"
     reference = reference_logits(case["tensors"], case["hf"], ROWS[0])
     diff = np.abs(our_logits(cfg, params, ROWS[:1])[0] - reference).max()
-    assert 1e-4 < diff < 0.1 * np.abs(reference).max()
+    # measured: 0.0092 x max|logit| (0.031 of 3.39); the bound is about twice that. The error
+    # is the BF16 residual stream's and products' rounding: where the norm's statistics are
+    # computed is too small a part of it to be seen here (see the next test).
+    assert 1e-4 < diff < 0.02 * np.abs(reference).max()
+
+
+def test_rms_norm_statistics_are_fp32():
+    """BF16 activations normalised against float64 arithmetic on the same values. The one
+    rounding of the output to BF16 is unbiased, so each row's median ratio to the reference
+    stays near 1 (measured within 2.1e-4); a mean square computed in BF16 scales a whole row
+    by its rounding error (measured 1.9e-3 to 3.4e-3), which the bound (2x the measured) sees."""
+    rng = np.random.default_rng(0)
+    D = 1024
+    spread, offset = rng.uniform(0.2, 5, (4, 8, 1)), rng.uniform(-3, 3, (4, 8, 1))
+    x = jnp.asarray(rng.standard_normal((4, 8, D)) * spread + offset, jnp.bfloat16)
+    scale = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    cfg = llama.LlamaConfig(
+        vocab_size=8, d_model=D, n_layers=1, n_heads=8, n_kv_heads=8, d_ff=8, max_len=8
+    )
+    assert cfg.compute_dtype == "bfloat16"
+    ours = np.asarray(llama._rms_norm(cfg, x, {"scale": jnp.asarray(scale)}), np.float64)
+    xs = np.asarray(x, np.float64)
+    reference = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + cfg.norm_eps) * scale
+    row_ratio = np.median(ours / reference, axis=-1)
+    assert np.abs(row_ratio - 1).max() < 4.2e-4
 
 
 @pytest.mark.parametrize("name", ["llama-mqa-tied-theta", "qwen2-bias"])
