@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from conftest import read_events, run_worker, write_recipe
@@ -164,9 +165,14 @@ def test_training_starts_from_the_base_weights_read_from_the_file(root, tmp_path
         32, 2, 4, 2, 48, 340,
     )  # fmt: skip
     assert cfg.rope_theta == 50000.0 and cfg.norm_eps == 1e-5 and not cfg.tie_embeddings
-    assert (
-        program.init_state()["params"]["embed"]["tokens"] is not state["params"]["embed"]["tokens"]
-    )
+    # each state is its own copy: a training step donates (deletes) its state's buffers, and
+    # the base weights the program starts from must survive that
+    for leaf in jax.tree_util.tree_leaves(state):
+        leaf.delete()
+    again = program.init_state()
+    for name, (ours, transposed) in HF_TO_OURS.items():
+        expected = on_disk[name].T if transposed else on_disk[name]
+        np.testing.assert_array_equal(_get(again["params"], ours), expected, err_msg=name)
 
 
 def test_examples_are_rendered_with_the_base_models_chat_template(root):
@@ -189,7 +195,49 @@ def test_examples_are_rendered_with_the_base_models_chat_template(root):
     assert answer == first[2]["content"] + "<|im_end|>"
     # the loss covers exactly the answers' tokens (content + <|im_end|>) in the packed rows
     assert meta["tokenizer"]["special_tokens"]["eos"] == "<|im_end|>"
-    assert int(arrays["train_loss_mask"].sum()) > 0
+    expected = sorted(_chatml_by_hand(root / "sft" / "train.jsonl"))
+    assert _packed_prompts_and_trained_text(arrays, "train", backend) == expected
+
+
+def _chatml_by_hand(path: Path) -> list[tuple[str, str]]:
+    """(prompt, answer) of each row of a supervised file, in ChatML written out here: the
+    template's default system message where a row has none, the answer + ``<|im_end|>``."""
+    out = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "messages" in row:
+            system, user, answer = (m["content"] for m in row["messages"])
+        else:
+            system, user, answer = "You are a helpful assistant.", row["prompt"], row["response"]
+        prompt = (
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        out.append((prompt, answer + "<|im_end|>"))
+    return out
+
+
+def _packed_prompts_and_trained_text(arrays, split: str, backend) -> list[tuple[str, str]]:
+    """Each packed example's untrained slots and trained slots, decoded; the trained ones
+    must be one run at the example's end."""
+    tokens, segments = arrays[f"{split}_tokens"], arrays[f"{split}_segments"]
+    mask = arrays[f"{split}_loss_mask"]
+    assert set(np.unique(mask)) <= {0.0, 1.0} and not mask[segments == 0].any()
+    out = []
+    for row in range(tokens.shape[0]):
+        for segment in sorted(set(segments[row].tolist()) - {0}):
+            (slots,) = np.nonzero(segments[row] == segment)
+            trained = mask[row, slots] == 1.0
+            first = int(np.argmax(trained))
+            assert trained.any() and trained[first:].all() and not trained[:first].any()
+            ids = tokens[row, slots].tolist()
+            out.append(
+                tuple(
+                    backend.decode(part, skip_special_tokens=False)
+                    for part in (ids[:first], ids[first:])
+                )
+            )
+    return sorted(out)
 
 
 def test_a_different_base_file_is_a_different_computation(root):

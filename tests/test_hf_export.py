@@ -115,7 +115,8 @@ def test_export_dtype_keeps_old_digests_and_is_part_of_new_ones():
 
     plain = digest({})
     assert digest({"export_dtype": "float32"}) == plain
-    assert digest({"export_dtype": "bfloat16"}) != plain != digest({"export_dtype": "float16"})
+    narrowed = {dtype: digest({"export_dtype": dtype}) for dtype in ("bfloat16", "float16")}
+    assert len({plain, *narrowed.values()}) == 3  # each export dtype its own computation
     gpt = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
     assert digest({"export_dtype": "float32"}, gpt) == digest({}, gpt)
     with pytest.raises(recipes.RecipeError, match="only for model.architecture llama"):
@@ -152,7 +153,15 @@ def test_export_directory_lists_every_file_with_its_sha256_and_loads_back(tmp_pa
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (257, 258)
     assert (generation["pad_token_id"], generation["max_length"]) == (256, 48)
     special = json.loads((directory / "tokenizer_config.json").read_text())
-    assert special["eos_token"] == "<eos>" and special["added_tokens_decoder"]["258"]["content"]
+    # the byte tokenizer's four special tokens after the 256 bytes (its definition)
+    names = {"pad": 256, "bos": 257, "eos": 258, "sep": 259}
+    assert {k: special[f"{k}_token"] for k in names} == {k: f"<{k}>" for k in names}
+    assert special["added_tokens_decoder"] == {
+        str(i): {"content": f"<{k}>", "special": True, "lstrip": False, "rstrip": False,
+                 "normalized": False, "single_word": False}
+        for k, i in names.items()
+    }  # fmt: skip
+    assert (special["add_bos_token"], special["add_eos_token"]) == (False, False)
 
     exported = ExportedModel(directory)
     assert exported.cfg == cfg
