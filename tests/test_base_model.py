@@ -19,7 +19,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, write_recipe
+from conftest import (
+    attempts_of,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    write_recipe,
+)
 from safetensors.numpy import load_file, save_file
 from test_chat_template import CHATML, make_tokenizer
 from test_llama import LLAMA, hf_tensors
@@ -99,20 +106,12 @@ def make_inputs(root: Path) -> dict:
 
 
 def base_recipe(root: Path, model: dict | None = None) -> dict:
-    pins = [
-        {"name": s, "path": f"sft/{s}.jsonl", "sha256": _sha(root / "sft" / f"{s}.jsonl")}
-        for s in ("train", "dev", "test")
-    ]
-    pins += [
-        {"name": name, "path": f"base/{file}", "sha256": _sha(root / "base" / file)}
-        for name, file in BASE_FILES.items()
-    ]
-    return {
-        "job_id": "base-test",
-        "product": {"name": "p", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": pins,
-        "model": {
+    pins = {s: _sha(root / "sft" / f"{s}.jsonl") for s in ("train", "dev", "test")}
+    recipe = packed_sft_recipe(
+        pins,
+        "base-test",
+        product={"name": "p", "version": "0"},
+        model={
             "base": {
                 "config": "base-config",
                 "weights": ["base-weights"],
@@ -121,11 +120,16 @@ def base_recipe(root: Path, model: dict | None = None) -> dict:
             },
             **(model or {}),
         },
-        "training": {"seq_len": 64, "batch_size": 4, "warmup_steps": 1, "learning_rate": 0.003},
-        "limits": {"max_steps": 4},
-        "checkpoint": {"every_steps": 2, "keep": 2},
-        "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4},
-    }
+        training={"seq_len": 64, "batch_size": 4, "warmup_steps": 1, "learning_rate": 0.003},
+        limits={"max_steps": 4},
+        checkpoint={"every_steps": 2, "keep": 2},
+        evaluation={"eval_every": 0, "batch_size": 8, "max_generate_examples": 4},
+    )
+    recipe["inputs"] += [
+        {"name": name, "path": f"base/{file}", "sha256": _sha(root / "base" / file)}
+        for name, file in BASE_FILES.items()
+    ]
+    return recipe
 
 
 def _prepare(recipe: dict, root: Path):
@@ -410,24 +414,8 @@ def test_an_index_naming_a_missing_shard_is_refused(root):
 
 
 def _run(tmp_path, path, root, out, *extra, codes=(0,)):
-    run_worker(
-        *extra,
-        job=path,
-        input_root=root,
-        output_root=tmp_path / out,
-        record_state_hashes=True,
-        check_codes=codes,
-    )
-    return sorted((tmp_path / out / "base-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-
-def _hashes(attempts):
-    return {
-        e["step"]: e["state_hash"]
-        for a in attempts
-        for e in read_events(a / "events.jsonl")
-        if e["type"] == "update"
-    }
+    run_attempt(path, root, tmp_path / out, *extra, codes=codes)
+    return attempts_of(tmp_path / out, "base-test")
 
 
 @pytest.mark.slow
@@ -442,7 +430,7 @@ def test_a_base_model_recipe_trains_and_resumes_bit_identically_in_the_worker(ro
     # a crash after update 3, resumed from the step-2 checkpoint: the same states bit for bit
     (crashed,) = _run(tmp_path, path, root, "crash", "--fail-after-step", "3", codes=(1,))
     (_, resumed) = _run(tmp_path, path, root, "crash", "--resume-from", crashed)
-    assert _hashes([crashed, resumed]) == _hashes([attempt])
+    assert update_hashes([crashed, resumed]) == update_hashes([attempt])
     final = json.loads((resumed / "result.json").read_text())["final_state_hash"]
     assert final == result["final_state_hash"]
 

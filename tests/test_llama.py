@@ -20,7 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, write_recipe
+from conftest import (
+    attempts_of,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    write_recipe,
+)
 from safetensors.numpy import save_file
 
 from minifield import recipe as recipes
@@ -384,19 +391,15 @@ def test_unsupported_configs_are_refused_naming_config_json(tmp_path, change, me
 
 
 def _recipe(model_section: dict) -> dict:
-    pin = "0" * 64
-    return {
-        "job_id": "llama-test",
-        "product": {"name": "p", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": pin} for s in ("train", "dev", "test")
-        ],
-        "model": model_section,
-        "training": {"seq_len": 32, "batch_size": 4, "warmup_steps": 1},
-        "limits": {"max_steps": 4},
-        "checkpoint": {"every_steps": 2, "keep": 2},
-    }
+    return packed_sft_recipe(
+        dict.fromkeys(("train", "dev", "test"), "0" * 64),
+        "llama-test",
+        product={"name": "p", "version": "0"},
+        model=model_section,
+        training={"seq_len": 32, "batch_size": 4, "warmup_steps": 1},
+        limits={"max_steps": 4},
+        checkpoint={"every_steps": 2, "keep": 2},
+    )
 
 
 def test_spelling_out_the_default_architecture_keeps_the_digest():
@@ -576,23 +579,8 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     path = write_recipe(tmp_path / "recipe.json", recipe)
 
     def run(out, *extra, codes=(0,)):
-        run_worker(
-            *extra,
-            job=path,
-            input_root=tmp_path / "in",
-            output_root=tmp_path / out,
-            record_state_hashes=True,
-            check_codes=codes,
-        )
-        return sorted((tmp_path / out / "llama-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-    def hashes(attempts):
-        return {
-            e["step"]: e["state_hash"]
-            for a in attempts
-            for e in read_events(a / "events.jsonl")
-            if e["type"] == "update"
-        }
+        run_attempt(path, tmp_path / "in", tmp_path / out, *extra, codes=codes)
+        return attempts_of(tmp_path / out, "llama-test")
 
     (attempt,) = run("out")
     result = json.loads((attempt / "result.json").read_text())
@@ -614,7 +602,7 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     # a crash after update 3, resumed from the step-2 checkpoint: the same states bit for bit
     (crashed,) = run("crash", "--fail-after-step", "3", codes=(1,))
     (_, resumed) = run("crash", "--resume-from", crashed)
-    assert hashes([crashed, resumed]) == hashes([attempt])
+    assert update_hashes([crashed, resumed]) == update_hashes([attempt])
     assert (
         json.loads((resumed / "result.json").read_text())["final_state_hash"]
         == (result["final_state_hash"])
