@@ -245,6 +245,34 @@ def run_attempt(
     )
 
 
+def train_as_the_pipeline(raw: Path, root: Path, input_root: Path, prove: bool = True) -> Path:
+    """validate → prepare → a real worker → evaluate (→ a crash-mode recovery proof), as the
+    pipeline does, writing ``recipe.json``, ``validation.json``, ``examples/``, ``attempts/``,
+    ``result.json``, ``metrics.json`` (and ``proof.json``) under ``root``; the attempt."""
+    from minifield import recovery, stages
+
+    stages.validate(raw, root / "recipe.json", root / "validation.json")
+    stages.prepare(root / "recipe.json", input_root, root / "examples")
+    run_worker(
+        job=root / "recipe.json", input_root=input_root, output_root=root / "attempts",
+        check_codes=(0,),
+    )  # fmt: skip
+    (job,) = (root / "attempts").iterdir()
+    (attempt,) = job.iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
+    stages.evaluate(
+        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
+    )
+    if prove:  # the qualification rule's proof: reference, crash, resume (real workers)
+        proof = recovery.prove(
+            root / "recipe.json", input_root, root / "work", root / "proof.json",
+            examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
+        )  # fmt: skip
+        assert proof["passed"], proof["diagnosis"]
+    return attempt
+
+
 def attempts_of(output_root: Path, job_id: str) -> list[Path]:
     """The attempt directories of ``job_id`` under ``output_root``, oldest first."""
     return sorted((output_root / job_id).iterdir(), key=lambda p: p.stat().st_mtime)

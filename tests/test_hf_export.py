@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import pytest
 import test_llama
-from conftest import run_generate, run_worker, write_recipe
+from conftest import run_generate, train_as_the_pipeline, write_recipe
 from test_llama import _flax_model, _recipe
 
-from minifield import cli, export, recovery, stages
+from minifield import cli, export
 from minifield import recipe as recipes
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
@@ -245,29 +245,7 @@ def _llama_run(root: Path) -> dict:
     recipe["training"]["learning_rate"] = 0.01
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4}
     raw = write_recipe(root / "raw.json", recipe)
-    stages.validate(raw, root / "recipe.json", root / "validation.json")
-    stages.prepare(root / "recipe.json", root / "in", root / "examples")
-    run_worker(
-        job=root / "recipe.json",
-        input_root=root / "in",
-        output_root=root / "attempts",
-        check_codes=(0,),
-    )
-    (attempt,) = (root / "attempts" / "hf-export").iterdir()
-    result = json.loads((attempt / "result.json").read_text())
-    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    stages.evaluate(
-        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
-    )
-    proof = recovery.prove(
-        root / "recipe.json",
-        root / "in",
-        root / "work",
-        root / "proof.json",
-        examples_dir=root / "examples",
-        mode="crash",  # test_proof.py covers both modes
-    )
-    assert proof["passed"], proof["diagnosis"]
+    attempt = train_as_the_pipeline(raw, root, root / "in")
     return {"root": root, "export": attempt / "export", "attempt": attempt}
 
 
