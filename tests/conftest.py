@@ -249,7 +249,8 @@ def train_as_the_pipeline(raw: Path, root: Path, input_root: Path, prove: bool =
     """validate → prepare → a real worker → evaluate (→ a crash-mode recovery proof), as the
     pipeline does, writing ``recipe.json``, ``validation.json``, ``examples/``, ``attempts/``,
     ``result.json``, ``metrics.json`` (and ``proof.json``) under ``root``; the attempt."""
-    from minifield import recovery, stages
+    from minifield.pipeline import stages
+    from minifield.proof import recovery
 
     stages.validate(raw, root / "recipe.json", root / "validation.json")
     stages.prepare(root / "recipe.json", input_root, root / "examples")

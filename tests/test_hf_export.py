@@ -22,8 +22,9 @@ import test_llama
 from conftest import run_generate, train_as_the_pipeline, write_recipe
 from test_llama import _flax_model, _recipe
 
-from minifield import cli, export
+from minifield import cli
 from minifield import recipe as recipes
+from minifield.state import export
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
 from minifield.strategies.packed_sft.strategy import ExportedModel

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import REPO
 
-from minifield import recovery
+from minifield.proof import recovery
 
 PROOF = REPO / "tests" / "data" / "proofs" / "linear-demo-both.json"
 CONTRADICTION = "it says passed: true, which its own records above contradict"

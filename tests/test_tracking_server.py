@@ -28,8 +28,9 @@ import yaml
 from conftest import copy_run, read_events, run_snakemake
 from recovery_cases import events_of
 
-from minifield import cli, supervise
+from minifield import cli
 from minifield.digest import sha256_file
+from minifield.supervision import supervise
 
 pytestmark = pytest.mark.slow  # a real tracking server, real workers, real Snakemake
 # No usage reports from the client in this process (and no sender thread in forked children).

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .. import origins
+from ..inputs import origins
 
 DEFAULT_EXPERIMENT = "minifield"
 DEFAULT_ALIAS = "champion"
