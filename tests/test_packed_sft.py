@@ -16,7 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, worker_command, write_recipe
+from conftest import (
+    TINY_SFT,
+    attempts_of,
+    merged,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    worker_command,
+    write_recipe,
+)
 
 from minifield import recipe as recipes
 from minifield.strategies.packed_sft import batches, exported, sft_data
@@ -39,50 +49,22 @@ def space(tmp_path_factory) -> dict:
     return {"root": root, "input_root": root / "in", "pins": pins, "cache": root / "jax-cache"}
 
 
-def tiny_recipe(space, **sections) -> dict:
-    recipe = {
-        "job_id": "sft-test",
-        "product": {"name": "reverser", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": space["pins"][s]}
-            for s in ("train", "dev", "test")
-        ],
-        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
-        "training": {"seq_len": 32, "batch_size": 4, "warmup_steps": 2, "learning_rate": 0.01},
-        "limits": {"max_steps": MAX_STEPS},
-        "checkpoint": {"every_steps": 2, "keep": 3},
-        "evaluation": {"eval_every": 2, "batch_size": 8, "max_generate_examples": 8},
-    }
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+def tiny_recipe(space, **changes) -> dict:
+    base = merged(
+        TINY_SFT,
+        limits={"max_steps": MAX_STEPS},
+        evaluation={"eval_every": 2, "max_generate_examples": 8},
+    )
+    return packed_sft_recipe(space["pins"], "sft-test", **merged(base, **changes))
 
 
 def _run(space, recipe_path, out, *extra, codes=(0,), cache=True):
-    return run_worker(
-        *extra,
-        job=recipe_path,
-        input_root=space["input_root"],
-        output_root=out,
-        compilation_cache=space["cache"] if cache else None,
-        record_state_hashes=True,
-        check_codes=codes,
-    )
+    cache = space["cache"] if cache else None
+    return run_attempt(recipe_path, space["input_root"], out, *extra, codes=codes, cache=cache)
 
 
 def _attempts(out: Path) -> list[Path]:
-    return sorted((out / "sft-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-
-def _hashes(attempt_dirs) -> dict[int, str]:
-    """Step → complete-state hash over a chain of attempts (later attempts win)."""
-    found = {}
-    for attempt in attempt_dirs:
-        for event in read_events(attempt / "events.jsonl"):
-            if event["type"] == "update":
-                found[event["step"]] = event["state_hash"]
-    return found
+    return attempts_of(out, "sft-test")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +79,7 @@ def reference(space) -> dict:
         "recipe": recipe_path,
         "attempt": attempt,
         "result": result,
-        "hashes": _hashes([attempt]),
+        "hashes": update_hashes([attempt]),
     }
 
 
@@ -285,7 +267,9 @@ def _resume_and_compare(space, reference, out, previous):
     result = json.loads((attempts[-1] / "result.json").read_text())
     assert result["status"] == "completed"
     assert result["final_state_hash"] == reference["result"]["final_state_hash"]
-    assert _hashes(attempts) == reference["hashes"]  # every update, before and after the crash
+    assert (
+        update_hashes(attempts) == reference["hashes"]
+    )  # every update, before and after the crash
     return attempts
 
 

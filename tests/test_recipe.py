@@ -2,7 +2,7 @@ import json
 
 import pytest
 import yaml
-from conftest import linear_recipe, run_worker
+from conftest import linear_recipe, packed_sft_recipe, run_worker
 
 from minifield import recipe as recipes
 
@@ -136,14 +136,9 @@ def test_every_integer_number_string_and_list_in_the_schemas_is_bounded(name):
 
 
 def sft_recipe(**overrides):
-    recipe = {
-        "job_id": "sft",
-        "product": {"name": "p", "version": "1"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [{"name": s, "path": f"{s}.jsonl", "sha256": "0" * 64} for s in ("train", "dev", "test")],
-    }  # fmt: skip
-    recipe.update(overrides)
-    return recipe
+    pins = dict.fromkeys(("train", "dev", "test"), "0" * 64)
+    product = {"name": "p", "version": "1"}
+    return packed_sft_recipe(pins, "sft", inputs_dir="", **{"product": product, **overrides})
 
 
 @pytest.mark.parametrize(
