@@ -28,11 +28,14 @@ a time limit stops the run before the next update.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from . import atomic, attempt_result, attempt_setup, distributed, environment
 from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, EXPORT, RESULT
@@ -40,6 +43,7 @@ from .attempt_result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
     EXIT_INVALID,
+    EXIT_IO,
     EXIT_LIMIT,
     EXIT_PREEMPTED,
     AttemptError,
@@ -65,6 +69,7 @@ __all__ = [
     "EXIT_COMPLETED",
     "EXIT_FAILED",
     "EXIT_INVALID",
+    "EXIT_IO",
     "EXIT_LIMIT",
     "EXIT_PREEMPTED",
     "RESULT_FILE",
@@ -134,11 +139,18 @@ class Attempt:
             resuming=self.options.resume_from is not None,
             group=group,
         )
-        self.events = (
-            EventLog(self.dir / EVENTS, on_echo_closed=self._stdout_closed)
-            if group.is_writer
-            else EventLog(None, None)
-        )
+        try:
+            if group.is_writer:
+                attempt_setup.hold_reserve(self.dir)
+            self.events = (
+                EventLog(self.dir / EVENTS, on_echo_closed=self._stdout_closed)
+                if group.is_writer
+                else EventLog(None, None)
+            )
+        except OSError:
+            # nothing of the attempt is written yet: leave no directory that looks like one
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         # one host copy per step, shared by the update's state hash and a checkpoint
         self.snapshot = HostSnapshot()
         self.checkpoints = Checkpointing(
@@ -169,19 +181,23 @@ class Attempt:
         self.stopping.preemption.install()
         outcome = attempt_setup.agree(attempt_setup.prepare(self), self.options.group)
         if isinstance(outcome, SetUpFailed):
+            if outcome.code == EXIT_IO:
+                return self._finish(Ending.io_failed(outcome.error))
             return self._finish(Ending.failed(outcome.error, outcome.code))
-        if isinstance(outcome, AdoptCompleted):
-            return self._finish(self._adopt(outcome.previous))
         try:
-            return self._finish(self._train(outcome))
+            if isinstance(outcome, AdoptCompleted):
+                ending = self._adopt(outcome.previous)
+            else:
+                ending = self._train(outcome)
         except CheckpointWriteError as exc:
             self._settle_checkpoints()
-            return self._finish(Ending.failed(AttemptError("checkpoint", str(exc))))
+            ending = _failure(AttemptError("checkpoint", str(exc)), exc)
+        except ExportWriteError as exc:
+            ending = _failure(AttemptError("export", str(exc)), exc)
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
             self._settle_checkpoints()
-            return self._finish(
-                Ending.failed(AttemptError("train", f"{type(exc).__name__}: {exc}"))
-            )
+            ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
+        return self._finish(ending)
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the
@@ -195,7 +211,7 @@ class Attempt:
         """Resuming a completed attempt trains nothing and reports the same final state."""
         source_export = previous.directory / EXPORT
         if source_export.is_dir() and self.options.group.is_writer:
-            shutil.copytree(source_export, self.dir / EXPORT)
+            self._write_export(lambda partial: shutil.copytree(source_export, partial))
         result = previous.result
         self.progress.steps_completed = result["steps_completed"]
         self.progress.metrics = result.get("metrics", {})
@@ -285,12 +301,56 @@ class Attempt:
             final=True,
         )
         if self.options.group.is_writer:
-            program.export(state, self.dir / EXPORT)
+            self._write_export(lambda partial: program.export(state, partial))
         self.progress.final_state_hash = self.snapshot.hash_of(state, step)
         return Ending.completed()
 
+    def _write_export(self, write: Callable[[Path], object]) -> None:
+        """``export/`` whole or not at all: written under a temporary name, renamed into place;
+        a failed write is removed and raised as :class:`ExportWriteError` naming the file."""
+        final = self.dir / EXPORT
+        partial = self.dir / f".{EXPORT}.partial"
+        try:
+            write(partial)
+            os.rename(partial, final)
+            atomic.fsync_dir(self.dir)
+        except Exception as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ExportWriteError(
+                f"export {final} was not written (the partial one was removed): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
     def _finish(self, ending: Ending) -> int:
-        """Say how the attempt ended: the last event and ``result.json``."""
+        """Say how the attempt ended: the last event and ``result.json``.
+
+        The space held back since the start is given back first, so that a disk another
+        process filled still takes these; if it does not, stderr says what was lost."""
+        if self.options.group.is_writer:
+            attempt_setup.release_reserve(self.dir)
+        try:
+            self._record_ending(ending)
+        except OSError as exc:
+            if not atomic.is_io_failure(exc):
+                raise
+            lost = ending
+            ending = Ending.io_failed(AttemptError("finish", str(exc)))
+            self.say(
+                f"io_failed: the attempt ended {lost.status}"
+                + (f" ({lost.error.message})" if lost.error else "")
+                + f" but that could not be recorded: {exc}; it resumes from its last committed "
+                f"checkpoint once there is room (--resume-from {self.dir})"
+            )
+        finally:
+            try:
+                self.events.close()
+            except OSError as exc:
+                self.say(str(exc))
+            self.stopping.preemption.restore()
+        self.ending = ending
+        return ending.code
+
+    def _record_ending(self, ending: Ending) -> None:
         result = attempt_result.document(
             ending,
             self.progress,
@@ -310,17 +370,35 @@ class Attempt:
             )
         elif ending.status == "failed":
             self.events.emit("failed", durable=True, **ending.error.as_dict())
+        elif ending.status == "io_failed":
+            self.events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
         if self.options.group.is_writer:
             atomic.write_json(self.dir / RESULT, result)
-        self.events.close()
-        self.stopping.preemption.restore()
-        return ending.code
 
 
-def run(recipe: Recipe, options: Options) -> tuple[int, Path]:
-    """Run one attempt; returns (exit code, attempt directory)."""
+class ExportWriteError(Exception):
+    """The final export could not be written (its partial directory is removed)."""
+
+
+def _failure(error: AttemptError, exc: BaseException) -> Ending:
+    """``io_failed`` when the output could not be written (a full disk: resumable once there
+    is room), else ``failed``."""
+    return Ending.io_failed(error) if atomic.is_io_failure(exc) else Ending.failed(error)
+
+
+class Ended(NamedTuple):
+    code: int
+    attempt_dir: Path
+    #: ``{"phase", "message"}`` of the ending (also in result.json, when it could be written)
+    error: dict | None
+
+
+def run(recipe: Recipe, options: Options) -> Ended:
+    """Run one attempt; returns its exit code, directory and error."""
     if options.compilation_cache is not None:
         enable_compilation_cache(options.compilation_cache)
     attempt = Attempt(recipe, options)
     attempt.open()
-    return attempt.run(), attempt.dir
+    code = attempt.run()
+    error = attempt.ending.error
+    return Ended(code, attempt.dir, error.as_dict() if error else None)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import export
+from ... import atomic, export
 from ...digest import sha256_bytes
 from ..base import Program, Strategy
 from . import base_model, chat_template, execution, lora, packing, sft_data
@@ -672,12 +672,12 @@ class PackedSFTProgram(Program):
                 tokenizer_config_json,
             )
             return
-        (directory / EXPORT_DEV_FILE).write_bytes(dev_bytes)
+        atomic.write_bytes(directory / EXPORT_DEV_FILE, dev_bytes)
         tokenizer_file = None
         if "tokenizer_json" in self.arrays:
             tokenizer_file = EXPORT_TOKENIZER_FILE
-            (directory / tokenizer_file).write_bytes(
-                np.asarray(self.arrays["tokenizer_json"]).tobytes()
+            atomic.write_bytes(
+                directory / tokenizer_file, np.asarray(self.arrays["tokenizer_json"]).tobytes()
             )
         export.write(
             directory,
