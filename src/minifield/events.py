@@ -76,7 +76,7 @@ class EventLog:
         self._length = 0
         if path is not None:
             with atomic.naming(path):
-                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
                 self._length = repair_tail(self._fd)
         self._echo = echo
         self._on_echo_closed = on_echo_closed

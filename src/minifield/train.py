@@ -325,42 +325,39 @@ class Attempt:
         """Say how the attempt ended: the last event and ``result.json``.
 
         The space held back since the start is given back first, so that a disk another
-        process filled still takes these; if it does not, stderr says what was lost."""
+        process filled still takes these. What the disk still refuses is said on stderr; an
+        ending that could not be recorded in full becomes ``io_failed`` (phase ``finish``)."""
         if self.options.group.is_writer:
             attempt_setup.release_reserve(self.dir)
         try:
-            self._record_ending(ending)
-        except OSError as exc:
-            if not atomic.is_io_failure(exc):
-                raise
-            lost = ending
-            ending = Ending.io_failed(AttemptError("finish", str(exc)))
-            self.say(
-                f"io_failed: the attempt ended {lost.status}"
-                + (f" ({lost.error.message})" if lost.error else "")
-                + f" but that could not be recorded: {exc}; it resumes from its last committed "
-                f"checkpoint once there is room (--resume-from {self.dir})"
-            )
+            refused = _io_refusal(lambda: self._emit_ending(ending))
+            if refused is not None:
+                self.say(f"the attempt's last event was not written: {refused}")
+                if ending.status != "io_failed":
+                    ending = Ending.io_failed(
+                        AttemptError(
+                            "finish", f"the {ending.status} ending was not recorded: {refused}"
+                        )
+                    )
+            refused = _io_refusal(lambda: self._write_result(ending))
+            if refused is not None:
+                self.say(f"{ending.status}, but {RESULT} was not written: {refused}")
+                ending = Ending.io_failed(AttemptError("finish", str(refused)))
         finally:
             try:
                 self.events.close()
             except OSError as exc:
                 self.say(str(exc))
             self.stopping.preemption.restore()
+        if ending.status == "io_failed":
+            self.say(
+                "the output could not be written; once there is room, resume from the last "
+                f"committed checkpoint: --resume-from {self.dir}"
+            )
         self.ending = ending
         return ending.code
 
-    def _record_ending(self, ending: Ending) -> None:
-        result = attempt_result.document(
-            ending,
-            self.progress,
-            self.checkpoints.newest,
-            recipe=self.recipe,
-            attempt_id=self.attempt_id,
-            env=self.env,
-            resumed_from=self.options.resume_from,
-            started=self.started,
-        )
+    def _emit_ending(self, ending: Ending) -> None:
         if ending.status == "completed":
             self.events.emit(
                 "completed",
@@ -372,12 +369,36 @@ class Attempt:
             self.events.emit("failed", durable=True, **ending.error.as_dict())
         elif ending.status == "io_failed":
             self.events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
-        if self.options.group.is_writer:
-            atomic.write_json(self.dir / RESULT, result)
+
+    def _write_result(self, ending: Ending) -> None:
+        if not self.options.group.is_writer:
+            return
+        result = attempt_result.document(
+            ending,
+            self.progress,
+            self.checkpoints.newest,
+            recipe=self.recipe,
+            attempt_id=self.attempt_id,
+            env=self.env,
+            resumed_from=self.options.resume_from,
+            started=self.started,
+        )
+        atomic.write_json(self.dir / RESULT, result)
 
 
 class ExportWriteError(Exception):
     """The final export could not be written (its partial directory is removed)."""
+
+
+def _io_refusal(write: Callable[[], None]) -> OSError | None:
+    """Run ``write``; the I/O failure it met (the disk refused it) is returned, not raised."""
+    try:
+        write()
+    except OSError as exc:
+        if not atomic.is_io_failure(exc):
+            raise
+        return exc
+    return None
 
 
 def _failure(error: AttemptError, exc: BaseException) -> Ending:

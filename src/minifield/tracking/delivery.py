@@ -42,7 +42,8 @@ class Delivery:
         self.connection = connection
         self.client = connection.client
         self.settings = connection.settings
-        self.state_dir = Path(self.settings.state_dir)
+        #: cursors and locks of this server and experiment (a new destination starts afresh)
+        self.state_dir = self.settings.destination_state_dir
         self._experiment_id: str | None = None
 
     # -- experiment and runs ---------------------------------------------------------------
