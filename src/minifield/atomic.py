@@ -12,7 +12,7 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,17 @@ def is_io_failure(exc: BaseException | None) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def io_refusal(write: Callable[[], object]) -> OSError | None:
+    """Run ``write``; an I/O failure it meets (the disk refused it) is returned, not raised."""
+    try:
+        write()
+    except OSError as exc:
+        if not is_io_failure(exc):
+            raise
+        return exc
+    return None
 
 
 @contextlib.contextmanager

@@ -28,16 +28,14 @@ a time limit stops the run before the next update.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from . import atomic, attempt_result, attempt_setup, distributed, environment
+from . import atomic, attempt_result, attempt_setup, distributed, environment, export
 from .attempt_layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, EXPORT, RESULT
 from .attempt_result import (
     EXIT_COMPLETED,
@@ -192,7 +190,7 @@ class Attempt:
         except CheckpointWriteError as exc:
             self._settle_checkpoints()
             ending = _failure(AttemptError("checkpoint", str(exc)), exc)
-        except ExportWriteError as exc:
+        except export.ExportWriteError as exc:
             ending = _failure(AttemptError("export", str(exc)), exc)
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
             self._settle_checkpoints()
@@ -211,7 +209,7 @@ class Attempt:
         """Resuming a completed attempt trains nothing and reports the same final state."""
         source_export = previous.directory / EXPORT
         if source_export.is_dir() and self.options.group.is_writer:
-            self._write_export(lambda partial: shutil.copytree(source_export, partial))
+            export.write_whole(self.dir / EXPORT, lambda part: shutil.copytree(source_export, part))
         result = previous.result
         self.progress.steps_completed = result["steps_completed"]
         self.progress.metrics = result.get("metrics", {})
@@ -301,25 +299,9 @@ class Attempt:
             final=True,
         )
         if self.options.group.is_writer:
-            self._write_export(lambda partial: program.export(state, partial))
+            export.write_whole(self.dir / EXPORT, lambda partial: program.export(state, partial))
         self.progress.final_state_hash = self.snapshot.hash_of(state, step)
         return Ending.completed()
-
-    def _write_export(self, write: Callable[[Path], object]) -> None:
-        """``export/`` whole or not at all: written under a temporary name, renamed into place;
-        a failed write is removed and raised as :class:`ExportWriteError` naming the file."""
-        final = self.dir / EXPORT
-        partial = self.dir / f".{EXPORT}.partial"
-        try:
-            write(partial)
-            os.rename(partial, final)
-            atomic.fsync_dir(self.dir)
-        except Exception as exc:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise ExportWriteError(
-                f"export {final} was not written (the partial one was removed): "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
 
     def _finish(self, ending: Ending) -> int:
         """Say how the attempt ended: the last event and ``result.json``.
@@ -330,7 +312,7 @@ class Attempt:
         if self.options.group.is_writer:
             attempt_setup.release_reserve(self.dir)
         try:
-            refused = _io_refusal(lambda: self._emit_ending(ending))
+            refused = atomic.io_refusal(lambda: self._emit_ending(ending))
             if refused is not None:
                 self.say(f"the attempt's last event was not written: {refused}")
                 if ending.status != "io_failed":
@@ -339,7 +321,7 @@ class Attempt:
                             "finish", f"the {ending.status} ending was not recorded: {refused}"
                         )
                     )
-            refused = _io_refusal(lambda: self._write_result(ending))
+            refused = atomic.io_refusal(lambda: self._write_result(ending))
             if refused is not None:
                 self.say(f"{ending.status}, but {RESULT} was not written: {refused}")
                 ending = Ending.io_failed(AttemptError("finish", str(refused)))
@@ -384,21 +366,6 @@ class Attempt:
             started=self.started,
         )
         atomic.write_json(self.dir / RESULT, result)
-
-
-class ExportWriteError(Exception):
-    """The final export could not be written (its partial directory is removed)."""
-
-
-def _io_refusal(write: Callable[[], None]) -> OSError | None:
-    """Run ``write``; the I/O failure it met (the disk refused it) is returned, not raised."""
-    try:
-        write()
-    except OSError as exc:
-        if not atomic.is_io_failure(exc):
-            raise
-        return exc
-    return None
 
 
 def _failure(error: AttemptError, exc: BaseException) -> Ending:
