@@ -232,6 +232,7 @@ def test_a_failed_export_is_removed_named_and_resumed(tmp_path):
         sft["pins"], "llama-io", 1,
         model={"architecture": "llama", "d_model": 48, "n_layers": 1, "n_heads": 4,
                "n_kv_heads": 2, "d_ff": 96, "tie_embeddings": False},
+        training={"warmup_steps": 1},
         limits={"max_steps": 2},
         evaluation={"eval_every": 0, "batch_size": 8, "max_generate_examples": 1,
                     "export_dtype": "float32"},
