@@ -266,11 +266,11 @@ def worker_program(D, L, T, bf16, root: Path):
 def worker_loop_setup(program, events_path: Path):
     """``run()``: one update through the worker's ``UpdateLoop`` (it returns once the update
     is reported, as the loop does at its last step)."""
-    from minifield import distributed
-    from minifield.attempt_result import Progress
-    from minifield.events import EventLog
-    from minifield.stopping import Stopping
-    from minifield.update_loop import UpdateLoop
+    from minifield.attempt.events import EventLog
+    from minifield.attempt.result import Progress
+    from minifield.attempt.stopping import Stopping
+    from minifield.attempt.update_loop import UpdateLoop
+    from minifield.supervision import distributed
 
     events = EventLog(events_path, None)
     stopping = Stopping({}, stop_after_step=None, group=distributed.Group(), started_mono=0)

@@ -8,11 +8,11 @@ packed-sft model (``init_train_state``), on this machine's disk, round by round:
 - **previous commit**: the commit as it was before (a ``.npy`` serialised in memory, sha256
   of it, write + fsync per array, the whole state hashed again) — a copy kept here as the
   reference point;
-- **synchronous commit**: :func:`minifield.checkpoint.save` (each file hashed while it is
+- **synchronous commit**: :func:`minifield.state.checkpoint.save` (each file hashed while it is
   written, fsyncs overlapping the writes, the state hash computed alongside), also with the
   state hash already known (what a checkpoint at a hashed update gets), and its CPU time
   (``sync_cpu``: the hashing and copying that a busy machine has to find cores for);
-- **asynchronous commit**: :class:`minifield.checkpointing.Checkpointing` with its
+- **asynchronous commit**: :class:`minifield.attempt.checkpoint_cadence.Checkpointing` with its
   background writer: the time the update loop is blocked at the step boundary (the host
   copy, handing it over), then the wait for durability.
 
@@ -44,19 +44,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import TRAINING, VOCAB, packed_batch  # noqa: E402
 
-from minifield import atomic, checkpoint, distributed  # noqa: E402
-from minifield.checkpointing import Checkpointing  # noqa: E402
+from minifield import atomic  # noqa: E402
+from minifield.attempt.checkpoint_cadence import Checkpointing  # noqa: E402
+from minifield.attempt.events import EventLog  # noqa: E402
+from minifield.attempt.faults import Faults  # noqa: E402
+from minifield.attempt.update_loop import HostSnapshot  # noqa: E402
 from minifield.digest import sha256_bytes  # noqa: E402
-from minifield.events import EventLog  # noqa: E402
-from minifield.faults import Faults  # noqa: E402
-from minifield.state import hash_named_arrays, named_arrays  # noqa: E402
+from minifield.state import checkpoint  # noqa: E402
+from minifield.state.arrays import hash_named_arrays, named_arrays  # noqa: E402
 from minifield.strategies.packed_sft.model import ModelConfig  # noqa: E402
 from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
 from minifield.strategies.packed_sft.sft_step import (  # noqa: E402
     init_train_state,
     make_train_step,
 )
-from minifield.update_loop import HostSnapshot  # noqa: E402
+from minifield.supervision import distributed  # noqa: E402
 
 #: (d_model, layers): the checkpoint state (≥ 100 MB) and the two hashing sizes
 CHECKPOINT_SIZE = (384, 6)

@@ -224,14 +224,16 @@ def peak_for(device_kind: str, measured: float | None) -> tuple[float | None, st
 
 
 def section_device(args, context, report) -> dict:
-    from minifield import environment
+    from minifield.attempt import environment
 
     added = environment.add_gpu_determinism_flags()
     import jax
     from bench_matmul import peak_probe
 
-    from minifield import device_check, distributed, recipe
-    from minifield.events import EventLog
+    from minifield import recipe
+    from minifield.attempt import device_check
+    from minifield.attempt.events import EventLog
+    from minifield.supervision import distributed
 
     fingerprint = environment.fingerprint()
     devices = []
@@ -309,7 +311,7 @@ def _time_rounds(runs: dict, rounds: int, steps: int, deadline: float, report, o
 
 
 def _step_section(args, context, report, size: str, deterministic: bool = True) -> dict:
-    from minifield import environment
+    from minifield.attempt import environment
 
     if deterministic:
         environment.add_gpu_determinism_flags()
@@ -449,8 +451,8 @@ def section_determinism_cost(args, context, report) -> dict:
 
 def section_recovery(args, context, report) -> dict:
     from minifield import recipe as recipes
-    from minifield import recovery
-    from minifield import supervise as supervisor
+    from minifield.proof import recovery
+    from minifield.supervision import supervise as supervisor
 
     work = Path(args.work_dir) / "recovery"
     recipe_path = work / "recipe.json"
@@ -499,17 +501,17 @@ def section_recovery(args, context, report) -> dict:
 
 
 def section_checkpoint(args, context, report) -> dict:
-    from minifield import environment
+    from minifield.attempt import environment
 
     environment.add_gpu_determinism_flags()
     import jax
     import numpy as np
     from checkpoint_commit import async_commit, raw_commit, sync_commit
 
-    from minifield.state import named_arrays
+    from minifield.attempt.update_loop import HostSnapshot
+    from minifield.state.arrays import named_arrays
     from minifield.strategies.packed_sft.optimizer import make_optimizer
     from minifield.strategies.packed_sft.sft_step import init_train_state
-    from minifield.update_loop import HostSnapshot
 
     cfg = llama_config(model_shape(args, "125m"), seq_len(args), execution(args))
     optimizer = make_optimizer({}, MAX_STEPS)

@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT / "src"))
 import yaml  # noqa: E402
 
 import minifield  # noqa: E402
-from minifield import atomic, examples, stages  # noqa: E402
+from minifield import atomic  # noqa: E402
+from minifield.inputs import examples  # noqa: E402
+from minifield.pipeline import stages  # noqa: E402
 
 DEMO = ROOT / "config/recipes/llama-sft-demo.yaml"
 BASE_INPUTS = ("base-config", "base-weights", "base-tokenizer", "base-tokenizer-config")

@@ -45,7 +45,7 @@ def main() -> None:
     import numpy as np
 
     from minifield import recipe as recipes
-    from minifield.state import state_hash
+    from minifield.state.arrays import state_hash
     from minifield.strategies.packed_sft import sft_data
 
     root = Path(tempfile.mkdtemp(prefix="sharded-init-"))

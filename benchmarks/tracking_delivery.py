@@ -30,7 +30,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from minifield import stages, supervise
+from minifield.pipeline import stages
+from minifield.supervision import supervise
 from minifield.tracking import connection, delivery, live, settings
 
 

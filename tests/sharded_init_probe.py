@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from minifield import recipe as recipes
-from minifield.state import named_arrays, restore_like, state_hash
+from minifield.state.arrays import named_arrays, restore_like, state_hash
 from minifield.strategies.packed_sft import strategy
 
 

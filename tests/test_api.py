@@ -166,7 +166,8 @@ def test_a_resume_of_another_computation_is_refused_like_the_worker(worker_refer
 
 
 def test_exit_codes_are_the_workers():
-    from minifield import api, train
+    from minifield import api
+    from minifield.attempt import train
 
     assert (api.EXIT_COMPLETED, api.EXIT_FAILED, api.EXIT_INVALID) == (
         train.EXIT_COMPLETED,

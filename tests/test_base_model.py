@@ -23,8 +23,11 @@ from safetensors.numpy import load_file, save_file
 from test_chat_template import CHATML, make_tokenizer
 from test_llama import LLAMA, hf_tensors
 
-from minifield import cli, examples, export, inputs, stages
+from minifield import cli
 from minifield import recipe as recipes
+from minifield.inputs import examples, pinned
+from minifield.pipeline import stages
+from minifield.state import export
 from minifield.strategies.packed_sft import base_model, sft_data
 
 BASE = {**LLAMA, "vocab_size": 340, "rope_theta": 50000.0, "max_position_embeddings": 128}
@@ -129,7 +132,7 @@ def base_recipe(root: Path, model: dict | None = None) -> dict:
 
 def _prepare(recipe: dict, root: Path):
     loaded = recipes.validate(recipe)
-    return loaded, loaded.strategy.prepare(loaded.data, inputs.files_by_name(loaded.data, root))
+    return loaded, loaded.strategy.prepare(loaded.data, pinned.files_by_name(loaded.data, root))
 
 
 @pytest.fixture

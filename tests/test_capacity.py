@@ -10,7 +10,8 @@ from fractions import Fraction
 
 import pytest
 
-from minifield import capacity, cli
+from minifield import cli
+from minifield.observe import capacity
 
 # (seconds_per_job, arrivals_per_hour, workers, reserve_fraction, price) -> figures by hand.
 HAND_CASES = [

@@ -296,7 +296,7 @@ def test_a_data_parallel_checkpoint_evaluates_without_the_mesh(four):
     """The evaluate stage and the store load checkpoints in a plain process (one device is
     enough): only an update needs the mesh. The worker evaluated on the 4-device mesh
     (rows split over the devices, another grouping of the FP32 sums): within 1e-6 relative."""
-    from minifield import checkpoint
+    from minifield.state import checkpoint
 
     recipe = recipes.load(four["recipe"])
     program = recipe.strategy.build(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minifield import distributed as d
+from minifield.supervision import distributed as d
 
 SLURM_STEP = {
     "SLURM_JOB_ID": "4242",

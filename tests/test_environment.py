@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from conftest import REPO
 
-from minifield import environment
+from minifield.attempt import environment
 
 
 def test_fingerprint_covers_what_determines_bits():

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
-from minifield import export, stages
+from minifield.pipeline import stages
+from minifield.state import export
 from minifield.strategies.linear_momentum_program import LinearProgram
 
 pytestmark = pytest.mark.slow  # a worker run makes the checkpoints

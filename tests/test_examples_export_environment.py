@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
 
-from minifield import environment, examples, export
+from minifield.attempt import environment
+from minifield.inputs import examples
+from minifield.state import export
 
 
 def test_prepared_examples_roundtrip_memory_mapped_and_verified(tmp_path):

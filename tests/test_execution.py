@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from minifield import recipe as recipes
-from minifield.state import named_arrays, restore_like, state_hash
+from minifield.state.arrays import named_arrays, restore_like, state_hash
 from minifield.strategies.packed_sft import attention, layer_stack, model
 from minifield.strategies.packed_sft.cross_entropy import chunked_token_losses
 from minifield.strategies.packed_sft.execution import Execution

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, linear_recipe, write_recipe
 from remote_server import AssetServer, make_certificate
 
-from minifield import credentials, fetch, inputs, origins
+from minifield.inputs import credentials, fetch, origins, pinned
 
 TOKEN = "tok-" + secrets.token_hex(16)  # unique per run, so a grep for it means something
 ASSET = random.Random(7).randbytes(3 << 20)  # 3 MiB: several 1 MiB chunks, so drops are mid-file
@@ -388,10 +388,10 @@ def test_credentials_file_contents_are_checked_without_echoing_tokens(tmp_path):
 
 def test_inputs_verify_resolves_remote_inputs_by_name(tmp_path):
     recipe = remote_recipe("https://assets.example/blob", data=b"twelve bytes")
-    with pytest.raises(inputs.InputError, match="remote input https://assets.example/blob not"):
-        inputs.verify(recipe, tmp_path)
+    with pytest.raises(pinned.InputError, match="remote input https://assets.example/blob not"):
+        pinned.verify(recipe, tmp_path)
     (tmp_path / "examples").write_bytes(b"twelve bytes")
-    verified = inputs.verify(recipe, tmp_path)
+    verified = pinned.verify(recipe, tmp_path)
     assert verified == [
         {
             "name": "examples",
@@ -400,7 +400,7 @@ def test_inputs_verify_resolves_remote_inputs_by_name(tmp_path):
             "size": 12,
         }
     ]
-    assert inputs.files_by_name(recipe, tmp_path) == {"examples": (tmp_path / "examples").resolve()}
+    assert pinned.files_by_name(recipe, tmp_path) == {"examples": (tmp_path / "examples").resolve()}
     (tmp_path / "examples").write_bytes(b"thirteen byte")
-    with pytest.raises(inputs.InputError, match="has 13 bytes, but the recipe pins size 12"):
-        inputs.verify(recipe, tmp_path)
+    with pytest.raises(pinned.InputError, match="has 13 bytes, but the recipe pins size 12"):
+        pinned.verify(recipe, tmp_path)

@@ -17,7 +17,7 @@ import yaml
 from conftest import run_snakemake
 from remote_server import AssetServer, make_certificate
 
-from minifield import fetch
+from minifield.inputs import fetch
 
 TOKEN = "tok-" + secrets.token_hex(16)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from minifield import environment
+from minifield.attempt import environment
 
 
 def test_a_gpu_run_gets_the_determinism_flags_after_the_users_own():

@@ -22,8 +22,11 @@ import test_llama
 from conftest import run_generate, run_worker, write_recipe
 from test_llama import _flax_model, _recipe
 
-from minifield import cli, export, recovery, stages
+from minifield import cli
 from minifield import recipe as recipes
+from minifield.pipeline import stages
+from minifield.proof import recovery
+from minifield.state import export
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
 from minifield.strategies.packed_sft.strategy import ExportedModel

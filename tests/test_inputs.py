@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from minifield import inputs
+from minifield.inputs import pinned as inputs
 
 
 def pinned(tmp_path, name="examples", rel="d/x.jsonl", data=b'{"x": 1, "y": 3}\n'):

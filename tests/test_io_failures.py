@@ -30,7 +30,7 @@ from conftest import (
 )
 
 from minifield import atomic
-from minifield.events import EventLog
+from minifield.attempt.events import EventLog
 
 LINEAR_STEPS = 200  # about 140 KB of update events with state hashes
 #: above the attempt's reserve (64 KiB), below what the events of LINEAR_STEPS updates take

@@ -1,4 +1,4 @@
-"""``minifield.launch``: N real local processes with their topology, one exit code, signals
+"""``minifield.supervision.launch``: N real local processes with their topology, one exit code, signals
 passed on, no hang on a dead peer; srun inside a SLURM allocation (command only here; the
 cluster run is in test_slurm_profile.py)."""
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from minifield import launch, supervise
+from minifield.supervision import launch, supervise
 
 # A child that reports its topology to a file named after its process id, then exits with
 # the code given for its id (default 0).
@@ -88,7 +88,7 @@ def test_sigterm_reaches_every_process(tmp_path):
         "time.sleep(600)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "minifield.launch", "--processes", "2", "--mode", "local", "--",
+        [sys.executable, "-m", "minifield.supervision.launch", "--processes", "2", "--mode", "local", "--",
          sys.executable, "-c", program],
     )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -124,5 +124,5 @@ def test_worker_command_for_several_processes():
     one = supervise.worker_command("--job", "r.json")
     assert one[1:] == ["-m", "minifield.worker", "--job", "r.json"]
     two = supervise.worker_command("--job", "r.json", processes=2)
-    assert two[1:6] == ["-m", "minifield.launch", "--processes", "2", "--"]
+    assert two[1:6] == ["-m", "minifield.supervision.launch", "--processes", "2", "--"]
     assert two[6:] == [*one, "--distributed"]

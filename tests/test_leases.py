@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from minifield import leases, locks
+from minifield.supervision import leases, locks
 
 # One job: lease, run a supervised child that reports the CUDA_VISIBLE_DEVICES it sees,
 # and record when the lease was held (CLOCK_MONOTONIC is shared by all processes).
 JOB = r"""
 import json, os, sys, time
 from pathlib import Path
-from minifield import leases, supervise
+from minifield.supervision import leases, supervise
 
 lease_dir, out, count, gpus = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 child = [sys.executable, "-c",
@@ -38,7 +38,7 @@ out.write_text(json.dumps({"gpus": held.gpus, "acquired": acquired, "released": 
 HOLD = r"""
 import sys, time
 from pathlib import Path
-from minifield import leases, supervise
+from minifield.supervision import leases, supervise
 held = leases.acquire(Path(sys.argv[1]), ["0"], 1, wait_s=30)
 child = [sys.executable, "-c",
     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(300)",
@@ -158,7 +158,7 @@ def test_one_training_attempt_per_computation(tmp_path):
     attempt is refused before any worker starts."""
     from conftest import REPO, linear_recipe, write_recipe
 
-    from minifield import stages
+    from minifield.pipeline import stages
 
     recipe = write_recipe(tmp_path / "r.json", linear_recipe())
     work = tmp_path / "work"

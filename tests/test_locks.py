@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from minifield import locks
+from minifield.supervision import locks
 
 # A holder: takes the lock, says so with its monotonic time, and releases it when told
 # (a line on stdin) or when killed.
 HOLDER = r"""
 import sys, time
-from minifield import locks
+from minifield.supervision import locks
 fd = locks.acquire(sys.argv[1], {"pid": __import__("os").getpid(), "who": "holder"},
                    timeout_s=30)
 print("held", time.monotonic(), flush=True)
@@ -37,7 +37,7 @@ time.sleep(30)
 # A waiter: waits for the lock without a time limit and reports when it got it.
 WAITER = r"""
 import sys, time
-from minifield import locks
+from minifield.supervision import locks
 print("waiting", flush=True)
 fd = locks.acquire(sys.argv[1], {"pid": __import__("os").getpid(), "who": "waiter"},
                    timeout_s=None, poll_s=0.01)

@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 from test_base_model import BASE, _prepare, _run, base_recipe, make_inputs
 
 from minifield import recipe as recipes
-from minifield import stages
+from minifield.pipeline import stages
 from minifield.strategies.packed_sft import lora, model
 
 RANK, ALPHA = 4, 8.0

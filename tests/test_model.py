@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minifield.state import state_hash
+from minifield.state.arrays import state_hash
 from minifield.strategies.packed_sft.model import (
     ModelConfig,
     flops_per_token,
@@ -390,7 +390,7 @@ def test_bf16_gradients_follow_the_fp32_gradients():
 def test_steps_are_bitwise_reproducible_through_a_state_round_trip():
     """Same state and batch => same next state, also after a host round trip of the
     complete state (what a checkpoint does)."""
-    from minifield.state import named_arrays, restore_like, state_hash
+    from minifield.state.arrays import named_arrays, restore_like, state_hash
 
     cfg = tiny()
     step, state, batch, tx = _step_and_inputs(cfg, B=2)

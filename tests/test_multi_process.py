@@ -307,7 +307,7 @@ def test_an_srun_step_of_several_tasks_needs_distributed(space, tmp_path):
 
 def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     """`train.processes: 2`: the recovery proof and the training each run as one attempt of
-    two processes (minifield.launch, local processes here; srun inside a SLURM allocation),
+    two processes (minifield.supervision.launch, local processes here; srun inside a SLURM allocation),
     gated and evaluated like any other computation, with the same bits as one process over
     two devices."""
     project = tmp_path / "project"
@@ -350,7 +350,7 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     }
     assert processes["coordinator"].startswith("127.0.0.1:")
     log = (project / "logs" / "train" / f"{cdigest[:16]}.log").read_text()
-    assert "-m minifield.launch --processes 2 --" in log and "--distributed" in log
+    assert "-m minifield.supervision.launch --processes 2 --" in log and "--distributed" in log
     # the same computation as the one-process reference run of this module's recipe
     # (same data, model, training and limits; only the job id differs, which is not in it)
     assert cdigest == recipes.load(space["root"] / "reference.json").computation_digest

@@ -226,7 +226,7 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
 def test_evaluate_export_refuses_a_dev_file_that_is_not_the_pinned_one(reference, tmp_path):
     import shutil
 
-    from minifield import export
+    from minifield.state import export
 
     copy = tmp_path / "export"
     shutil.copytree(reference["attempt"] / "export", copy)
@@ -383,7 +383,7 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     """The pinned tokenizer.json alternative: packed with its ids, carried into the export."""
     from test_tokenizer import _write_bpe
 
-    from minifield import examples
+    from minifield.inputs import examples
     from minifield.strategies.packed_sft import tokenizer
 
     path = _write_bpe(space["input_root"] / "sft" / "tokenizer.json")
@@ -419,7 +419,7 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     """prepare → train (worker subprocess, cache under the work dir) → evaluate, as Snakemake runs them."""
     import shutil
 
-    from minifield import stages
+    from minifield.pipeline import stages
 
     root = space["root"] / "stages"
     recipe_json = root / "recipe.json"
@@ -444,7 +444,7 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     assert any((work / "jax-cache").iterdir())
     # each update's counts match the rows the (seed, step) data order names, read from the
     # memory-mapped examples the worker was given
-    from minifield import examples
+    from minifield.inputs import examples
 
     arrays, _ = examples.load(root / "examples")
     n_rows = arrays["train_tokens"].shape[0]

@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import REPO, copy_run, linear_recipe, run_snakemake, write_recipe
 
-from minifield import recovery, stages
+from minifield.pipeline import stages
+from minifield.proof import recovery
 from minifield.recipe import load_schema
 
 # Real Snakemake runs and the prove CLI are slow; the verdict tests read documents only.

@@ -415,7 +415,7 @@ def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
 
     if jax.default_backend() == "gpu":
         pytest.skip("a GPU is present: a gpu requirement is possible here")
-    from minifield import supervise
+    from minifield.supervision import supervise
 
     recipe = write_case_recipe(tmp_path, reference["case"], runtime={"backend": "gpu"})
     outcome = supervise.supervise(
@@ -439,7 +439,7 @@ def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
 def test_checkpoint_step_must_increase(tmp_path):
     import jax.numpy as jnp
 
-    from minifield import checkpoint
+    from minifield.state import checkpoint
 
     state = {"params": {"w": jnp.ones((2,))}, "step": jnp.zeros((), jnp.int32)}
     checkpoint.save(tmp_path, state, step=4, computation_digest="d")

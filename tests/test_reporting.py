@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minifield import reporting
+from minifield.observe import reporting
 
 H = {c: c * 64 for c in "abcdef"}  # readable fake sha256 strings
 

@@ -350,7 +350,7 @@ def test_two_tasks_under_srun_initialise_jax_and_psum(slurm_cluster, tmp_path):
         del env[key]
     proc = subprocess.run(
         ["timeout", "-k", "10", "240", "srun", "-N1", "-n2", "--mem-per-cpu=1000", "-t", "4",
-         str(VENV_BIN / "python"), "-m", "minifield.distributed", "--probe"],
+         str(VENV_BIN / "python"), "-m", "minifield.supervision.distributed", "--probe"],
         capture_output=True, text=True, cwd=tmp_path, env=env, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, f"srun exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -454,7 +454,7 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
-    """SIGTERM to ``minifield.launch`` inside an allocation (what a supervisor sends) reaches
+    """SIGTERM to ``minifield.supervision.launch`` inside an allocation (what a supervisor sends) reaches
     the srun step's tasks as SIGTERM — srun would kill them outright — so both tasks commit
     a checkpoint at the same step and the launch exits 3 (preempted)."""
     inputs = small_sft_inputs(tmp_path)
@@ -472,7 +472,7 @@ def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
     with open(stderr, "w") as err:
         proc = subprocess.Popen(
             ["timeout", "-k", "10", "240", "salloc", "-n2", "--mem-per-cpu=1500", "-t", "5",
-             python, "-m", "minifield.launch", "--processes", "2", "--",
+             python, "-m", "minifield.supervision.launch", "--processes", "2", "--",
              python, "-m", "minifield.worker",
              *worker_args("--distributed", job=recipe_path, input_root=inputs["input_root"],
                           output_root=tmp_path / "out", stall_after_step=3, stall_seconds=5)],
@@ -483,7 +483,7 @@ def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None, stderr.read_text()[-3000:]
         time.sleep(0.1)
     launchers = subprocess.run(
-        ["pgrep", "-f", "-n", f"{python} -m minifield.launch --processes 2"],
+        ["pgrep", "-f", "-n", f"{python} -m minifield.supervision.launch --processes 2"],
         capture_output=True, text=True, check=False,
     ).stdout.split()  # fmt: skip
     assert len(launchers) == 1, "launcher process not found"

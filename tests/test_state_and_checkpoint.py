@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minifield import checkpoint
-from minifield.state import part_hashes, state_hash
+from minifield.state import checkpoint
+from minifield.state.arrays import part_hashes, state_hash
 
 
 def make_state(w=1.0, step=0):

@@ -8,9 +8,9 @@ import os
 import signal
 import time
 
-from minifield import distributed
-from minifield.events import EventLog, write_line
-from minifield.stopping import LimitReached, Preempt, Stopping, limit_reason
+from minifield.attempt.events import EventLog, write_line
+from minifield.attempt.stopping import LimitReached, Preempt, Stopping, limit_reason
+from minifield.supervision import distributed
 
 
 def _stopping(limits=None, stop_after_step=None) -> Stopping:

@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 from conftest import linear_recipe, run_worker, write_recipe
 
-from minifield import cli, recovery, stages
+from minifield import cli
 from minifield import store as stores
+from minifield.pipeline import stages
+from minifield.proof import recovery
 
 pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, linear_recipe, read_events, run_worker, write_recipe
 
-from minifield import summarize
+from minifield.observe import summarize
 
 
 def write_events(path: Path, events: list[dict], *, time0: float, mono0: float) -> Path:
@@ -319,7 +319,7 @@ def test_real_crash_and_resume_against_raw_events(tmp_path):
 
 def test_attempt_chain_matches_the_worker_resume_chain(tmp_path):
     """The summary's own chain walk agrees with the worker's (newest first there)."""
-    from minifield import attempts
+    from minifield.attempt import chain as attempts
 
     for name, previous in [("a1", None), ("a2", "a1"), ("a3", "a2")]:
         (tmp_path / name).mkdir()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, linear_recipe, worker_command, write_recipe
 
-from minifield import supervise
-from minifield.supervise import Settings
+from minifield.supervision import supervise
+from minifield.supervision.supervise import Settings
 
 MINUTE = Settings(deadline_s=60, stall_s=60)
 

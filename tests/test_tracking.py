@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from minifield.credentials import CredentialsError
+from minifield.inputs.credentials import CredentialsError
 from minifield.tracking import attempt_events, settings
 from minifield.tracking.cursor import Cursor
 from minifield.tracking.delivery import recipe_params

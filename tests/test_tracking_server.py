@@ -27,8 +27,9 @@ import pytest
 import yaml
 from conftest import copy_run, read_events, run_snakemake
 
-from minifield import cli, supervise
+from minifield import cli
 from minifield.digest import sha256_file
+from minifield.supervision import supervise
 from minifield.tracking import settings
 
 pytestmark = pytest.mark.slow  # a real tracking server, real workers, real Snakemake

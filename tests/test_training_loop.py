@@ -29,13 +29,14 @@ from conftest import (
     write_recipe,
 )
 
-from minifield import checkpoint, distributed
-from minifield.attempt_result import Progress
-from minifield.checkpoint_writer import CheckpointWriteError
-from minifield.checkpointing import Checkpointing
-from minifield.events import EventLog
-from minifield.faults import Faults
-from minifield.hash_cadence import HashCadence
+from minifield.attempt.checkpoint_cadence import Checkpointing
+from minifield.attempt.checkpoint_writer import CheckpointWriteError
+from minifield.attempt.events import EventLog
+from minifield.attempt.faults import Faults
+from minifield.attempt.hash_cadence import HashCadence
+from minifield.attempt.result import Progress
+from minifield.state import checkpoint
+from minifield.supervision import distributed
 
 
 def _hash_by_hand(arrays: dict[str, np.ndarray]) -> str:
@@ -177,9 +178,9 @@ def test_the_loop_reports_every_update_late_but_in_order_with_the_same_values(tm
     import jax
 
     from minifield import recipe as recipes
-    from minifield.state import named_arrays
-    from minifield.stopping import Stopping
-    from minifield.update_loop import HostSnapshot, UpdateLoop, periodic_evaluation
+    from minifield.attempt.stopping import Stopping
+    from minifield.attempt.update_loop import HostSnapshot, UpdateLoop, periodic_evaluation
+    from minifield.state.arrays import named_arrays
 
     recipe = recipes.validate(
         linear_recipe(limits={"max_steps": 7}, checkpoint={"every_steps": 2, "keep": 9})
@@ -320,7 +321,7 @@ def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path
 
 
 def test_whole_and_part_hashes_hashed_in_parallel_equal_the_hand_computed_ones():
-    from minifield.state import hashes_of
+    from minifield.state.arrays import hashes_of
 
     arrays = _flat(_state(3))
     whole, parts = hashes_of(arrays)
@@ -333,7 +334,7 @@ def test_whole_and_part_hashes_hashed_in_parallel_equal_the_hand_computed_ones()
 def test_summary_counts_the_time_a_background_checkpoint_held_the_loop_up(tmp_path):
     """A background commit's ``seconds`` overlap the updates; the summary's checkpoint time is
     what it blocked (``blocking_seconds``), so the job's wall time is not counted twice."""
-    from minifield import summarize
+    from minifield.observe import summarize
 
     events = tmp_path / "events.jsonl"
     rows = [

@@ -11,9 +11,9 @@ import yaml
 from conftest import REPO
 
 import minifield
-from minifield import inputs
 from minifield import recipe as recipes
-from minifield.inputs import InputError, files_by_name
+from minifield.inputs import pinned
+from minifield.inputs.pinned import InputError, files_by_name
 from minifield.strategies.packed_sft import tokenizer as tokenizers
 from minifield.strategies.two_stage import corpus, demo_data, link, strategy
 
@@ -351,7 +351,7 @@ def test_demo_pairs_are_derived_byte_identically_from_the_shipped_corpus(tmp_pat
 def test_demo_recipes_pin_the_shipped_files():
     for name in ("two-stage-pretrain", "two-stage-sft"):
         recipe = yaml.safe_load((REPO / "config" / "recipes" / f"{name}.yaml").read_text())
-        assert len(inputs.verify(recipe, REPO / "data")) == 3
+        assert len(pinned.verify(recipe, REPO / "data")) == 3
 
 
 @pytest.mark.slow  # compiles the model's loss and forward (JAX compile-heavy)
@@ -362,7 +362,7 @@ def test_bits_per_byte_of_packed_rows_equals_each_document_scored_alone(stage1):
 
     root, recipe, export, digest = stage1
     checked = recipes.validate(recipe)
-    arrays, _ = checked.strategy.prepare(checked.data, inputs.files_by_name(checked.data, root))
+    arrays, _ = checked.strategy.prepare(checked.data, pinned.files_by_name(checked.data, root))
     program = checked.strategy.build(checked.data, arrays)
     params = program.init_state()["params"]
     packed = program.evaluate(program.init_state())
@@ -388,7 +388,7 @@ def test_bits_per_byte_of_packed_rows_equals_each_document_scored_alone(stage1):
 
 @pytest.mark.slow  # compiles evaluation and generation (JAX compile-heavy)
 def test_the_gate_reevaluates_an_export_and_refuses_a_lineage_other_than_the_recipes(stage1):
-    from minifield.export import ExportError
+    from minifield.state.export import ExportError
 
     root, recipe, export, digest = stage1
     checked = recipes.validate(recipe)
@@ -397,7 +397,7 @@ def test_the_gate_reevaluates_an_export_and_refuses_a_lineage_other_than_the_rec
     concrete = linked(root, export, digest, sft_recipe(pair_pins(root)))
     stage2 = recipes.validate(concrete)
     arrays, _ = stage2.strategy.prepare(
-        stage2.data, inputs.files_by_name(stage2.data, root / "linked")
+        stage2.data, pinned.files_by_name(stage2.data, root / "linked")
     )
     program = stage2.strategy.build(stage2.data, arrays)
     out = root / "stage2-export"

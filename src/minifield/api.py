@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from . import atomic
 from . import recipe as recipes
-from .hash_cadence import HashCadence
+from .attempt.hash_cadence import HashCadence
 
 if TYPE_CHECKING:
-    from . import distributed, train
+    from .attempt import train
+    from .supervision import distributed
 
 __all__ = ["RunResult", "Validation", "run", "run_problems", "validate"]
 
@@ -254,7 +255,7 @@ def run(
     if problems:
         return _invalid("; ".join(problems), "arguments", checked.computation_digest)
 
-    from . import train  # JAX: only when training
+    from .attempt import train  # JAX: only when training
 
     given = {"faults": faults, "group": group}
     options = train.Options(

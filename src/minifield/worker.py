@@ -17,16 +17,18 @@ import os
 import sys
 from pathlib import Path
 
-from . import api, distributed, environment, strategies
-from .arguments import bounded_float, bounded_int
+from . import api, strategies
+from .attempt import environment
 from .cli import report_unexpected
+from .commands import bounded_float, bounded_int
+from .supervision import distributed
 
 #: an update number the state's int32 step counter can reach
 _STEP = bounded_int(1, 2**31 - 1)
 
 
 def _hash_cadence(value: str) -> int | str:
-    from .hash_cadence import HashCadence
+    from .attempt.hash_cadence import HashCadence
 
     try:
         return HashCadence.parse(value).describe()
@@ -210,7 +212,7 @@ def _main(argv: list[str]) -> int:
     if not checked.valid:
         print(f"minifield-worker: {checked.describe_errors()}", file=sys.stderr)
         return api.EXIT_INVALID
-    from . import train  # JAX: only for a run
+    from .attempt import train  # JAX: only for a run
 
     faults = train.Faults(
         args.fail_after_step, args.stall_after_step, args.stall_seconds, args.kill_during_checkpoint

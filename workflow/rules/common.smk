@@ -1,5 +1,5 @@
 # Helpers: config validation, the computations table, input functions.
-from minifield import computations
+from minifield.pipeline import computations
 from snakemake.utils import validate
 
 validate(config, schema="../schemas/config.schema.json")
@@ -70,7 +70,7 @@ def training_resources():
     """Resources of the qualify and train jobs: the GPU request, and for a multi-process
     attempt the tasks to run it in. The SLURM executor submits `tasks` as `--ntasks`; `mpi`
     tells its job step to run the job as it is, not inside a one-task `srun`, because the
-    job starts its own `srun` of that many tasks (minifield.launch)."""
+    job starts its own `srun` of that many tasks (minifield.supervision.launch)."""
     train = config["train"]
     resources = {"gpu": train["request_gpus"]}
     if train["processes"] > 1:

@@ -2,7 +2,7 @@
 # functions of workflow/rules/two_stage.smk, kept apart from its rules.
 from pathlib import Path
 
-from minifield import stage_links
+from minifield.pipeline import stage_links
 
 TWO_STAGE_LINKS = {
     (link.s1, link.s2): link for link in stage_links.load_links(config, COMPUTATIONS)

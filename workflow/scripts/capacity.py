@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.capacity.for_run
+# Thin adapter: snakemake object -> minifield.observe.capacity.for_run
 import sys
 from pathlib import Path
 
-from minifield import capacity
+from minifield.observe import capacity
 
 sys.stderr = open(snakemake.log[0], "w")
 capacity.for_run(

@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.capacity.table
+# Thin adapter: snakemake object -> minifield.observe.capacity.table
 import sys
 from pathlib import Path
 
-from minifield import capacity
+from minifield.observe import capacity
 
 sys.stderr = open(snakemake.log[0], "w")
 capacity.table(

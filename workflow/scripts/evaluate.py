@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.stages.evaluate
+# Thin adapter: snakemake object -> minifield.pipeline.stages.evaluate
 import sys
 from pathlib import Path
 
-from minifield import stages
+from minifield.pipeline import stages
 
 sys.stderr = open(snakemake.log[0], "w")
 stages.evaluate(

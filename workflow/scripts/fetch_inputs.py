@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.fetch.stage
+# Thin adapter: snakemake object -> minifield.inputs.fetch.stage
 import sys
 from pathlib import Path
 
-from minifield import fetch
+from minifield.inputs import fetch
 
 sys.stderr = open(snakemake.log[0], "w")
 fetch.stage(

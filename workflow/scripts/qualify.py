@@ -1,8 +1,9 @@
-# Thin adapter: snakemake object -> minifield.stages.qualify
+# Thin adapter: snakemake object -> minifield.pipeline.stages.qualify
 import sys
 from pathlib import Path
 
-from minifield import stages, supervise
+from minifield.pipeline import stages
+from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 q = snakemake.params.qualification

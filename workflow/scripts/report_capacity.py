@@ -1,9 +1,9 @@
-# Thin adapter: snakemake object -> minifield.reporting.capacity_table
+# Thin adapter: snakemake object -> minifield.observe.reporting.capacity_table
 # The input is absent (an empty list) when the workflow has no rule that makes it.
 import sys
 from pathlib import Path
 
-from minifield import reporting
+from minifield.observe import reporting
 
 sys.stderr = open(snakemake.log[0], "w")
 given = snakemake.input.get("capacity")

@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.reporting.plot_loss
+# Thin adapter: snakemake object -> minifield.observe.reporting.plot_loss
 import sys
 from pathlib import Path
 
-from minifield import reporting
+from minifield.observe import reporting
 
 sys.stderr = open(snakemake.log[0], "w")
 reporting.plot_loss(

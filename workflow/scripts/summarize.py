@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.summarize.summarize_training
+# Thin adapter: snakemake object -> minifield.observe.summarize.summarize_training
 import sys
 from pathlib import Path
 
-from minifield import summarize
+from minifield.observe import summarize
 
 sys.stderr = open(snakemake.log[0], "w")
 summarize.summarize_training(

@@ -1,8 +1,9 @@
-# Thin adapter: snakemake object -> minifield.stages.train_attempt
+# Thin adapter: snakemake object -> minifield.pipeline.stages.train_attempt
 import sys
 from pathlib import Path
 
-from minifield import stages, supervise
+from minifield.pipeline import stages
+from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
 t = snakemake.config["train"]  # operational: not a rerun trigger

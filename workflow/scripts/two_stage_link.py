@@ -1,8 +1,8 @@
-# Thin adapter: snakemake object -> minifield.stage_links.link
+# Thin adapter: snakemake object -> minifield.pipeline.stage_links.link
 import sys
 from pathlib import Path
 
-from minifield import stage_links
+from minifield.pipeline import stage_links
 
 sys.stderr = open(snakemake.log[0], "w")
 inputs = snakemake.input

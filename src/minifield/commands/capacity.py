@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .. import capacity
+from ..observe import capacity
 
 
 def run(args) -> int:

@@ -24,7 +24,7 @@ EXIT_UNAVAILABLE, EXIT_BAD_REQUEST = 1, 2
 
 
 def run(args) -> int:
-    from ..credentials import CredentialsError
+    from ..inputs.credentials import CredentialsError
     from ..tracking import settings as tracking_settings
     from ..tracking.connection import DeliveryRefused, ServerUnavailable, TrackingError
 

@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from .. import credentials, fetch, origins
 from .. import recipe as recipes
-from ..arguments import bounded_float, bounded_int
+from ..inputs import credentials, fetch, origins
+from . import bounded_float, bounded_int
 
 
 def run(args) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import export
-from ..arguments import bounded_int
+from ..state import export
 from ..strategies.packed_sft import tokenizer as tokenizers
+from . import bounded_int
 
 
 def run(args) -> int:

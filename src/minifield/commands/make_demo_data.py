@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..arguments import bounded_int
 from ..strategies.packed_sft import sft_data
+from . import bounded_int
 
 
 def _run_llama(args) -> int:
@@ -63,7 +63,7 @@ def run(args) -> int:
 
 def run_two_stage(directory: Path) -> int:
     """The two-stage demo's supervised pairs, derived from ``DIR/corpus/train.jsonl``."""
-    from ..inputs import InputError
+    from ..inputs.pinned import InputError
     from ..strategies.two_stage import demo_data
 
     try:

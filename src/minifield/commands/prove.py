@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from .. import recovery
-from .. import supervise as supervisor
+from ..proof import recovery
+from ..supervision import supervise as supervisor
 
 
 def run(args) -> int:

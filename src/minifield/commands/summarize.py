@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import summarize as summaries
+from ..observe import summarize as summaries
 
 
 def run(args) -> int:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .. import supervise as supervisor
+from ..supervision import supervise as supervisor
 
 
 def run(args) -> int:

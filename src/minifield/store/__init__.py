@@ -7,7 +7,7 @@ Layout of a store directory::
     DIR/artifacts/<content-id>/weights/*.npy   ... and its weights (payload)
     DIR/artifacts/<content-id>/evidence/proof.json   copy of the recovery proof (payload)
     DIR/active.json                            {current, previous, history}
-    DIR/.lock                                  single-writer lock (minifield.locks)
+    DIR/.lock                                  single-writer lock (minifield.supervision.locks)
 
 Modules, one concept each:
 

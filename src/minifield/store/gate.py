@@ -8,7 +8,7 @@ at once, so a person sees the whole list, not the first failure.
 1. identity: the content id is recomputed from the manifest;
 2. payload: exactly the listed files, each with its size and sha256;
 3. provenance: code, revision and the computation, data and final-state digests;
-4. recovery proof: stored in the payload, and :func:`minifield.recovery.verdict`
+4. recovery proof: stored in the payload, and :func:`minifield.proof.recovery.verdict`
    accepts it for this computation;
 5. declared validation: the acceptance recorded from the evaluation passed;
 6. recipe: the recorded recipe still validates to the recorded digests;
@@ -73,7 +73,7 @@ def proof_verdict(proof: Any, computation_digest: str | None) -> list[str]:
 
     The one verdict of the project (the training gate asks the same function).
     """
-    from .. import recovery  # the proof machinery imports JAX; reading the store does not
+    from ..proof import recovery  # the proof machinery imports JAX; reading the store does not
 
     return [
         f"recovery proof does not qualify this computation: {reason}"

@@ -16,8 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .. import atomic, export
+from .. import atomic
 from ..digest import sha256_bytes, sha256_file, sha256_json
+from ..state import export
 from . import gate
 from .errors import Refused, StoreError
 from .gate import REQUIRED_PROVENANCE

@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .. import atomic, locks
+from .. import atomic
 from ..digest import sha256_file
+from ..supervision import locks
 from . import gate, hooks, pointer
 from . import manifest as manifests
 from .errors import LockTimeout, StoreError
@@ -50,7 +51,7 @@ class Store:
     def lock(self) -> Iterator[None]:
         """The store's write lock (DIR/.lock); waits up to ``lock_timeout`` s (None: forever).
 
-        A :mod:`minifield.locks` lock: released by the kernel when the process ends,
+        A :mod:`minifield.supervision.locks` lock: released by the kernel when the process ends,
         however it ends, so a crashed writer never leaves the store locked.
         """
         self.root.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import export
+from ..state import export
 from .base import Program, Strategy
 
 N_EXAMPLES = 64

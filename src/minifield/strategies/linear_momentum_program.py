@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .. import export
+from ..state import export
 from .base import Program
 from .linear_momentum import heldout_mse
 

@@ -1,6 +1,6 @@
 """The MLflow client, its credentials, and the retry policy of every call.
 
-- The token comes from the credentials file (:mod:`minifield.credentials`: owner-only, mode
+- The token comes from the credentials file (:mod:`minifield.inputs.credentials`: owner-only, mode
   0600/0400, ``{"<origin>": {"bearer_token": "..."}}``) for exactly the tracking server's
   origin. The MLflow client reads it from ``MLFLOW_TRACKING_TOKEN`` at request time, so it
   is put there only for the duration of each call (:meth:`Connection.call`) and removed
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .. import credentials as credential_files
+from ..inputs import credentials as credential_files
 from .settings import TrackingSettings
 
 T = TypeVar("T")

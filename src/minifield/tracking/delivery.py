@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import atomic, locks
+from .. import atomic
+from ..supervision import locks
 from . import attempt_events
 from .connection import Connection
 from .cursor import Cursor, path_for
@@ -306,7 +307,7 @@ def _tags_of(events: list[dict]) -> dict[str, str]:
 
 
 def _read_all(path: Path) -> tuple[list[dict], list[dict]]:
-    from .. import events
+    from ..attempt import events
 
     return events.read(path)
 

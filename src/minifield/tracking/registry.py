@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import locks
+from ..supervision import locks
 from .connection import Connection, DeliveryRefused
 from .delivery import Delivery
 from .settings import TrackingSettings

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .. import origins
 from ..digest import sha256_json
+from ..inputs import origins
 
 DEFAULT_EXPERIMENT = "minifield"
 DEFAULT_ALIAS = "champion"

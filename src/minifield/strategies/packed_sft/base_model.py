@@ -8,7 +8,7 @@ as ``base.<parameter path>`` arrays beside the raw ``config.json``, ``tokenizer.
 ``tokenizer_config.json`` bytes. Training starts from those arrays, so the worker never
 re-reads the checkpoint and a resumed attempt starts from the same bits.
 
-Every problem is a :class:`BaseModelError`, an :class:`~minifield.inputs.InputError`: the
+Every problem is a :class:`BaseModelError`, an :class:`~minifield.inputs.pinned.InputError`: the
 worker ends with exit 2 (invalid inputs) and the prepare rule fails, naming file and reason.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...inputs import InputError, location
+from ...inputs.pinned import InputError, location
 from . import chat_template, hf_checkpoint
 from . import tokenizer as tokenizers
 

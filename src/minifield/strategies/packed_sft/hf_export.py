@@ -1,7 +1,7 @@
 """A trained Llama-architecture model as a HuggingFace directory (what ``train/export/`` holds).
 
 Files, all written by this module and then listed with their sha256 in ``model.json``
-(:func:`minifield.export.write_files`), so the store's manifest and gate verify them as they
+(:func:`minifield.state.export.write_files`), so the store's manifest and gate verify them as they
 verify any export::
 
     config.json              LlamaForCausalLM / Qwen2ForCausalLM (hf_checkpoint.config_to_hf)
@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ... import atomic, export
+from ... import atomic
+from ...state import export
 from . import hf_checkpoint
 from . import tokenizer as tokenizers
 

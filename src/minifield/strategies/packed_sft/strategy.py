@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ... import atomic, export
+from ... import atomic
 from ...digest import sha256_bytes
+from ...state import export
 from ..base import Program, Strategy
 from . import base_model, chat_template, execution, lora, packing, sft_data
 from . import tokenizer as tokenizers
@@ -317,7 +318,7 @@ class Evaluator:
     def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
-        from ...state import to_host
+        from ...state.arrays import to_host
         from .parallel import place
 
         n = rows["tokens"].shape[0]
@@ -578,11 +579,11 @@ class PackedSFTProgram(Program):
 
     def dispatch(self, state: dict, step: int):
         """Queue the update on the device and return at once: the batch was built ahead on
-        the host (:class:`~minifield.batch_prefetch.Prefetcher`), the metrics are read back
+        the host (:class:`~minifield.strategies.packed_sft.batch_prefetch.Prefetcher`), the metrics are read back
         when the caller asks for them (no device sync here)."""
         import jax
 
-        from ...batch_prefetch import Prefetcher
+        from .batch_prefetch import Prefetcher
 
         if self._compiled is None:
             self.compile()
@@ -624,7 +625,7 @@ class PackedSFTProgram(Program):
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
 
     def export(self, state: dict, directory: Path) -> None:
-        from ...state import named_arrays
+        from ...state.arrays import named_arrays
         from . import layer_stack
 
         state = {**state, "params": layer_stack.per_layer(state["params"])}  # scanned runs
@@ -634,7 +635,7 @@ class PackedSFTProgram(Program):
             # A HuggingFace directory (see hf_export); the GPT model keeps the .npy format.
             import jax
 
-            from ...state import to_host
+            from ...state.arrays import to_host
             from . import hf_export
 
             tokenizer_json = tokenizer_config_json = None
@@ -734,7 +735,7 @@ class ExportedModel:
     def __init__(self, directory: Path):
         import jax
 
-        from ...state import restore_like
+        from ...state.arrays import restore_like
 
         model, _, _ = _model_api()
         self.directory = Path(directory)

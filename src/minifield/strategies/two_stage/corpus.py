@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ...inputs import InputError
+from ...inputs.pinned import InputError
 from ..packed_sft.sft_data import Encoded, json_rows
 
 

@@ -20,9 +20,9 @@ import os
 import shutil
 from pathlib import Path
 
-from ... import export
 from ...digest import sha256_file
-from ...inputs import InputError
+from ...inputs.pinned import InputError
+from ...state import export
 from .stage1_export import FILES
 
 #: stage-2 input name of each export file

@@ -12,7 +12,7 @@ with the stage-1 computation digest it expects. Prepare refuses, naming the file
   special tokens;
 - the dimensions the stage-2 recipe states equal the export's ``config.json``.
 
-Every problem is a :class:`Stage1Error`, an :class:`~minifield.inputs.InputError`: the
+Every problem is a :class:`Stage1Error`, an :class:`~minifield.inputs.pinned.InputError`: the
 worker exits 2 in the ``examples`` phase and the prepare rule fails; nothing is trained.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ... import export
 from ...digest import sha256_bytes
-from ...inputs import InputError
+from ...inputs.pinned import InputError
+from ...state import export
 from ..packed_sft import base_model, hf_checkpoint, hf_export
 from ..packed_sft import tokenizer as tokenizers
 

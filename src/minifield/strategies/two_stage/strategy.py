@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ... import export
 from ...digest import sha256_bytes
-from ...inputs import InputError
+from ...inputs.pinned import InputError
+from ...state import export
 from ..base import Program, Strategy
 from ..packed_sft import packing, sft_data
 from ..packed_sft import strategy as sft
@@ -292,7 +292,7 @@ class TwoStageProgram(sft.PackedSFTProgram):
         digest and, for stage 2, the stage-1 computation it started from."""
         import jax
 
-        from ...state import to_host
+        from ...state.arrays import to_host
         from ..packed_sft import hf_export, layer_stack
 
         directory.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,397 @@
+"""One training attempt: open its directory, set up, run the update loop, end with a result.
+
+An attempt writes only into its own fresh directory ``OUT/<job_id>/<attempt_id>/`` (the
+files are named in :mod:`~minifield.attempt.layout`). Resuming reads a previous attempt
+directory (and, through ``attempt.json``, the chain of attempts before it) and never
+writes into it.
+
+This module is the orchestrator; each concern has its own module:
+
+- :mod:`~minifield.attempt.setup` — the directory, ``attempt.json``, everything before the
+  first update, and the processes' agreement on it;
+- :mod:`~minifield.attempt.resume` — checking, adopting or restoring from a previous attempt;
+- :mod:`~minifield.attempt.device_check` — whether the visible devices fit the recipe;
+- :mod:`~minifield.attempt.stopping` — preemption (signals, a closed stdout), limits, the vote;
+- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpointing, evaluation, faults;
+- :mod:`~minifield.attempt.checkpoint_cadence` — when and by whom checkpoints are committed;
+- :mod:`~minifield.attempt.faults` — fault injection for tests and qualification;
+- :mod:`~minifield.attempt.result` — endings, exit codes and ``result.json``.
+
+A multi-process attempt (:mod:`minifield.supervision.distributed`) runs this same program in
+every process, each on its part of the device mesh. Only process 0 writes: the
+attempt directory, ``attempt.json``, events, checkpoints (the state is brought to
+the host collectively, then committed once), the export and ``result.json``. What
+is not a pure function of the recipe is decided together (:class:`~minifield.
+distributed.Group`): the attempt id, the outcome of set-up, and whether a signal or
+a time limit stops the run before the next update.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from .. import atomic
+from ..recipe import Recipe
+from ..state import export
+from ..supervision import distributed
+from . import environment
+from . import result as attempt_result
+from . import setup as attempt_setup
+from .checkpoint_cadence import Checkpointing
+from .checkpoint_writer import CheckpointWriteError
+from .events import EventLog, write_line
+from .faults import Faults
+from .layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, EXPORT, RESULT
+from .result import (
+    EXIT_COMPLETED,
+    EXIT_FAILED,
+    EXIT_INVALID,
+    EXIT_IO,
+    EXIT_LIMIT,
+    EXIT_PREEMPTED,
+    AttemptError,
+    CheckpointRecord,
+    Ending,
+    Progress,
+)
+from .resume import ResumeRefused
+from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
+from .stopping import Preempt, Stopping
+from .update_loop import HostSnapshot, Stopped, UpdateLoop, loop_hook, periodic_evaluation
+
+#: the names other modules have used for these files (the layout lives in attempt_layout)
+ATTEMPT_FILE, RESULT_FILE = ATTEMPT_JSON, RESULT
+
+__all__ = [
+    "ATTEMPT_FILE",
+    "EXIT_COMPLETED",
+    "EXIT_FAILED",
+    "EXIT_INVALID",
+    "EXIT_IO",
+    "EXIT_LIMIT",
+    "EXIT_PREEMPTED",
+    "RESULT_FILE",
+    "Attempt",
+    "Faults",
+    "Options",
+    "ResumeRefused",
+    "enable_compilation_cache",
+    "new_attempt_id",
+    "run",
+]
+
+
+@dataclass
+class Options:
+    input_root: Path
+    output_root: Path
+    resume_from: Path | None = None
+    attempt_id: str | None = None
+    examples_dir: Path | None = None
+    allow_environment_change: bool = False
+    #: the per-update state-hash cadence: True/1 every update, K every K updates,
+    #: False/"checkpoint" none (checkpoint manifests always carry the hash)
+    record_state_hashes: bool | int | str = False
+    #: JAX persistent compilation cache directory (None: no persistent cache)
+    compilation_cache: Path | None = None
+    #: operational step limit (qualification runs): end after this many updates with a
+    #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
+    stop_after_step: int | None = None
+    faults: Faults = field(default_factory=Faults)
+    #: the processes of this attempt (one, unless started with ``--distributed``)
+    group: distributed.Group = field(default_factory=distributed.Group)
+
+
+def enable_compilation_cache(directory: Path) -> None:
+    """Persist every compiled executable under ``directory`` (even fast compiles), so a
+    resumed attempt loads its step function instead of compiling it again."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Attempt:
+    def __init__(self, recipe: Recipe, options: Options):
+        self.recipe = recipe
+        self.options = options
+        self.env = environment.fingerprint()
+        self.started = attempt_result.now_iso()
+        self.progress = Progress()
+        self.stopping = Stopping(
+            recipe.data["limits"],
+            stop_after_step=options.stop_after_step,
+            group=options.group,
+            started_mono=time.monotonic(),
+        )
+
+    def open(self) -> None:
+        """Create the attempt directory (process 0) and what writes into it."""
+        group = self.options.group
+        self.attempt_id, self.dir = attempt_setup.open_directory(
+            self.options.output_root / self.recipe.data["job_id"],
+            given_id=self.options.attempt_id,
+            recipe_id=self.recipe.data.get("attempt_id"),
+            resuming=self.options.resume_from is not None,
+            group=group,
+        )
+        try:
+            if group.is_writer:
+                attempt_setup.hold_reserve(self.dir)
+            self.events = (
+                EventLog(self.dir / EVENTS, on_echo_closed=self._stdout_closed)
+                if group.is_writer
+                else EventLog(None, None)
+            )
+        except OSError:
+            # nothing of the attempt is written yet: leave no directory that looks like one
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        # one host copy per step, shared by the update's state hash and a checkpoint
+        self.snapshot = HostSnapshot()
+        self.checkpoints = Checkpointing(
+            self.dir / CHECKPOINTS,
+            computation_digest=self.recipe.computation_digest,
+            attempt_id=self.attempt_id,
+            every_steps=self.recipe.data["checkpoint"]["every_steps"],
+            max_steps=self.recipe.data["limits"]["max_steps"],
+            keep=self.recipe.data["checkpoint"]["keep"],
+            group=group,
+            events=self.events,
+            faults=self.options.faults,
+            snapshot=self.snapshot,
+        )
+
+    def say(self, message: str) -> None:
+        """One line on stderr for people; a closed stderr silences it and nothing else."""
+        rank = self.options.group.rank
+        write_line(sys.stderr, f"minifield-worker{f'[{rank}]' if rank else ''}: {message}")
+
+    def _stdout_closed(self, reason: str) -> None:
+        # nobody reads the live stream any more (a pipe's reader ended, a supervisor died):
+        # the events file goes on as the record; stop as on a signal, with a checkpoint
+        self.stopping.preemption.reader_gone(reason)
+        self.say(f"{reason}; stopping before the next update (events: {self.dir / EVENTS})")
+
+    def run(self) -> int:
+        self.stopping.preemption.install()
+        outcome = attempt_setup.agree(attempt_setup.prepare(self), self.options.group)
+        if isinstance(outcome, SetUpFailed):
+            if outcome.code == EXIT_IO:
+                return self._finish(Ending.io_failed(outcome.error))
+            return self._finish(Ending.failed(outcome.error, outcome.code))
+        try:
+            if isinstance(outcome, AdoptCompleted):
+                ending = self._adopt(outcome.previous)
+            else:
+                ending = self._train(outcome)
+        except CheckpointWriteError as exc:
+            self._settle_checkpoints()
+            ending = _failure(AttemptError("checkpoint", str(exc)), exc)
+        except export.ExportWriteError as exc:
+            ending = _failure(AttemptError("export", str(exc)), exc)
+        except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
+            self._settle_checkpoints()
+            ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
+        return self._finish(ending)
+
+    def _settle_checkpoints(self) -> None:
+        """On a failure, let a background write in flight end (and report it) before the
+        attempt's last event, so that nothing is written after ``result.json``."""
+        try:
+            self.checkpoints.wait()
+        except CheckpointWriteError as exc:
+            self.say(str(exc))
+
+    def _adopt(self, previous) -> Ending:
+        """Resuming a completed attempt trains nothing and reports the same final state."""
+        source_export = previous.directory / EXPORT
+        if source_export.is_dir() and self.options.group.is_writer:
+            export.write_whole(self.dir / EXPORT, lambda part: shutil.copytree(source_export, part))
+        result = previous.result
+        self.progress.steps_completed = result["steps_completed"]
+        self.progress.metrics = result.get("metrics", {})
+        self.progress.inputs = result.get("inputs", [])
+        self.progress.final_state_hash = result.get("final_state_hash")
+        self.checkpoints.newest = CheckpointRecord.from_dict(result.get("checkpoint"))
+        self.events.emit(
+            "already_completed",
+            attempt=str(previous.directory),
+            final_state_hash=result.get("final_state_hash"),
+        )
+        return Ending.completed()
+
+    def _train(self, ready: attempt_setup.ReadyToTrain) -> Ending:
+        program = ready.program
+        max_steps = self.recipe.data["limits"]["max_steps"]
+        self.checkpoints.newest = ready.restored
+        loop = UpdateLoop(
+            program,
+            max_steps=max_steps,
+            stopping=self.stopping,
+            events=self.events,
+            progress=self.progress,
+            hooks=[
+                self._fault_hook(),
+                self.checkpoints.hook(),
+                periodic_evaluation(program, self.events, max_steps),
+            ],
+            record_state_hashes=self.options.record_state_hashes,
+            say=self.say,
+            between_updates=[self.checkpoints.collect],
+            snapshot=self.snapshot,
+        )
+        # restored arrays come from host files: put them where the compiled update wants
+        # them (over several processes a collective, hence only once all agreed to start)
+        end = loop.run(program.place(ready.state), ready.step, ready.compute_before)
+        committed = self.checkpoints.ensure(end.state, end.step, end.compute_used)
+        if isinstance(end, Stopped) and isinstance(end.stop, Preempt):
+            self.events.emit(
+                "preempted",
+                durable=True,
+                signal=end.stop.signal,
+                reason=end.stop.reason,
+                step=end.step,
+                checkpoint_sha256=committed.sha256,
+                path=committed.path,
+            )
+            return Ending.preempted()
+        if isinstance(end, Stopped):
+            self.events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
+            return Ending.limit_reached(end.stop.reason)
+        return self._complete(program, end.state, end.step)
+
+    def _fault_hook(self):
+        faults = self.options.faults
+
+        def due(step: int) -> bool:
+            return step in (faults.fail_after_step, faults.stall_after_step)
+
+        def settle(step: int) -> None:
+            # which checkpoint survives the injected crash (or a kill once the update before
+            # the stall is seen) must not depend on how far a background write got (a SIGKILL
+            # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+            # update K are committed before update K is reported
+            self.checkpoints.wait()
+
+        return loop_hook(faults.after_update, due, settle)
+
+    def _complete(self, program, state, step: int) -> Ending:
+        """The final evaluation, the export and the final state hash."""
+        import jax
+
+        from ..state.arrays import to_host
+
+        if self.options.group.size > 1:
+            # one host copy on every process (a collective when sharded over processes), so
+            # that process 0 alone can export it afterwards
+            state = jax.tree_util.tree_map(to_host, state)
+        started = time.monotonic()
+        final_metrics = program.evaluate(state)
+        self.progress.metrics.update(final_metrics)
+        self.events.emit(
+            "evaluation",
+            step=step,
+            metrics=final_metrics,
+            seconds=time.monotonic() - started,
+            final=True,
+        )
+        if self.options.group.is_writer:
+            export.write_whole(self.dir / EXPORT, lambda partial: program.export(state, partial))
+        self.progress.final_state_hash = self.snapshot.hash_of(state, step)
+        return Ending.completed()
+
+    def _finish(self, ending: Ending) -> int:
+        """Say how the attempt ended: the last event and ``result.json``.
+
+        The space held back since the start is given back first, so that a disk another
+        process filled still takes these. What the disk still refuses is said on stderr; an
+        ending that could not be recorded in full becomes ``io_failed`` (phase ``finish``)."""
+        if self.options.group.is_writer:
+            attempt_setup.release_reserve(self.dir)
+        try:
+            refused = atomic.io_refusal(lambda: self._emit_ending(ending))
+            if refused is not None:
+                self.say(f"the attempt's last event was not written: {refused}")
+                if ending.status != "io_failed":
+                    ending = Ending.io_failed(
+                        AttemptError(
+                            "finish", f"the {ending.status} ending was not recorded: {refused}"
+                        )
+                    )
+            refused = atomic.io_refusal(lambda: self._write_result(ending))
+            if refused is not None:
+                self.say(f"{ending.status}, but {RESULT} was not written: {refused}")
+                ending = Ending.io_failed(AttemptError("finish", str(refused)))
+        finally:
+            try:
+                self.events.close()
+            except OSError as exc:
+                self.say(str(exc))
+            self.stopping.preemption.restore()
+        if ending.status == "io_failed":
+            self.say(
+                "the output could not be written; once there is room, resume from the last "
+                f"committed checkpoint: --resume-from {self.dir}"
+            )
+        self.ending = ending
+        return ending.code
+
+    def _emit_ending(self, ending: Ending) -> None:
+        if ending.status == "completed":
+            self.events.emit(
+                "completed",
+                durable=True,
+                steps=self.progress.steps_completed,
+                final_state_hash=self.progress.final_state_hash,
+            )
+        elif ending.status == "failed":
+            self.events.emit("failed", durable=True, **ending.error.as_dict())
+        elif ending.status == "io_failed":
+            self.events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
+
+    def _write_result(self, ending: Ending) -> None:
+        if not self.options.group.is_writer:
+            return
+        result = attempt_result.document(
+            ending,
+            self.progress,
+            self.checkpoints.newest,
+            recipe=self.recipe,
+            attempt_id=self.attempt_id,
+            env=self.env,
+            resumed_from=self.options.resume_from,
+            started=self.started,
+        )
+        atomic.write_json(self.dir / RESULT, result)
+
+
+def _failure(error: AttemptError, exc: BaseException) -> Ending:
+    """``io_failed`` when the output could not be written (a full disk: resumable once there
+    is room), else ``failed``."""
+    return Ending.io_failed(error) if atomic.is_io_failure(exc) else Ending.failed(error)
+
+
+class Ended(NamedTuple):
+    code: int
+    attempt_dir: Path
+    #: ``{"phase", "message"}`` of the ending (also in result.json, when it could be written)
+    error: dict | None
+
+
+def run(recipe: Recipe, options: Options) -> Ended:
+    """Run one attempt; returns its exit code, directory and error."""
+    if options.compilation_cache is not None:
+        enable_compilation_cache(options.compilation_cache)
+    attempt = Attempt(recipe, options)
+    attempt.open()
+    code = attempt.run()
+    error = attempt.ending.error
+    return Ended(code, attempt.dir, error.as_dict() if error else None)

@@ -1,0 +1,260 @@
+"""The update loop: ask whether to stop, update, report, run the hooks; until ``max_steps``.
+
+Checkpointing, periodic evaluation and fault injection are hooks, each a callable
+``hook(state, step, compute_used)`` run after an update, in the order given. The loop
+itself knows nothing of them; it ends :class:`Finished` at ``max_steps`` or
+:class:`Stopped` when :class:`~minifield.attempt.stopping.Stopping` says so before an update.
+
+**No host stalls.** An update is *dispatched* (:meth:`~minifield.strategies.base.Program.
+dispatch`) and the loop goes on without waiting for the device: the metrics of update
+``n`` are read back (and its ``update`` event emitted) only once update ``n + 1`` is
+queued behind it, so the device never idles while the host reports. The loop waits for
+update ``n`` itself only when something needs its state on the host at that step: a hook
+that is due (a hook's ``due(step)``, when it has one, says so; a hook without it is due
+after every update), a state hash on the cadence, or the last update. Events stay
+complete and in step order: a pending update is reported before anything else is
+emitted, and before the loop ends for any reason.
+
+**State-hash cadence** (:class:`HashCadence`): every update, every K updates, or at
+checkpoints only (whose manifests always carry the complete-state hash).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..state.arrays import hash_named_arrays, hashes_of, named_arrays
+from .events import EventLog
+from .hash_cadence import HashCadence
+from .result import Progress
+from .stopping import Stop, Stopping
+
+Hook = Callable[[Any, int, float], None]
+
+
+@dataclass(frozen=True)
+class Finished:
+    state: Any
+    step: int
+    compute_used: float
+
+
+@dataclass(frozen=True)
+class Stopped:
+    state: Any
+    step: int
+    compute_used: float
+    stop: Stop
+
+
+class HostSnapshot:
+    """The state of one step copied to the host at most once: the update's state hash, a
+    checkpoint and the final hash of that step share the copy (and the hash)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.arrays: dict | None = None
+        self.state_hash: str | None = None
+
+    def arrays_of(self, state, step: int) -> dict:
+        """The named host arrays of ``state`` at ``step`` (a collective when sharded)."""
+        if self.step != step:
+            self.step, self.arrays, self.state_hash = step, named_arrays(state), None
+        return self.arrays
+
+    def hash_of(self, state, step: int) -> str:
+        arrays = self.arrays_of(state, step)
+        if self.state_hash is None:
+            self.state_hash = hash_named_arrays(sorted(arrays.items()))
+        return self.state_hash
+
+    def hashes_of(self, state, step: int) -> tuple[str, dict[str, str]]:
+        """The complete-state hash and one per state part (the update event's)."""
+        whole, parts = hashes_of(self.arrays_of(state, step))
+        self.state_hash = whole
+        return whole, parts
+
+    def known_hash(self, step: int) -> str | None:
+        return self.state_hash if self.step == step else None
+
+    def forget(self) -> None:
+        # the arrays may be views of device buffers: holding them blocks buffer donation
+        self.step, self.arrays, self.state_hash = None, None, None
+
+
+def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
+    """A hook: the DEV metrics every ``program.eval_every`` updates (the final one excepted,
+    which the attempt evaluates when it completes)."""
+    every = getattr(program, "eval_every", 0)
+
+    def due(step: int) -> bool:
+        return bool(every) and step % every == 0 and step < max_steps
+
+    def evaluate(state, step: int, compute_used: float) -> None:
+        if due(step):
+            started = time.monotonic()
+            metrics = program.evaluate(state)
+            events.emit(
+                "evaluation",
+                step=step,
+                metrics=metrics,
+                seconds=time.monotonic() - started,
+                final=False,
+            )
+
+    evaluate.due = due
+    return evaluate
+
+
+def loop_hook(
+    run: Hook, due: Callable[[int], bool], settle: Callable[[int], None] | None = None
+) -> Hook:
+    """``run`` as a hook that the loop calls only after the updates ``due`` accepts (it waits
+    for the device only then). ``settle(step)``, if given, runs before that update is
+    reported: what must be finished before anyone reading the events sees the update."""
+
+    def hook(state, step: int, compute_used: float) -> None:
+        run(state, step, compute_used)
+
+    hook.due = due
+    hook.settle = settle
+    return hook
+
+
+def _due(hook: Hook, step: int) -> bool:
+    due = getattr(hook, "due", None)
+    return True if due is None else bool(due(step))
+
+
+@dataclass
+class _Pending:
+    """A dispatched update whose metrics are not read back yet."""
+
+    step: int
+    read_metrics: Callable[[], dict[str, float]]
+    dispatched: float
+
+
+class UpdateLoop:
+    def __init__(
+        self,
+        program,
+        *,
+        max_steps: int,
+        stopping: Stopping,
+        events: EventLog,
+        progress: Progress,
+        hooks: Sequence[Hook],
+        record_state_hashes: bool | int | str | HashCadence,
+        say: Callable[[str], None],
+        between_updates: Sequence[Callable[[], None]] = (),
+        snapshot: HostSnapshot | None = None,
+    ):
+        self.program = program
+        self.max_steps = max_steps
+        self.stopping = stopping
+        self.events = events
+        self.progress = progress
+        self.hooks = list(hooks)
+        self.cadence = (
+            record_state_hashes
+            if isinstance(record_state_hashes, HashCadence)
+            else HashCadence.parse(record_state_hashes)
+        )
+        self.say = say
+        #: cheap, non-blocking work after every update (collecting finished checkpoint writes)
+        self.between_updates = list(between_updates)
+        self.snapshot = snapshot or HostSnapshot()
+        self._last_ready = time.monotonic()
+        # no update measured yet: every one counts until one is
+        self._longest_update = float("inf")
+
+    def run(self, state, step: int, compute_used: float) -> Finished | Stopped:
+        program = self.program
+        pending: _Pending | None = None
+        self._last_ready = time.monotonic()
+        while step < self.max_steps:
+            if pending is not None and self._near_compute_budget(compute_used):
+                # the budget check must see the pending update's seconds too
+                compute_used = self._report(pending, compute_used, None)
+                pending = None
+            stop = self.stopping.before_update(step, compute_used)
+            if stop is not None:
+                if pending is not None:
+                    compute_used = self._report(pending, compute_used, None)
+                return Stopped(state, step, compute_used, stop)
+            # a host copy kept past its step would keep the update from reusing its buffers
+            self.snapshot.forget()
+            dispatched = time.monotonic()
+            state, read_metrics = program.dispatch(state, step)
+            step += 1
+            # update step-1's metrics are read while update step runs behind them
+            if pending is not None:
+                compute_used = self._report(pending, compute_used, None)
+            pending = _Pending(step, read_metrics, dispatched)
+            due = [hook for hook in self.hooks if _due(hook, step)]
+            hash_due = self.cadence.due(step)
+            if due or hash_due or step == self.max_steps:
+                for hook in due:
+                    if getattr(hook, "settle", None) is not None:
+                        hook.settle(step)
+                compute_used = self._report(pending, compute_used, state if hash_due else None)
+                pending = None
+            try:
+                for hook in due:
+                    hook(state, step, compute_used)
+                for work in self.between_updates:
+                    work()
+            except Exception:
+                # the attempt fails (a background checkpoint write, say): the update already
+                # computed is still reported before its ``failed`` event
+                if pending is not None:
+                    self._report(pending, compute_used, None)
+                raise
+        if pending is not None:  # not reached: the last update is reported in the loop
+            compute_used = self._report(pending, compute_used, None)
+        return Finished(state, step, compute_used)
+
+    def _near_compute_budget(self, compute_used: float) -> bool:
+        """Whether the compute budget could run out within the pending update: then the loop
+        waits for it before deciding. Far from the end (more than three of the longest
+        updates so far left) the decision cannot change by one update and nothing waits."""
+        budget = self.stopping.limits.get("max_compute_seconds")
+        return bool(budget) and budget - compute_used <= 3 * self._longest_update
+
+    def _report(self, pending: _Pending, compute_used: float, hashed_state) -> float:
+        """Read ``pending``'s metrics back (waiting for its update), emit its ``update`` event;
+        returns the compute used including it."""
+        program, step = self.program, pending.step
+        metrics = pending.read_metrics()
+        ready = time.monotonic()
+        # the update's own time: from its dispatch, or from when the device finished the
+        # previous one if it was still busy with that one
+        seconds = ready - max(pending.dispatched, self._last_ready)
+        self._last_ready = ready
+        self._longest_update = max(self._longest_update, seconds)
+        compute_used += seconds
+        self.progress.steps_completed = step
+        update = {
+            "step": step,
+            "examples": program.examples_per_step,
+            "tokens": program.tokens_per_step,
+            "seconds": seconds,
+            **metrics,
+        }
+        if hashed_state is not None:
+            # Both from one host copy: the whole-state hash, and one per part so that a
+            # divergence can be named (params, opt_state, rng, step, cursor).
+            update["state_hash"], update["part_hashes"] = self.snapshot.hashes_of(
+                hashed_state, step
+            )
+        self.events.emit("update", **update)
+        self.progress.metrics["final_loss"] = metrics.get("loss")
+        self.say(
+            f"update {step}/{self.max_steps} loss={metrics.get('loss'):.6g} "
+            f"({seconds * 1000:.1f} ms)"
+        )
+        return compute_used

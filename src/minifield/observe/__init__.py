@@ -1,0 +1,1 @@
+"""Measured signals of training jobs: the summary, capacity arithmetic and report figures."""

@@ -1,0 +1,1 @@
+"""The pipeline stages the Snakemake rules call, and the workflow's view of the configuration."""

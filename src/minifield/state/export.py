@@ -1,0 +1,119 @@
+"""Exported weights: one .npy per parameter plus ``model.json`` (config and per-file sha256).
+
+This is what users load to use a trained model, and what the store publishes. A second form
+(:data:`FILES_FORMAT`, written by :func:`write_files`) keeps weights in files of another format
+(a HuggingFace directory): ``model.json`` then lists every other file of the directory with its
+sha256, and :func:`read` verifies them all and returns no arrays (the caller loads the files).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import atomic
+from ..digest import sha256_bytes
+
+MODEL_FILE = "model.json"
+FORMAT = "minifield-export/1"
+FILES_FORMAT = "minifield-export-files/1"
+
+
+class ExportError(Exception):
+    pass
+
+
+class ExportWriteError(Exception):
+    """An export could not be written (its partial directory was removed)."""
+
+
+def write_whole(final: Path, write: Callable[[Path], object]) -> None:
+    """``final`` whole or not at all: ``write`` fills a temporary sibling, renamed into place
+    once complete; a failed write is removed and raised as :class:`ExportWriteError` naming
+    ``final`` and the error (which names the file, for a full disk)."""
+    partial = final.parent / f".{final.name}.partial"
+    try:
+        write(partial)
+        os.rename(partial, final)
+        atomic.fsync_dir(final.parent)
+    except Exception as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportWriteError(
+            f"export {final} was not written (the partial one was removed): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]) -> dict:
+    """Write ``params`` (flat name → array) and ``config``; returns the model.json content."""
+    (directory / "weights").mkdir(parents=True, exist_ok=True)
+    entries = []
+    for index, (name, array) in enumerate(sorted(params.items())):
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(np.asarray(array, order="C")), allow_pickle=False)
+        data = buffer.getvalue()
+        file = f"weights/{index:05d}.npy"
+        atomic.write_bytes(directory / file, data)
+        entries.append(
+            {
+                "name": name,
+                "file": file,
+                "dtype": np.asarray(array).dtype.str,
+                "shape": list(np.shape(array)),
+                "sha256": sha256_bytes(data),
+            }
+        )
+    model = {"format": FORMAT, "config": config, "weights": entries}
+    atomic.write_json(directory / MODEL_FILE, model)
+    return model
+
+
+def write_files(directory: Path, config: dict[str, Any]) -> dict:
+    """``model.json`` for a directory whose files are already written: each file (every file
+    under ``directory`` but ``model.json``) with its size and sha256, plus ``config``."""
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel == MODEL_FILE or path.name.startswith("."):
+            continue
+        data = path.read_bytes()
+        files.append({"file": rel, "size": len(data), "sha256": sha256_bytes(data)})
+    model = {"format": FILES_FORMAT, "config": config, "files": files}
+    atomic.write_json(directory / MODEL_FILE, model)
+    return model
+
+
+def read(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Load and verify exported weights; raises ExportError naming the bad file.
+
+    A :data:`FILES_FORMAT` export has every listed file verified and gives no arrays."""
+    model_path = directory / MODEL_FILE
+    if not model_path.is_file():
+        raise ExportError(f"{model_path}: missing (not an exported model directory)")
+    model = atomic.read_json(model_path)
+    if model.get("format") == FILES_FORMAT:
+        for entry in model["files"]:
+            file = directory / entry["file"]
+            if not file.is_file():
+                raise ExportError(f"{file}: missing (listed in {model_path})")
+            if sha256_bytes(file.read_bytes()) != entry["sha256"]:
+                raise ExportError(f"{file}: sha256 mismatch with {model_path}")
+        return {}, model["config"]
+    if model.get("format") != FORMAT:
+        raise ExportError(f"{model_path}: format {model.get('format')!r}, expected {FORMAT!r}")
+    params = {}
+    for entry in model["weights"]:
+        file = directory / entry["file"]
+        if not file.is_file():
+            raise ExportError(f"{file}: missing weight file for {entry['name']!r}")
+        data = file.read_bytes()
+        if sha256_bytes(data) != entry["sha256"]:
+            raise ExportError(f"{file}: sha256 mismatch for weight {entry['name']!r}")
+        params[entry["name"]] = np.load(io.BytesIO(data), allow_pickle=False)
+    return params, model["config"]
