@@ -255,6 +255,7 @@ def section_device(args, context, report) -> dict:
         "jax": fingerprint["jax"],
         "jaxlib": fingerprint["jaxlib"],
         "jax_cuda12_plugin": fingerprint.get("jax_cuda12_plugin"),
+        "jax_cuda13_plugin": fingerprint.get("jax_cuda13_plugin"),
         "xla_flags": fingerprint["xla_flags"],
         "determinism_flags_added": added,
         "source_revision": fingerprint["source_revision"],

@@ -47,6 +47,12 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
     # XLA's backend optimisations its compilations take a third less time (the flag is
     # recorded in the JSON and every run of the recovery proof gets it alike).
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    # As on an offline GPU host (docs/gpu-check.md): the source tree on PYTHONPATH, and no
+    # snakemake: an import of it anywhere in the check or its workers fails the check.
+    blocker = out.parent / "no-snakemake" / "snakemake"
+    blocker.mkdir(parents=True, exist_ok=True)
+    (blocker / "__init__.py").write_text('raise ImportError("no snakemake on the GPU host")\n')
+    path = os.pathsep.join([str(blocker.parent), str(REPO / "src")])
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *extra],
         cwd=REPO,
@@ -54,7 +60,7 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
         text=True,
         timeout=timeout,
         check=False,
-        env={**os.environ, "XLA_FLAGS": flags},
+        env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path},
     )
 
 

@@ -31,6 +31,7 @@ from recovery_cases import events_of
 from minifield import cli
 from minifield.digest import sha256_file
 from minifield.supervision import supervise
+from minifield.tracking import settings
 
 pytestmark = pytest.mark.slow  # a real tracking server, real workers, real Snakemake
 # No usage reports from the client in this process (and no sender thread in forked children).
@@ -146,10 +147,46 @@ def delivered_pipeline(tmp_path_factory, linear_demo_run, server):
     return workdir
 
 
+def _scheduled_deliveries(workdir: Path, uri: str) -> list[str]:
+    """The deliver outputs a Snakemake dry run (``-n``) would make with ``tracking.uri: uri``."""
+    config_path = workdir / "config" / "config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["tracking"]["uri"] = uri
+    config_path.write_text(yaml.safe_dump(config))
+    dry = run_snakemake(workdir, "-n", check=True)
+    return sorted(
+        {
+            word
+            for line in dry.stdout.splitlines()
+            if line.strip().startswith("output:")
+            for word in line.split("output:", 1)[1].replace(",", " ").split()
+            if "/tracking/" in word
+        }
+    )
+
+
+def test_another_tracking_server_schedules_the_delivery_again(delivered_pipeline, server):
+    """The destination is part of the delivery's output: the same server is up to date, another
+    one (or the first again, unchanged) is not delivered twice."""
+    workdir = copy_run(delivered_pipeline, delivered_pipeline.parent / "redirected")
+    (computation,) = (workdir / "results" / "computations").iterdir()
+    (delivered,) = (computation / "tracking").iterdir()
+    assert _scheduled_deliveries(workdir, server) == []
+    other = "http://127.0.0.1:9"  # nothing is sent in a dry run
+    expected = settings.from_config(
+        {"tracking": {"enabled": True, "uri": other, "experiment": "pipeline"}}
+    ).destination
+    assert expected != delivered.stem
+    assert _scheduled_deliveries(workdir, other) == [
+        str((computation / "tracking" / f"{expected}.json").relative_to(workdir))
+    ]
+
+
 def test_deliver_rule_sends_run_params_every_metric_point_and_artifacts(delivered_pipeline, client):
     workdir = delivered_pipeline
     (computation,) = (workdir / "results" / "computations").iterdir()
-    record = json.loads((computation / "tracking.json").read_text())
+    (record_path,) = (computation / "tracking").iterdir()
+    record = json.loads(record_path.read_text())
     validation = json.loads((computation / "validation.json").read_text())
     recipe = json.loads((computation / "recipe.json").read_text())
     (run,) = _runs(client, "pipeline", "computation")

@@ -249,11 +249,12 @@ def train_attempt(
     if outcome["classification"] != "completed" or result["status"] != "completed":
         error = result.get("error") or {}
         detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
-        advice = (
-            "a retry cannot fix this: correct the recipe, inputs or environment first"
-            if code == train.EXIT_INVALID
-            else "the next run resumes from its last committed checkpoint"
-        )
+        advice = {
+            train.EXIT_INVALID: "a retry cannot fix this: correct the recipe, inputs or "
+            "environment first",
+            train.EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
+            "last committed checkpoint",
+        }.get(code, "the next run resumes from its last committed checkpoint")
         raise StageError(
             f"training attempt {attempt_dir} ended {result['status']} "
             f"(supervisor: {outcome['classification']}, exit {code}){detail}; {advice}. Log: {log}"

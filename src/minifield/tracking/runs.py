@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from ..supervision import locks
@@ -40,7 +39,8 @@ class Runs:
         self.connection = connection
         self.client = connection.client
         self.settings = connection.settings
-        self.state_dir = Path(self.settings.state_dir)
+        #: cursors and locks of this server and experiment (a new destination starts afresh)
+        self.state_dir = self.settings.destination_state_dir
         self._experiment_id: str | None = None
 
     # -- experiment and runs ---------------------------------------------------------------

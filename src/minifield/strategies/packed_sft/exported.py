@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import atomic
 from ...digest import sha256_bytes
 from ...state import export
 from . import base_model, chat_template, lora, settings, sft_data
@@ -72,9 +73,9 @@ def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, l
     tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
     model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes)
     if cfg.architecture != "llama":  # the GPT model keeps the .npy format
-        (directory / DEV_FILE).write_bytes(dev_bytes)
+        atomic.write_bytes(directory / DEV_FILE, dev_bytes)
         if tokenizer_json is not None:
-            (directory / TOKENIZER_FILE).write_bytes(tokenizer_json)
+            atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
         export.write(directory, named_arrays(params), model_json)
         return
     import jax
