@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import chat_template, hf_checkpoint
+from . import chat_template, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = "base."
@@ -80,16 +80,6 @@ def _link_directory(recipe: dict, files: dict[str, Path], directory: Path) -> No
         links[hf_checkpoint.SINGLE_FILE] = base["weights"][0]
     for file_name, input_name in links.items():
         (directory / file_name).symlink_to(files[input_name])
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BaseModelError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise BaseModelError(f"{path}: expected a JSON object")
-    return value
 
 
 def check_recipe_agrees(recipe_model: dict, cfg, config_path: Path) -> None:
@@ -215,6 +205,40 @@ def tokenizer_and_template(
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template
+
+
+def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=None):
+    """The base model's tokenizer and chat template, from the prepared arrays (``files``:
+    the pinned input files, named in messages when given)."""
+    base = recipe["model"]["base"]
+    where = {
+        k: str(files[base[k]]) if files else f"base model input {base[k]!r}"
+        for k in ("tokenizer", "tokenizer_config")
+    }
+    return tokenizer_and_template(
+        recipe,
+        np.asarray(arrays[TOKENIZER_ARRAY]).tobytes(),
+        np.asarray(arrays[TOKENIZER_CONFIG_ARRAY]).tobytes(),
+        where,
+        config_from_arrays(recipe, arrays).vocab_size,
+    )
+
+
+def encode_chat_file(path: Path, tokenizer, template) -> list[sft_data.Encoded]:
+    """A supervised file rendered with the base model's chat template (a failure is a bad
+    input, naming the file and example)."""
+    out = []
+    for index, example in enumerate(sft_data.read_jsonl(path)):
+        where = f"{path} (example {index + 1})"
+        try:
+            out.append(
+                chat_template.encode(
+                    example.conversation(), template, tokenizer._backend, tokenizer.eos_id, where
+                )
+            )
+        except chat_template.ChatTemplateError as exc:
+            raise BaseModelError(str(exc)) from None
+    return out
 
 
 def config_template(config: dict, where: str) -> str:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ... import atomic
 
 # config.json's reading and writing; the names are this module's too (one loader API)
 from .hf_config import ARCHITECTURES, CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
@@ -350,7 +351,7 @@ def write(directory: str | Path, cfg: LlamaConfig, params, dtype: str = "float32
 
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
     ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
@@ -368,12 +369,11 @@ def write(directory: str | Path, cfg: LlamaConfig, params, dtype: str = "float32
         if tensors[name].shape != shape:
             raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
         tensors[name] = tensors[name].astype(stored_dtype)
-    # Temporary names renamed into place: an interrupted write leaves no half-written file.
-    weights_tmp, config_tmp = directory / f".{SINGLE_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp.write_text(json.dumps({**config_to_hf(cfg), "torch_dtype": dtype}, indent=2) + "\n")
-    os.replace(weights_tmp, directory / SINGLE_FILE)
-    os.replace(config_tmp, directory / CONFIG_FILE)
+    # Serialised in memory and written atomically (an interrupted write leaves no half-written
+    # file; a full disk is an OSError naming the file, which save_file does not raise).
+    atomic.write_bytes(directory / SINGLE_FILE, save(tensors, metadata={"format": "pt"}))
+    config = {**config_to_hf(cfg), "torch_dtype": dtype}
+    atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
 
 
 def fp32_bytes(cfg: LlamaConfig) -> int:
