@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from minifield.strategies.packed_sft.optimizer import DEFAULTS
+from minifield.strategies.packed_sft import optimizer as project_optimizer
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -193,18 +193,19 @@ def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
 def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
     """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
     loss)`` jit-compiled with params and optimizer state donated; the optimizer has the
-    project's default settings (``optimizer.DEFAULTS``)."""
+    project's default settings (the recipe schema's, ``optimizer.defaults()``)."""
+    defaults = project_optimizer.defaults()
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, DEFAULTS["learning_rate"], DEFAULTS["warmup_steps"], max_steps
+        0.0, defaults["learning_rate"], defaults["warmup_steps"], max_steps
     )
     optimizer = optax.chain(
-        optax.clip_by_global_norm(DEFAULTS["grad_clip_norm"]),
+        optax.clip_by_global_norm(defaults["grad_clip_norm"]),
         optax.adamw(
             schedule,
-            b1=DEFAULTS["b1"],
-            b2=DEFAULTS["b2"],
-            eps=DEFAULTS["eps"],
-            weight_decay=DEFAULTS["weight_decay"],
+            b1=defaults["b1"],
+            b2=defaults["b2"],
+            eps=defaults["eps"],
+            weight_decay=defaults["weight_decay"],
             mask=lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params),
         ),
     )

@@ -28,7 +28,7 @@ from minifield.strategies.packed_sft import model, optimizer, sft_step
 from minifield.strategies.packed_sft.execution import Execution
 from minifield.strategies.packed_sft.llama import LlamaConfig
 
-TRAINING = {**optimizer.DEFAULTS, "learning_rate": 3e-3, "warmup_steps": 1}
+TRAINING = {**optimizer.defaults(), "warmup_steps": 1}
 
 
 def config(args, layers: int, scan: bool):

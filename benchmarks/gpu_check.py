@@ -255,6 +255,7 @@ def section_device(args, context, report) -> dict:
         "jax": fingerprint["jax"],
         "jaxlib": fingerprint["jaxlib"],
         "jax_cuda12_plugin": fingerprint.get("jax_cuda12_plugin"),
+        "jax_cuda13_plugin": fingerprint.get("jax_cuda13_plugin"),
         "xla_flags": fingerprint["xla_flags"],
         "determinism_flags_added": added,
         "source_revision": fingerprint["source_revision"],
@@ -704,15 +705,16 @@ def run_section(args, name: str, limit: float, context_path: Path, record) -> di
     timed_out, seen = False, None
     try:
         while True:
+            # the limit first: a section given 0 s is out of time however fast it is
+            if time.monotonic() - started >= limit or INTERRUPTED.is_set():
+                timed_out = True
+                _stop(child)
+                break
             try:
                 child.wait(0.25)
                 break
             except subprocess.TimeoutExpired:
                 pass
-            if time.monotonic() - started > limit or INTERRUPTED.is_set():
-                timed_out = True
-                _stop(child)
-                break
             try:  # partial results land in the JSON as they come
                 stamp = section_out.stat().st_mtime_ns
                 if stamp != seen:

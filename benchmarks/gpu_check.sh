@@ -5,8 +5,27 @@
 # benchmarks/gpu_check.py (e.g. --budget-s 600, --proof-mode both).
 # With the conda environment instead (envs/minifield-gpu.yaml, activated):
 #   python benchmarks/gpu_check.py --out gpu_check.json
+#
+# On a host that reaches no package index and brings its own Python 3.12 and JAX (no uv, no
+# snakemake, no jsonschema), with a wheel folder made by benchmarks/gpu_offline_wheels.sh:
+#   benchmarks/gpu_check.sh --offline WHEELS [OUT.json] [ARGS...]
+# installs those wheels (pip --no-index: never the network) into work/gpu-check-site and runs
+# the check on that interpreter ($PYTHON, default python3) with PYTHONPATH=src:work/gpu-check-site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--offline" ]; then
+    wheels="${2:?--offline needs the wheel folder (benchmarks/gpu_offline_wheels.sh)}"
+    shift 2
+    out="${1:-gpu_check.json}"
+    shift || true
+    python="${PYTHON:-python3}"
+    site="$PWD/work/gpu-check-site"
+    rm -rf "$site"
+    "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+        --target "$site" "$wheels"/*.whl
+    export PYTHONPATH="$PWD/src:$site${PYTHONPATH:+:$PYTHONPATH}"
+    exec "$python" benchmarks/gpu_check.py --out "$out" "$@"
+fi
 out="${1:-gpu_check.json}"
 shift || true
 uv sync --locked --extra cuda

@@ -84,10 +84,10 @@ def main() -> None:
     arrays = recipe.strategy.prepare(recipe.data, files)[0]
     program = recipe.strategy.build(recipe.data, arrays)
     program.lay_out_mesh()
-    shardings = program._state_shardings
+    shardings = program.layout.state
 
     started = time.perf_counter()
-    on_device_0 = program._init_on_one_device()
+    on_device_0 = program.start.on_one_device()
     jax.block_until_ready(on_device_0)
     state_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(on_device_0))
     baseline = jax.block_until_ready(jax.device_put(on_device_0, shardings))
@@ -102,7 +102,7 @@ def main() -> None:
     for leaf in jax.tree_util.tree_leaves(sharded):
         for shard in leaf.addressable_shards:
             per_device[shard.device.id] += shard.data.nbytes
-    memory = program._mesh_init.memory_analysis()
+    memory = program.start.compiled_on_mesh.memory_analysis()
     program_bytes = memory.output_size_in_bytes + memory.temp_size_in_bytes
 
     params = sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(sharded["params"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -121,33 +122,51 @@ def small_sft_inputs(root: Path, seed: int = 5, train: int = 96, held_out: int =
     return {"input_root": root / "in", "pins": pins}
 
 
-def small_sft_recipe(pins: dict, job_id: str, devices: int, **sections) -> dict:
-    """A tiny packed-sft recipe (d_model 32, one layer, batch 8) over ``small_sft_inputs``;
-    ``sections`` replace ``limits``, ``checkpoint`` or ``evaluation`` or add ``training``
-    keys via ``training=...``."""
-    recipe = {
+#: the tiny packed-sft model and run most packed-sft tests train (d_model 32, one layer)
+TINY_SFT = {
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+    "training": {"seq_len": 32, "batch_size": 4, "warmup_steps": 2, "learning_rate": 0.01},
+    "limits": {"max_steps": 6},
+    "checkpoint": {"every_steps": 2, "keep": 3},
+    "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 2},
+}
+
+
+def merged(sections: dict, **changes) -> dict:
+    """``sections`` with each of ``changes`` merged into the section of its name (a dict's keys
+    replace that section's; any other value replaces the section)."""
+    out = copy.deepcopy(sections)
+    for name, value in changes.items():
+        out[name] = {**out.get(name, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+def packed_sft_recipe(pins: dict, job_id: str, /, inputs_dir: str = "sft", **sections) -> dict:
+    """A packed-sft recipe over the three supervised files ``pins`` names (split → sha256,
+    at ``inputs_dir/{split}.jsonl``); ``sections`` (model, training, …; a ``product`` or
+    ``inputs`` given replaces the default) as given."""
+    return {
         "job_id": job_id,
         "product": {"name": "reverser", "version": "0"},
         "strategy": {"name": "packed-sft", "version": "12.0.0"},
         "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": pins[s]}
+            {"name": s, "path": f"{inputs_dir}/{s}.jsonl".lstrip("/"), "sha256": pins[s]}
             for s in ("train", "dev", "test")
         ],
-        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
-        "training": {
-            "seq_len": 32,
-            "batch_size": 8,
-            "warmup_steps": 2,
-            "learning_rate": 0.01,
-            "data_parallel": {"devices": devices, "shard_params": False},
-            **sections.pop("training", {}),
-        },
-        "limits": {"max_steps": 6},
-        "checkpoint": {"every_steps": 2, "keep": 3},
-        "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 2},
+        **copy.deepcopy(sections),
     }
-    recipe.update(sections)
-    return recipe
+
+
+def small_sft_recipe(pins: dict, job_id: str, devices: int, **sections) -> dict:
+    """A tiny packed-sft recipe (d_model 32, one layer, batch 8) over ``small_sft_inputs``;
+    ``sections`` replace ``limits``, ``checkpoint`` or ``evaluation`` or add ``training``
+    keys via ``training=...``."""
+    training = {
+        "batch_size": 8,
+        "data_parallel": {"devices": devices, "shard_params": False},
+        **sections.pop("training", {}),
+    }
+    return packed_sft_recipe(pins, job_id, **{**merged(TINY_SFT, training=training), **sections})
 
 
 def write_recipe(path: Path, recipe: dict) -> Path:
@@ -207,6 +226,67 @@ def run_worker(
             f"stderr:\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def run_attempt(
+    recipe: Path, input_root: Path, output_root: Path, *extra, codes=(0,), cache=None, env=None
+) -> subprocess.CompletedProcess:
+    """One recorded attempt of ``recipe`` by the worker CLI (state hashes after every update),
+    which must exit with one of ``codes``; ``extra`` flags as ``worker_args`` takes them."""
+    return run_worker(
+        *extra,
+        job=recipe,
+        input_root=input_root,
+        output_root=output_root,
+        compilation_cache=cache,
+        record_state_hashes=True,
+        check_codes=codes,
+        env=env,
+    )
+
+
+def train_as_the_pipeline(raw: Path, root: Path, input_root: Path, prove: bool = True) -> Path:
+    """validate → prepare → a real worker → evaluate (→ a crash-mode recovery proof), as the
+    pipeline does, writing ``recipe.json``, ``validation.json``, ``examples/``, ``attempts/``,
+    ``result.json``, ``metrics.json`` (and ``proof.json``) under ``root``; the attempt."""
+    from minifield.pipeline import evaluation, preparation
+    from minifield.proof.prove import prove as prove_recovery
+
+    preparation.validate(raw, root / "recipe.json", root / "validation.json")
+    preparation.prepare(root / "recipe.json", input_root, root / "examples")
+    run_worker(
+        job=root / "recipe.json", input_root=input_root, output_root=root / "attempts",
+        check_codes=(0,),
+    )  # fmt: skip
+    (job,) = (root / "attempts").iterdir()
+    (attempt,) = job.iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
+    evaluation.evaluate(
+        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
+    )
+    if prove:  # the qualification rule's proof: reference, crash, resume (real workers)
+        proof = prove_recovery(
+            root / "recipe.json", input_root, root / "work", root / "proof.json",
+            examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
+        )  # fmt: skip
+        assert proof["passed"], proof["diagnosis"]
+    return attempt
+
+
+def attempts_of(output_root: Path, job_id: str) -> list[Path]:
+    """The attempt directories of ``job_id`` under ``output_root``, oldest first."""
+    return sorted((output_root / job_id).iterdir(), key=lambda p: p.stat().st_mtime)
+
+
+def update_hashes(attempt_dirs) -> dict[int, str]:
+    """Step → complete-state hash over a chain of attempts (later attempts win)."""
+    found = {}
+    for attempt in attempt_dirs:
+        for event in read_events(attempt / "events.jsonl"):
+            if event["type"] == "update":
+                found[event["step"]] = event["state_hash"]
+    return found
 
 
 def read_events(path: Path) -> list[dict]:

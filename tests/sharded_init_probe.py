@@ -19,7 +19,8 @@ import numpy as np
 
 from minifield import recipe as recipes
 from minifield.state.arrays import named_arrays, restore_like, state_hash
-from minifield.strategies.packed_sft import strategy
+from minifield.strategies.packed_sft.packing import ROW_FIELDS
+from minifield.strategies.packed_sft.sft_step import init_train_state
 
 
 def leaf_report(state) -> list[dict]:
@@ -75,7 +76,7 @@ def main(recipe_path: str) -> None:
     }
 
     # the executable that created it: what one device holds and computes
-    compiled = mesh._mesh_init
+    compiled = mesh.start.compiled_on_mesh
     memory = compiled.memory_analysis()
     report["compiled"] = {
         "output_bytes": int(memory.output_size_in_bytes),
@@ -96,19 +97,19 @@ def main(recipe_path: str) -> None:
 
     # a base model's weights (host FP32 arrays): placed, then the state built around them
     base = jax.tree_util.tree_map(lambda a: np.asarray(a) * np.float32(1.5), host_params(host))
-    random_init, mesh._mesh_init = mesh._mesh_init, None
+    random_init, mesh.start.compiled_on_mesh = mesh.start.compiled_on_mesh, None
     mesh.base_params = one.base_params = base
     from_base = mesh.init_state()
     report["base"] = leaf_report(from_base)
     report["base_hash"] = state_hash(from_base)
     report["base_one_device_hash"] = state_hash(one.init_state())
     mesh.base_params = one.base_params = None
-    mesh._mesh_init = random_init
+    mesh.start.compiled_on_mesh = random_init
 
     # evaluation on the mesh against evaluation on one device
     state = fresh
     params_one = one_state["params"]
-    dev = {k: arrays[f"dev_{k}"] for k in strategy.ROW_FIELDS}
+    dev = {k: arrays[f"dev_{k}"] for k in ROW_FIELDS}
     eval_params = mesh._eval_params(state)  # what evaluate() and evaluate_test() use
     report["eval_mesh"] = mesh.evaluator.loss(eval_params, dev)
     report["eval_one"] = one.evaluator.loss(params_one, dev)
@@ -125,8 +126,8 @@ def main(recipe_path: str) -> None:
     scanned = dataclasses.replace(
         mesh.cfg, n_layers=4, execution=dataclasses.replace(mesh.cfg.execution, scan_layers=True)
     )
-    abstract = jax.eval_shape(lambda: mesh._init(scanned, mesh.optimizer, 0))
-    shardings = mesh.data_parallel.state_shardings(mesh._mesh, abstract)
+    abstract = jax.eval_shape(lambda: init_train_state(scanned, mesh.optimizer, 0))
+    shardings = mesh.data_parallel.state_shardings(mesh.layout.mesh, abstract)
     report["scanned"] = [
         {"name": jax.tree_util.keystr(path), "shape": list(leaf.shape), "spec": list(spec.spec)}
         for (path, leaf), spec in zip(

@@ -16,9 +16,17 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, write_recipe
+from conftest import (
+    attempts_of,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    write_recipe,
+)
 from safetensors.numpy import load_file, save_file
 from test_chat_template import CHATML, make_tokenizer
 from test_llama import LLAMA, hf_tensors
@@ -101,20 +109,12 @@ def make_inputs(root: Path) -> dict:
 
 
 def base_recipe(root: Path, model: dict | None = None) -> dict:
-    pins = [
-        {"name": s, "path": f"sft/{s}.jsonl", "sha256": _sha(root / "sft" / f"{s}.jsonl")}
-        for s in ("train", "dev", "test")
-    ]
-    pins += [
-        {"name": name, "path": f"base/{file}", "sha256": _sha(root / "base" / file)}
-        for name, file in BASE_FILES.items()
-    ]
-    return {
-        "job_id": "base-test",
-        "product": {"name": "p", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": pins,
-        "model": {
+    pins = {s: _sha(root / "sft" / f"{s}.jsonl") for s in ("train", "dev", "test")}
+    recipe = packed_sft_recipe(
+        pins,
+        "base-test",
+        product={"name": "p", "version": "0"},
+        model={
             "base": {
                 "config": "base-config",
                 "weights": ["base-weights"],
@@ -123,11 +123,16 @@ def base_recipe(root: Path, model: dict | None = None) -> dict:
             },
             **(model or {}),
         },
-        "training": {"seq_len": 64, "batch_size": 4, "warmup_steps": 1, "learning_rate": 0.003},
-        "limits": {"max_steps": 4},
-        "checkpoint": {"every_steps": 2, "keep": 2},
-        "evaluation": {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4},
-    }
+        training={"seq_len": 64, "batch_size": 4, "warmup_steps": 1, "learning_rate": 0.003},
+        limits={"max_steps": 4},
+        checkpoint={"every_steps": 2, "keep": 2},
+        evaluation={"eval_every": 0, "batch_size": 8, "max_generate_examples": 4},
+    )
+    recipe["inputs"] += [
+        {"name": name, "path": f"base/{file}", "sha256": _sha(root / "base" / file)}
+        for name, file in BASE_FILES.items()
+    ]
+    return recipe
 
 
 def _prepare(recipe: dict, root: Path):
@@ -167,9 +172,14 @@ def test_training_starts_from_the_base_weights_read_from_the_file(root, tmp_path
         32, 2, 4, 2, 48, 340,
     )  # fmt: skip
     assert cfg.rope_theta == 50000.0 and cfg.norm_eps == 1e-5 and not cfg.tie_embeddings
-    assert (
-        program.init_state()["params"]["embed"]["tokens"] is not state["params"]["embed"]["tokens"]
-    )
+    # each state is its own copy: a training step donates (deletes) its state's buffers, and
+    # the base weights the program starts from must survive that
+    for leaf in jax.tree_util.tree_leaves(state):
+        leaf.delete()
+    again = program.init_state()
+    for name, (ours, transposed) in HF_TO_OURS.items():
+        expected = on_disk[name].T if transposed else on_disk[name]
+        np.testing.assert_array_equal(_get(again["params"], ours), expected, err_msg=name)
 
 
 def test_examples_are_rendered_with_the_base_models_chat_template(root):
@@ -192,7 +202,49 @@ def test_examples_are_rendered_with_the_base_models_chat_template(root):
     assert answer == first[2]["content"] + "<|im_end|>"
     # the loss covers exactly the answers' tokens (content + <|im_end|>) in the packed rows
     assert meta["tokenizer"]["special_tokens"]["eos"] == "<|im_end|>"
-    assert int(arrays["train_loss_mask"].sum()) > 0
+    expected = sorted(_chatml_by_hand(root / "sft" / "train.jsonl"))
+    assert _packed_prompts_and_trained_text(arrays, "train", backend) == expected
+
+
+def _chatml_by_hand(path: Path) -> list[tuple[str, str]]:
+    """(prompt, answer) of each row of a supervised file, in ChatML written out here: the
+    template's default system message where a row has none, the answer + ``<|im_end|>``."""
+    out = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "messages" in row:
+            system, user, answer = (m["content"] for m in row["messages"])
+        else:
+            system, user, answer = "You are a helpful assistant.", row["prompt"], row["response"]
+        prompt = (
+            f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        out.append((prompt, answer + "<|im_end|>"))
+    return out
+
+
+def _packed_prompts_and_trained_text(arrays, split: str, backend) -> list[tuple[str, str]]:
+    """Each packed example's untrained slots and trained slots, decoded; the trained ones
+    must be one run at the example's end."""
+    tokens, segments = arrays[f"{split}_tokens"], arrays[f"{split}_segments"]
+    mask = arrays[f"{split}_loss_mask"]
+    assert set(np.unique(mask)) <= {0.0, 1.0} and not mask[segments == 0].any()
+    out = []
+    for row in range(tokens.shape[0]):
+        for segment in sorted(set(segments[row].tolist()) - {0}):
+            (slots,) = np.nonzero(segments[row] == segment)
+            trained = mask[row, slots] == 1.0
+            first = int(np.argmax(trained))
+            assert trained.any() and trained[first:].all() and not trained[:first].any()
+            ids = tokens[row, slots].tolist()
+            out.append(
+                tuple(
+                    backend.decode(part, skip_special_tokens=False)
+                    for part in (ids[:first], ids[first:])
+                )
+            )
+    return sorted(out)
 
 
 def test_a_different_base_file_is_a_different_computation(root):
@@ -365,24 +417,8 @@ def test_an_index_naming_a_missing_shard_is_refused(root):
 
 
 def _run(tmp_path, path, root, out, *extra, codes=(0,)):
-    run_worker(
-        *extra,
-        job=path,
-        input_root=root,
-        output_root=tmp_path / out,
-        record_state_hashes=True,
-        check_codes=codes,
-    )
-    return sorted((tmp_path / out / "base-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-
-def _hashes(attempts):
-    return {
-        e["step"]: e["state_hash"]
-        for a in attempts
-        for e in read_events(a / "events.jsonl")
-        if e["type"] == "update"
-    }
+    run_attempt(path, root, tmp_path / out, *extra, codes=codes)
+    return attempts_of(tmp_path / out, "base-test")
 
 
 @pytest.mark.slow
@@ -397,7 +433,7 @@ def test_a_base_model_recipe_trains_and_resumes_bit_identically_in_the_worker(ro
     # a crash after update 3, resumed from the step-2 checkpoint: the same states bit for bit
     (crashed,) = _run(tmp_path, path, root, "crash", "--fail-after-step", "3", codes=(1,))
     (_, resumed) = _run(tmp_path, path, root, "crash", "--resume-from", crashed)
-    assert _hashes([crashed, resumed]) == _hashes([attempt])
+    assert update_hashes([crashed, resumed]) == update_hashes([attempt])
     final = json.loads((resumed / "result.json").read_text())["final_state_hash"]
     assert final == result["final_state_hash"]
 
@@ -430,8 +466,8 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    from minifield.strategies.packed_sft.exported import ExportedModel
     from minifield.strategies.packed_sft.model import greedy_generate
-    from minifield.strategies.packed_sft.strategy import ExportedModel
 
     recipe = base_recipe(root)
     loaded, (arrays, _) = _prepare(recipe, root)
@@ -478,7 +514,7 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
 
 
 def test_a_damaged_base_model_export_is_refused_naming_the_file(root, tmp_path):
-    from minifield.strategies.packed_sft.strategy import ExportedModel
+    from minifield.strategies.packed_sft.exported import ExportedModel
 
     loaded, (arrays, _) = _prepare(base_recipe(root), root)
     program = loaded.strategy.build(loaded.data, arrays)

@@ -25,7 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, small_sft_inputs, small_sft_recipe, write_recipe
+from conftest import (
+    attempts_of,
+    read_events,
+    run_attempt,
+    small_sft_inputs,
+    small_sft_recipe,
+    write_recipe,
+)
 
 from minifield import recipe as recipes
 from minifield.strategies.packed_sft import parallel
@@ -62,20 +69,14 @@ def dp_recipe(space, devices: int, shard_params: bool = False) -> dict:
 
 
 def _run(space, recipe_path, out, visible: int, *extra, codes=(0,)):
-    return run_worker(
-        *extra,
-        job=recipe_path,
-        input_root=space["input_root"],
-        output_root=out,
-        compilation_cache=space["cache"],
-        record_state_hashes=True,
-        check_codes=codes,
+    return run_attempt(
+        recipe_path, space["input_root"], out, *extra, codes=codes, cache=space["cache"],
         env=devices_env(visible),
-    )
+    )  # fmt: skip
 
 
 def _attempts(out: Path) -> list[Path]:
-    return sorted((out / "dp-test").iterdir(), key=lambda p: p.stat().st_mtime)
+    return attempts_of(out, "dp-test")
 
 
 def _updates(attempt: Path) -> list[dict]:

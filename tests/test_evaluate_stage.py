@@ -12,7 +12,7 @@ from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield.pipeline import evaluation, preparation
 from minifield.state import export
-from minifield.strategies.linear_momentum_program import LinearProgram
+from minifield.strategies.linear_momentum.program import LinearProgram
 
 pytestmark = pytest.mark.slow  # a worker run makes the checkpoints
 

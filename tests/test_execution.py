@@ -106,7 +106,7 @@ def test_fused_attention_matches_the_xla_path_forward_and_backward():
     cfg = llama()
     q, k, v, segments, cotangent = _kernel_inputs(cfg.dtype)
     blocks = BlockSizes(8, 8, block_q_dkv=4, block_kv_dkv=4, block_q_dq=4, block_kv_dq=4)
-    mask = model.segment_mask(segments)
+    mask = attention.segment_mask(segments)
 
     def xla(q, k, v):
         return attention.xla_mix(cfg, q, k, v, mask)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    read_events,
-    run_worker,
+    attempts_of,
+    run_attempt,
     small_sft_inputs,
     small_sft_recipe,
+    update_hashes,
     write_recipe,
 )
 
@@ -18,16 +19,7 @@ pytestmark = pytest.mark.slow  # worker processes
 
 
 def _attempts(out: Path) -> list[Path]:
-    return sorted((out / "sft-options").iterdir(), key=lambda p: p.stat().st_mtime)
-
-
-def _hashes(attempts) -> dict[int, str]:
-    found = {}
-    for attempt in attempts:
-        for event in read_events(attempt / "events.jsonl"):
-            if event["type"] == "update":
-                found[event["step"]] = event["state_hash"]
-    return found
+    return attempts_of(out, "sft-options")
 
 
 def test_scan_remat_and_chunked_loss_resume_bit_identically(tmp_path):
@@ -42,15 +34,8 @@ def test_scan_remat_and_chunked_loss_resume_bit_identically(tmp_path):
     path = write_recipe(tmp_path / "recipe.json", recipe)
 
     def run(out, *extra, codes=(0,)):
-        return run_worker(
-            *extra,
-            job=path,
-            input_root=inputs["input_root"],
-            output_root=out,
-            compilation_cache=tmp_path / "jax-cache",
-            record_state_hashes=True,
-            check_codes=codes,
-        )
+        cache = tmp_path / "jax-cache"
+        return run_attempt(path, inputs["input_root"], out, *extra, codes=codes, cache=cache)
 
     run(tmp_path / "reference")
     (reference,) = _attempts(tmp_path / "reference")
@@ -63,5 +48,7 @@ def test_scan_remat_and_chunked_loss_resume_bit_identically(tmp_path):
     attempts = _attempts(out)
     result = json.loads((attempts[-1] / "result.json").read_text())
     assert result["status"] == "completed" and result["final_state_hash"] == expected
-    assert _hashes(attempts) == _hashes([reference])  # every update, before and after the crash
-    assert len(_hashes([reference])) == 6
+    assert update_hashes(attempts) == update_hashes(
+        [reference]
+    )  # every update, before and after the crash
+    assert len(update_hashes([reference])) == 6

@@ -29,10 +29,11 @@ def test_a_cpu_run_is_left_alone():
 
 def test_without_jax_platforms_the_installed_plugin_decides():
     # this project's test environment has no CUDA plugin: a CPU run, fingerprint unchanged
-    assert environment._version(environment.CUDA_PLUGIN) is None
+    assert all(environment._version(name) is None for name in environment.CUDA_PLUGINS)
+    assert environment.cuda_plugins() == {}
     env: dict[str, str] = {}
     assert environment.add_gpu_determinism_flags(env) == [] and env == {}
-    assert "jax_cuda12_plugin" not in environment.fingerprint()
+    assert not set(environment.OPTIONAL_BIT_DEFINING) & set(environment.fingerprint())
 
 
 def test_a_changed_cuda_plugin_is_a_bit_defining_difference():
@@ -41,6 +42,11 @@ def test_a_changed_cuda_plugin_is_a_bit_defining_difference():
     changed = {**recorded, "jax_cuda12_plugin": "0.10.3"}
     assert environment.differences(recorded, changed) == {
         "jax_cuda12_plugin": {"recorded": "0.10.2", "current": "0.10.3"}
+    }
+    # a host's own CUDA 13 plugin (an offline GPU host) is compared the same way
+    cuda13 = {"jax": "0.11.2", "jax_cuda13_plugin": "0.11.2"}
+    assert environment.differences(cuda13, {**cuda13, "jax_cuda13_plugin": "0.11.3"}) == {
+        "jax_cuda13_plugin": {"recorded": "0.11.2", "current": "0.11.3"}
     }
     cpu = {"jax": "0.10.2"}  # CPU fingerprints have no plugin field on either side
     assert environment.differences(cpu, dict(cpu)) == {}

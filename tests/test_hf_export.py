@@ -19,17 +19,15 @@ import jax
 import numpy as np
 import pytest
 import test_llama
-from conftest import run_generate, run_worker, write_recipe
+from conftest import run_generate, train_as_the_pipeline, write_recipe
 from test_llama import _flax_model, _recipe
 
 from minifield import cli
 from minifield import recipe as recipes
-from minifield.pipeline import evaluation, preparation
-from minifield.proof.prove import prove
 from minifield.state import export
 from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
 from minifield.strategies.packed_sft import tokenizer as tokenizers
-from minifield.strategies.packed_sft.strategy import ExportedModel
+from minifield.strategies.packed_sft.exported import ExportedModel
 
 flax_rope_theta = test_llama.flax_rope_theta  # the fixture (transformers' rope_theta gap)
 
@@ -118,7 +116,8 @@ def test_export_dtype_keeps_old_digests_and_is_part_of_new_ones():
 
     plain = digest({})
     assert digest({"export_dtype": "float32"}) == plain
-    assert digest({"export_dtype": "bfloat16"}) != plain != digest({"export_dtype": "float16"})
+    narrowed = {dtype: digest({"export_dtype": dtype}) for dtype in ("bfloat16", "float16")}
+    assert len({plain, *narrowed.values()}) == 3  # each export dtype its own computation
     gpt = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
     assert digest({"export_dtype": "float32"}, gpt) == digest({}, gpt)
     with pytest.raises(recipes.RecipeError, match="only for model.architecture llama"):
@@ -155,7 +154,15 @@ def test_export_directory_lists_every_file_with_its_sha256_and_loads_back(tmp_pa
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (257, 258)
     assert (generation["pad_token_id"], generation["max_length"]) == (256, 48)
     special = json.loads((directory / "tokenizer_config.json").read_text())
-    assert special["eos_token"] == "<eos>" and special["added_tokens_decoder"]["258"]["content"]
+    # the byte tokenizer's four special tokens after the 256 bytes (its definition)
+    names = {"pad": 256, "bos": 257, "eos": 258, "sep": 259}
+    assert {k: special[f"{k}_token"] for k in names} == {k: f"<{k}>" for k in names}
+    assert special["added_tokens_decoder"] == {
+        str(i): {"content": f"<{k}>", "special": True, "lstrip": False, "rstrip": False,
+                 "normalized": False, "single_word": False}
+        for k, i in names.items()
+    }  # fmt: skip
+    assert (special["add_bos_token"], special["add_eos_token"]) == (False, False)
 
     exported = ExportedModel(directory)
     assert exported.cfg == cfg
@@ -239,29 +246,7 @@ def _llama_run(root: Path) -> dict:
     recipe["training"]["learning_rate"] = 0.01
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 8, "max_generate_examples": 4}
     raw = write_recipe(root / "raw.json", recipe)
-    preparation.validate(raw, root / "recipe.json", root / "validation.json")
-    preparation.prepare(root / "recipe.json", root / "in", root / "examples")
-    run_worker(
-        job=root / "recipe.json",
-        input_root=root / "in",
-        output_root=root / "attempts",
-        check_codes=(0,),
-    )
-    (attempt,) = (root / "attempts" / "hf-export").iterdir()
-    result = json.loads((attempt / "result.json").read_text())
-    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    evaluation.evaluate(
-        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
-    )
-    proof = prove(
-        root / "recipe.json",
-        root / "in",
-        root / "work",
-        root / "proof.json",
-        examples_dir=root / "examples",
-        mode="crash",  # test_proof.py covers both modes
-    )
-    assert proof["passed"], proof["diagnosis"]
+    attempt = train_as_the_pipeline(raw, root, root / "in")
     return {"root": root, "export": attempt / "export", "attempt": attempt}
 
 

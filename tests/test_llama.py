@@ -20,11 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, write_recipe
+from conftest import (
+    attempts_of,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    write_recipe,
+)
 from safetensors.numpy import save_file
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import hf_checkpoint, model, sft_data
+from minifield.strategies.packed_sft import hf_checkpoint, llama, model, sft_data
 from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
 
 LLAMA = {
@@ -201,7 +208,31 @@ def test_bf16_products_stay_close_to_fp32(checkpoints):
     assert cfg.compute_dtype == "bfloat16"
     reference = reference_logits(case["tensors"], case["hf"], ROWS[0])
     diff = np.abs(our_logits(cfg, params, ROWS[:1])[0] - reference).max()
-    assert 1e-4 < diff < 0.1 * np.abs(reference).max()
+    # measured: 0.0092 x max|logit| (0.031 of 3.39); the bound is about twice that. The error
+    # is the BF16 residual stream's and products' rounding: where the norm's statistics are
+    # computed is too small a part of it to be seen here (see the next test).
+    assert 1e-4 < diff < 0.02 * np.abs(reference).max()
+
+
+def test_rms_norm_statistics_are_fp32():
+    """BF16 activations normalised against float64 arithmetic on the same values. The one
+    rounding of the output to BF16 is unbiased, so each row's median ratio to the reference
+    stays near 1 (measured within 2.1e-4); a mean square computed in BF16 scales a whole row
+    by its rounding error (measured 1.9e-3 to 3.4e-3), which the bound (2x the measured) sees."""
+    rng = np.random.default_rng(0)
+    D = 1024
+    spread, offset = rng.uniform(0.2, 5, (4, 8, 1)), rng.uniform(-3, 3, (4, 8, 1))
+    x = jnp.asarray(rng.standard_normal((4, 8, D)) * spread + offset, jnp.bfloat16)
+    scale = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    cfg = llama.LlamaConfig(
+        vocab_size=8, d_model=D, n_layers=1, n_heads=8, n_kv_heads=8, d_ff=8, max_len=8
+    )
+    assert cfg.compute_dtype == "bfloat16"
+    ours = np.asarray(llama._rms_norm(cfg, x, {"scale": jnp.asarray(scale)}), np.float64)
+    xs = np.asarray(x, np.float64)
+    reference = xs / np.sqrt((xs**2).mean(-1, keepdims=True) + cfg.norm_eps) * scale
+    row_ratio = np.median(ours / reference, axis=-1)
+    assert np.abs(row_ratio - 1).max() < 4.2e-4
 
 
 @pytest.mark.parametrize("name", ["llama-mqa-tied-theta", "qwen2-bias"])
@@ -360,19 +391,15 @@ def test_unsupported_configs_are_refused_naming_config_json(tmp_path, change, me
 
 
 def _recipe(model_section: dict) -> dict:
-    pin = "0" * 64
-    return {
-        "job_id": "llama-test",
-        "product": {"name": "p", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": pin} for s in ("train", "dev", "test")
-        ],
-        "model": model_section,
-        "training": {"seq_len": 32, "batch_size": 4, "warmup_steps": 1},
-        "limits": {"max_steps": 4},
-        "checkpoint": {"every_steps": 2, "keep": 2},
-    }
+    return packed_sft_recipe(
+        dict.fromkeys(("train", "dev", "test"), "0" * 64),
+        "llama-test",
+        product={"name": "p", "version": "0"},
+        model=model_section,
+        training={"seq_len": 32, "batch_size": 4, "warmup_steps": 1},
+        limits={"max_steps": 4},
+        checkpoint={"every_steps": 2, "keep": 2},
+    )
 
 
 def test_spelling_out_the_default_architecture_keeps_the_digest():
@@ -552,23 +579,8 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     path = write_recipe(tmp_path / "recipe.json", recipe)
 
     def run(out, *extra, codes=(0,)):
-        run_worker(
-            *extra,
-            job=path,
-            input_root=tmp_path / "in",
-            output_root=tmp_path / out,
-            record_state_hashes=True,
-            check_codes=codes,
-        )
-        return sorted((tmp_path / out / "llama-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-    def hashes(attempts):
-        return {
-            e["step"]: e["state_hash"]
-            for a in attempts
-            for e in read_events(a / "events.jsonl")
-            if e["type"] == "update"
-        }
+        run_attempt(path, tmp_path / "in", tmp_path / out, *extra, codes=codes)
+        return attempts_of(tmp_path / out, "llama-test")
 
     (attempt,) = run("out")
     result = json.loads((attempt / "result.json").read_text())
@@ -590,7 +602,7 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     # a crash after update 3, resumed from the step-2 checkpoint: the same states bit for bit
     (crashed,) = run("crash", "--fail-after-step", "3", codes=(1,))
     (_, resumed) = run("crash", "--resume-from", crashed)
-    assert hashes([crashed, resumed]) == hashes([attempt])
+    assert update_hashes([crashed, resumed]) == update_hashes([attempt])
     assert (
         json.loads((resumed / "result.json").read_text())["final_state_hash"]
         == (result["final_state_hash"])

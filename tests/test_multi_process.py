@@ -270,14 +270,13 @@ def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
     """Process 0 of 2 started alone: after --join-timeout JAX's runtime aborts it (a fatal
     error of the runtime, not a Python exception the worker could turn into exit 2); the
     worker has said beforehand whom it waited for, and the output root is untouched."""
-    started = time.monotonic()
     proc = run_worker(
         "--distributed",
         join_timeout=3,
         job=mp_recipe(space, "alone"),
         input_root=space["input_root"],
         output_root=tmp_path / "out",
-        timeout=120,
+        timeout=120,  # a hang guard only (the default join timeout is 300 s)
         env={
             "JAX_PLATFORMS": "cpu",
             "MINIFIELD_COORDINATOR": f"127.0.0.1:{free_port()}",
@@ -286,9 +285,11 @@ def test_a_peer_that_never_starts_ends_the_wait(space, tmp_path):
         },
     )
     assert proc.returncode not in (0, None)
-    assert time.monotonic() - started < 100  # far below the default 300 s
+    # the wait that ended is the 3 s one the worker announced: the runtime's own report of
+    # its deadline, right after the announcement, is the event (not a measured duration)
     assert "process 0 of 2 joining coordinator 127.0.0.1:" in proc.stderr
-    assert "waiting at most 3 s" in proc.stderr and "DEADLINE_EXCEEDED" in proc.stderr
+    announced = proc.stderr.index("waiting at most 3 s")
+    assert "DEADLINE_EXCEEDED" in proc.stderr[announced:]
     assert not (tmp_path / "out").exists()
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from minifield import recipe as recipes
 from minifield.strategies.packed_sft.optimizer import make_optimizer, make_schedule
 
 PEAK, FLOOR = 1e-2, 1e-3
@@ -114,10 +115,34 @@ def test_optimizer_state_is_fp32_with_int32_counters():
     assert all(leaf.shape == () for leaf in leaves if leaf.dtype == jnp.int32)
 
 
-def test_defaults_and_bad_settings():
-    schedule = make_schedule({}, max_steps=110)  # 1e-3 peak, 10 warmup, cosine to 1e-4
-    assert float(schedule(9)) == pytest.approx(1e-3)
-    assert float(schedule(60)) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi / 2)))
+def test_defaults_are_the_recipe_schemas():
+    """An absent key means what a recipe without it trains with: the schema's default."""
+    schedule = make_schedule({}, max_steps=120)  # 3e-3 peak, 20 warmup, cosine to 3e-4
+    assert float(schedule(0)) == pytest.approx(3e-3 / 20)
+    assert float(schedule(19)) == pytest.approx(3e-3)
+    assert float(schedule(70)) == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 2)))
+    # the same numbers as a validated recipe that leaves its training section empty
+    recipe = recipes.validate(
+        {
+            "job_id": "defaults",
+            "product": {"name": "p", "version": "1"},
+            "strategy": {"name": "packed-sft", "version": "12.0.0"},
+            "inputs": [
+                {"name": s, "path": f"{s}.jsonl", "sha256": "0" * 64}
+                for s in ("train", "dev", "test")
+            ],
+            "limits": {"max_steps": 120},
+        }
+    )
+    filled = make_schedule(recipe.data["training"], 120)
+    assert [float(filled(s)) for s in (0, 19, 70, 119)] == [
+        float(schedule(s)) for s in (0, 19, 70, 119)
+    ]
+    assert recipe.data["training"]["learning_rate"] == 0.003
+    assert recipe.data["training"]["warmup_steps"] == 20
+
+
+def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="training.decay"):
         make_optimizer({"decay": "exponential"}, 10)
     with pytest.raises(ValueError, match="training.learning_rate"):

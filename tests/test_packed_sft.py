@@ -16,11 +16,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_worker, worker_command, write_recipe
+from conftest import (
+    TINY_SFT,
+    attempts_of,
+    merged,
+    packed_sft_recipe,
+    read_events,
+    run_attempt,
+    update_hashes,
+    worker_command,
+    write_recipe,
+)
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import sft_data
-from minifield.strategies.packed_sft import strategy as packed_sft
+from minifield.strategies.packed_sft import batches, exported, sft_data
 
 MAX_STEPS = 6
 
@@ -40,50 +49,22 @@ def space(tmp_path_factory) -> dict:
     return {"root": root, "input_root": root / "in", "pins": pins, "cache": root / "jax-cache"}
 
 
-def tiny_recipe(space, **sections) -> dict:
-    recipe = {
-        "job_id": "sft-test",
-        "product": {"name": "reverser", "version": "0"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [
-            {"name": s, "path": f"sft/{s}.jsonl", "sha256": space["pins"][s]}
-            for s in ("train", "dev", "test")
-        ],
-        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
-        "training": {"seq_len": 32, "batch_size": 4, "warmup_steps": 2, "learning_rate": 0.01},
-        "limits": {"max_steps": MAX_STEPS},
-        "checkpoint": {"every_steps": 2, "keep": 3},
-        "evaluation": {"eval_every": 2, "batch_size": 8, "max_generate_examples": 8},
-    }
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+def tiny_recipe(space, **changes) -> dict:
+    base = merged(
+        TINY_SFT,
+        limits={"max_steps": MAX_STEPS},
+        evaluation={"eval_every": 2, "max_generate_examples": 8},
+    )
+    return packed_sft_recipe(space["pins"], "sft-test", **merged(base, **changes))
 
 
 def _run(space, recipe_path, out, *extra, codes=(0,), cache=True):
-    return run_worker(
-        *extra,
-        job=recipe_path,
-        input_root=space["input_root"],
-        output_root=out,
-        compilation_cache=space["cache"] if cache else None,
-        record_state_hashes=True,
-        check_codes=codes,
-    )
+    cache = space["cache"] if cache else None
+    return run_attempt(recipe_path, space["input_root"], out, *extra, codes=codes, cache=cache)
 
 
 def _attempts(out: Path) -> list[Path]:
-    return sorted((out / "sft-test").iterdir(), key=lambda p: p.stat().st_mtime)
-
-
-def _hashes(attempt_dirs) -> dict[int, str]:
-    """Step → complete-state hash over a chain of attempts (later attempts win)."""
-    found = {}
-    for attempt in attempt_dirs:
-        for event in read_events(attempt / "events.jsonl"):
-            if event["type"] == "update":
-                found[event["step"]] = event["state_hash"]
-    return found
+    return attempts_of(out, "sft-test")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +79,7 @@ def reference(space) -> dict:
         "recipe": recipe_path,
         "attempt": attempt,
         "result": result,
-        "hashes": _hashes([attempt]),
+        "hashes": update_hashes([attempt]),
     }
 
 
@@ -153,15 +134,12 @@ def test_changing_only_the_optimizer_keeps_the_examples_digest(space):
 def test_data_order_is_a_pure_function_of_seed_and_step():
     n_rows, batch = 10, 4
     # update n consumes global positions 4n..4n+3 of the epoch permutations laid end to end
-    stream = np.concatenate([packed_sft.epoch_order(3, e, n_rows) for e in range(3)])
+    stream = np.concatenate([batches.epoch_order(3, e, n_rows) for e in range(3)])
     for step in range(6):
         expected = stream[step * batch : (step + 1) * batch]
-        assert packed_sft.rows_for_step(3, step, batch, n_rows).tolist() == expected.tolist()
-    assert sorted(packed_sft.epoch_order(3, 0, n_rows)) == list(range(n_rows))
-    assert (
-        packed_sft.epoch_order(3, 0, n_rows).tolist()
-        != packed_sft.epoch_order(4, 0, n_rows).tolist()
-    )
+        assert batches.rows_for_step(3, step, batch, n_rows).tolist() == expected.tolist()
+    assert sorted(batches.epoch_order(3, 0, n_rows)) == list(range(n_rows))
+    assert batches.epoch_order(3, 0, n_rows).tolist() != batches.epoch_order(4, 0, n_rows).tolist()
 
 
 # -- a run, its evaluation and its export -------------------------------------------------------
@@ -289,7 +267,9 @@ def _resume_and_compare(space, reference, out, previous):
     result = json.loads((attempts[-1] / "result.json").read_text())
     assert result["status"] == "completed"
     assert result["final_state_hash"] == reference["result"]["final_state_hash"]
-    assert _hashes(attempts) == reference["hashes"]  # every update, before and after the crash
+    assert (
+        update_hashes(attempts) == reference["hashes"]
+    )  # every update, before and after the crash
     return attempts
 
 
@@ -409,9 +389,9 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     program = validated.strategy.build(validated.data, loaded)
     program.export(program.init_state(), tmp_path / "export")
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == path.read_bytes()
-    exported = packed_sft.ExportedModel(tmp_path / "export")
-    assert exported.cfg.vocab_size == tok.vocab_size
-    assert isinstance(exported.generate("abc", max_new_tokens=3), str)
+    model = exported.ExportedModel(tmp_path / "export")
+    assert model.cfg.vocab_size == tok.vocab_size
+    assert isinstance(model.generate("abc", max_new_tokens=3), str)
 
 
 @pytest.mark.slow
@@ -452,7 +432,7 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     for event in read_events(attempt_dir / "events.jsonl"):
         if event["type"] != "update":
             continue
-        rows = packed_sft.rows_for_step(0, event["step"] - 1, 4, n_rows)
+        rows = batches.rows_for_step(0, event["step"] - 1, 4, n_rows)
         segments, positions = arrays["train_segments"][rows], arrays["train_positions"][rows]
         assert event["tokens"] == int(np.count_nonzero(segments))
         assert event["examples"] == int(np.count_nonzero((positions == 0) & (segments > 0)))

@@ -81,8 +81,12 @@ def test_demo_proof_passes_and_its_evidence_checks_out(pipeline):
     assert supervised["exit_code"] == 1 and supervised["signal"] is None
     assert faulted["exited"] is True
     assert faulted["last_update_step"] == k
-    assert "update 3/" in (workdir / faulted["stderr_log"]).read_text()
-    assert (workdir / faulted["run_json"]).is_file()
+    assert f"update {k}/" in (workdir / faulted["stderr_log"]).read_text()
+    # (the stdout log is the worker's event stream, as the supervisor captured it)
+    stdout_updates = [
+        e["step"] for e in _events(workdir / faulted["stdout_log"]) if e["type"] == "update"
+    ]
+    assert stdout_updates == list(range(1, k + 1))
 
     # checkpoint used: the newest committed one, at or before k, verified by hand here too
     used = proof["checkpoint_used"]

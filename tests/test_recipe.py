@@ -2,7 +2,7 @@ import json
 
 import pytest
 import yaml
-from conftest import linear_recipe, run_worker
+from conftest import linear_recipe, packed_sft_recipe, run_worker
 
 from minifield import recipe as recipes
 
@@ -101,7 +101,8 @@ def test_unparseable_file_names_the_file(tmp_path):
 # -- values the worker cannot honour are refused at validation (issue 11, defect 2) ------------
 
 SCHEMAS = ["recipe.schema.json", "strategy-linear-momentum.schema.json",
-           "strategy-packed-sft.schema.json", "strategy-two-stage.schema.json"]  # fmt: skip
+           "strategy-packed-sft.schema.json", "strategy-two-stage.schema.json",
+           "strategy-training.schema.json"]  # fmt: skip
 
 
 def _leaves(schema, pointer=""):
@@ -135,14 +136,9 @@ def test_every_integer_number_string_and_list_in_the_schemas_is_bounded(name):
 
 
 def sft_recipe(**overrides):
-    recipe = {
-        "job_id": "sft",
-        "product": {"name": "p", "version": "1"},
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "inputs": [{"name": s, "path": f"{s}.jsonl", "sha256": "0" * 64} for s in ("train", "dev", "test")],
-    }  # fmt: skip
-    recipe.update(overrides)
-    return recipe
+    pins = dict.fromkeys(("train", "dev", "test"), "0" * 64)
+    product = {"name": "p", "version": "1"}
+    return packed_sft_recipe(pins, "sft", inputs_dir="", **{"product": product, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -276,3 +272,35 @@ def test_worker_refuses_bad_recipes_with_exit_2_and_no_traceback(tmp_path, name)
     assert run.returncode == 2
     assert POINTERS[name].strip('"') in run.stderr and "Traceback" not in run.stderr
     assert not out.exists()
+
+
+# -- the training block packed-sft and two-stage share by $ref ---------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["packed-sft", "two-stage"])
+def test_the_shared_training_block_fills_its_defaults_and_refuses_unknown_keys(strategy):
+    """Both strategies get the training defaults the shared schema states (read from the file
+    here, not from the code under test), and a misspelt training key is still refused."""
+    import json
+    from pathlib import Path
+
+    import minifield
+
+    shared = json.loads(
+        (Path(minifield.__file__).parent / "schemas" / "strategy-training.schema.json").read_text()
+    )["properties"]
+    expected = {k: p["default"] for k, p in shared.items() if "default" in p}
+    nested = shared["data_parallel"]["properties"]
+    expected["data_parallel"] = {k: p["default"] for k, p in nested.items()}
+    assert expected["learning_rate"] == 0.003 and expected["warmup_steps"] == 20
+    version = "12.0.0" if strategy == "packed-sft" else "11.0.0"
+    training = {} if strategy == "packed-sft" else {"stage": "sft"}
+    recipe = sft_recipe(strategy={"name": strategy, "version": version}, training=training)
+    filled = recipes.validate(recipe).data["training"]
+    assert {k: filled.get(k) for k in expected} == expected
+    recipe["training"] = {**training, "learning_rat": 0.1}
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(recipe)
+    found = {e["path"]: e["message"] for e in info.value.errors}
+    assert "'learning_rat' was unexpected" in found["/training"], found
+    assert "check the spelling" in found["/training"]

@@ -21,12 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import linear_recipe, run_worker, write_recipe
+from conftest import linear_recipe, train_as_the_pipeline, write_recipe
 
 from minifield import cli
 from minifield import store as stores
-from minifield.pipeline import evaluation, preparation
-from minifield.proof.prove import prove
 
 pytestmark = pytest.mark.slow  # every test uses real worker runs (module fixture)
 
@@ -40,24 +38,7 @@ def _train(root: Path, with_proof: bool = True, **overrides) -> dict:
     """validate → prepare → real worker → evaluate (→ recovery proof), as the pipeline does."""
     root.mkdir(parents=True)
     raw = write_recipe(root / "raw.json", linear_recipe(**overrides))
-    preparation.validate(raw, root / "recipe.json", root / "validation.json")
-    preparation.prepare(root / "recipe.json", root, root / "examples")
-    run_worker(
-        job=root / "recipe.json", input_root=root, output_root=root / "attempts", check_codes=(0,)
-    )
-    (attempt,) = (root / "attempts" / overrides["job_id"]).iterdir()
-    result = json.loads((attempt / "result.json").read_text())
-    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    evaluation.evaluate(
-        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
-    )
-    if with_proof:
-        # The qualification rule's recovery proof: reference, crash, resume (real workers).
-        proof = prove(
-            root / "recipe.json", root, root / "work", root / "proof.json",
-            examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
-        )  # fmt: skip
-        assert proof["passed"], proof["diagnosis"]
+    attempt = train_as_the_pipeline(raw, root, root, with_proof)
     return {
         "root": root,
         "export": attempt / "export",

@@ -11,7 +11,7 @@ import pytest
 from minifield.inputs.credentials import CredentialsError
 from minifield.tracking import attempt_events, settings
 from minifield.tracking.cursor import Cursor
-from minifield.tracking.delivery import recipe_params
+from minifield.tracking.runs import recipe_params
 
 
 def test_tracking_is_off_by_default_and_in_the_shipped_config(repo):

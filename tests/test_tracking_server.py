@@ -26,10 +26,12 @@ import numpy as np
 import pytest
 import yaml
 from conftest import copy_run, read_events, run_snakemake
+from recovery_cases import events_of
 
 from minifield import cli
 from minifield.digest import sha256_file
 from minifield.supervision import supervise
+from minifield.tracking import settings
 
 pytestmark = pytest.mark.slow  # a real tracking server, real workers, real Snakemake
 # No usage reports from the client in this process (and no sender thread in forked children).
@@ -145,10 +147,46 @@ def delivered_pipeline(tmp_path_factory, linear_demo_run, server):
     return workdir
 
 
+def _scheduled_deliveries(workdir: Path, uri: str) -> list[str]:
+    """The deliver outputs a Snakemake dry run (``-n``) would make with ``tracking.uri: uri``."""
+    config_path = workdir / "config" / "config.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["tracking"]["uri"] = uri
+    config_path.write_text(yaml.safe_dump(config))
+    dry = run_snakemake(workdir, "-n", check=True)
+    return sorted(
+        {
+            word
+            for line in dry.stdout.splitlines()
+            if line.strip().startswith("output:")
+            for word in line.split("output:", 1)[1].replace(",", " ").split()
+            if "/tracking/" in word
+        }
+    )
+
+
+def test_another_tracking_server_schedules_the_delivery_again(delivered_pipeline, server):
+    """The destination is part of the delivery's output: the same server is up to date, another
+    one (or the first again, unchanged) is not delivered twice."""
+    workdir = copy_run(delivered_pipeline, delivered_pipeline.parent / "redirected")
+    (computation,) = (workdir / "results" / "computations").iterdir()
+    (delivered,) = (computation / "tracking").iterdir()
+    assert _scheduled_deliveries(workdir, server) == []
+    other = "http://127.0.0.1:9"  # nothing is sent in a dry run
+    expected = settings.from_config(
+        {"tracking": {"enabled": True, "uri": other, "experiment": "pipeline"}}
+    ).destination
+    assert expected != delivered.stem
+    assert _scheduled_deliveries(workdir, other) == [
+        str((computation / "tracking" / f"{expected}.json").relative_to(workdir))
+    ]
+
+
 def test_deliver_rule_sends_run_params_every_metric_point_and_artifacts(delivered_pipeline, client):
     workdir = delivered_pipeline
     (computation,) = (workdir / "results" / "computations").iterdir()
-    record = json.loads((computation / "tracking.json").read_text())
+    (record_path,) = (computation / "tracking").iterdir()
+    record = json.loads(record_path.read_text())
     validation = json.loads((computation / "validation.json").read_text())
     recipe = json.loads((computation / "recipe.json").read_text())
     (run,) = _runs(client, "pipeline", "computation")
@@ -424,22 +462,28 @@ def test_server_gone_mid_training_changes_nothing_and_delivery_catches_up(
         )
     )  # fmt: skip
     worker.start()
-    # Live: updates 1-4 reach the server while the worker is still training.
-    steps: list = []
-    while worker.is_alive():
-        runs = _runs(client, "live", "attempt")
-        steps = (
-            [m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")] if runs else []
-        )
-        if len(steps) >= 4:
-            break
-        time.sleep(0.2)
-    events = read_events(attempt_dir / "events.jsonl")
-    still_training = not any(e["type"] == "completed" for e in events)
-    assert sorted(steps)[:4] == [1, 2, 3, 4] and still_training, (
-        steps,
-        (tmp_path / "delivery.log").read_text(),
-    )
+    # Live: updates 1-4 reach the server while the worker is still training. The worker is
+    # held (SIGSTOP) as soon as its update 4 is in its event file, during its stall, so how
+    # long delivery takes does not matter; the stall is only the window to hold it in.
+    held = _hold_after_update(attempt_dir, 4, worker)
+    try:
+        steps: list = []
+        deadline = time.monotonic() + 300  # a hang guard only
+        while len(steps) < 4:
+            assert time.monotonic() < deadline, (
+                f"hang guard: the server holds loss steps {steps} after 300 s",
+                (tmp_path / "delivery.log").read_text(),
+            )
+            time.sleep(0.2)
+            runs = _runs(client, "live", "attempt")
+            steps = [
+                m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")
+            ] if runs else []  # fmt: skip
+        events = read_events(attempt_dir / "events.jsonl")
+        assert not any(e["type"] == "completed" for e in events)
+        assert sorted(steps) == [1, 2, 3, 4]
+    finally:
+        os.kill(held, signal.SIGCONT)
     proxy.stop()  # the server goes away mid-training
     worker.join(timeout=600)
     assert outcome["classification"] == "completed", outcome["reason"]
@@ -455,6 +499,39 @@ def test_server_gone_mid_training_changes_nothing_and_delivery_catches_up(
     assert process.returncode == 0, err
     assert _held(client, run.info.run_id, expected) == expected
     proxy.stop()
+
+
+def _hold_after_update(attempt_dir: Path, step: int, worker: threading.Thread) -> int:
+    """Stop (SIGSTOP) the worker writing ``attempt_dir`` once update ``step`` is in its
+    event file; its pid, for SIGCONT."""
+
+    def updates() -> list[int]:  # (a line being written is left for the next look)
+        if not (attempt_dir / "events.jsonl").is_file():
+            return []
+        return [e["step"] for e in events_of(attempt_dir) if e["type"] == "update"]
+
+    deadline = time.monotonic() + 300  # a hang guard only
+    while step not in updates():
+        assert worker.is_alive(), "the supervised worker ended before its update 4"
+        assert time.monotonic() < deadline, f"hang guard: no update {step} after 300 s"
+        time.sleep(0.05)
+    (pid,) = [
+        int(p.parent.name)
+        for p in Path("/proc").glob("[0-9]*/cmdline")
+        if _cmdline(p)[1:3] == ["-m", "minifield.worker"] and str(attempt_dir.parent.parent) in
+        _cmdline(p)
+    ]  # fmt: skip
+    os.kill(pid, signal.SIGSTOP)
+    # held: the stall after update 4 is still running, or the next update would be there
+    assert max(updates()) == step, "the worker went past its stall before it could be held"
+    return pid
+
+
+def _cmdline(path: Path) -> list[str]:
+    try:
+        return path.read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:  # a process that ended meanwhile
+        return []
 
 
 # -- the model registry follows the store -------------------------------------------------------

@@ -11,7 +11,8 @@ These are the worker's semantics without the process around it: ``run`` is what
 ``minifield-worker --job … --input-root … --output-root …`` does (the worker
 command is a thin layer over this module), and ``RunResult.exit_code`` is the
 code the worker would exit with (0 completed, 1 failed, 2 invalid job, inputs or
-refused resume, 3 preempted, 4 limit reached). Nothing here calls ``sys.exit``:
+refused resume, 3 preempted, 4 limit reached, 5 I/O failure: the output could not be
+written, resumable once there is room). Nothing here calls ``sys.exit``:
 a refusal is a result with ``status == "invalid"``; only a programming error
 (a wrong argument type) raises.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import atomic
 from . import recipe as recipes
 from .attempt.hash_cadence import HashCadence
 from .attempt.layout import RESULT
@@ -38,13 +40,16 @@ if TYPE_CHECKING:
 __all__ = ["RunResult", "Validation", "run", "run_problems", "validate"]
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
-#: status of a worker process that is not process 0 (which alone writes result.json)
+EXIT_IO = 5
+#: status of a worker process that is not process 0 (which alone writes result.json), or of
+#: an attempt whose result.json the disk did not take
 _STATUS_OF_CODE = {
     EXIT_COMPLETED: "completed",
     EXIT_FAILED: "failed",
     EXIT_INVALID: "invalid",
     EXIT_PREEMPTED: "preempted",
     EXIT_LIMIT: "limit_reached",
+    EXIT_IO: "io_failed",
 }
 
 RecipeLike = str | os.PathLike | Mapping[str, Any]
@@ -93,7 +98,8 @@ class Validation:
 class RunResult:
     """What one attempt ended with: its ``result.json`` plus the worker's exit code."""
 
-    #: completed, failed, preempted, limit_reached; ``invalid`` when refused before an attempt
+    #: completed, failed, preempted, limit_reached, io_failed (the output could not be written:
+    #: ``attempt_dir`` resumes once there is room); ``invalid`` when refused before an attempt
     status: str
     #: the code ``minifield-worker`` exits with for this outcome
     exit_code: int
@@ -266,14 +272,21 @@ def run(
         **{name: value for name, value in given.items() if value is not None},
     )
     try:
-        code, attempt_dir = train.run(checked.recipe, options)
+        code, attempt_dir, error = train.run(checked.recipe, options)
     except train.ResumeRefused as exc:
         return _invalid(str(exc), "resume", checked.computation_digest)
     except OSError as exc:
         # the attempt directory could not be created under the output root
-        return _invalid(
-            f"cannot open an attempt under {output_root}: {exc}", "open", checked.computation_digest
-        )
+        message = f"cannot open an attempt under {output_root}: {exc}"
+        if atomic.is_io_failure(exc):  # a full disk, not a bad output root: nothing written
+            return RunResult(
+                status="io_failed",
+                exit_code=EXIT_IO,
+                attempt_dir=None,
+                computation_digest=checked.computation_digest,
+                error={"phase": "open", "message": message},
+            )
+        return _invalid(message, "open", checked.computation_digest)
     result_path = attempt_dir / RESULT
     if not options.group.is_writer or not result_path.is_file():
         return RunResult(
@@ -281,6 +294,7 @@ def run(
             exit_code=code,
             attempt_dir=attempt_dir,
             computation_digest=checked.computation_digest,
+            error=error if options.group.is_writer else None,
         )
     result = json.loads(result_path.read_text(encoding="utf-8"))
     return RunResult(

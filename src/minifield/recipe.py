@@ -21,15 +21,15 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
-from . import strategies
+from . import schemas, strategies
 from .digest import sha256_json
+from .strategies.base import computation_digest
 
 #: a recipe is a small document; anything larger is refused before parsing
 MAX_RECIPE_BYTES = 1 << 20
@@ -62,8 +62,7 @@ class Recipe:
         return self.data["job_id"]
 
 
-def load_schema(name: str) -> dict:
-    return json.loads(resources.files("minifield.schemas").joinpath(name).read_text("utf-8"))
+load_schema = schemas.load
 
 
 def parse_deadline(text: str) -> dt.datetime:
@@ -134,8 +133,10 @@ def _plain(error: jsonschema.ValidationError) -> tuple[str, str]:
     if error.validator == "required":
         missing = error.message.split("'")[1] if "'" in error.message else ""
         return _pointer([*path, missing]), "is required but missing"
-    if error.validator == "additionalProperties":
-        return _pointer(path), f"{error.message} (check the spelling against the schema)"
+    if error.validator in ("additionalProperties", "unevaluatedProperties"):
+        # the same words whether the schema lists every key itself or shares some by $ref
+        message = error.message.replace("Unevaluated properties", "Additional properties")
+        return _pointer(path), f"{message} (check the spelling against the schema)"
     if error.validator == "oneOf" and path and "inputs" in [str(p) for p in path]:
         return _pointer(
             path
@@ -207,7 +208,9 @@ def validate_document(document: Any, schema: dict, prefix: tuple = ()) -> list[d
             parent = parent[part]
         parent[path[-1]] = _REPORTED
     for error in sorted(
-        _DefaultingValidator(schema, format_checker=_FORMATS).iter_errors(document),
+        _DefaultingValidator(
+            schema, format_checker=_FORMATS, registry=schemas.registry()
+        ).iter_errors(document),
         key=lambda e: list(map(str, e.absolute_path)),
     ):
         if error.instance is _REPORTED:
@@ -292,21 +295,6 @@ def _check_counters(recipe: dict) -> list[dict]:
     return []
 
 
-def computation_fields(data: dict) -> dict:
-    """What defines the computation: not ids, roots, runtime placement or operational limits."""
-    return {
-        "strategy": data["strategy"],
-        "inputs": sorted(
-            ({"name": i["name"], "sha256": i["sha256"]} for i in data["inputs"]),
-            key=lambda i: i["name"],
-        ),
-        "model": data["model"],
-        "training": data["training"],
-        "limits": {"max_steps": data["limits"]["max_steps"]},
-        "evaluation": data["evaluation"],
-    }
-
-
 def validate(document: Any, source: str = "<recipe>") -> Recipe:
     """Validate a parsed recipe; raises RecipeError listing every problem."""
     try:
@@ -355,7 +343,7 @@ def _validate(document: Any, source: str) -> Recipe:
     return Recipe(
         data=data,
         strategy=strategy,
-        computation_digest=sha256_json(computation_fields(data)),
+        computation_digest=computation_digest(data),
         examples_digest=sha256_json(strategy.data_spec(data)),
     )
 

@@ -1,7 +1,8 @@
 """``minifield-worker``: list strategies, validate a recipe, or run one training attempt.
 
 Exit codes: 0 completed, 1 failed, 2 invalid job or inputs, 3 preempted
-(checkpoint committed), 4 limit reached (deadline or compute budget).
+(checkpoint committed), 4 limit reached (deadline or compute budget), 5 I/O failure (the
+output could not be written: a full disk, a quota, a file-size limit; resumable).
 
 A thin layer over the Python API (:mod:`minifield.api`): this module parses
 arguments, starts the processes of a multi-process attempt and prints; what is
@@ -253,9 +254,10 @@ def _main(argv: list[str]) -> int:
             import jax
 
             jax.distributed.shutdown()
-    if outcome.status == "invalid" and outcome.error:
-        # refused before an attempt was opened: nothing on disk says why, so say it here
-        print(f"minifield-worker: {outcome.error['message']}", file=sys.stderr)
+    if outcome.attempt_dir is None and outcome.error:
+        # ended before an attempt was opened: nothing on disk says why, so say it here
+        status = "" if outcome.status == "invalid" else f"{outcome.status}: "
+        print(f"minifield-worker: {status}{outcome.error['message']}", file=sys.stderr)
     elif not group.is_writer:
         print(
             f"minifield-worker[{group.rank}]: exit {outcome.exit_code}; process 0 records the "

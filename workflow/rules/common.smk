@@ -122,7 +122,7 @@ def final_targets():
         if config["store"]["activate"]:
             targets.append(f"{base}/activation.json")
         if config["tracking"]["enabled"]:
-            targets.append(f"{base}/tracking.json")
+            targets.append(f"{base}/tracking/{tracking_destination()}.json")
     return targets + ["results/capacity.csv"] + report_targets()
 
 
@@ -177,6 +177,13 @@ def report_targets():
             f"results/computations/{cdigest}/report/{item}" for item in REPORT_ITEMS
         ]
     return targets
+
+
+def tracking_destination():
+    """The configured tracking server and experiment as a key (the deliver rule's output)."""
+    from minifield.tracking import settings
+
+    return settings.from_config(config).destination
 
 
 def deliver_inputs(wildcards):

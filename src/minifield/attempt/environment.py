@@ -49,7 +49,7 @@ BIT_DEFINING = (
 )
 #: bit-defining fields recorded only where they apply (absent on CPU hosts, so CPU
 #: fingerprints and results are unchanged); compared before a resume like the others
-OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin",)
+OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 #: XLA flags a run on a GPU gets by default (:func:`add_gpu_determinism_flags`): without them
 #: XLA:GPU may use atomics for scatter-add (the embedding gradient) and reductions, and pick
@@ -57,7 +57,15 @@ OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin",)
 #: recovery proof's bit-exact resume would fail. ``xla_gpu_deterministic_ops`` also implies
 #: ``xla_gpu_exclude_nondeterministic_ops``. Their cost on a training step is not measured here.
 GPU_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",)
-CUDA_PLUGIN = "jax-cuda12-plugin"
+#: JAX's CUDA plugins: the ``cuda`` extra installs the CUDA 12 one; a GPU host that brings its
+#: own JAX may have the CUDA 13 one (docs/gpu-check.md, offline hosts)
+CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+
+
+def cuda_plugins() -> dict[str, str]:
+    """The installed CUDA plugins, as fingerprint fields (``jax_cuda12_plugin``: version)."""
+    found = {name.replace("-", "_"): _version(name) for name in CUDA_PLUGINS}
+    return {name: version for name, version in found.items() if version is not None}
 
 
 def _version(package: str) -> str | None:
@@ -133,7 +141,7 @@ def runs_on_gpu(environ=os.environ) -> bool:
     platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if platforms:
         return platforms[0] in ("cuda", "gpu")
-    return _version(CUDA_PLUGIN) is not None
+    return bool(cuda_plugins())
 
 
 def add_gpu_determinism_flags(environ=os.environ) -> list[str]:
@@ -155,9 +163,7 @@ def fingerprint() -> dict:
     import jax
 
     devices = jax.devices()
-    extra = {}
-    if _version(CUDA_PLUGIN) is not None:  # only where installed: CPU fingerprints unchanged
-        extra["jax_cuda12_plugin"] = _version(CUDA_PLUGIN)
+    extra = cuda_plugins()  # only where installed: CPU fingerprints unchanged
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

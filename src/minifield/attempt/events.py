@@ -5,6 +5,12 @@ moments) and to stdout, so a supervisor can follow a worker live. The file is th
 record; stdout is a courtesy: when its reader goes away (``minifield-worker ... | head``,
 a supervisor that died), echoing stops, the events file carries on, and the log tells
 whoever asked (``on_echo_closed``) so that the attempt can end cleanly.
+
+A line reaches the file whole or not at all: it is appended with ``os.write`` on an
+``O_APPEND`` descriptor, and a write that fails part-way (a full disk, a file-size limit)
+is cut back to the previous whole line before the error, naming the file, is raised. A file
+found ending in a torn line (a machine that went down mid-write) is cut back to its last
+whole line before anything is appended to it (:func:`repair_tail`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+from .. import atomic
 
 
 def write_line(stream: TextIO, line: str) -> str | None:
@@ -63,7 +71,13 @@ class EventLog:
         on_echo_closed: Callable[[str], None] | None = None,
     ):
         self.path = path
-        self._handle = open(path, "a", encoding="utf-8") if path is not None else None
+        self._fd: int | None = None
+        #: bytes of whole lines in the file: where a failed append is cut back to
+        self._length = 0
+        if path is not None:
+            with atomic.naming(path):
+                self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+                self._length = repair_tail(self._fd)
         self._echo = echo
         self._on_echo_closed = on_echo_closed
         self._seq = 0
@@ -83,11 +97,11 @@ class EventLog:
             **fields,
         }
         line = json.dumps(event, sort_keys=True, allow_nan=False)
-        if self._handle is not None:
-            self._handle.write(line + "\n")
-            self._handle.flush()
+        if self._fd is not None:
+            self._append((line + "\n").encode())
             if durable:
-                os.fsync(self._handle.fileno())
+                with atomic.naming(self.path):
+                    os.fsync(self._fd)
         if self._echo is not None:
             failure = write_line(self._echo, line)
             if failure is not None:
@@ -97,12 +111,50 @@ class EventLog:
         self._seq += 1
         return event
 
+    def _append(self, data: bytes) -> None:
+        """Append one whole line, or nothing: on an error the file is cut back to the last
+        whole line, then the error (naming the file) is raised."""
+        written = 0
+        try:
+            with atomic.naming(self.path):
+                while written < len(data):
+                    # a short count means the disk filled mid-line: the next write says why
+                    written += os.write(self._fd, data[written:])
+        except OSError:
+            if written:
+                try:
+                    os.ftruncate(self._fd, self._length)
+                except OSError:
+                    pass  # the error being raised says why; a reader skips the torn line
+            raise
+        self._length += written
+
     def close(self) -> None:
-        if self._handle is None:
+        if self._fd is None:
             return
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
+        fd, self._fd = self._fd, None
+        try:
+            with atomic.naming(self.path):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def repair_tail(fd: int) -> int:
+    """Cut the file open on ``fd`` back to its last whole line (ending in a newline); returns
+    its length. A torn last line is the part of an event a machine crash left behind: the
+    event was never completely written, so it never happened."""
+    length = os.fstat(fd).st_size
+    if length == 0 or os.pread(fd, 1, length - 1) == b"\n":
+        return length
+    whole, end = 0, length
+    while end > 0 and not whole:
+        start = max(0, end - (1 << 16))
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        whole = start + newline + 1 if newline >= 0 else 0
+        end = start
+    os.ftruncate(fd, whole)
+    return whole
 
 
 def read(path: Path) -> tuple[list[dict], list[dict]]:

@@ -7,6 +7,8 @@
     checkpoints/    committed checkpoints, one ``step-NNNNNNNN/`` each (see checkpoint.py)
     export/         loadable final weights and ``model.json`` (a completed attempt)
     result.json     status, checkpoint, final state hash, metrics (written last)
+    .reserve        space held back while the attempt runs, so that a full disk still lets
+                    it write how it ended (removed before result.json)
 
 The worker writes these; resume, recovery proofs, evaluation, summaries, capacity figures and
 the store read them. This module imports nothing, so any reader can use it without the
@@ -18,3 +20,4 @@ EVENTS = "events.jsonl"
 CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 RESULT = "result.json"
+RESERVE = ".reserve"

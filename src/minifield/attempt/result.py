@@ -2,8 +2,10 @@
 
 Every attempt that got its directory ends in exactly one :class:`Ending` and one
 ``result.json``, whatever happened: completed (exit 0), failed (1, or 2 when the job,
-its inputs or the resume were refused), preempted (3: a checkpoint is committed) or a
-limit reached (4: likewise).
+its inputs or the resume were refused), preempted (3: a checkpoint is committed), a
+limit reached (4: likewise) or an I/O failure (5: the output could not be written — a full
+disk, a quota, a file-size limit, a read-only or failing device; the committed checkpoints
+stay valid, so the attempt is resumed once there is room).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ..state.checkpoint import CheckpointRecord
 from . import environment
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
+#: the output could not be written (:func:`minifield.atomic.is_io_failure`); resumable
+EXIT_IO = 5
 
 
 def now_iso() -> str:
@@ -37,7 +41,7 @@ class AttemptError:
 
 @dataclass(frozen=True)
 class Ending:
-    status: str  # "completed" | "failed" | "preempted" | "limit_reached"
+    status: str  # "completed" | "failed" | "preempted" | "limit_reached" | "io_failed"
     code: int
     error: AttemptError | None = None
 
@@ -56,6 +60,10 @@ class Ending:
     @classmethod
     def limit_reached(cls, reason: str) -> Ending:
         return cls("limit_reached", EXIT_LIMIT, AttemptError("limits", reason))
+
+    @classmethod
+    def io_failed(cls, error: AttemptError) -> Ending:
+        return cls("io_failed", EXIT_IO, error)
 
 
 @dataclass

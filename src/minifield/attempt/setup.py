@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -25,8 +26,8 @@ from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import device_check, resume
 from .events import EventLog
-from .layout import ATTEMPT_JSON
-from .result import EXIT_FAILED, EXIT_INVALID, AttemptError, Progress
+from .layout import ATTEMPT_JSON, RESERVE
+from .result import EXIT_FAILED, EXIT_INVALID, EXIT_IO, AttemptError, Progress
 from .resume import ResumeRefused
 
 
@@ -53,7 +54,9 @@ class SetUpContext:
 @dataclass(frozen=True)
 class SetUpFailed:
     error: AttemptError
-    code: int  # EXIT_INVALID for a refused job, inputs or resume; EXIT_FAILED otherwise
+    #: EXIT_INVALID for a refused job, inputs or resume; EXIT_IO when the output could not be
+    #: written; EXIT_FAILED otherwise
+    code: int
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,26 @@ def open_directory(
     if kind != "ok":
         raise ResumeRefused(f"process 0 could not open the attempt: {text}")
     return text, job_dir / text
+
+
+#: what the attempt's last words take at most (the final event and result.json, a few KiB)
+RESERVE_BYTES = 64 << 10
+
+
+def hold_reserve(directory: Path) -> None:
+    """Set :data:`RESERVE_BYTES` aside in ``directory``: when another process fills the disk,
+    :func:`release_reserve` gives them back for the final event and ``result.json``."""
+    path = directory / RESERVE
+    with atomic.naming(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        finally:
+            os.close(fd)
+
+
+def release_reserve(directory: Path) -> None:
+    (directory / RESERVE).unlink(missing_ok=True)
 
 
 def _write_attempt_json(context: SetUpContext, compute_before: float) -> None:
@@ -231,7 +254,8 @@ def set_up(context: SetUpContext) -> SetUp:
     except (pinned.InputError, examples.ExamplesError) as exc:
         return SetUpFailed(AttemptError(phase, str(exc)), EXIT_INVALID)
     except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
-        return SetUpFailed(AttemptError(phase, f"{type(exc).__name__}: {exc}"), EXIT_FAILED)
+        code = EXIT_IO if atomic.is_io_failure(exc) else EXIT_FAILED
+        return SetUpFailed(AttemptError(phase, f"{type(exc).__name__}: {exc}"), code)
 
 
 def _kind(outcome: SetUp) -> str:

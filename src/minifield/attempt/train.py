@@ -33,9 +33,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .. import atomic
 from ..recipe import Recipe
+from ..state import export
 from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import environment
@@ -50,6 +52,7 @@ from .result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
     EXIT_INVALID,
+    EXIT_IO,
     EXIT_LIMIT,
     EXIT_PREEMPTED,
     AttemptError,
@@ -73,6 +76,7 @@ __all__ = [
     "EXIT_COMPLETED",
     "EXIT_FAILED",
     "EXIT_INVALID",
+    "EXIT_IO",
     "EXIT_LIMIT",
     "EXIT_PREEMPTED",
     "Attempt",
@@ -141,11 +145,18 @@ class Attempt:
             resuming=self.options.resume_from is not None,
             group=group,
         )
-        self.events = (
-            EventLog(self.dir / EVENTS, on_echo_closed=self._stdout_closed)
-            if group.is_writer
-            else EventLog(None, None)
-        )
+        try:
+            if group.is_writer:
+                attempt_setup.hold_reserve(self.dir)
+            self.events = (
+                EventLog(self.dir / EVENTS, on_echo_closed=self._stdout_closed)
+                if group.is_writer
+                else EventLog(None, None)
+            )
+        except OSError:
+            # nothing of the attempt is written yet: leave no directory that looks like one
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         # one host copy per step, shared by the update's state hash and a checkpoint
         self.snapshot = HostSnapshot()
         self.checkpoints = CheckpointCadence(
@@ -178,22 +189,26 @@ class Attempt:
             attempt_setup.set_up(_setup_context(self)), self.options.group
         )
         if isinstance(outcome, SetUpFailed):
+            if outcome.code == EXIT_IO:
+                return self._finish(Ending.io_failed(outcome.error))
             return self._finish(Ending.failed(outcome.error, outcome.code))
-        if isinstance(outcome, AdoptCompleted):
-            return self._finish(self._adopt(outcome.previous))
         try:
-            return self._finish(self._train(outcome))
+            if isinstance(outcome, AdoptCompleted):
+                ending = self._adopt(outcome.previous)
+            else:
+                ending = self._train(outcome)
         except CheckpointWriteError as exc:
             self._settle_checkpoints()
-            return self._finish(Ending.failed(AttemptError("checkpoint", str(exc))))
+            ending = _failure(AttemptError("checkpoint", str(exc)), exc)
+        except export.ExportWriteError as exc:
+            ending = _failure(AttemptError("export", str(exc)), exc)
         except Diverged as exc:
             self._settle_checkpoints()
-            return self._finish(self._diverged(exc))
+            ending = self._diverged(exc)
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
             self._settle_checkpoints()
-            return self._finish(
-                Ending.failed(AttemptError("train", f"{type(exc).__name__}: {exc}"))
-            )
+            ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
+        return self._finish(ending)
 
     def _diverged(self, exc: Diverged) -> Ending:
         """A non-finite update ends the attempt failed: nothing of that state is kept (no
@@ -228,7 +243,7 @@ class Attempt:
         """Resuming a completed attempt trains nothing and reports the same final state."""
         source_export = previous.directory / EXPORT
         if source_export.is_dir() and self.options.group.is_writer:
-            shutil.copytree(source_export, self.dir / EXPORT)
+            export.write_whole(self.dir / EXPORT, lambda part: shutil.copytree(source_export, part))
         result = previous.result
         self.progress.steps_completed = result["steps_completed"]
         self.progress.metrics = result.get("metrics", {})
@@ -305,12 +320,62 @@ class Attempt:
             final=True,
         )
         if self.options.group.is_writer:
-            program.export(state, self.dir / EXPORT)
+            export.write_whole(self.dir / EXPORT, lambda partial: program.export(state, partial))
         self.progress.final_state_hash = self.snapshot.hash_of(state, step)
         return Ending.completed()
 
     def _finish(self, ending: Ending) -> int:
-        """Say how the attempt ended: the last event and ``result.json``."""
+        """Say how the attempt ended: the last event and ``result.json``.
+
+        The space held back since the start is given back first, so that a disk another
+        process filled still takes these. What the disk still refuses is said on stderr; an
+        ending that could not be recorded in full becomes ``io_failed`` (phase ``finish``)."""
+        if self.options.group.is_writer:
+            attempt_setup.release_reserve(self.dir)
+        try:
+            refused = atomic.io_refusal(lambda: self._emit_ending(ending))
+            if refused is not None:
+                self.say(f"the attempt's last event was not written: {refused}")
+                if ending.status != "io_failed":
+                    ending = Ending.io_failed(
+                        AttemptError(
+                            "finish", f"the {ending.status} ending was not recorded: {refused}"
+                        )
+                    )
+            refused = atomic.io_refusal(lambda: self._write_result(ending))
+            if refused is not None:
+                self.say(f"{ending.status}, but {RESULT} was not written: {refused}")
+                ending = Ending.io_failed(AttemptError("finish", str(refused)))
+        finally:
+            try:
+                self.events.close()
+            except OSError as exc:
+                self.say(str(exc))
+            self.stopping.preemption.restore()
+        if ending.status == "io_failed":
+            self.say(
+                "the output could not be written; once there is room, resume from the last "
+                f"committed checkpoint: --resume-from {self.dir}"
+            )
+        self.ending = ending
+        return ending.code
+
+    def _emit_ending(self, ending: Ending) -> None:
+        if ending.status == "completed":
+            self.events.emit(
+                "completed",
+                durable=True,
+                steps=self.progress.steps_completed,
+                final_state_hash=self.progress.final_state_hash,
+            )
+        elif ending.status == "failed":
+            self.events.emit("failed", durable=True, **ending.error.as_dict())
+        elif ending.status == "io_failed":
+            self.events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
+
+    def _write_result(self, ending: Ending) -> None:
+        if not self.options.group.is_writer:
+            return
         result = attempt_result.document(
             ending,
             self.progress,
@@ -321,20 +386,7 @@ class Attempt:
             resumed_from=self.options.resume_from,
             started=self.started,
         )
-        if ending.status == "completed":
-            self.events.emit(
-                "completed",
-                durable=True,
-                steps=self.progress.steps_completed,
-                final_state_hash=self.progress.final_state_hash,
-            )
-        elif ending.status == "failed":
-            self.events.emit("failed", durable=True, **ending.error.as_dict())
-        if self.options.group.is_writer:
-            atomic.write_json(self.dir / RESULT, result)
-        self.events.close()
-        self.stopping.preemption.restore()
-        return ending.code
+        atomic.write_json(self.dir / RESULT, result)
 
 
 def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
@@ -375,10 +427,25 @@ def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
     )
 
 
-def run(recipe: Recipe, options: Options) -> tuple[int, Path]:
-    """Run one attempt; returns (exit code, attempt directory)."""
+def _failure(error: AttemptError, exc: BaseException) -> Ending:
+    """``io_failed`` when the output could not be written (a full disk: resumable once there
+    is room), else ``failed``."""
+    return Ending.io_failed(error) if atomic.is_io_failure(exc) else Ending.failed(error)
+
+
+class Ended(NamedTuple):
+    code: int
+    attempt_dir: Path
+    #: ``{"phase", "message"}`` of the ending (also in result.json, when it could be written)
+    error: dict | None
+
+
+def run(recipe: Recipe, options: Options) -> Ended:
+    """Run one attempt; returns its exit code, directory and error."""
     if options.compilation_cache is not None:
         enable_compilation_cache(options.compilation_cache)
     attempt = Attempt(recipe, options)
     attempt.open()
-    return attempt.run(), attempt.dir
+    code = attempt.run()
+    error = attempt.ending.error
+    return Ended(code, attempt.dir, error.as_dict() if error else None)

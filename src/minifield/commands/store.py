@@ -3,7 +3,9 @@
 Exit codes: 0 success; 1 refused (a check failed: the reasons are printed, the
 pointer is unchanged; a refused publication stores nothing); 2 bad request
 (unknown id, unreadable input, incoherent provenance); 3 the store is locked by
-another writer past ``--lock-timeout``.
+another writer past ``--lock-timeout``; 5 I/O failure (the store's disk is full, over
+quota, read-only or failing: the file is named, the store is unchanged; retry once there
+is room).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import yaml
 
+from .. import atomic
 from .. import store as stores
 from ..tracking.connection import TrackingError
 
-EXIT_REFUSED, EXIT_BAD_REQUEST, EXIT_LOCKED = 1, 2, 3
+EXIT_REFUSED, EXIT_BAD_REQUEST, EXIT_LOCKED, EXIT_IO = 1, 2, 3, 5
 
 
 def default_store_dir(config: Path) -> Path:
@@ -53,6 +56,13 @@ def _report_mirror(store) -> None:
             "`minifield store verify ID` shows the disagreement",
             file=sys.stderr,
         )
+
+
+def _kept(args, root: Path) -> str:
+    """What an action that did not go through left as it was."""
+    if args.action == "publish":
+        return "nothing published"
+    return f"{root / stores.POINTER} unchanged"
 
 
 def run(args) -> int:
@@ -130,12 +140,9 @@ def run(args) -> int:
         return 0
     except stores.Refused as exc:
         what = f" {exc.content_id}" if exc.content_id else ""
-        kept = (
-            "nothing published"
-            if args.action == "publish"
-            else f"{root / stores.POINTER} unchanged"
+        print(
+            f"minifield store: {args.action}{what} refused; {_kept(args, root)}:", file=sys.stderr
         )
-        print(f"minifield store: {args.action}{what} refused; {kept}:", file=sys.stderr)
         for reason in exc.reasons:
             print(f"  - {reason}", file=sys.stderr)
         return EXIT_REFUSED
@@ -143,6 +150,12 @@ def run(args) -> int:
         print(f"minifield store: {exc}", file=sys.stderr)
         return EXIT_LOCKED
     except (stores.StoreError, OSError, ValueError) as exc:
+        if atomic.is_io_failure(exc):  # the disk, not the request: the same request can succeed
+            print(
+                f"minifield store: {args.action}: I/O failure: {exc}; {_kept(args, root)}",
+                file=sys.stderr,
+            )
+            return EXIT_IO
         print(f"minifield store: {args.action}: {exc}", file=sys.stderr)
         return EXIT_BAD_REQUEST
     except TrackingError as exc:  # verify could not ask the registry

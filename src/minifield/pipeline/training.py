@@ -249,14 +249,15 @@ def train_attempt(
     if outcome["classification"] != "completed" or result["status"] != "completed":
         error = result.get("error") or {}
         detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
-        advice = (
-            "a retry cannot fix this: correct the recipe, inputs or environment first"
-            if code == train.EXIT_INVALID
+        advice = {
+            train.EXIT_INVALID: "a retry cannot fix this: correct the recipe, inputs or "
+            "environment first",
+            train.EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
+            "last committed checkpoint",
+        }.get(code, "the next run resumes from its last committed checkpoint")
+        if error.get("phase") == "diverged":
             # the computation is deterministic: resumed, it diverges at the same update
-            else "a retry diverges again: change the recipe (learning rate, base model) first"
-            if error.get("phase") == "diverged"
-            else "the next run resumes from its last committed checkpoint"
-        )
+            advice = "a retry diverges again: change the recipe (learning rate, base model) first"
         raise StageError(
             f"training attempt {attempt_dir} ended {result['status']} "
             f"(supervisor: {outcome['classification']}, exit {code}){detail}; {advice}. Log: {log}"

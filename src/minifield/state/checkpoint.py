@@ -87,19 +87,14 @@ def _write_array(path: Path, array: np.ndarray) -> str:
     written; returns the file's sha256. An error names the file."""
     header, data = _npy_header(array), byte_view(array)
     digest = hashlib.sha256(header)
-    try:
-        with open(path, "wb") as handle:
-            handle.write(header)
-            for start in range(0, data.size, _CHUNK):
-                chunk = data[start : start + _CHUNK]
-                digest.update(chunk)
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except OSError as exc:
-        if exc.filename is None:
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
-        raise
+    with atomic.naming(path), open(path, "wb") as handle:
+        handle.write(header)
+        for start in range(0, data.size, _CHUNK):
+            chunk = data[start : start + _CHUNK]
+            digest.update(chunk)
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
     return digest.hexdigest()
 
 
@@ -158,7 +153,7 @@ def save(
         )
         if before_commit is not None:
             before_commit()
-        with open(tmp / MANIFEST, "wb") as handle:
+        with atomic.naming(tmp / MANIFEST), open(tmp / MANIFEST, "wb") as handle:
             handle.write(manifest_bytes)
             handle.flush()
             os.fsync(handle.fileno())

@@ -9,6 +9,9 @@ sha256, and :func:`read` verifies them all and returns no arrays (the caller loa
 from __future__ import annotations
 
 import io
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,27 @@ FILES_FORMAT = "minifield-export-files/1"
 
 class ExportError(Exception):
     pass
+
+
+class ExportWriteError(Exception):
+    """An export could not be written (its partial directory was removed)."""
+
+
+def write_whole(final: Path, write: Callable[[Path], object]) -> None:
+    """``final`` whole or not at all: ``write`` fills a temporary sibling, renamed into place
+    once complete; a failed write is removed and raised as :class:`ExportWriteError` naming
+    ``final`` and the error (which names the file, for a full disk)."""
+    partial = final.parent / f".{final.name}.partial"
+    try:
+        write(partial)
+        os.rename(partial, final)
+        atomic.fsync_dir(final.parent)
+    except Exception as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportWriteError(
+            f"export {final} was not written (the partial one was removed): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]) -> dict:

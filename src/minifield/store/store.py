@@ -170,11 +170,12 @@ class Store:
 
 def _copy_verified(source: Path, destination: Path, sha256: str) -> None:
     destination.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, destination)
+    with atomic.naming(destination):
+        shutil.copyfile(source, destination)
     # Re-hash the copy: a file changing under us must not publish a wrong id.
     if sha256_file(destination) != sha256:
         raise StoreError(f"{source}: changed while being published; try again")
-    with open(destination, "rb") as handle:
+    with atomic.naming(destination), open(destination, "rb") as handle:
         os.fsync(handle.fileno())
 
 

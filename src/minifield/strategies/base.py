@@ -15,6 +15,29 @@ from typing import Any
 
 import numpy as np
 
+from ..digest import sha256_json
+
+
+def computation_fields(data: dict) -> dict:
+    """What defines a validated recipe's computation: not ids, roots, runtime placement or
+    operational limits. Its digest is the computation digest (the recipe's identity, and
+    what an export of a two-stage computation records)."""
+    return {
+        "strategy": data["strategy"],
+        "inputs": sorted(
+            ({"name": i["name"], "sha256": i["sha256"]} for i in data["inputs"]),
+            key=lambda i: i["name"],
+        ),
+        "model": data["model"],
+        "training": data["training"],
+        "limits": {"max_steps": data["limits"]["max_steps"]},
+        "evaluation": data["evaluation"],
+    }
+
+
+def computation_digest(data: dict) -> str:
+    return sha256_json(computation_fields(data))
+
 
 class Program(ABC):
     """A recipe bound to its examples: init, one update, evaluation, export."""

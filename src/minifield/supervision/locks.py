@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from .. import atomic
+
 
 class LockTimeout(Exception):
     """The lock stayed held by another process for longer than the caller would wait."""
@@ -45,8 +47,13 @@ def try_lock(path: str | Path, holder: Mapping[str, object]) -> int | None:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    try:
+        with atomic.naming(path):  # a full disk: the error names the lock file
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -49,7 +49,7 @@ EXIT_CODES = {
     "cancelled": 6,
 }
 #: child exit codes the worker defines
-WORKER_PREEMPTED, WORKER_LIMIT = 3, 4
+WORKER_PREEMPTED, WORKER_LIMIT, WORKER_IO = 3, 4, 5
 #: signals that mean "someone stopped this run" rather than "it crashed"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGHUP)
 _POLL_S = 0.05
@@ -141,6 +141,12 @@ def classify(
         return (
             "timeout",
             "the worker reached a limit of the recipe (deadline, budget or step limit)",
+        )
+    if exit_code == WORKER_IO:
+        return (
+            "failed",
+            "the worker could not write its output (I/O failure: a full disk, a quota); "
+            "its committed checkpoints are kept and a resume continues once there is room",
         )
     if exit_code is not None and exit_code < 0:
         sig = signal.Signals(-exit_code)

@@ -7,7 +7,8 @@ MLflow is where they are delivered. Modules, one concept each:
 - :mod:`.connection` — the MLflow client, its credentials and the retry policy;
 - :mod:`.cursor` — the persisted per-attempt delivery cursor (exactly-once);
 - :mod:`.attempt_events` — reading an attempt's events incrementally, events → metrics;
-- :mod:`.delivery` — runs (one per computation, one nested run per attempt) and what goes in;
+- :mod:`.runs` — runs (one per computation, one nested run per attempt) and what goes in;
+- :mod:`.delivery` — an attempt's events delivered to its run, exactly once;
 - :mod:`.live` — the follower process the supervisor starts beside a training worker;
 - :mod:`.registry` — the model-registry mirror of the publication store.
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from .. import atomic
 from .attempt_events import Point
-from .delivery import Delivery, fingerprint, recipe_params
+from .delivery import Delivery
+from .runs import fingerprint, recipe_params
 
 #: evidence files of a computation directory, delivered as artifacts (path in the run)
 ARTIFACTS = {

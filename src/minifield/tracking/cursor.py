@@ -1,6 +1,7 @@
 """The persisted delivery cursor of one attempt: what the server has accepted.
 
-``<state_dir>/attempts/<attempt_id>.json``::
+``<state_dir>/destinations/<destination>/attempts/<attempt_id>.json`` (the state dir of
+one tracking server and experiment: ``TrackingSettings.destination_state_dir``)::
 
     {"attempt_id", "computation_digest", "run_id", "delivered_seq", "offset", "inflight"}
 

@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_stdin, daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: (stop.set(), ended.set()))
     from . import connection
-    from .delivery import Delivery, recipe_params
+    from .delivery import Delivery
+    from .runs import recipe_params
 
     settings = _settings_from_json(json.loads(args.settings))
     try:

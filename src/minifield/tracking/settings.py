@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..digest import sha256_json
 from ..inputs import origins
 
 DEFAULT_EXPERIMENT = "minifield"
@@ -38,6 +39,18 @@ class TrackingSettings:
     @property
     def origin(self) -> str:
         return origins.of_url(self.uri)
+
+    @property
+    def destination(self) -> str:
+        """The server and experiment runs are delivered to, as a 16-hex key: the deliver rule's
+        output and the delivery cursors are per destination, so pointing ``uri`` (or
+        ``experiment``) elsewhere delivers everything there again."""
+        return sha256_json({"uri": self.uri, "experiment": self.experiment})[:16]
+
+    @property
+    def destination_state_dir(self) -> Path:
+        """Cursors and locks of this destination: ``state_dir/destinations/<destination>``."""
+        return Path(self.state_dir) / "destinations" / self.destination
 
 
 def from_config(

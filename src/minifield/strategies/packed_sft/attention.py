@@ -1,7 +1,7 @@
 """Segment-restricted causal attention over packed rows: the XLA path and a fused kernel.
 
 Both paths compute, for every query head h, softmax(q k^T / sqrt(K)) v over the keys at or
-before the query in the query's own segment (``model.segment_mask``), with grouped-query
+before the query in the query's own segment (:func:`segment_mask`), with grouped-query
 attention (query head h reads key/value head h // (H / G)):
 
 - ``xla`` (the default, and the path generation always takes): the FP32 ``[B, H, T, S]`` score
@@ -23,7 +23,19 @@ import jax
 import jax.numpy as jnp
 
 from . import execution
-from .model import F32, _einsum
+from .primitives import F32, einsum
+
+
+def segment_mask(segments_BxT):
+    """[B, 1, T, T] bool: query t may attend to key s iff s <= t and both share a segment.
+
+    Padding slots (segment 0) attend to earlier padding only; their outputs carry no loss.
+    Every query sees at least itself, so no softmax row is empty.
+    """
+    T = segments_BxT.shape[1]
+    causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
+    same_BxTxT = segments_BxT[:, :, None] == segments_BxT[:, None, :]
+    return (same_BxTxT & causal_TxT)[:, None, :, :]
 
 
 def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
@@ -40,11 +52,11 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     N = B * H
     q_NxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(N, T, K)
     k_NxSxK, v_NxSxK = (t.transpose(0, 2, 1, 3).reshape(N, S, K) for t in (k_BxSxGxK, v_BxSxGxK))
-    scores_NxTxS = _einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
+    scores_NxTxS = einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
     scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * (K**-0.5)
     scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, jnp.finfo(F32).min)
     probs_NxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(cfg.dtype).reshape(N, T, S)
-    out_NxTxK = _einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
+    out_NxTxK = einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
     return out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)
 
 
@@ -102,8 +114,6 @@ def pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, block_sizes=N
 def packed_mask(cfg, segments_BxT):
     """What a layer's attention needs besides q, k, v, built once per forward: the dense
     ``[B, 1, T, T]`` mask for the XLA path, the ``[B, T]`` segment ids for the fused one."""
-    from .model import segment_mask
-
     if cfg.execution.attention == "pallas":
         return segments_BxT
     return segment_mask(segments_BxT)

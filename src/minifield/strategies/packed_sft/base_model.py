@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import chat_template, hf_checkpoint
+from . import chat_template, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = "base."
@@ -84,16 +84,6 @@ def _link_directory(recipe: dict, files: dict[str, Path], directory: Path) -> No
         (directory / file_name).symlink_to(files[input_name])
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BaseModelError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise BaseModelError(f"{path}: expected a JSON object")
-    return value
-
-
 def check_recipe_agrees(recipe_model: dict, cfg, config_path: Path) -> None:
     """Every model key the recipe states must equal what ``config.json`` says."""
     for key, (attribute, field) in BASE_CONFIG_FIELDS.items():
@@ -145,6 +135,16 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
         arrays[GENERATION_CONFIG_ARRAY] = np.frombuffer(path.read_bytes(), dtype=np.uint8)
     description = {"config": cfg.to_dict(), "parameters": int(sum(a.size for a in arrays.values()))}
     return arrays, description
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BaseModelError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise BaseModelError(f"{path}: expected a JSON object")
+    return value
 
 
 def _flatten(tree, prefix: str = ""):
@@ -225,6 +225,40 @@ def tokenizer_and_template(
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template
+
+
+def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=None):
+    """The base model's tokenizer and chat template, from the prepared arrays (``files``:
+    the pinned input files, named in messages when given)."""
+    base = recipe["model"]["base"]
+    where = {
+        k: str(files[base[k]]) if files else f"base model input {base[k]!r}"
+        for k in ("tokenizer", "tokenizer_config")
+    }
+    return tokenizer_and_template(
+        recipe,
+        np.asarray(arrays[TOKENIZER_ARRAY]).tobytes(),
+        np.asarray(arrays[TOKENIZER_CONFIG_ARRAY]).tobytes(),
+        where,
+        config_from_arrays(recipe, arrays).vocab_size,
+    )
+
+
+def encode_chat_file(path: Path, tokenizer, template) -> list[sft_data.Encoded]:
+    """A supervised file rendered with the base model's chat template (a failure is a bad
+    input, naming the file and example)."""
+    out = []
+    for index, example in enumerate(sft_data.read_jsonl(path)):
+        where = f"{path} (example {index + 1})"
+        try:
+            out.append(
+                chat_template.encode(
+                    example.conversation(), template, tokenizer._backend, tokenizer.eos_id, where
+                )
+            )
+        except chat_template.ChatTemplateError as exc:
+            raise BaseModelError(str(exc)) from None
+    return out
 
 
 def config_template(config: dict, where: str) -> str:

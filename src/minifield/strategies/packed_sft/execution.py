@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ... import schemas
+
 ATTENTION_KINDS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 
@@ -33,11 +35,15 @@ PALLAS_FORWARD_BLOCK = 128
 PALLAS_BACKWARD_BLOCK = 32
 
 #: recipe fields (section, key) of the execution options with the value an absent key means
+#: (the schema's ``x-absent``: absent and spelled at that value are one computation)
 DEFAULTS = {
-    ("model", "attention"): "xla",
-    ("model", "scan_layers"): False,
-    ("training", "remat"): "none",
-    ("training", "loss_chunk_tokens"): 0,
+    (section, key): schemas.absent(schemas.PACKED_SFT, section)[key]
+    for section, key in (
+        ("model", "attention"),
+        ("model", "scan_layers"),
+        ("training", "remat"),
+        ("training", "loss_chunk_tokens"),
+    )
 }
 
 
@@ -45,10 +51,10 @@ DEFAULTS = {
 class Execution:
     """Execution options of a model (hashable: part of a static jit argument)."""
 
-    attention: str = "xla"
-    scan_layers: bool = False
-    remat: str = "none"
-    loss_chunk_tokens: int = 0  # 0: logits of the whole batch at once
+    attention: str = DEFAULTS[("model", "attention")]
+    scan_layers: bool = DEFAULTS[("model", "scan_layers")]
+    remat: str = DEFAULTS[("training", "remat")]
+    loss_chunk_tokens: int = DEFAULTS[("training", "loss_chunk_tokens")]  # 0: whole batch
 
     def __post_init__(self):
         errors = []

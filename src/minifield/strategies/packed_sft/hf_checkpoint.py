@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ... import atomic
 
 # config.json's reading and writing; the names are this module's too (one loader API)
 from .hf_config import ARCHITECTURES, CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
@@ -356,11 +357,8 @@ def write(
     """Write ``params`` as a PyTorch-named ``model.safetensors`` plus ``config.json``.
 
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
-    ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``base_config``: the ``config.json`` of
-    the base model ``params`` were trained from: written back with every field as it was
-    (``max_position_embeddings``, ``rope_scaling``, token ids, fields this project does not
-    read), only the dtype fields changed; without it, :func:`config_to_hf`'s."""
-    from safetensors.numpy import save_file
+    ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
+    from safetensors.numpy import save
 
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
@@ -378,18 +376,17 @@ def write(
         if tensors[name].shape != shape:
             raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
         tensors[name] = tensors[name].astype(stored_dtype)
-    # Temporary names renamed into place: an interrupted write leaves no half-written file.
-    weights_tmp, config_tmp = directory / f".{SINGLE_FILE}.tmp", directory / f".{CONFIG_FILE}.tmp"
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    config_tmp.write_text(json.dumps(exported_config(cfg, dtype, base_config), indent=2) + "\n")
-    os.replace(weights_tmp, directory / SINGLE_FILE)
-    os.replace(config_tmp, directory / CONFIG_FILE)
+    # Serialised in memory and written atomically (an interrupted write leaves no half-written
+    # file; a full disk is an OSError naming the file, which save_file does not raise).
+    atomic.write_bytes(directory / SINGLE_FILE, save(tensors, metadata={"format": "pt"}))
+    config = exported_config(cfg, dtype, base_config)
+    atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
 
 
 def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = None) -> dict:
-    """The ``config.json`` :func:`write` writes: a base model's fields all kept but the ones
-    the run sets, the stored dtype (``torch_dtype``, and ``dtype``, transformers' newer name,
-    where the base has it)."""
+    """The ``config.json`` :func:`write` writes: a base model's (``base_config``) fields all
+    kept but the ones the run sets, the stored dtype (``torch_dtype``, and ``dtype``,
+    transformers' newer name, where the base has it); without a base, :func:`config_to_hf`'s."""
     if base_config is None:
         return {**config_to_hf(cfg), "torch_dtype": dtype}
     out = {**base_config, "torch_dtype": dtype}

@@ -16,7 +16,7 @@ verify any export::
     model.json               this project's metadata: strategy, model config, tokenizer, files
 
 Everything but ``model.json`` is what transformers reads; ``model.json`` is what
-:class:`.strategy.ExportedModel` and the store read.
+:class:`.exported.ExportedModel` and the store read.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The same contracts as :mod:`.model` (packed rows of ``tokens``/``segments``/``positions``,
 segment-restricted causal attention, per-segment positions, FP32 master parameters, every
-matrix product through :func:`.model._einsum` so ``compute_dtype`` means the same thing), with
-the Llama block instead of the GPT one:
+matrix product through :func:`.primitives.einsum` so ``compute_dtype`` means the same thing),
+with the Llama block instead of the GPT one (:mod:`.gpt`):
 
 - RMSNorm (FP32 statistics, ``norm_eps``), no biases in norms or the MLP;
 - rotary positions with base ``rope_theta`` (rotate-half form, as HF Llama);
@@ -13,7 +13,7 @@ the Llama block instead of the GPT one:
 - SwiGLU MLP: ``down(silu(gate(x)) * up(x))``;
 - output head tied to the token embedding or separate.
 
-Parameters (``[in, out]`` matrices, as in :mod:`.model`; :mod:`.hf_checkpoint` holds the one
+Parameters (``[in, out]`` matrices, as in :mod:`.gpt`; :mod:`.hf_checkpoint` holds the one
 table mapping them to HF names)::
 
     embed/tokens [V, D]
@@ -27,28 +27,39 @@ table mapping them to HF names)::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from ... import schemas
 from . import attention, layer_stack, rotary
 from .execution import Execution
-from .model import BF16, COMPUTE_DTYPES, F32, _einsum, _rotate, scaled_normal
+from .primitives import F32, ArchitectureConfig, einsum, rotate, scaled_normal
 
 ARCHITECTURE = "llama"
-DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-6, "qkv_bias": False}
+#: what an absent ``rope_theta``, ``norm_eps``, ``qkv_bias`` mean: the recipe schema says
+_ABSENT = schemas.absent(schemas.PACKED_SFT, "model")
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(ArchitectureConfig):
     """Architecture and precision of a Llama-family model (hashable: a static jit argument)."""
 
-    architecture: ClassVar[str] = ARCHITECTURE
+    architecture = ARCHITECTURE
+    INTEGER_FIELDS = (
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "d_ff",
+        "max_len",
+    )
+    FLAG_FIELDS = ("qkv_bias", "tie_embeddings")
 
     vocab_size: int
     d_model: int
@@ -57,9 +68,9 @@ class LlamaConfig:
     n_kv_heads: int
     d_ff: int
     max_len: int
-    rope_theta: float = DEFAULTS["rope_theta"]
-    norm_eps: float = DEFAULTS["norm_eps"]
-    qkv_bias: bool = DEFAULTS["qkv_bias"]
+    rope_theta: float = _ABSENT["rope_theta"]
+    norm_eps: float = _ABSENT["norm_eps"]
+    qkv_bias: bool = _ABSENT["qkv_bias"]
     tie_embeddings: bool = False
     compute_dtype: str = "bfloat16"
     #: ``rope_scaling`` as sorted (key, value) pairs, empty for the plain rotary (:mod:`.rotary`)
@@ -70,20 +81,11 @@ class LlamaConfig:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # to_dict's form (model.json)
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        super().__post_init__()
+
+    def architecture_errors(self, sizes_valid: bool) -> list[str]:
         errors = []
-        for name in (
-            "vocab_size",
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "d_ff",
-            "max_len",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                errors.append(f"model.{name}: expected a positive integer, got {value!r}")
-        if not errors:
+        if sizes_valid:
             if self.d_model % self.n_heads:
                 errors.append(
                     f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}"
@@ -99,44 +101,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, float) or not value > 0:
                 errors.append(f"model.{name}: expected a positive float, got {value!r}")
-        for name in ("qkv_bias", "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                errors.append(f"model.{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            errors.append(
-                f"model.compute_dtype: expected one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
-            )
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def dtype(self):
-        return BF16 if self.compute_dtype == "bfloat16" else F32
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LlamaConfig:
-        """Build from :meth:`to_dict`'s form; unknown or missing keys are an error (named)."""
-        d = {k: v for k, v in d.items() if k != "architecture"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"model: unknown keys {unknown}; expected a subset of {sorted(known)}")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in d
-        )
-        if missing:
-            raise ValueError(f"model: missing required keys {missing}")
-        return cls(**d)
+        return errors
 
     def to_dict(self) -> dict:
-        out = {"architecture": ARCHITECTURE, **dataclasses.asdict(self)}
-        del out["execution"]
+        out = {"architecture": ARCHITECTURE, **super().to_dict()}
         out["rope_scaling"] = dict(self.rope_scaling)
         if not self.rope_scaling:  # configs without it keep their recorded form
             del out["rope_scaling"]
@@ -211,10 +179,10 @@ def _linear(cfg: LlamaConfig, x_BxTxK, w):
     """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
     adapter's inner product is rounded to the compute dtype, like any activation)."""
     if isinstance(w, LoraWeight):
-        y_BxTxN = _einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
-        down_BxTxR = _einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
-        return y_BxTxN + w.scale * _einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
-    return _einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
+        y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
+        down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
+        return y_BxTxN + w.scale * einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
+    return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
 
 
 def _rms_norm(cfg: LlamaConfig, x_BxTxD, norm):
@@ -240,8 +208,8 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
     k_BxTxGxK = _project(cfg, x_BxTxD, p["wk"], p.get("bk")).reshape(B, T, G, K)
     v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
     inv_freq_K2 = rotary.inv_freq(cfg.rope_theta, K // 2, cfg.rope_scaling)
-    q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2)
-    k_BxTxGxK = _rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2)
+    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2)
+    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2)
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 
@@ -265,17 +233,17 @@ def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
     return _project(cfg, act_BxTxF, p["w_down"])
 
 
-def _head(params, cfg: LlamaConfig, h_BxTxD):
+def head(params, cfg: LlamaConfig, h_BxTxD):
     """FP32 logits from the last hidden states (final norm, then the tied or separate head)."""
     h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
     if cfg.tie_embeddings:
-        return _einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
-    return _einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+        return einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
+    return einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
 
 
 def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch (see :func:`.model.forward`)."""
-    return _head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
+    return head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
 
 
 def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
@@ -342,7 +310,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
         h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
-    return _head(params, cfg, last_Bx1xD)[:, 0], new_cache
+    return head(params, cfg, last_Bx1xD)[:, 0], new_cache
 
 
 @functools.partial(jax.jit, static_argnums=(1,))

@@ -1,4 +1,4 @@
-"""Decoder-only transformer language model over packed rows.
+"""The language model over packed rows, whichever its family: forward, losses, generation.
 
 A packed row holds several examples one after another. Three int arrays of the
 same shape ``[B, T]`` describe it:
@@ -10,356 +10,72 @@ same shape ``[B, T]`` describe it:
   at 0 for every segment).
 
 Attention is causal *and* restricted to the query's own segment (a
-block-diagonal causal mask), and positions restart per segment, so an example
-packed with others sees exactly what it would see alone in a row.
+block-diagonal causal mask, :func:`.attention.segment_mask`), and positions restart per
+segment, so an example packed with others sees exactly what it would see alone in a row.
 
-Precision: parameters are FP32 ("master" weights). With
-``compute_dtype="bfloat16"`` the forward activations are BF16 and every matrix
-product is a BF16 x BF16 dot accumulating in FP32 (``preferred_element_type``),
-through a custom VJP whose backward dots are BF16 x BF16 -> FP32 as well:
-autodiff of such a dot would otherwise produce FP32 backward dots, and XLA:CPU
-only runs the BF16 x BF16 -> FP32 form on its fast (AMX-BF16) path. Weight
-gradients leave the custom VJP in FP32 without a BF16 rounding. LayerNorm
-statistics, the attention softmax, the logits and the loss are FP32.
+Two families compute it: the GPT-style block (:mod:`.gpt`, ``ModelConfig``) and the Llama
+block (:mod:`.llama`, ``LlamaConfig``); a config's ``architecture`` selects one, and this
+module dispatches to it. Precision (:mod:`.primitives`): parameters are FP32 ("master"
+weights); with ``compute_dtype="bfloat16"`` the forward activations are BF16 and every matrix
+product is a BF16 x BF16 dot accumulating in FP32. Norm statistics, the attention softmax,
+the logits and the loss are FP32.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import gpt, llama
 from .execution import Execution
-
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-
-POSITION_KINDS = ("learned", "rotary")
-COMPUTE_DTYPES = ("bfloat16", "float32")
-LN_EPS = 1e-5
-ROTARY_BASE = 10000.0
+from .gpt import ModelConfig
+from .primitives import F32
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture and precision. Hashable, so it can be a static argument of ``jax.jit``."""
-
-    #: the GPT-style block of this module; ``llama.LlamaConfig`` selects the Llama block
-    architecture: ClassVar[str] = "gpt"
-
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    max_len: int
-    positions: str = "learned"  # "learned" (a table of max_len rows) or "rotary"
-    tie_embeddings: bool = True  # output projection = token embedding transposed
-    compute_dtype: str = "bfloat16"  # "bfloat16" or "float32"
-    #: how it computes (attention kernel, scan, remat, loss chunks): not architecture, so
-    #: ``to_dict`` leaves it out (see :mod:`.execution`)
-    execution: Execution = Execution()
-
-    def __post_init__(self):
-        errors = []
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                errors.append(f"model.{name}: expected a positive integer, got {value!r}")
-        if not errors and self.d_model % self.n_heads:
-            errors.append(
-                f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}"
-            )
-        if self.positions not in POSITION_KINDS:
-            errors.append(
-                f"model.positions: expected one of {POSITION_KINDS}, got {self.positions!r}"
-            )
-        elif self.positions == "rotary" and not errors and (self.d_model // self.n_heads) % 2:
-            errors.append(
-                f"model.positions: rotary needs an even head size, got "
-                f"d_model/n_heads = {self.d_model // self.n_heads}"
-            )
-        if not isinstance(self.tie_embeddings, bool):
-            errors.append(
-                f"model.tie_embeddings: expected true or false, got {self.tie_embeddings!r}"
-            )
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            errors.append(
-                f"model.compute_dtype: expected one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
-            )
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def dtype(self):
-        return BF16 if self.compute_dtype == "bfloat16" else F32
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ModelConfig:
-        """Build from a recipe's ``model`` section; unknown keys are an error (named)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"model: unknown keys {unknown}; expected a subset of {sorted(known)}")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in d
-        )
-        if missing:
-            raise ValueError(f"model: missing required keys {missing}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        del out["execution"]
-        return out
+def _family(cfg):
+    """The module that computes ``cfg``'s architecture."""
+    return llama if cfg.architecture == llama.ARCHITECTURE else gpt
 
 
 def config_from_dict(d: dict):
-    """The config a ``to_dict()`` form describes: Llama when it says so, else this module's."""
-    if d.get("architecture") == "llama":
-        from .llama import LlamaConfig
-
-        return LlamaConfig.from_dict(d)
+    """The config a ``to_dict()`` form describes: Llama when it says so, else GPT."""
+    if d.get("architecture") == llama.ARCHITECTURE:
+        return llama.LlamaConfig.from_dict(d)
     return ModelConfig.from_dict(d)
 
 
-# ----------------------------------------------------------------------------- parameters
+def init_params(cfg, key) -> dict:
+    """FP32 parameters as nested dicts with string keys (the family's layout and draws)."""
+    return _family(cfg).init_params(cfg, key)
 
 
-def scaled_normal(key, shape, std: float):
-    """N(0, std²) samples in FP32, with the same bits whether run op by op or inside one
-    jit-compiled initialisation (the sharded one, see ``parallel.sharded_program``): without the
-    barrier XLA folds ``std`` into the sampler's own constant factor (sqrt 2) when it sees
-    both, which moves the last bit of some values and so the state hash."""
-    return jax.lax.optimization_barrier(jax.random.normal(key, shape, F32)) * std
-
-
-def init_params(cfg: ModelConfig, key) -> dict:
-    """FP32 parameters as nested dicts with string keys.
-
-    Embeddings N(0, 0.02); matrices N(0, 1/fan_in), with the two projections that write
-    into the residual stream (``attn/wo``, ``mlp/w2``) scaled by 1/sqrt(2 n_layers) so the
-    residual variance does not grow with depth; biases 0, LayerNorm scale 1.
-    """
-    if cfg.architecture == "llama":
-        from . import llama
-
-        return llama.init_params(cfg, key)
-    D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
-    keys = iter(jax.random.split(key, 4 + 4 * L))
-    residual_scale = 1.0 / math.sqrt(2 * L)
-
-    def normal(shape, std):
-        return scaled_normal(next(keys), shape, std)
-
-    def norm():
-        return {"scale": jnp.ones((D,), F32), "bias": jnp.zeros((D,), F32)}
-
-    embed = {"tokens": normal((V, D), 0.02)}
-    if cfg.positions == "learned":
-        embed["positions"] = normal((cfg.max_len, D), 0.02)
-    params: dict[str, Any] = {"embed": embed, "blocks": {}, "ln_f": norm()}
-    for i in range(L):
-        params["blocks"][f"{i:02d}"] = {
-            "ln1": norm(),
-            "attn": {
-                "wqkv": normal((D, 3 * D), D**-0.5),
-                "bqkv": jnp.zeros((3 * D,), F32),
-                "wo": normal((D, D), D**-0.5 * residual_scale),
-                "bo": jnp.zeros((D,), F32),
-            },
-            "ln2": norm(),
-            "mlp": {
-                "w1": normal((D, F), D**-0.5),
-                "b1": jnp.zeros((F,), F32),
-                "w2": normal((F, D), F**-0.5 * residual_scale),
-                "b2": jnp.zeros((D,), F32),
-            },
-        }
-    if not cfg.tie_embeddings:
-        params["head"] = {"w": normal((D, V), D**-0.5)}
-    return params
-
-
-# ----------------------------------------------------------------------------- products
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _bf16_einsum(equation: str, out_dtype, a, b):
-    """einsum of ``a`` and ``b`` rounded to BF16, accumulated in FP32, result in ``out_dtype``.
-
-    The operands may be FP32 (master weights): they are rounded inside, and their
-    gradients are returned in their own dtype straight from the FP32 accumulator.
-    """
-    return _bf16_einsum_fwd(equation, out_dtype, a, b)[0]
-
-
-def _bf16_einsum_fwd(equation, out_dtype, a, b):
-    a16, b16 = a.astype(BF16), b.astype(BF16)
-    out = jnp.einsum(equation, a16, b16, preferred_element_type=F32).astype(out_dtype)
-    # The dtypes of the original operands ride along as zero-size arrays (residuals must be
-    # arrays), so the backward pass can return each gradient in its operand's dtype.
-    return out, (a16, b16, jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))
-
-
-def _bf16_einsum_bwd(equation, out_dtype, residuals, g):
-    a16, b16, a_proto, b_proto = residuals
-    inputs, out = equation.split("->")
-    spec_a, spec_b = inputs.split(",")
-    g16 = g.astype(BF16)
-    # The transposed-left products (dV = P^T dO, dK = dS^T Q) are still upcast to FP32 by
-    # XLA:CPU (its fast path wants the left operand contracting on its last axis, and it
-    # folds explicit transposes back into the dot); the weight gradients are not.
-    da = jnp.einsum(f"{out},{spec_b}->{spec_a}", g16, b16, preferred_element_type=F32)
-    db = jnp.einsum(f"{spec_a},{out}->{spec_b}", a16, g16, preferred_element_type=F32)
-    return da.astype(a_proto.dtype), db.astype(b_proto.dtype)
-
-
-_bf16_einsum.defvjp(_bf16_einsum_fwd, _bf16_einsum_bwd)
-
-
-def _einsum(cfg: ModelConfig, equation: str, a, b, out_dtype=None):
-    """The model's one matrix-product primitive (precision per ``cfg.compute_dtype``)."""
-    out_dtype = cfg.dtype if out_dtype is None else out_dtype
-    if cfg.compute_dtype == "float32":
-        return jnp.einsum(equation, a, b).astype(out_dtype)
-    return _bf16_einsum(equation, out_dtype, a, b)
-
-
-def _dense(cfg: ModelConfig, x_BxTxK, w_KxN, b_N):
-    """x @ w + b with the bias added to the FP32 accumulator before rounding to compute dtype."""
-    y_BxTxN = _einsum(cfg, "btk,kn->btn", x_BxTxK, w_KxN, out_dtype=F32)
-    return (y_BxTxN + b_N).astype(cfg.dtype)
-
-
-def _layer_norm(x_BxTxD, norm, dtype):
-    """LayerNorm with FP32 statistics.
-
-    mean(square(x)) is formed before mean(x): on XLA:CPU this order fuses better
-    (a measurably faster step) than the textbook mean -> (x - mean)^2 form.
-    """
-    x = x_BxTxD.astype(F32)
-    mean_sq_BxTx1 = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
-    mean_BxTx1 = jnp.mean(x, axis=-1, keepdims=True)
-    var_BxTx1 = jnp.maximum(mean_sq_BxTx1 - jax.lax.square(mean_BxTx1), 0.0)
-    y = (x - mean_BxTx1) * (jax.lax.rsqrt(var_BxTx1 + LN_EPS) * norm["scale"]) + norm["bias"]
-    return y.astype(dtype)
-
-
-# ----------------------------------------------------------------------------- attention
-
-
-def _rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None):
-    """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
-    frequencies when not the plain ones of ``base`` (see :mod:`.rotary`)."""
-    half = x_BxTxHxK.shape[-1] // 2
-    if inv_freq_K2 is None:
-        inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
-    angle_BxTx1xK2 = (positions_BxT.astype(F32)[:, :, None] * inv_freq_K2)[:, :, None, :]
-    cos, sin = jnp.cos(angle_BxTx1xK2), jnp.sin(angle_BxTx1xK2)
-    x = x_BxTxHxK.astype(F32)
-    x1, x2 = x[..., :half], x[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxHxK.dtype)
-
-
-def segment_mask(segments_BxT):
-    """[B, 1, T, T] bool: query t may attend to key s iff s <= t and both share a segment.
-
-    Padding slots (segment 0) attend to earlier padding only; their outputs carry no loss.
-    Every query sees at least itself, so no softmax row is empty.
-    """
-    T = segments_BxT.shape[1]
-    causal_TxT = jnp.tril(jnp.ones((T, T), dtype=bool))
-    same_BxTxT = segments_BxT[:, :, None] == segments_BxT[:, None, :]
-    return (same_BxTxT & causal_TxT)[:, None, :, :]
-
-
-def _attention(cfg: ModelConfig, x_BxTxD, p, mask, positions_BxT):
-    """``mask``: :func:`.attention.packed_mask`'s (the dense mask, or segment ids)."""
-    from . import attention
-
-    B, T, D = x_BxTxD.shape
-    H, K = cfg.n_heads, cfg.head_dim
-    qkv_BxTx3D = _dense(cfg, x_BxTxD, p["wqkv"], p["bqkv"])
-    q_BxTxHxK, k_BxTxHxK, v_BxTxHxK = (
-        t.reshape(B, T, H, K) for t in jnp.split(qkv_BxTx3D, 3, axis=-1)
-    )
-    if cfg.positions == "rotary":
-        q_BxTxHxK = _rotate(q_BxTxHxK, positions_BxT)
-        k_BxTxHxK = _rotate(k_BxTxHxK, positions_BxT)
-    out_BxTxD = attention.mix(cfg, q_BxTxHxK, k_BxTxHxK, v_BxTxHxK, mask)
-    return _dense(cfg, out_BxTxD, p["wo"], p["bo"])
-
-
-# ----------------------------------------------------------------------------- model
-
-
-def forward(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
+def forward(params, cfg, tokens_BxT, segments_BxT, positions_BxT):
     """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch.
 
     ``positions`` must be < ``cfg.max_len`` with learned positions (a gather clamps
     larger indices silently); the packer's row length bounds them.
     """
-    if cfg.architecture == "llama":
-        from . import llama
-
-        return llama.forward(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
     return head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
 
 
-def hidden(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
+def hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT):
     """The residual stream after the last block ``[B, T, D]`` (compute dtype, before the
     final norm); :func:`head` turns it into logits."""
-    from . import attention, layer_stack
-
-    if cfg.architecture == "llama":
-        from . import llama
-
-        return llama.hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
-    # Gather from the FP32 tables and round afterwards, so the embedding gradient is
-    # scatter-added in FP32.
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT]
-    if cfg.positions == "learned":
-        h_BxTxD = h_BxTxD + params["embed"]["positions"][positions_BxT]
-    h_BxTxD = h_BxTxD.astype(cfg.dtype)
-    mask = attention.packed_mask(cfg, segments_BxT)
-
-    def block_fn(block, h_BxTxD):
-        a_BxTxD = _layer_norm(h_BxTxD, block["ln1"], cfg.dtype)
-        # h + (f(x)) keeps the residual add outside the projection's fusion (faster on CPU).
-        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
-        a_BxTxD = _layer_norm(h_BxTxD, block["ln2"], cfg.dtype)
-        m = block["mlp"]
-        u_BxTxF = jax.nn.gelu(_dense(cfg, a_BxTxD, m["w1"], m["b1"]))
-        return h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
-
-    names = layer_stack.layer_names(params["blocks"])
-    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
+    return _family(cfg).hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
 
 
-def head(params, cfg: ModelConfig, h_BxTxD):
+def head(params, cfg, h_BxTxD):
     """FP32 logits ``[B, T, V]`` from :func:`hidden`'s states (final norm, output projection)."""
-    if cfg.architecture == "llama":
-        from . import llama
+    return _family(cfg).head(params, cfg, h_BxTxD)
 
-        return llama._head(params, cfg, h_BxTxD)
-    h_BxTxD = _layer_norm(h_BxTxD, params["ln_f"], cfg.dtype)
-    if cfg.tie_embeddings:
-        return _einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
-    return _einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Model FLOPs of one training token (forward + backward), for MFU."""
+    return _family(cfg).flops_per_token(cfg, seq_len)
 
 
 def loss_weights(batch) -> jnp.ndarray:
@@ -411,22 +127,6 @@ def loss_fn(params, cfg: ModelConfig, batch):
     loss_sum = jnp.sum(token_losses(params, cfg, batch) * w_BxT)
     tokens = jnp.sum(w_BxT)
     return loss_sum / jnp.maximum(tokens, 1.0), {"loss_sum": loss_sum, "tokens": tokens}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Model FLOPs of one training token (forward + backward), for MFU.
-
-    6 x (weights used in matrix products: 4 D^2 + 2 D F per layer, plus the D x V
-    output projection) + attention scores and mixing: 12 x layers x seq_len x D
-    (counted over the full, unmasked row, the usual convention).
-    """
-    if cfg.architecture == "llama":
-        from . import llama
-
-        return llama.flops_per_token(cfg, seq_len)
-    D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
-    matmul_params = L * (4 * D * D + 2 * D * F) + D * V
-    return float(6 * matmul_params + 12 * L * seq_len * D)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -510,8 +210,8 @@ def greedy_generate_batch(
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     stop = -1 if stop_token is None else int(stop_token)
     generate_rows = _generate_rows
-    if cache and cfg.architecture == "llama":
-        from .llama import generate_rows_cached as generate_rows
+    if cache and cfg.architecture == llama.ARCHITECTURE:
+        generate_rows = llama.generate_rows_cached
     out, out_lengths = generate_rows(
         params,
         cfg,

@@ -1,20 +1,22 @@
 """AdamW with linear warmup, a decay schedule and global-norm gradient clipping (optax).
 
-Keys read from a recipe's ``training`` section (others are ignored) and their defaults:
+Keys read from a recipe's ``training`` section (others are ignored); an absent key takes its
+default from the JSON Schema (``strategy-training.schema.json``, the one place the defaults
+live, :func:`defaults`):
 
-=========================== ========= ===================================================
-key                         default   meaning
-=========================== ========= ===================================================
-learning_rate               1e-3      peak learning rate
-warmup_steps                10        updates of linear warmup (0: none)
-decay                       cosine    ``cosine`` | ``linear`` | ``constant`` after warmup
-min_learning_rate_ratio     0.1       final learning rate as a fraction of the peak
-weight_decay                0.01      decoupled weight decay (matrices only, see below)
-b1                          0.9       Adam first-moment decay
-b2                          0.99      Adam second-moment decay
-eps                         1e-8      Adam epsilon
-grad_clip_norm              1.0       clip the global gradient norm to this (0: no clipping)
-=========================== ========= ===================================================
+=========================== =========================================================
+key                         meaning
+=========================== =========================================================
+learning_rate               peak learning rate
+warmup_steps                updates of linear warmup (0: none)
+decay                       ``cosine`` | ``linear`` | ``constant`` after warmup
+min_learning_rate_ratio     final learning rate as a fraction of the peak
+weight_decay                decoupled weight decay (matrices only, see below)
+b1                          Adam first-moment decay
+b2                          Adam second-moment decay
+eps                         Adam epsilon
+grad_clip_norm              clip the global gradient norm to this (0: no clipping)
+=========================== =========================================================
 
 Schedule, with ``s`` the number of updates already applied (0 for the first update),
 ``W`` the warmup steps, ``S`` = ``max_steps``, peak ``P`` and floor ``m = P * ratio``:
@@ -39,24 +41,32 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ... import schemas
 from . import layer_stack
 
-DEFAULTS = {
-    "learning_rate": 1e-3,
-    "warmup_steps": 10,
-    "decay": "cosine",
-    "min_learning_rate_ratio": 0.1,
-    "weight_decay": 0.01,
-    "b1": 0.9,
-    "b2": 0.99,
-    "eps": 1e-8,
-    "grad_clip_norm": 1.0,
-}
+#: the training keys the optimizer reads (the module docstring's table)
+KEYS = (
+    "learning_rate",
+    "warmup_steps",
+    "decay",
+    "min_learning_rate_ratio",
+    "weight_decay",
+    "b1",
+    "b2",
+    "eps",
+    "grad_clip_norm",
+)
 DECAYS = ("cosine", "linear", "constant")
 
 
+def defaults() -> dict:
+    """``{key: default}`` of :data:`KEYS`, as the recipe schema gives them."""
+    shared = schemas.defaults(schemas.TRAINING)
+    return {key: shared[key] for key in KEYS}
+
+
 def _settings(training: dict, max_steps: int) -> dict:
-    s = {key: training.get(key, default) for key, default in DEFAULTS.items()}
+    s = {**defaults(), **{key: training[key] for key in KEYS if key in training}}
     errors = []
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         errors.append(f"limits.max_steps: expected a positive integer, got {max_steps!r}")
@@ -119,15 +129,20 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(training: dict, max_steps: int) -> optax.GradientTransformation:
-    """``optax.chain(clip_by_global_norm, adamw(schedule))`` per the module docstring."""
+def make_optimizer(training: dict, max_steps: int, schedule=None) -> optax.GradientTransformation:
+    """``optax.chain(clip_by_global_norm, adamw(schedule))`` per the module docstring.
+
+    ``schedule``: :func:`make_schedule`'s for the same ``training`` and ``max_steps``, when
+    the caller needs it too (the update reports its learning rate); built here otherwise."""
     s = _settings(training, max_steps)
+    if schedule is None:
+        schedule = make_schedule(training, max_steps)
     parts = []
     if s["grad_clip_norm"] > 0:
         parts.append(optax.clip_by_global_norm(float(s["grad_clip_norm"])))
     parts.append(
         optax.adamw(
-            make_schedule(training, max_steps),
+            schedule,
             b1=float(s["b1"]),
             b2=float(s["b2"]),
             eps=float(s["eps"]),

@@ -24,6 +24,8 @@ import numpy as np
 from .sft_data import Encoded
 
 OVERLONG = ("truncate", "reject")
+#: the arrays of a packed row, as :func:`pack` names them (a batch is these, rows stacked)
+ROW_FIELDS = ("tokens", "segments", "positions", "loss_mask")
 
 
 @dataclass(frozen=True)
@@ -107,12 +109,7 @@ def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> P
         "slots": slots,
         "efficiency": real / slots if slots else 0.0,
     }
-    arrays = {
-        "tokens": tokens,
-        "segments": segments,
-        "positions": positions,
-        "loss_mask": loss_mask,
-    }
+    arrays = dict(zip(ROW_FIELDS, (tokens, segments, positions, loss_mask), strict=True))
     return Packed(arrays, stats)
 
 

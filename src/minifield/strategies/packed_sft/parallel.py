@@ -99,6 +99,34 @@ class DataParallel:
                 out[part] = jax.tree_util.tree_map(lambda _: replicated, subtree)
         return out
 
+    def lay_out(self, abstract_state: dict) -> Layout:
+        """The mesh, and the shardings of a state shaped like ``abstract_state`` and of a
+        batch on it."""
+        mesh = self.mesh()
+        return Layout(
+            self, mesh, self.state_shardings(mesh, abstract_state), self.batch_sharding(mesh)
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a data-parallel update runs: the mesh and the shardings of the state and batch."""
+
+    data_parallel: DataParallel
+    mesh: Mesh
+    state: dict
+    batch: NamedSharding
+
+    def placement(self) -> dict:
+        """What the ``compiled`` event reports of it."""
+        dp = self.data_parallel
+        return {
+            "devices": dp.devices,
+            "shard_params": dp.shard_params,
+            "mesh": {AXIS: dp.devices},
+            **describe(self.state),
+        }
+
 
 def missing_devices_message(wanted: int, visible: int) -> str:
     return (

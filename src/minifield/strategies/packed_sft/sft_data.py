@@ -147,6 +147,12 @@ def encode(example: Example, tokenizer: Tokenizer) -> Encoded:
 
 # -- the demo dataset -------------------------------------------------------------------------
 
+
+def encode_file(path: Path, tokenizer: Tokenizer) -> list[Encoded]:
+    """Every example of a supervised file, encoded."""
+    return [encode(e, tokenizer) for e in read_jsonl(path)]
+
+
 DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}
 DEMO_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 DEMO_LENGTHS = (3, 6)

@@ -141,15 +141,6 @@ def stdlib_documents(max_chars: int = 1200) -> dict[str, list[str]]:
     return splits
 
 
-def write_corpus(directory: Path, documents: dict[str, list[str]]) -> dict[str, str]:
-    pins = {}
-    for split, texts in documents.items():
-        data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode("utf-8")
-        write_bytes(directory / f"{split}.jsonl", data)
-        pins[split] = sha256_bytes(data)
-    return pins
-
-
 def read_corpus_split(path: Path) -> list[str]:
     from .corpus import read_documents
 

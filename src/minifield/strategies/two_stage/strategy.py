@@ -29,13 +29,14 @@ import numpy as np
 from ...digest import sha256_bytes
 from ...inputs.pinned import InputError
 from ...state import export
-from ..base import Program, Strategy
-from ..packed_sft import packing, sft_data
+from ..base import Program, Strategy, computation_digest
+from ..packed_sft import evaluator, exported, packing, settings, sft_data
 from ..packed_sft import strategy as sft
 from ..packed_sft import tokenizer as tokenizers
+from ..packed_sft.packing import ROW_FIELDS
+from ..packed_sft.program import PackedSFTProgram
 from . import corpus, stage1_export
 
-STAGES = ("pretrain", "sft")
 PREPARE_VERSION = 1
 #: evaluation keys of one stage only (the other stage's are removed: not in its digest)
 SFT_ONLY = ("max_generate_examples", "min_dev_exact_match")
@@ -50,13 +51,6 @@ def _sft_view(recipe: dict) -> dict:
     """The recipe as packed-sft sees it: the same sections, without the stage-1 inputs."""
     skip = set(stage1_export.input_names(recipe["model"]))
     return {**recipe, "inputs": [i for i in recipe.get("inputs", []) if i["name"] not in skip]}
-
-
-def computation_digest(recipe: dict) -> str:
-    from ...digest import sha256_json
-    from ...recipe import computation_fields
-
-    return sha256_json(computation_fields(recipe))
 
 
 class TwoStage(Strategy):
@@ -193,15 +187,15 @@ class TwoStage(Strategy):
         check_lineage(recipe, config, directory / export.MODEL_FILE)
         tokenizer = tokenizers.from_config(config["tokenizer"], directory)
         cfg, params = hf_export.load(directory, config)
-        evaluator = sft.Evaluator(
+        dev = evaluator.Evaluator(
             cfg, recipe["evaluation"]["batch_size"], tokenizer.eos_id, tokenizer.pad_id
         )
         if config["stage"] == "pretrain":
             arrays = _corpus_split("dev", dev_path, tokenizer, recipe["training"]["seq_len"])[0]
-            return lm_metrics(evaluator, params, arrays, "dev")
-        encoded = [sft_data.encode(e, tokenizer) for e in sft_data.read_jsonl(dev_path)]
-        arrays, _ = sft._eval_arrays("dev", encoded, recipe, tokenizer.pad_id)
-        return evaluator.split_metrics(params, arrays, "dev")
+            return lm_metrics(dev, params, arrays, "dev")
+        encoded = sft_data.encode_file(dev_path, tokenizer)
+        arrays, _ = evaluator.split_arrays("dev", encoded, recipe, tokenizer.pad_id)
+        return dev.split_metrics(params, arrays, "dev")
 
 
 def check_lineage(recipe: dict, config: dict, where: Path) -> None:
@@ -250,7 +244,7 @@ def _prepare_corpus(recipe: dict, files: dict[str, Path], tokenizer) -> tuple[di
 
 def lm_metrics(evaluator, params, arrays: dict[str, np.ndarray], split: str) -> dict[str, float]:
     """Loss per trained token, perplexity and bits per byte of one corpus split."""
-    rows = {k: arrays[f"{split}_{k}"] for k in sft.ROW_FIELDS}
+    rows = {k: arrays[f"{split}_{k}"] for k in ROW_FIELDS}
     loss = evaluator.loss(params, rows)
     # every slot the mask trains has its predecessor in its own chunk, so the mask's sum is
     # the number of targets the loss averaged over
@@ -265,7 +259,7 @@ def lm_metrics(evaluator, params, arrays: dict[str, np.ndarray], split: str) -> 
     }
 
 
-class TwoStageProgram(sft.PackedSFTProgram):
+class TwoStageProgram(PackedSFTProgram):
     """packed-sft's program (model, step, batches, compile, placement) with a stage's start,
     evaluation and export."""
 
@@ -304,7 +298,7 @@ class TwoStageProgram(sft.PackedSFTProgram):
             layout = "documents: <bos> text <eos>, chunked with one token of overlap"
         else:
             dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
-            dev_file, layout = sft.EXPORT_DEV_FILE, "<bos> prompt <sep> response <eos>"
+            dev_file, layout = exported.DEV_FILE, "<bos> prompt <sep> response <eos>"
         tokenizer_json = None
         if "tokenizer_json" in self.arrays:
             tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
@@ -334,5 +328,5 @@ class TwoStageProgram(sft.PackedSFTProgram):
             tokenizer_json,
             {dev_file: dev_bytes},
             config,
-            self.recipe["evaluation"].get("export_dtype", sft.DEFAULT_EXPORT_DTYPE),
+            settings.export_dtype(self.recipe),
         )

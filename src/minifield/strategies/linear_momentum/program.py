@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..state import export
-from .base import Program
-from .linear_momentum import heldout_mse
+from ...state import export
+from ..base import Program
+from .teacher import heldout_mse
 
 
 class LinearProgram(Program):

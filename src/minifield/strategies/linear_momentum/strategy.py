@@ -5,7 +5,8 @@ SGD with momentum on minibatches sampled without replacement. The minibatch of
 update ``n`` is a pure function of (seed, n), so a resumed run needs no replay.
 
 The strategy (schema, checks, data, acceptance) imports no JAX; the compiled
-program lives in :mod:`.linear_momentum_program`, imported by ``build`` only.
+program lives in :mod:`.program`, imported by ``build`` only; the teacher (its examples and
+the held-out error) in :mod:`.teacher`, which both use.
 """
 
 from __future__ import annotations
@@ -16,21 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..state import export
-from .base import Program, Strategy
-
-N_EXAMPLES = 64
-
-
-def teacher_examples() -> dict[str, np.ndarray]:
-    x = np.linspace(-1.0, 1.0, N_EXAMPLES, dtype=np.float32)
-    return {"x": x, "y": (2.0 * x + 1.0).astype(np.float32)}
-
-
-def heldout_mse(w: float, b: float, xs: list[float]) -> float:
-    """Mean squared error against y = 2x + 1 on the held-out inputs (float64, on the host)."""
-    x = np.asarray(xs, dtype=np.float64)
-    return float(np.mean((w * x + b - (2.0 * x + 1.0)) ** 2))
+from ...state import export
+from ..base import Program, Strategy
+from .teacher import N_EXAMPLES, heldout_mse, teacher_examples
 
 
 class LinearMomentum(Strategy):
@@ -93,7 +82,7 @@ class LinearMomentum(Strategy):
         return arrays, {"source": "examples", "count": len(xs)}
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
-        from .linear_momentum_program import LinearProgram  # JAX: only when training
+        from .program import LinearProgram  # JAX: only when training
 
         return LinearProgram(recipe, examples)
 

@@ -1,0 +1,207 @@
+"""The exported packed-sft model: what an export holds, how it is written, and how it is read
+back to generate.
+
+An export is self-contained, so the store re-evaluates it alone: its weights, ``model.json``
+(the strategy, the model config, the tokenizer settings, the token layout, the packing and
+the DEV file's sha256), the tokenizer files, and a copy of the DEV split. A Llama model's
+export is a HuggingFace directory (:mod:`.hf_export`), with LoRA's PEFT adapter beside the
+merged weights; the GPT model's is the project's own FP32 ``.npy`` format
+(:mod:`minifield.export`). Importing this module does not import JAX.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ... import atomic
+from ...digest import sha256_bytes
+from ...state import export
+from . import base_model, chat_template, lora, settings, sft_data
+from . import tokenizer as tokenizers
+
+#: files an export carries besides its weights (so the store can re-evaluate it alone)
+DEV_FILE = "dev.jsonl"
+TOKENIZER_FILE = "tokenizer.json"
+#: strategies whose exports are this model family (two-stage's stage 1 continues raw text)
+FAMILY = (settings.NAME, "two-stage")
+
+
+def config(recipe: dict, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
+    """``model.json`` of a packed-sft export."""
+    tokenizer_settings = tokenizer.config(tokenizer_file)
+    layout = "<bos> prompt <sep> response <eos>"
+    if "base" in recipe["model"]:
+        # the base model's tokenizer files, beside the weights under their HF names
+        from .hf_export import TOKENIZER_CONFIG_FILE
+
+        tokenizer_settings = {
+            "kind": base_model.EXPORT_TOKENIZER_KIND,
+            "file": tokenizer_file,
+            "config_file": TOKENIZER_CONFIG_FILE,
+            "vocab_size": tokenizer.vocab_size,
+        }
+        layout = "chat_template (tokenizer_config.json)"
+    return {
+        "strategy": {"name": settings.NAME, "version": settings.VERSION},
+        "model": cfg.to_dict(),
+        "tokenizer": tokenizer_settings,
+        "layout": layout,
+        "packing": {
+            "seq_len": recipe["training"]["seq_len"],
+            "overlong": recipe["training"]["overlong"],
+        },
+        "dev": {"file": DEV_FILE, "sha256": sha256_bytes(dev_bytes)},
+    }
+
+
+def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, lora_run=None):
+    """Write the export of ``params`` (per layer, FP32) into ``directory``.
+
+    ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
+    weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
+    store's gate and ``minifield generate`` load without the base).
+    """
+    from ...state.arrays import named_arrays
+
+    directory.mkdir(parents=True, exist_ok=True)
+    dev_bytes = np.asarray(arrays["dev_jsonl"]).tobytes()
+    tokenizer_json = None
+    if "tokenizer_json" in arrays:
+        tokenizer_json = np.asarray(arrays["tokenizer_json"]).tobytes()
+    tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
+    model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes)
+    if cfg.architecture != "llama":  # the GPT model keeps the .npy format
+        atomic.write_bytes(directory / DEV_FILE, dev_bytes)
+        if tokenizer_json is not None:
+            atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
+        export.write(directory, named_arrays(params), model_json)
+        return
+    import jax
+
+    from ...state.arrays import to_host
+    from . import hf_export
+
+    tokenizer_config_json = base_config = None
+    extra = {DEV_FILE: dev_bytes}
+    if "base" in recipe["model"]:
+        tokenizer_config_json = base_model.export_tokenizer_config(
+            recipe, np.asarray(arrays[base_model.TOKENIZER_CONFIG_ARRAY]).tobytes()
+        )
+        base_config = base_model.base_config(arrays)  # carried over field by field
+        if base_model.GENERATION_CONFIG_ARRAY in arrays:
+            extra[hf_export.GENERATION_CONFIG_FILE] = np.asarray(
+                arrays[base_model.GENERATION_CONFIG_ARRAY]
+            ).tobytes()
+    if lora_run is not None:
+        model_json["lora"] = _write_adapter(directory / lora.ADAPTER_DIR, recipe, *lora_run)
+    hf_export.write(
+        directory,
+        cfg,
+        jax.tree_util.tree_map(to_host, params),  # gathered if sharded
+        tokenizer,
+        tokenizer_json,
+        extra,
+        model_json,
+        settings.export_dtype(recipe),
+        tokenizer_config_json,
+        base_config,
+    )
+
+
+def _write_adapter(directory: Path, recipe: dict, lora_settings, adapters) -> dict:
+    """Write the PEFT adapter; returns what ``model.json`` records of it."""
+    items = {i["name"]: i for i in recipe["inputs"]}
+    config_item = items[recipe["model"]["base"]["config"]]
+    # PEFT's base_model_name_or_path: where the pinned base model's config.json lives
+    where = config_item.get("path") or config_item.get("url") or config_item["name"]
+    base_name = where.rsplit("/", 1)[0] if "/" in where else "."
+    lora.write_adapter(directory, lora_settings, adapters, base_name)
+    names = settings.base_model_inputs(recipe["model"])
+    return {
+        **lora_settings.to_dict(),
+        "adapter_dir": lora.ADAPTER_DIR,
+        "base_inputs": {name: items[name]["sha256"] for name in sorted(names)},
+    }
+
+
+class ExportedModel:
+    """An exported packed-sft model: parameters, config and tokenizer, ready to generate."""
+
+    def __init__(self, directory: Path):
+        import jax
+
+        from ...state.arrays import restore_like
+        from . import model
+
+        self.directory = Path(directory)
+        flat, self.config = export.read(self.directory)
+        if self.config.get("strategy", {}).get("name") not in FAMILY:
+            raise export.ExportError(
+                f"{self.directory / export.MODEL_FILE}: not a packed-sft or two-stage export "
+                f"(strategy {self.config.get('strategy')!r})"
+            )
+        self.model = model
+        self.template = None  # a base-model run's chat template (prompts are rendered with it)
+        if self.config.get("tokenizer", {}).get("kind") == base_model.EXPORT_TOKENIZER_KIND:
+            try:
+                self.tokenizer, self.template = base_model.exported_tokenizer(
+                    self.directory, self.config["tokenizer"]
+                )
+            except base_model.BaseModelError as exc:
+                raise export.ExportError(str(exc)) from None
+        else:
+            self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+        if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
+            from . import hf_export
+
+            self.cfg, self.params = hf_export.load(self.directory, self.config)
+            return
+        self.cfg = model.config_from_dict(self.config["model"])
+        template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
+        template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
+        try:
+            self.params = restore_like(template, flat)
+        except ValueError as exc:
+            raise export.ExportError(f"{self.directory}: {exc}") from exc
+
+    def encode_dev(self, pinned_sha256: str | None) -> list[sft_data.Encoded]:
+        """The export's copy of the DEV split, encoded as training encoded it; it must be the
+        file the export records and the recipe pins (``pinned_sha256``)."""
+        dev = self.config["dev"]
+        dev_path = self.directory / dev["file"]
+        data = dev_path.read_bytes() if dev_path.is_file() else b""
+        actual = sha256_bytes(data)
+        if actual != dev["sha256"] or actual != pinned_sha256:
+            raise export.ExportError(
+                f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
+                f"recipe pins {pinned_sha256}"
+            )
+        if self.template is not None:
+            return base_model.encode_chat_file(dev_path, self.tokenizer, self.template)
+        return sft_data.encode_file(dev_path, self.tokenizer)
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """``prompt`` encoded as training laid it out: the chat template's user turn and
+        generation prompt for a base-model run, ``<bos> prompt`` for a causal-LM stage
+        (raw text continues), else ``<bos> prompt <sep>``."""
+        if self.config.get("stage") == "pretrain":
+            head = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+            return [*head, *self.tokenizer.encode(prompt)]
+        if self.template is not None:
+            try:
+                return base_model.generation_prompt(self.template, self.tokenizer._backend, prompt)
+            except chat_template.ChatTemplateError as exc:
+                raise ValueError(str(exc)) from None
+        return sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer).prompt
+
+    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
+        ids = self.prompt_ids(prompt)
+        budget = min(max_new_tokens, self.cfg.max_len - len(ids))
+        if budget <= 0:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; the model's maximum length is {self.cfg.max_len}"
+            )
+        out = self.model.greedy_generate(self.params, self.cfg, ids, budget, self.tokenizer.eos_id)
+        return self.tokenizer.decode(out)
