@@ -5,17 +5,8 @@ files are named in :mod:`~minifield.attempt.layout`). Resuming reads a previous 
 directory (and, through ``attempt.json``, the chain of attempts before it) and never
 writes into it.
 
-This module is the orchestrator; each concern has its own module:
-
-- :mod:`~minifield.attempt.setup` — the directory, ``attempt.json``, everything before the
-  first update, and the processes' agreement on it;
-- :mod:`~minifield.attempt.resume` — checking, adopting or restoring from a previous attempt;
-- :mod:`~minifield.attempt.device_check` — whether the visible devices fit the recipe;
-- :mod:`~minifield.attempt.stopping` — preemption (signals, a closed stdout), limits, the vote;
-- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpoints, evaluation, faults;
-- :mod:`~minifield.attempt.checkpoint_cadence` — when and by whom checkpoints are committed;
-- :mod:`~minifield.attempt.faults` — fault injection for tests and qualification;
-- :mod:`~minifield.attempt.result` — endings, exit codes and ``result.json``.
+This module is the orchestrator; each concern has its own module in this package (the
+README's module map names them).
 
 A multi-process attempt (:mod:`minifield.supervision.distributed`) runs this same program in
 every process, each on its part of the device mesh. Only process 0 writes: the
@@ -31,7 +22,6 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,15 +29,15 @@ from .. import atomic
 from ..recipe import Recipe
 from ..state import export
 from ..state.checkpoint import CheckpointRecord
-from ..supervision import distributed
 from . import environment
 from . import result as attempt_result
 from . import setup as attempt_setup
-from .checkpoint_cadence import CheckpointCadence
+from .checkpoint_cadence import CheckpointCadence, fault_hook
 from .checkpoint_writer import CheckpointWriteError
 from .events import EventLog, write_line
 from .faults import Faults
 from .layout import CHECKPOINTS, EVENTS, EXPORT, RESULT
+from .options import Options, enable_compilation_cache
 from .result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -64,7 +54,6 @@ from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
 from .stopping import Preempt, Stopping
 from .update_loop import (
     Diverged,
-    Hook,
     HostSnapshot,
     Stopped,
     UpdateLoop,
@@ -87,38 +76,6 @@ __all__ = [
     "new_attempt_id",
     "run",
 ]
-
-
-@dataclass
-class Options:
-    input_root: Path
-    output_root: Path
-    resume_from: Path | None = None
-    attempt_id: str | None = None
-    examples_dir: Path | None = None
-    allow_environment_change: bool = False
-    #: the per-update state-hash cadence: True/1 every update, K every K updates,
-    #: False/"checkpoint" none (checkpoint manifests always carry the hash)
-    record_state_hashes: bool | int | str = False
-    #: JAX persistent compilation cache directory (None: no persistent cache)
-    compilation_cache: Path | None = None
-    #: operational step limit (qualification runs): end after this many updates with a
-    #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
-    stop_after_step: int | None = None
-    faults: Faults = field(default_factory=Faults)
-    #: the processes of this attempt (one, unless started with ``--distributed``)
-    group: distributed.Group = field(default_factory=distributed.Group)
-
-
-def enable_compilation_cache(directory: Path) -> None:
-    """Persist every compiled executable under ``directory`` (even fast compiles), so a
-    resumed attempt loads its step function instead of compiling it again."""
-    import jax
-
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class Attempt:
@@ -387,23 +344,6 @@ class Attempt:
             started=self.started,
         )
         atomic.write_json(self.dir / RESULT, result)
-
-
-def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
-    """The injected fault after its update (tests and the recovery proof)."""
-
-    def settle(step: int) -> None:
-        # which checkpoint survives the injected crash (or a kill once the update before
-        # the stall is seen) must not depend on how far a background write got (a SIGKILL
-        # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
-        # update K are committed before update K is reported
-        checkpoints.wait()
-
-    return Hook(
-        faults.after_update,
-        due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
-        settle=settle,
-    )
 
 
 def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
