@@ -169,3 +169,20 @@ class CheckpointCadence:
             Hook(self.on_cadence, due=self.due),
             Hook(lambda state, step, compute_used: self.collect(), waits=False),
         )
+
+
+def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
+    """The injected fault after its update (tests and the recovery proof)."""
+
+    def settle(step: int) -> None:
+        # which checkpoint survives the injected crash (or a kill once the update before
+        # the stall is seen) must not depend on how far a background write got (a SIGKILL
+        # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
+        # update K are committed before update K is reported
+        checkpoints.wait()
+
+    return Hook(
+        faults.after_update,
+        due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
+        settle=settle,
+    )

@@ -9,19 +9,21 @@ of attempts that verifies (:func:`restore`), or from step 0 when none does.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import atomic
-from ..state import checkpoint
+from ..state import checkpoint, export
 from ..state.checkpoint import CheckpointRecord
 from . import chain as attempts
 from . import environment
 from .events import EventLog
 from .events import read as read_events
-from .layout import ATTEMPT_JSON, EVENTS, RESULT
+from .layout import ATTEMPT_JSON, EVENTS, EXPORT, RESULT
+from .result import Progress
 
 
 class ResumeRefused(Exception):
@@ -138,3 +140,25 @@ def restore(
         reason="no valid committed checkpoint in the attempt chain; starting from step 0",
     )
     return None
+
+
+def adopt(
+    previous: Completed, directory: Path | None, progress: Progress, events: EventLog
+) -> CheckpointRecord | None:
+    """Resuming a completed attempt trains nothing and reports the same final state: its
+    export copied whole into ``directory`` (None: not the writing process), its progress
+    taken over; returns its last checkpoint."""
+    source_export = previous.directory / EXPORT
+    if source_export.is_dir() and directory is not None:
+        export.write_whole(directory / EXPORT, lambda part: shutil.copytree(source_export, part))
+    result = previous.result
+    progress.steps_completed = result["steps_completed"]
+    progress.metrics = result.get("metrics", {})
+    progress.inputs = result.get("inputs", [])
+    progress.final_state_hash = result.get("final_state_hash")
+    events.emit(
+        "already_completed",
+        attempt=str(previous.directory),
+        final_state_hash=result.get("final_state_hash"),
+    )
+    return CheckpointRecord.from_dict(result.get("checkpoint"))

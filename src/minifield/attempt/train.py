@@ -5,17 +5,8 @@ files are named in :mod:`~minifield.attempt.layout`). Resuming reads a previous 
 directory (and, through ``attempt.json``, the chain of attempts before it) and never
 writes into it.
 
-This module is the orchestrator; each concern has its own module:
-
-- :mod:`~minifield.attempt.setup` — the directory, ``attempt.json``, everything before the
-  first update, and the processes' agreement on it;
-- :mod:`~minifield.attempt.resume` — checking, adopting or restoring from a previous attempt;
-- :mod:`~minifield.attempt.device_check` — whether the visible devices fit the recipe;
-- :mod:`~minifield.attempt.stopping` — preemption (signals, a closed stdout), limits, the vote;
-- :mod:`~minifield.attempt.update_loop` — the loop, with hooks for checkpoints, evaluation, faults;
-- :mod:`~minifield.attempt.checkpoint_cadence` — when and by whom checkpoints are committed;
-- :mod:`~minifield.attempt.faults` — fault injection for tests and qualification;
-- :mod:`~minifield.attempt.result` — endings, exit codes and ``result.json``.
+This module is the orchestrator; each concern has its own module in this package (the
+README's module map names them).
 
 A multi-process attempt (:mod:`minifield.supervision.distributed`) runs this same program in
 every process, each on its part of the device mesh. Only process 0 writes: the
@@ -31,23 +22,21 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from .. import atomic
 from ..recipe import Recipe
 from ..state import export
-from ..state.checkpoint import CheckpointRecord
-from ..supervision import distributed
-from . import environment
+from . import endings, environment, resume
 from . import result as attempt_result
 from . import setup as attempt_setup
-from .checkpoint_cadence import CheckpointCadence
+from .checkpoint_cadence import CheckpointCadence, fault_hook
 from .checkpoint_writer import CheckpointWriteError
 from .events import EventLog, write_line
 from .faults import Faults
 from .layout import CHECKPOINTS, EVENTS, EXPORT, RESULT
+from .options import Options, enable_compilation_cache
 from .result import (
     EXIT_COMPLETED,
     EXIT_FAILED,
@@ -64,7 +53,6 @@ from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
 from .stopping import Preempt, Stopping
 from .update_loop import (
     Diverged,
-    Hook,
     HostSnapshot,
     Stopped,
     UpdateLoop,
@@ -87,38 +75,6 @@ __all__ = [
     "new_attempt_id",
     "run",
 ]
-
-
-@dataclass
-class Options:
-    input_root: Path
-    output_root: Path
-    resume_from: Path | None = None
-    attempt_id: str | None = None
-    examples_dir: Path | None = None
-    allow_environment_change: bool = False
-    #: the per-update state-hash cadence: True/1 every update, K every K updates,
-    #: False/"checkpoint" none (checkpoint manifests always carry the hash)
-    record_state_hashes: bool | int | str = False
-    #: JAX persistent compilation cache directory (None: no persistent cache)
-    compilation_cache: Path | None = None
-    #: operational step limit (qualification runs): end after this many updates with a
-    #: committed checkpoint and ``limit_reached``; not part of the recipe or its digest
-    stop_after_step: int | None = None
-    faults: Faults = field(default_factory=Faults)
-    #: the processes of this attempt (one, unless started with ``--distributed``)
-    group: distributed.Group = field(default_factory=distributed.Group)
-
-
-def enable_compilation_cache(directory: Path) -> None:
-    """Persist every compiled executable under ``directory`` (even fast compiles), so a
-    resumed attempt loads its step function instead of compiling it again."""
-    import jax
-
-    directory.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class Attempt:
@@ -194,7 +150,11 @@ class Attempt:
             return self._finish(Ending.failed(outcome.error, outcome.code))
         try:
             if isinstance(outcome, AdoptCompleted):
-                ending = self._adopt(outcome.previous)
+                self.checkpoints.newest = resume.adopt(
+                    outcome.previous, self.dir if self.options.group.is_writer else None,
+                    self.progress, self.events,
+                )  # fmt: skip
+                ending = Ending.completed()
             else:
                 ending = self._train(outcome)
         except CheckpointWriteError as exc:
@@ -204,32 +164,11 @@ class Attempt:
             ending = _failure(AttemptError("export", str(exc)), exc)
         except Diverged as exc:
             self._settle_checkpoints()
-            ending = self._diverged(exc)
+            ending = endings.diverged(exc, self.checkpoints.newest, self.events, self.say)
         except Exception as exc:  # noqa: BLE001 - every failure must end in a result.json
             self._settle_checkpoints()
             ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
         return self._finish(ending)
-
-    def _diverged(self, exc: Diverged) -> Ending:
-        """A non-finite update ends the attempt failed: nothing of that state is kept (no
-        checkpoint, no export); the reason names the update and the last committed checkpoint,
-        whose state was reached by updates all seen finite."""
-        newest = self.checkpoints.newest
-        if newest is None:
-            last = "no checkpoint was committed"
-        else:
-            last = f"the last finite state is the committed checkpoint of step {newest.step}"
-            last += f" ({newest.path})" if newest.path else ""
-        self.events.emit(
-            "diverged",
-            step=exc.step,
-            metric=exc.metric,
-            value=str(exc.value),
-            checkpoint=newest.as_dict() if newest else None,
-        )
-        self.say(f"{exc}; {last}")
-        message = f"{exc}: training diverged; {last}; nothing was exported"
-        return Ending.failed(AttemptError("diverged", message))
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the
@@ -238,24 +177,6 @@ class Attempt:
             self.checkpoints.wait()
         except CheckpointWriteError as exc:
             self.say(str(exc))
-
-    def _adopt(self, previous) -> Ending:
-        """Resuming a completed attempt trains nothing and reports the same final state."""
-        source_export = previous.directory / EXPORT
-        if source_export.is_dir() and self.options.group.is_writer:
-            export.write_whole(self.dir / EXPORT, lambda part: shutil.copytree(source_export, part))
-        result = previous.result
-        self.progress.steps_completed = result["steps_completed"]
-        self.progress.metrics = result.get("metrics", {})
-        self.progress.inputs = result.get("inputs", [])
-        self.progress.final_state_hash = result.get("final_state_hash")
-        self.checkpoints.newest = CheckpointRecord.from_dict(result.get("checkpoint"))
-        self.events.emit(
-            "already_completed",
-            attempt=str(previous.directory),
-            final_state_hash=result.get("final_state_hash"),
-        )
-        return Ending.completed()
 
     def _train(self, ready: attempt_setup.ReadyToTrain) -> Ending:
         program = ready.program
@@ -325,32 +246,29 @@ class Attempt:
         return Ending.completed()
 
     def _finish(self, ending: Ending) -> int:
-        """Say how the attempt ended: the last event and ``result.json``.
-
-        The space held back since the start is given back first, so that a disk another
-        process filled still takes these. What the disk still refuses is said on stderr; an
-        ending that could not be recorded in full becomes ``io_failed`` (phase ``finish``)."""
-        if self.options.group.is_writer:
-            attempt_setup.release_reserve(self.dir)
+        """Say how the attempt ended (:func:`~minifield.attempt.endings.record`)."""
+        writer = self.options.group.is_writer
+        if writer:
+            attempt_setup.release_reserve(self.dir)  # held since the start for these last words
         try:
-            refused = atomic.io_refusal(lambda: self._emit_ending(ending))
-            if refused is not None:
-                self.say(f"the attempt's last event was not written: {refused}")
-                if ending.status != "io_failed":
-                    ending = Ending.io_failed(
-                        AttemptError(
-                            "finish", f"the {ending.status} ending was not recorded: {refused}"
-                        )
-                    )
-            refused = atomic.io_refusal(lambda: self._write_result(ending))
-            if refused is not None:
-                self.say(f"{ending.status}, but {RESULT} was not written: {refused}")
-                ending = Ending.io_failed(AttemptError("finish", str(refused)))
+            ending = endings.record(
+                ending,
+                self.events,
+                self.progress,
+                result_file=self.dir / RESULT if writer else None,
+                document=lambda final: attempt_result.document(
+                    final,
+                    self.progress,
+                    self.checkpoints.newest,
+                    recipe=self.recipe,
+                    attempt_id=self.attempt_id,
+                    env=self.env,
+                    resumed_from=self.options.resume_from,
+                    started=self.started,
+                ),
+                say=self.say,
+            )
         finally:
-            try:
-                self.events.close()
-            except OSError as exc:
-                self.say(str(exc))
             self.stopping.preemption.restore()
         if ending.status == "io_failed":
             self.say(
@@ -359,51 +277,6 @@ class Attempt:
             )
         self.ending = ending
         return ending.code
-
-    def _emit_ending(self, ending: Ending) -> None:
-        if ending.status == "completed":
-            self.events.emit(
-                "completed",
-                durable=True,
-                steps=self.progress.steps_completed,
-                final_state_hash=self.progress.final_state_hash,
-            )
-        elif ending.status == "failed":
-            self.events.emit("failed", durable=True, **ending.error.as_dict())
-        elif ending.status == "io_failed":
-            self.events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
-
-    def _write_result(self, ending: Ending) -> None:
-        if not self.options.group.is_writer:
-            return
-        result = attempt_result.document(
-            ending,
-            self.progress,
-            self.checkpoints.newest,
-            recipe=self.recipe,
-            attempt_id=self.attempt_id,
-            env=self.env,
-            resumed_from=self.options.resume_from,
-            started=self.started,
-        )
-        atomic.write_json(self.dir / RESULT, result)
-
-
-def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
-    """The injected fault after its update (tests and the recovery proof)."""
-
-    def settle(step: int) -> None:
-        # which checkpoint survives the injected crash (or a kill once the update before
-        # the stall is seen) must not depend on how far a background write got (a SIGKILL
-        # mid-write and --kill-during-checkpoint test that): the checkpoints taken before
-        # update K are committed before update K is reported
-        checkpoints.wait()
-
-    return Hook(
-        faults.after_update,
-        due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
-        settle=settle,
-    )
 
 
 def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:

@@ -1,0 +1,86 @@
+"""How an attempt's ending is said: the ending of a divergence, the last event and
+``result.json``, written even on a disk another process filled (what is still refused is said
+on stderr, and the ending becomes ``io_failed``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import atomic
+from ..state.checkpoint import CheckpointRecord
+from .events import EventLog
+from .result import AttemptError, Ending, Progress
+from .update_loop import Diverged
+
+
+def diverged(
+    exc: Diverged, newest: CheckpointRecord | None, events: EventLog, say: Callable[[str], None]
+) -> Ending:
+    """A non-finite update ends the attempt failed: nothing of that state is kept (no
+    checkpoint, no export); the reason names the update and the last committed checkpoint,
+    whose state was reached by updates all seen finite."""
+    if newest is None:
+        last = "no checkpoint was committed"
+    else:
+        last = f"the last finite state is the committed checkpoint of step {newest.step}"
+        last += f" ({newest.path})" if newest.path else ""
+    events.emit(
+        "diverged",
+        step=exc.step,
+        metric=exc.metric,
+        value=str(exc.value),
+        checkpoint=newest.as_dict() if newest else None,
+    )
+    say(f"{exc}; {last}")
+    message = f"{exc}: training diverged; {last}; nothing was exported"
+    return Ending.failed(AttemptError("diverged", message))
+
+
+def record(
+    ending: Ending,
+    events: EventLog,
+    progress: Progress,
+    *,
+    result_file: Path | None,
+    document: Callable[[Ending], dict],
+    say: Callable[[str], None],
+) -> Ending:
+    """The last event, then ``result_file`` (None: not the writing process), then the event
+    log closed. Returns the ending as recorded: an ending that could not be recorded in full
+    becomes ``io_failed`` (phase ``finish``)."""
+    try:
+        refused = atomic.io_refusal(lambda: _emit(ending, events, progress))
+        if refused is not None:
+            say(f"the attempt's last event was not written: {refused}")
+            if ending.status != "io_failed":
+                error = AttemptError(
+                    "finish", f"the {ending.status} ending was not recorded: {refused}"
+                )
+                ending = Ending.io_failed(error)
+        if result_file is not None:
+            final = ending
+            refused = atomic.io_refusal(lambda: atomic.write_json(result_file, document(final)))
+            if refused is not None:
+                say(f"{ending.status}, but {result_file.name} was not written: {refused}")
+                ending = Ending.io_failed(AttemptError("finish", str(refused)))
+    finally:
+        try:
+            events.close()
+        except OSError as exc:
+            say(str(exc))
+    return ending
+
+
+def _emit(ending: Ending, events: EventLog, progress: Progress) -> None:
+    if ending.status == "completed":
+        events.emit(
+            "completed",
+            durable=True,
+            steps=progress.steps_completed,
+            final_state_hash=progress.final_state_hash,
+        )
+    elif ending.status == "failed":
+        events.emit("failed", durable=True, **ending.error.as_dict())
+    elif ending.status == "io_failed":
+        events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
