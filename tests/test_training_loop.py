@@ -255,7 +255,8 @@ FILE_SIZE_LIMIT = 96 * 1024
 def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path(sft_space):
     """Checkpoint 2 is committed; then the worker's files may no longer grow past 96 KiB
     (as a full disk would refuse them), so checkpoint 4's background write fails: the
-    attempt fails (exit 1) with an error naming the file, checkpoint 4 is never reported or
+    attempt ends ``io_failed`` (exit 5: the output could not be written, resumable) with an
+    error naming the file, checkpoint 4 is never reported or
     committed, checkpoint 2 is intact, and a resume from it repeats updates 3 and 4 bit for
     bit."""
     out = sft_space["tmp"] / "out"
@@ -288,14 +289,15 @@ def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path
             limited = True
     _, stderr = proc.communicate(timeout=300)
     assert limited
-    assert proc.returncode == 1, stderr[-3000:]
+    assert proc.returncode == 5, stderr[-3000:]
     result = json.loads((attempt / "result.json").read_text())
-    assert result["status"] == "failed" and result["error"]["phase"] == "checkpoint"
+    assert result["status"] == "io_failed" and result["error"]["phase"] == "checkpoint"
     message = result["error"]["message"]
     assert "checkpoint of step 4" in message and "File too large" in message
     assert str(attempt / "checkpoints" / ".tmp-step-00000004-") in message
     events = read_events(attempt / "events.jsonl")
     assert events[-1]["type"] == "failed" and events[-1]["message"] == message
+    assert events[-1]["status"] == "io_failed"
     assert [e["step"] for e in events if e["type"] == "checkpoint_committed"] == [2]
     assert checkpoint.committed_steps(attempt / "checkpoints") == [2]
     assert not list((attempt / "checkpoints").glob(".tmp-*"))  # cleaned up after the error
