@@ -311,6 +311,14 @@ def _forked_delivery(config: Path, attempt: Path):
     return process
 
 
+def _cursor_path(state_dir: Path, uri: str, experiment: str) -> Path:
+    """The premade attempt's cursor: kept per destination (server and experiment)."""
+    destination = settings.from_config(
+        {"tracking": {"enabled": True, "uri": uri, "experiment": experiment}}
+    ).destination
+    return state_dir / "destinations" / destination / "attempts" / "a-premade.json"
+
+
 def test_delivery_killed_at_random_points_resumes_exactly_once(tmp_path, client, server):
     attempt = _premade_attempt(tmp_path, updates=160)  # 21 batches of 8 events
     config = _config(tmp_path / "config.yaml", server, "kills", tmp_path / "state")
@@ -328,7 +336,7 @@ def test_delivery_killed_at_random_points_resumes_exactly_once(tmp_path, client,
     process.wait(timeout=300)
     assert process.returncode == -signal.SIGKILL
     kills += 1
-    cursor_path = tmp_path / "state" / "attempts" / "a-premade.json"
+    cursor_path = _cursor_path(tmp_path / "state", server, "kills")
     while kills < 12:
         # A forked delivering process (the CLI's code, MLflow already imported: no start-up
         # cost), SIGKILLed after a random number of accepted batches plus a random delay.
@@ -357,7 +365,7 @@ def test_delivery_killed_at_random_points_resumes_exactly_once(tmp_path, client,
     assert (
         run.info.status == "FINISHED" and run.data.tags["minifield.attempt_status"] == "completed"
     )
-    cursor = json.loads((tmp_path / "state" / "attempts" / "a-premade.json").read_text())
+    cursor = json.loads(cursor_path.read_text())
     assert cursor["delivered_seq"] == 160 and cursor["inflight"] is None
 
 
@@ -374,7 +382,7 @@ def test_a_refused_request_is_a_clear_failure_not_a_retry(tmp_path, server):
     out, err = process.communicate(timeout=300)
     assert process.returncode == 2, (out, err)
     assert "refused log metrics (HTTP 400)" in err
-    cursor = json.loads((tmp_path / "state" / "attempts" / "a-premade.json").read_text())
+    cursor = json.loads(_cursor_path(tmp_path / "state", server, "refused").read_text())
     assert cursor["delivered_seq"] == -1 and cursor["inflight"] is not None  # not advanced
 
 
