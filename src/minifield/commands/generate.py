@@ -49,7 +49,7 @@ def _ordinal(number: int) -> str:
 
 
 def run(args) -> int:
-    from ..strategies.packed_sft.strategy import ExportedModel
+    from ..strategies.packed_sft.exported import ExportedModel
 
     try:
         prompts = _prompts(args.prompt, sys.stdin)

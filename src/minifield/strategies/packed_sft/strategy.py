@@ -24,7 +24,6 @@ import numpy as np
 from ..base import Program, Strategy
 from . import base_model, evaluator, execution, exported, lora, packing, settings, sft_data
 from . import tokenizer as tokenizers
-from .exported import ExportedModel  # noqa: F401 (commands/generate.py imports it from here)
 from .program import PackedSFTProgram
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
