@@ -260,7 +260,7 @@ def test_an_export_keeps_every_field_of_the_base_config(long_base, tmp_path, lor
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (directory / name).read_bytes() == (long_base / "base" / name).read_bytes(), name
     # it loads back (the project's loader, at the run's rows) to the model the run evaluated
-    from minifield.strategies.packed_sft.strategy import ExportedModel
+    from minifield.strategies.packed_sft.exported import ExportedModel
 
     back = ExportedModel(directory)
     assert back.cfg == program.cfg and back.cfg.max_len == 64
