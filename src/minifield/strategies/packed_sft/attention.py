@@ -111,6 +111,17 @@ def pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, block_sizes=N
     return out_BxTxHxK.astype(dtype).reshape(B, T, H * K)
 
 
+def window_mask(mask, q_positions_BxT, k_positions_BxS, window: int | None):
+    """``mask`` (a dense ``[B, 1, T, S]`` one) restricted to a sliding window: query at
+    position p sees key position s only if ``s > p - window`` (transformers' sliding-window
+    mask, the query itself included), positions within the segment. ``window`` None, or a
+    fused kernel's segment ids (which the config refuses a binding window for): unchanged."""
+    if window is None or mask.ndim == 2:
+        return mask
+    near_BxTxS = k_positions_BxS[:, None, :] > q_positions_BxT[:, :, None] - window
+    return mask & near_BxTxS[:, None]
+
+
 def packed_mask(cfg, segments_BxT):
     """What a layer's attention needs besides q, k, v, built once per forward: the dense
     ``[B, 1, T, T]`` mask for the XLA path, the ``[B, T]`` segment ids for the fused one."""

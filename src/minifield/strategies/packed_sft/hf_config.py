@@ -14,19 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import rotary
+from .families import ARCHITECTURES, FAMILIES, FULL, QWEN_MAX_WINDOW_LAYERS, SLIDING, family_of
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from .llama import LlamaConfig
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` -> the HF causal-LM class of that type (``architectures`` entry)
-MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-#: HF ``architectures`` entry -> ``model_type``
-ARCHITECTURES = {arch: model_type for model_type, arch in MODEL_TYPES.items()}
+MODEL_TYPES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
 
 
 class CheckpointError(ValueError):
@@ -115,16 +110,37 @@ def _refuse_unsupported(fields: _Fields, arch: str) -> None:
         fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
     if fields.get("mlp_bias", "boolean", False):
         fields.refuse("mlp_bias true is not supported")
-    if arch != "Qwen2ForCausalLM" and fields.get("attention_bias", "boolean", False):
+    family = FAMILIES[ARCHITECTURES[arch]]
+    if family.attention_bias_field and fields.get("attention_bias", "boolean", False):
         fields.refuse("attention_bias true (an o_proj bias) is not supported")
-    if arch == "Qwen2ForCausalLM" and fields.get("use_sliding_window", "boolean", False):
-        fields.refuse("use_sliding_window true is not supported")
+
+
+def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tuple]:
+    """``(sliding_window, layer_types)`` as the family reads them (see :mod:`.families`)."""
+    family = FAMILIES[ARCHITECTURES[arch]]
     window = fields.get("sliding_window", "integer", None)
-    max_pos = fields.get("max_position_embeddings", "count", None)
-    if arch == "MistralForCausalLM" and window is not None and window < (max_pos or 0):
+    if window is not None and window < 1:
+        fields.refuse(f"sliding_window must be a positive integer, found {window!r}")
+    if family.sliding == "all":
+        # a window reaching every position the model has is no window (Mistral's own configs)
+        max_pos = fields.get("max_position_embeddings", "count", None)
+        return (window, ()) if window is not None and window < (max_pos or 0) else (None, ())
+    if family.sliding != "qwen" or not fields.get("use_sliding_window", "boolean", False):
+        return None, ()
+    if "sliding_window" not in fields.hf:
+        window = 4096  # transformers' Qwen default when the key is absent (null: no window)
+    types = fields.get("layer_types", "strings", None)
+    if types is None:
+        first_sliding = fields.get("max_window_layers", "integer", QWEN_MAX_WINDOW_LAYERS)
+        types = [SLIDING if i >= first_sliding else FULL for i in range(n_layers)]
+    elif len(types) != n_layers or not set(types) <= {SLIDING, FULL}:
         fields.refuse(
-            f"sliding_window {window} < max_position_embeddings {max_pos} is not supported"
+            f"layer_types must be {n_layers} (num_hidden_layers) of {SLIDING!r}, {FULL!r}; "
+            f"found {types!r}"
         )
+    if window is None or SLIDING not in types:
+        return None, ()
+    return window, () if set(types) == {SLIDING} else tuple(types)
 
 
 def config_from_hf(
@@ -135,21 +151,22 @@ def config_from_hf(
 
     fields = _Fields(hf, source)
     arch = _architecture(fields)
+    family = FAMILIES[ARCHITECTURES[arch]]
     _refuse_unsupported(fields, arch)
     heads = fields.get("num_attention_heads", "count")
     hidden = fields.get("hidden_size", "count")
-    head_dim = fields.get("head_dim", "count", None)
-    if head_dim not in (None, hidden // heads):
-        fields.refuse(f"head_dim {head_dim} != hidden_size / num_attention_heads")
+    head_dim = fields.get("head_dim", "count", family.default_head_dim)
     max_positions = fields.get("max_position_embeddings", "count", None)
     if max_len is None:
         max_len = fields.get("max_position_embeddings", "count")
     scaling = fields.get("rope_scaling", "object", None)
     scaling = () if scaling is None else rotary.read(scaling, fields.refuse, max_len, max_positions)
+    n_layers = fields.get("num_hidden_layers", "count")
+    window, layer_types = _window(fields, arch, n_layers)
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
-        "n_layers": fields.get("num_hidden_layers", "count"),
+        "n_layers": n_layers,
         "n_heads": heads,
         "n_kv_heads": fields.get("num_key_value_heads", "count", heads),
         "d_ff": fields.get("intermediate_size", "count"),
@@ -161,20 +178,25 @@ def config_from_hf(
     try:
         return LlamaConfig(
             **sizes,
-            qkv_bias=arch == "Qwen2ForCausalLM",
+            qkv_bias=family.qkv_bias,
             compute_dtype=compute_dtype,
             rope_scaling=scaling,
+            head_dim=head_dim,
+            qk_norm=family.qk_norm,
+            sliding_window=window,
+            layer_types=layer_types,
         )
     except ValueError as e:  # the model's own checks (heads dividing, positive sizes, ...)
         fields.refuse(str(e))
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
-    """``config.json`` for an export: Qwen2 when the model has q/k/v biases, else Llama."""
-    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
-    return {
-        "architectures": [arch],
-        "model_type": ARCHITECTURES[arch],
+    """``config.json`` for an export without a base model's: the simplest family that holds
+    the model (:func:`.families.family_of`)."""
+    family = family_of(cfg)
+    out = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -192,3 +214,12 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32",
     }
+    if cfg.sliding_window is not None:
+        if not family.sliding:
+            raise ValueError(f"no HF family holds {cfg} (per-layer windows without qwen's biases)")
+        out["sliding_window"] = cfg.sliding_window
+    if cfg.sliding_window is not None and family.sliding == "qwen":
+        types = list(cfg.layer_types) or [SLIDING] * cfg.n_layers
+        full = next((i for i, t in enumerate(types) if t == SLIDING), cfg.n_layers)
+        out.update(use_sliding_window=True, max_window_layers=full, layer_types=types)
+    return out

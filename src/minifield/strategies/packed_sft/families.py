@@ -1,0 +1,185 @@
+"""The Llama-style model families an HF checkpoint may be: per family its HF class, what its
+``config.json`` means for the architecture, and the one table of its tensor names.
+
+A family is chosen by ``model_type`` (:mod:`.hf_config` reads the fields). What differs:
+
+==========  ====================  =========  =======  ===============  =========================
+model_type  class                 qkv bias   q/k norm absent head_dim  sliding window
+==========  ====================  =========  =======  ===============  =========================
+llama       LlamaForCausalLM      no         no       hidden / heads   none
+mistral     MistralForCausalLM    no         no       hidden / heads   every layer
+qwen2       Qwen2ForCausalLM      yes        no       hidden / heads   ``use_sliding_window``
+qwen3       Qwen3ForCausalLM      no         yes      128              ``use_sliding_window``
+==========  ====================  =========  =======  ===============  =========================
+
+``use_sliding_window`` (Qwen): the window applies to the layers ``layer_types`` marks
+``sliding_attention``; without ``layer_types``, to layers ``i >= max_window_layers`` (absent:
+28), as transformers' Qwen configs compute it.
+
+:data:`NAME_TABLE` maps HF (PyTorch) tensor names to this project's parameter paths (see
+:mod:`.llama`). ``transpose`` marks a ``torch.nn.Linear`` weight, which PyTorch stores
+``[out, in]`` and :mod:`.llama` holds ``[in, out]``. This module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
+    from .llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one ``model_type`` means (see the module's table)."""
+
+    model_type: str
+    architecture: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    #: ``head_dim`` when config.json has none (None: hidden_size / num_attention_heads)
+    default_head_dim: int | None = None
+    #: how ``sliding_window`` is read: "" (refused when it binds), "all" (every layer),
+    #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names)
+    sliding: str = ""
+    #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
+    #: q/k/v biases are the family's own, it has no such field)
+    attention_bias_field: bool = True
+
+
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LlamaForCausalLM"),
+        Family("mistral", "MistralForCausalLM", sliding="all"),
+        Family(
+            "qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding="qwen", attention_bias_field=False
+        ),
+        Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, default_head_dim=128, sliding="qwen"),
+    )
+}
+#: HF ``architectures`` entry -> ``model_type``
+ARCHITECTURES = {f.architecture: f.model_type for f in FAMILIES.values()}
+#: ``layer_types`` values: a layer with the window, and one attending to its whole segment
+SLIDING, FULL = "sliding_attention", "full_attention"
+#: transformers' Qwen2/Qwen3 ``max_window_layers`` when config.json has none
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def family_of(cfg: LlamaConfig) -> Family:
+    """The family an export of ``cfg`` without a base model's ``config.json`` is written as:
+    the simplest one that holds every feature it has."""
+    if cfg.qk_norm:
+        return FAMILIES["qwen3"]
+    if cfg.qkv_bias:
+        return FAMILIES["qwen2"]
+    if cfg.sliding_window is not None and not cfg.layer_types:
+        return FAMILIES["mistral"]
+    return FAMILIES["llama"]
+
+
+# HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
+NAME_TABLE = [
+    ("model.embed_tokens.weight",                        "embed/tokens",              False),
+    ("model.layers.{i}.input_layernorm.weight",          "blocks/{i}/attn_norm/scale", False),
+    ("model.layers.{i}.self_attn.q_proj.weight",         "blocks/{i}/attn/wq",        True),
+    ("model.layers.{i}.self_attn.k_proj.weight",         "blocks/{i}/attn/wk",        True),
+    ("model.layers.{i}.self_attn.v_proj.weight",         "blocks/{i}/attn/wv",        True),
+    ("model.layers.{i}.self_attn.q_proj.bias",           "blocks/{i}/attn/bq",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.k_proj.bias",           "blocks/{i}/attn/bk",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.v_proj.bias",           "blocks/{i}/attn/bv",        False),  # qkv_bias
+    ("model.layers.{i}.self_attn.q_norm.weight",         "blocks/{i}/attn/q_norm",    False),  # qk_norm
+    ("model.layers.{i}.self_attn.k_norm.weight",         "blocks/{i}/attn/k_norm",    False),  # qk_norm
+    ("model.layers.{i}.self_attn.o_proj.weight",         "blocks/{i}/attn/wo",        True),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),
+    ("model.layers.{i}.mlp.gate_proj.weight",            "blocks/{i}/mlp/w_gate",     True),
+    ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
+    ("model.layers.{i}.mlp.down_proj.weight",            "blocks/{i}/mlp/w_down",     True),
+    ("model.norm.weight",                                "final_norm/scale",          False),
+    ("lm_head.weight",                                   "head/w",                    True),  # untied
+]  # fmt: skip
+
+
+def param_shape(cfg: LlamaConfig, path: str) -> tuple[int, ...]:
+    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
+    D, F, V, K = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
+    HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
+    leaf = path.rsplit("/", 2)
+    kind = "/".join(leaf[-2:])
+    return {
+        "embed/tokens": (V, D),
+        "attn_norm/scale": (D,),
+        "mlp_norm/scale": (D,),
+        "final_norm/scale": (D,),
+        "attn/wq": (D, HK),
+        "attn/wk": (D, GK),
+        "attn/wv": (D, GK),
+        "attn/bq": (HK,),
+        "attn/bk": (GK,),
+        "attn/bv": (GK,),
+        "attn/q_norm": (K,),
+        "attn/k_norm": (K,),
+        "attn/wo": (HK, D),
+        "mlp/w_gate": (D, F),
+        "mlp/w_up": (D, F),
+        "mlp/w_down": (F, D),
+        "head/w": (D, V),
+    }[kind]
+
+
+#: parameter kind -> the config.json fields its shape comes from (named when it disagrees)
+_SHAPE_FIELDS = {
+    "embed/tokens": "vocab_size, hidden_size",
+    "attn/wq": "hidden_size, num_attention_heads x head_dim",
+    "attn/wk": "hidden_size, num_key_value_heads x head_dim",
+    "attn/wv": "hidden_size, num_key_value_heads x head_dim",
+    "attn/bq": "num_attention_heads x head_dim",
+    "attn/bk": "num_key_value_heads x head_dim",
+    "attn/bv": "num_key_value_heads x head_dim",
+    "attn/q_norm": "head_dim",
+    "attn/k_norm": "head_dim",
+    "attn/wo": "num_attention_heads x head_dim, hidden_size",
+    "mlp/w_gate": "hidden_size, intermediate_size",
+    "mlp/w_up": "hidden_size, intermediate_size",
+    "mlp/w_down": "intermediate_size, hidden_size",
+    "head/w": "hidden_size, vocab_size",
+}
+
+
+def shape_fields(path: str, transpose: bool) -> str:
+    """The ``config.json`` fields an internal parameter's HF shape comes from, in its order."""
+    fields = _SHAPE_FIELDS.get("/".join(path.rsplit("/", 2)[-2:]), "hidden_size").split(", ")
+    return ", ".join(fields[::-1] if transpose else fields)
+
+
+def _present(cfg: LlamaConfig, internal: str) -> bool:
+    """Whether ``cfg``'s model has the parameter of a :data:`NAME_TABLE` row."""
+    if internal.endswith(("/bq", "/bk", "/bv")):
+        return cfg.qkv_bias
+    if internal.endswith(("/q_norm", "/k_norm")):
+        return cfg.qk_norm
+    if internal == "head/w":
+        return not cfg.tie_embeddings
+    return True
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+    """HF name -> (internal path, transpose, HF shape) for every tensor ``cfg`` has."""
+    out = {}
+    for hf, internal, transpose in NAME_TABLE:
+        if not _present(cfg, internal):
+            continue
+        layers = range(cfg.n_layers) if "{i}" in hf else [None]
+        for i in layers:
+            name = hf if i is None else hf.format(i=i)
+            path = internal if i is None else internal.format(i=f"{i:02d}")
+            shape = param_shape(cfg, path)
+            out[name] = (path, transpose, shape[::-1] if transpose else shape)
+    return out
+
+
+def fp32_bytes(cfg: LlamaConfig) -> int:
+    """Bytes of the FP32 parameters (for memory figures)."""
+    return 4 * sum(math.prod(s) for _, _, s in expected_tensors(cfg).values())
