@@ -401,3 +401,31 @@ def test_the_fused_kernel_refuses_a_window_that_binds():
     mixed = hf_config.config_from_hf(QWEN2, max_len=32)
     with pytest.raises(ValueError, match=r"model.scan_layers: layers with and without"):
         dataclasses.replace(mixed, execution=Execution(scan_layers=True))
+
+
+# -- recipes ----------------------------------------------------------------------------------
+
+
+def test_recipe_fields_keep_the_digest_when_spelled_at_their_absent_value():
+    from test_llama import _recipe
+
+    from minifield import recipe as recipes
+    from minifield.strategies.packed_sft import settings
+
+    base = {"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64}
+    plain = recipes.validate(_recipe(base))
+    assert not {"head_dim", "qk_norm", "sliding_window"} & set(plain.data["model"])
+    spelled = recipes.validate(_recipe({**base, "head_dim": 8, "qk_norm": False}))
+    assert spelled.computation_digest == plain.computation_digest
+    qwen3_like = recipes.validate(_recipe({**base, "head_dim": 12, "qk_norm": True}))
+    windowed = recipes.validate(_recipe({**base, "sliding_window": 4}))
+    digests = {r.computation_digest for r in (plain, qwen3_like, windowed)}
+    assert len(digests) == 3
+    cfg = settings.model_config(qwen3_like.data, vocab_size=260)
+    assert (cfg.head_dim, cfg.qk_norm, cfg.sliding_window) == (12, True, None)
+    assert settings.model_config(windowed.data, vocab_size=260).sliding_window == 4
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(_recipe({"d_model": 32, "n_heads": 2, "sliding_window": 4}))
+    assert {e["path"]: e["message"] for e in info.value.errors} == {
+        "/model/sliding_window": "only for model.architecture llama"
+    }

@@ -45,6 +45,9 @@ BASE_CONFIG_FIELDS = {
     "norm_eps": ("norm_eps", "rms_norm_eps"),
     "qkv_bias": ("qkv_bias", "architectures (Qwen2: q/k/v biases)"),
     "tie_embeddings": ("tie_embeddings", "tie_word_embeddings"),
+    "head_dim": ("head_dim", "head_dim"),
+    "qk_norm": ("qk_norm", "model_type (Qwen3: q/k norms)"),
+    "sliding_window": ("sliding_window", "sliding_window"),
 }
 
 
