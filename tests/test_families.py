@@ -61,6 +61,15 @@ QWEN3 = {
     "attention_bias": False,
     "rope_theta": 1000000.0,
 }
+PHI3 = {
+    **BASE,
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",
+    "sliding_window": 5,  # Phi-3-mini-4k: 2047 of 4096
+    "original_max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": None,
+}
 CONFIGS = {
     "mistral-window": MISTRAL,
     "qwen2-window-layer-1": QWEN2,
@@ -72,6 +81,7 @@ CONFIGS = {
         "sliding_window": 3,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    "phi3-window": PHI3,
 }
 ROWS = [[1, 5, 7, 9, 11, 13, 2, 60, 3, 3, 40, 17], [56, 0, 4, 8, 15, 16, 23, 42, 8, 1, 9, 30]]
 
@@ -109,6 +119,11 @@ def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
         t[p + "mlp.gate_proj.weight"] = w(F, D)
         t[p + "mlp.up_proj.weight"] = w(F, D)
         t[p + "mlp.down_proj.weight"] = w(D, F)
+        if hf["model_type"] == "phi3":  # one qkv_proj (rows q, k, v), one gate_up_proj
+            qkv = [t.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            t[p + "self_attn.qkv_proj.weight"] = np.concatenate(qkv)
+            gate_up = [t.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
+            t[p + "mlp.gate_up_proj.weight"] = np.concatenate(gate_up)
     if not hf["tie_word_embeddings"]:
         t["lm_head.weight"] = w(V, D)
     return t
@@ -124,7 +139,7 @@ def write_checkpoint(directory: Path, hf: dict, tensors: dict) -> Path:
 def layer_windows(hf: dict) -> list[int | None]:
     """Per layer the sliding window transformers applies (None: full causal attention)."""
     L = hf["num_hidden_layers"]
-    if hf["model_type"] == "mistral":
+    if hf["model_type"] in ("mistral", "phi3"):
         return [hf.get("sliding_window")] * L
     if not hf.get("use_sliding_window"):
         return [None] * L
@@ -157,10 +172,15 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     for i, window in enumerate(layer_windows(hf)):
         p = f"model.layers.{i}."
         h = rms(x, t[p + "input_layernorm.weight"])
-        q, k, v = (
-            h @ t[p + f"self_attn.{n}_proj.weight"].T + t.get(p + f"self_attn.{n}_proj.bias", 0.0)
-            for n in "qkv"
-        )
+        if p + "self_attn.qkv_proj.weight" in t:  # Phi-3: sliced by query_pos, as modeling_phi3
+            qkv = h @ t[p + "self_attn.qkv_proj.weight"].T
+            q, k, v = qkv[:, : H * K], qkv[:, H * K : (H + G) * K], qkv[:, (H + G) * K :]
+        else:
+            q, k, v = (
+                h @ t[p + f"self_attn.{n}_proj.weight"].T
+                + t.get(p + f"self_attn.{n}_proj.bias", 0.0)
+                for n in "qkv"
+            )
         q, k, v = q.reshape(T, H, K), k.reshape(T, G, K), v.reshape(T, G, K)
         if p + "self_attn.q_norm.weight" in t:  # Qwen3: per head, before rotary
             q, k = (
@@ -179,8 +199,10 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
         out = np.einsum("hts,shk->thk", probs, v).reshape(T, H * K)
         x = x + out @ t[p + "self_attn.o_proj.weight"].T
         h = rms(x, t[p + "post_attention_layernorm.weight"])
-        gate = h @ t[p + "mlp.gate_proj.weight"].T
-        up = h @ t[p + "mlp.up_proj.weight"].T
+        if p + "mlp.gate_up_proj.weight" in t:  # Phi-3: gate, up = chunk(2)
+            gate, up = np.split(h @ t[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
+        else:
+            gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
         x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
     x = rms(x, t["model.norm.weight"])
     return x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
@@ -374,6 +396,10 @@ def test_a_head_dim_that_does_not_match_the_tensors_is_named(tmp_path):
         (
             {**QWEN2, "layer_types": ["sliding_attention"]},
             r"layer_types must be 2 \(num_hidden_layers\) of 'sliding_attention', 'full_attention'",
+        ),
+        (
+            {**PHI3, "partial_rotary_factor": 0.75},
+            r"partial_rotary_factor 0.75 is not supported \(expected 1.0\)",
         ),
         (
             {**QWEN2, "layer_types": ["chunked_attention", "full_attention"]},

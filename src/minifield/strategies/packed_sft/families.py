@@ -10,7 +10,12 @@ llama       LlamaForCausalLM      no         no       hidden / heads   none
 mistral     MistralForCausalLM    no         no       hidden / heads   every layer
 qwen2       Qwen2ForCausalLM      yes        no       hidden / heads   ``use_sliding_window``
 qwen3       Qwen3ForCausalLM      no         yes      128              ``use_sliding_window``
+phi3        Phi3ForCausalLM       no         no       hidden / heads   every layer
 ==========  ====================  =========  =======  ===============  =========================
+
+Phi-3 stores q/k/v as one ``qkv_proj`` matrix (rows: queries, keys, values) and the MLP's gate
+and up as one ``gate_up_proj`` (rows: gate, then up): :data:`NAME_TABLE` maps each to a tuple
+of parameters, split on load and joined again on export (:func:`split`, :func:`join`).
 
 ``use_sliding_window`` (Qwen): the window applies to the layers ``layer_types`` marks
 ``sliding_attention``; without ``layer_types``, to layers ``i >= max_window_layers`` (absent:
@@ -44,6 +49,8 @@ class Family:
     #: how ``sliding_window`` is read: "" (refused when it binds), "all" (every layer),
     #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names)
     sliding: str = ""
+    #: q/k/v and gate/up stored as one matrix each (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+    fused_projections: bool = False
     #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
     #: q/k/v biases are the family's own, it has no such field)
     attention_bias_field: bool = True
@@ -58,6 +65,7 @@ FAMILIES = {
             "qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding="qwen", attention_bias_field=False
         ),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, default_head_dim=128, sliding="qwen"),
+        Family("phi3", "Phi3ForCausalLM", sliding="all", fused_projections=True),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -71,6 +79,8 @@ QWEN_MAX_WINDOW_LAYERS = 28
 def family_of(cfg: LlamaConfig) -> Family:
     """The family an export of ``cfg`` without a base model's ``config.json`` is written as:
     the simplest one that holds every feature it has."""
+    if cfg.fused_projections:
+        return FAMILIES["phi3"]
     if cfg.qk_norm:
         return FAMILIES["qwen3"]
     if cfg.qkv_bias:
@@ -79,6 +89,11 @@ def family_of(cfg: LlamaConfig) -> Family:
         return FAMILIES["mistral"]
     return FAMILIES["llama"]
 
+
+_QKV = ("blocks/{i}/attn/wq", "blocks/{i}/attn/wk", "blocks/{i}/attn/wv")
+_GATE_UP = ("blocks/{i}/mlp/w_gate", "blocks/{i}/mlp/w_up")
+#: the parameters a fused matrix holds (stored as separate matrices otherwise)
+_FUSED_PARTS = {"/".join(p.rsplit("/", 2)[-2:]) for p in _QKV + _GATE_UP}
 
 # HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
 NAME_TABLE = [
@@ -92,10 +107,12 @@ NAME_TABLE = [
     ("model.layers.{i}.self_attn.v_proj.bias",           "blocks/{i}/attn/bv",        False),  # qkv_bias
     ("model.layers.{i}.self_attn.q_norm.weight",         "blocks/{i}/attn/q_norm",    False),  # qk_norm
     ("model.layers.{i}.self_attn.k_norm.weight",         "blocks/{i}/attn/k_norm",    False),  # qk_norm
+    ("model.layers.{i}.self_attn.qkv_proj.weight",       _QKV,                        True),  # fused
     ("model.layers.{i}.self_attn.o_proj.weight",         "blocks/{i}/attn/wo",        True),
     ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),
     ("model.layers.{i}.mlp.gate_proj.weight",            "blocks/{i}/mlp/w_gate",     True),
     ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
+    ("model.layers.{i}.mlp.gate_up_proj.weight",         _GATE_UP,                    True),  # fused
     ("model.layers.{i}.mlp.down_proj.weight",            "blocks/{i}/mlp/w_down",     True),
     ("model.norm.weight",                                "final_norm/scale",          False),
     ("lm_head.weight",                                   "head/w",                    True),  # untied
@@ -148,14 +165,22 @@ _SHAPE_FIELDS = {
 }
 
 
-def shape_fields(path: str, transpose: bool) -> str:
-    """The ``config.json`` fields an internal parameter's HF shape comes from, in its order."""
-    fields = _SHAPE_FIELDS.get("/".join(path.rsplit("/", 2)[-2:]), "hidden_size").split(", ")
+def shape_fields(path, transpose: bool) -> str:
+    """The ``config.json`` fields an internal parameter's HF shape comes from, in its order
+    (of a fused matrix: its first part's, the outputs summed over its parts)."""
+    first = path if isinstance(path, str) else path[0]
+    fields = _SHAPE_FIELDS.get("/".join(first.rsplit("/", 2)[-2:]), "hidden_size").split(", ")
+    if not isinstance(path, str):
+        fields[-1] = "sum of " + "/".join(p.rsplit("/", 1)[-1] for p in path) + " outputs"
     return ", ".join(fields[::-1] if transpose else fields)
 
 
-def _present(cfg: LlamaConfig, internal: str) -> bool:
-    """Whether ``cfg``'s model has the parameter of a :data:`NAME_TABLE` row."""
+def _present(cfg: LlamaConfig, internal) -> bool:
+    """Whether ``cfg``'s checkpoint has the tensor of a :data:`NAME_TABLE` row."""
+    if isinstance(internal, tuple):
+        return cfg.fused_projections
+    if "/".join(internal.rsplit("/", 2)[-2:]) in _FUSED_PARTS:
+        return not cfg.fused_projections
     if internal.endswith(("/bq", "/bk", "/bv")):
         return cfg.qkv_bias
     if internal.endswith(("/q_norm", "/k_norm")):
@@ -174,10 +199,40 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, 
         layers = range(cfg.n_layers) if "{i}" in hf else [None]
         for i in layers:
             name = hf if i is None else hf.format(i=i)
-            path = internal if i is None else internal.format(i=f"{i:02d}")
-            shape = param_shape(cfg, path)
+            if isinstance(internal, tuple):  # fused: the parts' outputs one after another
+                path = tuple(p.format(i=f"{i:02d}") for p in internal)
+                shapes = [param_shape(cfg, p) for p in path]
+                shape = (shapes[0][0], sum(s[1] for s in shapes))
+            else:
+                path = internal if i is None else internal.format(i=f"{i:02d}")
+                shape = param_shape(cfg, path)
             out[name] = (path, transpose, shape[::-1] if transpose else shape)
     return out
+
+
+def split(cfg: LlamaConfig, path, value) -> list[tuple[str, object]]:
+    """``(internal path, array)`` of a tensor read in this project's ``[in, out]`` layout: one,
+    or for a fused matrix each part's columns (contiguous copies)."""
+    if isinstance(path, str):
+        return [(path, value)]
+    import numpy as np
+
+    widths = [param_shape(cfg, p)[1] for p in path]
+    edges = np.cumsum(widths)[:-1]
+    return [
+        (p, np.ascontiguousarray(v))
+        for p, v in zip(path, np.split(value, edges, axis=1), strict=True)
+    ]
+
+
+def join(path, lookup):
+    """The ``[in, out]`` matrix of ``path``: ``lookup(path)``, or for a fused one the parts'
+    matrices side by side (what :func:`split` undoes)."""
+    if isinstance(path, str):
+        return lookup(path)
+    import numpy as np
+
+    return np.concatenate([np.asarray(lookup(p), np.float32) for p in path], axis=1)
 
 
 def fp32_bytes(cfg: LlamaConfig) -> int:

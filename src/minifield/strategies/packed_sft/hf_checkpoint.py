@@ -23,7 +23,7 @@ from ... import atomic
 
 # the tensor tables and config.json's reading and writing; the names are this module's too
 # (one loader API)
-from .families import ARCHITECTURES, expected_tensors, fp32_bytes, shape_fields
+from .families import ARCHITECTURES, expected_tensors, fp32_bytes, join, shape_fields, split
 from .hf_config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
 
 __all__ = [
@@ -248,13 +248,14 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                         f"{path}: tensor {name} holds {bad} non-finite values (NaN or "
                         "infinity); a model cannot train from it"
                     )
-                node = params
-                *parents, leaf = internal.split("/")
-                for part in parents:
-                    node = node.setdefault(part, {})
-                # may_alias: the aligned host buffer becomes the CPU array without a copy
-                node[leaf] = jax.device_put(value, may_alias=True)
-                del value
+                for part_path, part in split(cfg, internal, value):  # fused: several
+                    node = params
+                    *parents, leaf = part_path.split("/")
+                    for key in parents:
+                        node = node.setdefault(key, {})
+                    # may_alias: the aligned host buffer becomes the CPU array without a copy
+                    node[leaf] = jax.device_put(part, may_alias=True)
+                del value, part
     if duplicate_head:
         path = files["lm_head.weight"]
         with safe_open(path, framework="numpy") as f:
@@ -303,11 +304,15 @@ def write(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+
+    def lookup(path: str):
         node = params
-        for part in internal.split("/"):
+        for part in path.split("/"):
             node = node[part]
-        value = np.asarray(node, dtype=np.float32)
+        return node
+
+    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+        value = np.asarray(join(internal, lookup), dtype=np.float32)
         tensors[name] = np.ascontiguousarray(value.T if transpose else value)
         if tensors[name].shape != shape:
             raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")

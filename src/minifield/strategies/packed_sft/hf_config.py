@@ -113,6 +113,9 @@ def _refuse_unsupported(fields: _Fields, arch: str) -> None:
     family = FAMILIES[ARCHITECTURES[arch]]
     if family.attention_bias_field and fields.get("attention_bias", "boolean", False):
         fields.refuse("attention_bias true (an o_proj bias) is not supported")
+    partial = fields.get("partial_rotary_factor", "number", 1.0)
+    if partial != 1:
+        fields.refuse(f"partial_rotary_factor {partial} is not supported (expected 1.0)")
 
 
 def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tuple]:
@@ -183,6 +186,7 @@ def config_from_hf(
             rope_scaling=scaling,
             head_dim=head_dim,
             qk_norm=family.qk_norm,
+            fused_projections=family.fused_projections,
             sliding_window=window,
             layer_types=layer_types,
         )

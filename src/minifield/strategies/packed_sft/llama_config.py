@@ -30,7 +30,7 @@ class LlamaConfig(ArchitectureConfig):
         "d_ff",
         "max_len",
     )
-    FLAG_FIELDS = ("qkv_bias", "tie_embeddings")
+    FLAG_FIELDS = ("qkv_bias", "tie_embeddings", "qk_norm", "fused_projections")
 
     vocab_size: int
     d_model: int
@@ -50,6 +50,8 @@ class LlamaConfig(ArchitectureConfig):
     head_dim: int | None = None
     #: RMSNorm of every query and key head before rotary (Qwen3's q_norm, k_norm)
     qk_norm: bool = False
+    #: an HF checkpoint's layout, not the function: q/k/v and gate/up stored fused (Phi-3)
+    fused_projections: bool = False
     #: a query sees the keys of its segment less than this many positions back (itself
     #: included); None: the whole segment (see :func:`.attention.window_mask`)
     sliding_window: int | None = None
@@ -133,6 +135,7 @@ class LlamaConfig(ArchitectureConfig):
             "rope_scaling": {},
             "head_dim": self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None,
             "qk_norm": False,
+            "fused_projections": False,
             "sliding_window": None,
             "layer_types": [],
         }
