@@ -82,6 +82,16 @@ CONFIGS = {
         "layer_types": ["sliding_attention", "full_attention"],
     },
     "phi3-window": PHI3,
+    # Phi-3.5 style: longrope with max_position_embeddings 4x original (attention factor 1.15)
+    "phi3-longrope": {
+        **PHI3,
+        "max_position_embeddings": 256,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.3, 2.5, 6.0],
+            "long_factor": [1.5, 3.0, 9.0, 30.0],
+        },
+    },
 }
 ROWS = [[1, 5, 7, 9, 11, 13, 2, 60, 3, 3, 40, 17], [56, 0, 4, 8, 15, 16, 23, 42, 8, 1, 9, 30]]
 
@@ -160,8 +170,14 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
     inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, K, 2) / K)
+    scaling, mscale = hf.get("rope_scaling") or {}, 1.0
+    if scaling.get("type") == "longrope":  # rows within original: the short factors
+        original = hf["original_max_position_embeddings"]
+        inv_freq = inv_freq / np.asarray(scaling["short_factor"])
+        mscale = np.sqrt(1 + np.log(hf["max_position_embeddings"] / original) / np.log(original))
     angle = np.arange(T)[:, None] * inv_freq[None, :]
-    cos, sin = np.cos(np.concatenate([angle] * 2, -1)), np.sin(np.concatenate([angle] * 2, -1))
+    cos = np.cos(np.concatenate([angle] * 2, -1)) * mscale
+    sin = np.sin(np.concatenate([angle] * 2, -1)) * mscale
 
     def rope(x):  # x [T, heads, K]; rotate_half(x) = [-x2, x1]
         rotated = np.concatenate([-x[..., K // 2 :], x[..., : K // 2]], axis=-1)
@@ -348,6 +364,10 @@ def test_to_dict_round_trips_and_leaves_out_what_is_unset(checkpoints):
     d = cfg.to_dict()
     assert d["head_dim"] == 12 and d["layer_types"] == ["sliding_attention", "full_attention"]
     assert model.config_from_dict(json.loads(json.dumps(d))) == cfg
+    longrope = hf_config.config_from_hf(CONFIGS["phi3-longrope"], max_len=32)
+    d = longrope.to_dict()
+    assert d["fused_projections"] and d["rope_scaling"]["short_factor"] == [1.0, 1.3, 2.5, 6.0]
+    assert model.config_from_dict(json.loads(json.dumps(d))) == longrope
     plain = hf_config.config_from_hf({**BASE, "model_type": "llama"}, max_len=32).to_dict()
     assert not {"head_dim", "qk_norm", "sliding_window", "layer_types"} & set(plain)
 
@@ -398,6 +418,22 @@ def test_a_head_dim_that_does_not_match_the_tensors_is_named(tmp_path):
             r"layer_types must be 2 \(num_hidden_layers\) of 'sliding_attention', 'full_attention'",
         ),
         (
+            {
+                **CONFIGS["phi3-longrope"],
+                "max_position_embeddings": 128,
+                "original_max_position_embeddings": 16,
+            },
+            r"rope_scaling.rope_type 'longrope' with rows of 32 positions beyond "
+            r"original_max_position_embeddings 16 is not supported",
+        ),
+        (
+            {
+                **PHI3,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+            },
+            r"rope_scaling.long_factor must be 4 positive numbers \(head_dim / 2\)",
+        ),
+        (
             {**PHI3, "partial_rotary_factor": 0.75},
             r"partial_rotary_factor 0.75 is not supported \(expected 1.0\)",
         ),
@@ -412,7 +448,7 @@ def test_unsupported_fields_are_refused_naming_the_file_and_field(tmp_path, conf
         tmp_path, QWEN3 if config["model_type"] == "qwen3" else config, config=config
     )
     with pytest.raises(CheckpointError, match=rf"^{directory / 'config.json'}: {message}"):
-        hf_checkpoint.load(directory)
+        hf_checkpoint.load(directory, max_len=32)
 
 
 def test_the_fused_kernel_refuses_a_window_that_binds():

@@ -163,7 +163,12 @@ def config_from_hf(
     if max_len is None:
         max_len = fields.get("max_position_embeddings", "count")
     scaling = fields.get("rope_scaling", "object", None)
-    scaling = () if scaling is None else rotary.read(scaling, fields.refuse, max_len, max_positions)
+    if scaling is not None:
+        # top level in Phi-3's config.json (transformers' longrope reads it from any config)
+        original = fields.get("original_max_position_embeddings", "count", None)
+        half = head_dim // 2 if head_dim else hidden // heads // 2
+        scaling = rotary.read(scaling, fields.refuse, max_len, max_positions, original, half)
+    scaling = scaling or ()
     n_layers = fields.get("num_hidden_layers", "count")
     window, layer_types = _window(fields, arch, n_layers)
     sizes = {

@@ -150,8 +150,9 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
         q_BxTxHxK = _rms_norm(cfg, q_BxTxHxK, {"scale": p["q_norm"]})
         k_BxTxGxK = _rms_norm(cfg, k_BxTxGxK, {"scale": p["k_norm"]})
     inv_freq_K2 = rotary.inv_freq(cfg.rope_theta, K // 2, cfg.rope_scaling)
-    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2)
-    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2)
+    scale = rotary.amplitude(cfg.rope_scaling)
+    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
+    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 

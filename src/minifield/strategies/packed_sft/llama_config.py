@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ... import schemas
-from . import families
+from . import families, rotary
 from .execution import Execution
 from .primitives import ArchitectureConfig
 
@@ -63,7 +63,7 @@ class LlamaConfig(ArchitectureConfig):
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # to_dict's form (model.json)
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+            object.__setattr__(self, "rope_scaling", rotary.from_dict(self.rope_scaling))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         sizes = (self.d_model, self.n_heads)
         if self.head_dim is None and all(type(v) is int and v > 0 for v in sizes):
@@ -128,7 +128,7 @@ class LlamaConfig(ArchitectureConfig):
 
     def to_dict(self) -> dict:
         out = {"architecture": ARCHITECTURE, **super().to_dict()}
-        out["rope_scaling"] = dict(self.rope_scaling)
+        out["rope_scaling"] = rotary.to_hf(self.rope_scaling) or {}
         out["layer_types"] = list(self.layer_types)
         # configs without them keep their recorded form (model.json of earlier exports)
         unset = {
