@@ -491,3 +491,42 @@ def test_recipe_fields_keep_the_digest_when_spelled_at_their_absent_value():
     assert {e["path"]: e["message"] for e in info.value.errors} == {
         "/model/sliding_window": "only for model.architecture llama"
     }
+
+
+def _base_of_family(tmp_path, hf: dict) -> tuple[Path, dict]:
+    """test_base_model's inputs with the base model replaced by one of ``hf``'s family."""
+    from test_base_model import make_inputs
+
+    root = tmp_path / "in"
+    make_inputs(root)
+    hf = {**hf, "vocab_size": 340}  # test_base_model's tokenizer
+    write_checkpoint(root / "base", hf, hf_tensors(hf, seed=4))
+    return root, hf
+
+
+def test_a_qwen3_base_prepares_and_recipe_keys_must_agree_with_it(tmp_path):
+    from test_base_model import _prepare, base_recipe
+
+    from minifield.strategies.packed_sft import base_model
+
+    root, _ = _base_of_family(tmp_path, QWEN3)
+    _, (arrays, meta) = _prepare(base_recipe(root), root)
+    config = meta["base_model"]["config"]
+    assert config["qk_norm"] and config["head_dim"] == 12
+    assert arrays["base.blocks.01.attn.q_norm"].shape == (12,)
+    with pytest.raises(base_model.BaseModelError, match=r"config.json: head_dim gives head_dim=12"):
+        _prepare(base_recipe(root, {"head_dim": 8}), root)
+
+
+def test_lora_on_a_fused_phi3_base_is_refused_naming_config_json(tmp_path):
+    from test_base_model import _prepare, base_recipe
+
+    from minifield.strategies.packed_sft import base_model
+
+    root, _ = _base_of_family(tmp_path, PHI3)
+    with pytest.raises(
+        base_model.BaseModelError,
+        match=rf"^{root / 'base' / 'config.json'}: model_type phi3 stores qkv_proj and "
+        "gate_up_proj fused; LoRA",
+    ):
+        _prepare(base_recipe(root, {"lora": {"rank": 2}}), root)

@@ -123,6 +123,12 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)
+    if "lora" in model and cfg.fused_projections:
+        # PEFT adapters name q_proj, gate_proj, ...; Phi-3 has qkv_proj, gate_up_proj instead
+        raise BaseModelError(
+            f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
+            "(model.lora) on them is not supported (full fine-tuning is)"
+        )
     arrays = {
         PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
         for path, value in _flatten(params)
