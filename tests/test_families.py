@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -70,6 +71,15 @@ PHI3 = {
     "rms_norm_eps": 1e-5,
     "rope_scaling": None,
 }
+GEMMA = {
+    **{k: v for k, v in BASE.items() if k not in ("tie_word_embeddings", "hidden_act")},
+    "architectures": ["GemmaForCausalLM"],
+    "model_type": "gemma",
+    "num_key_value_heads": 1,  # gemma-2b: multi-query
+    "head_dim": 16,  # gemma-7b: 16 heads x 256 > hidden_size 3072
+    "hidden_act": "gelu_pytorch_tanh",
+    "attention_bias": False,
+}
 CONFIGS = {
     "mistral-window": MISTRAL,
     "qwen2-window-layer-1": QWEN2,
@@ -92,6 +102,8 @@ CONFIGS = {
             "long_factor": [1.5, 3.0, 9.0, 30.0],
         },
     },
+    "gemma": GEMMA,  # tie_word_embeddings absent: tied, as transformers' GemmaConfig
+    "gemma-exact-gelu-untied": {**GEMMA, "hidden_act": "gelu", "tie_word_embeddings": False},
 }
 ROWS = [[1, 5, 7, 9, 11, 13, 2, 60, 3, 3, 40, 17], [56, 0, 4, 8, 15, 16, 23, 42, 8, 1, 9, 30]]
 
@@ -134,7 +146,7 @@ def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
             t[p + "self_attn.qkv_proj.weight"] = np.concatenate(qkv)
             gate_up = [t.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             t[p + "mlp.gate_up_proj.weight"] = np.concatenate(gate_up)
-    if not hf["tie_word_embeddings"]:
+    if not hf.get("tie_word_embeddings", hf["model_type"] == "gemma"):
         t["lm_head.weight"] = w(V, D)
     return t
 
@@ -166,8 +178,17 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     H, G, K = hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf)
     eps, T = hf["rms_norm_eps"], len(ids)
 
-    def rms(x, weight):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    gemma = hf["model_type"] == "gemma"
+
+    def rms(x, weight):  # Gemma: times (1 + weight)
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (gemma + weight)
+
+    def act(x):  # SiLU, or Gemma's GELU (tanh approximation unless hidden_act gelu)
+        if not gemma:
+            return x / (1 + np.exp(-x))
+        if hf["hidden_act"] == "gelu":
+            return 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
     inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, K, 2) / K)
     scaling, mscale = hf.get("rope_scaling") or {}, 1.0
@@ -185,6 +206,8 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
 
     q_idx, kv_idx = np.arange(T)[:, None], np.arange(T)[None, :]
     x = t["model.embed_tokens.weight"][np.asarray(ids)]
+    if gemma:  # the embedding times sqrt(hidden_size)
+        x = x * np.sqrt(hf["hidden_size"])
     for i, window in enumerate(layer_windows(hf)):
         p = f"model.layers.{i}."
         h = rms(x, t[p + "input_layernorm.weight"])
@@ -219,7 +242,7 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
             gate, up = np.split(h @ t[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
         else:
             gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+        x = x + (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
     x = rms(x, t["model.norm.weight"])
     return x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
 
@@ -434,6 +457,14 @@ def test_a_head_dim_that_does_not_match_the_tensors_is_named(tmp_path):
             r"rope_scaling.long_factor must be 4 positive numbers \(head_dim / 2\)",
         ),
         (
+            {**GEMMA, "hidden_activation": "gelu"},
+            r"hidden_activation 'gelu' differs from hidden_act 'gelu_pytorch_tanh'",
+        ),
+        (
+            {**GEMMA, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
+            r"architectures \['Gemma2ForCausalLM'\] is not supported",
+        ),
+        (
             {**PHI3, "partial_rotary_factor": 0.75},
             r"partial_rotary_factor 0.75 is not supported \(expected 1.0\)",
         ),
@@ -530,3 +561,27 @@ def test_lora_on_a_fused_phi3_base_is_refused_naming_config_json(tmp_path):
         "gate_up_proj fused; LoRA",
     ):
         _prepare(base_recipe(root, {"lora": {"rank": 2}}), root)
+
+
+@pytest.mark.slow
+def test_gemma_logits_and_greedy_tokens_equal_transformers_flax(checkpoints, monkeypatch):
+    """transformers' own Flax Gemma (its rotary base is fixed at 10000, this config's)."""
+    import test_llama
+    import transformers
+
+    monkeypatch.setattr(test_llama, "_flax_class", lambda hf: transformers.FlaxGemmaForCausalLM)
+    case = checkpoints["gemma"]
+    assert case["hf"]["rope_theta"] == 10000.0
+    reference = test_llama._flax_model(case["dir"], {**case["hf"], "tie_word_embeddings": True})
+    cfg, params = hf_checkpoint.load(case["dir"], max_len=32, compute_dtype="float32")
+    theirs = np.asarray(reference(np.asarray(ROWS, np.int32)).logits)
+    for row, logits in zip(ROWS, theirs, strict=True):
+        np.testing.assert_allclose(our_logits(cfg, params, row), logits, atol=1e-4)
+    prompt = ROWS[0][:6]
+    generated = reference.generate(
+        np.asarray([prompt], np.int32), max_new_tokens=6, do_sample=False, pad_token_id=0
+    ).sequences
+    assert (
+        model.greedy_generate(params, cfg, prompt, 6, None)
+        == np.asarray(generated)[0, len(prompt) :].tolist()
+    )

@@ -11,7 +11,12 @@ mistral     MistralForCausalLM    no         no       hidden / heads   every lay
 qwen2       Qwen2ForCausalLM      yes        no       hidden / heads   ``use_sliding_window``
 qwen3       Qwen3ForCausalLM      no         yes      128              ``use_sliding_window``
 phi3        Phi3ForCausalLM       no         no       hidden / heads   every layer
+gemma       GemmaForCausalLM      no         no       256              none
 ==========  ====================  =========  =======  ===============  =========================
+
+Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
+``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
+``tie_word_embeddings`` is false.
 
 Phi-3 stores q/k/v as one ``qkv_proj`` matrix (rows: queries, keys, values) and the MLP's gate
 and up as one ``gate_up_proj`` (rows: gate, then up): :data:`NAME_TABLE` maps each to a tuple
@@ -49,6 +54,9 @@ class Family:
     #: how ``sliding_window`` is read: "" (refused when it binds), "all" (every layer),
     #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names)
     sliding: str = ""
+    #: Gemma's ways: ``(1 + w)`` RMSNorm, embeddings times sqrt(hidden_size), GELU gate
+    #: (``hidden_act``, absent: the tanh approximation), tied head when the field is absent
+    gemma: bool = False
     #: q/k/v and gate/up stored as one matrix each (Phi-3's ``qkv_proj``, ``gate_up_proj``)
     fused_projections: bool = False
     #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
@@ -66,6 +74,7 @@ FAMILIES = {
         ),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, default_head_dim=128, sliding="qwen"),
         Family("phi3", "Phi3ForCausalLM", sliding="all", fused_projections=True),
+        Family("gemma", "GemmaForCausalLM", default_head_dim=256, gemma=True),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -81,6 +90,8 @@ def family_of(cfg: LlamaConfig) -> Family:
     the simplest one that holds every feature it has."""
     if cfg.fused_projections:
         return FAMILIES["phi3"]
+    if cfg.norm_plus_one:
+        return FAMILIES["gemma"]
     if cfg.qk_norm:
         return FAMILIES["qwen3"]
     if cfg.qkv_bias:

@@ -104,10 +104,31 @@ def _architecture(fields: _Fields) -> str:
     return MODEL_TYPES[model_type]
 
 
+#: HF ``hidden_act`` -> ``LlamaConfig.activation`` (GELU's tanh approximation has two names)
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+GEMMA_ACTIVATIONS = {**HF_ACTIVATIONS, "gelu": "gelu"}
+
+
+def _activation(fields: _Fields, family) -> str:
+    """The MLP gate function ``hidden_act`` names (transformers' Gemma reads it, not
+    ``hidden_activation``, which must then agree with it or be absent)."""
+    if not family.gemma:
+        act = fields.get("hidden_act", "string", "silu")
+        if act != "silu":
+            fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
+        return "silu"
+    act = fields.get("hidden_act", "string", "gelu_pytorch_tanh")
+    if act not in GEMMA_ACTIVATIONS:
+        fields.refuse(
+            f"hidden_act {act!r} is not supported (expected one of {list(GEMMA_ACTIVATIONS)})"
+        )
+    other = fields.get("hidden_activation", "string", act)
+    if other != act:
+        fields.refuse(f"hidden_activation {other!r} differs from hidden_act {act!r}")
+    return GEMMA_ACTIVATIONS[act]
+
+
 def _refuse_unsupported(fields: _Fields, arch: str) -> None:
-    act = fields.get("hidden_act", "string", "silu")
-    if act != "silu":
-        fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
     if fields.get("mlp_bias", "boolean", False):
         fields.refuse("mlp_bias true is not supported")
     family = FAMILIES[ARCHITECTURES[arch]]
@@ -181,7 +202,7 @@ def config_from_hf(
         "max_len": max_len,
         "rope_theta": float(fields.get("rope_theta", "number", 10000.0)),
         "norm_eps": float(fields.get("rms_norm_eps", "number", 1e-6)),
-        "tie_embeddings": fields.get("tie_word_embeddings", "boolean", False),
+        "tie_embeddings": fields.get("tie_word_embeddings", "boolean", family.gemma),
     }
     try:
         return LlamaConfig(
@@ -192,6 +213,9 @@ def config_from_hf(
             head_dim=head_dim,
             qk_norm=family.qk_norm,
             fused_projections=family.fused_projections,
+            activation=_activation(fields, family),
+            norm_plus_one=family.gemma,
+            scale_embeddings=family.gemma,
             sliding_window=window,
             layer_types=layer_types,
         )
@@ -213,7 +237,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {v: k for k, v in reversed(GEMMA_ACTIVATIONS.items())}[cfg.activation],
         "max_position_embeddings": cfg.max_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,

@@ -14,7 +14,8 @@ with the Llama block instead of the GPT one (:mod:`.gpt`):
   ``head_dim`` that need not be ``d_model / n_heads``;
 - optional sliding-window attention (Mistral, Qwen): on every layer or those
   ``layer_types`` names (:func:`.attention.window_mask`);
-- SwiGLU MLP: ``down(silu(gate(x)) * up(x))``;
+- gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU (Gemma's GeGLU);
+- Gemma: RMSNorm scaled by ``1 + w``, embeddings multiplied by ``sqrt(d_model)``;
 - output head tied to the token embedding or separate.
 
 Parameters (``[in, out]`` matrices, as in :mod:`.gpt`; :mod:`.families` holds the one
@@ -125,10 +126,29 @@ def _linear(cfg: LlamaConfig, x_BxTxK, w):
 
 
 def _rms_norm(cfg: LlamaConfig, x_BxTxD, norm):
-    """x / sqrt(mean(x^2) + eps) * scale, statistics in FP32."""
+    """x / sqrt(mean(x^2) + eps) * scale (Gemma: * (1 + scale)), statistics in FP32."""
     x = x_BxTxD.astype(F32)
     mean_sq_BxTx1 = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
-    return (x * jax.lax.rsqrt(mean_sq_BxTx1 + cfg.norm_eps) * norm["scale"]).astype(cfg.dtype)
+    scale = 1.0 + norm["scale"] if cfg.norm_plus_one else norm["scale"]
+    return (x * jax.lax.rsqrt(mean_sq_BxTx1 + cfg.norm_eps) * scale).astype(cfg.dtype)
+
+
+#: ``activation`` -> the MLP's gate function (gelu_tanh: GELU's tanh approximation, as
+#: PyTorch's ``gelu(approximate="tanh")``)
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def _embed(params, cfg: LlamaConfig, tokens_BxT):
+    """Token embeddings in the compute dtype (Gemma: times sqrt(d_model), itself rounded to
+    the compute dtype first, as transformers' ``normalizer``)."""
+    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    if cfg.scale_embeddings:
+        h_BxTxD = h_BxTxD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+    return h_BxTxD
 
 
 def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
@@ -172,7 +192,7 @@ def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
 def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
     gate_BxTxF = _linear(cfg, x_BxTxD, p["w_gate"])
     up_BxTxF = _linear(cfg, x_BxTxD, p["w_up"])
-    act_BxTxF = (jax.nn.silu(gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
+    act_BxTxF = (_ACTIVATIONS[cfg.activation](gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
     return _project(cfg, act_BxTxF, p["w_down"])
 
 
@@ -192,7 +212,7 @@ def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
 def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     """The residual stream after the last block (before the final norm, see
     :func:`.model.hidden`); the blocks run as :mod:`.layer_stack` says."""
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
     mask = attention.packed_mask(cfg, segments_BxT)
 
     def block_fn(mask):
@@ -254,7 +274,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
     rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     # query at position t sees cache slot s iff s <= t (one causal segment per row)
     mask_Bx1xTxS = (jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None])[:, None]
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
     new_cache = {}
     for name in sorted(params["blocks"], key=int):
         block = params["blocks"][name]

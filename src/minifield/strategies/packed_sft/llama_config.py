@@ -13,6 +13,8 @@ from .primitives import ArchitectureConfig
 
 ARCHITECTURE = "llama"
 #: what an absent ``rope_theta``, ``norm_eps``, ``qkv_bias`` mean: the recipe schema says
+#: the MLP gate functions :mod:`.llama` computes
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ABSENT = schemas.absent(schemas.PACKED_SFT, "model")
 
 
@@ -30,7 +32,14 @@ class LlamaConfig(ArchitectureConfig):
         "d_ff",
         "max_len",
     )
-    FLAG_FIELDS = ("qkv_bias", "tie_embeddings", "qk_norm", "fused_projections")
+    FLAG_FIELDS = (
+        "qkv_bias",
+        "tie_embeddings",
+        "qk_norm",
+        "fused_projections",
+        "norm_plus_one",
+        "scale_embeddings",
+    )
 
     vocab_size: int
     d_model: int
@@ -50,6 +59,12 @@ class LlamaConfig(ArchitectureConfig):
     head_dim: int | None = None
     #: RMSNorm of every query and key head before rotary (Qwen3's q_norm, k_norm)
     qk_norm: bool = False
+    #: the MLP's gate function: silu (SwiGLU), gelu_tanh or gelu (Gemma's GeGLU)
+    activation: str = "silu"
+    #: RMSNorm multiplies by ``1 + scale`` (Gemma), not ``scale``
+    norm_plus_one: bool = False
+    #: token embeddings multiplied by ``sqrt(d_model)`` in the compute dtype (Gemma)
+    scale_embeddings: bool = False
     #: an HF checkpoint's layout, not the function: q/k/v and gate/up stored fused (Phi-3)
     fused_projections: bool = False
     #: a query sees the keys of its segment less than this many positions back (itself
@@ -97,6 +112,10 @@ class LlamaConfig(ArchitectureConfig):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, float) or not value > 0:
                 errors.append(f"model.{name}: expected a positive float, got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            errors.append(
+                f"model.activation: expected one of {ACTIVATIONS}, got {self.activation!r}"
+            )
         return errors + self._window_errors()
 
     def _window_errors(self) -> list[str]:
@@ -136,6 +155,9 @@ class LlamaConfig(ArchitectureConfig):
             "head_dim": self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None,
             "qk_norm": False,
             "fused_projections": False,
+            "activation": "silu",
+            "norm_plus_one": False,
+            "scale_embeddings": False,
             "sliding_window": None,
             "layer_types": [],
         }
