@@ -192,6 +192,7 @@ def config_from_hf(
     scaling = scaling or ()
     n_layers = fields.get("num_hidden_layers", "count")
     window, layer_types = _window(fields, arch, n_layers)
+    activation = _activation(fields, family)
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
@@ -213,7 +214,7 @@ def config_from_hf(
             head_dim=head_dim,
             qk_norm=family.qk_norm,
             fused_projections=family.fused_projections,
-            activation=_activation(fields, family),
+            activation=activation,
             norm_plus_one=family.gemma,
             scale_embeddings=family.gemma,
             sliding_window=window,
