@@ -80,6 +80,17 @@ GEMMA = {
     "hidden_act": "gelu_pytorch_tanh",
     "attention_bias": False,
 }
+GEMMA2 = {
+    **{k: v for k, v in GEMMA.items() if k != "hidden_act"},
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "num_key_value_heads": 2,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 24,  # not head_dim 16
+    "attn_logit_softcapping": 5.0,  # small enough to bend these scores
+    "final_logit_softcapping": 3.0,
+    "sliding_window": 4,  # layer_types absent: layer 0 sliding, layer 1 full
+}
 CONFIGS = {
     "mistral-window": MISTRAL,
     "qwen2-window-layer-1": QWEN2,
@@ -104,6 +115,7 @@ CONFIGS = {
     },
     "gemma": GEMMA,  # tie_word_embeddings absent: tied, as transformers' GemmaConfig
     "gemma-exact-gelu-untied": {**GEMMA, "hidden_act": "gelu", "tie_word_embeddings": False},
+    "gemma2": GEMMA2,
 }
 ROWS = [[1, 5, 7, 9, 11, 13, 2, 60, 3, 3, 40, 17], [56, 0, 4, 8, 15, 16, 23, 42, 8, 1, 9, 30]]
 
@@ -146,7 +158,10 @@ def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
             t[p + "self_attn.qkv_proj.weight"] = np.concatenate(qkv)
             gate_up = [t.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             t[p + "mlp.gate_up_proj.weight"] = np.concatenate(gate_up)
-    if not hf.get("tie_word_embeddings", hf["model_type"] == "gemma"):
+        if hf["model_type"] == "gemma2":  # four norms per layer
+            t[p + "pre_feedforward_layernorm.weight"] = w(D, scale=0.3)
+            t[p + "post_feedforward_layernorm.weight"] = w(D, scale=0.3)
+    if not hf.get("tie_word_embeddings", hf["model_type"].startswith("gemma")):
         t["lm_head.weight"] = w(V, D)
     return t
 
@@ -163,6 +178,8 @@ def layer_windows(hf: dict) -> list[int | None]:
     L = hf["num_hidden_layers"]
     if hf["model_type"] in ("mistral", "phi3"):
         return [hf.get("sliding_window")] * L
+    if hf["model_type"] == "gemma2":  # layer_types absent: sliding where (i + 1) % 2
+        return [hf["sliding_window"] if (i + 1) % 2 else None for i in range(L)]
     if not hf.get("use_sliding_window"):
         return [None] * L
     types = hf.get("layer_types") or [
@@ -178,7 +195,7 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     H, G, K = hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf)
     eps, T = hf["rms_norm_eps"], len(ids)
 
-    gemma = hf["model_type"] == "gemma"
+    gemma, gemma2 = hf["model_type"].startswith("gemma"), hf["model_type"] == "gemma2"
 
     def rms(x, weight):  # Gemma: times (1 + weight)
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (gemma + weight)
@@ -186,7 +203,7 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     def act(x):  # SiLU, or Gemma's GELU (tanh approximation unless hidden_act gelu)
         if not gemma:
             return x / (1 + np.exp(-x))
-        if hf["hidden_act"] == "gelu":
+        if hf.get("hidden_act") == "gelu":
             return 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
         return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
@@ -228,7 +245,10 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
             )
         q, k = rope(q), rope(k)
         k, v = k[:, np.arange(H) // (H // G)], v[:, np.arange(H) // (H // G)]
-        scores = np.einsum("thk,shk->hts", q, k) / np.sqrt(K)
+        scores = np.einsum("thk,shk->hts", q, k) / np.sqrt(hf.get("query_pre_attn_scalar", K))
+        if gemma2:
+            cap = hf["attn_logit_softcapping"]
+            scores = cap * np.tanh(scores / cap)
         allowed = kv_idx <= q_idx
         if window is not None:
             allowed &= kv_idx > q_idx - window
@@ -236,15 +256,25 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out = np.einsum("hts,shk->thk", probs, v).reshape(T, H * K)
-        x = x + out @ t[p + "self_attn.o_proj.weight"].T
-        h = rms(x, t[p + "post_attention_layernorm.weight"])
+        out = out @ t[p + "self_attn.o_proj.weight"].T
+        if gemma2:  # post_attention_layernorm: the attention output's; pre_feedforward: MLP's
+            x = x + rms(out, t[p + "post_attention_layernorm.weight"])
+            h = rms(x, t[p + "pre_feedforward_layernorm.weight"])
+        else:
+            x = x + out
+            h = rms(x, t[p + "post_attention_layernorm.weight"])
         if p + "mlp.gate_up_proj.weight" in t:  # Phi-3: gate, up = chunk(2)
             gate, up = np.split(h @ t[p + "mlp.gate_up_proj.weight"].T, 2, axis=-1)
         else:
             gate, up = h @ t[p + "mlp.gate_proj.weight"].T, h @ t[p + "mlp.up_proj.weight"].T
-        x = x + (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+        mlp = (act(gate) * up) @ t[p + "mlp.down_proj.weight"].T
+        x = x + (rms(mlp, t[p + "post_feedforward_layernorm.weight"]) if gemma2 else mlp)
     x = rms(x, t["model.norm.weight"])
-    return x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+    logits = x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+    if gemma2:
+        cap = hf["final_logit_softcapping"]
+        logits = cap * np.tanh(logits / cap)
+    return logits
 
 
 def packed_logits(cfg, params, tokens, segments, positions) -> np.ndarray:
@@ -461,8 +491,8 @@ def test_a_head_dim_that_does_not_match_the_tensors_is_named(tmp_path):
             r"hidden_activation 'gelu' differs from hidden_act 'gelu_pytorch_tanh'",
         ),
         (
-            {**GEMMA, "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]},
-            r"architectures \['Gemma2ForCausalLM'\] is not supported",
+            {**GEMMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
+            r"architectures \['Gemma3ForCausalLM'\] is not supported",
         ),
         (
             {**PHI3, "partial_rotary_factor": 0.75},
@@ -491,6 +521,9 @@ def test_the_fused_kernel_refuses_a_window_that_binds():
     # a window no row reaches is no window: the fused kernel computes the same
     wide = hf_config.config_from_hf({**MISTRAL, "sliding_window": 40}, max_len=32)
     dataclasses.replace(wide, execution=Execution(attention="pallas"))
+    capped = hf_config.config_from_hf({**GEMMA2, "sliding_window": 40}, max_len=32)
+    with pytest.raises(ValueError, match=r"no score soft-capping \(attn_logit_softcapping 5.0\)"):
+        dataclasses.replace(capped, execution=Execution(attention="pallas"))
     mixed = hf_config.config_from_hf(QWEN2, max_len=32)
     with pytest.raises(ValueError, match=r"model.scan_layers: layers with and without"):
         dataclasses.replace(mixed, execution=Execution(scan_layers=True))

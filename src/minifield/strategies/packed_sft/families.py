@@ -12,11 +12,18 @@ qwen2       Qwen2ForCausalLM      yes        no       hidden / heads   ``use_sli
 qwen3       Qwen3ForCausalLM      no         yes      128              ``use_sliding_window``
 phi3        Phi3ForCausalLM       no         no       hidden / heads   every layer
 gemma       GemmaForCausalLM      no         no       256              none
+gemma2      Gemma2ForCausalLM     no         no       256              every other layer
 ==========  ====================  =========  =======  ===============  =========================
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
 ``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
-``tie_word_embeddings`` is false.
+``tie_word_embeddings`` is false. Gemma 2 adds: a norm after attention and after the MLP
+(four per layer: ``post_attention_layernorm`` is then the attention output's norm,
+``pre_feedforward_layernorm`` the MLP input's), the gate ``hidden_activation``, scores scaled
+by ``query_pre_attn_scalar ** -0.5`` (absent: 256) and soft-capped
+(``attn_logit_softcapping``, absent: 50), logits soft-capped (``final_logit_softcapping``,
+absent: 30), ``sliding_window`` (absent: 4096) on the layers ``layer_types`` marks, absent:
+layers 0, 2, 4, ...
 
 Phi-3 stores q/k/v as one ``qkv_proj`` matrix (rows: queries, keys, values) and the MLP's gate
 and up as one ``gate_up_proj`` (rows: gate, then up): :data:`NAME_TABLE` maps each to a tuple
@@ -52,7 +59,8 @@ class Family:
     #: ``head_dim`` when config.json has none (None: hidden_size / num_attention_heads)
     default_head_dim: int | None = None
     #: how ``sliding_window`` is read: "" (refused when it binds), "all" (every layer),
-    #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names)
+    #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names),
+    #: "gemma2" (always, on ``layer_types``'s layers, absent: every other layer from the first)
     sliding: str = ""
     #: Gemma's ways: ``(1 + w)`` RMSNorm, embeddings times sqrt(hidden_size), GELU gate
     #: (``hidden_act``, absent: the tanh approximation), tied head when the field is absent
@@ -75,6 +83,7 @@ FAMILIES = {
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, default_head_dim=128, sliding="qwen"),
         Family("phi3", "Phi3ForCausalLM", sliding="all", fused_projections=True),
         Family("gemma", "GemmaForCausalLM", default_head_dim=256, gemma=True),
+        Family("gemma2", "Gemma2ForCausalLM", default_head_dim=256, gemma=True, sliding="gemma2"),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -90,6 +99,8 @@ def family_of(cfg: LlamaConfig) -> Family:
     the simplest one that holds every feature it has."""
     if cfg.fused_projections:
         return FAMILIES["phi3"]
+    if cfg.sandwich_norms:
+        return FAMILIES["gemma2"]
     if cfg.norm_plus_one:
         return FAMILIES["gemma"]
     if cfg.qk_norm:
@@ -106,6 +117,11 @@ _GATE_UP = ("blocks/{i}/mlp/w_gate", "blocks/{i}/mlp/w_up")
 #: the parameters a fused matrix holds (stored as separate matrices otherwise)
 _FUSED_PARTS = {"/".join(p.rsplit("/", 2)[-2:]) for p in _QKV + _GATE_UP}
 
+#: Gemma 2's norm of the attention output: the HF name post_attention_layernorm means the MLP
+#: input's norm in every other family (Gemma 2 calls that one pre_feedforward_layernorm)
+_ATTN_POST = "blocks/{i}/attn_post_norm/scale"
+_SANDWICH = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+
 # HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
 NAME_TABLE = [
     ("model.embed_tokens.weight",                        "embed/tokens",              False),
@@ -120,7 +136,10 @@ NAME_TABLE = [
     ("model.layers.{i}.self_attn.k_norm.weight",         "blocks/{i}/attn/k_norm",    False),  # qk_norm
     ("model.layers.{i}.self_attn.qkv_proj.weight",       _QKV,                        True),  # fused
     ("model.layers.{i}.self_attn.o_proj.weight",         "blocks/{i}/attn/wo",        True),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),  # not Gemma 2
+    ("model.layers.{i}.post_attention_layernorm.weight", _ATTN_POST,                  False),  # Gemma 2
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),  # Gemma 2
+    ("model.layers.{i}.post_feedforward_layernorm.weight", "blocks/{i}/mlp_post_norm/scale", False),  # Gemma 2
     ("model.layers.{i}.mlp.gate_proj.weight",            "blocks/{i}/mlp/w_gate",     True),
     ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
     ("model.layers.{i}.mlp.gate_up_proj.weight",         _GATE_UP,                    True),  # fused
@@ -139,6 +158,8 @@ def param_shape(cfg: LlamaConfig, path: str) -> tuple[int, ...]:
     return {
         "embed/tokens": (V, D),
         "attn_norm/scale": (D,),
+        "attn_post_norm/scale": (D,),
+        "mlp_post_norm/scale": (D,),
         "mlp_norm/scale": (D,),
         "final_norm/scale": (D,),
         "attn/wq": (D, HK),
@@ -186,8 +207,12 @@ def shape_fields(path, transpose: bool) -> str:
     return ", ".join(fields[::-1] if transpose else fields)
 
 
-def _present(cfg: LlamaConfig, internal) -> bool:
+def _present(cfg: LlamaConfig, hf: str, internal) -> bool:
     """Whether ``cfg``'s checkpoint has the tensor of a :data:`NAME_TABLE` row."""
+    if hf.endswith(_SANDWICH) or internal == _ATTN_POST:
+        return cfg.sandwich_norms
+    if hf.endswith("post_attention_layernorm.weight"):  # the MLP input's norm
+        return not cfg.sandwich_norms
     if isinstance(internal, tuple):
         return cfg.fused_projections
     if "/".join(internal.rsplit("/", 2)[-2:]) in _FUSED_PARTS:
@@ -205,7 +230,7 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, 
     """HF name -> (internal path, transpose, HF shape) for every tensor ``cfg`` has."""
     out = {}
     for hf, internal, transpose in NAME_TABLE:
-        if not _present(cfg, internal):
+        if not _present(cfg, hf, internal):
             continue
         layers = range(cfg.n_layers) if "{i}" in hf else [None]
         for i in layers:

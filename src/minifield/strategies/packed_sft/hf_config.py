@@ -112,6 +112,11 @@ GEMMA_ACTIVATIONS = {**HF_ACTIVATIONS, "gelu": "gelu"}
 def _activation(fields: _Fields, family) -> str:
     """The MLP gate function ``hidden_act`` names (transformers' Gemma reads it, not
     ``hidden_activation``, which must then agree with it or be absent)."""
+    if family.sliding == "gemma2":  # Gemma 2 reads hidden_activation
+        act = fields.get("hidden_activation", "string", "gelu_pytorch_tanh")
+        if act not in GEMMA_ACTIVATIONS:
+            fields.refuse(f"hidden_activation {act!r} is not supported")
+        return GEMMA_ACTIVATIONS[act]
     if not family.gemma:
         act = fields.get("hidden_act", "string", "silu")
         if act != "silu":
@@ -145,6 +150,11 @@ def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tupl
     window = fields.get("sliding_window", "integer", None)
     if window is not None and window < 1:
         fields.refuse(f"sliding_window must be a positive integer, found {window!r}")
+    if family.sliding == "gemma2":
+        types = fields.get("layer_types", "strings", None)
+        types = types or [SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)]
+        window = 4096 if "sliding_window" not in fields.hf else window  # absent: the default
+        return _checked_types(fields, window, types, n_layers)
     if family.sliding == "all":
         # a window reaching every position the model has is no window (Mistral's own configs)
         max_pos = fields.get("max_position_embeddings", "count", None)
@@ -157,7 +167,12 @@ def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tupl
     if types is None:
         first_sliding = fields.get("max_window_layers", "integer", QWEN_MAX_WINDOW_LAYERS)
         types = [SLIDING if i >= first_sliding else FULL for i in range(n_layers)]
-    elif len(types) != n_layers or not set(types) <= {SLIDING, FULL}:
+    return _checked_types(fields, window, types, n_layers)
+
+
+def _checked_types(fields: _Fields, window, types: list, n_layers: int) -> tuple:
+    """``(sliding_window, layer_types)`` of a per-layer ``layer_types`` list, checked."""
+    if len(types) != n_layers or not set(types) <= {SLIDING, FULL}:
         fields.refuse(
             f"layer_types must be {n_layers} (num_hidden_layers) of {SLIDING!r}, {FULL!r}; "
             f"found {types!r}"
@@ -193,6 +208,17 @@ def config_from_hf(
     n_layers = fields.get("num_hidden_layers", "count")
     window, layer_types = _window(fields, arch, n_layers)
     activation = _activation(fields, family)
+    gemma2 = family.sliding == "gemma2"
+    caps = {
+        "query_pre_attn_scalar": float(fields.get("query_pre_attn_scalar", "number", 256)),
+        "attn_softcap": fields.get("attn_logit_softcapping", "number", 50.0),
+        "final_softcap": fields.get("final_logit_softcapping", "number", 30.0),
+    }
+    if "attn_logit_softcapping" in hf and hf["attn_logit_softcapping"] is None:
+        caps["attn_softcap"] = None  # null: none (absent: transformers' default)
+    if "final_logit_softcapping" in hf and hf["final_logit_softcapping"] is None:
+        caps["final_softcap"] = None
+    caps = {k: None if v is None else float(v) for k, v in caps.items()} if gemma2 else {}
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
@@ -217,6 +243,8 @@ def config_from_hf(
             activation=activation,
             norm_plus_one=family.gemma,
             scale_embeddings=family.gemma,
+            sandwich_norms=gemma2,
+            **caps,
             sliding_window=window,
             layer_types=layer_types,
         )
@@ -252,8 +280,16 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         if not family.sliding:
             raise ValueError(f"no HF family holds {cfg} (per-layer windows without qwen's biases)")
         out["sliding_window"] = cfg.sliding_window
+    types = list(cfg.layer_types) or [SLIDING] * cfg.n_layers
     if cfg.sliding_window is not None and family.sliding == "qwen":
-        types = list(cfg.layer_types) or [SLIDING] * cfg.n_layers
         full = next((i for i, t in enumerate(types) if t == SLIDING), cfg.n_layers)
         out.update(use_sliding_window=True, max_window_layers=full, layer_types=types)
+    if family.sliding == "gemma2":
+        out.update(
+            hidden_activation=out["hidden_act"],
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            attn_logit_softcapping=cfg.attn_softcap,
+            final_logit_softcapping=cfg.final_softcap,
+            layer_types=types if cfg.sliding_window is not None else [FULL] * cfg.n_layers,
+        )
     return out

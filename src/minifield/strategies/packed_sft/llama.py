@@ -197,11 +197,23 @@ def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
 
 
 def head(params, cfg: LlamaConfig, h_BxTxD):
-    """FP32 logits from the last hidden states (final norm, then the tied or separate head)."""
+    """FP32 logits from the last hidden states (final norm, then the tied or separate head;
+    Gemma 2: soft-capped)."""
     h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
     if cfg.tie_embeddings:
-        return einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
-    return einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+        logits = einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
+    else:
+        logits = einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
+def _add(cfg: LlamaConfig, h_BxTxD, out_BxTxD, block, post_norm: str):
+    """The residual stream plus a sublayer's output (Gemma 2: normalised first)."""
+    if cfg.sandwich_norms:
+        out_BxTxD = _rms_norm(cfg, out_BxTxD, block[post_norm])
+    return h_BxTxD + out_BxTxD
 
 
 def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
@@ -218,9 +230,10 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     def block_fn(mask):
         def fn(block, h_BxTxD):
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-            h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
+            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
+            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-            return h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+            return _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
 
         return fn
 
@@ -286,9 +299,10 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         k_BxSxGxK = cache[name]["k"].at[rows_BxT, positions_BxT].set(k_BxTxGxK)
         v_BxSxGxK = cache[name]["v"].at[rows_BxT, positions_BxT].set(v_BxTxGxK)
         new_cache[name] = {"k": k_BxSxGxK, "v": v_BxSxGxK}
-        h_BxTxD = h_BxTxD + _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
+        out_BxTxD = _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
+        h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+        h_BxTxD = _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
     return head(params, cfg, last_Bx1xD)[:, 0], new_cache
 

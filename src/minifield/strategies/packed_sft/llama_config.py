@@ -39,6 +39,7 @@ class LlamaConfig(ArchitectureConfig):
         "fused_projections",
         "norm_plus_one",
         "scale_embeddings",
+        "sandwich_norms",
     )
 
     vocab_size: int
@@ -65,6 +66,13 @@ class LlamaConfig(ArchitectureConfig):
     norm_plus_one: bool = False
     #: token embeddings multiplied by ``sqrt(d_model)`` in the compute dtype (Gemma)
     scale_embeddings: bool = False
+    #: a norm on the attention output and on the MLP output too (Gemma 2's four per layer)
+    sandwich_norms: bool = False
+    #: attention scores scaled by ``query_pre_attn_scalar ** -0.5`` (None: head_dim's)
+    query_pre_attn_scalar: float | None = None
+    #: soft-capping ``cap * tanh(x / cap)`` of the attention scores and of the logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     #: an HF checkpoint's layout, not the function: q/k/v and gate/up stored fused (Phi-3)
     fused_projections: bool = False
     #: a query sees the keys of its segment less than this many positions back (itself
@@ -116,7 +124,21 @@ class LlamaConfig(ArchitectureConfig):
             errors.append(
                 f"model.activation: expected one of {ACTIVATIONS}, got {self.activation!r}"
             )
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not float or not value > 0):
+                errors.append(f"model.{name}: expected a positive float, got {value!r}")
+        if self.execution.attention == "pallas" and self.attn_softcap is not None:
+            errors.append(
+                "model.attention pallas: the fused kernel has no score soft-capping "
+                f"(attn_logit_softcapping {self.attn_softcap}); use model.attention xla"
+            )
         return errors + self._window_errors()
+
+    @property
+    def score_scale(self) -> float:
+        """The factor attention scores are multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def _window_errors(self) -> list[str]:
         window, types = self.sliding_window, self.layer_types
@@ -158,6 +180,10 @@ class LlamaConfig(ArchitectureConfig):
             "activation": "silu",
             "norm_plus_one": False,
             "scale_embeddings": False,
+            "sandwich_norms": False,
+            "query_pre_attn_scalar": None,
+            "attn_softcap": None,
+            "final_softcap": None,
             "sliding_window": None,
             "layer_types": [],
         }
