@@ -91,6 +91,16 @@ GEMMA2 = {
     "final_logit_softcapping": 3.0,
     "sliding_window": 4,  # layer_types absent: layer 0 sliding, layer 1 full
 }
+GEMMA3 = {
+    **{k: v for k, v in GEMMA2.items() if "softcapping" not in k},
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "query_pre_attn_scalar": 20,
+    "sliding_window_pattern": 2,  # layer 0 sliding (local rotary base), layer 1 full (global)
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 100.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 2.0},  # the global layers' only
+}
 CONFIGS = {
     "mistral-window": MISTRAL,
     "qwen2-window-layer-1": QWEN2,
@@ -116,6 +126,7 @@ CONFIGS = {
     "gemma": GEMMA,  # tie_word_embeddings absent: tied, as transformers' GemmaConfig
     "gemma-exact-gelu-untied": {**GEMMA, "hidden_act": "gelu", "tie_word_embeddings": False},
     "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
 }
 ROWS = [[1, 5, 7, 9, 11, 13, 2, 60, 3, 3, 40, 17], [56, 0, 4, 8, 15, 16, 23, 42, 8, 1, 9, 30]]
 
@@ -147,7 +158,7 @@ def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
         if hf["model_type"] == "qwen2":
             for n, rows in (("q", H * K), ("k", G * K), ("v", G * K)):
                 t[p + f"self_attn.{n}_proj.bias"] = w(rows, scale=0.3)
-        if hf["model_type"] == "qwen3":
+        if hf["model_type"] in ("qwen3", "gemma3_text"):
             t[p + "self_attn.q_norm.weight"] = 1 + w(K, scale=0.2)
             t[p + "self_attn.k_norm.weight"] = 1 + w(K, scale=0.2)
         t[p + "mlp.gate_proj.weight"] = w(F, D)
@@ -158,7 +169,7 @@ def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
             t[p + "self_attn.qkv_proj.weight"] = np.concatenate(qkv)
             gate_up = [t.pop(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]
             t[p + "mlp.gate_up_proj.weight"] = np.concatenate(gate_up)
-        if hf["model_type"] == "gemma2":  # four norms per layer
+        if hf["model_type"] in ("gemma2", "gemma3_text"):  # four norms per layer
             t[p + "pre_feedforward_layernorm.weight"] = w(D, scale=0.3)
             t[p + "post_feedforward_layernorm.weight"] = w(D, scale=0.3)
     if not hf.get("tie_word_embeddings", hf["model_type"].startswith("gemma")):
@@ -178,8 +189,9 @@ def layer_windows(hf: dict) -> list[int | None]:
     L = hf["num_hidden_layers"]
     if hf["model_type"] in ("mistral", "phi3"):
         return [hf.get("sliding_window")] * L
-    if hf["model_type"] == "gemma2":  # layer_types absent: sliding where (i + 1) % 2
-        return [hf["sliding_window"] if (i + 1) % 2 else None for i in range(L)]
+    if hf["model_type"] in ("gemma2", "gemma3_text"):  # layer_types absent: (i + 1) % pattern
+        pattern = hf.get("sliding_window_pattern", 2 if hf["model_type"] == "gemma2" else 6)
+        return [hf["sliding_window"] if (i + 1) % pattern else None for i in range(L)]
     if not hf.get("use_sliding_window"):
         return [None] * L
     types = hf.get("layer_types") or [
@@ -195,7 +207,8 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     H, G, K = hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf)
     eps, T = hf["rms_norm_eps"], len(ids)
 
-    gemma, gemma2 = hf["model_type"].startswith("gemma"), hf["model_type"] == "gemma2"
+    gemma = hf["model_type"].startswith("gemma")
+    gemma2 = hf["model_type"] in ("gemma2", "gemma3_text")  # four norms per layer
 
     def rms(x, weight):  # Gemma: times (1 + weight)
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (gemma + weight)
@@ -207,17 +220,13 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
             return 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))
         return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
-    inv_freq = 1.0 / hf["rope_theta"] ** (np.arange(0, K, 2) / K)
-    scaling, mscale = hf.get("rope_scaling") or {}, 1.0
-    if scaling.get("type") == "longrope":  # rows within original: the short factors
-        original = hf["original_max_position_embeddings"]
-        inv_freq = inv_freq / np.asarray(scaling["short_factor"])
-        mscale = np.sqrt(1 + np.log(hf["max_position_embeddings"] / original) / np.log(original))
-    angle = np.arange(T)[:, None] * inv_freq[None, :]
-    cos = np.cos(np.concatenate([angle] * 2, -1)) * mscale
-    sin = np.sin(np.concatenate([angle] * 2, -1)) * mscale
+    local = hf.get("rope_local_base_freq")  # Gemma 3's sliding layers: this base, unscaled
+    cos_sin = {None: rotary_tables(hf, hf["rope_theta"], hf.get("rope_scaling"), K, T)}
+    if local:
+        cos_sin[local] = rotary_tables(hf, local, None, K, T)
 
-    def rope(x):  # x [T, heads, K]; rotate_half(x) = [-x2, x1]
+    def rope(x, base):  # x [T, heads, K]; rotate_half(x) = [-x2, x1]
+        cos, sin = cos_sin[base]
         rotated = np.concatenate([-x[..., K // 2 :], x[..., : K // 2]], axis=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
 
@@ -226,6 +235,7 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
     if gemma:  # the embedding times sqrt(hidden_size)
         x = x * np.sqrt(hf["hidden_size"])
     for i, window in enumerate(layer_windows(hf)):
+        base = local if window is not None else None
         p = f"model.layers.{i}."
         h = rms(x, t[p + "input_layernorm.weight"])
         if p + "self_attn.qkv_proj.weight" in t:  # Phi-3: sliced by query_pos, as modeling_phi3
@@ -243,10 +253,10 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
                 rms(q, t[p + "self_attn.q_norm.weight"]),
                 rms(k, t[p + "self_attn.k_norm.weight"]),
             )
-        q, k = rope(q), rope(k)
+        q, k = rope(q, base), rope(k, base)
         k, v = k[:, np.arange(H) // (H // G)], v[:, np.arange(H) // (H // G)]
         scores = np.einsum("thk,shk->hts", q, k) / np.sqrt(hf.get("query_pre_attn_scalar", K))
-        if gemma2:
+        if hf.get("attn_logit_softcapping"):
             cap = hf["attn_logit_softcapping"]
             scores = cap * np.tanh(scores / cap)
         allowed = kv_idx <= q_idx
@@ -271,10 +281,27 @@ def reference_logits(t: dict, hf: dict, ids) -> np.ndarray:
         x = x + (rms(mlp, t[p + "post_feedforward_layernorm.weight"]) if gemma2 else mlp)
     x = rms(x, t["model.norm.weight"])
     logits = x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
-    if gemma2:
+    if hf.get("final_logit_softcapping"):
         cap = hf["final_logit_softcapping"]
         logits = cap * np.tanh(logits / cap)
     return logits
+
+
+def rotary_tables(hf: dict, theta: float, scaling, K: int, T: int):
+    """cos, sin ``[T, K]`` of base ``theta`` under ``scaling`` (linear, or Phi-3's longrope
+    for rows within original_max_position_embeddings: the short factors)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, K, 2) / K)
+    scaling, mscale = scaling or {}, 1.0
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    if scaling.get("type") == "longrope":  # rows within original: the short factors
+        original = hf["original_max_position_embeddings"]
+        inv_freq = inv_freq / np.asarray(scaling["short_factor"])
+        mscale = np.sqrt(1 + np.log(hf["max_position_embeddings"] / original) / np.log(original))
+    angle = np.arange(T)[:, None] * inv_freq[None, :]
+    cos = np.cos(np.concatenate([angle] * 2, -1)) * mscale
+    sin = np.sin(np.concatenate([angle] * 2, -1)) * mscale
+    return cos, sin
 
 
 def packed_logits(cfg, params, tokens, segments, positions) -> np.ndarray:
@@ -356,7 +383,7 @@ def test_the_window_changes_the_logits(checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window-layer-1"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window-layer-1", "gemma3"])
 def test_each_segment_of_a_packed_row_equals_the_example_alone(checkpoints, name):
     cfg, params = hf_checkpoint.load(checkpoints[name]["dir"], max_len=32, compute_dtype="float32")
     a, b, c = ROWS[0][:7], ROWS[1][:9], ROWS[0][3:8]
@@ -370,7 +397,7 @@ def test_each_segment_of_a_packed_row_equals_the_example_alone(checkpoints, name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-tied"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-tied", "gemma2", "gemma3"])
 def test_cached_generation_follows_the_reference_argmax(checkpoints, name):
     """Greedy tokens with the key/value cache (windowed over cache slots) equal the argmax of
     the reference forward over the growing row, past the window."""
@@ -491,8 +518,12 @@ def test_a_head_dim_that_does_not_match_the_tensors_is_named(tmp_path):
             r"hidden_activation 'gelu' differs from hidden_act 'gelu_pytorch_tanh'",
         ),
         (
-            {**GEMMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]},
-            r"architectures \['Gemma3ForCausalLM'\] is not supported",
+            {**GEMMA, "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+            r"architectures \['Gemma3ForConditionalGeneration'\] is not supported",
+        ),
+        (
+            {**GEMMA3, "use_bidirectional_attention": True},
+            r"use_bidirectional_attention true is not supported \(causal only\)",
         ),
         (
             {**PHI3, "partial_rotary_factor": 0.75},

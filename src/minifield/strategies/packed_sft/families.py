@@ -13,6 +13,7 @@ qwen3       Qwen3ForCausalLM      no         yes      128              ``use_sli
 phi3        Phi3ForCausalLM       no         no       hidden / heads   every layer
 gemma       GemmaForCausalLM      no         no       256              none
 gemma2      Gemma2ForCausalLM     no         no       256              every other layer
+gemma3_text Gemma3ForCausalLM     no         yes      256              5 of every 6 layers
 ==========  ====================  =========  =======  ===============  =========================
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
@@ -23,7 +24,10 @@ Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the
 by ``query_pre_attn_scalar ** -0.5`` (absent: 256) and soft-capped
 (``attn_logit_softcapping``, absent: 50), logits soft-capped (``final_logit_softcapping``,
 absent: 30), ``sliding_window`` (absent: 4096) on the layers ``layer_types`` marks, absent:
-layers 0, 2, 4, ...
+layers 0, 2, 4, ... Gemma 3 (text): Gemma 2 without soft-capping by default, with q/k norms
+(``1 + w``), the window on all but every ``sliding_window_pattern``-th layer (absent: 6), and
+the sliding layers' rotary base ``rope_local_base_freq`` (absent: 10000; no ``rope_scaling``
+there), the others' ``rope_theta`` (absent: 1e6) with ``rope_scaling``.
 
 Phi-3 stores q/k/v as one ``qkv_proj`` matrix (rows: queries, keys, values) and the MLP's gate
 and up as one ``gate_up_proj`` (rows: gate, then up): :data:`NAME_TABLE` maps each to a tuple
@@ -60,11 +64,14 @@ class Family:
     default_head_dim: int | None = None
     #: how ``sliding_window`` is read: "" (refused when it binds), "all" (every layer),
     #: "qwen" (only with ``use_sliding_window``, on the layers ``layer_types`` names),
-    #: "gemma2" (always, on ``layer_types``'s layers, absent: every other layer from the first)
+    #: "gemma2" (always, on ``layer_types``'s layers, absent: every other layer from the first),
+    #: "gemma3" (likewise, absent: all but every ``sliding_window_pattern``-th layer)
     sliding: str = ""
     #: Gemma's ways: ``(1 + w)`` RMSNorm, embeddings times sqrt(hidden_size), GELU gate
     #: (``hidden_act``, absent: the tanh approximation), tied head when the field is absent
     gemma: bool = False
+    #: ``rope_theta`` when config.json has none
+    default_rope_theta: float = 10000.0
     #: q/k/v and gate/up stored as one matrix each (Phi-3's ``qkv_proj``, ``gate_up_proj``)
     fused_projections: bool = False
     #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
@@ -84,6 +91,15 @@ FAMILIES = {
         Family("phi3", "Phi3ForCausalLM", sliding="all", fused_projections=True),
         Family("gemma", "GemmaForCausalLM", default_head_dim=256, gemma=True),
         Family("gemma2", "Gemma2ForCausalLM", default_head_dim=256, gemma=True, sliding="gemma2"),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            qk_norm=True,
+            default_head_dim=256,
+            gemma=True,
+            sliding="gemma3",
+            default_rope_theta=1_000_000.0,
+        ),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -100,7 +116,7 @@ def family_of(cfg: LlamaConfig) -> Family:
     if cfg.fused_projections:
         return FAMILIES["phi3"]
     if cfg.sandwich_norms:
-        return FAMILIES["gemma2"]
+        return FAMILIES["gemma3_text" if cfg.qk_norm else "gemma2"]
     if cfg.norm_plus_one:
         return FAMILIES["gemma"]
     if cfg.qk_norm:

@@ -112,7 +112,7 @@ GEMMA_ACTIVATIONS = {**HF_ACTIVATIONS, "gelu": "gelu"}
 def _activation(fields: _Fields, family) -> str:
     """The MLP gate function ``hidden_act`` names (transformers' Gemma reads it, not
     ``hidden_activation``, which must then agree with it or be absent)."""
-    if family.sliding == "gemma2":  # Gemma 2 reads hidden_activation
+    if family.sliding in ("gemma2", "gemma3"):  # Gemma 2 and 3 read hidden_activation
         act = fields.get("hidden_activation", "string", "gelu_pytorch_tanh")
         if act not in GEMMA_ACTIVATIONS:
             fields.refuse(f"hidden_activation {act!r} is not supported")
@@ -150,10 +150,17 @@ def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tupl
     window = fields.get("sliding_window", "integer", None)
     if window is not None and window < 1:
         fields.refuse(f"sliding_window must be a positive integer, found {window!r}")
-    if family.sliding == "gemma2":
+    if family.sliding in ("gemma2", "gemma3"):
+        pattern = 2 if family.sliding == "gemma2" else 6
+        if family.sliding == "gemma3":
+            pattern = fields.get("sliding_window_pattern", "count", pattern)
+            if fields.get("use_bidirectional_attention", "boolean", False):
+                fields.refuse("use_bidirectional_attention true is not supported (causal only)")
         types = fields.get("layer_types", "strings", None)
-        types = types or [SLIDING if (i + 1) % 2 else FULL for i in range(n_layers)]
+        types = types or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
         window = 4096 if "sliding_window" not in fields.hf else window  # absent: the default
+        if window is None:  # transformers would still rotate those layers by the local base
+            fields.refuse("sliding_window null is not supported for this model_type")
         return _checked_types(fields, window, types, n_layers)
     if family.sliding == "all":
         # a window reaching every position the model has is no window (Mistral's own configs)
@@ -208,17 +215,20 @@ def config_from_hf(
     n_layers = fields.get("num_hidden_layers", "count")
     window, layer_types = _window(fields, arch, n_layers)
     activation = _activation(fields, family)
-    gemma2 = family.sliding == "gemma2"
+    sandwich = family.sliding in ("gemma2", "gemma3")
+    default_caps = (50.0, 30.0) if family.sliding == "gemma2" else (None, None)
     caps = {
         "query_pre_attn_scalar": float(fields.get("query_pre_attn_scalar", "number", 256)),
-        "attn_softcap": fields.get("attn_logit_softcapping", "number", 50.0),
-        "final_softcap": fields.get("final_logit_softcapping", "number", 30.0),
+        "attn_softcap": fields.get("attn_logit_softcapping", "number", default_caps[0]),
+        "final_softcap": fields.get("final_logit_softcapping", "number", default_caps[1]),
     }
     if "attn_logit_softcapping" in hf and hf["attn_logit_softcapping"] is None:
         caps["attn_softcap"] = None  # null: none (absent: transformers' default)
     if "final_logit_softcapping" in hf and hf["final_logit_softcapping"] is None:
         caps["final_softcap"] = None
-    caps = {k: None if v is None else float(v) for k, v in caps.items()} if gemma2 else {}
+    caps = {k: None if v is None else float(v) for k, v in caps.items()} if sandwich else {}
+    if family.sliding == "gemma3":
+        caps["rope_local_theta"] = float(fields.get("rope_local_base_freq", "number", 10000.0))
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
@@ -227,7 +237,7 @@ def config_from_hf(
         "n_kv_heads": fields.get("num_key_value_heads", "count", heads),
         "d_ff": fields.get("intermediate_size", "count"),
         "max_len": max_len,
-        "rope_theta": float(fields.get("rope_theta", "number", 10000.0)),
+        "rope_theta": float(fields.get("rope_theta", "number", family.default_rope_theta)),
         "norm_eps": float(fields.get("rms_norm_eps", "number", 1e-6)),
         "tie_embeddings": fields.get("tie_word_embeddings", "boolean", family.gemma),
     }
@@ -243,7 +253,7 @@ def config_from_hf(
             activation=activation,
             norm_plus_one=family.gemma,
             scale_embeddings=family.gemma,
-            sandwich_norms=gemma2,
+            sandwich_norms=sandwich,
             **caps,
             sliding_window=window,
             layer_types=layer_types,
@@ -284,7 +294,9 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
     if cfg.sliding_window is not None and family.sliding == "qwen":
         full = next((i for i, t in enumerate(types) if t == SLIDING), cfg.n_layers)
         out.update(use_sliding_window=True, max_window_layers=full, layer_types=types)
-    if family.sliding == "gemma2":
+    if family.sliding == "gemma3":
+        out["rope_local_base_freq"] = cfg.rope_local_theta
+    if family.sliding in ("gemma2", "gemma3"):
         out.update(
             hidden_activation=out["hidden_act"],
             query_pre_attn_scalar=cfg.query_pre_attn_scalar,

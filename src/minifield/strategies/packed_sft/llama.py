@@ -159,8 +159,9 @@ def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
     return y_BxTxN.astype(cfg.dtype)
 
 
-def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
-    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype)."""
+def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
+    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype);
+    ``window``: the layer's sliding window (Gemma 3 rotates those layers by another base)."""
     B, T, _ = x_BxTxD.shape
     H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
@@ -169,8 +170,11 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
     if cfg.qk_norm:  # per head, before rotary (Qwen3)
         q_BxTxHxK = _rms_norm(cfg, q_BxTxHxK, {"scale": p["q_norm"]})
         k_BxTxGxK = _rms_norm(cfg, k_BxTxGxK, {"scale": p["k_norm"]})
-    inv_freq_K2 = rotary.inv_freq(cfg.rope_theta, K // 2, cfg.rope_scaling)
-    scale = rotary.amplitude(cfg.rope_scaling)
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if window is not None and cfg.rope_local_theta is not None:
+        theta, scaling = cfg.rope_local_theta, ()
+    inv_freq_K2 = rotary.inv_freq(theta, K // 2, scaling)
+    scale = rotary.amplitude(scaling)
     q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
     k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
@@ -184,8 +188,8 @@ def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
     return _project(cfg, out_BxTxHK, p["wo"])
 
 
-def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
-    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT)
+def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT, window):
+    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT, window)
     return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p)
 
 
@@ -227,10 +231,10 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     h_BxTxD = _embed(params, cfg, tokens_BxT)
     mask = attention.packed_mask(cfg, segments_BxT)
 
-    def block_fn(mask):
+    def block_fn(mask, window):
         def fn(block, h_BxTxD):
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
+            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
             h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
             return _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
@@ -242,12 +246,12 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     if len(set(windows)) == 1:  # one body for every layer (a scan needs it)
         mask = attention.window_mask(mask, positions_BxT, positions_BxT, windows[0])
         return layer_stack.run_blocks(
-            cfg.execution, params["blocks"], names, block_fn(mask), h_BxTxD
+            cfg.execution, params["blocks"], names, block_fn(mask, windows[0]), h_BxTxD
         )
     # layers with and without the window: each its own mask (scan_layers is refused for these)
     masks = {w: attention.window_mask(mask, positions_BxT, positions_BxT, w) for w in set(windows)}
     for name, window in zip(names, windows, strict=True):
-        fn = block_fn(masks[window])
+        fn = block_fn(masks[window], window)
         h_BxTxD = layer_stack.run_blocks(cfg.execution, params["blocks"], [name], fn, h_BxTxD)
     return h_BxTxD
 
@@ -295,7 +299,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         slots_BxS = jnp.broadcast_to(jnp.arange(S), (B, S))  # a slot holds its own position
         layer_mask = attention.window_mask(mask_Bx1xTxS, positions_BxT, slots_BxS, window)
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT)
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT, window)
         k_BxSxGxK = cache[name]["k"].at[rows_BxT, positions_BxT].set(k_BxTxGxK)
         v_BxSxGxK = cache[name]["v"].at[rows_BxT, positions_BxT].set(v_BxTxGxK)
         new_cache[name] = {"k": k_BxSxGxK, "v": v_BxSxGxK}

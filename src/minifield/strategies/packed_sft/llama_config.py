@@ -73,6 +73,9 @@ class LlamaConfig(ArchitectureConfig):
     #: soft-capping ``cap * tanh(x / cap)`` of the attention scores and of the logits
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    #: the rotary base of the sliding-window layers (Gemma 3's ``rope_local_base_freq``, no
+    #: ``rope_scaling`` there); None: every layer's is ``rope_theta``
+    rope_local_theta: float | None = None
     #: an HF checkpoint's layout, not the function: q/k/v and gate/up stored fused (Phi-3)
     fused_projections: bool = False
     #: a query sees the keys of its segment less than this many positions back (itself
@@ -124,7 +127,7 @@ class LlamaConfig(ArchitectureConfig):
             errors.append(
                 f"model.activation: expected one of {ACTIVATIONS}, got {self.activation!r}"
             )
-        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
             value = getattr(self, name)
             if value is not None and (type(value) is not float or not value > 0):
                 errors.append(f"model.{name}: expected a positive float, got {value!r}")
@@ -184,6 +187,7 @@ class LlamaConfig(ArchitectureConfig):
             "query_pre_attn_scalar": None,
             "attn_softcap": None,
             "final_softcap": None,
+            "rope_local_theta": None,
             "sliding_window": None,
             "layer_types": [],
         }
