@@ -39,17 +39,15 @@ of parameters, split on load and joined again on export (:func:`split`, :func:`j
 
 :data:`NAME_TABLE` maps HF (PyTorch) tensor names to this project's parameter paths (see
 :mod:`.llama`). ``transpose`` marks a ``torch.nn.Linear`` weight, which PyTorch stores
-``[out, in]`` and :mod:`.llama` holds ``[in, out]``. This module does not import JAX.
+``[out, in]`` and :mod:`.llama` holds ``[in, out]``. This module does not import JAX, nor
+:mod:`.llama_config` (which reads its layer types): ``cfg`` is a
+:class:`~.llama_config.LlamaConfig`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from .llama import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 QWEN_MAX_WINDOW_LAYERS = 28
 
 
-def family_of(cfg: LlamaConfig) -> Family:
+def family_of(cfg) -> Family:
     """The family an export of ``cfg`` without a base model's ``config.json`` is written as:
     the simplest one that holds every feature it has."""
     if cfg.fused_projections:
@@ -165,7 +163,7 @@ NAME_TABLE = [
 ]  # fmt: skip
 
 
-def param_shape(cfg: LlamaConfig, path: str) -> tuple[int, ...]:
+def param_shape(cfg, path: str) -> tuple[int, ...]:
     """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
     D, F, V, K = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
     HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
@@ -223,7 +221,7 @@ def shape_fields(path, transpose: bool) -> str:
     return ", ".join(fields[::-1] if transpose else fields)
 
 
-def _present(cfg: LlamaConfig, hf: str, internal) -> bool:
+def _present(cfg, hf: str, internal) -> bool:
     """Whether ``cfg``'s checkpoint has the tensor of a :data:`NAME_TABLE` row."""
     if hf.endswith(_SANDWICH) or internal == _ATTN_POST:
         return cfg.sandwich_norms
@@ -242,7 +240,7 @@ def _present(cfg: LlamaConfig, hf: str, internal) -> bool:
     return True
 
 
-def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
+def expected_tensors(cfg) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
     """HF name -> (internal path, transpose, HF shape) for every tensor ``cfg`` has."""
     out = {}
     for hf, internal, transpose in NAME_TABLE:
@@ -262,7 +260,7 @@ def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, 
     return out
 
 
-def split(cfg: LlamaConfig, path, value) -> list[tuple[str, object]]:
+def split(cfg, path, value) -> list[tuple[str, object]]:
     """``(internal path, array)`` of a tensor read in this project's ``[in, out]`` layout: one,
     or for a fused matrix each part's columns (contiguous copies)."""
     if isinstance(path, str):
@@ -287,6 +285,6 @@ def join(path, lookup):
     return np.concatenate([np.asarray(lookup(p), np.float32) for p in path], axis=1)
 
 
-def fp32_bytes(cfg: LlamaConfig) -> int:
+def fp32_bytes(cfg) -> int:
     """Bytes of the FP32 parameters (for memory figures)."""
     return 4 * sum(math.prod(s) for _, _, s in expected_tensors(cfg).values())
