@@ -131,7 +131,8 @@ def head_dim(hf: dict) -> int:
 
 
 def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random FP32 tensors under HF's PyTorch names and ``[out, in]`` layouts."""
+    """Random FP32 tensors under HF's PyTorch names and ``[out, in]`` layouts, of any family
+    (test_llama's Llama/Mistral/Qwen2 checkpoints too)."""
     rng = np.random.default_rng(seed)
     D, F, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     H, G, K = hf["num_attention_heads"], hf["num_key_value_heads"], head_dim(hf)
