@@ -197,3 +197,24 @@ def test_lora_on_a_fused_phi3_base_is_refused_naming_config_json(tmp_path):
         "gate_up_proj fused; LoRA",
     ):
         _prepare(base_recipe(root, {"lora": {"rank": 2}}), root)
+
+
+def test_a_window_the_fused_kernel_cannot_run_is_refused_at_validation_and_prepare(tmp_path):
+    from test_base_model import _prepare, base_recipe
+    from test_llama import _recipe
+
+    from minifield import recipe as recipes
+    from minifield.strategies.packed_sft import base_model
+
+    section = {"architecture": "llama", "d_model": 32, "n_heads": 4, "attention": "pallas"}
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(_recipe({**section, "sliding_window": 4}))
+    assert [e["path"] for e in info.value.errors] == ["/model/sliding_window"]
+    recipes.validate(_recipe({**section, "sliding_window": 32}))  # no row reaches past it
+    root, _ = _base_of_family(tmp_path, MISTRAL)
+    with pytest.raises(
+        base_model.BaseModelError,
+        match=rf"^{root / 'base' / 'config.json'}: model.attention pallas: the fused kernel has "
+        r"no sliding window, and sliding_window 4 < the rows' 64 positions",
+    ):
+        _prepare(base_recipe(root, {"attention": "pallas"}), root)

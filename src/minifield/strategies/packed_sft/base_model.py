@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import chat_template, hf_checkpoint, sft_data
+from . import chat_template, execution, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = "base."
@@ -123,6 +123,10 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)
+    try:  # what the recipe's execution options cannot run (a window in the fused kernel)
+        execution.with_recipe_options(cfg, recipe)
+    except ValueError as exc:
+        raise BaseModelError(f"{config_path}: {exc}") from None
     if "lora" in model and cfg.fused_projections:
         # PEFT adapters name q_proj, gate_proj, ...; Phi-3 has qkv_proj, gate_up_proj instead
         raise BaseModelError(
