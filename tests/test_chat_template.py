@@ -155,7 +155,12 @@ def test_rendering_and_token_ids_equal_transformers(tokenizer_file, name, conver
         )
         assert ours.render(shown, add_generation_prompt=generation_prompt) == expected
     encoded = chat_template.encode(
-        messages, ours, backend, backend.token_to_id(specials["eos_token"]), "row 1"
+        messages,
+        ours,
+        backend,
+        backend.token_to_id(specials["eos_token"]),
+        "row 1",
+        train_on="last_assistant",
     )
     whole = ref.apply_chat_template(messages, tokenize=True)
     prompt = ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)
@@ -171,8 +176,9 @@ def test_the_trained_span_is_the_assistant_turn_and_its_end_of_turn_token(tokeni
     template, specials, trained_text = CASES[name]
     backend, ours = _ours(tokenizer_file, template, specials)
     for messages in CONVERSATIONS:
+        eos = backend.token_to_id(specials["eos_token"])
         encoded = chat_template.encode(
-            messages, ours, backend, backend.token_to_id(specials["eos_token"]), "row 1"
+            messages, ours, backend, eos, "row 1", train_on="last_assistant"
         )
         # the hand-written text of the last assistant turn, and nothing of the earlier ones
         assert backend.decode(encoded.response, skip_special_tokens=False) == trained_text

@@ -52,10 +52,16 @@ class Example:
 
 @dataclass(frozen=True)
 class Encoded:
-    """One example as tokens: ``prompt`` = ``<bos> p <sep>``; ``response`` = ``r <eos>``."""
+    """One example as tokens: ``prompt`` = ``<bos> p <sep>``; ``response`` = ``r <eos>``.
+
+    ``prompt`` is every token before the first trained one. ``trained`` flags each
+    ``response`` token (1 trained, 0 context): a conversation trained on every assistant turn
+    carries its later user and tool turns inside ``response`` unflagged. None: all trained.
+    """
 
     prompt: list[int]
     response: list[int]
+    trained: tuple[int, ...] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -63,6 +69,27 @@ class Encoded:
 
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
+
+    def response_mask(self) -> list[int]:
+        """1/0 per ``response`` token: whether it is in the loss."""
+        return [1] * len(self.response) if self.trained is None else list(self.trained)
+
+    def cut(self, length: int) -> Encoded:
+        """The first ``length`` tokens of the response (its flags cut alike)."""
+        trained = None if self.trained is None else self.trained[:length]
+        return Encoded(self.prompt, self.response[:length], trained)
+
+    def last_turn(self) -> Encoded:
+        """The last trained run as the response, everything before it as the prompt: what
+        exact-match evaluation asks (the conversation so far) and expects (the last answer)."""
+        if self.trained is None:
+            return self
+        mask = self.trained
+        end = max(i for i, flag in enumerate(mask) if flag) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        return Encoded(self.prompt + self.response[:start], self.response[start:end])
 
 
 def _from_chat(messages, where: str) -> Example:
