@@ -244,16 +244,27 @@ def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=Non
     )
 
 
-def encode_chat_file(path: Path, tokenizer, template) -> list[sft_data.Encoded]:
-    """A supervised file rendered with the base model's chat template (a failure is a bad
-    input, naming the file and example)."""
+def encode_chat(
+    examples: list[sft_data.Example], tokenizer, template, train_on: str, path: Path
+) -> list[sft_data.Encoded]:
+    """Examples of the supervised file ``path`` rendered with the base model's chat template
+    (a failure is a bad input, naming the file and example); a ``text`` row is its tokens
+    between the bos (when the tokenizer has one) and the eos, all trained."""
     out = []
-    for index, example in enumerate(sft_data.read_jsonl(path)):
+    backend, eos = tokenizer._backend, tokenizer.eos_id
+    end_ids = chat_template.end_of_turn_ids(backend, eos)
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    for index, example in enumerate(examples):
+        if example.text:
+            ids = [*head, *tokenizer.encode(example.response), eos]
+            out.append(sft_data.Encoded(ids[:1], ids[1:]))
+            continue
         where = f"{path} (example {index + 1})"
+        tools = None if example.tools is None else list(example.tools)
         try:
             out.append(
                 chat_template.encode(
-                    example.conversation(), template, tokenizer._backend, tokenizer.eos_id, where
+                    example.conversation(), template, backend, eos, where, train_on, tools, end_ids
                 )
             )
         except chat_template.ChatTemplateError as exc:
