@@ -17,7 +17,6 @@ import numpy as np
 
 from ..digest import sha256_json
 
-
 #: an input entry's keys that say how its rows are read (absent from most recipes, so
 #: only a recipe that gives one has them in its digests)
 READING_KEYS = ("format", "columns", "roles")
