@@ -104,7 +104,7 @@ CONVERSATIONS = [
 ]
 
 
-def make_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+def make_tokenizer(path: Path, vocab_size: int = 320, specials=tuple(SPECIALS)) -> Path:
     """A small byte-level BPE trained here on a few strings, with the templates' specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -113,7 +113,7 @@ def make_tokenizer(path: Path, vocab_size: int = 320) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -29,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...inputs.pinned import InputError
+
 FORMATS = ("messages", "sharegpt", "alpaca", "prompt_response", "text")
 #: format → (required fields, optional fields)
 FIELDS = {
@@ -45,8 +47,9 @@ SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool
 PARQUET_MAGIC = b"PAR1"
 
 
-class DataError(Exception):
-    """A supervised data file that cannot be read as examples; the message names file:line."""
+class DataError(InputError):
+    """A supervised data file that cannot be read as examples; the message names file:line
+    (an invalid input: the worker exits 2)."""
 
 
 @dataclass(frozen=True)
