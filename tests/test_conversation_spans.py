@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_chat_template import GENERATION_TAG, LLAMA3, SPECIALS, make_tokenizer
 
-from minifield.strategies.packed_sft import chat_template, data_formats, sft_data
+from minifield.strategies.packed_sft import assistant_turns, chat_template, data_formats, sft_data
 from minifield.strategies.packed_sft import tokenizer as tk
 
 QWEN25 = """{%- if tools %}
@@ -275,7 +275,7 @@ def _ours(tokenizer_file, name):
 def _encode(tokenizer_file, name, messages, **kwargs):
     backend, template = _ours(tokenizer_file, name)
     eos = backend.token_to_id(TEMPLATES[name][1]["eos_token"])
-    return backend, chat_template.encode(messages, template, backend, eos, "row 1", **kwargs)
+    return backend, assistant_turns.encode(messages, template, backend, eos, "row 1", **kwargs)
 
 
 def _pieces(backend, encoded) -> list[tuple[str, bool]]:
@@ -356,7 +356,7 @@ def test_generation_blocks_give_the_spans_transformers_masks(tokenizer_file):
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         eos = backend.token_to_id("<|im_end|>")
-        encoded = chat_template.encode(messages, ours, backend, eos, "row 1")
+        encoded = assistant_turns.encode(messages, ours, backend, eos, "row 1")
         mask = [0] * len(encoded.prompt) + encoded.response_mask()
         assert encoded.tokens == list(out["input_ids"])[: len(encoded)]
         assert mask == list(out["assistant_masks"])[: len(encoded)]
@@ -395,7 +395,7 @@ def test_a_tool_call_is_trained_and_its_result_is_not(tokenizer_file):
         WITH_TOOL, tools=TOOLS, tokenize=False
     )
     eos = backend.token_to_id("<|im_end|>")
-    encoded = chat_template.encode(WITH_TOOL, ours, backend, eos, "row 1", tools=TOOLS)
+    encoded = assistant_turns.encode(WITH_TOOL, ours, backend, eos, "row 1", tools=TOOLS)
     runs = _pieces(backend, encoded)
     assert [text for text, trained in runs if trained] == [
         '<tool_call>\n{"name": "reverse", "arguments": {"text": "hello"}}\n</tool_call><|im_end|>',
@@ -407,7 +407,7 @@ def test_a_tool_call_is_trained_and_its_result_is_not(tokenizer_file):
         False,
     )
     with pytest.raises(chat_template.ChatTemplateError, match="row 1: .*tool's output"):
-        chat_template.encode(WITH_TOOL, ours, backend, eos, "row 1", "everything", TOOLS)
+        assistant_turns.encode(WITH_TOOL, ours, backend, eos, "row 1", "everything", TOOLS)
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer_file):
@@ -419,7 +419,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer_file):
     backend = Tokenizer.from_file(str(tokenizer_file))
     ours = chat_template.ChatTemplate(moving, TEMPLATES["mistral-inst"][1], "moving.json")
     with pytest.raises(chat_template.ChatTemplateError, match="row 7: .*message 2.*not a prefix"):
-        chat_template.encode(THREE_TURNS, ours, backend, backend.token_to_id("</s>"), "row 7")
+        assistant_turns.encode(THREE_TURNS, ours, backend, backend.token_to_id("</s>"), "row 7")
 
 
 def test_without_a_template_every_turn_follows_sep_and_ends_with_eos():

@@ -13,7 +13,7 @@ larger value is refused, naming the template (and the example).
 ``strftime_now`` is left out on purpose: a date in the prompt would make the prepared
 examples depend on the day they were prepared.
 
-Which tokens are trained comes from the template itself. Where it marks assistant text with
+Which tokens are trained comes from the template itself (:mod:`.assistant_turns`). Where it marks assistant text with
 ``{% generation %}`` blocks, the tokens inside them are trained (as transformers'
 ``return_assistant_tokens_mask``). Otherwise each assistant turn is found by rendering the
 conversation up to it with ``add_generation_prompt=True``: that text must be a prefix of the
@@ -31,15 +31,12 @@ from __future__ import annotations
 import json
 
 from . import template_sandbox
-from .sft_data import Encoded
 
 TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 #: characters one render may write beyond its messages' text, per position of ``seq_len``
 CHARS_PER_POSITION = 32
 #: characters one render may write in all (a conversation's text included)
 MAX_RENDERED_CHARS = 1 << 20
-#: what a conversation trains (the recipe's ``training.train_on``)
-TRAIN_ON = ("all_assistant", "last_assistant", "everything")
 #: written around a ``{% generation %}`` block's text while spans are found, then removed
 #: (private-use code points: no tokenizer gives them meaning)
 OPEN_MARK, CLOSE_MARK = "\uf8f0", "\uf8f1"
@@ -86,6 +83,9 @@ def _environment():
         mark_generation = False
 
         def call_binop(self, context, operator, left, right):
+            if operator == "+" and type(left) is str and type(right) is str:
+                # most of a chat template's work: the same charge, a fraction of the calls
+                return template_sandbox.join_strings(self.budget, left, right)
             template_sandbox.check_binop(self.budget, operator, left, right)
             return self.budget.built(super().call_binop(context, operator, left, right))
 
@@ -207,132 +207,3 @@ class ChatTemplate:
                 f"{self.where}: chat_template failed to render ({type(exc).__name__}: {exc})"
             ) from None
         return "".join(parts)
-
-
-def _generation_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
-    """The text without its generation marks, and the character spans the marks enclosed."""
-    import re
-
-    text, spans, start, length = [], [], None, 0
-    for piece in re.split(f"([{OPEN_MARK}{CLOSE_MARK}])", marked):
-        if piece == OPEN_MARK:
-            if start is not None:
-                raise ChatTemplateError("a {% generation %} block opens inside another")
-            start = length
-        elif piece == CLOSE_MARK:
-            spans.append((start, length))
-            start = None
-        else:
-            text.append(piece)
-            length += len(piece)
-    return "".join(text), spans
-
-
-def _token_index(offsets, boundary: int, text: str) -> int:
-    """The first token starting at or after character ``boundary``; a token across it is an
-    error (the trained tokens could not be separated from the context)."""
-    index = next((i for i, (s, _) in enumerate(offsets) if s >= boundary), len(offsets))
-    if index > 0 and offsets[index - 1][1] > boundary:
-        start, end = offsets[index - 1]
-        raise ChatTemplateError(
-            "a token spans the end of the prompt and the start of the assistant's "
-            f"turn ({text[start:end]!r}), so the trained tokens cannot be separated from the "
-            "prompt"
-        )
-    return index
-
-
-def assistant_spans(
-    messages: list[dict], template: ChatTemplate, backend, end_ids, tools=None
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the rendered conversation and ``(start, end)`` token spans of every
-    assistant turn, end-of-turn token included (see the module docstring)."""
-    marked = template.render(messages, tools=tools, mark_generation=True)
-    if OPEN_MARK in marked:
-        full_text, char_spans = _generation_spans(marked)
-    else:
-        full_text, char_spans = marked, None
-    encoding = backend.encode(full_text, add_special_tokens=False)
-    ids, offsets = list(encoding.ids), list(encoding.offsets)
-    if char_spans is not None:
-        return ids, [
-            (
-                _token_index(offsets, s, full_text),
-                _token_index(offsets, e, full_text),
-            )
-            for s, e in char_spans
-        ]
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt_text = template.render(messages[:index], add_generation_prompt=True, tools=tools)
-        if not full_text.startswith(prompt_text):
-            raise ChatTemplateError(
-                f"rendering the conversation before message {index} (with "
-                "add_generation_prompt) is not a prefix of the whole conversation rendered, so "
-                f"the assistant's turn cannot be found ({template.where})"
-            )
-        start = _token_index(offsets, len(prompt_text), full_text)
-        end = next((i for i in range(start, len(ids)) if ids[i] in end_ids), None)
-        if end is None:
-            raise ChatTemplateError(
-                f"the rendered assistant turn (message {index}) has no end-of-turn "
-                f"token (a special token such as the eos); the template ({template.where}) must "
-                "close the turn with one"
-            )
-        if end == start:
-            raise ChatTemplateError(
-                f"the assistant turn (message {index}) is empty (nothing to train on)"
-            )
-        spans.append((start, end + 1))
-    return ids, spans
-
-
-def end_of_turn_ids(backend, eos_id: int) -> frozenset[int]:
-    """The ids that may close an assistant turn: the eos and every special added token."""
-    added = backend.get_added_tokens_decoder()
-    return frozenset({eos_id, *(i for i, token in added.items() if token.special)})
-
-
-def encode(
-    messages: list[dict],
-    template: ChatTemplate,
-    backend,
-    eos_id: int,
-    where: str,
-    train_on: str = "all_assistant",
-    tools: list | None = None,
-    end_ids: frozenset[int] | None = None,
-):
-    """``Encoded`` of one conversation whose last message is the assistant's.
-
-    ``prompt`` is every token before the first trained one; ``response`` runs through the
-    last trained turn's end-of-turn token, its flags marking the trained turns (``train_on``);
-    ``where`` (``file:line``) goes into every error. ``end_ids`` (default
-    :func:`end_of_turn_ids`) may be passed in to spare the lookup per conversation.
-    """
-    if end_ids is None:
-        end_ids = end_of_turn_ids(backend, eos_id)
-    try:
-        ids, spans = assistant_spans(messages, template, backend, end_ids, tools)
-    except ChatTemplateError as exc:
-        raise ChatTemplateError(f"{where}: {exc}") from None
-    spans = [(s, e) for s, e in spans if e > s]
-    if not spans:
-        raise ChatTemplateError(f"{where}: no assistant turn to train on ({template.where})")
-    if train_on == "last_assistant":
-        spans = spans[-1:]
-    elif train_on == "everything":
-        if any(m["role"] == "tool" for m in messages):
-            raise ChatTemplateError(
-                f"{where}: training.train_on=everything would train a tool's output; use "
-                "all_assistant or last_assistant for conversations with tool messages"
-            )
-        spans = [(min(1, spans[-1][1] - 1), spans[-1][1])]
-    first, last = spans[0][0], spans[-1][1]
-    flags = [0] * (last - first)
-    for s, e in spans:
-        flags[s - first : e - first] = [1] * (e - s)
-    trained = None if all(flags) else tuple(flags)
-    return Encoded(ids[:first], ids[first:last], trained)

@@ -11,7 +11,7 @@ assistant turn follows a ``<sep>`` and ends with ``<eos>``::
 
     <bos> system: s\\nuser: u1\\n <sep> a1 <eos> user: u2\\n <sep> a2 <eos>
 
-``train_on`` (:data:`.chat_template.TRAIN_ON`) says which turns are in the loss: every
+``train_on`` (:data:`.assistant_turns.TRAIN_ON`) says which turns are in the loss: every
 assistant turn, the last one only (then the earlier turns are prompt lines, ``assistant:``
 included), or every token but the first. A ``text`` row is ``<bos> text <eos>``, all trained.
 """
