@@ -63,7 +63,7 @@ def _generation_tag():
             return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
         def _render_body(self, caller):
-            if self.environment.mark_generation:
+            if getattr(self.environment, "mark_generation", False):
                 return OPEN_MARK + caller() + CLOSE_MARK
             return caller()
 

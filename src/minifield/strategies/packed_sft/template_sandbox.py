@@ -129,9 +129,13 @@ def join_strings(budget: Budget, left: str, right: str) -> str:
     """``left + right`` of two plain strings, charged exactly as :func:`check_binop` and then
     :meth:`Budget.built` charge it (one unit, the size refused first, the built value's units)."""
     size = len(left) + len(right)
+    cost = 2 + size // CHARS_PER_UNIT
+    if size <= budget.max_chars and budget.work >= cost:  # exactly when nothing below raises
+        budget.work -= cost
+        return left + right
     budget.spend()
     budget.fits(size, "a concatenation (+)")
-    budget.spend(1 + size // CHARS_PER_UNIT)
+    budget.spend(cost - 1)
     return left + right
 
 
