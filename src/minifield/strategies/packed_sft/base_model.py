@@ -264,9 +264,9 @@ def encode_chat(
         else:
             tools = None if example.tools is None else list(example.tools)
             where = f"{path} (example {index + 1})"
-            chats.append(
-                (index, assistant_turns.Conversation(example.conversation(), where, tools))
-            )
+            # the checked messages as read (the sandbox cannot change them): no copy
+            messages = list(example.messages or ()) or example.conversation()
+            chats.append((index, assistant_turns.Conversation(messages, where, tools)))
     for start in range(0, len(chats), ENCODE_BATCH):
         batch = chats[start : start + ENCODE_BATCH]
         try:
