@@ -17,7 +17,7 @@ with ChatML's specials. Then, on the same file and tokenizer:
 Printed: examples/s of each, their ratio (goal ≥ 0.5), and the packing fill of the prepared
 examples in rows of ``--seq-len`` (goal ≥ 97 %).
 
-Usage: uv run python benchmarks/prepare_conversations.py [--n 100000] [--seq-len 1024]
+Usage: uv run python benchmarks/prepare_conversations.py [--n 100000] [--seq-len 2048]
 [--json OUT]
 """
 
@@ -118,7 +118,7 @@ def timed(function, *args):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=100_000)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

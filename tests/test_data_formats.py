@@ -291,3 +291,16 @@ def test_the_worker_exits_2_on_a_bad_conversation_and_trains_nothing(tmp_path):
         f"{tmp_path / 'train.jsonl'}:1: messages[1].content is empty"
     )
     assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
+
+
+def test_everything_is_refused_for_a_conversation_with_a_tool_result(tmp_path):
+    path = _jsonl(tmp_path / "tool.jsonl", [{"messages": MESSAGES}, {"messages": WITH_TOOL}])
+    examples = data_formats.read(path).examples
+    with pytest.raises(data_formats.DataError, match=rf"^{path} \(example 2\): .*tool's output"):
+        sft_data.encode_examples(examples, tk.byte_tokenizer(), "everything", path)
+    # every assistant turn, the tool call's text included; the tool's output is context
+    encoded = sft_data.encode_examples(examples, tk.byte_tokenizer(), "all_assistant", path)[1]
+    trained = bytes(
+        t for t, f in zip(encoded.response, encoded.response_mask(), strict=True) if f and t < 256
+    )
+    assert trained == json.dumps([TOOL_CALL]).encode() + A1.encode()

@@ -163,6 +163,9 @@ class ChatTemplate:
             self._template = self._env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"{where}: chat_template does not compile ({exc})") from None
+        # the globals a render sees, merged once: jinja merges its ChainMap on every render,
+        # the larger part of a short render's cost
+        self._globals = {**self._template.globals, **self.variables}
 
     def max_chars(self, messages: list[dict]) -> int:
         """How many characters rendering ``messages`` may produce (see the class)."""
@@ -182,14 +185,20 @@ class ChatTemplate:
         self._env.budget = budget = template_sandbox.Budget(limit)
         self._env.mark_generation = mark_generation
         parts, length = [], 0
+        from jinja2.runtime import new_context
+
+        template = self._template
+        variables = {
+            **self._globals,
+            "messages": messages,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            for part in self._template.generate(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.variables,
-            ):
+            # Template.generate, without its per-render merge of the globals
+            context = new_context(self._env, template.name, template.blocks, variables, True)
+            for part in template.root_render_func(context):
                 length += len(part)
                 budget.fits(length, "the rendered text")
                 budget.spend(1 + len(part) // template_sandbox.CHARS_PER_UNIT)

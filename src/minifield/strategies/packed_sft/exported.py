@@ -189,7 +189,7 @@ class ExportedModel:
             return base_model.encode_chat(
                 examples, self.tokenizer, self.template, train_on, dev_path
             )
-        return [sft_data.encode(e, self.tokenizer, train_on) for e in examples]
+        return sft_data.encode_examples(examples, self.tokenizer, train_on, dev_path)
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """``prompt`` encoded as training laid it out: the chat template's user turn and

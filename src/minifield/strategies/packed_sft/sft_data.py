@@ -128,11 +128,27 @@ def encode(example: Example, tokenizer: Tokenizer, train_on: str = "all_assistan
     return Encoded(tokens[:first], tokens[first:], tuple(flags[first:]))
 
 
+def encode_examples(
+    examples: list[Example], tokenizer: Tokenizer, train_on: str, path: Path
+) -> list[Encoded]:
+    """The examples of the supervised file ``path``, encoded (``everything`` refused for a
+    conversation with a tool message, naming the example: a tool's output is never trained)."""
+    out = []
+    for index, example in enumerate(examples, start=1):
+        if train_on == "everything" and any(m["role"] == "tool" for m in example.messages or ()):
+            raise DataError(
+                f"{path} (example {index}): training.train_on=everything would train a tool's "
+                "output; use all_assistant or last_assistant for conversations with tool messages"
+            )
+        out.append(encode(example, tokenizer, train_on))
+    return out
+
+
 def encode_file(
     path: Path, tokenizer: Tokenizer, source: Source | None = None, train_on: str = "all_assistant"
 ) -> list[Encoded]:
     """Every example of a supervised file, encoded."""
-    return [encode(e, tokenizer, train_on) for e in read_jsonl(path, source)]
+    return encode_examples(read_jsonl(path, source), tokenizer, train_on, path)
 
 
 # -- the demo dataset -------------------------------------------------------------------------

@@ -157,7 +157,7 @@ class PackedSFT(Strategy):
             tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
             def encode_split(split, examples, train_on):
-                return [sft_data.encode(e, tokenizer, train_on) for e in examples]
+                return sft_data.encode_examples(examples, tokenizer, train_on, files[split])
 
         meta["tokenizer"] = tokenizer.config()
         for split in SPLITS:
