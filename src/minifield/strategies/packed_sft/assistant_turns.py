@@ -165,6 +165,8 @@ def encode_many(
     """``Encoded`` of each conversation: ``prompt`` is every token before the first trained
     one, ``response`` runs through the last trained turn's end-of-turn token, its flags
     marking the trained turns. Errors name the conversation's ``where``."""
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     if end_ids is None:
         end_ids = end_of_turn_ids(backend, eos_id)
     rendered = []
