@@ -22,7 +22,17 @@ from typing import Any
 import numpy as np
 
 from ..base import Program, Strategy
-from . import base_model, evaluator, execution, exported, lora, packing, settings, sft_data
+from . import (
+    base_model,
+    evaluator,
+    execution,
+    exported,
+    lora,
+    mixture,
+    packing,
+    settings,
+    sft_data,
+)
 from . import tokenizer as tokenizers
 from .program import PackedSFTProgram
 
@@ -51,7 +61,18 @@ class PackedSFT(Strategy):
         model = recipe["model"]
         errors = settings.normalize_model_section(model)
         names = [i["name"] for i in recipe.get("inputs", [])]
-        wanted = list(SPLITS) + settings.base_model_inputs(model)
+        errors += mixture.normalize(recipe)
+        sources = mixture.input_names(recipe["training"])
+        held_out = [split for split in SPLITS if split != "train"]
+        wanted = sources + held_out + settings.base_model_inputs(model)
+        errors += [
+            {
+                "path": f"/training/mixture/{index}/input",
+                "message": f"{name!r} is a held-out split or part of the model, not training data",
+            }
+            for index, name in enumerate(sources)
+            if name in wanted[len(sources) :]
+        ]
         tokenizer = model.get("tokenizer", {"kind": "byte"})
         if tokenizer["kind"] == "tokenizers-json":
             wanted.append(tokenizer["input"])
@@ -119,6 +140,10 @@ class PackedSFT(Strategy):
             "overlong": training["overlong"],
             "max_generate_examples": evaluation["max_generate_examples"],
         }
+        if "mixture" in training:
+            # the sources in order, not their weights: recipes that only weigh the same
+            # sources differently share the prepared examples
+            spec["mixture"] = mixture.input_names(training)
         if "base" in recipe["model"]:
             # only with a base model, so every other recipe keeps its examples digest
             spec["tokenizer"] = None
@@ -144,24 +169,27 @@ class PackedSFT(Strategy):
                 return sft_data.encode_file(files[split], tokenizer)
 
         meta["tokenizer"] = tokenizer.config()
-        for split in SPLITS:
-            encoded = encode_split(split)
-            if split == "train":
-                packed = packing.pack(
-                    encoded, training["seq_len"], training["overlong"], tokenizer.pad_id
+        packed = {}
+        for source in mixture.input_names(training):
+            packed[source] = packing.pack(
+                encode_split(source), training["seq_len"], training["overlong"], tokenizer.pad_id
+            )
+            if packed[source].stats["rows"] == 0:
+                raise sft_data.DataError(
+                    f"{files[source]}: no example fits training.seq_len={training['seq_len']}"
                 )
-                if packed.stats["rows"] == 0:
-                    raise sft_data.DataError(
-                        f"{files[split]}: no example fits training.seq_len={training['seq_len']}"
-                    )
-                arrays.update({f"train_{k}": v for k, v in packed.arrays.items()})
-                meta["splits"][split] = packed.stats
-            else:
-                split_arrays, stats = evaluator.split_arrays(
-                    split, encoded, recipe, tokenizer.pad_id
-                )
-                arrays.update(split_arrays)
-                meta["splits"][split] = stats
+        if "mixture" in training:
+            train, meta["mixture"] = packing.concatenate(packed)
+        else:
+            train = packed["train"]
+        arrays.update({f"train_{k}": v for k, v in train.arrays.items()})
+        meta["splits"]["train"] = train.stats
+        for split in SPLITS[1:]:
+            split_arrays, stats = evaluator.split_arrays(
+                split, encode_split(split), recipe, tokenizer.pad_id
+            )
+            arrays.update(split_arrays)
+            meta["splits"][split] = stats
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
         if tokenizer.kind == "tokenizers-json" and "base" not in recipe["model"]:
             arrays["tokenizer_json"] = np.frombuffer(
