@@ -210,3 +210,49 @@ def test_prepare_packs_each_source_on_its_own(space):
     )
     assert meta["mixture"]["extra"]["examples"] == 40
     assert meta["splits"]["train"]["rows"] == sum(rows)
+
+
+# -- the summary: what the final state trained on, per source ----------------------------------
+
+
+def _update(step: int, figures: dict) -> dict:
+    return {"type": "update", "step": step, "sources": figures}
+
+
+def test_the_summary_counts_each_update_of_the_final_state_once():
+    """Figures by step (the summary keeps each step's latest, a redone update's as redone;
+    test_mixture_worker.py checks that over a real crash), summed by hand: rows and trained
+    tokens of updates 1-3 of a state at position 3 (update 4 was lost with a crash), epochs
+    as after update 3."""
+    from minifield.observe.summarize import trained_by_source
+
+    one = {
+        "a": {"rows": 3, "loss_tokens": 30, "epochs": 0.5},
+        "b": {"rows": 1, "loss_tokens": 4, "epochs": 0.25},
+    }
+    two = {
+        "a": {"rows": 2, "loss_tokens": 20, "epochs": 0.8333},
+        "b": {"rows": 2, "loss_tokens": 8, "epochs": 0.75},
+    }
+    three = {
+        "a": {"rows": 4, "loss_tokens": 40, "epochs": 1.5},
+        "b": {"rows": 0, "loss_tokens": 0, "epochs": 0.75},
+    }
+    by_step = {1: one, 2: two, 3: three, 4: one}
+    assert trained_by_source(by_step, position=3) == {
+        "a": {"trained_rows_count": 9, "trained_loss_tokens_count": 90, "epochs_count": 1.5},
+        "b": {"trained_rows_count": 3, "trained_loss_tokens_count": 12, "epochs_count": 0.75},
+    }
+
+
+def test_the_report_shows_the_sources(tmp_path):
+    from minifield.observe.report import training as report
+
+    summary = {
+        "sources": {
+            "chat": {"trained_rows_count": 9, "trained_loss_tokens_count": 90, "epochs_count": 1.5}
+        }
+    }
+    html = report.sources_section(summary)
+    assert "chat" in html and "90" in html and "1.5" in html
+    assert report.sources_section({}) == ""

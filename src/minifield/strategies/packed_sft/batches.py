@@ -8,7 +8,7 @@ each source in epochs of its own (:class:`MixtureBatches`).
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import numpy as np
 
@@ -58,11 +58,6 @@ def consumed(batch: dict[str, np.ndarray]) -> dict[str, int]:
     }
 
 
-@functools.lru_cache(maxsize=64)
-def _source_order(seed: int, source: int, epoch: int, n_rows: int) -> np.ndarray:
-    return mixture.source_epoch_order(seed, source, epoch, n_rows)
-
-
 class MixtureBatches:
     """The batches of a weighted mixture: the prepared rows of every source, one source after
     another (``train_source_rows`` holds each source's row count, in mixture order)."""
@@ -78,6 +73,8 @@ class MixtureBatches:
                 f"training.mixture {len(self.names)}"
             )
         self.offsets = np.concatenate([[0], np.cumsum(self.n_rows)[:-1]])
+        self._orders: dict[tuple[int, int], np.ndarray] = {}  # (source, epoch) → rows
+        self._orders_lock = threading.Lock()  # the prefetch thread builds batches too
         self.shares = mixture.weights(training)
         self.drawn = mixture.SourceCounts(self.seed, self.batch_size, self.shares)
 
@@ -89,10 +86,23 @@ class MixtureBatches:
         for j, source in enumerate(sources):
             n = int(self.n_rows[source])
             epoch, within = divmod(int(position[source]), n)
-            order = _source_order(self.seed, int(source), epoch, n)
+            order = self._order(int(source), epoch)
             rows[j] = self.offsets[source] + order[within]
             position[source] += 1
         return rows, sources
+
+    def _order(self, source: int, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s permutation of ``source``; kept while it is read (two epochs of
+        a source at most: the one ending and the one starting)."""
+        with self._orders_lock:
+            order = self._orders.get((source, epoch))
+            if order is None:
+                n = int(self.n_rows[source])
+                order = mixture.source_epoch_order(self.seed, source, epoch, n)
+                self._orders[(source, epoch)] = order
+                for key in [k for k in self._orders if k[0] == source and k[1] < epoch - 1]:
+                    del self._orders[key]
+            return order
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         return self.with_counts(step)[0]

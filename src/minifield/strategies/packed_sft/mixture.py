@@ -15,7 +15,7 @@ epochs of their own, each a permutation drawn from ``(seed, source, epoch)``: th
 update ``n`` are a pure function of the seed and ``n``, so a resumed run sees exactly the rows
 the uninterrupted one saw. How far each source has been read before update ``n`` is the count
 of its draws in updates ``0 .. n-1`` (:class:`SourceCounts`, computed once per process and
-extended as training goes on: a resume at update ``n`` recomputes ``n`` draws, no state).
+extended as training goes on: a resume at update ``n`` redraws the blocks before it, no state).
 
 No ``mixture`` means today's single ``train`` input and its data order
 (:mod:`.batches`); a one-entry mixture of ``train`` is the same computation and is removed
@@ -24,6 +24,7 @@ when the recipe is checked (one spelling per computation). This module does not 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -98,13 +99,30 @@ def normalize(recipe: dict) -> list[dict]:
     return errors
 
 
-def sources_of_step(seed: int, step: int, batch_size: int, shares: np.ndarray) -> np.ndarray:
-    """The source index of each of update ``step``'s rows: a categorical draw with
-    probabilities ``shares``, a pure function of ``(seed, step)``."""
-    uniform = np.random.Generator(np.random.PCG64([seed, _DRAW_TAG, step])).random(batch_size)
+def steps_per_block(batch_size: int) -> int:
+    """Updates whose draws come from one generator (about 65,536 draws a block): creating a
+    generator per update would cost more than the draws themselves."""
+    return max(1, 2**16 // batch_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _block(seed: int, block: int, batch_size: int, shares: tuple[float, ...]) -> np.ndarray:
+    """``[steps_per_block, batch_size]`` source indices of the updates of ``block``."""
+    n = steps_per_block(batch_size)
+    uniform = np.random.Generator(np.random.PCG64([seed, _DRAW_TAG, block])).random((n, batch_size))
     cumulative = np.cumsum(shares)
     cumulative[-1] = 1.0  # rounding must not leave a draw past the last source
-    return np.searchsorted(cumulative, uniform, side="right").astype(np.int64)
+    drawn = np.searchsorted(cumulative, uniform, side="right").astype(np.int64)
+    drawn.flags.writeable = False  # shared through the cache
+    return drawn
+
+
+def sources_of_step(seed: int, step: int, batch_size: int, shares: np.ndarray) -> np.ndarray:
+    """The source index of each of update ``step``'s rows: a categorical draw with
+    probabilities ``shares``, a pure function of ``(seed, step)`` (updates are drawn in
+    blocks of :func:`steps_per_block`, block ``b`` from ``PCG64([seed, tag, b])``)."""
+    block, within = divmod(step, steps_per_block(batch_size))
+    return _block(seed, block, batch_size, tuple(float(x) for x in shares))[within]
 
 
 def source_epoch_order(seed: int, source: int, epoch: int, n_rows: int) -> np.ndarray:
@@ -124,8 +142,15 @@ class SourceCounts:
     def before(self, step: int) -> np.ndarray:
         with self._lock:
             while len(self._before) <= step:
-                n = len(self._before) - 1
-                drawn = sources_of_step(self.seed, n, self.batch_size, self.shares)
-                counts = np.bincount(drawn, minlength=len(self.shares))
-                self._before.append(self._before[-1] + counts)
+                self._extend()
             return self._before[step].copy()
+
+    def _extend(self) -> None:
+        """Append the counts before each update of the next block of draws."""
+        n = len(self._before) - 1  # updates counted so far: a whole number of blocks
+        per_block = steps_per_block(self.batch_size)
+        block = n // per_block
+        drawn = _block(self.seed, block, self.batch_size, tuple(float(x) for x in self.shares))
+        counts = np.stack([(drawn == s).sum(axis=1) for s in range(len(self.shares))], axis=1)
+        running = self._before[-1] + np.cumsum(counts, axis=0)
+        self._before.extend(running)
