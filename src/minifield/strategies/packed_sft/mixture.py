@@ -113,7 +113,7 @@ def _block(seed: int, block: int, batch_size: int, shares: tuple[float, ...]) ->
     cumulative = np.cumsum(shares)
     cumulative[-1] = 1.0  # rounding must not leave a draw past the last source
     drawn = np.searchsorted(cumulative, uniform, side="right").astype(np.int64)
-    drawn.flags.writeable = False  # shared through the cache
+    drawn.setflags(write=False)  # shared through the cache
     return drawn
 
 
