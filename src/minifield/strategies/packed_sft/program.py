@@ -1,9 +1,9 @@
 """The packed-sft program: a prepared recipe bound to its model, optimizer and update.
 
 What it is made of lives beside it: where training starts (:mod:`.initial_state`), the rows
-of each update (:mod:`.batches`, a weighted mixture's :mod:`.mixture`), the mesh and shardings of a data-parallel update
-(:mod:`.parallel`), evaluation (:mod:`.evaluator`), the export (:mod:`.exported`), LoRA's
-frozen base and adapters (:mod:`.lora`). The program holds them together and owns the
+of each update (:mod:`.batches`; a weighted mixture's draws, :mod:`.mixture`), the mesh and
+shardings of a data-parallel update (:mod:`.parallel`), evaluation (:mod:`.evaluator`), the
+export (:mod:`.exported`), LoRA's frozen base and adapters (:mod:`.lora`). The program holds them together and owns the
 state's life on the device: created, placed, updated, evaluated, exported.
 """
 

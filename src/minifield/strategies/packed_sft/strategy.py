@@ -1,7 +1,7 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
 Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
-``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
+``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
 tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
