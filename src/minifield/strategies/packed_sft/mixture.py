@@ -87,7 +87,8 @@ def normalize(recipe: dict) -> list[dict]:
     if accum == 1:
         training.pop("grad_accum_steps", None)
     rows, devices = training["batch_size"], training["data_parallel"]["devices"]
-    if rows % accum or (rows // accum) % devices:
+    # accum 1: the batch itself must split over the devices (checked with data_parallel)
+    if accum != 1 and (rows % accum or (rows // accum) % devices):
         errors.append(
             {
                 "path": "/training/grad_accum_steps",
