@@ -6,9 +6,10 @@ Each row of ``seq_len`` slots holds whole examples one after another:
 - ``segments``  1, 2, ... per example within the row, 0 for padding; attention
   is causal *and* restricted to equal segment ids, so examples never see each other
 - ``positions`` 0, 1, ... restarting at every example (0 on padding)
-- ``loss_mask`` 1.0 on the slots holding response tokens (including ``<eos>``),
-  0.0 on prompt, ``<bos>``, ``<sep>`` and padding: a slot's flag says whether the
-  token *in* it is trained on (it is predicted from the slot before it)
+- ``loss_mask`` 1.0 on the slots holding trained response tokens (including ``<eos>``,
+  every assistant turn's end-of-turn token in a conversation), 0.0 on prompt, ``<bos>``,
+  ``<sep>``, a conversation's user and tool turns and padding: a slot's flag says whether
+  the token *in* it is trained on (it is predicted from the slot before it)
 
 Examples longer than a row are truncated (their tail cut at ``seq_len``) or
 rejected, as the recipe says; both are counted. An example whose prompt alone
@@ -67,7 +68,7 @@ def fit(example: Encoded, seq_len: int, overlong: str) -> tuple[Encoded | None, 
         return example, "kept"
     if overlong == "reject" or len(example.prompt) >= seq_len:
         return None, "rejected"
-    return Encoded(example.prompt, example.response[: seq_len - len(example.prompt)]), "truncated"
+    return example.cut(seq_len - len(example.prompt)), "truncated"
 
 
 def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> Packed:
@@ -92,7 +93,7 @@ def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> P
             tokens[row, offset : offset + n] = example.tokens
             segments[row, offset : offset + n] = segment
             positions[row, offset : offset + n] = np.arange(n)
-            loss_mask[row, offset + n_prompt : offset + n] = 1.0
+            loss_mask[row, offset + n_prompt : offset + n] = example.response_mask()
             offset += n
     real = int(sum(len(e) for e in kept))
     slots = rows * seq_len

@@ -21,9 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Program, Strategy
+from ..base import Program, Strategy, pinned_inputs
 from . import (
     base_model,
+    data_formats,
     evaluator,
     execution,
     exported,
@@ -41,7 +42,10 @@ from .program import PackedSFTProgram
 # data spec never imports JAX (the Snakefile validates every recipe when it is parsed).
 
 SPLITS = ("train", "dev", "test")
-PREPARE_VERSION = 1
+#: part of the examples digest: bumped when preparing the same files gives other arrays, so a
+#: cache prepared by older code is never reused. 2: a conversation trains every assistant turn
+#: (1 trained only the last), files of mixed shapes are refused.
+PREPARE_VERSION = 2
 
 
 class PackedSFT(Strategy):
@@ -95,6 +99,7 @@ class PackedSFT(Strategy):
         errors += settings.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
+        sft_data.normalize_train_on(recipe["training"])
         errors += settings.model_errors(model)
         evaluation = recipe["evaluation"]
         if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
@@ -140,6 +145,11 @@ class PackedSFT(Strategy):
             "overlong": training["overlong"],
             "max_generate_examples": evaluation["max_generate_examples"],
         }
+        reading = {i["name"]: i for i in pinned_inputs(recipe) if len(i) > 2}
+        if reading:  # only when given, so every other recipe keeps its examples digest
+            spec["reading"] = reading
+        if "train_on" in training:
+            spec["train_on"] = training["train_on"]
         if "mixture" in training:
             # the sources in order, not their weights: recipes that only weigh the same
             # sources differently share the prepared examples
@@ -154,25 +164,32 @@ class PackedSFT(Strategy):
     def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
         training = recipe["training"]
         arrays: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"splits": {}}
+        meta: dict[str, Any] = {"splits": {}, "formats": {}}
         if "base" in recipe["model"]:
             arrays, meta["base_model"] = base_model.load(recipe, files)
             tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
             meta["chat_template"] = template.source
 
-            def encode_split(split):
-                return base_model.encode_chat_file(files[split], tokenizer, template)
+            def encode_split(split, examples, train_on):
+                return base_model.encode_chat(examples, tokenizer, template, train_on, files[split])
         else:
             tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
-            def encode_split(split):
-                return sft_data.encode_file(files[split], tokenizer)
+            def encode_split(split, examples, train_on):
+                return sft_data.encode_examples(examples, tokenizer, train_on, files[split])
 
         meta["tokenizer"] = tokenizer.config()
+
+        def encoded(split):
+            source, train_on = sft_data.recipe_reading(recipe, split)
+            read = data_formats.read(files[split], source)
+            meta["formats"][split] = read.record()
+            return encode_split(split, read.examples, train_on)
+
         packed = {}
         for source in mixture.input_names(training):
             packed[source] = packing.pack(
-                encode_split(source), training["seq_len"], training["overlong"], tokenizer.pad_id
+                encoded(source), training["seq_len"], training["overlong"], tokenizer.pad_id
             )
             if packed[source].stats["rows"] == 0:
                 raise sft_data.DataError(
@@ -186,7 +203,7 @@ class PackedSFT(Strategy):
         meta["splits"]["train"] = train.stats
         for split in SPLITS[1:]:
             split_arrays, stats = evaluator.split_arrays(
-                split, encode_split(split), recipe, tokenizer.pad_id
+                split, encoded(split), recipe, tokenizer.pad_id
             )
             arrays.update(split_arrays)
             meta["splits"][split] = stats
@@ -227,7 +244,7 @@ class PackedSFT(Strategy):
         DEV split, which must be the file this recipe pins as ``dev``."""
         model = exported.ExportedModel(Path(export_dir))
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
-        encoded = model.encode_dev(pinned)
+        encoded = model.encode_dev(pinned, *sft_data.recipe_reading(recipe, "dev"))
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, model.tokenizer.pad_id)
         dev = evaluator.Evaluator(
             model.cfg,
