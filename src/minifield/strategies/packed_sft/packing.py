@@ -138,3 +138,18 @@ def prompts_and_answers(examples: list[Encoded], pad_id: int) -> dict[str, np.nd
         "answers": answers,
         "answer_len": answer_len,
     }
+
+
+def concatenate(sources: dict[str, Packed]) -> tuple[Packed, dict[str, dict]]:
+    """The rows of several separately packed sources, one source after another, with
+    ``source_rows`` (each source's row count, in the order given); the combined stats, and
+    each source's own."""
+    arrays = {k: np.concatenate([p.arrays[k] for p in sources.values()]) for k in ROW_FIELDS}
+    arrays["source_rows"] = np.array([p.stats["rows"] for p in sources.values()], dtype=np.int64)
+    summed = ("examples", "packed", "kept", "truncated", "rejected", "rows")
+    stats = {k: sum(p.stats[k] for p in sources.values()) for k in summed}
+    stats["seq_len"] = next(iter(sources.values())).stats["seq_len"]
+    for key in ("real_tokens", "loss_tokens", "slots"):
+        stats[key] = sum(p.stats[key] for p in sources.values())
+    stats["efficiency"] = stats["real_tokens"] / stats["slots"] if stats["slots"] else 0.0
+    return Packed(arrays, stats), {name: p.stats for name, p in sources.items()}

@@ -1,7 +1,7 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
 Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
-``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
+``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
 tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
@@ -29,6 +29,7 @@ from . import (
     execution,
     exported,
     lora,
+    mixture,
     packing,
     settings,
     sft_data,
@@ -64,7 +65,18 @@ class PackedSFT(Strategy):
         model = recipe["model"]
         errors = settings.normalize_model_section(model)
         names = [i["name"] for i in recipe.get("inputs", [])]
-        wanted = list(SPLITS) + settings.base_model_inputs(model)
+        errors += mixture.normalize(recipe)
+        sources = mixture.input_names(recipe["training"])
+        held_out = [split for split in SPLITS if split != "train"]
+        wanted = sources + held_out + settings.base_model_inputs(model)
+        errors += [
+            {
+                "path": f"/training/mixture/{index}/input",
+                "message": f"{name!r} is a held-out split or part of the model, not training data",
+            }
+            for index, name in enumerate(sources)
+            if name in wanted[len(sources) :]
+        ]
         tokenizer = model.get("tokenizer", {"kind": "byte"})
         if tokenizer["kind"] == "tokenizers-json":
             wanted.append(tokenizer["input"])
@@ -138,6 +150,10 @@ class PackedSFT(Strategy):
             spec["reading"] = reading
         if "train_on" in training:
             spec["train_on"] = training["train_on"]
+        if "mixture" in training:
+            # the sources in order, not their weights: recipes that only weigh the same
+            # sources differently share the prepared examples
+            spec["mixture"] = mixture.input_names(training)
         if "base" in recipe["model"]:
             # only with a base model, so every other recipe keeps its examples digest
             spec["tokenizer"] = None
@@ -163,27 +179,34 @@ class PackedSFT(Strategy):
                 return sft_data.encode_examples(examples, tokenizer, train_on, files[split])
 
         meta["tokenizer"] = tokenizer.config()
-        for split in SPLITS:
+
+        def encoded(split):
             source, train_on = sft_data.recipe_reading(recipe, split)
             read = data_formats.read(files[split], source)
             meta["formats"][split] = read.record()
-            encoded = encode_split(split, read.examples, train_on)
-            if split == "train":
-                packed = packing.pack(
-                    encoded, training["seq_len"], training["overlong"], tokenizer.pad_id
+            return encode_split(split, read.examples, train_on)
+
+        packed = {}
+        for source in mixture.input_names(training):
+            packed[source] = packing.pack(
+                encoded(source), training["seq_len"], training["overlong"], tokenizer.pad_id
+            )
+            if packed[source].stats["rows"] == 0:
+                raise sft_data.DataError(
+                    f"{files[source]}: no example fits training.seq_len={training['seq_len']}"
                 )
-                if packed.stats["rows"] == 0:
-                    raise sft_data.DataError(
-                        f"{files[split]}: no example fits training.seq_len={training['seq_len']}"
-                    )
-                arrays.update({f"train_{k}": v for k, v in packed.arrays.items()})
-                meta["splits"][split] = packed.stats
-            else:
-                split_arrays, stats = evaluator.split_arrays(
-                    split, encoded, recipe, tokenizer.pad_id
-                )
-                arrays.update(split_arrays)
-                meta["splits"][split] = stats
+        if "mixture" in training:
+            train, meta["mixture"] = packing.concatenate(packed)
+        else:
+            train = packed["train"]
+        arrays.update({f"train_{k}": v for k, v in train.arrays.items()})
+        meta["splits"]["train"] = train.stats
+        for split in SPLITS[1:]:
+            split_arrays, stats = evaluator.split_arrays(
+                split, encoded(split), recipe, tokenizer.pad_id
+            )
+            arrays.update(split_arrays)
+            meta["splits"][split] = stats
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
         if tokenizer.kind == "tokenizers-json" and "base" not in recipe["model"]:
             arrays["tokenizer_json"] = np.frombuffer(
