@@ -28,6 +28,7 @@ import jsonschema
 import yaml
 
 from . import schemas, strategies
+from .harness import tasks as harness_tasks
 from .digest import sha256_json
 from .strategies.base import computation_digest
 
@@ -337,6 +338,7 @@ def _validate(document: Any, source: str) -> Recipe:
             data["checkpoint"].setdefault("every_steps", strategy.default_every_steps)
         if not errors:
             errors += strategy.check(data)
+            errors += harness_tasks.recipe_errors(data)
             errors += _check_counters(data)
     if errors:
         raise RecipeError(source, errors)
