@@ -28,8 +28,8 @@ import jsonschema
 import yaml
 
 from . import schemas, strategies
-from .harness import tasks as harness_tasks
 from .digest import sha256_json
+from .harness import tasks as harness_tasks
 from .strategies.base import computation_digest
 
 #: a recipe is a small document; anything larger is refused before parsing
