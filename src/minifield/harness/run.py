@@ -76,3 +76,18 @@ def evaluate(export_dir: Path, resolved: list[dict], harness: dict, batch_size: 
         },
         "lm_eval_version": lm_eval.__version__,
     }
+
+
+def record(recipe: dict, resolved: list[dict], export_dir: Path) -> dict:
+    """What the evaluate stage records of the recipe's harness tasks on ``export_dir``: the
+    results, the pinned files they came from, and the acceptance checks of its thresholds."""
+    from . import tasks, thresholds
+
+    harness = tasks.section(recipe)
+    evaluated = evaluate(export_dir, resolved, harness, recipe["evaluation"]["batch_size"])
+    return {
+        **evaluated,
+        "tasks": tasks.pinned_sha256(recipe),
+        "thresholds": harness["thresholds"],
+        "checks": thresholds.checks(harness["thresholds"], evaluated["results"]),
+    }

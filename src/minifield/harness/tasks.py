@@ -185,3 +185,29 @@ def resolve_all(recipe: dict, files: dict[str, Path]) -> list[dict]:
     """Every harness task of the recipe resolved (:func:`resolve`); [] without a section."""
     harness = section(recipe)
     return [] if harness is None else [resolve(t, files) for t in harness["tasks"]]
+
+
+def resolve_pinned(recipe: dict, input_root: Path) -> list[dict]:
+    """The recipe's harness tasks from its input root: every pinned input verified (sha256),
+    then each task resolved; raises :class:`HarnessTaskError` naming the task and field (a
+    missing or altered file names the input)."""
+    from ..inputs import pinned
+    from ..inputs.pinned import InputError
+
+    if section(recipe) is None:
+        return []
+    try:
+        pinned.verify(recipe, input_root)
+        files = pinned.files_by_name(recipe, input_root)
+    except InputError as exc:
+        raise HarnessTaskError(f"harness tasks: {exc}") from None
+    return resolve_all(recipe, files)
+
+
+def pinned_sha256(recipe: dict) -> dict[str, dict[str, str]]:
+    """``{task: {"config": sha256, "data": sha256}}``: the files each task was run from."""
+    items = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
+    return {
+        t["name"]: {"config": items[t["config"]], "data": items[t["data"]]}
+        for t in (section(recipe) or {}).get("tasks", [])
+    }
