@@ -153,6 +153,14 @@ def resolve(task: dict, files: dict[str, Path]) -> dict:
             "expected exactly {data_files: {split: file}} naming the pinned data file",
         )
     for split, where in data_files.items():
+        if isinstance(where, str) and not (config_path.parent / where).is_file():
+            _refuse(
+                name,
+                config_path,
+                f"dataset_kwargs.data_files.{split}",
+                f"the dataset file {where!r} is missing (expected the pinned input "
+                f"{task['data']!r}, {data_path.name}, beside the task file)",
+            )
         if (
             not isinstance(where, str)
             or (config_path.parent / where).resolve() != data_path.resolve()
