@@ -169,14 +169,14 @@ class MinifieldLM(TemplateLM):
                 results[i] = (float(logp[b, span].sum()), bool(greedy[b, span].all()))
         return results  # type: ignore[return-value]
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **_):
+    def _loglikelihood_tokens(self, requests, **_options):
         results = self.score_tokens([(ctx, cont) for _, ctx, cont in requests])
         for (strings, _, _), result in zip(requests, results, strict=True):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, result)
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests, **_options) -> list[float]:
         """Each document's log-likelihood over disjoint windows of at most ``max_len``
         predictions, every token predicted once (lm-eval's rolling windows)."""
         windows, owner = [], []
@@ -209,7 +209,7 @@ class MinifieldLM(TemplateLM):
             )
         return until, max_gen
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests, **_options) -> list[str]:
         """Greedy continuations, cut at the first stop sequence (``until``), at most
         ``max_gen_toks`` tokens, ending early at ``<eos>``; batched by settings."""
         groups: dict[tuple, list[int]] = {}
