@@ -16,14 +16,21 @@ from __future__ import annotations
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run lm-eval's command line; a model path or argument it cannot use exits 2 with one
+    line (lm-eval's own errors are its own)."""
     from lm_eval.__main__ import cli_evaluate
 
-    from . import model  # noqa: F401 - registers the "minifield" model
+    from . import loading, model  # model registers "minifield"
 
     sys.argv = ["minifield-lm-eval", *(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except (loading.LoadError, model.HarnessModelError) as exc:
+        print(f"minifield-lm-eval: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
