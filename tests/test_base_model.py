@@ -451,7 +451,7 @@ def test_a_bad_base_model_ends_the_worker_with_exit_2_and_nothing_trained(root, 
     assert result["error"]["phase"] == "examples"
     assert result["error"]["message"] == (
         f"{root / 'base' / 'model.safetensors'}: tensor model.layers.0.mlp.gate_proj.weight has "
-        "shape [48, 32], config.json implies [40, 32]"
+        "shape [48, 32], config.json implies [40, 32] (intermediate_size, hidden_size)"
     )
     assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
     assert result["checkpoint"] is None and result["final_state_hash"] is None

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import chat_template, hf_checkpoint, sft_data
+from . import chat_template, execution, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = "base."
@@ -45,6 +45,9 @@ BASE_CONFIG_FIELDS = {
     "norm_eps": ("norm_eps", "rms_norm_eps"),
     "qkv_bias": ("qkv_bias", "architectures (Qwen2: q/k/v biases)"),
     "tie_embeddings": ("tie_embeddings", "tie_word_embeddings"),
+    "head_dim": ("head_dim", "head_dim"),
+    "qk_norm": ("qk_norm", "model_type (Qwen3: q/k norms)"),
+    "sliding_window": ("sliding_window", "sliding_window"),
 }
 
 
@@ -120,6 +123,16 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)
+    try:  # what the recipe's execution options cannot run (a window in the fused kernel)
+        execution.with_recipe_options(cfg, recipe)
+    except ValueError as exc:
+        raise BaseModelError(f"{config_path}: {exc}") from None
+    if "lora" in model and cfg.fused_projections:
+        # PEFT adapters name q_proj, gate_proj, ...; Phi-3 has qkv_proj, gate_up_proj instead
+        raise BaseModelError(
+            f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
+            "(model.lora) on them is not supported (full fine-tuning is)"
+        )
     arrays = {
         PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
         for path, value in _flatten(params)

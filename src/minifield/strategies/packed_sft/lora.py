@@ -136,9 +136,9 @@ def base_identity(recipe: dict, input_names: list[str]) -> np.ndarray:
 
 
 def _target_shape(cfg, internal: str) -> tuple[int, int]:
-    from .hf_checkpoint import _param_shape
+    from .families import param_shape
 
-    return _param_shape(cfg, f"blocks/00/{internal}")
+    return param_shape(cfg, f"blocks/00/{internal}")
 
 
 def init_adapters(cfg, settings: LoraSettings, key) -> dict:
