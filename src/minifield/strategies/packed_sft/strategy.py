@@ -88,12 +88,16 @@ class PackedSFT(Strategy):
                     "message": f"packed-sft needs pinned inputs named {wanted}; missing {missing}",
                 }
             )
-        unknown = [n for n in names if n not in wanted]
+        # a harness task's files are pinned inputs too (checked task by task in recipe.py)
+        harness = recipe["evaluation"].get("harness") or {}
+        tasks = [t[key] for t in harness.get("tasks", []) for key in ("config", "data")]
+        unknown = [n for n in names if n not in wanted and n not in tasks]
         if unknown:
             errors.append(
                 {
                     "path": "/inputs",
-                    "message": f"packed-sft accepts only inputs {wanted}; got unexpected {unknown}",
+                    "message": f"packed-sft accepts only inputs {wanted} (and the files of "
+                    f"evaluation.harness.tasks); got unexpected {unknown}",
                 }
             )
         errors += settings.normalize_export_dtype(recipe)
