@@ -235,6 +235,39 @@ def loop_costs(directory: Path, rounds: int) -> dict:
     }
 
 
+def commit_cpu(directory: Path, rounds: int) -> dict:
+    """CPU seconds (this process, all threads) of each commit of the ``LOOP_SIZE`` state done
+    alone: what it takes from a loop that keeps every core busy, and far less sensitive to
+    other load on the machine than the wall-clock difference ``loop_costs`` measures."""
+    _, _, state = _state(*LOOP_SIZE)
+    jax.block_until_ready(state)
+    arrays = named_arrays(state)
+    data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    known = array_digests(arrays)
+    variants = {
+        "raw": lambda k: raw_commit(directory, data),
+        "two_pass": lambda k: two_pass_commit(directory / "cpu-two", arrays, k),
+        "commit": lambda k: checkpoint.save(
+            directory / "cpu-commit", arrays, step=k, computation_digest="bench", keep=1
+        ),
+        "commit_hash_known": lambda k: checkpoint.save(
+            directory / "cpu-known", arrays, step=k, computation_digest="bench", keep=1,
+            known_digests=known,
+        ),
+    }  # fmt: skip
+    cpu = {name: [] for name in variants}
+    for k in range(1, rounds + 1):
+        for name, commit in variants.items():
+            started = time.process_time()
+            commit(k)
+            cpu[name].append(time.process_time() - started)
+    med = {name: statistics.median(v) for name, v in cpu.items()}
+    return {
+        "cpu_ms": {name: v * 1e3 for name, v in med.items()},
+        "over_raw": {name: v / med["raw"] for name, v in med.items()},
+    }
+
+
 def hashing_cost(d_model: int, layers: int, rounds: int) -> dict:
     """One hashed update's extra cost (host copy + per-array hashes + whole and part hashes,
     as the update loop does it) next to that model's update time."""
@@ -334,11 +367,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path("work"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--cpu-only", action="store_true", help="only the commits' CPU time (commit_cpu)"
+    )
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.dir))
     try:
+        cpu = commit_cpu(work, args.rounds)
+        print(
+            f"CPU per commit of the {LOOP_SIZE} state: "
+            + ", ".join(
+                f"{name} {ms:.1f} ms ({cpu['over_raw'][name]:.2f}x raw)"
+                for name, ms in cpu["cpu_ms"].items()
+            )
+        )
+        if args.cpu_only:
+            return
         result = {
+            "commit_cpu": cpu,
             "rounds": args.rounds,
             "commits": commit_times(work, args.rounds),
             "loop": loop_costs(work, args.rounds),
