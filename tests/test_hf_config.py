@@ -87,6 +87,19 @@ def test_a_non_finite_base_tensor_is_refused_naming_the_file_and_tensor(tmp_path
         hf_checkpoint.load(directory)
 
 
+@pytest.mark.parametrize("name", ["lm_head.weight", "model.embed_tokens.weight"])
+def test_a_non_finite_value_in_the_last_block_of_a_tensor_is_found(tmp_path, name):
+    """The check runs block by block as the tensor is widened (16 rows at a time where it is
+    transposed): the last, partial block of the untied head's 67 rows is checked too."""
+
+    def poison(tensors):
+        tensors[name][66, 31] = np.nan
+
+    directory = _broken(tmp_path, edit=poison)
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds 1 non-finite values"):
+        hf_checkpoint.load(directory)
+
+
 def test_a_non_finite_base_model_is_a_bad_input_naming_the_pinned_file(root):  # noqa: F811
     from safetensors.numpy import load_file, save_file
 

@@ -100,6 +100,24 @@ def _receipt_mismatch(name: str, record: dict, receipt: dict) -> str:
     )
 
 
+def _version_mix(part: str, p: dict, *, resumed=None, restored=None) -> str:
+    """The reason for hashes of two versions; a record without a version holds version 1."""
+    section = p if part == "crash" else p["preempted"]
+    run, used = section["resumed"], section["checkpoint_used"]
+    versions = (
+        p["reference"].get("state_hash_version", 1),
+        resumed or run.get("state_hash_version", 1),
+        restored or run["restored"].get("state_hash_version", 1),
+        used.get("state_hash_version", 1),
+    )
+    return (
+        f"{part}: the state hashes are of different versions (the reference {versions[0]}, "
+        f"the resumed run {versions[1]}, its restored checkpoint {versions[2]}, the checkpoint "
+        f"used {versions[3]}): hashes of two versions never agree, so this proof compares "
+        f"nothing; prove again with one minifield version"
+    )
+
+
 def _crash_used(p):
     return p["checkpoint_used"]
 
@@ -549,6 +567,17 @@ ALTERATIONS = [
         _set("preempted", "passed", "true"),
         lambda p: ["preempt: the section does not say it passed ('true')", CONTRADICTION],
     ),
+    # -- state hashes of two versions (state.arrays.STATE_HASH_VERSION) ----------------
+    Alteration(
+        "crash-resumed-run-of-another-hash-version",
+        _set("resumed", "state_hash_version", 3),
+        lambda p: [_version_mix("crash", p, resumed=3), CONTRADICTION],
+    ),
+    Alteration(
+        "preempt-restored-checkpoint-of-another-hash-version",
+        _set("preempted", "resumed", "restored", "state_hash_version", 3),
+        lambda p: [_version_mix("preempt", p, restored=3), CONTRADICTION],
+    ),
     # -- the document's own claim --------------------------------------------------------
     Alteration(
         "passed-false",
@@ -607,6 +636,7 @@ def test_every_refusal_reason_has_an_alteration():
         verdicts._crash_reasons,
         verdicts._preempt_reasons,
         verdicts._resumed_reasons,
+        verdicts._version_mix,
     ):
         for piece in _message_pieces(function):
             assert piece in expected, f"{function.__name__}: no alteration expects {piece!r}"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoint_by_hand import state_hash_by_hand, verify_checkpoint_by_hand
 from conftest import (
     linear_recipe,
     read_events,
@@ -39,27 +40,12 @@ from minifield.state import checkpoint
 from minifield.supervision import distributed
 
 
-def _hash_by_hand(arrays: dict[str, np.ndarray]) -> str:
-    """The complete-state hash as the README defines it: name, dtype, shape, bytes."""
-    digest = hashlib.sha256()
-    for name in sorted(arrays):
-        a = np.asarray(arrays[name])
-        digest.update(f"{name}|{a.dtype.str}|{','.join(map(str, a.shape))}\n".encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return digest.hexdigest()
-
-
 def _verify_by_hand(path: Path, expected: dict[str, np.ndarray]) -> dict:
-    manifest = json.loads((path / "manifest.json").read_text())
-    loaded = {}
-    for entry in manifest["arrays"]:
-        data = (path / entry["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == entry["sha256"], entry["file"]
-        loaded[entry["name"]] = np.load(io.BytesIO(data), allow_pickle=False)
+    manifest, loaded = verify_checkpoint_by_hand(path)
     assert sorted(loaded) == sorted(expected)
     for name, array in expected.items():
         assert loaded[name].dtype == array.dtype and np.array_equal(loaded[name], array), name
-    assert manifest["state_hash"] == _hash_by_hand(expected)
+    assert manifest["state_hash"] == state_hash_by_hand(expected)
     return manifest
 
 
@@ -192,7 +178,7 @@ def test_the_loop_reports_every_update_late_but_in_order_with_the_same_values(tm
     expected = {}
     for step in range(1, 8):
         state, metrics = reference_program.step(state)
-        expected[step] = (metrics["loss"], _hash_by_hand(named_arrays(state)))
+        expected[step] = (metrics["loss"], state_hash_by_hand(named_arrays(state)))
 
     program = recipe.strategy.build(recipe.data, arrays)
     events = EventLog(tmp_path / "events.jsonl", None)
@@ -228,7 +214,7 @@ def test_the_loop_reports_every_update_late_but_in_order_with_the_same_values(tm
             assert order.index(("update", e["step"])) < order.index((e["type"], e["step"]))
             assert e["state_hash"] == expected[e["step"]][1]
     assert sorted(e["step"] for e in log if e["type"] == "checkpoint_committed") == [2, 4, 6, 7]
-    assert _hash_by_hand(named_arrays(end.state)) == expected[7][1]
+    assert state_hash_by_hand(named_arrays(end.state)) == expected[7][1]
 
 
 @pytest.fixture(scope="module")
@@ -304,10 +290,7 @@ def test_a_full_disk_during_a_background_write_fails_the_attempt_naming_the_path
     hashes = {e["step"]: e["state_hash"] for e in events if e["type"] == "update"}
     assert sorted(hashes) == list(range(1, max(hashes) + 1))  # every update computed, reported
     good = attempt / "checkpoints" / "step-00000002"
-    manifest = json.loads((good / "manifest.json").read_text())
-    for entry in manifest["arrays"]:
-        assert hashlib.sha256((good / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]
-    assert manifest["state_hash"] == hashes[2]
+    assert verify_checkpoint_by_hand(good)[0]["state_hash"] == hashes[2]
 
     resumed = subprocess.run(
         worker_command(**options, attempt_id="resumed", resume_from=attempt),
@@ -328,10 +311,12 @@ def test_whole_and_part_hashes_hashed_in_parallel_equal_the_hand_computed_ones()
 
     arrays = _flat(_state(3))
     whole, parts = hashes_of(arrays)
-    assert whole == _hash_by_hand(arrays)
+    assert whole == state_hash_by_hand(arrays)
     assert sorted(parts) == ["cursor", "opt_state", "params", "rng", "step"]
     for part, value in parts.items():
-        assert value == _hash_by_hand({n: a for n, a in arrays.items() if n.split("/")[0] == part})
+        assert value == state_hash_by_hand(
+            {n: a for n, a in arrays.items() if n.split("/")[0] == part}
+        )
 
 
 def test_summary_counts_the_time_a_background_checkpoint_held_the_loop_up(tmp_path):

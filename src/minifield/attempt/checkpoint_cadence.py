@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..state import checkpoint
+from ..state.arrays import STATE_HASH_VERSION
 from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from .checkpoint_writer import BackgroundWriter, CheckpointWriteError, Done, Write
@@ -65,7 +66,7 @@ class CheckpointCadence:
         #: the newest committed checkpoint (a restored one until this attempt commits)
         self.newest: CheckpointRecord | None = None
 
-    def _save(self, arrays: dict, step: int, compute_used: float, known_hash: str | None):
+    def _save(self, arrays: dict, step: int, compute_used: float, known: dict | None):
         return checkpoint.save(
             self.directory,
             arrays,
@@ -74,7 +75,7 @@ class CheckpointCadence:
             extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
             keep=self.keep,
             before_commit=self.faults.before_commit(step, self.events),
-            known_state_hash=known_hash,
+            known_digests=known,
         )
 
     def _committed(self, committed: CheckpointRecord, **timing) -> CheckpointRecord:
@@ -86,6 +87,7 @@ class CheckpointCadence:
             path=committed.path,
             sha256=committed.sha256,
             state_hash=committed.state_hash,
+            state_hash_version=STATE_HASH_VERSION,
             **timing,
         )
         return self.newest
@@ -100,7 +102,7 @@ class CheckpointCadence:
             self.group.barrier(f"checkpoint-{step}")
             return self.newest
         try:
-            committed = self._save(arrays, step, compute_used, self.snapshot.known_hash(step))
+            committed = self._save(arrays, step, compute_used, self.snapshot.known_digests(step))
         except (OSError, checkpoint.CheckpointError) as exc:
             raise CheckpointWriteError(
                 f"checkpoint of step {step} was not committed: {type(exc).__name__}: {exc}"
@@ -116,8 +118,8 @@ class CheckpointCadence:
         started = time.monotonic()
         self.collect()
         arrays = self.snapshot.arrays_of(state, step)
-        known_hash = self.snapshot.known_hash(step)
-        write = Write(step, lambda: self._save(arrays, step, compute_used, known_hash))
+        known = self.snapshot.known_digests(step)
+        write = Write(step, lambda: self._save(arrays, step, compute_used, known))
         self.writer.submit(write)  # waits for a write still in flight
         write.blocking_seconds = time.monotonic() - started
 

@@ -79,6 +79,7 @@ def _emit(ending: Ending, events: EventLog, progress: Progress) -> None:
             durable=True,
             steps=progress.steps_completed,
             final_state_hash=progress.final_state_hash,
+            state_hash_version=progress.state_hash_version,
         )
     elif ending.status == "failed":
         events.emit("failed", durable=True, **ending.error.as_dict())

@@ -75,6 +75,8 @@ class Progress:
     steps_completed: int = 0
     metrics: dict[str, Any] = field(default_factory=dict)
     final_state_hash: str | None = None
+    #: the definition ``final_state_hash`` follows (``state.arrays.STATE_HASH_VERSION``)
+    state_hash_version: int | None = None
     #: environment fields that changed since the resumed attempt, when that was allowed
     environment_override: dict | None = None
 
@@ -104,6 +106,7 @@ def document(
         "checkpoint": checkpoint.as_dict() if checkpoint else None,
         "steps_completed": progress.steps_completed,
         "final_state_hash": progress.final_state_hash,
+        "state_hash_version": progress.state_hash_version,
         "metrics": progress.metrics,
         "environment": {
             # every bit-defining field (versions, backend, devices, XLA flags, threads,

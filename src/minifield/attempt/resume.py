@@ -132,7 +132,12 @@ def restore(
             continue
         sha = checkpoint.manifest_sha256(path)
         events.emit(
-            "restored", step=step, path=str(path), sha256=sha, state_hash=manifest["state_hash"]
+            "restored",
+            step=step,
+            path=str(path),
+            sha256=sha,
+            state_hash=manifest["state_hash"],
+            state_hash_version=manifest.get("state_hash_version", 1),
         )
         return Restored(state, CheckpointRecord(step, str(path), sha, manifest["state_hash"]))
     events.emit(
@@ -156,6 +161,10 @@ def adopt(
     progress.metrics = result.get("metrics", {})
     progress.inputs = result.get("inputs", [])
     progress.final_state_hash = result.get("final_state_hash")
+    # a result written before the versions existed holds a version-1 hash
+    progress.state_hash_version = (
+        result.get("state_hash_version", 1) if result.get("final_state_hash") else None
+    )
     events.emit(
         "already_completed",
         attempt=str(previous.directory),

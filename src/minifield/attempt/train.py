@@ -28,6 +28,7 @@ from typing import NamedTuple
 from .. import atomic
 from ..recipe import Recipe
 from ..state import export
+from ..state.arrays import STATE_HASH_VERSION
 from . import endings, environment, resume
 from . import result as attempt_result
 from . import setup as attempt_setup
@@ -243,6 +244,7 @@ class Attempt:
         if self.options.group.is_writer:
             export.write_whole(self.dir / EXPORT, lambda partial: program.export(state, partial))
         self.progress.final_state_hash = self.snapshot.hash_of(state, step)
+        self.progress.state_hash_version = STATE_HASH_VERSION
         return Ending.completed()
 
     def _finish(self, ending: Ending) -> int:

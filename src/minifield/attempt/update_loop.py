@@ -35,7 +35,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..state.arrays import hash_named_arrays, hashes_of, named_arrays
+from ..state.arrays import (
+    STATE_HASH_VERSION,
+    array_digests,
+    hash_named_arrays,
+    hashes_of,
+    named_arrays,
+)
 from .events import EventLog
 from .hash_cadence import HashCadence
 from .result import Progress
@@ -105,37 +111,42 @@ def check_evaluation(step: int, metrics: dict) -> None:
 
 class HostSnapshot:
     """The state of one step copied to the host at most once: the update's state hash, a
-    checkpoint and the final hash of that step share the copy (and the hash)."""
+    checkpoint and the final hash of that step share the copy, and its per-array hashes
+    (a checkpoint of a hashed step hashes nothing again)."""
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.arrays: dict | None = None
-        self.state_hash: str | None = None
+        self.digests: dict[str, str] | None = None
 
     def arrays_of(self, state, step: int) -> dict:
         """The named host arrays of ``state`` at ``step`` (a collective when sharded)."""
         if self.step != step:
-            self.step, self.arrays, self.state_hash = step, named_arrays(state), None
+            self.step, self.arrays, self.digests = step, named_arrays(state), None
         return self.arrays
 
-    def hash_of(self, state, step: int) -> str:
+    def _digests_of(self, state, step: int) -> dict[str, str]:
         arrays = self.arrays_of(state, step)
-        if self.state_hash is None:
-            self.state_hash = hash_named_arrays(sorted(arrays.items()))
-        return self.state_hash
+        if self.digests is None:
+            self.digests = array_digests(arrays)
+        return self.digests
+
+    def hash_of(self, state, step: int) -> str:
+        digests = self._digests_of(state, step)
+        return hash_named_arrays(sorted(self.arrays.items()), digests=digests)
 
     def hashes_of(self, state, step: int) -> tuple[str, dict[str, str]]:
         """The complete-state hash and one per state part (the update event's)."""
-        whole, parts = hashes_of(self.arrays_of(state, step))
-        self.state_hash = whole
-        return whole, parts
+        digests = self._digests_of(state, step)
+        return hashes_of(self.arrays, digests)
 
-    def known_hash(self, step: int) -> str | None:
-        return self.state_hash if self.step == step else None
+    def known_digests(self, step: int) -> dict[str, str] | None:
+        """The per-array hashes of ``step``'s state, if it was hashed."""
+        return self.digests if self.step == step else None
 
     def forget(self) -> None:
         # the arrays may be views of device buffers: holding them blocks buffer donation
-        self.step, self.arrays, self.state_hash = None, None, None
+        self.step, self.arrays, self.digests = None, None, None
 
 
 def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
@@ -278,6 +289,7 @@ class UpdateLoop:
             update["state_hash"], update["part_hashes"] = self.snapshot.hashes_of(
                 hashed_state, step
             )
+            update["state_hash_version"] = STATE_HASH_VERSION
         self.events.emit("update", **update)
         self.progress.metrics["final_loss"] = metrics.get("loss")
         self.say(

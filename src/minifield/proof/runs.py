@@ -28,8 +28,14 @@ def _updates(events: list[dict]) -> dict[int, dict]:
     return {e["step"]: e for e in events if e["type"] == "update"}
 
 
-def _hash_list(updates: dict[int, dict]) -> list[dict]:
-    return [{"step": s, "state_hash": updates[s].get("state_hash")} for s in sorted(updates)]
+def _record_hashes(record: dict, updates: dict[int, dict]) -> None:
+    """The run's per-update state hashes, and the one version they are of (an update event
+    without ``state_hash_version`` predates the versions: 1; None when none is hashed)."""
+    record["state_hashes"] = [
+        {"step": s, "state_hash": updates[s].get("state_hash")} for s in sorted(updates)
+    ]
+    versions = {e.get("state_hash_version", 1) for e in updates.values() if e.get("state_hash")}
+    record["state_hash_version"] = versions.pop() if len(versions) == 1 else None
 
 
 def _run_record(outcome: dict, attempt_dir: Path) -> dict:
@@ -125,7 +131,7 @@ def run_reference(runs: Runs, proof: dict) -> dict[int, dict]:
     outcome, attempt_dir, events = runs.launch("reference")
     record = proof["reference"] = _run_record(outcome, attempt_dir)
     updates = _updates(events)
-    record["state_hashes"] = _hash_list(updates)
+    _record_hashes(record, updates)
     steps = runs.steps
     if record["steps_completed"] != steps or sorted(updates) != list(range(1, steps + 1)):
         raise ProofProblem(
@@ -145,7 +151,7 @@ def run_faulted(runs: Runs, proof: dict, k: int) -> Path:
     record["exited"] = outcome["exit_code"] is not None
     updates = _updates(events)
     record["last_update_step"] = max(updates, default=0)
-    record["state_hashes"] = _hash_list(updates)
+    _record_hashes(record, updates)
     if outcome["classification"] != "failed" or outcome["exit_code"] != EXIT_FAILED:
         raise ProofProblem(
             f"The faulted run did not end as the injected crash (classification "
@@ -193,7 +199,7 @@ def run_preempted(runs: Runs, section: dict, k: int) -> Path:
     record["termination_by"] = (outcome.get("termination") or {}).get("by")
     updates = _updates(events)
     record["last_update_step"] = max(updates, default=0)
-    record["state_hashes"] = _hash_list(updates)
+    _record_hashes(record, updates)
     event = next((e for e in events if e["type"] == "preempted"), None)
     result_path = attempt_dir / RESULT
     result = atomic.read_json(result_path) if result_path.is_file() else {}
@@ -269,6 +275,7 @@ def verify_checkpoint(runs: Runs, record: dict) -> None:
         raise ProofProblem(f"The checkpoint {record['path']} does not verify: {exc}") from exc
     record["verified"] = True
     record["state_hash"] = manifest["state_hash"]
+    record["state_hash_version"] = manifest.get("state_hash_version", 1)
 
 
 def run_resumed(
@@ -287,11 +294,12 @@ def run_resumed(
     restored = next((e for e in events if e["type"] == "restored"), None)
     record["restored"] = (
         {key: restored.get(key) for key in ("step", "path", "sha256", "state_hash")}
+        | {"state_hash_version": restored.get("state_hash_version", 1)}
         if restored
         else None
     )
     updates = _updates(events)
-    record["state_hashes"] = _hash_list(updates)
+    _record_hashes(record, updates)
     if record["resumed_from"] is None or Path(record["resumed_from"]) != from_dir.resolve():
         raise ProofProblem(
             f"The resumed run's attempt.json names {record['resumed_from']!r} as the attempt it "

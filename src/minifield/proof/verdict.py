@@ -41,8 +41,29 @@ def _steps_text(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:10])) + (f" and {len(steps) - 10} more" if steps[10:] else "")
 
 
+def _version_mix(part: str, proof: dict, resumed: dict, restored: dict, used: dict) -> str | None:
+    """Why the proof's state hashes cannot be compared: they are of different versions
+    (``state.arrays.STATE_HASH_VERSION``; a record without one predates the versions: 1)."""
+    versions = {
+        "the reference": _obj(proof.get("reference")).get("state_hash_version", 1),
+        "the resumed run": resumed.get("state_hash_version", 1),
+        "its restored checkpoint": restored.get("state_hash_version", 1),
+        "the checkpoint used": used.get("state_hash_version", 1),
+    }
+    known = {name: version for name, version in versions.items() if version is not None}
+    if len(set(known.values())) <= 1:
+        return None
+    listed = ", ".join(f"{name} {version}" for name, version in known.items())
+    return (
+        f"{part}: the state hashes are of different versions ({listed}): hashes of two "
+        f"versions never agree, so this proof compares nothing; prove again with one "
+        f"minifield version"
+    )
+
+
 def _resumed_reasons(
     part: str,
+    proof: dict,
     reference: dict[int, str] | None,
     resumed_record: object,
     used: dict,
@@ -67,6 +88,9 @@ def _resumed_reasons(
             f"{restored.get('sha256')}), not the verified one of step {used.get('step')} "
             f"(sha256 {used.get('sha256')})"
         )
+    mix = _version_mix(part, proof, resumed, restored, used)
+    if mix is not None:
+        return [*reasons, mix]
     hashes = _hash_map(resumed.get("state_hashes"))
     if hashes is None:
         return [*reasons, f"{part}: the resumed run's state_hashes are missing or malformed"]
@@ -133,7 +157,7 @@ def _crash_reasons(proof: dict, reference: dict[int, str] | None, steps: int) ->
     if not _is_step(used.get("step")) or not _is_step(k) or used["step"] > k:
         reasons.append(f"crash: the checkpoint used ({used.get('step')!r}) is not at or before {k}")
     reasons += _resumed_reasons(
-        "crash", reference, proof.get("resumed"), used, proof.get("comparison"), steps
+        "crash", proof, reference, proof.get("resumed"), used, proof.get("comparison"), steps
     )
     if proof.get("first_divergence") is not None:
         reasons.append(f"crash: the proof records a divergence: {proof['first_divergence']!r}")
@@ -175,7 +199,7 @@ def _preempt_reasons(proof: dict, reference: dict[int, str] | None, steps: int) 
                 f"{receipt.get('sha256')})"
             )
     reasons += _resumed_reasons(
-        "preempt", reference, section.get("resumed"), used, section.get("comparison"), steps
+        "preempt", proof, reference, section.get("resumed"), used, section.get("comparison"), steps
     )
     if section.get("first_divergence") is not None:
         reasons.append(f"preempt: the proof records a divergence: {section['first_divergence']!r}")

@@ -91,20 +91,62 @@ def byte_view(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-def hash_named_arrays(items) -> str:
-    """The complete-state hash of ``(name, host array)`` pairs, in the order given."""
+#: The complete-state hash's definition. Version 1 (checkpoints of format
+#: ``minifield-checkpoint/1``): sha256 over each array's line ``name|dtype|shape`` followed by
+#: its bytes, in name order. Version 2: sha256 over one line ``name|dtype|shape|sha256``
+#: per array in name order, ``sha256`` being that of the array's bytes (C order) — the
+#: checkpoint manifest's per-array hash, so a checkpoint hashes every byte once. The two
+#: versions give different hashes of the same state; hashes are compared only within one.
+STATE_HASH_VERSION = 2
+STATE_HASH_VERSIONS = (1, 2)
+#: threads hashing arrays at once (hashlib releases the GIL)
+_HASHERS = 4
+
+
+def _header(name: str, array: np.ndarray) -> str:
+    return f"{name}|{array.dtype.str}|{','.join(map(str, array.shape))}"
+
+
+def array_sha256(array: np.ndarray) -> str:
+    """sha256 of one array's bytes in C order: its hash in a version-2 state hash."""
+    return hashlib.sha256(byte_view(np.asarray(array))).hexdigest()
+
+
+def array_digests(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """``{name: array_sha256}`` of named host arrays, several arrays hashed at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(arrays)
+    if len(names) < 2:
+        return {name: array_sha256(arrays[name]) for name in names}
+    with ThreadPoolExecutor(max_workers=min(_HASHERS, len(names))) as pool:
+        return dict(zip(names, pool.map(lambda n: array_sha256(arrays[n]), names), strict=True))
+
+
+def hash_named_arrays(
+    items, *, version: int = STATE_HASH_VERSION, digests: Mapping[str, str] | None = None
+) -> str:
+    """The complete-state hash (``version``) of ``(name, host array)`` pairs, in the order
+    given; version 2 takes each array's sha256 from ``digests`` where given."""
     digest = hashlib.sha256()
     for name, array in items:
         array = np.asarray(array)
-        header = f"{name}|{array.dtype.str}|{','.join(map(str, array.shape))}\n"
-        digest.update(header.encode())
-        digest.update(byte_view(array))
+        if version == 1:
+            digest.update(f"{_header(name, array)}\n".encode())
+            digest.update(byte_view(array))
+        elif version == 2:
+            sha = digests[name] if digests is not None else array_sha256(array)
+            digest.update(f"{_header(name, array)}|{sha}\n".encode())
+        else:
+            raise ValueError(
+                f"state hash version {version!r}: expected one of {STATE_HASH_VERSIONS}"
+            )
     return digest.hexdigest()
 
 
-def state_hash(state: Mapping[str, Any]) -> str:
-    """sha256 over a canonical serialization (name, dtype, shape, bytes) of every leaf."""
-    return hash_named_arrays(sorted(named_arrays(state).items()))
+def state_hash(state: Mapping[str, Any], *, version: int = STATE_HASH_VERSION) -> str:
+    """The complete-state hash of every leaf (see :data:`STATE_HASH_VERSION`)."""
+    return hash_named_arrays(sorted(named_arrays(state).items()), version=version)
 
 
 def part_hashes(state: Mapping[str, Any]) -> dict[str, str]:
@@ -114,34 +156,29 @@ def part_hashes(state: Mapping[str, Any]) -> dict[str, str]:
 
 def hashes(state: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
     """``(state_hash, part_hashes)`` from a single copy of the state to the host."""
-    arrays = named_arrays(state)
-    return hash_named_arrays(sorted(arrays.items())), part_hashes_of(arrays)
+    return hashes_of(named_arrays(state))
 
 
-def hashes_of(arrays: Mapping[str, np.ndarray]) -> tuple[str, dict[str, str]]:
-    """``(state_hash, part_hashes)`` of named host arrays, the parts hashed on other threads
-    while this one hashes the whole (hashlib releases the GIL): on several cores the two
-    cost about one pass over the state instead of two."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    parts = sorted({name.split("/", 1)[0] for name in arrays})
-    with ThreadPoolExecutor(max_workers=min(4, len(parts)) or 1) as pool:
-        futures = {
-            part: pool.submit(
-                hash_named_arrays,
-                sorted((n, a) for n, a in arrays.items() if n == part or n.startswith(part + "/")),
-            )
-            for part in parts
-        }
-        whole = hash_named_arrays(sorted(arrays.items()))
-        return whole, {part: future.result() for part, future in futures.items()}
+def hashes_of(
+    arrays: Mapping[str, np.ndarray], digests: Mapping[str, str] | None = None
+) -> tuple[str, dict[str, str]]:
+    """``(state_hash, part_hashes)`` of named host arrays from one pass over their bytes
+    (each array hashed once, on several threads; ``digests``, when given, spare even that):
+    the whole and each part are hashes of the per-array hashes."""
+    digests = array_digests(arrays) if digests is None else digests
+    whole = hash_named_arrays(sorted(arrays.items()), digests=digests)
+    return whole, part_hashes_of(arrays, digests)
 
 
-def part_hashes_of(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+def part_hashes_of(
+    arrays: Mapping[str, np.ndarray], digests: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """``part_hashes`` of a state already flattened to named host arrays."""
+    digests = array_digests(arrays) if digests is None else digests
     parts: dict[str, str] = {}
     for part in sorted({name.split("/", 1)[0] for name in arrays}):
         parts[part] = hash_named_arrays(
-            sorted((n, a) for n, a in arrays.items() if n == part or n.startswith(part + "/"))
+            sorted((n, a) for n, a in arrays.items() if n == part or n.startswith(part + "/")),
+            digests=digests,
         )
     return parts

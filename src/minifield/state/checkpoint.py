@@ -7,12 +7,19 @@ Layout of one committed checkpoint::
         arrays/00000.npy ...     one .npy per state leaf (allow_pickle=False)
 
 A checkpoint is written into a temporary sibling directory, every file is
-fsynced, the directory is renamed into place and the parent fsynced. Each array
-file is hashed while it is written (no second pass over the bytes); the state hash
-is computed alongside, or taken from the caller when it hashed that state already. A reader
-verifies every array's sha256, shape and dtype against the manifest and the
-recomputed state hash against the recorded one; anything that fails is never
-used.
+fsynced, the directory is renamed into place and the parent fsynced. Each array's
+bytes are hashed while they are written (or not at all when the caller hashed that
+very state already), and the state hash (version 2, :data:`~.arrays.STATE_HASH_VERSION`)
+is the hash of those per-array hashes: every byte is hashed once. A reader verifies each
+file's ``.npy`` header against the manifest's dtype and shape, the sha256 of its bytes,
+and the state hash recomputed from them against the recorded one; anything that fails is
+never used.
+
+Format ``minifield-checkpoint/2`` (this one): an entry's ``sha256`` is that of the array's
+bytes (the file after its ``.npy`` header), and the manifest's ``state_hash`` is of
+version 2 (``state_hash_version: 2``). Checkpoints of format ``minifield-checkpoint/1``
+(an entry's ``sha256`` of the whole file, a version-1 state hash) are still read and
+verified as they were written.
 """
 
 from __future__ import annotations
@@ -31,9 +38,19 @@ from numpy.lib import format as npy_format
 
 from .. import atomic
 from ..digest import sha256_bytes, sha256_file
-from .arrays import byte_view, hash_named_arrays, named_arrays, restore_like, state_hash
+from .arrays import (
+    STATE_HASH_VERSION,
+    array_sha256,
+    byte_view,
+    hash_named_arrays,
+    named_arrays,
+    restore_like,
+    state_hash,
+)
 
-FORMAT = "minifield-checkpoint/1"
+FORMAT = "minifield-checkpoint/2"
+#: formats read and verified: format -> the state-hash version of its manifests
+STATE_HASH_VERSION_OF = {"minifield-checkpoint/1": 1, FORMAT: STATE_HASH_VERSION}
 MANIFEST = "manifest.json"
 #: bytes hashed and written at a time (a chunk stays in cache between the two)
 _CHUNK = 4 << 20
@@ -82,20 +99,22 @@ def _npy_header(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _write_array(path: Path, array: np.ndarray) -> str:
-    """Write ``array`` as an ``.npy`` file and fsync it, hashing the bytes as they are
-    written; returns the file's sha256. An error names the file."""
+def _write_array(path: Path, array: np.ndarray, known_sha256: str | None) -> str:
+    """Write ``array`` as an ``.npy`` file and fsync it, hashing its bytes as they are
+    written unless ``known_sha256`` is given; returns the sha256 of the array's bytes. An
+    error names the file."""
     header, data = _npy_header(array), byte_view(array)
-    digest = hashlib.sha256(header)
+    digest = None if known_sha256 else hashlib.sha256()
     with atomic.naming(path), open(path, "wb") as handle:
         handle.write(header)
         for start in range(0, data.size, _CHUNK):
             chunk = data[start : start + _CHUNK]
-            digest.update(chunk)
+            if digest is not None:
+                digest.update(chunk)
             handle.write(chunk)
         handle.flush()
         os.fsync(handle.fileno())
-    return digest.hexdigest()
+    return known_sha256 or digest.hexdigest()
 
 
 def committed_steps(directory: Path) -> list[int]:
@@ -121,15 +140,15 @@ def save(
     extra: dict | None = None,
     keep: int | None = None,
     before_commit=None,
-    known_state_hash: str | None = None,
+    known_digests: dict[str, str] | None = None,
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    One pass over the bytes: each array file is hashed while it is written, its fsync runs
-    on a second thread while the next file is written, and the complete-state hash is
-    computed on a third (``known_state_hash``, when the caller hashed this very state
-    already, spares it). Durability is that of before: every file fsynced, then the
-    directories, then the rename, then the parent.
+    One pass over the bytes: each array is hashed while its file is written (several files
+    at once) and the complete-state hash is the hash of those per-array hashes;
+    ``known_digests`` (``{name: array_sha256}``, when the caller hashed this very state
+    already) spares even that pass. Durability: every file fsynced, then the directories,
+    then the rename, then the parent.
 
     ``before_commit`` (fault injection only) is called once the arrays are written, before
     the manifest and the rename that commit the checkpoint. On any error the temporary
@@ -149,7 +168,7 @@ def save(
     try:
         (tmp / "arrays").mkdir(parents=True)
         manifest, manifest_bytes = _write_contents(
-            tmp, named_arrays(state), step, computation_digest, extra, known_state_hash
+            tmp, named_arrays(state), step, computation_digest, extra, known_digests
         )
         if before_commit is not None:
             before_commit()
@@ -179,19 +198,19 @@ def _write_contents(
     step: int,
     computation_digest: str,
     extra: dict | None,
-    known_state_hash: str | None,
+    known_digests: dict[str, str] | None,
 ) -> tuple[dict, bytes]:
     """Write and fsync every array file under ``tmp/arrays``; return the manifest (and its
     bytes as ``atomic.write_json`` would write them)."""
     items = sorted(arrays.items())
     files = [f"arrays/{index:05d}.npy" for index in range(len(items))]
+    known = known_digests or {}
     # hashlib, file writes and fsync release the GIL: the arrays are written (each hashed as
-    # it goes, each fsynced) by several threads, the state hash computed by one more
-    with ThreadPoolExecutor(max_workers=_WRITERS + 1, thread_name_prefix="checkpoint") as pool:
-        hashing = None if known_state_hash else pool.submit(hash_named_arrays, items)
+    # it goes, each fsynced) by several threads
+    with ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="checkpoint") as pool:
         writes = [
-            pool.submit(_write_array, tmp / file, array)
-            for file, (_, array) in zip(files, items, strict=True)
+            pool.submit(_write_array, tmp / file, array, known.get(name))
+            for file, (name, array) in zip(files, items, strict=True)
         ]
         entries = [
             {
@@ -203,13 +222,14 @@ def _write_contents(
             }
             for file, (name, array), write in zip(files, items, writes, strict=True)
         ]
-        state_hash_value = known_state_hash or hashing.result()
+    digests = {entry["name"]: entry["sha256"] for entry in entries}
     atomic.fsync_dir(tmp / "arrays")
     manifest = {
         "format": FORMAT,
         "step": step,
         "computation_digest": computation_digest,
-        "state_hash": state_hash_value,
+        "state_hash": hash_named_arrays(items, digests=digests),
+        "state_hash_version": STATE_HASH_VERSION,
         "arrays": entries,
         "extra": extra or {},
     }
@@ -226,8 +246,7 @@ def prune(directory: Path, keep: int) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def load(path: Path, template: Any, *, computation_digest: str | None = None) -> tuple[Any, dict]:
-    """Verify and restore one checkpoint directory. Raises CheckpointError on any mismatch."""
+def _read_manifest(path: Path, computation_digest: str | None) -> dict:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (checkpoint never committed)")
@@ -235,36 +254,99 @@ def load(path: Path, template: Any, *, computation_digest: str | None = None) ->
         manifest = atomic.read_json(manifest_path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    if manifest.get("format") != FORMAT:
+    version = STATE_HASH_VERSION_OF.get(manifest.get("format"))
+    if version is None:
         raise CheckpointError(
-            f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT!r}"
+            f"{manifest_path}: format {manifest.get('format')!r}, expected one of "
+            f"{sorted(STATE_HASH_VERSION_OF)}"
+        )
+    if manifest.get("state_hash_version", 1) != version:
+        raise CheckpointError(
+            f"{manifest_path}: state_hash_version {manifest.get('state_hash_version')!r}, "
+            f"expected {version} for format {manifest['format']!r}"
         )
     if computation_digest is not None and manifest.get("computation_digest") != computation_digest:
         raise CheckpointError(
             f"{manifest_path}: checkpoint belongs to computation "
             f"{manifest.get('computation_digest')}, not {computation_digest}"
         )
-    arrays = {}
-    for entry in manifest.get("arrays", []):
-        file = path / entry["file"]
-        try:
-            data = file.read_bytes()
-        except OSError as exc:
-            raise CheckpointError(f"{file}: unreadable ({exc})") from exc
-        if sha256_bytes(data) != entry["sha256"]:
-            raise CheckpointError(f"{file}: sha256 mismatch for state array {entry['name']!r}")
-        try:
-            array = np.load(io.BytesIO(data), allow_pickle=False)
-        except ValueError as exc:
-            raise CheckpointError(f"{file}: not a valid .npy array ({exc})") from exc
-        if array.dtype.str != entry["dtype"] or list(array.shape) != entry["shape"]:
-            raise CheckpointError(f"{file}: dtype/shape differ from the manifest")
-        arrays[entry["name"]] = array
+    return manifest
+
+
+def _read_array(file: Path, entry: dict) -> np.ndarray:
+    """One array of a format-2 checkpoint: its ``.npy`` header must give the manifest's
+    dtype and shape, its bytes (exactly that many) the manifest's sha256."""
+    try:
+        with open(file, "rb") as handle:
+            magic = npy_format.read_magic(handle)
+            read_header = (
+                npy_format.read_array_header_1_0
+                if magic == (1, 0)
+                else npy_format.read_array_header_2_0
+            )
+            shape, fortran_order, dtype = read_header(handle)
+            if fortran_order or dtype.hasobject or dtype.str != entry["dtype"]:
+                raise CheckpointError(
+                    f"{file}: .npy header says {dtype.str} (fortran_order {fortran_order}), "
+                    f"the manifest {entry['dtype']} in C order"
+                )
+            if list(shape) != entry["shape"]:
+                raise CheckpointError(
+                    f"{file}: .npy header says shape {list(shape)}, the manifest {entry['shape']}"
+                )
+            array = np.empty(shape, dtype)
+            data = byte_view(array)
+            got, more = handle.readinto(data), handle.read(1)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from exc
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: not a valid .npy array ({exc})") from exc
+    if got != data.size or more:
+        raise CheckpointError(
+            f"{file}: truncated or extended: {got}{'+' if more else ''} bytes after the .npy "
+            f"header, expected {data.size} for state array {entry['name']!r}"
+        )
+    if array_sha256(array) != entry["sha256"]:
+        raise CheckpointError(f"{file}: sha256 mismatch for state array {entry['name']!r}")
+    return array
+
+
+def _read_array_v1(file: Path, entry: dict) -> np.ndarray:
+    """One array of a format-1 checkpoint: the manifest's sha256 is of the whole file."""
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from exc
+    if sha256_bytes(data) != entry["sha256"]:
+        raise CheckpointError(f"{file}: sha256 mismatch for state array {entry['name']!r}")
+    try:
+        array = np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        raise CheckpointError(f"{file}: not a valid .npy array ({exc})") from exc
+    if array.dtype.str != entry["dtype"] or list(array.shape) != entry["shape"]:
+        raise CheckpointError(f"{file}: dtype/shape differ from the manifest")
+    return array
+
+
+def load(path: Path, template: Any, *, computation_digest: str | None = None) -> tuple[Any, dict]:
+    """Verify and restore one checkpoint directory (either format). Raises CheckpointError on
+    any mismatch. The state hash is recomputed in the manifest's own version: a version-2
+    one from the per-array hashes just verified against the bytes read."""
+    manifest = _read_manifest(path, computation_digest)
+    version = STATE_HASH_VERSION_OF[manifest["format"]]
+    read = _read_array_v1 if version == 1 else _read_array
+    entries = manifest.get("arrays", [])
+    arrays = {entry["name"]: read(path / entry["file"], entry) for entry in entries}
     try:
         state = restore_like(template, arrays)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
-    if state_hash(state) != manifest.get("state_hash"):
+    if version == 1:
+        recomputed = state_hash(state, version=1)
+    else:
+        digests = {entry["name"]: entry["sha256"] for entry in entries}
+        recomputed = hash_named_arrays(sorted(arrays.items()), digests=digests)
+    if recomputed != manifest.get("state_hash"):
         raise CheckpointError(f"{path}: restored state hash differs from the manifest")
     return state, manifest
 

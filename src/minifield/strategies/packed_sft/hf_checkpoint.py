@@ -1,9 +1,9 @@
 """HuggingFace Llama-family checkpoints in and out: ``config.json`` + safetensors.
 
 Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
-``.ckpt``, ``.pth``) are refused, never unpickled. Tensors are read one at a time and converted
-to FP32 (F32, BF16 and F16 are accepted), so the load holds at most one source tensor beside
-the FP32 result. Every shape is checked against ``config.json`` (read by :mod:`.hf_config`)
+``.ckpt``, ``.pth``) are refused, never unpickled. Tensors are converted one at a time to FP32
+(F32, BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.hf_tensors`), so
+the load holds at most one source tensor's pages beside the FP32 result. Every shape is checked against ``config.json`` (read by :mod:`.hf_config`)
 before any tensor is read, and every value is checked to be finite.
 
 :data:`.families.NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this
@@ -13,7 +13,6 @@ project's parameter paths (see :mod:`.llama`), for every family :mod:`.families`
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ from ... import atomic
 # (one loader API)
 from .families import ARCHITECTURES, expected_tensors, fp32_bytes, join, shape_fields, split
 from .hf_config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
+from .hf_tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, source_dtype
 
 __all__ = [
     "ARCHITECTURES",
@@ -46,7 +46,6 @@ if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
-ACCEPTED_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}
 
 # ----------------------------------------------------------------------------- reading
 
@@ -87,89 +86,6 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     with safe_open(single, framework="numpy") as f:
         return dict.fromkeys(f.keys(), single)
-
-
-#: rows of a source matrix read and transposed at a time: small enough to stay in the CPU
-#: caches (a row-block transpose of this height was the fastest measured), large enough that
-#: the reads are few
-_TRANSPOSE_ROWS = 64
-#: bytes read at a time into a destination that needs no transpose but a dtype conversion
-_CHUNK_BYTES = 16 << 20
-
-
-def _data_offsets(path: Path) -> dict[str, tuple[int, int, str]]:
-    """Tensor name -> (absolute start, end, dtype) in a safetensors file whose header the
-    library has already checked (``safe_open`` in :func:`load`): an 8-byte little-endian
-    header length, the JSON header, then the data, offsets relative to its start."""
-    with open(path, "rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(length))
-    base = 8 + length
-    return {
-        name: (base + entry["data_offsets"][0], base + entry["data_offsets"][1], entry["dtype"])
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }
-
-
-def _source_dtype(name: str, offsets: dict) -> np.dtype:
-    kind = offsets[name][2]
-    if kind == "BF16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(ACCEPTED_DTYPES[kind])
-
-
-def _aligned_fp32(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialised FP32 array at a 64-byte boundary (what lets JAX's CPU backend take
-    it over without a copy)."""
-    count = math.prod(shape)
-    raw = np.empty(4 * count + 64, np.uint8)
-    offset = (-raw.ctypes.data) % 64
-    return raw[offset : offset + 4 * count].view(np.float32).reshape(shape)
-
-
-def _read_into(stream, buffer: np.ndarray) -> None:
-    view = memoryview(buffer.reshape(-1).view(np.uint8))
-    done = 0
-    while done < len(view):
-        read = stream.readinto(view[done:])
-        if not read:
-            raise CheckpointError(f"{stream.name}: ends inside a tensor's data")
-        done += read
-
-
-def _read_fp32(stream, start: int, end: int, shape, source: np.dtype, transpose: bool):
-    """One tensor as an FP32 array in this project's layout, read straight from the file:
-    the result plus at most one small block of source bytes are in memory, never the whole
-    source tensor beside its conversion."""
-    if end - start != math.prod(shape) * source.itemsize:
-        raise CheckpointError(f"{stream.name}: a tensor's data size disagrees with its shape")
-    stream.seek(start)
-    if not transpose:
-        out = _aligned_fp32(tuple(shape))
-        flat = out.reshape(-1)
-        if source == np.float32:
-            _read_into(stream, flat)
-            return out
-        step = max(1, _CHUNK_BYTES // source.itemsize)
-        block = np.empty(min(step, flat.size), source)
-        for first in range(0, flat.size, step):
-            part = block[: min(step, flat.size - first)]
-            _read_into(stream, part)
-            np.copyto(flat[first : first + part.size], part, casting="unsafe")
-        return out
-    rows, cols = shape  # stored [out, in]; held [in, out]
-    out = _aligned_fp32((cols, rows))
-    block = np.empty((min(_TRANSPOSE_ROWS, rows), cols), source)
-    for first in range(0, rows, _TRANSPOSE_ROWS):
-        part = block[: min(_TRANSPOSE_ROWS, rows - first)]
-        _read_into(stream, part)
-        # widen contiguously first (ml_dtypes' cast loop is slow on a strided view)
-        rows_f32 = part if source == np.float32 else part.astype(np.float32)
-        out[:, first : first + part.shape[0]] = rows_f32.T
-    return out
 
 
 def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
@@ -234,20 +150,13 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                     )
     params: dict = {}
     for path, names in by_file.items():
-        offsets = _data_offsets(path)
-        with open(path, "rb", buffering=0) as stream:
+        offsets = data_offsets(path)
+        with Source(path) as source:
             for name in names:
                 internal, transpose, shape = expected[name]
                 start, end, _ = offsets[name]
-                value = _read_fp32(
-                    stream, start, end, shape, _source_dtype(name, offsets), transpose
-                )
-                if not np.isfinite(value).all():
-                    bad = np.flatnonzero(~np.isfinite(value)).size
-                    raise CheckpointError(
-                        f"{path}: tensor {name} holds {bad} non-finite values (NaN or "
-                        "infinity); a model cannot train from it"
-                    )
+                dtype = source_dtype(name, offsets)
+                value = read_fp32(source, start, end, shape, dtype, transpose, name)
                 for part_path, part in split(cfg, internal, value):  # fused: several
                     node = params
                     *parents, leaf = part_path.split("/")

@@ -1,0 +1,55 @@
+"""Checkpoints checked by hand, sharing no code with ``minifield.state``: the ``.npy`` layout
+from numpy's published format, the version-2 complete-state hash from its definition in
+docs/training-loop.md (sha256 over one ``name|dtype|shape|sha256`` line per array, in name
+order, each ``sha256`` that of the array's C-order bytes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+
+def npy_data(file: Path) -> bytes:
+    """A format-1.0 ``.npy`` file's bytes after its header: the 6-byte magic, 2 version
+    bytes, a little-endian 2-byte header length, then the header."""
+    raw = file.read_bytes()
+    assert raw[:8] == b"\x93NUMPY\x01\x00", file
+    return raw[10 + int.from_bytes(raw[8:10], "little") :]
+
+
+def array_line(name: str, array) -> str:
+    array = np.asarray(array)
+    return f"{name}|{array.dtype.str}|{','.join(map(str, array.shape))}"
+
+
+def state_hash_by_hand(arrays: dict) -> str:
+    """The version-2 complete-state hash of named arrays, from their bytes in memory."""
+    lines = "".join(
+        f"{array_line(name, arrays[name])}|"
+        f"{hashlib.sha256(np.ascontiguousarray(arrays[name]).tobytes()).hexdigest()}\n"
+        for name in sorted(arrays)
+    )
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(manifest, arrays) of a format-2 checkpoint, every file's bytes hashed here against
+    its entry and the state hash rebuilt from those file hashes against the manifest's."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "minifield-checkpoint/2" and manifest["state_hash_version"] == 2
+    arrays, lines = {}, []
+    for entry in manifest["arrays"]:
+        data = npy_data(path / entry["file"])
+        sha = hashlib.sha256(data).hexdigest()
+        assert sha == entry["sha256"], entry["file"]
+        array = np.load(path / entry["file"], allow_pickle=False)
+        assert array.tobytes() == data and array.dtype.str == entry["dtype"], entry["file"]
+        assert list(array.shape) == entry["shape"], entry["file"]
+        arrays[entry["name"]] = array
+        lines.append((entry["name"], f"{array_line(entry['name'], array)}|{sha}\n"))
+    text = "".join(line for _, line in sorted(lines))
+    assert manifest["state_hash"] == hashlib.sha256(text.encode()).hexdigest(), path
+    return manifest, arrays
