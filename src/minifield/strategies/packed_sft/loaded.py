@@ -272,7 +272,7 @@ def from_hf_directory(directory: str | Path, compute_dtype: str = "float32") -> 
         base_model.check_vocab(tokenizer, cfg.vocab_size, str(directory / hf_export.TOKENIZER_FILE))
     except (hf_checkpoint.CheckpointError, base_model.BaseModelError) as exc:
         raise ModelLoadError(str(exc)) from None
-    except SafetensorError as exc:
-        raise ModelLoadError(f"{directory}: weights not readable as safetensors ({exc})") from None
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{directory}: weights not readable ({exc})") from None
     defaults, stops = generation_settings(directory, tokenizer, read_config(directory))
     return LoadedModel(cfg, params, tokenizer, template, defaults, stops, directory)
