@@ -200,6 +200,11 @@ def test_a_directory_missing_its_tokenizer_or_weights_is_refused_naming_it(tmp_p
         minifield.load_model(directory)
     with pytest.raises(ModelLoadError, match=r"none: not a directory"):
         minifield.load_model(tmp_path / "none")
+    (directory / "config.json").unlink()
+    with pytest.raises(
+        ModelLoadError, match=r"m: neither a minifield export \(model.json missing\) nor an HF"
+    ):
+        minifield.load_model(directory)
 
 
 # -- the sampling rules (fast) --------------------------------------------------------------

@@ -341,6 +341,11 @@ def load_model(path: str | os.PathLike, *, compute_dtype: str | None = None) -> 
     if not directory.is_dir():
         raise loaded.ModelLoadError(f"{directory}: not a directory")
     if not (directory / MODEL_FILE).exists():
+        if not (directory / loaded.hf_checkpoint.CONFIG_FILE).exists():
+            raise loaded.ModelLoadError(
+                f"{directory}: neither a minifield export ({MODEL_FILE} missing) nor an HF "
+                f"model directory ({loaded.hf_checkpoint.CONFIG_FILE} missing)"
+            )
         return loaded.from_hf_directory(directory, compute_dtype or "float32")
     try:
         model = exported.ExportedModel(directory)
