@@ -53,3 +53,9 @@ _.stdlib_documents
 _._read_json
 _.write_corpus
 _.STAGES
+# lm-eval's model interface (harness/model.py MinifieldLM): called by lm_eval's evaluator
+_.tokenizer_name
+_.apply_chat_template
+_._loglikelihood_tokens
+_.loglikelihood_rolling
+_.generate_until

@@ -93,6 +93,29 @@ def pytest_runtest_makereport(item, call):
             )
 
 
+# -- one JAX compilation cache for the processes tests start --------------------------------------
+# The suite starts hundreds of workers, Snakemake jobs and CLI processes that compile the same
+# small programs (a recipe's step, evaluation and generation functions) again and again. JAX's
+# persistent cache in the environment of every process the tests start, one directory per
+# session under the session's temporary root (every session starts cold; nothing carries over
+# from another run), lets each process after the first load those executables instead of
+# compiling them. A worker given its own cache (`--compilation-cache`, as the pipeline does)
+# uses that one. A loaded executable computes what a compiled one does: every update's state
+# hash, the final hash and the export's bytes are the same without the cache, cold and warm
+# (README, Development). In this process the setting counts only where JAX is first imported
+# after it (in a whole run, test modules import JAX while they are collected, before): its tests
+# rarely compile one program twice, and writing out every small one cost more than it saved.
+@pytest.fixture(scope="session", autouse=True)
+def session_compilation_cache(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("jax-cache")
+    os.environ.update(  # every program, as the worker's `--compilation-cache` does
+        JAX_COMPILATION_CACHE_DIR=str(directory),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    return directory
+
+
 def linear_recipe(**overrides) -> dict:
     """A minimal valid linear-momentum recipe (built-in 64 examples, no pinned inputs)."""
     recipe = {

@@ -86,7 +86,8 @@ def _sha(path: Path) -> str:
 
 
 def make_inputs(root: Path) -> dict:
-    """Chat and prompt/response rows under ``root/sft`` and a base model under ``root/base``."""
+    """Chat rows (every other one without a system message) under ``root/sft`` and a base
+    model under ``root/base``."""
     data = root / "sft"
     data.mkdir(parents=True, exist_ok=True)
     for split, rows in sft_data.demo_examples(
@@ -94,15 +95,12 @@ def make_inputs(root: Path) -> dict:
     ).items():
         lines = []
         for n, row in enumerate(rows):
-            if n % 2:
-                lines.append({"prompt": f"reverse: {row.prompt}", "response": row.response})
-            else:
-                messages = [
-                    {"role": "system", "content": "be brief"},
-                    {"role": "user", "content": f"reverse: {row.prompt}"},
-                    {"role": "assistant", "content": row.response},
-                ]
-                lines.append({"messages": messages})
+            messages = [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": f"reverse: {row.prompt}"},
+                {"role": "assistant", "content": row.response},
+            ]
+            lines.append({"messages": messages[1:] if n % 2 else messages})
         (data / f"{split}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     make_base_model(root / "base")
     return base_recipe(root)
@@ -212,10 +210,11 @@ def _chatml_by_hand(path: Path) -> list[tuple[str, str]]:
     out = []
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        if "messages" in row:
-            system, user, answer = (m["content"] for m in row["messages"])
+        contents = [m["content"] for m in row["messages"]]
+        if len(contents) == 3:
+            system, user, answer = contents
         else:
-            system, user, answer = "You are a helpful assistant.", row["prompt"], row["response"]
+            system, (user, answer) = "You are a helpful assistant.", contents
         prompt = (
             f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
             "<|im_start|>assistant\n"
@@ -451,7 +450,7 @@ def test_a_bad_base_model_ends_the_worker_with_exit_2_and_nothing_trained(root, 
     assert result["error"]["phase"] == "examples"
     assert result["error"]["message"] == (
         f"{root / 'base' / 'model.safetensors'}: tensor model.layers.0.mlp.gate_proj.weight has "
-        "shape [48, 32], config.json implies [40, 32]"
+        "shape [48, 32], config.json implies [40, 32] (intermediate_size, hidden_size)"
     )
     assert not [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
     assert result["checkpoint"] is None and result["final_state_hash"] is None

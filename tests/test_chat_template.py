@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minifield.strategies.packed_sft import chat_template
+from minifield.strategies.packed_sft import assistant_turns, chat_template
 
 # Real-world shapes, copied in spirit from the published tokenizer_config.json files.
 LLAMA3 = (
@@ -104,7 +104,7 @@ CONVERSATIONS = [
 ]
 
 
-def make_tokenizer(path: Path, vocab_size: int = 320) -> Path:
+def make_tokenizer(path: Path, vocab_size: int = 320, specials=tuple(SPECIALS)) -> Path:
     """A small byte-level BPE trained here on a few strings, with the templates' specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -113,7 +113,7 @@ def make_tokenizer(path: Path, vocab_size: int = 320) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIALS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -154,8 +154,13 @@ def test_rendering_and_token_ids_equal_transformers(tokenizer_file, name, conver
             shown, tokenize=False, add_generation_prompt=generation_prompt
         )
         assert ours.render(shown, add_generation_prompt=generation_prompt) == expected
-    encoded = chat_template.encode(
-        messages, ours, backend, backend.token_to_id(specials["eos_token"]), "row 1"
+    encoded = assistant_turns.encode(
+        messages,
+        ours,
+        backend,
+        backend.token_to_id(specials["eos_token"]),
+        "row 1",
+        train_on="last_assistant",
     )
     whole = ref.apply_chat_template(messages, tokenize=True)
     prompt = ref.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True)
@@ -171,8 +176,9 @@ def test_the_trained_span_is_the_assistant_turn_and_its_end_of_turn_token(tokeni
     template, specials, trained_text = CASES[name]
     backend, ours = _ours(tokenizer_file, template, specials)
     for messages in CONVERSATIONS:
-        encoded = chat_template.encode(
-            messages, ours, backend, backend.token_to_id(specials["eos_token"]), "row 1"
+        eos = backend.token_to_id(specials["eos_token"])
+        encoded = assistant_turns.encode(
+            messages, ours, backend, eos, "row 1", train_on="last_assistant"
         )
         # the hand-written text of the last assistant turn, and nothing of the earlier ones
         assert backend.decode(encoded.response, skip_special_tokens=False) == trained_text
@@ -187,7 +193,7 @@ def test_a_template_that_raises_names_the_template_and_message(tokenizer_file):
     backend, ours = _ours(tokenizer_file, template, {"eos_token": "</s>"})
     bad = [{"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}]
     with pytest.raises(chat_template.ChatTemplateError, match="test template.*must alternate"):
-        chat_template.encode(bad, ours, backend, backend.token_to_id("</s>"), "row 3")
+        assistant_turns.encode(bad, ours, backend, backend.token_to_id("</s>"), "row 3")
 
 
 def test_a_template_that_does_not_compile_or_render_is_refused():
@@ -203,7 +209,9 @@ def test_a_turn_without_the_end_of_turn_token_is_refused(tokenizer_file):
     template += "{% if add_generation_prompt %}assistant:\n{% endif %}"
     backend, ours = _ours(tokenizer_file, template, {"eos_token": "</s>"})
     with pytest.raises(chat_template.ChatTemplateError, match="row 2: .*no end-of-turn token"):
-        chat_template.encode(CONVERSATIONS[0], ours, backend, backend.token_to_id("</s>"), "row 2")
+        assistant_turns.encode(
+            CONVERSATIONS[0], ours, backend, backend.token_to_id("</s>"), "row 2"
+        )
 
 
 def test_a_token_across_the_start_of_the_assistant_turn_is_refused(tokenizer_file):
@@ -212,7 +220,9 @@ def test_a_token_across_the_start_of_the_assistant_turn_is_refused(tokenizer_fil
     template += "{% if add_generation_prompt %}assistant: {% endif %}"
     backend, ours = _ours(tokenizer_file, template, {"eos_token": "</s>"})
     with pytest.raises(chat_template.ChatTemplateError, match="row 4: a token spans"):
-        chat_template.encode(CONVERSATIONS[0], ours, backend, backend.token_to_id("</s>"), "row 4")
+        assistant_turns.encode(
+            CONVERSATIONS[0], ours, backend, backend.token_to_id("</s>"), "row 4"
+        )
 
 
 def test_tokenizer_config_special_tokens_may_be_added_token_dicts(tokenizer_file):

@@ -98,6 +98,7 @@ def _kernel_inputs(dtype, B=2, T=16, H=4, G=2, K=8):
     return q, k, v, jnp.asarray(segments), jax.random.normal(keys[3], (B, T, H * K))
 
 
+@pytest.mark.slow  # ~10 s of compiling on CI; the fast tier keeps the fused model tests below
 def test_fused_attention_matches_the_xla_path_forward_and_backward():
     """FP32 inputs (a tight bound), 8-token forward and 4-token backward blocks, so segment
     boundaries fall inside blocks and a segment spans several; grouped-query heads."""
@@ -190,7 +191,8 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+# "full" compiles for ~7 s on CI: in the slow tier; the fast tier keeps "dots_saveable"
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "dots_saveable"])
 def test_remat_gives_exactly_the_default_loss_and_gradients(reference, policy):
     cfg, params, batch, loss, grads = reference("llama")
     loss_r, grads_r = loss_and_grads(with_execution(cfg, remat=policy), params, batch)
@@ -198,7 +200,8 @@ def test_remat_gives_exactly_the_default_loss_and_gradients(reference, policy):
     assert_trees_equal(grads_r, grads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# gpt compiles for ~9 s on CI: in the slow tier; the fast tier keeps llama
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_scanned_layers_give_the_default_loss_and_gradients(reference, family):
     """Also the order: the layers' parameters differ, so a scan that walked them in another
     order than 00, 01 would compute another function."""
@@ -218,6 +221,8 @@ def test_scanned_layers_give_the_default_loss_and_gradients(reference, family):
 SCAN_TRAINING = {"learning_rate": 1e-2, "warmup_steps": 1, "weight_decay": 0.5}
 
 
+@pytest.mark.slow  # three updates of two states compile for > 10 s on CI; the fast tier keeps
+# the scanned loss and gradients above and the program size below
 @pytest.mark.parametrize("family", FAMILIES)
 def test_scanned_update_holds_stacked_layers_and_matches_the_looped_update(family):
     """The reference is the default per-layer loop: three updates of the scanned (stacked)
@@ -316,6 +321,7 @@ def test_chunked_loss_never_forms_the_whole_batch_of_logits():
 # ----------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # ~8 s of compiling on CI; each option alone is in the fast tier above
 def test_training_with_every_option_is_reproducible_and_resumes_bit_identically():
     # (the fused kernel is left out: on CPU it runs in Pallas's interpreter, which says
     # nothing about the GPU kernel's bits)
@@ -436,6 +442,7 @@ def test_fused_attention_recipe_needs_whole_blocks():
     recipes.validate(document, "sft-demo.yaml")
 
 
+@pytest.mark.slow  # ~9 s of compiling on CI; scanning and LoRA alone are in the fast tier
 def test_scanned_layers_carry_lora_adapters():
     """LoRA's adapted weights (a pytree per target matrix) stack and scan like plain ones:
     the adapters' gradient is the loop's."""

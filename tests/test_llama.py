@@ -28,6 +28,7 @@ from conftest import (
     update_hashes,
     write_recipe,
 )
+from family_reference import hf_tensors  # noqa: F401 - the tensors, for this and other tests
 from safetensors.numpy import save_file
 
 from minifield import recipe as recipes
@@ -72,38 +73,6 @@ CONFIGS = {
         "rope_theta": 20000.0,
     },
 }
-
-
-def hf_tensors(hf: dict, seed: int) -> dict[str, np.ndarray]:
-    """Random FP32 tensors under the names and [out, in] layouts of HF's PyTorch modules."""
-    rng = np.random.default_rng(seed)
-    D, F, V = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
-    H, G = hf["num_attention_heads"], hf["num_key_value_heads"]
-    K = D // H
-
-    def w(*shape, scale=None):
-        scale = shape[-1] ** -0.5 if scale is None else scale
-        return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-    t = {"model.embed_tokens.weight": w(V, D, scale=0.5), "model.norm.weight": 1 + w(D, scale=0.1)}
-    for i in range(hf["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + w(D, scale=0.1)
-        t[p + "post_attention_layernorm.weight"] = 1 + w(D, scale=0.1)
-        t[p + "self_attn.q_proj.weight"] = w(H * K, D)
-        t[p + "self_attn.k_proj.weight"] = w(G * K, D)
-        t[p + "self_attn.v_proj.weight"] = w(G * K, D)
-        t[p + "self_attn.o_proj.weight"] = w(D, H * K)
-        if hf["architectures"] == ["Qwen2ForCausalLM"]:
-            t[p + "self_attn.q_proj.bias"] = w(H * K, scale=0.3)
-            t[p + "self_attn.k_proj.bias"] = w(G * K, scale=0.3)
-            t[p + "self_attn.v_proj.bias"] = w(G * K, scale=0.3)
-        t[p + "mlp.gate_proj.weight"] = w(F, D)
-        t[p + "mlp.up_proj.weight"] = w(F, D)
-        t[p + "mlp.down_proj.weight"] = w(D, F)
-    if not hf["tie_word_embeddings"]:
-        t["lm_head.weight"] = w(V, D)
-    return t
 
 
 def write_checkpoint(directory: Path, hf: dict, tensors: dict) -> Path:

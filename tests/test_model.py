@@ -86,7 +86,9 @@ def alone_loss_sum(params, cfg, tokens, mask):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(positions="learned", tie_embeddings=True),
+        # ~8 s of compiling on CI: in the slow tier (learned positions stay in the fast tier in
+        # test_changing_one_segment_leaves_the_others_untouched)
+        pytest.param(dict(positions="learned", tie_embeddings=True), marks=pytest.mark.slow),
         dict(positions="rotary", tie_embeddings=False),
     ],
 )
@@ -169,6 +171,7 @@ def _step_and_inputs(cfg, B=4, T=32):
     return step, state, batch, tx
 
 
+@pytest.mark.slow  # JAX compiles for ~6 s on CI: kept out of the fast tier
 def test_bf16_step_multiplies_in_bf16_with_fp32_accumulation_and_fp32_state():
     cfg = tiny(compute_dtype="bfloat16")
     step, state, batch, _ = _step_and_inputs(cfg)
@@ -217,6 +220,7 @@ def test_fp32_step_has_no_bf16():
     assert set(_dot_dtypes_stablehlo(text)) == {("f32", "f32", "f32")}
 
 
+@pytest.mark.slow  # JAX compiles for ~5 s on CI: kept out of the fast tier
 def test_train_step_updates_the_complete_state_and_learns_a_fixed_batch():
     cfg = tiny(compute_dtype="bfloat16")
     step, state, batch, _ = _step_and_inputs(cfg, B=3)

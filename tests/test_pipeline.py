@@ -83,23 +83,17 @@ def test_pipeline_runs_to_evaluation_reruns_nothing_and_keeps_old_digests(
     assert (cdir / "eval" / "metrics.json").read_bytes() == before
 
 
-def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path):
-    reference_dir = tmp_path / "reference"
-    reference_recipe = make_project(reference_dir)
-    digest = digest_of(reference_recipe)[:16]
-    run_worker(
-        job=reference_recipe,
-        input_root=reference_dir / "data",
-        output_root=tmp_path / "ref-out",
-        attempt_id="ref",
-        check_codes=[0],
-    )
-    reference = json.loads(
-        (tmp_path / "ref-out" / "linear-demo" / "ref" / "result.json").read_text()
-    )
-
+def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path, linear_demo_run):
     project = tmp_path / "project"
     recipe_path = make_project(project)
+    digest = digest_of(recipe_path)[:16]
+    # the reference: the session's uninterrupted pipeline run of the same recipe (one digest)
+    reference = json.loads(
+        (
+            linear_demo_run / "results" / "computations" / digest / "train" / "result.json"
+        ).read_text()
+    )
+    assert reference["status"] == "completed" and not reference.get("resumed_from")
     attempts = project / "work" / digest / "attempts"
     # A crashed attempt left behind in the work dir (hard exit after update 5: checkpoint 4 committed).
     # Snakemake runs a 1-thread job with these thread settings; they are part of the fingerprint.

@@ -174,3 +174,37 @@ def test_recovery_table_shows_the_proofs_own_comparison(tmp_path):
     assert "<th>what</th>" in page and page.count(">restored checkpoint<") == 1
     assert "checkpoint_used.step" in page and "first_divergence" in page
     assert "comparison[0]" not in page  # shown as the table, not again as flat rows
+
+
+def test_evaluation_table_shows_harness_results_and_their_threshold_checks(tmp_path):
+    metrics = write(
+        tmp_path / "metrics.json",
+        {
+            "checkpoints": [{"step": 4, "sha256": H["c"], "state_hash": H["d"], "dev": {}}],
+            "selection": {"metric": "loss", "mode": "min", "step": 4, "sha256": H["c"]},
+            "harness": {
+                "results": {"reverse_mc": {"acc": 0.625}},
+                "samples": {"reverse_mc": 24},
+                "settings": {"limit": None},
+                "lm_eval_version": "0.4.13",
+            },
+            "acceptance": {
+                "passed": False,
+                "checks": [
+                    {
+                        "name": "harness:reverse_mc/acc",
+                        "value": 0.625,
+                        "threshold": 0.7,
+                        "passed": False,
+                    }
+                ],
+            },
+        },
+    )
+    out = tmp_path / "evaluation.html"
+    results.evaluation_table(metrics, out)
+    page = out.read_text()
+    harness = page.split("lm-evaluation-harness tasks")[1].split("<h2>")[0]
+    assert "reverse_mc" in harness and '<td class="num">0.625</td>' in harness
+    assert '<td class="num">24</td>' in harness
+    assert "harness:reverse_mc/acc" in page.split("Acceptance")[1] and "FAILED" in page

@@ -163,7 +163,7 @@ def test_scaled_rotary_matches_the_written_equations(tmp_path, tensors, name):
     ("scaling", "message"),
     [
         ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type 'yarn' is not supported"),
-        ({"type": "longrope"}, "rope_scaling.rope_type 'longrope' is not supported"),
+        ({"type": "longrope"}, "rope_scaling.long_factor missing (rope_type 'longrope' needs it)"),
         ({"factor": 2.0}, "rope_scaling.rope_type None is not supported"),
         ({**LLAMA3, "beta_fast": 32}, "rope_scaling.beta_fast is not supported for rope_type"),
         ({"type": "linear"}, "rope_scaling.factor missing (rope_type 'linear' needs it)"),

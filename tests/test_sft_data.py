@@ -27,14 +27,10 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
             {"role": "assistant", "content": "hello"},
         ]
     }
-    path = _write(
-        tmp_path / "d.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), "", json.dumps(chat)]
-    )
-    rows = sft_data.read_jsonl(path)
-    assert rows == [
-        sft_data.Example("ab", "ba"),
-        sft_data.Example("system: be brief\nuser: hi\n", "hello"),
-    ]
+    pairs = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), ""])
+    chats = _write(tmp_path / "c.jsonl", ["", json.dumps(chat)])
+    assert sft_data.read_jsonl(pairs) == [sft_data.Example("ab", "ba")]
+    assert sft_data.read_jsonl(chats) == [sft_data.Example("system: be brief\nuser: hi\n", "hello")]
 
 
 @pytest.mark.parametrize(
@@ -42,15 +38,15 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
     [
         ("{not json", "not valid JSON"),
         (json.dumps([1, 2]), "expected a JSON object, got list"),
-        (json.dumps({"prompt": "a"}), "expected keys 'prompt' and 'response'"),
-        (json.dumps({"prompt": "a", "response": 3}), "must be strings"),
+        (json.dumps({"prompt": "a"}), r"fields \['prompt'\] are not those of 'prompt_response'"),
+        (json.dumps({"prompt": "a", "response": 3}), "'response' must be a string"),
         (json.dumps({"prompt": "a", "response": ""}), "'response' is empty"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}]}), "at least two messages"),
         (
             json.dumps(
                 {"messages": [{"role": "user", "content": "x"}, {"role": "bot", "content": "y"}]}
             ),
-            r"messages\[1\] must be",
+            r"messages\[1\]\.role is 'bot', not one of",
         ),
         (
             json.dumps(
@@ -67,6 +63,9 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
 )
 def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, message):
     good = json.dumps({"prompt": "a", "response": "b"})
+    if '"messages"' in bad:  # a file holds one shape: the good rows are conversations too
+        turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        good = json.dumps({"messages": turns})
     path = _write(tmp_path / "bad.jsonl", [good, "", bad, good])
     with pytest.raises(sft_data.DataError, match=message) as info:
         sft_data.read_jsonl(path)

@@ -132,12 +132,12 @@ def test_real_templates_render_as_jinja_renders_them_unbounded(template):
 
 
 def test_a_template_past_its_bounds_in_prepare_names_the_example_and_template(root):  # noqa: F811
-    # the first render (train.jsonl's first row, a chat, without its assistant turn) trips it
+    # the first render (train.jsonl's first row, the whole conversation) trips it
     template = CHATML.replace("{% endfor %}", "{% endfor %}{{ 'x' * 10000000 }}")
     with pytest.raises(base_model.BaseModelError) as info:
         _prepare(base_recipe(root, {"chat_template": template}), root)
     train = root / "sft" / "train.jsonl"
-    first = json.loads(train.read_text().splitlines()[0])["messages"][:-1]
+    first = json.loads(train.read_text().splitlines()[0])["messages"]
     limit = 32 * 64 + sum(len(m["content"]) for m in first)  # seq_len 64
     assert str(info.value) == (
         f"{train} (example 1): recipe model.chat_template: chat_template exceeds its bounds: a "

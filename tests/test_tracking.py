@@ -209,3 +209,15 @@ def test_recipe_fields_become_dotted_params():
         "training.seed": "3",
         "inputs": '[{"n":1}]',
     }
+
+
+def test_harness_results_are_evaluation_points_at_the_selected_step():
+    from minifield.tracking.computation import evaluation_points
+
+    metrics = {
+        "selection": {"step": 6},
+        "harness": {"results": {"t": {"acc": 0.5, "exact_match,strict": 1.0}}},
+    }
+    points = {(p.key, p.value, p.step) for p in evaluation_points(metrics, 0)}
+    assert ("harness/t/acc", 0.5, 6) in points
+    assert ("harness/t/exact_match:strict", 1.0, 6) in points  # MLflow names have no comma

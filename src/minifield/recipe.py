@@ -29,6 +29,7 @@ import yaml
 
 from . import schemas, strategies
 from .digest import sha256_json
+from .harness import tasks as harness_tasks
 from .strategies.base import computation_digest
 
 #: a recipe is a small document; anything larger is refused before parsing
@@ -337,6 +338,7 @@ def _validate(document: Any, source: str) -> Recipe:
             data["checkpoint"].setdefault("every_steps", strategy.default_every_steps)
         if not errors:
             errors += strategy.check(data)
+            errors += harness_tasks.recipe_errors(data)
             errors += _check_counters(data)
     if errors:
         raise RecipeError(source, errors)

@@ -3,6 +3,8 @@ rule evaluate:
         recipe="results/computations/{cdigest}/recipe.json",
         result="results/computations/{cdigest}/train/result.json",
         examples=examples_manifest,
+        # the verified inputs (a recipe's evaluation.harness task files are read from them)
+        inputs="results/computations/{cdigest}/inputs.json",
     output:
         metrics="results/computations/{cdigest}/eval/metrics.json",
         selected_export=directory("results/computations/{cdigest}/eval/selected-export"),
@@ -12,5 +14,7 @@ rule evaluate:
         "results/benchmarks/evaluate/{cdigest}.tsv"
     conda:
         "../../envs/minifield.yaml"
+    params:
+        input_root=computation_input_root,
     script:
         "../scripts/evaluate.py"

@@ -11,4 +11,5 @@ evaluation.evaluate(
     Path(snakemake.input.examples).parent,
     Path(snakemake.output.metrics),
     Path(snakemake.output.selected_export),
+    Path(snakemake.params.input_root),
 )

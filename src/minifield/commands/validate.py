@@ -1,4 +1,6 @@
-"""``minifield validate RECIPE``: validate a recipe and print its digests."""
+"""``minifield validate RECIPE [--input-root DIR]``: validate a recipe and print its digests;
+with an input root, also verify its pinned inputs and read its harness task files (what the
+pipeline's hash_inputs stage refuses before any training)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,16 @@ def run(args) -> int:
     except recipes.RecipeError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    if args.input_root is not None:
+        from ..harness import tasks as harness_tasks
+        from ..inputs import pinned
+
+        try:
+            pinned.verify(recipe.data, args.input_root)
+            harness_tasks.resolve_pinned(recipe.data, args.input_root)
+        except (pinned.InputError, harness_tasks.HarnessTaskError) as exc:
+            print(f"minifield validate: {exc}", file=sys.stderr)
+            return 2
     print(
         json.dumps(
             {
@@ -31,4 +43,9 @@ def run(args) -> int:
 def register(sub) -> None:
     parser = sub.add_parser("validate", help="validate a recipe and print its digests")
     parser.add_argument("recipe", type=Path)
+    parser.add_argument(
+        "--input-root",
+        type=Path,
+        help="also verify the pinned inputs under this root and read the harness task files",
+    )
     parser.set_defaults(func=run)

@@ -129,6 +129,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "malformed": 0,
     }
     attempts = []
+    by_step: dict[int, dict] = {}  # a mixture's per-source figures of each update (latest)
     between_s = 0.0
     previous_last_time = None
     for index, path in enumerate(map(Path, event_files)):
@@ -182,6 +183,8 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                     totals["redone_update_s"] += seconds
                     attempt["redone_updates_count"] += 1
                     attempt["redone_update_s"] += seconds
+                if "sources" in event:  # a mixture's update: its rows per source
+                    by_step[step] = _sources_of(path, event)
                 position = step
                 high_water = max(high_water, step)
             elif kind == "checkpoint_committed":
@@ -224,6 +227,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
     other_s = wall_s - (
         update_s + totals["compile_s"] + totals["checkpoint_s"] + totals["evaluation_s"] + between_s
     )
+    extra = {"sources": trained_by_source(by_step, position)} if by_step else {}
     productive_examples = totals["examples"] - totals["redone_examples"]
     productive_tokens = totals["tokens"] - totals["redone_tokens"]
     return {
@@ -277,6 +281,40 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "attempts": attempts,
         "malformed_lines_count": totals["malformed"],
         "note": NOT_UTILIZATION,
+        **extra,
+    }
+
+
+def _sources_of(path: Path, event: dict) -> dict:
+    """An update's ``sources`` (input name → rows, loss_tokens, epochs), checked."""
+    sources = event["sources"]
+    if not isinstance(sources, dict) or not all(isinstance(v, dict) for v in sources.values()):
+        raise SummaryError(
+            f"{path}: event seq {event.get('seq')} (update): field 'sources' must map each "
+            f"input to its figures, got {sources!r}"
+        )
+    for figures in sources.values():
+        for name in ("rows", "loss_tokens", "epochs"):
+            _number(path, {**event, name: figures.get(name)}, name)
+    return sources
+
+
+def trained_by_source(by_step: dict[int, dict], position: int) -> dict:
+    """What the final state was trained on, per source of a mixture: rows and trained tokens
+    summed over updates ``1 .. position`` (a redone update counted once, as it was last
+    run), and the epochs read of each source after update ``position``."""
+    steps = [step for step in sorted(by_step) if step <= position]
+    names = sorted({name for step in steps for name in by_step[step]})
+    last = by_step[steps[-1]] if steps else {}
+    return {
+        name: {
+            "trained_rows_count": sum(int(by_step[s].get(name, {}).get("rows", 0)) for s in steps),
+            "trained_loss_tokens_count": sum(
+                int(by_step[s].get(name, {}).get("loss_tokens", 0)) for s in steps
+            ),
+            "epochs_count": float(last.get(name, {}).get("epochs", 0.0)),
+        }
+        for name in names
     }
 
 

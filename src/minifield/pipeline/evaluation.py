@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import atomic
 from .. import recipe as recipes
 from ..attempt.chain import committed_checkpoints
+from ..harness import tasks as harness_tasks
 from ..inputs import examples
 from .errors import StageError
 
@@ -34,22 +35,38 @@ def _load_selected(path: Path, sha256: str, program, computation_digest: str):
     return state
 
 
+def _harness_tasks(recipe: dict, input_root: Path | None) -> list[dict] | None:
+    """The recipe's harness tasks resolved from the input root (None: it has none)."""
+    if harness_tasks.section(recipe) is None:
+        return None
+    if input_root is None:
+        raise StageError("the recipe has evaluation.harness tasks: the input root is needed")
+    try:
+        return harness_tasks.resolve_pinned(recipe, input_root)
+    except harness_tasks.HarnessTaskError as exc:
+        raise StageError(str(exc)) from None
+
+
 def evaluate(
     recipe_json: Path,
     train_result: Path,
     examples_dir: Path,
     out_metrics: Path,
     out_selected_export: Path | None = None,
+    input_root: Path | None = None,
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
     One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
     loaded again for TEST. With ``out_selected_export``, the selected checkpoint's weights
-    are exported there (the train stage exports the final ones).
+    are exported there (the train stage exports the final ones). A recipe's
+    ``evaluation.harness`` tasks (read from ``input_root``, checked before anything is
+    evaluated) run on that export; their results and threshold checks join the metrics.
     """
     from ..state import checkpoint
 
     recipe = recipes.load(recipe_json)
+    harness = _harness_tasks(recipe.data, input_root)
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
     program = recipe.strategy.build(recipe.data, arrays)
@@ -88,6 +105,15 @@ def evaluate(
             shutil.rmtree(out_selected_export)
         program.export(state, out_selected_export)
     acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
+    harness_record = None
+    if harness is not None:
+        if out_selected_export is None:
+            raise StageError("evaluation.harness runs on the selected export: give its directory")
+        from ..harness import run as harness_run  # lm-eval: only for a recipe with harness tasks
+
+        harness_record = harness_run.record(recipe.data, harness, out_selected_export)
+        checks = acceptance["checks"] + harness_record["checks"]
+        acceptance = {"passed": all(c["passed"] for c in checks), "checks": checks}
     metrics = {
         "computation_digest": recipe.computation_digest,
         "final_state_hash": result["final_state_hash"],
@@ -103,5 +129,7 @@ def evaluate(
         "test": test,
         "acceptance": acceptance,
     }
+    if harness_record is not None:
+        metrics["harness"] = harness_record
     atomic.write_json(out_metrics, metrics)
     return metrics

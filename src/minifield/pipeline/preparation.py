@@ -14,7 +14,9 @@ from pathlib import Path
 from .. import atomic
 from .. import recipe as recipes
 from ..digest import sha256_file
+from ..harness import tasks as harness_tasks
 from ..inputs import examples, fetch, pinned
+from .errors import StageError
 
 
 def validate(recipe_path: Path, out_recipe: Path, out_validation: Path) -> None:
@@ -35,8 +37,14 @@ def validate(recipe_path: Path, out_recipe: Path, out_validation: Path) -> None:
 
 
 def hash_inputs(recipe_json: Path, input_root: Path, out_inputs: Path) -> None:
+    """Verify every pinned input (and read the harness task files, refused before any
+    training when one could not run offline); record them."""
     recipe = recipes.load(recipe_json)
     verified = pinned.verify(recipe.data, input_root)
+    try:
+        harness_tasks.resolve_pinned(recipe.data, input_root)
+    except harness_tasks.HarnessTaskError as exc:
+        raise StageError(str(exc)) from None
     atomic.write_json(
         out_inputs,
         {

@@ -13,7 +13,9 @@ at once, so a person sees the whole list, not the first failure.
 5. declared validation: the acceptance recorded from the evaluation passed;
 6. recipe: the recorded recipe still validates to the recorded digests;
 7. re-evaluation: the strategy's acceptance evaluation, re-run on the published
-   weights themselves, passes.
+   weights themselves, passes;
+8. harness thresholds: the recipe's ``evaluation.harness.thresholds`` met by the harness
+   results the manifest records, from the task files the recipe pins.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def check(directory: Path, content_id: str) -> dict:
         *declared_validation_reasons(manifest),
         *recipe_problems,
         *evaluation_problems,
+        *harness_reasons(manifest, recipe),
     ]
     if reasons:
         raise Refused(content_id, reasons)
@@ -274,3 +277,23 @@ def reevaluation(recipe, directory: Path, intact: bool) -> tuple[Any, Any, list[
             + (", ".join(failed) or "passed=false")
         ],
     )
+
+
+def harness_reasons(manifest: dict, recipe) -> list[str]:
+    """The recipe's harness thresholds, checked again against the results the manifest
+    records (run from the task files the recipe pins): the reasons they fail."""
+    from ..harness import tasks, thresholds
+
+    harness = tasks.section(recipe.data) if recipe is not None else None
+    if not harness or not harness.get("thresholds"):
+        return []
+    recorded = (manifest.get("validation") or {}).get("harness")
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("results"), dict):
+        return ["harness thresholds set, but the artifact records no harness results"]
+    if recorded.get("tasks") != tasks.pinned_sha256(recipe.data):
+        return ["harness results were not computed from the task files the recipe pins"]
+    return [
+        f"harness threshold failed: {c['name']}={c['value']!r} (at least {c['threshold']!r})"
+        for c in thresholds.checks(harness["thresholds"], recorded["results"])
+        if not c["passed"]
+    ]

@@ -178,7 +178,7 @@ def _validation(metrics: Path | None, provenance: dict) -> dict[str, Any]:
         ),
         None,
     )
-    return {
+    validation = {
         "declared": document.get("acceptance"),
         "source": {"path": str(metrics), "sha256": sha256_file(metrics)},
         "selection": selection,
@@ -187,6 +187,10 @@ def _validation(metrics: Path | None, provenance: dict) -> dict[str, Any]:
         # way activation re-runs acceptance on the published weights themselves.
         "covers_payload": evaluated is not None and evaluated == provenance["final_state_hash"],
     }
+    if "harness" in document:  # the harness results the gate re-checks the thresholds against
+        harness = document["harness"]
+        validation["harness"] = {k: harness.get(k) for k in ("results", "tasks", "samples")}
+    return validation
 
 
 def _proof_evidence(proof: Path, provenance: dict) -> dict:

@@ -17,6 +17,21 @@ import numpy as np
 
 from ..digest import sha256_json
 
+#: an input entry's keys that say how its rows are read (absent from most recipes, so
+#: only a recipe that gives one has them in its digests)
+READING_KEYS = ("format", "columns", "roles")
+
+
+def pinned_inputs(data: dict) -> list[dict]:
+    """Each input's name and sha256, with how it is read where the recipe says, by name."""
+    return sorted(
+        (
+            {"name": i["name"], "sha256": i["sha256"], **{k: i[k] for k in READING_KEYS if k in i}}
+            for i in data["inputs"]
+        ),
+        key=lambda i: i["name"],
+    )
+
 
 def computation_fields(data: dict) -> dict:
     """What defines a validated recipe's computation: not ids, roots, runtime placement or
@@ -24,10 +39,7 @@ def computation_fields(data: dict) -> dict:
     what an export of a two-stage computation records)."""
     return {
         "strategy": data["strategy"],
-        "inputs": sorted(
-            ({"name": i["name"], "sha256": i["sha256"]} for i in data["inputs"]),
-            key=lambda i: i["name"],
-        ),
+        "inputs": pinned_inputs(data),
         "model": data["model"],
         "training": data["training"],
         "limits": {"max_steps": data["limits"]["max_steps"]},

@@ -61,8 +61,8 @@ def provenance(computation_dir: Path) -> dict[str, Any]:
 
 
 def evaluation_points(metrics: dict[str, Any], timestamp: int) -> list[Point]:
-    """``dev/<metric>`` at every evaluated checkpoint's step, ``test/<metric>`` and
-    ``selected_step`` at the DEV-selected step."""
+    """``dev/<metric>`` at every evaluated checkpoint's step, ``test/<metric>``,
+    ``harness/<task>/<metric>`` and ``selected_step`` at the DEV-selected step."""
     points = []
     for row in metrics.get("checkpoints") or []:
         for key, value in sorted((row.get("dev") or {}).items()):
@@ -74,6 +74,12 @@ def evaluation_points(metrics: dict[str, Any], timestamp: int) -> list[Point]:
             if _number(value):
                 points.append(Point(f"test/{key}", float(value), timestamp, step))
         points.append(Point("selected_step", float(step), timestamp, step))
+        # lm-evaluation-harness tasks on the selected export (MLflow names allow no comma)
+        for task, values in sorted(((metrics.get("harness") or {}).get("results") or {}).items()):
+            for key, value in sorted(values.items()):
+                if _number(value):
+                    name = f"harness/{task}/{key}".replace(",", ":")
+                    points.append(Point(name, float(value), timestamp, step))
     return points
 
 

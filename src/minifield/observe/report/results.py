@@ -53,10 +53,29 @@ def evaluation_table(metrics_json: Path, out_html: Path) -> None:
             if test
             else '<p class="note">This strategy has no separate TEST split; acceptance uses the DEV metrics.</p>'
         )
+        + _harness_section(metrics.get("harness"))
         + f"<h2>Acceptance: {page.pass_badge(acceptance.get('passed'))}</h2>"
         + page.table(["check", "value", "threshold", "verdict"], checks)
     )
     page.write_page(out_html, "Evaluation and DEV-selected checkpoint", body)
+
+
+def _harness_section(harness: dict | None) -> str:
+    """lm-evaluation-harness results on the selected export (empty without harness tasks)."""
+    if not harness:
+        return ""
+    samples = harness.get("samples") or {}
+    rows = [
+        [task, metric, value, samples.get(task)]
+        for task, values in sorted((harness.get("results") or {}).items())
+        for metric, value in sorted(values.items())
+    ]
+    return (
+        "<h2>lm-evaluation-harness tasks on the selected export</h2>"
+        f"<p>lm-eval {html.escape(str(harness.get('lm_eval_version')))}, settings "
+        f"<code>{html.escape(str(harness.get('settings')))}</code>; task files pinned by "
+        "sha256 in the recipe.</p>" + page.table(["task", "metric", "value", "documents"], rows)
+    )
 
 
 def _hash_sequences(value: Any, prefix: str = "") -> dict[str, list[str]]:

@@ -279,8 +279,28 @@ def throughput_table(summary_json: Path, out_html: Path) -> None:
             ],
             attempts,
         )
+        + sources_section(summary)
     )
     page.write_page(out_html, "Throughput and goodput", body)
+
+
+def sources_section(summary: dict) -> str:
+    """A mixture's sources: what the final state was trained on of each (empty without one)."""
+    sources = summary.get("sources")
+    if not sources:
+        return ""
+    rows = [
+        [
+            name,
+            figures["trained_rows_count"],
+            figures["trained_loss_tokens_count"],
+            figures["epochs_count"],
+        ]
+        for name, figures in sources.items()
+    ]
+    return "<h2>Training mixture: trained per source</h2>" + page.table(
+        ["source (input)", "rows", "trained tokens", "epochs read"], rows
+    )
 
 
 # -- evaluation -------------------------------------------------------------------------

@@ -53,11 +53,19 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     q_NxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(N, T, K)
     k_NxSxK, v_NxSxK = (t.transpose(0, 2, 1, 3).reshape(N, S, K) for t in (k_BxSxGxK, v_BxSxGxK))
     scores_NxTxS = einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
-    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * (K**-0.5)
+    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * _score_scale(cfg, K)
+    cap = getattr(cfg, "attn_softcap", None)
+    if cap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask
+        scores_BxHxTxS = cap * jnp.tanh(scores_BxHxTxS / cap)
     scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, jnp.finfo(F32).min)
     probs_NxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(cfg.dtype).reshape(N, T, S)
     out_NxTxK = einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
     return out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)
+
+
+def _score_scale(cfg, K: int) -> float:
+    """1/sqrt(K), or a Llama-family config's own (Gemma 2's ``query_pre_attn_scalar``)."""
+    return getattr(cfg, "score_scale", K**-0.5)
 
 
 def _interpret() -> bool:
@@ -103,12 +111,23 @@ def pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, block_sizes=N
         k_BxTxGxK.astype(dtype),
         v_BxTxGxK.astype(dtype),
         segments_BxT.astype(jnp.int32),
-        sm_scale=K**-0.5,
+        sm_scale=_score_scale(cfg, K),
         causal=True,
         block_sizes=block_sizes,
         interpret=_interpret(),
     )
     return out_BxTxHxK.astype(dtype).reshape(B, T, H * K)
+
+
+def window_mask(mask, q_positions_BxT, k_positions_BxS, window: int | None):
+    """``mask`` (a dense ``[B, 1, T, S]`` one) restricted to a sliding window: query at
+    position p sees key position s only if ``s > p - window`` (transformers' sliding-window
+    mask, the query itself included), positions within the segment. ``window`` None, or a
+    fused kernel's segment ids (which the config refuses a binding window for): unchanged."""
+    if window is None or mask.ndim == 2:
+        return mask
+    near_BxTxS = k_positions_BxS[:, None, :] > q_positions_BxT[:, :, None] - window
+    return mask & near_BxTxS[:, None]
 
 
 def packed_mask(cfg, segments_BxT):

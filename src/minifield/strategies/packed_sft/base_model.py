@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import chat_template, hf_checkpoint, sft_data
+from . import assistant_turns, chat_template, execution, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = "base."
+#: conversations rendered, then tokenized together (``encode_batch``), at a time
+ENCODE_BATCH = 4096
 CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
     "base_config_json",
     "tokenizer_json",
@@ -45,6 +47,9 @@ BASE_CONFIG_FIELDS = {
     "norm_eps": ("norm_eps", "rms_norm_eps"),
     "qkv_bias": ("qkv_bias", "architectures (Qwen2: q/k/v biases)"),
     "tie_embeddings": ("tie_embeddings", "tie_word_embeddings"),
+    "head_dim": ("head_dim", "head_dim"),
+    "qk_norm": ("qk_norm", "model_type (Qwen3: q/k norms)"),
+    "sliding_window": ("sliding_window", "sliding_window"),
 }
 
 
@@ -120,6 +125,16 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)
+    try:  # what the recipe's execution options cannot run (a window in the fused kernel)
+        execution.with_recipe_options(cfg, recipe)
+    except ValueError as exc:
+        raise BaseModelError(f"{config_path}: {exc}") from None
+    if "lora" in model and cfg.fused_projections:
+        # PEFT adapters name q_proj, gate_proj, ...; Phi-3 has qkv_proj, gate_up_proj instead
+        raise BaseModelError(
+            f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
+            "(model.lora) on them is not supported (full fine-tuning is)"
+        )
     arrays = {
         PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
         for path, value in _flatten(params)
@@ -250,20 +265,37 @@ def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=Non
     )
 
 
-def encode_chat_file(path: Path, tokenizer, template) -> list[sft_data.Encoded]:
-    """A supervised file rendered with the base model's chat template (a failure is a bad
-    input, naming the file and example)."""
-    out = []
-    for index, example in enumerate(sft_data.read_jsonl(path)):
-        where = f"{path} (example {index + 1})"
+def encode_chat(
+    examples: list[sft_data.Example], tokenizer, template, train_on: str, path: Path
+) -> list[sft_data.Encoded]:
+    """Examples of the supervised file ``path`` rendered with the base model's chat template
+    (a failure is a bad input, naming the file and example); a ``text`` row is its tokens
+    between the bos (when the tokenizer has one) and the eos, all trained."""
+    backend, eos = tokenizer._backend, tokenizer.eos_id
+    end_ids = assistant_turns.end_of_turn_ids(backend, eos)
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    out: list[sft_data.Encoded | None] = [None] * len(examples)
+    chats = []
+    for index, example in enumerate(examples):
+        if example.text:
+            ids = [*head, *tokenizer.encode(example.response), eos]
+            out[index] = sft_data.Encoded(ids[:1], ids[1:])
+        else:
+            tools = None if example.tools is None else list(example.tools)
+            where = f"{path} (example {index + 1})"
+            # the checked messages as read (the sandbox cannot change them): no copy
+            messages = list(example.messages or ()) or example.conversation()
+            chats.append((index, assistant_turns.Conversation(messages, where, tools)))
+    for start in range(0, len(chats), ENCODE_BATCH):
+        batch = chats[start : start + ENCODE_BATCH]
         try:
-            out.append(
-                chat_template.encode(
-                    example.conversation(), template, tokenizer._backend, tokenizer.eos_id, where
-                )
+            encoded = assistant_turns.encode_many(
+                [c for _, c in batch], template, backend, eos, train_on, end_ids
             )
         except chat_template.ChatTemplateError as exc:
             raise BaseModelError(str(exc)) from None
+        for (index, _), one in zip(batch, encoded, strict=True):
+            out[index] = one
     return out
 
 

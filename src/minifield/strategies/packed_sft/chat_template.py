@@ -13,12 +13,17 @@ larger value is refused, naming the template (and the example).
 ``strftime_now`` is left out on purpose: a date in the prompt would make the prepared
 examples depend on the day they were prepared.
 
-Which tokens are trained (the assistant span) is found by rendering twice: the conversation
-without its last (assistant) message with ``add_generation_prompt=True`` must be a prefix of
-the whole conversation rendered; the loss covers the tokens from the end of that prefix up to
-and including the first end-of-turn token (the tokenizer's ``eos_token``). Anything the
-template writes after it (a trailing newline) is not part of the example. Evaluation prompts
-are that prefix, so the model is asked exactly as it was trained.
+Which tokens are trained comes from the template itself (:mod:`.assistant_turns`). Where it marks assistant text with
+``{% generation %}`` blocks, the tokens inside them are trained (as transformers'
+``return_assistant_tokens_mask``). Otherwise each assistant turn is found by rendering the
+conversation up to it with ``add_generation_prompt=True``: that text must be a prefix of the
+whole conversation rendered, and the turn's trained tokens run from the end of that prefix up
+to and including its end-of-turn token, the first special token after it (``<|eot_id|>``,
+``<|im_end|>``, ``<end_of_turn>``, ``</s>``, ``<|end|>``: whatever the template closes the
+turn with). ``train_on`` chooses the turns (:data:`TRAIN_ON`); system, user and tool turns are
+context. Anything the template writes after the last trained turn is not part of the example.
+Evaluation prompts are the conversation before its last assistant turn, so the model is asked
+exactly as it was trained.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ from __future__ import annotations
 import json
 
 from . import template_sandbox
-from .sft_data import Encoded
 
 TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 #: characters one render may write beyond its messages' text, per position of ``seq_len``
 CHARS_PER_POSITION = 32
 #: characters one render may write in all (a conversation's text included)
 MAX_RENDERED_CHARS = 1 << 20
+#: written around a ``{% generation %}`` block's text while spans are found, then removed
+#: (private-use code points: no tokenizer gives them meaning)
+OPEN_MARK, CLOSE_MARK = "\uf8f0", "\uf8f1"
 
 
 class ChatTemplateError(Exception):
@@ -40,8 +47,9 @@ class ChatTemplateError(Exception):
 
 
 def _generation_tag():
-    """``{% generation %}...{% endgeneration %}`` renders its body, as in transformers (which
-    uses the tag to mark assistant tokens; the span here comes from the prefix render)."""
+    """``{% generation %}...{% endgeneration %}`` renders its body, as in transformers; while
+    spans are found (``environment.mark_generation``) between :data:`OPEN_MARK` and
+    :data:`CLOSE_MARK`."""
     from jinja2 import nodes
     from jinja2.ext import Extension
 
@@ -55,6 +63,8 @@ def _generation_tag():
             return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
         def _render_body(self, caller):
+            if getattr(self.environment, "mark_generation", False):
+                return OPEN_MARK + caller() + CLOSE_MARK
             return caller()
 
     return GenerationTag
@@ -70,8 +80,12 @@ def _environment():
         code_generator_class = template_sandbox.code_generator_class()
         intercepted_binops = frozenset({"*", "**", "+", "%"})
         budget = template_sandbox.Budget(0)
+        mark_generation = False
 
         def call_binop(self, context, operator, left, right):
+            if operator == "+" and type(left) is str and type(right) is str:
+                # most of a chat template's work: the same charge, a fraction of the calls
+                return template_sandbox.join_strings(self.budget, left, right)
             template_sandbox.check_binop(self.budget, operator, left, right)
             return self.budget.built(super().call_binop(context, operator, left, right))
 
@@ -149,6 +163,9 @@ class ChatTemplate:
             self._template = self._env.from_string(source)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"{where}: chat_template does not compile ({exc})") from None
+        # the globals a render sees, merged once: jinja merges its ChainMap on every render,
+        # the larger part of a short render's cost
+        self._globals = {**self._template.globals, **self.variables}
 
     def max_chars(self, messages: list[dict]) -> int:
         """How many characters rendering ``messages`` may produce (see the class)."""
@@ -157,18 +174,31 @@ class ChatTemplate:
         own = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
         return min(MAX_RENDERED_CHARS, own + CHARS_PER_POSITION * self.positions)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tools: list | None = None,
+        mark_generation: bool = False,
+    ) -> str:
         limit = self.max_chars(messages)
         self._env.budget = budget = template_sandbox.Budget(limit)
+        self._env.mark_generation = mark_generation
         parts, length = [], 0
+        from jinja2.runtime import new_context
+
+        template = self._template
+        variables = {
+            **self._globals,
+            "messages": messages,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            for part in self._template.generate(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.variables,
-            ):
+            # Template.generate, without its per-render merge of the globals
+            context = new_context(self._env, template.name, template.blocks, variables, True)
+            for part in template.root_render_func(context):
                 length += len(part)
                 budget.fits(length, "the rendered text")
                 budget.spend(1 + len(part) // template_sandbox.CHARS_PER_UNIT)
@@ -186,42 +216,3 @@ class ChatTemplate:
                 f"{self.where}: chat_template failed to render ({type(exc).__name__}: {exc})"
             ) from None
         return "".join(parts)
-
-
-def encode(messages: list[dict], template: ChatTemplate, backend, eos_id: int, where: str):
-    """``Encoded(prompt, response)`` of one conversation whose last message is the assistant's.
-
-    ``prompt`` is every token before the assistant span, ``response`` the span's tokens through
-    the first ``eos_id``; ``where`` (``file:line``) goes into every error.
-    """
-    try:
-        prompt_text = template.render(messages[:-1], add_generation_prompt=True)
-        full_text = template.render(messages)
-    except ChatTemplateError as exc:
-        raise ChatTemplateError(f"{where}: {exc}") from None
-    if not full_text.startswith(prompt_text):
-        raise ChatTemplateError(
-            f"{where}: rendering the conversation without its last message (with "
-            "add_generation_prompt) is not a prefix of the whole conversation rendered, so the "
-            f"assistant's turn cannot be found ({template.where})"
-        )
-    encoding = backend.encode(full_text, add_special_tokens=False)
-    ids, offsets = list(encoding.ids), list(encoding.offsets)
-    boundary = len(prompt_text)
-    start = next((i for i, (s, _) in enumerate(offsets) if s >= boundary), len(ids))
-    if start > 0 and offsets[start - 1][1] > boundary:
-        raise ChatTemplateError(
-            f"{where}: a token spans the end of the prompt and the start of the assistant's "
-            f"turn ({full_text[offsets[start - 1][0] : offsets[start - 1][1]]!r}), so the "
-            "trained tokens cannot be separated from the prompt"
-        )
-    try:
-        end = ids.index(eos_id, start)
-    except ValueError:
-        raise ChatTemplateError(
-            f"{where}: the rendered assistant turn has no end-of-turn token (eos id {eos_id}); "
-            f"the template ({template.where}) must close the turn with eos_token"
-        ) from None
-    if end == start:
-        raise ChatTemplateError(f"{where}: the assistant turn is empty (nothing to train on)")
-    return Encoded(ids[:start], ids[start : end + 1])

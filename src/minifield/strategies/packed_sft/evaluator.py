@@ -21,7 +21,8 @@ def split_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, 
     named ``{split}_{field}``; and the split's packing figures."""
     training = recipe["training"]
     packed = packing.pack(encoded, training["seq_len"], training["overlong"], pad_id)
-    whole = [e for e in encoded if len(e) <= training["seq_len"]]
+    # a conversation is asked its last answer, with every earlier turn as the prompt
+    whole = [e.last_turn() for e in encoded if len(e) <= training["seq_len"]]
     limit = recipe["evaluation"]["max_generate_examples"]
     arrays = {f"{split}_{k}": v for k, v in packed.arrays.items()}
     generation = packing.prompts_and_answers(whole[:limit], pad_id)

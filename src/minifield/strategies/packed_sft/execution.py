@@ -114,4 +114,13 @@ def normalize_recipe(recipe: dict) -> list[dict]:
         problem = pallas_seq_len_problem(recipe["training"]["seq_len"])
         if problem:
             errors.append({"path": "/model/attention", "message": problem})
+        window = recipe["model"].get("sliding_window")
+        if window is not None and window < recipe["training"]["seq_len"]:
+            errors.append(
+                {
+                    "path": "/model/sliding_window",
+                    "message": "the fused kernel (model.attention pallas) has no sliding window; "
+                    f"{window} < training.seq_len {recipe['training']['seq_len']}",
+                }
+            )
     return errors

@@ -18,7 +18,7 @@ import numpy as np
 from ... import atomic
 from ...digest import sha256_bytes
 from ...state import export
-from . import base_model, loaded, lora, settings, sft_data
+from . import base_model, data_formats, loaded, lora, settings, sft_data
 from . import tokenizer as tokenizers
 
 #: files an export carries besides its weights (so the store can re-evaluate it alone)
@@ -176,9 +176,15 @@ class ExportedModel(loaded.LoadedModel):
             raise export.ExportError(str(exc)) from None
         super().__init__(cfg, params, tokenizer, template, defaults, stops, directory)
 
-    def encode_dev(self, pinned_sha256: str | None) -> list[sft_data.Encoded]:
-        """The export's copy of the DEV split, encoded as training encoded it; it must be the
-        file the export records and the recipe pins (``pinned_sha256``)."""
+    def encode_dev(
+        self,
+        pinned_sha256: str | None,
+        source: data_formats.Source | None = None,
+        train_on: str = "all_assistant",
+    ) -> list[sft_data.Encoded]:
+        """The export's copy of the DEV split, encoded as training encoded it (``source``,
+        ``train_on``: the recipe's); it must be the file the export records and the recipe
+        pins (``pinned_sha256``)."""
         dev = self.config["dev"]
         dev_path = self.directory / dev["file"]
         data = dev_path.read_bytes() if dev_path.is_file() else b""
@@ -188,9 +194,12 @@ class ExportedModel(loaded.LoadedModel):
                 f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
                 f"recipe pins {pinned_sha256}"
             )
+        examples = data_formats.read(dev_path, source).examples
         if self.template is not None:
-            return base_model.encode_chat_file(dev_path, self.tokenizer, self.template)
-        return sft_data.encode_file(dev_path, self.tokenizer)
+            return base_model.encode_chat(
+                examples, self.tokenizer, self.template, train_on, dev_path
+            )
+        return sft_data.encode_examples(examples, self.tokenizer, train_on, dev_path)
 
     def raw_ids(self, text: str) -> list[int]:
         """A base-model run's export: as any HF directory; else ``<bos> text``, the layout

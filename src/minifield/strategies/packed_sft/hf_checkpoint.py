@@ -6,9 +6,8 @@ to FP32 (F32, BF16 and F16 are accepted), so the load holds at most one source t
 the FP32 result. Every shape is checked against ``config.json`` (read by :mod:`.hf_config`)
 before any tensor is read, and every value is checked to be finite.
 
-:data:`NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this project's
-parameter paths (see :mod:`.llama`). ``transpose`` marks a ``torch.nn.Linear`` weight, which
-PyTorch stores ``[out, in]`` and :mod:`.llama` holds ``[in, out]``.
+:data:`.families.NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this
+project's parameter paths (see :mod:`.llama`), for every family :mod:`.families` lists.
 """
 
 from __future__ import annotations
@@ -22,8 +21,10 @@ import numpy as np
 
 from ... import atomic
 
-# config.json's reading and writing; the names are this module's too (one loader API)
-from .hf_config import ARCHITECTURES, CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
+# the tensor tables and config.json's reading and writing; the names are this module's too
+# (one loader API)
+from .families import ARCHITECTURES, expected_tensors, fp32_bytes, join, shape_fields, split
+from .hf_config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
 
 __all__ = [
     "ARCHITECTURES",
@@ -46,71 +47,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
 ACCEPTED_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}
-
-# HF name ({i}: layer index)                   internal path ({i}: 2-digit layer)   transpose
-NAME_TABLE = [
-    ("model.embed_tokens.weight",                        "embed/tokens",              False),
-    ("model.layers.{i}.input_layernorm.weight",          "blocks/{i}/attn_norm/scale", False),
-    ("model.layers.{i}.self_attn.q_proj.weight",         "blocks/{i}/attn/wq",        True),
-    ("model.layers.{i}.self_attn.k_proj.weight",         "blocks/{i}/attn/wk",        True),
-    ("model.layers.{i}.self_attn.v_proj.weight",         "blocks/{i}/attn/wv",        True),
-    ("model.layers.{i}.self_attn.q_proj.bias",           "blocks/{i}/attn/bq",        False),  # qkv_bias
-    ("model.layers.{i}.self_attn.k_proj.bias",           "blocks/{i}/attn/bk",        False),  # qkv_bias
-    ("model.layers.{i}.self_attn.v_proj.bias",           "blocks/{i}/attn/bv",        False),  # qkv_bias
-    ("model.layers.{i}.self_attn.o_proj.weight",         "blocks/{i}/attn/wo",        True),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blocks/{i}/mlp_norm/scale", False),
-    ("model.layers.{i}.mlp.gate_proj.weight",            "blocks/{i}/mlp/w_gate",     True),
-    ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
-    ("model.layers.{i}.mlp.down_proj.weight",            "blocks/{i}/mlp/w_down",     True),
-    ("model.norm.weight",                                "final_norm/scale",          False),
-    ("lm_head.weight",                                   "head/w",                    True),  # untied
-]  # fmt: skip
-
-
-# ----------------------------------------------------------------------------- names and shapes
-
-
-def _param_shape(cfg: LlamaConfig, path: str) -> tuple[int, ...]:
-    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
-    D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    leaf = path.rsplit("/", 2)
-    kind = "/".join(leaf[-2:])
-    return {
-        "embed/tokens": (V, D),
-        "attn_norm/scale": (D,),
-        "mlp_norm/scale": (D,),
-        "final_norm/scale": (D,),
-        "attn/wq": (D, HK),
-        "attn/wk": (D, GK),
-        "attn/wv": (D, GK),
-        "attn/bq": (HK,),
-        "attn/bk": (GK,),
-        "attn/bv": (GK,),
-        "attn/wo": (HK, D),
-        "mlp/w_gate": (D, F),
-        "mlp/w_up": (D, F),
-        "mlp/w_down": (F, D),
-        "head/w": (D, V),
-    }[kind]
-
-
-def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
-    """HF name -> (internal path, transpose, HF shape) for every tensor ``cfg`` has."""
-    out = {}
-    for hf, internal, transpose in NAME_TABLE:
-        if internal.endswith(("/bq", "/bk", "/bv")) and not cfg.qkv_bias:
-            continue
-        if internal == "head/w" and cfg.tie_embeddings:
-            continue
-        layers = range(cfg.n_layers) if "{i}" in hf else [None]
-        for i in layers:
-            name = hf if i is None else hf.format(i=i)
-            path = internal if i is None else internal.format(i=f"{i:02d}")
-            shape = _param_shape(cfg, path)
-            out[name] = (path, transpose, shape[::-1] if transpose else shape)
-    return out
-
 
 # ----------------------------------------------------------------------------- reading
 
@@ -289,7 +225,7 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                 if shape != expected[name][2]:
                     raise CheckpointError(
                         f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
-                        f"{list(expected[name][2])}"
+                        f"{list(expected[name][2])} ({shape_fields(*expected[name][:2])})"
                     )
                 if dtype not in ACCEPTED_DTYPES:
                     raise CheckpointError(
@@ -312,13 +248,14 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                         f"{path}: tensor {name} holds {bad} non-finite values (NaN or "
                         "infinity); a model cannot train from it"
                     )
-                node = params
-                *parents, leaf = internal.split("/")
-                for part in parents:
-                    node = node.setdefault(part, {})
-                # may_alias: the aligned host buffer becomes the CPU array without a copy
-                node[leaf] = jax.device_put(value, may_alias=True)
-                del value
+                for part_path, part in split(cfg, internal, value):  # fused: several
+                    node = params
+                    *parents, leaf = part_path.split("/")
+                    for key in parents:
+                        node = node.setdefault(key, {})
+                    # may_alias: the aligned host buffer becomes the CPU array without a copy
+                    node[leaf] = jax.device_put(part, may_alias=True)
+                del value, part
     if duplicate_head:
         path = files["lm_head.weight"]
         with safe_open(path, framework="numpy") as f:
@@ -367,11 +304,15 @@ def write(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+
+    def lookup(path: str):
         node = params
-        for part in internal.split("/"):
+        for part in path.split("/"):
             node = node[part]
-        value = np.asarray(node, dtype=np.float32)
+        return node
+
+    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+        value = np.asarray(join(internal, lookup), dtype=np.float32)
         tensors[name] = np.ascontiguousarray(value.T if transpose else value)
         if tensors[name].shape != shape:
             raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
@@ -393,8 +334,3 @@ def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = Non
     if "dtype" in base_config:
         out["dtype"] = dtype
     return out
-
-
-def fp32_bytes(cfg: LlamaConfig) -> int:
-    """Bytes of the FP32 parameters (for memory figures)."""
-    return 4 * sum(math.prod(s) for _, _, s in expected_tensors(cfg).values())

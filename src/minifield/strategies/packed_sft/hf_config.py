@@ -14,19 +14,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import rotary
+from .families import ARCHITECTURES, FAMILIES, FULL, QWEN_MAX_WINDOW_LAYERS, SLIDING, family_of
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from .llama import LlamaConfig
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` -> the HF causal-LM class of that type (``architectures`` entry)
-MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
-#: HF ``architectures`` entry -> ``model_type``
-ARCHITECTURES = {arch: model_type for model_type, arch in MODEL_TYPES.items()}
+MODEL_TYPES = {model_type: family.architecture for model_type, family in FAMILIES.items()}
 
 
 class CheckpointError(ValueError):
@@ -109,22 +104,89 @@ def _architecture(fields: _Fields) -> str:
     return MODEL_TYPES[model_type]
 
 
+#: HF ``hidden_act`` -> ``LlamaConfig.activation`` (GELU's tanh approximation has two names)
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+GEMMA_ACTIVATIONS = {**HF_ACTIVATIONS, "gelu": "gelu"}
+
+
+def _activation(fields: _Fields, family) -> str:
+    """The MLP gate function ``hidden_act`` names (transformers' Gemma reads it, not
+    ``hidden_activation``, which must then agree with it or be absent)."""
+    if family.sliding in ("gemma2", "gemma3"):  # Gemma 2 and 3 read hidden_activation
+        act = fields.get("hidden_activation", "string", "gelu_pytorch_tanh")
+        if act not in GEMMA_ACTIVATIONS:
+            fields.refuse(f"hidden_activation {act!r} is not supported")
+        return GEMMA_ACTIVATIONS[act]
+    if not family.gemma:
+        act = fields.get("hidden_act", "string", "silu")
+        if act != "silu":
+            fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
+        return "silu"
+    act = fields.get("hidden_act", "string", "gelu_pytorch_tanh")
+    if act not in GEMMA_ACTIVATIONS:
+        fields.refuse(
+            f"hidden_act {act!r} is not supported (expected one of {list(GEMMA_ACTIVATIONS)})"
+        )
+    other = fields.get("hidden_activation", "string", act)
+    if other != act:
+        fields.refuse(f"hidden_activation {other!r} differs from hidden_act {act!r}")
+    return GEMMA_ACTIVATIONS[act]
+
+
 def _refuse_unsupported(fields: _Fields, arch: str) -> None:
-    act = fields.get("hidden_act", "string", "silu")
-    if act != "silu":
-        fields.refuse(f"hidden_act {act!r} is not supported (expected 'silu')")
     if fields.get("mlp_bias", "boolean", False):
         fields.refuse("mlp_bias true is not supported")
-    if arch != "Qwen2ForCausalLM" and fields.get("attention_bias", "boolean", False):
+    family = FAMILIES[ARCHITECTURES[arch]]
+    if family.attention_bias_field and fields.get("attention_bias", "boolean", False):
         fields.refuse("attention_bias true (an o_proj bias) is not supported")
-    if arch == "Qwen2ForCausalLM" and fields.get("use_sliding_window", "boolean", False):
-        fields.refuse("use_sliding_window true is not supported")
+    partial = fields.get("partial_rotary_factor", "number", 1.0)
+    if partial != 1:
+        fields.refuse(f"partial_rotary_factor {partial} is not supported (expected 1.0)")
+
+
+def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tuple]:
+    """``(sliding_window, layer_types)`` as the family reads them (see :mod:`.families`)."""
+    family = FAMILIES[ARCHITECTURES[arch]]
     window = fields.get("sliding_window", "integer", None)
-    max_pos = fields.get("max_position_embeddings", "count", None)
-    if arch == "MistralForCausalLM" and window is not None and window < (max_pos or 0):
+    if window is not None and window < 1:
+        fields.refuse(f"sliding_window must be a positive integer, found {window!r}")
+    if family.sliding in ("gemma2", "gemma3"):
+        pattern = 2 if family.sliding == "gemma2" else 6
+        if family.sliding == "gemma3":
+            pattern = fields.get("sliding_window_pattern", "count", pattern)
+            if fields.get("use_bidirectional_attention", "boolean", False):
+                fields.refuse("use_bidirectional_attention true is not supported (causal only)")
+        types = fields.get("layer_types", "strings", None)
+        types = types or [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+        window = 4096 if "sliding_window" not in fields.hf else window  # absent: the default
+        if window is None:  # transformers would still rotate those layers by the local base
+            fields.refuse("sliding_window null is not supported for this model_type")
+        return _checked_types(fields, window, types, n_layers)
+    if family.sliding == "all":
+        # a window reaching every position the model has is no window (Mistral's own configs)
+        max_pos = fields.get("max_position_embeddings", "count", None)
+        return (window, ()) if window is not None and window < (max_pos or 0) else (None, ())
+    if family.sliding != "qwen" or not fields.get("use_sliding_window", "boolean", False):
+        return None, ()
+    if "sliding_window" not in fields.hf:
+        window = 4096  # transformers' Qwen default when the key is absent (null: no window)
+    types = fields.get("layer_types", "strings", None)
+    if types is None:
+        first_sliding = fields.get("max_window_layers", "integer", QWEN_MAX_WINDOW_LAYERS)
+        types = [SLIDING if i >= first_sliding else FULL for i in range(n_layers)]
+    return _checked_types(fields, window, types, n_layers)
+
+
+def _checked_types(fields: _Fields, window, types: list, n_layers: int) -> tuple:
+    """``(sliding_window, layer_types)`` of a per-layer ``layer_types`` list, checked."""
+    if len(types) != n_layers or not set(types) <= {SLIDING, FULL}:
         fields.refuse(
-            f"sliding_window {window} < max_position_embeddings {max_pos} is not supported"
+            f"layer_types must be {n_layers} (num_hidden_layers) of {SLIDING!r}, {FULL!r}; "
+            f"found {types!r}"
         )
+    if window is None or SLIDING not in types:
+        return None, ()
+    return window, () if set(types) == {SLIDING} else tuple(types)
 
 
 def config_from_hf(
@@ -135,46 +197,78 @@ def config_from_hf(
 
     fields = _Fields(hf, source)
     arch = _architecture(fields)
+    family = FAMILIES[ARCHITECTURES[arch]]
     _refuse_unsupported(fields, arch)
     heads = fields.get("num_attention_heads", "count")
     hidden = fields.get("hidden_size", "count")
-    head_dim = fields.get("head_dim", "count", None)
-    if head_dim not in (None, hidden // heads):
-        fields.refuse(f"head_dim {head_dim} != hidden_size / num_attention_heads")
+    head_dim = fields.get("head_dim", "count", family.default_head_dim)
     max_positions = fields.get("max_position_embeddings", "count", None)
     if max_len is None:
         max_len = fields.get("max_position_embeddings", "count")
     scaling = fields.get("rope_scaling", "object", None)
-    scaling = () if scaling is None else rotary.read(scaling, fields.refuse, max_len, max_positions)
+    if scaling is not None:
+        # top level in Phi-3's config.json (transformers' longrope reads it from any config)
+        original = fields.get("original_max_position_embeddings", "count", None)
+        half = head_dim // 2 if head_dim else hidden // heads // 2
+        scaling = rotary.read(scaling, fields.refuse, max_len, max_positions, original, half)
+    scaling = scaling or ()
+    n_layers = fields.get("num_hidden_layers", "count")
+    window, layer_types = _window(fields, arch, n_layers)
+    activation = _activation(fields, family)
+    sandwich = family.sliding in ("gemma2", "gemma3")
+    default_caps = (50.0, 30.0) if family.sliding == "gemma2" else (None, None)
+    caps = {
+        "query_pre_attn_scalar": float(fields.get("query_pre_attn_scalar", "number", 256)),
+        "attn_softcap": fields.get("attn_logit_softcapping", "number", default_caps[0]),
+        "final_softcap": fields.get("final_logit_softcapping", "number", default_caps[1]),
+    }
+    if "attn_logit_softcapping" in hf and hf["attn_logit_softcapping"] is None:
+        caps["attn_softcap"] = None  # null: none (absent: transformers' default)
+    if "final_logit_softcapping" in hf and hf["final_logit_softcapping"] is None:
+        caps["final_softcap"] = None
+    caps = {k: None if v is None else float(v) for k, v in caps.items()} if sandwich else {}
+    if family.sliding == "gemma3":
+        caps["rope_local_theta"] = float(fields.get("rope_local_base_freq", "number", 10000.0))
     sizes = {
         "vocab_size": fields.get("vocab_size", "count"),
         "d_model": hidden,
-        "n_layers": fields.get("num_hidden_layers", "count"),
+        "n_layers": n_layers,
         "n_heads": heads,
         "n_kv_heads": fields.get("num_key_value_heads", "count", heads),
         "d_ff": fields.get("intermediate_size", "count"),
         "max_len": max_len,
-        "rope_theta": float(fields.get("rope_theta", "number", 10000.0)),
+        "rope_theta": float(fields.get("rope_theta", "number", family.default_rope_theta)),
         "norm_eps": float(fields.get("rms_norm_eps", "number", 1e-6)),
-        "tie_embeddings": fields.get("tie_word_embeddings", "boolean", False),
+        "tie_embeddings": fields.get("tie_word_embeddings", "boolean", family.gemma),
     }
     try:
         return LlamaConfig(
             **sizes,
-            qkv_bias=arch == "Qwen2ForCausalLM",
+            qkv_bias=family.qkv_bias,
             compute_dtype=compute_dtype,
             rope_scaling=scaling,
+            head_dim=head_dim,
+            qk_norm=family.qk_norm,
+            fused_projections=family.fused_projections,
+            activation=activation,
+            norm_plus_one=family.gemma,
+            scale_embeddings=family.gemma,
+            sandwich_norms=sandwich,
+            **caps,
+            sliding_window=window,
+            layer_types=layer_types,
         )
     except ValueError as e:  # the model's own checks (heads dividing, positive sizes, ...)
         fields.refuse(str(e))
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
-    """``config.json`` for an export: Qwen2 when the model has q/k/v biases, else Llama."""
-    arch = "Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"
-    return {
-        "architectures": [arch],
-        "model_type": ARCHITECTURES[arch],
+    """``config.json`` for an export without a base model's: the simplest family that holds
+    the model (:func:`.families.family_of`)."""
+    family = family_of(cfg)
+    out = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff,
@@ -182,7 +276,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {v: k for k, v in reversed(GEMMA_ACTIVATIONS.items())}[cfg.activation],
         "max_position_embeddings": cfg.max_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
@@ -192,3 +286,22 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32",
     }
+    if cfg.sliding_window is not None:
+        if not family.sliding:
+            raise ValueError(f"no HF family holds {cfg} (per-layer windows without qwen's biases)")
+        out["sliding_window"] = cfg.sliding_window
+    types = list(cfg.layer_types) or [SLIDING] * cfg.n_layers
+    if cfg.sliding_window is not None and family.sliding == "qwen":
+        full = next((i for i, t in enumerate(types) if t == SLIDING), cfg.n_layers)
+        out.update(use_sliding_window=True, max_window_layers=full, layer_types=types)
+    if family.sliding == "gemma3":
+        out["rope_local_base_freq"] = cfg.rope_local_theta
+    if family.sliding in ("gemma2", "gemma3"):
+        out.update(
+            hidden_activation=out["hidden_act"],
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+            attn_logit_softcapping=cfg.attn_softcap,
+            final_logit_softcapping=cfg.final_softcap,
+            layer_types=types if cfg.sliding_window is not None else [FULL] * cfg.n_layers,
+        )
+    return out

@@ -10,15 +10,21 @@ with the Llama block instead of the GPT one (:mod:`.gpt`):
 - grouped-query attention: ``n_kv_heads`` key/value heads, each shared by
   ``n_heads / n_kv_heads`` query heads (query head h reads key/value head h // group);
 - optional q/k/v projection biases (Qwen2), never an output-projection bias;
-- SwiGLU MLP: ``down(silu(gate(x)) * up(x))``;
+- optional per-head RMSNorm of queries and keys before rotary (Qwen3), and a head width
+  ``head_dim`` that need not be ``d_model / n_heads``;
+- optional sliding-window attention (Mistral, Qwen): on every layer or those
+  ``layer_types`` names (:func:`.attention.window_mask`);
+- gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU (Gemma's GeGLU);
+- Gemma: RMSNorm scaled by ``1 + w``, embeddings multiplied by ``sqrt(d_model)``;
 - output head tied to the token embedding or separate.
 
-Parameters (``[in, out]`` matrices, as in :mod:`.gpt`; :mod:`.hf_checkpoint` holds the one
+Parameters (``[in, out]`` matrices, as in :mod:`.gpt`; :mod:`.families` holds the one
 table mapping them to HF names)::
 
     embed/tokens [V, D]
     blocks/NN/attn_norm/scale [D]
-    blocks/NN/attn/{wq [D, H*K], wk [D, G*K], wv [D, G*K], wo [H*K, D]}  (+ bq, bk, bv)
+    blocks/NN/attn/{wq [D, H*K], wk [D, G*K], wv [D, G*K], wo [H*K, D]}
+                  (+ bq, bk, bv with qkv_bias; q_norm [K], k_norm [K] with qk_norm)
     blocks/NN/mlp_norm/scale [D]
     blocks/NN/mlp/{w_gate [D, F], w_up [D, F], w_down [F, D]}
     final_norm/scale [D]
@@ -29,88 +35,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ... import schemas
 from . import attention, layer_stack, rotary
 from . import sampling as sampling_rules
-from .execution import Execution
-from .primitives import F32, ArchitectureConfig, einsum, rotate, scaled_normal
 
-ARCHITECTURE = "llama"
-#: what an absent ``rope_theta``, ``norm_eps``, ``qkv_bias`` mean: the recipe schema says
-_ABSENT = schemas.absent(schemas.PACKED_SFT, "model")
-
-
-@dataclass(frozen=True)
-class LlamaConfig(ArchitectureConfig):
-    """Architecture and precision of a Llama-family model (hashable: a static jit argument)."""
-
-    architecture = ARCHITECTURE
-    INTEGER_FIELDS = (
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "d_ff",
-        "max_len",
-    )
-    FLAG_FIELDS = ("qkv_bias", "tie_embeddings")
-
-    vocab_size: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    max_len: int
-    rope_theta: float = _ABSENT["rope_theta"]
-    norm_eps: float = _ABSENT["norm_eps"]
-    qkv_bias: bool = _ABSENT["qkv_bias"]
-    tie_embeddings: bool = False
-    compute_dtype: str = "bfloat16"
-    #: ``rope_scaling`` as sorted (key, value) pairs, empty for the plain rotary (:mod:`.rotary`)
-    rope_scaling: tuple = ()
-    #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
-    execution: Execution = Execution()
-
-    def __post_init__(self):
-        if isinstance(self.rope_scaling, dict):  # to_dict's form (model.json)
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-        super().__post_init__()
-
-    def architecture_errors(self, sizes_valid: bool) -> list[str]:
-        errors = []
-        if sizes_valid:
-            if self.d_model % self.n_heads:
-                errors.append(
-                    f"model.d_model: {self.d_model} is not divisible by model.n_heads={self.n_heads}"
-                )
-            elif self.head_dim % 2:
-                errors.append(f"model.n_heads: rotary needs an even head size, got {self.head_dim}")
-            if self.n_heads % self.n_kv_heads:
-                errors.append(
-                    f"model.n_kv_heads: {self.n_kv_heads} does not divide "
-                    f"model.n_heads={self.n_heads}"
-                )
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, float) or not value > 0:
-                errors.append(f"model.{name}: expected a positive float, got {value!r}")
-        return errors
-
-    def to_dict(self) -> dict:
-        out = {"architecture": ARCHITECTURE, **super().to_dict()}
-        out["rope_scaling"] = dict(self.rope_scaling)
-        if not self.rope_scaling:  # configs without it keep their recorded form
-            del out["rope_scaling"]
-        return out
-
+# the config's home is :mod:`.llama_config`; its names are this module's too
+from .llama_config import ARCHITECTURE as ARCHITECTURE
+from .llama_config import LlamaConfig
+from .primitives import F32, einsum, rotate, scaled_normal
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -141,6 +77,10 @@ def init_params(cfg: LlamaConfig, key) -> dict:
         if cfg.qkv_bias:
             attn.update(
                 bq=jnp.zeros((HK,), F32), bk=jnp.zeros((GK,), F32), bv=jnp.zeros((GK,), F32)
+            )
+        if cfg.qk_norm:
+            attn.update(
+                q_norm=jnp.ones((cfg.head_dim,), F32), k_norm=jnp.ones((cfg.head_dim,), F32)
             )
         params["blocks"][f"{i:02d}"] = {
             "attn_norm": {"scale": jnp.ones((D,), F32)},
@@ -187,10 +127,29 @@ def _linear(cfg: LlamaConfig, x_BxTxK, w):
 
 
 def _rms_norm(cfg: LlamaConfig, x_BxTxD, norm):
-    """x / sqrt(mean(x^2) + eps) * scale, statistics in FP32."""
+    """x / sqrt(mean(x^2) + eps) * scale (Gemma: * (1 + scale)), statistics in FP32."""
     x = x_BxTxD.astype(F32)
     mean_sq_BxTx1 = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
-    return (x * jax.lax.rsqrt(mean_sq_BxTx1 + cfg.norm_eps) * norm["scale"]).astype(cfg.dtype)
+    scale = 1.0 + norm["scale"] if cfg.norm_plus_one else norm["scale"]
+    return (x * jax.lax.rsqrt(mean_sq_BxTx1 + cfg.norm_eps) * scale).astype(cfg.dtype)
+
+
+#: ``activation`` -> the MLP's gate function (gelu_tanh: GELU's tanh approximation, as
+#: PyTorch's ``gelu(approximate="tanh")``)
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def _embed(params, cfg: LlamaConfig, tokens_BxT):
+    """Token embeddings in the compute dtype (Gemma: times sqrt(d_model), itself rounded to
+    the compute dtype first, as transformers' ``normalizer``)."""
+    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    if cfg.scale_embeddings:
+        h_BxTxD = h_BxTxD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+    return h_BxTxD
 
 
 def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
@@ -201,16 +160,24 @@ def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
     return y_BxTxN.astype(cfg.dtype)
 
 
-def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT):
-    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype)."""
+def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
+    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype);
+    ``window``: the layer's sliding window (Gemma 3 rotates those layers by another base)."""
     B, T, _ = x_BxTxD.shape
     H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
     k_BxTxGxK = _project(cfg, x_BxTxD, p["wk"], p.get("bk")).reshape(B, T, G, K)
     v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
-    inv_freq_K2 = rotary.inv_freq(cfg.rope_theta, K // 2, cfg.rope_scaling)
-    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2)
-    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2)
+    if cfg.qk_norm:  # per head, before rotary (Qwen3)
+        q_BxTxHxK = _rms_norm(cfg, q_BxTxHxK, {"scale": p["q_norm"]})
+        k_BxTxGxK = _rms_norm(cfg, k_BxTxGxK, {"scale": p["k_norm"]})
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if window is not None and cfg.rope_local_theta is not None:
+        theta, scaling = cfg.rope_local_theta, ()
+    inv_freq_K2 = rotary.inv_freq(theta, K // 2, scaling)
+    scale = rotary.amplitude(scaling)
+    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
+    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 
@@ -222,24 +189,36 @@ def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
     return _project(cfg, out_BxTxHK, p["wo"])
 
 
-def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT):
-    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT)
+def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT, window):
+    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT, window)
     return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p)
 
 
 def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
     gate_BxTxF = _linear(cfg, x_BxTxD, p["w_gate"])
     up_BxTxF = _linear(cfg, x_BxTxD, p["w_up"])
-    act_BxTxF = (jax.nn.silu(gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
+    act_BxTxF = (_ACTIVATIONS[cfg.activation](gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
     return _project(cfg, act_BxTxF, p["w_down"])
 
 
 def head(params, cfg: LlamaConfig, h_BxTxD):
-    """FP32 logits from the last hidden states (final norm, then the tied or separate head)."""
+    """FP32 logits from the last hidden states (final norm, then the tied or separate head;
+    Gemma 2: soft-capped)."""
     h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
     if cfg.tie_embeddings:
-        return einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
-    return einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+        logits = einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
+    else:
+        logits = einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
+def _add(cfg: LlamaConfig, h_BxTxD, out_BxTxD, block, post_norm: str):
+    """The residual stream plus a sublayer's output (Gemma 2: normalised first)."""
+    if cfg.sandwich_norms:
+        out_BxTxD = _rms_norm(cfg, out_BxTxD, block[post_norm])
+    return h_BxTxD + out_BxTxD
 
 
 def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
@@ -250,17 +229,32 @@ def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
 def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     """The residual stream after the last block (before the final norm, see
     :func:`.model.hidden`); the blocks run as :mod:`.layer_stack` says."""
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
     mask = attention.packed_mask(cfg, segments_BxT)
 
-    def block_fn(block, h_BxTxD):
-        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
-        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        return h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+    def block_fn(mask, window):
+        def fn(block, h_BxTxD):
+            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
+            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
+            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
+            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
+            return _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
+
+        return fn
 
     names = layer_stack.layer_names(params["blocks"])
-    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    if len(set(windows)) == 1:  # one body for every layer (a scan needs it)
+        mask = attention.window_mask(mask, positions_BxT, positions_BxT, windows[0])
+        return layer_stack.run_blocks(
+            cfg.execution, params["blocks"], names, block_fn(mask, windows[0]), h_BxTxD
+        )
+    # layers with and without the window: each its own mask (scan_layers is refused for these)
+    masks = {w: attention.window_mask(mask, positions_BxT, positions_BxT, w) for w in set(windows)}
+    for name, window in zip(names, windows, strict=True):
+        fn = block_fn(masks[window], window)
+        h_BxTxD = layer_stack.run_blocks(cfg.execution, params["blocks"], [name], fn, h_BxTxD)
+    return h_BxTxD
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
@@ -298,18 +292,22 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
     rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     # query at position t sees cache slot s iff s <= t (one causal segment per row)
     mask_Bx1xTxS = (jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None])[:, None]
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
     new_cache = {}
     for name in sorted(params["blocks"], key=int):
         block = params["blocks"][name]
+        window = cfg.layer_window(int(name))
+        slots_BxS = jnp.broadcast_to(jnp.arange(S), (B, S))  # a slot holds its own position
+        layer_mask = attention.window_mask(mask_Bx1xTxS, positions_BxT, slots_BxS, window)
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT)
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT, window)
         k_BxSxGxK = cache[name]["k"].at[rows_BxT, positions_BxT].set(k_BxTxGxK)
         v_BxSxGxK = cache[name]["v"].at[rows_BxT, positions_BxT].set(v_BxTxGxK)
         new_cache[name] = {"k": k_BxSxGxK, "v": v_BxSxGxK}
-        h_BxTxD = h_BxTxD + _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS, block["attn"])
+        out_BxTxD = _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
+        h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        h_BxTxD = h_BxTxD + _swiglu(cfg, a_BxTxD, block["mlp"])
+        h_BxTxD = _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
     return head(params, cfg, last_Bx1xD)[:, 0], new_cache
 

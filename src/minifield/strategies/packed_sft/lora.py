@@ -136,9 +136,9 @@ def base_identity(recipe: dict, input_names: list[str]) -> np.ndarray:
 
 
 def _target_shape(cfg, internal: str) -> tuple[int, int]:
-    from .hf_checkpoint import _param_shape
+    from .families import param_shape
 
-    return _param_shape(cfg, f"blocks/00/{internal}")
+    return param_shape(cfg, f"blocks/00/{internal}")
 
 
 def init_adapters(cfg, settings: LoraSettings, key) -> dict:
@@ -231,7 +231,7 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     return params
 
 
-def make_train_step(cfg, settings: LoraSettings, optimizer, schedule=None):
+def make_train_step(cfg, settings: LoraSettings, optimizer, schedule=None, accum_steps=1):
     """``train_step(state, base, batch) -> (state, metrics)``: :mod:`.sft_step`'s update with
     the loss differentiated with respect to the adapters only (``base`` is an argument, not
     donated, never updated); ``frozen_base`` is carried unchanged."""
@@ -241,7 +241,7 @@ def make_train_step(cfg, settings: LoraSettings, optimizer, schedule=None):
         def loss(adapters, cfg, batch):
             return model.loss_fn(adapted(base, adapters, settings), cfg, batch)
 
-        inner = sft_step.make_train_step(cfg, optimizer, schedule, objective=loss)
+        inner = sft_step.make_train_step(cfg, optimizer, schedule, loss, accum_steps)
         core = {k: v for k, v in state.items() if k != BASE_PART}
         new_state, metrics = inner(core, batch)
         return {**new_state, BASE_PART: state[BASE_PART]}, metrics

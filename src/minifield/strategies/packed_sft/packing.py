@@ -6,9 +6,10 @@ Each row of ``seq_len`` slots holds whole examples one after another:
 - ``segments``  1, 2, ... per example within the row, 0 for padding; attention
   is causal *and* restricted to equal segment ids, so examples never see each other
 - ``positions`` 0, 1, ... restarting at every example (0 on padding)
-- ``loss_mask`` 1.0 on the slots holding response tokens (including ``<eos>``),
-  0.0 on prompt, ``<bos>``, ``<sep>`` and padding: a slot's flag says whether the
-  token *in* it is trained on (it is predicted from the slot before it)
+- ``loss_mask`` 1.0 on the slots holding trained response tokens (including ``<eos>``,
+  every assistant turn's end-of-turn token in a conversation), 0.0 on prompt, ``<bos>``,
+  ``<sep>``, a conversation's user and tool turns and padding: a slot's flag says whether
+  the token *in* it is trained on (it is predicted from the slot before it)
 
 Examples longer than a row are truncated (their tail cut at ``seq_len``) or
 rejected, as the recipe says; both are counted. An example whose prompt alone
@@ -67,7 +68,7 @@ def fit(example: Encoded, seq_len: int, overlong: str) -> tuple[Encoded | None, 
         return example, "kept"
     if overlong == "reject" or len(example.prompt) >= seq_len:
         return None, "rejected"
-    return Encoded(example.prompt, example.response[: seq_len - len(example.prompt)]), "truncated"
+    return example.cut(seq_len - len(example.prompt)), "truncated"
 
 
 def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> Packed:
@@ -92,7 +93,7 @@ def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> P
             tokens[row, offset : offset + n] = example.tokens
             segments[row, offset : offset + n] = segment
             positions[row, offset : offset + n] = np.arange(n)
-            loss_mask[row, offset + n_prompt : offset + n] = 1.0
+            loss_mask[row, offset + n_prompt : offset + n] = example.response_mask()
             offset += n
     real = int(sum(len(e) for e in kept))
     slots = rows * seq_len
@@ -137,3 +138,18 @@ def prompts_and_answers(examples: list[Encoded], pad_id: int) -> dict[str, np.nd
         "answers": answers,
         "answer_len": answer_len,
     }
+
+
+def concatenate(sources: dict[str, Packed]) -> tuple[Packed, dict[str, dict]]:
+    """The rows of several separately packed sources, one source after another, with
+    ``source_rows`` (each source's row count, in the order given); the combined stats, and
+    each source's own."""
+    arrays = {k: np.concatenate([p.arrays[k] for p in sources.values()]) for k in ROW_FIELDS}
+    arrays["source_rows"] = np.array([p.stats["rows"] for p in sources.values()], dtype=np.int64)
+    summed = ("examples", "packed", "kept", "truncated", "rejected", "rows")
+    stats = {k: sum(p.stats[k] for p in sources.values()) for k in summed}
+    stats["seq_len"] = next(iter(sources.values())).stats["seq_len"]
+    for key in ("real_tokens", "loss_tokens", "slots"):
+        stats[key] = sum(p.stats[key] for p in sources.values())
+    stats["efficiency"] = stats["real_tokens"] / stats["slots"] if stats["slots"] else 0.0
+    return Packed(arrays, stats), {name: p.stats for name, p in sources.items()}

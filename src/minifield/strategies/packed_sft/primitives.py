@@ -76,14 +76,17 @@ def einsum(cfg, equation: str, a, b, out_dtype=None):
     return _bf16_einsum(equation, out_dtype, a, b)
 
 
-def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None):
+def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None, scale=1.0):
     """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
-    frequencies when not the plain ones of ``base`` (see :mod:`.rotary`)."""
+    frequencies when not the plain ones of ``base`` (see :mod:`.rotary`); ``scale``: a factor
+    on cos and sin (longrope's ``attention_factor``)."""
     half = x_BxTxHxK.shape[-1] // 2
     if inv_freq_K2 is None:
         inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
     angle_BxTx1xK2 = (positions_BxT.astype(F32)[:, :, None] * inv_freq_K2)[:, :, None, :]
     cos, sin = jnp.cos(angle_BxTx1xK2), jnp.sin(angle_BxTx1xK2)
+    if scale != 1.0:  # only then: the other models' computation stays as it was
+        cos, sin = cos * scale, sin * scale
     x = x_BxTxHxK.astype(F32)
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,9 +1,9 @@
 """The packed-sft program: a prepared recipe bound to its model, optimizer and update.
 
 What it is made of lives beside it: where training starts (:mod:`.initial_state`), the rows
-of each update (:mod:`.batches`), the mesh and shardings of a data-parallel update
-(:mod:`.parallel`), evaluation (:mod:`.evaluator`), the export (:mod:`.exported`), LoRA's
-frozen base and adapters (:mod:`.lora`). The program holds them together and owns the
+of each update (:mod:`.batches`; a weighted mixture's draws, :mod:`.mixture`), the mesh and
+shardings of a data-parallel update (:mod:`.parallel`), evaluation (:mod:`.evaluator`), the
+export (:mod:`.exported`), LoRA's frozen base and adapters (:mod:`.lora`). The program holds them together and owns the
 state's life on the device: created, placed, updated, evaluated, exported.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..base import Program
-from . import base_model, exported, lora, settings
-from .batches import TrainBatches
+from . import base_model, exported, lora, mixture, settings
+from .batches import MixtureBatches, TrainBatches
 from .evaluator import Evaluator
 from .initial_state import InitialState
 
@@ -32,7 +32,11 @@ class PackedSFTProgram(Program):
         cfg = settings.config_of(recipe, arrays, self.tokenizer)
         self.cfg = execution.with_recipe_options(cfg, recipe)
         self.seed = training["seed"]
-        self.batches = TrainBatches(arrays, self.seed, training["batch_size"])
+        if "mixture" in training:
+            self.batches = MixtureBatches(arrays, training)
+        else:
+            self.batches = TrainBatches(arrays, self.seed, training["batch_size"])
+        self.accum_steps = mixture.grad_accum_steps(training)
         self.examples_per_step = training["batch_size"]
         self.tokens_per_step = training["batch_size"] * training["seq_len"]
         self.eval_every = recipe["evaluation"]["eval_every"]
@@ -40,7 +44,9 @@ class PackedSFTProgram(Program):
         # metric only, so the state, and its hash, are the same with or without it)
         schedule = optimizer.make_schedule(training, recipe["limits"]["max_steps"])
         self.optimizer = optimizer.make_optimizer(training, recipe["limits"]["max_steps"], schedule)
-        self._step_fn = sft_step.make_train_step(self.cfg, self.optimizer, schedule)
+        self._step_fn = sft_step.make_train_step(
+            self.cfg, self.optimizer, schedule, accum_steps=self.accum_steps
+        )
         self.start = InitialState(self.cfg, self.optimizer, self.seed)
         if "base" in recipe["model"]:
             self.base_params = base_model.params_from_arrays(arrays)
@@ -65,7 +71,9 @@ class PackedSFTProgram(Program):
         self._base = lora.frozen_base(self.base_params, self.lora)
         identity = lora.base_identity(self.recipe, settings.base_model_inputs(self.recipe["model"]))
         self.start.lora_run = (self.lora, identity)
-        self._step_fn = lora.make_train_step(self.cfg, self.lora, self.optimizer, schedule)
+        self._step_fn = lora.make_train_step(
+            self.cfg, self.lora, self.optimizer, schedule, self.accum_steps
+        )
         self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
 
     # -- the state: created, placed ------------------------------------------------------------

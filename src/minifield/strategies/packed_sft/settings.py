@@ -27,6 +27,9 @@ SCHEMA_FILE = schemas.PACKED_SFT
 
 #: model keys only the Llama architecture reads
 LLAMA_KEYS = ("rope_theta", "norm_eps", "qkv_bias")
+#: Llama keys added later: never filled in (recipes without them keep their digest), a value
+#: spelled at what absence means removed
+OPTIONAL_LLAMA_KEYS = ("head_dim", "qk_norm", "sliding_window")
 
 
 def absent_values(section: str) -> dict:
@@ -53,15 +56,20 @@ def normalize_model_section(model: dict) -> list[dict]:
     ]
     absent = absent_values("model")
     for key, value in absent.items():
-        if key not in LLAMA_KEYS:
+        if key not in LLAMA_KEYS + OPTIONAL_LLAMA_KEYS:
             model.setdefault(key, value)
     if model.get("architecture", "gpt") == "gpt":
         model.pop("architecture", None)
         return errors + [
             {"path": f"/model/{key}", "message": "only for model.architecture llama"}
-            for key in ("n_kv_heads", *LLAMA_KEYS)
+            for key in ("n_kv_heads", *LLAMA_KEYS, *OPTIONAL_LLAMA_KEYS)
             if key in model
         ]
+    if model.get("qk_norm") is absent["qk_norm"]:
+        del model["qk_norm"]
+    if model.get("head_dim") == model["d_model"] // model["n_heads"]:
+        if model["d_model"] % model["n_heads"] == 0:
+            del model["head_dim"]
     model.setdefault("n_kv_heads", model["n_heads"])
     for key in LLAMA_KEYS:
         model.setdefault(key, absent[key])
@@ -110,6 +118,9 @@ def model_errors(model: dict) -> list[dict]:
     errors = []
     if "d_model" not in model or "n_heads" not in model:
         pass  # a base model's config.json gives them (checked at prepare)
+    elif "head_dim" in model:
+        if model["head_dim"] % 2:
+            errors.append({"path": "/model/head_dim", "message": "rotary needs an even head width"})
     elif model["d_model"] % model["n_heads"]:
         errors.append(
             {
@@ -181,6 +192,7 @@ def model_config(recipe: dict, vocab_size: int):
         from .llama import LlamaConfig as Config
 
         keys += ["n_kv_heads", *LLAMA_KEYS]
+        keys += [key for key in OPTIONAL_LLAMA_KEYS if key in section]
     else:
         from .gpt import ModelConfig as Config
 

@@ -1,61 +1,66 @@
-"""Supervised examples: JSONL reading, the token layout of one example, and the demo dataset.
+"""Supervised examples as tokens: the layout of one example, and the demo dataset.
 
-A supervised file is JSONL, one example per line, in either form::
-
-    {"prompt": "abc", "response": "cba"}
-    {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
-
-A chat example trains on its *last* message, which must come from the
-assistant; every earlier message becomes the prompt, rendered as
-``<role>: <content>\\n`` lines. Blank lines are skipped. A bad row stops the
-read with ``file:line`` and what was expected.
-
-Token layout of one example (the loss covers the response and its ``<eos>``)::
+Files are read by :mod:`.data_formats` (messages, ShareGPT, Alpaca, prompt/response, text;
+JSONL or Parquet). Without a chat template (the byte tokenizer, or a plain ``tokenizer.json``)
+an example is laid out as (the loss covers the response and its ``<eos>``)::
 
     <bos> prompt-tokens <sep> response-tokens <eos>
+
+A conversation's messages before an assistant turn are ``<role>: <content>\\n`` lines; each
+assistant turn follows a ``<sep>`` and ends with ``<eos>``::
+
+    <bos> system: s\\nuser: u1\\n <sep> a1 <eos> user: u2\\n <sep> a2 <eos>
+
+``train_on`` (:data:`.assistant_turns.TRAIN_ON`) says which turns are in the loss: every
+assistant turn, the last one only (then the earlier turns are prompt lines, ``assistant:``
+included), or every token but the first. A ``text`` row is ``<bos> text <eos>``, all trained.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from ... import schemas
 from ...atomic import write_bytes
 from ...digest import sha256_bytes
+from .data_formats import DataError, Example, Source, read
 from .tokenizer import Tokenizer
 
-ROLES = ("system", "user", "assistant")
+__all__ = ["DataError", "Encoded", "Example", "encode", "encode_file", "read_jsonl"]
 
 
-class DataError(Exception):
-    """A supervised data file that cannot be read as examples; the message names file:line."""
+#: what a conversation trains when the recipe does not say (the schema's ``x-absent``)
+TRAIN_ON_ABSENT = schemas.absent(schemas.PACKED_SFT, "training")["train_on"]
 
 
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    response: str
-    #: a chat row's messages as given (a base model's chat template renders these)
-    messages: tuple | None = field(default=None, compare=False)
+def recipe_reading(recipe: dict, name: str) -> tuple[Source, str]:
+    """How the recipe's input ``name`` is read (its entry's ``format``, ``columns``, ``roles``)
+    and what its conversations train (``training.train_on``)."""
+    entry = next((i for i in recipe.get("inputs", []) if i.get("name") == name), None)
+    return Source.of(entry), recipe["training"].get("train_on", TRAIN_ON_ABSENT)
 
-    def conversation(self) -> list[dict]:
-        """The example as chat messages: a prompt/response row is one user and one assistant turn."""
-        if self.messages is not None:
-            return [dict(m) for m in self.messages]
-        return [
-            {"role": "user", "content": self.prompt},
-            {"role": "assistant", "content": self.response},
-        ]
+
+def normalize_train_on(training: dict) -> None:
+    """Drop ``train_on`` spelled at its absent value: both are one computation (one digest)."""
+    if training.get("train_on") == TRAIN_ON_ABSENT:
+        del training["train_on"]
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """One example as tokens: ``prompt`` = ``<bos> p <sep>``; ``response`` = ``r <eos>``."""
+    """One example as tokens: ``prompt`` = ``<bos> p <sep>``; ``response`` = ``r <eos>``.
+
+    ``prompt`` is every token before the first trained one. ``trained`` flags each
+    ``response`` token (1 trained, 0 context): a conversation trained on every assistant turn
+    carries its later user and tool turns inside ``response`` unflagged. None: all trained.
+    """
 
     prompt: list[int]
     response: list[int]
+    trained: tuple[int, ...] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -64,93 +69,89 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.prompt) + len(self.response)
 
+    def response_mask(self) -> list[int]:
+        """1/0 per ``response`` token: whether it is in the loss."""
+        return [1] * len(self.response) if self.trained is None else list(self.trained)
 
-def _from_chat(messages, where: str) -> Example:
-    if not isinstance(messages, list) or len(messages) < 2:
-        raise DataError(f"{where}: 'messages' must be a list of at least two messages")
-    for index, message in enumerate(messages):
-        if (
-            not isinstance(message, dict)
-            or set(message) != {"role", "content"}
-            or message["role"] not in ROLES
-            or not isinstance(message["content"], str)
-        ):
-            raise DataError(
-                f"{where}: messages[{index}] must be {{'role': one of {list(ROLES)}, "
-                f"'content': string}} (got {message!r})"
-            )
-    if messages[-1]["role"] != "assistant":
-        raise DataError(
-            f"{where}: the last message is from {messages[-1]['role']!r}; training needs it "
-            "to be the assistant's (it is the response)"
-        )
-    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-    return Example(prompt, messages[-1]["content"], tuple(dict(m) for m in messages))
+    def cut(self, length: int) -> Encoded:
+        """The first ``length`` tokens of the response (its flags cut alike)."""
+        trained = None if self.trained is None else self.trained[:length]
+        return Encoded(self.prompt, self.response[:length], trained)
+
+    def last_turn(self) -> Encoded:
+        """The last trained run as the response, everything before it as the prompt: what
+        exact-match evaluation asks (the conversation so far) and expects (the last answer)."""
+        if self.trained is None:
+            return self
+        mask = self.trained
+        end = max(i for i, flag in enumerate(mask) if flag) + 1
+        start = end
+        while start > 0 and mask[start - 1]:
+            start -= 1
+        return Encoded(self.prompt + self.response[:start], self.response[start:end])
 
 
-def parse_row(row, where: str) -> Example:
-    """One decoded JSON value → Example, or DataError naming ``where``."""
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if "messages" in row:
-        if set(row) != {"messages"}:
-            raise DataError(f"{where}: a chat row has only 'messages' (got keys {sorted(row)})")
-        return _from_chat(row["messages"], where)
-    if set(row) != {"prompt", "response"}:
-        raise DataError(
-            f"{where}: expected keys 'prompt' and 'response' (or 'messages'), got {sorted(row)}"
-        )
-    if not isinstance(row["prompt"], str) or not isinstance(row["response"], str):
-        raise DataError(f"{where}: 'prompt' and 'response' must be strings")
-    if not row["response"]:
-        raise DataError(f"{where}: 'response' is empty (nothing to train on)")
-    return Example(row["prompt"], row["response"])
+def read_jsonl(path: Path, source: Source | None = None) -> list[Example]:
+    """Every example of a supervised file; raises DataError naming ``file:line`` on a bad row."""
+    return read(path, source).examples
 
 
-def json_rows(lines, path, error: type[Exception]):
-    """``(row, "file:line")`` for every non-blank line of a JSONL file (``lines``: its lines
-    in order); a line that is not JSON raises ``error`` naming the file and line."""
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+def _chat_tokens(messages: list[dict], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """Tokens of a conversation laid out as the module docstring shows, and 1/0 per token:
+    whether it belongs to an assistant turn (its ``<eos>`` included)."""
+    tokens, flags, context = [tokenizer.bos_id], [0], ""
+    for message in messages:
+        text = message.get("content") or json.dumps(message.get("tool_calls"))
+        if message["role"] != "assistant":
+            context += f"{message['role']}: {text}\n"
             continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise error(f"{where}: not valid JSON ({exc.msg})") from None
-        yield row, where
+        head = [*tokenizer.encode(context), tokenizer.sep_id]
+        turn = [*tokenizer.encode(text), tokenizer.eos_id]
+        tokens += head + turn
+        flags += [0] * len(head) + [1] * len(turn)
+        context = ""
+    return tokens, flags
 
 
-def read_jsonl(path: Path) -> list[Example]:
-    """Every example of a supervised JSONL file; raises DataError with ``file:line`` on a bad row."""
-    examples = []
-    try:
-        handle = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
-    with handle:
-        try:
-            for row, where in json_rows(handle, path, DataError):
-                examples.append(parse_row(row, where))
-        except UnicodeDecodeError as exc:
-            raise DataError(f"{path}: not UTF-8 text ({exc})") from exc
-    if not examples:
-        raise DataError(f"{path}: no examples (the file is empty)")
-    return examples
+def encode(example: Example, tokenizer: Tokenizer, train_on: str = "all_assistant") -> Encoded:
+    if example.text:
+        return Encoded([tokenizer.bos_id], [*tokenizer.encode(example.response), tokenizer.eos_id])
+    turns = sum(m["role"] == "assistant" for m in example.messages or ())
+    if train_on == "last_assistant" or turns <= 1 and train_on == "all_assistant":
+        prompt = [tokenizer.bos_id, *tokenizer.encode(example.prompt), tokenizer.sep_id]
+        response = [*tokenizer.encode(example.response), tokenizer.eos_id]
+        return Encoded(prompt, response)
+    tokens, flags = _chat_tokens(example.conversation(), tokenizer)
+    if train_on == "everything":
+        return Encoded(tokens[:1], tokens[1:])
+    first = flags.index(1)
+    return Encoded(tokens[:first], tokens[first:], tuple(flags[first:]))
 
 
-def encode(example: Example, tokenizer: Tokenizer) -> Encoded:
-    prompt = [tokenizer.bos_id, *tokenizer.encode(example.prompt), tokenizer.sep_id]
-    response = [*tokenizer.encode(example.response), tokenizer.eos_id]
-    return Encoded(prompt, response)
+def encode_examples(
+    examples: list[Example], tokenizer: Tokenizer, train_on: str, path: Path
+) -> list[Encoded]:
+    """The examples of the supervised file ``path``, encoded (``everything`` refused for a
+    conversation with a tool message, naming the example: a tool's output is never trained)."""
+    out = []
+    for index, example in enumerate(examples, start=1):
+        if train_on == "everything" and any(m["role"] == "tool" for m in example.messages or ()):
+            raise DataError(
+                f"{path} (example {index}): training.train_on=everything would train a tool's "
+                "output; use all_assistant or last_assistant for conversations with tool messages"
+            )
+        out.append(encode(example, tokenizer, train_on))
+    return out
+
+
+def encode_file(
+    path: Path, tokenizer: Tokenizer, source: Source | None = None, train_on: str = "all_assistant"
+) -> list[Encoded]:
+    """Every example of a supervised file, encoded."""
+    return encode_examples(read_jsonl(path, source), tokenizer, train_on, path)
 
 
 # -- the demo dataset -------------------------------------------------------------------------
-
-
-def encode_file(path: Path, tokenizer: Tokenizer) -> list[Encoded]:
-    """Every example of a supervised file, encoded."""
-    return [encode(e, tokenizer) for e in read_jsonl(path)]
 
 
 DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}

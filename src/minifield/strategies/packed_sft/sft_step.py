@@ -15,7 +15,8 @@ so the compiled update holds no per-layer code and compiles in a time independen
 Checkpoints and state hashes of a scanned run are of that layout; evaluation and exports see
 the per-layer one (:func:`.layer_stack.per_layer`). The model has no dropout, so ``rng`` is
 carried unchanged; it stays in the state so a
-stochastic variant would remain resumable. ``cursor`` advances by B per update.
+stochastic variant would remain resumable. ``cursor`` advances by B per update (with gradient
+accumulation too: B is the update's rows, over all its micro-batches).
 """
 
 from __future__ import annotations
@@ -47,11 +48,53 @@ def init_train_state(cfg: ModelConfig, optimizer: optax.GradientTransformation, 
     }
 
 
+def micro_batches(batch: dict, k: int) -> dict:
+    """``[B, T]`` rows as ``[k, B / k, T]``: micro-batch ``i`` holds rows ``i, i + k, ...``.
+
+    Taking every k-th row (not k contiguous blocks) keeps each device's rows on that device
+    under data parallelism: a device's contiguous block of ``B / N`` rows holds ``B / (k N)``
+    rows of every micro-batch, so splitting into micro-batches moves nothing between devices.
+    """
+    return {
+        name: value.reshape(value.shape[0] // k, k, *value.shape[1:]).swapaxes(0, 1)
+        for name, value in batch.items()
+    }
+
+
+def accumulated_gradient(objective: Callable, params, cfg, batch: dict, k: int):
+    """``(loss, aux), grads`` of the whole batch computed over ``k`` micro-batches.
+
+    Each micro-batch contributes the gradient of its loss *sum*; the sum over micro-batches is
+    divided once by the trained tokens of the whole batch. That is the full batch's
+    token-weighted mean (the same update as one batch of all rows, up to FP32 rounding), not
+    a mean of per-micro-batch means, which would weigh a token of a sparse micro-batch more
+    than one of a full one. ``lax.scan`` holds one micro-batch's activations at a time.
+    """
+
+    def loss_sum(p, micro):
+        _, aux = objective(p, cfg, micro)
+        return aux["loss_sum"], aux
+
+    def one(carry, micro):
+        grads, total, tokens = carry
+        (value, aux), g = jax.value_and_grad(loss_sum, has_aux=True)(params, micro)
+        grads = jax.tree_util.tree_map(jnp.add, grads, g)
+        return (grads, total + value, tokens + aux["tokens"]), None
+
+    zero = jnp.zeros((), jnp.float32)
+    start = (jax.tree_util.tree_map(jnp.zeros_like, params), zero, zero)
+    (grads, total, tokens), _ = jax.lax.scan(one, start, micro_batches(batch, k))
+    scale = 1.0 / jnp.maximum(tokens, 1.0)
+    grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+    return (total * scale, {"loss_sum": total, "tokens": tokens}), grads
+
+
 def make_train_step(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
     schedule: Callable | None = None,
     objective: Callable = loss_fn,
+    accum_steps: int = 1,
 ):
     """The pure update ``(state, batch) -> (state, metrics)``.
 
@@ -65,11 +108,19 @@ def make_train_step(
     stacked: the model scans its blocks, the gradient comes out stacked, and clipping and
     AdamW run once per stacked leaf (the same global norm and the same per-element update as
     per layer, see :mod:`.optimizer`'s weight-decay mask).
+
+    ``accum_steps`` > 1 (``training.grad_accum_steps``) computes the gradient over that many
+    micro-batches of the batch (:func:`accumulated_gradient`) inside the one update: the state
+    never holds a partial sum, so checkpoints fall between whole updates only. 1 is the plain
+    update, unchanged.
     """
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, cfg, batch)
+        if accum_steps == 1:
+            (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, cfg, batch)
+        else:
+            (loss, aux), grads = accumulated_gradient(objective, params, cfg, batch, accum_steps)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {
             "params": optax.apply_updates(params, updates),

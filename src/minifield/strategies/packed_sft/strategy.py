@@ -1,7 +1,7 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
 Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
-``test``; plus the tokenizer file when ``model.tokenizer.kind`` is
+``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
 tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
@@ -21,8 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from ..base import Program, Strategy
-from . import base_model, evaluator, execution, exported, lora, packing, settings, sft_data
+from ..base import Program, Strategy, pinned_inputs
+from . import (
+    base_model,
+    data_formats,
+    evaluator,
+    execution,
+    exported,
+    lora,
+    mixture,
+    packing,
+    settings,
+    sft_data,
+)
 from . import tokenizer as tokenizers
 from .program import PackedSFTProgram
 
@@ -31,7 +42,10 @@ from .program import PackedSFTProgram
 # data spec never imports JAX (the Snakefile validates every recipe when it is parsed).
 
 SPLITS = ("train", "dev", "test")
-PREPARE_VERSION = 1
+#: part of the examples digest: bumped when preparing the same files gives other arrays, so a
+#: cache prepared by older code is never reused. 2: a conversation trains every assistant turn
+#: (1 trained only the last), files of mixed shapes are refused.
+PREPARE_VERSION = 2
 
 
 class PackedSFT(Strategy):
@@ -51,7 +65,18 @@ class PackedSFT(Strategy):
         model = recipe["model"]
         errors = settings.normalize_model_section(model)
         names = [i["name"] for i in recipe.get("inputs", [])]
-        wanted = list(SPLITS) + settings.base_model_inputs(model)
+        errors += mixture.normalize(recipe)
+        sources = mixture.input_names(recipe["training"])
+        held_out = [split for split in SPLITS if split != "train"]
+        wanted = sources + held_out + settings.base_model_inputs(model)
+        errors += [
+            {
+                "path": f"/training/mixture/{index}/input",
+                "message": f"{name!r} is a held-out split or part of the model, not training data",
+            }
+            for index, name in enumerate(sources)
+            if name in wanted[len(sources) :]
+        ]
         tokenizer = model.get("tokenizer", {"kind": "byte"})
         if tokenizer["kind"] == "tokenizers-json":
             wanted.append(tokenizer["input"])
@@ -63,17 +88,22 @@ class PackedSFT(Strategy):
                     "message": f"packed-sft needs pinned inputs named {wanted}; missing {missing}",
                 }
             )
-        unknown = [n for n in names if n not in wanted]
+        # a harness task's files are pinned inputs too (checked task by task in recipe.py)
+        harness = recipe["evaluation"].get("harness") or {}
+        tasks = [t[key] for t in harness.get("tasks", []) for key in ("config", "data")]
+        unknown = [n for n in names if n not in wanted and n not in tasks]
         if unknown:
             errors.append(
                 {
                     "path": "/inputs",
-                    "message": f"packed-sft accepts only inputs {wanted}; got unexpected {unknown}",
+                    "message": f"packed-sft accepts only inputs {wanted} (and the files of "
+                    f"evaluation.harness.tasks); got unexpected {unknown}",
                 }
             )
         errors += settings.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
+        sft_data.normalize_train_on(recipe["training"])
         errors += settings.model_errors(model)
         evaluation = recipe["evaluation"]
         if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
@@ -119,6 +149,15 @@ class PackedSFT(Strategy):
             "overlong": training["overlong"],
             "max_generate_examples": evaluation["max_generate_examples"],
         }
+        reading = {i["name"]: i for i in pinned_inputs(recipe) if len(i) > 2}
+        if reading:  # only when given, so every other recipe keeps its examples digest
+            spec["reading"] = reading
+        if "train_on" in training:
+            spec["train_on"] = training["train_on"]
+        if "mixture" in training:
+            # the sources in order, not their weights: recipes that only weigh the same
+            # sources differently share the prepared examples
+            spec["mixture"] = mixture.input_names(training)
         if "base" in recipe["model"]:
             # only with a base model, so every other recipe keeps its examples digest
             spec["tokenizer"] = None
@@ -129,39 +168,49 @@ class PackedSFT(Strategy):
     def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
         training = recipe["training"]
         arrays: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"splits": {}}
+        meta: dict[str, Any] = {"splits": {}, "formats": {}}
         if "base" in recipe["model"]:
             arrays, meta["base_model"] = base_model.load(recipe, files)
             tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
             meta["chat_template"] = template.source
 
-            def encode_split(split):
-                return base_model.encode_chat_file(files[split], tokenizer, template)
+            def encode_split(split, examples, train_on):
+                return base_model.encode_chat(examples, tokenizer, template, train_on, files[split])
         else:
             tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
-            def encode_split(split):
-                return sft_data.encode_file(files[split], tokenizer)
+            def encode_split(split, examples, train_on):
+                return sft_data.encode_examples(examples, tokenizer, train_on, files[split])
 
         meta["tokenizer"] = tokenizer.config()
-        for split in SPLITS:
-            encoded = encode_split(split)
-            if split == "train":
-                packed = packing.pack(
-                    encoded, training["seq_len"], training["overlong"], tokenizer.pad_id
+
+        def encoded(split):
+            source, train_on = sft_data.recipe_reading(recipe, split)
+            read = data_formats.read(files[split], source)
+            meta["formats"][split] = read.record()
+            return encode_split(split, read.examples, train_on)
+
+        packed = {}
+        for source in mixture.input_names(training):
+            packed[source] = packing.pack(
+                encoded(source), training["seq_len"], training["overlong"], tokenizer.pad_id
+            )
+            if packed[source].stats["rows"] == 0:
+                raise sft_data.DataError(
+                    f"{files[source]}: no example fits training.seq_len={training['seq_len']}"
                 )
-                if packed.stats["rows"] == 0:
-                    raise sft_data.DataError(
-                        f"{files[split]}: no example fits training.seq_len={training['seq_len']}"
-                    )
-                arrays.update({f"train_{k}": v for k, v in packed.arrays.items()})
-                meta["splits"][split] = packed.stats
-            else:
-                split_arrays, stats = evaluator.split_arrays(
-                    split, encoded, recipe, tokenizer.pad_id
-                )
-                arrays.update(split_arrays)
-                meta["splits"][split] = stats
+        if "mixture" in training:
+            train, meta["mixture"] = packing.concatenate(packed)
+        else:
+            train = packed["train"]
+        arrays.update({f"train_{k}": v for k, v in train.arrays.items()})
+        meta["splits"]["train"] = train.stats
+        for split in SPLITS[1:]:
+            split_arrays, stats = evaluator.split_arrays(
+                split, encoded(split), recipe, tokenizer.pad_id
+            )
+            arrays.update(split_arrays)
+            meta["splits"][split] = stats
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
         if tokenizer.kind == "tokenizers-json" and "base" not in recipe["model"]:
             arrays["tokenizer_json"] = np.frombuffer(
@@ -199,7 +248,7 @@ class PackedSFT(Strategy):
         DEV split, which must be the file this recipe pins as ``dev``."""
         model = exported.ExportedModel(Path(export_dir))
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
-        encoded = model.encode_dev(pinned)
+        encoded = model.encode_dev(pinned, *sft_data.recipe_reading(recipe, "dev"))
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, model.tokenizer.pad_id)
         dev = evaluator.Evaluator(
             model.cfg,

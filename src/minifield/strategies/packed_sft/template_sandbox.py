@@ -125,6 +125,20 @@ def check_binop(budget: Budget, operator: str, left, right) -> None:
             budget.argument(value, "a % format argument")
 
 
+def join_strings(budget: Budget, left: str, right: str) -> str:
+    """``left + right`` of two plain strings, charged exactly as :func:`check_binop` and then
+    :meth:`Budget.built` charge it (one unit, the size refused first, the built value's units)."""
+    size = len(left) + len(right)
+    cost = 2 + size // CHARS_PER_UNIT
+    if size <= budget.max_chars and budget.work >= cost:  # exactly when nothing below raises
+        budget.work -= cost
+        return left + right
+    budget.spend()
+    budget.fits(size, "a concatenation (+)")
+    budget.spend(cost - 1)
+    return left + right
+
+
 def check_call(budget: Budget, obj, args: tuple, kwargs: dict) -> None:
     """Refuse a call whose result would pass the budget: integer arguments are sizes, a
     format string's widths too, and ``replace``/``join`` results are counted first."""

@@ -23,7 +23,8 @@ import math
 from pathlib import Path
 
 from ...inputs.pinned import InputError
-from ..packed_sft.sft_data import Encoded, json_rows
+from ..packed_sft.data_formats import json_rows
+from ..packed_sft.sft_data import Encoded
 
 
 class CorpusError(InputError):

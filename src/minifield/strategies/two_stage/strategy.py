@@ -193,7 +193,8 @@ class TwoStage(Strategy):
         if config["stage"] == "pretrain":
             arrays = _corpus_split("dev", dev_path, tokenizer, recipe["training"]["seq_len"])[0]
             return lm_metrics(dev, params, arrays, "dev")
-        encoded = sft_data.encode_file(dev_path, tokenizer)
+        source, train_on = sft_data.recipe_reading(recipe, "dev")
+        encoded = sft_data.encode_file(dev_path, tokenizer, source, train_on)
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, tokenizer.pad_id)
         return dev.split_metrics(params, arrays, "dev")
 
