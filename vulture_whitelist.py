@@ -8,6 +8,9 @@ is listed here. A name that is simply unused is removed, not listed.
 
 # the module-level __getattr__ of the package: Python calls it (lazy minifield.run/validate)
 _.__getattr__
+# model.greedy_generate, the one-prompt greedy form: called by the tests and documented
+# (docs/model.md); the library calls generate_batch
+_.greedy_generate
 # an exception's cause, set by hand in attempt/checkpoint_writer.py: read by tracebacks
 _.__cause__
 # requests.Session.trust_env, set in inputs/fetch.py: read by requests (no proxies from env)

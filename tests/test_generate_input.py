@@ -38,4 +38,4 @@ def test_a_stdin_line_that_is_not_utf8_is_refused(tmp_path):
     )
     # valid UTF-8 lines get past the prompts to the model (here: a missing directory)
     proc = _generate(tmp_path, stdin="héllo\n".encode())
-    assert proc.returncode == 2 and b"model.json: missing" in proc.stderr
+    assert proc.returncode == 2 and b"none: not a directory" in proc.stderr

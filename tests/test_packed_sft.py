@@ -255,7 +255,7 @@ def test_generate_cli_on_the_exported_model(reference):
         text=True,
         check=False,
     )
-    assert bad.returncode == 2 and "model.json: missing" in bad.stderr
+    assert bad.returncode == 2 and "neither a minifield export (model.json missing)" in bad.stderr
 
 
 # -- recovery -----------------------------------------------------------------------------------

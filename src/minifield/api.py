@@ -16,7 +16,11 @@ written, resumable once there is room). Nothing here calls ``sys.exit``:
 a refusal is a result with ``status == "invalid"``; only a programming error
 (a wrong argument type) raises.
 
-Importing this module does not import JAX; ``run`` does, when it trains.
+``load_model(path)`` loads a model to use (logits, generation, its tokenizer): an HF
+directory or a minifield export (see :mod:`minifield.strategies.packed_sft.loaded`).
+
+Importing this module does not import JAX; ``run`` does, when it trains, and
+``load_model`` does.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from .attempt.layout import RESULT
 
 if TYPE_CHECKING:
     from .attempt import train
+    from .strategies.packed_sft.loaded import LoadedModel
     from .supervision import distributed
 
-__all__ = ["RunResult", "Validation", "run", "run_problems", "validate"]
+__all__ = ["RunResult", "Validation", "load_model", "run", "run_problems", "validate"]
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
 EXIT_IO = 5
@@ -309,3 +314,41 @@ def run(
         error=result.get("error"),
         result=result,
     )
+
+
+def load_model(path: str | os.PathLike, *, compute_dtype: str | None = None) -> LoadedModel:
+    """A model ready to use, from ``path``: a minifield export (a directory with
+    ``model.json``: its weights, tokenizer and prompt layout, checked against their sha256)
+    or any supported HF directory (``config.json`` + safetensors weights + ``tokenizer.json``
+    and ``tokenizer_config.json``, optionally ``generation_config.json``).
+
+    The result has ``.logits(token_ids)`` (``[T]`` -> ``[T, V]``, ``[B, T]`` -> ``[B, T, V]``,
+    FP32 numpy), ``.generate(prompt_or_messages, max_new_tokens, temperature=, top_k=,
+    top_p=, seed=, chat_template=)`` (text), ``.prompt_ids``, ``.generate_ids``,
+    ``.tokenizer``, ``.template`` (the chat template, or None) and ``.stop_ids``.
+    ``compute_dtype``: ``float32`` or ``bfloat16``; None keeps an export's own and computes
+    an HF directory in ``float32``. Raises ``ModelLoadError`` (a ``ValueError``) naming the
+    file and field for anything that cannot be loaded.
+    """
+    from .inputs.pinned import InputError
+    from .state.export import MODEL_FILE, ExportError
+    from .strategies.packed_sft import exported, loaded
+    from .strategies.packed_sft.tokenizer import TokenizerError
+
+    if compute_dtype not in (None, "float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {compute_dtype!r}")
+    directory = Path(path)
+    if not directory.is_dir():
+        raise loaded.ModelLoadError(f"{directory}: not a directory")
+    if not (directory / MODEL_FILE).exists():
+        if not (directory / loaded.hf_checkpoint.CONFIG_FILE).exists():
+            raise loaded.ModelLoadError(
+                f"{directory}: neither a minifield export ({MODEL_FILE} missing) nor an HF "
+                f"model directory ({loaded.hf_checkpoint.CONFIG_FILE} missing)"
+            )
+        return loaded.from_hf_directory(directory, compute_dtype or "float32")
+    try:
+        model = exported.ExportedModel(directory)
+    except (ExportError, InputError, TokenizerError, ValueError, OSError) as exc:
+        raise loaded.ModelLoadError(str(exc)) from None
+    return model if compute_dtype is None else model.with_compute_dtype(compute_dtype)

@@ -1,16 +1,21 @@
-"""``minifield generate --model DIR --prompt TEXT``: greedy generation from an exported model.
+"""``minifield generate --model DIR --prompt TEXT``: generation from an export or an HF directory.
+
+The model is loaded by ``minifield.load_model``; each prompt is the user's turn in the
+model's chat template (``--no-chat-template``: raw text continued), and tokens are chosen
+greedily unless ``generation_config.json`` says ``do_sample`` or a sampling flag is given
+(:mod:`minifield.strategies.packed_sft.sampling`: the flags win over the file).
 
 Prompts must be UTF-8 text: a ``--prompt`` argument or a stdin line that is not valid UTF-8
-is refused (exit 2, naming it) before the model is loaded and before anything is printed."""
+is refused (exit 2, naming it) before the model is loaded and before anything is printed; so
+is a bad flag value (one line naming the flag) or a bad ``generation_config.json`` field."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from ..state import export
-from ..strategies.packed_sft import tokenizer as tokenizers
-from . import bounded_int
+from ..strategies.packed_sft import sampling
+from . import bounded_float, bounded_int
 
 
 class PromptError(ValueError):
@@ -49,32 +54,51 @@ def _ordinal(number: int) -> str:
 
 
 def run(args) -> int:
-    from ..strategies.packed_sft.exported import ExportedModel
+    from .. import api
 
     try:
         prompts = _prompts(args.prompt, sys.stdin)
-        model = ExportedModel(args.model)
-    except (export.ExportError, tokenizers.TokenizerError, ValueError, OSError) as exc:
+        model = api.load_model(args.model)
+        # the file's defaults and the flags together, judged before anything is printed
+        sampling.resolve(model.generation, args.temperature, args.top_k, args.top_p)
+    except (ValueError, OSError) as exc:
         print(f"minifield generate: {exc}", file=sys.stderr)
         return 2
     for prompt in prompts:
         try:
-            print(model.generate(prompt, args.max_new_tokens))
+            text = model.generate(
+                prompt,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                chat_template=not args.no_chat_template,
+            )
         except ValueError as exc:
             print(f"minifield generate: {exc}", file=sys.stderr)
             return 2
+        print(text)
     return 0
 
 
 def register(sub) -> None:
     parser = sub.add_parser(
-        "generate", help="greedy generation from an exported packed-sft model directory"
+        "generate",
+        help="generate text from an exported model or an HF model directory",
     )
+
+    def one_line_error(message: str):
+        # a bad flag is one line naming it, as every other refusal of this command
+        parser.exit(2, f"minifield generate: {message}\n")
+
+    parser.error = one_line_error
     parser.add_argument(
         "--model",
         type=Path,
         required=True,
-        help="export directory (model.json + weights/, or an HF directory from a llama run)",
+        help="a minifield export directory (model.json) or an HF directory (config.json, "
+        "safetensors weights, tokenizer.json, tokenizer_config.json)",
     )
     parser.add_argument(
         "--prompt",
@@ -86,5 +110,34 @@ def register(sub) -> None:
         type=bounded_int(1, 65536),
         default=64,
         help="at most this many tokens (default 64)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=bounded_float(0.0, 1e6),
+        help="sample at this temperature (0: greedy; default: generation_config.json's, "
+        "else greedy)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=bounded_int(0, 2**31 - 1),
+        help="sample from the k most likely tokens (0: all; default: generation_config.json's, "
+        "else 50 when sampling)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=bounded_float(0.0, 1.0, above=True),
+        help="sample from the nucleus of this probability (default: generation_config.json's, "
+        "else 1)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=bounded_int(0, sampling.MAX_SEED),
+        default=0,
+        help="sampling seed: the same seed gives the same text (default 0)",
+    )
+    parser.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="continue the prompt as raw text instead of a user turn in the chat template",
     )
     parser.set_defaults(func=run)

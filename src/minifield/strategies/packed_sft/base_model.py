@@ -220,13 +220,7 @@ def tokenizer_and_template(
         )
     except tokenizers.TokenizerError as exc:
         raise BaseModelError(str(exc)) from None
-    largest = max(tokenizer._backend.get_vocab(with_added_tokens=True).values()) + 1
-    if max(largest, tokenizer.vocab_size) > vocab:
-        raise BaseModelError(
-            f"{where['tokenizer']}: the tokenizer has ids up to {largest - 1} "
-            f"({tokenizer.vocab_size} tokens), more than the model's embedding holds "
-            f"(vocab_size {vocab} in config.json)"
-        )
+    check_vocab(tokenizer, vocab, where["tokenizer"])
     source, template_where = recipe["model"].get("chat_template"), "recipe model.chat_template"
     if source is None:
         source, template_where = (
@@ -240,6 +234,18 @@ def tokenizer_and_template(
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template
+
+
+def check_vocab(tokenizer, vocab: int, where: str) -> None:
+    """Every id of the tokenizer (``where`` names its file) must fit the model's ``vocab``
+    embedding rows."""
+    largest = max(tokenizer._backend.get_vocab(with_added_tokens=True).values()) + 1
+    if max(largest, tokenizer.vocab_size) > vocab:
+        raise BaseModelError(
+            f"{where}: the tokenizer has ids up to {largest - 1} "
+            f"({tokenizer.vocab_size} tokens), more than the model's embedding holds "
+            f"(vocab_size {vocab} in config.json)"
+        )
 
 
 def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=None):
@@ -324,9 +330,11 @@ def export_tokenizer_config(recipe: dict, tokenizer_config: bytes) -> bytes:
     return (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def exported_tokenizer(directory: Path, settings: dict):
-    """``(tokenizer, chat template)`` of an export recorded with ``EXPORT_TOKENIZER_KIND``;
-    a damaged file is a :class:`BaseModelError` naming it."""
+def exported_tokenizer(directory: Path, settings: dict, template_required: bool = True):
+    """``(tokenizer, chat template)`` of an export recorded with ``EXPORT_TOKENIZER_KIND``
+    (or of an HF directory: ``settings`` names its two files); a damaged file is a
+    :class:`BaseModelError` naming it. Without ``template_required`` a file with no
+    ``chat_template`` gives None for the template."""
     tokenizer_path = directory / settings["file"]
     config_path = directory / settings["config_file"]
     try:
@@ -340,16 +348,11 @@ def exported_tokenizer(directory: Path, settings: dict):
         tokenizer, strings = tokenizers.from_base_model(
             tokenizer_json, config, str(tokenizer_path), str(config_path)
         )
-        template = chat_template.ChatTemplate(
-            config_template(config, str(config_path)), strings, str(config_path)
-        )
+        template = None
+        if template_required or config.get("chat_template"):
+            template = chat_template.ChatTemplate(
+                config_template(config, str(config_path)), strings, str(config_path)
+            )
     except (tokenizers.TokenizerError, chat_template.ChatTemplateError) as exc:
         raise BaseModelError(str(exc)) from None
     return tokenizer, template
-
-
-def generation_prompt(template, backend, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as the user's turn followed by the template's generation
-    prompt: the text the evaluation's prompt is (``assistant_turns.encode``'s prefix)."""
-    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    return list(backend.encode(text, add_special_tokens=False).ids)

@@ -18,7 +18,7 @@ import numpy as np
 from ... import atomic
 from ...digest import sha256_bytes
 from ...state import export
-from . import base_model, chat_template, data_formats, lora, settings, sft_data
+from . import base_model, data_formats, loaded, lora, settings, sft_data
 from . import tokenizer as tokenizers
 
 #: files an export carries besides its weights (so the store can re-evaluate it alone)
@@ -126,8 +126,9 @@ def _write_adapter(directory: Path, recipe: dict, lora_settings, adapters) -> di
     }
 
 
-class ExportedModel:
-    """An exported packed-sft model: parameters, config and tokenizer, ready to generate."""
+class ExportedModel(loaded.LoadedModel):
+    """An exported packed-sft model: parameters, config and tokenizer, ready to generate
+    (prompts in the layout its run trained, see :meth:`prompt_ids`)."""
 
     def __init__(self, directory: Path):
         import jax
@@ -135,36 +136,45 @@ class ExportedModel:
         from ...state.arrays import restore_like
         from . import model
 
-        self.directory = Path(directory)
-        flat, self.config = export.read(self.directory)
+        directory = Path(directory)
+        flat, self.config = export.read(directory)
         if self.config.get("strategy", {}).get("name") not in FAMILY:
             raise export.ExportError(
-                f"{self.directory / export.MODEL_FILE}: not a packed-sft or two-stage export "
+                f"{directory / export.MODEL_FILE}: not a packed-sft or two-stage export "
                 f"(strategy {self.config.get('strategy')!r})"
             )
-        self.model = model
-        self.template = None  # a base-model run's chat template (prompts are rendered with it)
+        self.directory = directory
+        template = None  # a base-model run's chat template (prompts are rendered with it)
         if self.config.get("tokenizer", {}).get("kind") == base_model.EXPORT_TOKENIZER_KIND:
             try:
-                self.tokenizer, self.template = base_model.exported_tokenizer(
-                    self.directory, self.config["tokenizer"]
+                tokenizer, template = base_model.exported_tokenizer(
+                    directory, self.config["tokenizer"]
                 )
             except base_model.BaseModelError as exc:
                 raise export.ExportError(str(exc)) from None
         else:
-            self.tokenizer = tokenizers.from_config(self.config["tokenizer"], self.directory)
+            tokenizer = tokenizers.from_config(self.config["tokenizer"], directory)
+        hf_config = None
         if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
             from . import hf_export
 
-            self.cfg, self.params = hf_export.load(self.directory, self.config)
-            return
-        self.cfg = model.config_from_dict(self.config["model"])
-        template = jax.eval_shape(lambda: model.init_params(self.cfg, jax.random.key(0)))
-        template = jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), template)
+            cfg, params = hf_export.load(directory, self.config)
+            hf_config = loaded.read_config(directory)
+        else:
+            cfg = model.config_from_dict(self.config["model"])
+            template_params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+            template_params = jax.tree_util.tree_map(
+                lambda a: np.zeros(a.shape, a.dtype), template_params
+            )
+            try:
+                params = restore_like(template_params, flat)
+            except ValueError as exc:
+                raise export.ExportError(f"{directory}: {exc}") from exc
         try:
-            self.params = restore_like(template, flat)
-        except ValueError as exc:
-            raise export.ExportError(f"{self.directory}: {exc}") from exc
+            defaults, stops = loaded.generation_settings(directory, tokenizer, hf_config)
+        except loaded.ModelLoadError as exc:
+            raise export.ExportError(str(exc)) from None
+        super().__init__(cfg, params, tokenizer, template, defaults, stops, directory)
 
     def encode_dev(
         self,
@@ -191,26 +201,22 @@ class ExportedModel:
             )
         return sft_data.encode_examples(examples, self.tokenizer, train_on, dev_path)
 
-    def prompt_ids(self, prompt: str) -> list[int]:
-        """``prompt`` encoded as training laid it out: the chat template's user turn and
-        generation prompt for a base-model run, ``<bos> prompt`` for a causal-LM stage
-        (raw text continues), else ``<bos> prompt <sep>``."""
-        if self.config.get("stage") == "pretrain":
-            head = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
-            return [*head, *self.tokenizer.encode(prompt)]
+    def raw_ids(self, text: str) -> list[int]:
+        """A base-model run's export: as any HF directory; else ``<bos> text``, the layout
+        raw text trained in (a causal-LM stage's)."""
         if self.template is not None:
-            try:
-                return base_model.generation_prompt(self.template, self.tokenizer._backend, prompt)
-            except chat_template.ChatTemplateError as exc:
-                raise ValueError(str(exc)) from None
-        return sft_data.encode(sft_data.Example(prompt, "x"), self.tokenizer).prompt
+            return super().raw_ids(text)
+        head = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
+        return [*head, *self.tokenizer.encode(text)]
 
-    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
-        ids = self.prompt_ids(prompt)
-        budget = min(max_new_tokens, self.cfg.max_len - len(ids))
-        if budget <= 0:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; the model's maximum length is {self.cfg.max_len}"
-            )
-        out = self.model.greedy_generate(self.params, self.cfg, ids, budget, self.tokenizer.eos_id)
-        return self.tokenizer.decode(out)
+    def prompt_ids(self, prompt, chat_template: bool = True) -> list[int]:
+        """A prompt encoded as training laid it out: the chat template's user turn and
+        generation prompt for a base-model run (messages too), ``<bos> prompt`` for a
+        causal-LM stage (raw text continues), else ``<bos> prompt <sep>``;
+        ``chat_template=False`` asks for the raw text (:meth:`raw_ids`)."""
+        if self.template is not None and self.config.get("stage") != "pretrain":
+            return super().prompt_ids(prompt, chat_template)
+        text = loaded.single_user_text(prompt)
+        if self.config.get("stage") == "pretrain" or not chat_template:
+            return self.raw_ids(text)
+        return sft_data.encode(sft_data.Example(text, "x"), self.tokenizer).prompt

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from . import attention, layer_stack, rotary
+from . import sampling as sampling_rules
 
 # the config's home is :mod:`.llama_config`; its names are this module's too
 from .llama_config import ARCHITECTURE as ARCHITECTURE
@@ -312,7 +313,9 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def generate_rows_cached(params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_B, stop):
+def generate_rows_cached(
+    params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_B, stops_S, sampling, seed
+):
     """:func:`.model._generate_rows` with a key/value cache: the prompt buffer runs through
     the model once, then each new token costs one single-position step instead of a full
     forward over the buffer. The same loop, stopping rules and outputs."""
@@ -334,14 +337,14 @@ def generate_rows_cached(params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_
 
     def body(carry):
         i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
-        next_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        next_B = sampling_rules.choose(logits_BxV, sampling, seed, i)
         write_B = ~done_B
         slot_B = jnp.minimum(len_B, L - 1)
         buf_BxL = buf_BxL.at[rows_B, slot_B].set(
             jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
         )
         len_B = len_B + write_B.astype(jnp.int32)
-        done_B = done_B | (write_B & (next_B == stop)) | (len_B >= L)
+        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
         # The token just written (a finished row rewrites its last slot with the same values).
         last_B = jnp.minimum(len_B - 1, L - 1)
         token_Bx1 = buf_BxL[rows_B, last_B][:, None]

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import gpt, llama
+from . import sampling as sampling_rules
 from .execution import Execution
 from .gpt import ModelConfig
 from .primitives import F32
+from .sampling import Sampling
 
 
 def _family(cfg):
@@ -133,12 +136,15 @@ def loss_fn(params, cfg: ModelConfig, batch):
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
-def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, stop):
-    """Greedy continuation of each row's prompt ``buffer[b, :lengths[b]]`` in place.
+def _generate_rows(
+    params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, stops_S, sampling, seed
+):
+    """Continuation of each row's prompt ``buffer[b, :lengths[b]]`` in place, each token
+    chosen by :func:`.sampling.choose` (greedy when ``sampling`` is None).
 
     Each step runs the full forward over the fixed buffer (causality makes the slots
     after a row's end irrelevant to its next token) and writes one token per
-    unfinished row. ``stop < 0`` means no stop token.
+    unfinished row; a row ends on any id of ``stops_S`` (``-1`` entries stop nothing).
     """
     B, L = buffer_BxL.shape
     segments_BxL = jnp.ones((B, L), jnp.int32)
@@ -152,13 +158,13 @@ def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, sto
     def body(carry):
         i, buf_BxL, len_B, done_B = carry
         logits_BxLxV = forward(params, cfg, buf_BxL, segments_BxL, positions_BxL)
-        next_B = jnp.argmax(logits_BxLxV[rows_B, len_B - 1], axis=-1).astype(jnp.int32)
+        next_B = sampling_rules.choose(logits_BxLxV[rows_B, len_B - 1], sampling, seed, i)
         write_B = ~done_B
         buf_BxL = buf_BxL.at[rows_B, jnp.minimum(len_B, L - 1)].set(
             jnp.where(write_B, next_B, buf_BxL[rows_B, jnp.minimum(len_B, L - 1)])
         )
         len_B = len_B + write_B.astype(jnp.int32)
-        done_B = done_B | (write_B & (next_B == stop)) | (len_B >= L)
+        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
         return i + 1, buf_BxL, len_B, done_B
 
     done0_B = lengths_B >= L
@@ -168,23 +174,30 @@ def _generate_rows(params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, sto
     return buf_BxL, len_B
 
 
-def greedy_generate_batch(
+def generate_batch(
     params,
     cfg: ModelConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    stop_token: int | None,
+    stop_tokens: int | Sequence[int] | None,
     cache: bool = True,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> list[list[int]]:
-    """Greedy continuations of several prompts in one compiled loop (see :func:`greedy_generate`).
+    """Continuations of several prompts in one compiled loop: the new tokens only.
+
+    Each stops after ``max_new_tokens`` tokens, when it produces any of ``stop_tokens`` (an
+    id, several, or None; the stop token itself is not returned), or when prompt +
+    continuation fill ``cfg.max_len``. ``sampling`` None is greedy (argmax, ties to the
+    lowest id); otherwise each token is drawn as :mod:`.sampling` says, from ``seed``.
 
     ``cache``: a Llama model generates with a key/value cache (one single-position step per
     new token, :func:`.llama.generate_rows_cached`); ``False`` (or the GPT model) runs the
-    full forward over the buffer for every token. Both give the same tokens.
+    full forward over the buffer for every token. Both give the same greedy tokens.
 
     The buffer length is rounded up to a multiple of 32 (at most ``cfg.max_len``) so
-    that similar calls share one compilation (the token budget and stop token are
-    traced values, not part of it).
+    that similar calls share one compilation (the token budget, stop tokens, sampling values
+    and seed are traced values, not part of it).
     """
     if not prompts:
         return []
@@ -208,7 +221,7 @@ def greedy_generate_batch(
     for row, prompt in enumerate(prompts):
         buffer[row, : len(prompt)] = prompt
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    stop = -1 if stop_token is None else int(stop_token)
+    stops = sampling_rules.stop_ids(stop_tokens)
     generate_rows = _generate_rows
     if cache and cfg.architecture == llama.ARCHITECTURE:
         generate_rows = llama.generate_rows_cached
@@ -218,16 +231,23 @@ def greedy_generate_batch(
         jnp.asarray(buffer),
         jnp.int32(max_new_tokens),
         jnp.asarray(lengths),
-        jnp.int32(stop),
+        jnp.asarray(stops or (-1,), jnp.int32),
+        sampling,
+        jnp.uint32(seed),
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     results = []
     for row, prompt in enumerate(prompts):
         new = out[row, len(prompt) : out_lengths[row]].tolist()
-        if stop_token is not None and new and new[-1] == stop:
+        if new and new[-1] in stops:
             new = new[:-1]
         results.append(new)
     return results
+
+
+def greedy_generate_batch(params, cfg, prompts, max_new_tokens, stop_token, cache=True):
+    """Greedy continuations of several prompts (:func:`generate_batch` without sampling)."""
+    return generate_batch(params, cfg, prompts, max_new_tokens, stop_token, cache)
 
 
 def greedy_generate(
@@ -235,15 +255,13 @@ def greedy_generate(
     cfg: ModelConfig,
     prompt_tokens: list[int],
     max_new_tokens: int,
-    stop_token: int | None,
+    stop_token: int | Sequence[int] | None,
     cache: bool = True,
 ) -> list[int]:
     """Greedy (argmax) continuation of one prompt: the new tokens only, prompt excluded.
 
-    Stops after ``max_new_tokens`` tokens, when ``stop_token`` is produced (the stop
-    token itself is not returned), or when prompt + continuation fill ``cfg.max_len``.
-    Deterministic: argmax breaks ties by the lowest token id.
+    Stops after ``max_new_tokens`` tokens, when ``stop_token`` (or any of several) is
+    produced (the stop token itself is not returned), or when prompt + continuation fill
+    ``cfg.max_len``. Deterministic: argmax breaks ties by the lowest token id.
     """
-    return greedy_generate_batch(
-        params, cfg, [list(prompt_tokens)], max_new_tokens, stop_token, cache
-    )[0]
+    return generate_batch(params, cfg, [list(prompt_tokens)], max_new_tokens, stop_token, cache)[0]
