@@ -13,10 +13,10 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from conftest import run_snakemake
+from harness_by_hand import mc_accuracy
 
 pytestmark = pytest.mark.slow
 
@@ -65,21 +65,10 @@ def test_harness_task_runs_in_the_pipeline_and_is_published(tmp_path, repo):
     assert harness["samples"] == {"minifield_reverse_mc": LIMIT}
 
     # the accuracy by hand, from the selected export the pipeline wrote
-    from lm_eval.api.instance import Instance
-
-    from minifield.harness.model import MinifieldLM
-
     (export,) = [p for p in computation.rglob("model.json") if "eval" in p.parts]
-    lm = MinifieldLM(path=str(export.parent), batch_size=8)
     data = workdir / "data" / "harness" / "reverse_mc.jsonl"
-    right = 0
-    for line in data.read_text().splitlines()[:LIMIT]:
-        doc = json.loads(line)
-        context = f"reverse: {doc['prompt']} ->"
-        requests = [Instance("loglikelihood", {}, (context, f" {c}"), 0) for c in doc["choices"]]
-        scores = [logp for logp, _ in lm.loglikelihood(requests)]
-        right += int(np.argmax(scores)) == doc["label"]
-    assert harness["results"]["minifield_reverse_mc"]["acc"] == pytest.approx(right / LIMIT)
+    acc = harness["results"]["minifield_reverse_mc"]["acc"]
+    assert acc == pytest.approx(mc_accuracy(export.parent, data, LIMIT))
     checks = {c["name"]: c["passed"] for c in metrics["acceptance"]["checks"]}
     assert checks["harness:minifield_reverse_mc/acc"] is True
 

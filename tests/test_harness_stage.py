@@ -13,9 +13,9 @@ import hashlib
 import json
 import shutil
 
-import numpy as np
 import pytest
 from conftest import TINY_SFT, packed_sft_recipe, run_worker, small_sft_inputs, write_recipe
+from harness_by_hand import mc_accuracy
 
 from minifield.pipeline import evaluation, preparation
 from minifield.pipeline.errors import StageError
@@ -71,22 +71,8 @@ def test_harness_task_on_the_selected_export_in_metrics_acceptance_and_manifest(
     }
 
     # accuracy by hand from per-choice log-likelihoods of the selected export
-    from lm_eval.api.instance import Instance
-
-    from minifield.harness.model import MinifieldLM
-
-    lm = MinifieldLM(path=str(export), batch_size=8)
-    docs = [
-        json.loads(line) for line in (root / "harness/reverse_mc.jsonl").read_text().splitlines()
-    ]
-    right = 0
-    for doc in docs[:12]:
-        context = f"reverse: {doc['prompt']} ->"
-        requests = [Instance("loglikelihood", {}, (context, f" {c}"), 0) for c in doc["choices"]]
-        scores = [logp for logp, _ in lm.loglikelihood(requests)]
-        right += int(np.argmax(scores)) == doc["label"]
     acc = harness["results"]["minifield_reverse_mc"]["acc"]
-    assert acc == pytest.approx(right / 12)
+    assert acc == pytest.approx(mc_accuracy(export, root / "harness/reverse_mc.jsonl", 12))
 
     checks = {c["name"]: c for c in metrics["acceptance"]["checks"]}
     assert checks["harness:minifield_reverse_mc/acc"]["passed"] is True
