@@ -19,6 +19,7 @@ include: "workflow/rules/common.smk"
 wildcard_constraints:
     cdigest="[0-9a-f]{16}",
     edigest="[0-9a-f]{16}",
+    sdigest="[0-9a-f]{16}",
     destination="[0-9a-f]{16}",
 
 

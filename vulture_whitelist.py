@@ -37,6 +37,7 @@ _.load_computations
 _.input_paths
 _.fetched_roots
 _.for_examples
+_.for_source
 # used from workflow/rules/two_stage_common.smk
 _.load_links
 _.register_stage2

@@ -74,6 +74,7 @@ def test_slurm_profile_maps_gpu_and_status_checks():
     assert profile["groups"] == {
         "validate": "prep",
         "hash_inputs": "prep",
+        "prepare_source": "prep",
         "prepare": "prep",
         "qualify": "training",
         "train": "training",

@@ -62,6 +62,13 @@ class Recipe:
     def job_id(self) -> str:
         return self.data["job_id"]
 
+    @property
+    def source_digests(self) -> dict[str, str]:
+        """Training input name → digest of that source prepared on its own (empty for a
+        recipe whose examples are prepared in one piece)."""
+        specs = self.strategy.training_sources(self.data)
+        return {name: sha256_json(spec) for name, spec in specs.items()}
+
 
 load_schema = schemas.load
 

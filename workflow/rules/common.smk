@@ -10,6 +10,8 @@ WORK_DIR = config["work_dir"]
 STORE_DIR = config["store"]["dir"]
 # GPU lease lock files, shared by every computation's jobs.
 LEASE_DIR = f"{WORK_DIR}/gpu-leases"
+# Training sources prepared on their own (a mixture's), by source digest.
+SOURCES_DIR = "results/sources"
 
 
 def recipe_file(wildcards):
@@ -56,6 +58,33 @@ def examples_recipe(wildcards):
 def examples_inputs_record(wildcards):
     computation = computations.for_examples(COMPUTATIONS, wildcards.edigest)
     return f"results/computations/{computation.cdigest}/inputs.json"
+
+
+def examples_sources(wildcards):
+    """The training sources a computation prepares on their own (a mixture's), shared by
+    every recipe with the same source."""
+    computation = computations.for_examples(COMPUTATIONS, wildcards.edigest)
+    return [f"{SOURCES_DIR}/{d}/manifest.json" for d in computation.sdigests.values()]
+
+
+def source_inputs(wildcards):
+    """Recipe, verified inputs and fetched root of a computation with the source {sdigest}."""
+    computation, _ = computations.for_source(COMPUTATIONS, wildcards.sdigest)
+    base = f"results/computations/{computation.cdigest}"
+    return {
+        "recipe": f"{base}/recipe.json",
+        "inputs": f"{base}/inputs.json",
+        "fetched": computations.fetched_roots(computation),
+    }
+
+
+def source_input_root(wildcards):
+    computation, _ = computations.for_source(COMPUTATIONS, wildcards.sdigest)
+    return computations.input_root(computation, INPUT_ROOT)
+
+
+def source_name(wildcards):
+    return computations.for_source(COMPUTATIONS, wildcards.sdigest)[1]
 
 
 def examples_manifest(wildcards):

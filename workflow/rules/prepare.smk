@@ -1,8 +1,31 @@
+# A mixture's training sources are prepared each on its own, addressed by the source digest
+# (the file, how it is read, the tokenizer and packing settings): recipes that mix one
+# source with different others prepare it once. The examples of a computation then take
+# those rows as they are and add the held-out splits.
+rule prepare_source:
+    input:
+        unpack(source_inputs),
+    output:
+        f"{SOURCES_DIR}/{{sdigest}}/manifest.json",
+    log:
+        "logs/prepare_source/{sdigest}.log",
+    benchmark:
+        "results/benchmarks/prepare_source/{sdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
+    params:
+        input_root=source_input_root,
+        source=source_name,
+    script:
+        "../scripts/prepare_source.py"
+
+
 rule prepare:
     input:
         recipe=examples_recipe,
         inputs=examples_inputs_record,
         fetched=examples_fetched_root,
+        sources=examples_sources,
     output:
         "results/examples/{edigest}/manifest.json",
     log:
@@ -13,5 +36,6 @@ rule prepare:
         "../../envs/minifield.yaml"
     params:
         input_root=examples_input_root,
+        sources_root=SOURCES_DIR,
     script:
         "../scripts/prepare.py"

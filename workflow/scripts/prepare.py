@@ -9,4 +9,5 @@ preparation.prepare(
     Path(snakemake.input.recipe),
     Path(snakemake.params.input_root),
     Path(snakemake.output[0]).parent,
+    Path(snakemake.params.sources_root),
 )

@@ -33,6 +33,11 @@ class Computation:
     def edigest(self) -> str:
         return short(self.recipe.examples_digest)
 
+    @property
+    def sdigests(self) -> dict[str, str]:
+        """Training input name → short digest of that source prepared on its own."""
+        return {name: short(d) for name, d in self.recipe.source_digests.items()}
+
 
 class Computations(dict):
     """Short computation digest → computation: the configured recipes, iterated for the
@@ -113,12 +118,25 @@ def input_root(computation: Computation, configured_root: str) -> str:
     return fetched_root(computation) if has_remote_inputs(computation) else configured_root
 
 
+def _every(computations: dict[str, Computation]) -> list[Computation]:
+    if isinstance(computations, Computations):
+        return computations.every()
+    return list(computations.values())
+
+
 def for_examples(computations: dict[str, Computation], edigest: str) -> Computation:
     """A computation whose data settings produce the examples ``edigest`` (any one will do)."""
-    every = (
-        computations.every() if isinstance(computations, Computations) else computations.values()
-    )
-    for computation in every:
+    for computation in _every(computations):
         if computation.edigest == edigest:
             return computation
     raise ConfigError(f"no configured recipe has examples digest {edigest}")
+
+
+def for_source(computations: dict[str, Computation], sdigest: str) -> tuple[Computation, str]:
+    """A computation with the training source ``sdigest``, and that source's input name in it
+    (the first in configuration order: the same source prepares the same rows in any)."""
+    for computation in _every(computations):
+        for name, digest in computation.sdigests.items():
+            if digest == sdigest:
+                return computation, name
+    raise ConfigError(f"no configured recipe has a training source with digest {sdigest}")

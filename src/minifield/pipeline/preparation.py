@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..digest import sha256_file
+from ..digest import sha256_file, short
 from ..harness import tasks as harness_tasks
 from ..inputs import examples, fetch, pinned
 from .errors import StageError
@@ -55,13 +55,35 @@ def hash_inputs(recipe_json: Path, input_root: Path, out_inputs: Path) -> None:
     )
 
 
-def prepare(recipe_json: Path, input_root: Path, out_dir: Path) -> dict:
+def prepare(
+    recipe_json: Path, input_root: Path, out_dir: Path, sources_root: Path | None = None
+) -> dict:
+    """Prepare a recipe's examples into ``out_dir``. With ``sources_root``, the training
+    sources the strategy prepares on their own are read from ``sources_root/{sdigest}``
+    (:func:`prepare_source` wrote them; their digests checked), not prepared again."""
     recipe = recipes.load(recipe_json)
     pinned.verify(recipe.data, input_root)
-    arrays, meta = recipe.strategy.prepare(
-        recipe.data, pinned.files_by_name(recipe.data, input_root)
-    )
+    files = pinned.files_by_name(recipe.data, input_root)
+    if sources_root is None or not recipe.source_digests:
+        arrays, meta = recipe.strategy.prepare(recipe.data, files)
+    else:
+        loaded = {
+            name: examples.load(Path(sources_root) / short(digest), digest)
+            for name, digest in recipe.source_digests.items()
+        }
+        sources = {name: (rows, manifest["meta"]) for name, (rows, manifest) in loaded.items()}
+        arrays, meta = recipe.strategy.prepare(recipe.data, files, sources=sources)
     return examples.write(out_dir, arrays, meta, recipe.examples_digest)
+
+
+def prepare_source(recipe_json: Path, input_root: Path, name: str, out_dir: Path) -> dict:
+    """Prepare the recipe's training source ``name`` on its own into ``out_dir`` (addressed by
+    its source digest, shared by every recipe with the same source)."""
+    recipe = recipes.load(recipe_json)
+    pinned.verify(recipe.data, input_root)
+    files = pinned.files_by_name(recipe.data, input_root)
+    arrays, meta = recipe.strategy.prepare_source(recipe.data, name, files)
+    return examples.write(out_dir, arrays, meta, recipe.source_digests[name])
 
 
 def fetch_inputs(

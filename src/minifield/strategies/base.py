@@ -140,7 +140,23 @@ class Strategy(ABC):
 
     @abstractmethod
     def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
-        """Turn verified input files (by input name) into example arrays plus metadata."""
+        """Turn verified input files (by input name) into example arrays plus metadata.
+
+        A strategy with :meth:`training_sources` also takes ``sources=``: those sources
+        already prepared (input name → ``(arrays, meta)`` of :meth:`prepare_source`)."""
+
+    def training_sources(self, recipe: dict) -> dict[str, dict]:
+        """Training inputs prepared each on its own, so that recipes sharing one reuse its
+        prepared rows: input name → the data spec of that source alone (its sha256 is the
+        source digest, ``results/sources/{sdigest}/``). Empty (the default): the examples are
+        prepared in one piece."""
+        return {}
+
+    def prepare_source(
+        self, recipe: dict, name: str, files: dict[str, Path]
+    ) -> tuple[dict[str, np.ndarray], dict]:
+        """Prepare one of :meth:`training_sources` on its own: arrays plus metadata."""
+        raise NotImplementedError(f"{self.name} prepares no training source on its own")
 
     @abstractmethod
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:

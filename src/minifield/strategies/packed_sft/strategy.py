@@ -165,39 +165,56 @@ class PackedSFT(Strategy):
             spec["chat_template"] = recipe["model"].get("chat_template")
         return spec
 
-    def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
+    def training_sources(self, recipe: dict) -> dict[str, dict]:
+        """A mixture's sources, each packed on its own (:meth:`prepare_source`): its spec is
+        what that source's rows depend on — the file and how it is read (not the name it has
+        in one recipe), the tokenizer or base model and the packing settings — so recipes that
+        mix one source with different others reuse its prepared rows. Without a mixture the
+        one ``train`` input is prepared with the rest (its examples digest as before)."""
         training = recipe["training"]
-        arrays: dict[str, np.ndarray] = {}
-        meta: dict[str, Any] = {"splits": {}, "formats": {}}
-        if "base" in recipe["model"]:
-            arrays, meta["base_model"] = base_model.load(recipe, files)
-            tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
-            meta["chat_template"] = template.source
+        if "mixture" not in training:
+            return {}
+        pinned = {i["name"]: i for i in pinned_inputs(recipe)}
+        spec = self.data_spec(recipe)
+        kept = ("strategy", "prepare_version", "tokenizer", "seq_len", "overlong", "train_on")
+        common = {key: spec[key] for key in (*kept, "base", "chat_template") if key in spec}
+        common["part"] = "training source"
+        model_inputs = settings.base_model_inputs(recipe["model"])
+        if (spec["tokenizer"] or {}).get("kind") == "tokenizers-json":
+            model_inputs.append(spec["tokenizer"]["input"])
+        common["model_inputs"] = {name: pinned[name]["sha256"] for name in model_inputs}
+        return {
+            name: {**common, "input": {k: v for k, v in pinned[name].items() if k != "name"}}
+            for name in mixture.input_names(training)
+        }
 
-            def encode_split(split, examples, train_on):
-                return base_model.encode_chat(examples, tokenizer, template, train_on, files[split])
-        else:
-            tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
+    def prepare_source(
+        self, recipe: dict, name: str, files: dict[str, Path]
+    ) -> tuple[dict[str, np.ndarray], dict]:
+        """One training source's packed rows, with its format decision and packing figures."""
+        _, _, tokenizer, encoded = _reading(recipe, files)
+        packed, record = _packed_source(recipe, name, encoded, tokenizer.pad_id, files)
+        return dict(packed.arrays), {"format": record, "stats": packed.stats}
 
-            def encode_split(split, examples, train_on):
-                return sft_data.encode_examples(examples, tokenizer, train_on, files[split])
-
-        meta["tokenizer"] = tokenizer.config()
-
-        def encoded(split):
-            source, train_on = sft_data.recipe_reading(recipe, split)
-            read = data_formats.read(files[split], source)
-            meta["formats"][split] = read.record()
-            return encode_split(split, read.examples, train_on)
-
+    def prepare(
+        self, recipe: dict, files: dict[str, Path], sources: dict[str, tuple] | None = None
+    ) -> tuple[dict[str, np.ndarray], dict]:
+        """Every split's arrays; ``sources``: training sources already prepared on their own
+        (input name → ``(arrays, meta)`` of :meth:`prepare_source`), used as they are."""
+        training = recipe["training"]
+        arrays, described, tokenizer, encoded = _reading(recipe, files)
+        meta: dict[str, Any] = {"splits": {}, "formats": {}, **described}
         packed = {}
         for source in mixture.input_names(training):
-            packed[source] = packing.pack(
-                encoded(source), training["seq_len"], training["overlong"], tokenizer.pad_id
-            )
-            if packed[source].stats["rows"] == 0:
-                raise sft_data.DataError(
-                    f"{files[source]}: no example fits training.seq_len={training['seq_len']}"
+            if sources is not None and source in sources:
+                rows, prepared = sources[source]
+                packed[source] = packing.Packed(
+                    {key: np.asarray(rows[key]) for key in packing.ROW_FIELDS}, prepared["stats"]
+                )
+                meta["formats"][source] = prepared["format"]
+            else:
+                packed[source], meta["formats"][source] = _packed_source(
+                    recipe, source, encoded, tokenizer.pad_id, files
                 )
         if "mixture" in training:
             train, meta["mixture"] = packing.concatenate(packed)
@@ -206,9 +223,8 @@ class PackedSFT(Strategy):
         arrays.update({f"train_{k}": v for k, v in train.arrays.items()})
         meta["splits"]["train"] = train.stats
         for split in SPLITS[1:]:
-            split_arrays, stats = evaluator.split_arrays(
-                split, encoded(split), recipe, tokenizer.pad_id
-            )
+            examples, meta["formats"][split] = encoded(split)
+            split_arrays, stats = evaluator.split_arrays(split, examples, recipe, tokenizer.pad_id)
             arrays.update(split_arrays)
             meta["splits"][split] = stats
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
@@ -257,3 +273,44 @@ class PackedSFT(Strategy):
             model.tokenizer.pad_id,
         )
         return dev.split_metrics(model.params, arrays, "dev")
+
+
+def _reading(recipe: dict, files: dict[str, Path]):
+    """What encoding the recipe's files needs: the base model's arrays (empty without one),
+    what the manifest says of the tokenizer (and base model), the tokenizer, and
+    ``encoded(name)`` → (the input's examples encoded, its format decision)."""
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {}
+    if "base" in recipe["model"]:
+        arrays, meta["base_model"] = base_model.load(recipe, files)
+        tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
+        meta["chat_template"] = template.source
+
+        def encode(name, examples, train_on):
+            return base_model.encode_chat(examples, tokenizer, template, train_on, files[name])
+    else:
+        tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
+
+        def encode(name, examples, train_on):
+            return sft_data.encode_examples(examples, tokenizer, train_on, files[name])
+
+    meta["tokenizer"] = tokenizer.config()
+
+    def encoded(name):
+        source, train_on = sft_data.recipe_reading(recipe, name)
+        read = data_formats.read(files[name], source)
+        return encode(name, read.examples, train_on), read.record()
+
+    return arrays, meta, tokenizer, encoded
+
+
+def _packed_source(recipe: dict, name: str, encoded, pad_id: int, files: dict[str, Path]):
+    """A training input packed into rows, and its format decision."""
+    training = recipe["training"]
+    examples, record = encoded(name)
+    packed = packing.pack(examples, training["seq_len"], training["overlong"], pad_id)
+    if packed.stats["rows"] == 0:
+        raise sft_data.DataError(
+            f"{files[name]}: no example fits training.seq_len={training['seq_len']}"
+        )
+    return packed, record
