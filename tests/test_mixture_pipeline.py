@@ -3,6 +3,11 @@
 - Two recipes mixing one source with different others prepare that source once: the second
   run lists no job for it and leaves its prepared files as they were (mtimes), while its own
   new source is prepared.
+- A mixture of two weighted sources trains, is evaluated and published; the rows, trained
+  tokens and epochs per source in ``summary.json`` and in the report equal the counts of a
+  replay written here from the data-order rule as docs/packed-sft.md states it (source of
+  each row drawn from ``PCG64([seed, 0x6d6978, block])``, epochs of each source permuted by
+  ``PCG64([seed, s + 1, e])``), over the rows the prepare stage stored.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import run_snakemake
@@ -79,3 +85,76 @@ def test_a_source_shared_by_two_mixtures_is_prepared_once(tmp_path):
     manifest = json.loads((workdir / _examples_target(workdir, "second.yaml")).read_text())
     shared = json.loads((sources / short(first_digests["extra"]) / "manifest.json").read_text())
     assert manifest["meta"]["mixture"]["extra"] == shared["meta"]["stats"]
+
+
+def _replay(seed: int, batch_size: int, weights: list[float], n_rows: list[int], updates: int):
+    """How many times each stored row of each source is read in updates ``0 .. updates-1``,
+    from the rule as documented (not the code): each update's row sources are a categorical
+    draw, updates drawn in blocks of ``max(1, 65536 // batch_size)`` from one generator; a
+    source is read in epochs, each a permutation of its rows."""
+    shares = np.array(weights) / sum(weights)
+    per_block = max(1, 65536 // batch_size)
+    reads = [np.zeros(n, dtype=np.int64) for n in n_rows]
+    position = [0] * len(n_rows)
+    for step in range(updates):
+        block, within = divmod(step, per_block)
+        generator = np.random.Generator(np.random.PCG64([seed, 0x6D6978, block]))
+        uniform = generator.random((per_block, batch_size))[within]
+        for source in np.searchsorted(np.cumsum(shares), uniform, side="right"):
+            epoch, index = divmod(position[source], n_rows[source])
+            permutation = np.random.Generator(np.random.PCG64([seed, source + 1, epoch]))
+            reads[source][permutation.permutation(n_rows[source])[index]] += 1
+            position[source] += 1
+    return reads
+
+
+def test_a_weighted_mixture_trains_evaluates_and_publishes(tmp_path):
+    workdir = tmp_path / "project"
+    space = mixture_inputs(workdir)
+    # extra (40 examples, fewer rows) weighs 3: read several times over, train about once
+    entries = [{"input": "train", "weight": 1}, {"input": "extra", "weight": 3}]
+    recipe = mixed_recipe(space, entries, seed=7)
+    recipe["limits"]["max_steps"] = 12
+    recipe["evaluation"]["min_dev_exact_match"] = 0.0
+    _project(workdir, {"mix.yaml": recipe})
+    run_snakemake(workdir, check=True, timeout=1800)
+
+    loaded = recipes.load(workdir / "config" / "recipes" / "mix.yaml")
+    computation = workdir / "results" / "computations" / short(loaded.computation_digest)
+    assert json.loads((computation / "eval" / "metrics.json").read_text())["acceptance"]["passed"]
+    publication = json.loads((computation / "publication.json").read_text())
+    assert (workdir / "results" / "store" / "artifacts" / publication["content_id"]).is_dir()
+
+    # the reference: the stored rows of each source, read as often as the replay says
+    examples = workdir / "results" / "examples" / short(loaded.examples_digest)
+    n_rows = np.load(examples / "train_source_rows.npy").tolist()
+    trained = np.load(examples / "train_loss_mask.npy").sum(axis=1)
+    training = loaded.data["training"]
+    reads = _replay(training["seed"], training["batch_size"], [1.0, 3.0], n_rows, 12)
+    offsets = np.concatenate([[0], np.cumsum(n_rows)])
+    expected = {
+        name: {
+            "trained_rows_count": int(reads[s].sum()),
+            "trained_loss_tokens_count": int(reads[s] @ trained[offsets[s] : offsets[s + 1]]),
+            "epochs_count": reads[s].sum() / n_rows[s],
+        }
+        for s, name in enumerate(("train", "extra"))
+    }
+    assert sum(e["trained_rows_count"] for e in expected.values()) == 12 * 8
+    assert expected["extra"]["epochs_count"] > 1  # a source that repeats
+    summary = json.loads((computation / "summary.json").read_text())
+    assert summary["sources"].keys() == expected.keys()
+    for name, figures in expected.items():
+        got = summary["sources"][name]
+        assert got["trained_rows_count"] == figures["trained_rows_count"], name
+        assert got["trained_loss_tokens_count"] == figures["trained_loss_tokens_count"], name
+        assert got["epochs_count"] == pytest.approx(figures["epochs_count"], rel=1e-12), name
+
+    page = (computation / "report" / "throughput.html").read_text()
+    for name, figures in expected.items():
+        row = (
+            f'<tr><td>{name}</td><td class="num">{figures["trained_rows_count"]}</td>'
+            f'<td class="num">{figures["trained_loss_tokens_count"]}</td>'
+            f'<td class="num">{figures["epochs_count"]:.6g}</td></tr>'
+        )
+        assert row in page, (row, page[page.find("Training mixture") :][:800])
