@@ -33,7 +33,7 @@ __all__ = ["DataError", "Encoded", "Example", "encode", "encode_file", "read_jso
 
 
 #: what a conversation trains when the recipe does not say (the schema's ``x-absent``)
-TRAIN_ON_ABSENT = schemas.absent(schemas.PACKED_SFT, "training")["train_on"]
+TRAIN_ON_ABSENT = schemas.load(schemas.TRAINING)["properties"]["train_on"]["x-absent"]
 
 
 def recipe_reading(recipe: dict, name: str) -> tuple[Source, str]:

@@ -1,7 +1,10 @@
 """Raw-text documents for causal-language-model training (stage 1 of ``two-stage``).
 
 A split is one pinned file: ``*.jsonl`` holds one document per line as ``{"text": "..."}``
-(blank lines skipped); any other file is one plain-text document. Both must be UTF-8.
+(blank lines skipped); a Parquet file (told by its ``PAR1`` magic bytes, as for the supervised
+formats; what pandas, pyarrow and ``datasets.to_parquet`` write) one document per row of its
+string column ``text`` (other columns ignored; blank documents skipped); any other file is
+one plain-text document. Text must be UTF-8.
 
 Each document becomes the token sequence ``<bos> text <eos>`` and is cut into chunks for
 rows of ``seq_len`` slots. Consecutive chunks overlap by one token: a chunk's first slot is
@@ -23,7 +26,7 @@ import math
 from pathlib import Path
 
 from ...inputs.pinned import InputError
-from ..packed_sft.data_formats import json_rows
+from ..packed_sft.data_formats import PARQUET_MAGIC, json_rows
 from ..packed_sft.sft_data import Encoded
 
 
@@ -37,6 +40,17 @@ def read_documents(path: Path) -> list[str]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise CorpusError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if data.startswith(PARQUET_MAGIC):
+        documents = [text for text in _parquet_texts(path) if text.strip()]
+    else:
+        documents = _text_documents(path, data)
+    if not documents:
+        raise CorpusError(f"{path}: empty corpus (no document with text)")
+    return documents
+
+
+def _text_documents(path: Path, data: bytes) -> list[str]:
+    """The documents of a JSONL corpus (``*.jsonl``) or of one plain-text document."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -46,17 +60,38 @@ def read_documents(path: Path) -> list[str]:
             f"{data[exc.start : exc.start + 1]!r}); save the corpus as UTF-8"
         ) from None
     if Path(path).suffix.lower() != ".jsonl":
-        documents = [text] if text.strip() else []
-    else:
-        documents = []
-        for row, where in json_rows(text.splitlines(), path, CorpusError):
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise CorpusError(f'{where}: expected a JSON object with a string "text" field')
-            if row["text"].strip():
-                documents.append(row["text"])
-    if not documents:
-        raise CorpusError(f"{path}: empty corpus (no document with text)")
+        return [text] if text.strip() else []
+    documents = []
+    for row, where in json_rows(text.splitlines(), path, CorpusError):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise CorpusError(f'{where}: expected a JSON object with a string "text" field')
+        if row["text"].strip():
+            documents.append(row["text"])
     return documents
+
+
+def _parquet_texts(path: Path) -> list[str]:
+    """The ``text`` column of a Parquet corpus; a missing or non-string column, or a null
+    row, is refused naming the file (and the row, counted from 0)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+        if "text" not in schema.names:
+            raise CorpusError(
+                f"{path}: Parquet corpus has no 'text' column (columns {schema.names})"
+            )
+        column = schema.field("text").type
+        if not (pa.types.is_string(column) or pa.types.is_large_string(column)):
+            raise CorpusError(f"{path}: Parquet column 'text' holds {column}, expected strings")
+        texts = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+    except (OSError, pa.ArrowException) as exc:
+        raise CorpusError(f"{path}: not a readable Parquet file ({exc})") from None
+    missing = next((index for index, text in enumerate(texts) if text is None), None)
+    if missing is not None:
+        raise CorpusError(f'{path} (row {missing}): "text" is null, expected a string')
+    return texts
 
 
 def document_tokens(text: str, tokenizer) -> list[int]:

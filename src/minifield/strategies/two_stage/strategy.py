@@ -98,6 +98,15 @@ class TwoStage(Strategy):
             {**e, "message": e["message"].replace("packed-sft", "two-stage")}
             for e in sft.PackedSFT().check(_sft_view(recipe))
         ]
+        # after packed-sft's check, which drops train_on spelled at its absent value
+        if stage == "pretrain" and "train_on" in recipe["training"]:
+            errors.append(
+                {
+                    "path": "/training/train_on",
+                    "message": "only for training.stage sft (stage 1 trains every token of "
+                    "its documents)",
+                }
+            )
         for key in SFT_ONLY if stage == "pretrain" else PRETRAIN_ONLY:
             evaluation.pop(key, None)
         if stage == "pretrain":
@@ -296,6 +305,8 @@ class TwoStageProgram(PackedSFTProgram):
             dev_bytes = np.asarray(self.arrays["dev_file"]).tobytes()
             suffix = Path(pins["dev"].get("path", pins["dev"]["name"])).suffix or ".txt"
             dev_file = "dev" + (".jsonl" if suffix.lower() == ".jsonl" else ".txt")
+            if dev_bytes.startswith(corpus.PARQUET_MAGIC):  # read by its content, named so
+                dev_file = "dev.parquet"
             layout = "documents: <bos> text <eos>, chunked with one token of overlap"
         else:
             dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
