@@ -26,11 +26,13 @@ _._render_body
 # read by jinja2's sandbox (which operators it routes to call_binop) in chat_template.py
 _.intercepted_binops
 # called by the code strategies/packed_sft/template_sandbox.py's rewrite makes a template
-# compile to (environment.bounded_concat)
+# compile to (environment.bounded_concat, environment.bounded_add)
 _.bounded_concat
+_.bounded_add
 # jinja2.visitor.NodeTransformer dispatches visit_<node class> in template_sandbox.py
 _.visit_For
 _.visit_Concat
+_.visit_Add
 
 # used from workflow/rules/common.smk
 _.load_computations

@@ -84,13 +84,27 @@ def _environment():
 
         def call_binop(self, context, operator, left, right):
             if operator == "+" and type(left) is str and type(right) is str:
-                # most of a chat template's work: the same charge, a fraction of the calls
-                return template_sandbox.join_strings(self.budget, left, right)
+                # most of a chat template's work: join_strings' charge, its common case here
+                # (no call: a render makes a few dozen of these per message)
+                budget, size = self.budget, len(left) + len(right)
+                cost = 2 + size // template_sandbox.CHARS_PER_UNIT
+                if size <= budget.max_chars and budget.work >= cost:
+                    budget.work -= cost
+                    return left + right
+                return template_sandbox.join_strings(budget, left, right)
             template_sandbox.check_binop(self.budget, operator, left, right)
             return self.budget.built(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+            if getattr(__obj, "__func__", None) is BoundedEnvironment.bounded_add:
+                # a chain of + the code generator wrote as one call: charged as the chain
+                return __obj(__context, *args)
             template_sandbox.check_call(__self.budget, __obj, args, kwargs)
+            if getattr(__obj, "__func__", None) is BoundedEnvironment.bounded_iter:
+                # the loop wrapper the code generator writes in (a template cannot name it):
+                # charged as any call, without the sandbox's checks of a callable it knows;
+                # the loop's variables jinja passes along are dropped, as Context.call does
+                return __obj(*args)
             return __self.budget.built(super().call(__context, __obj, *args, **kwargs))
 
         def is_safe_attribute(self, obj, attr, value):
@@ -100,6 +114,11 @@ def _environment():
 
         def bounded_iter(self, iterable, literal_chars):
             return template_sandbox.bounded_iter(lambda: self.budget, iterable, literal_chars)
+
+        def bounded_add(self, context, *operands):
+            return template_sandbox.join_all(
+                self.budget, operands, lambda a, b: self.call_binop(context, "+", a, b)
+            )
 
         def bounded_concat(self, values):
             parts = [str(v) for v in values]
@@ -166,12 +185,19 @@ class ChatTemplate:
         # the globals a render sees, merged once: jinja merges its ChainMap on every render,
         # the larger part of a short render's cost
         self._globals = {**self._template.globals, **self.variables}
+        from jinja2.runtime import new_context
+
+        self._new_context = new_context
 
     def max_chars(self, messages: list[dict]) -> int:
         """How many characters rendering ``messages`` may produce (see the class)."""
         if self.positions is None:
             return MAX_RENDERED_CHARS
-        own = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+        own = 0
+        for message in messages:
+            if isinstance(message, dict):
+                content = message.get("content", "")
+                own += len(content) if type(content) is str else len(str(content))
         return min(MAX_RENDERED_CHARS, own + CHARS_PER_POSITION * self.positions)
 
     def render(
@@ -185,9 +211,7 @@ class ChatTemplate:
         self._env.budget = budget = template_sandbox.Budget(limit)
         self._env.mark_generation = mark_generation
         parts, length = [], 0
-        from jinja2.runtime import new_context
-
-        template = self._template
+        template, new_context = self._template, self._new_context
         variables = {
             **self._globals,
             "messages": messages,
@@ -198,10 +222,16 @@ class ChatTemplate:
         try:
             # Template.generate, without its per-render merge of the globals
             context = new_context(self._env, template.name, template.blocks, variables, True)
+            # budget.fits and budget.spend per part, written out: they raise only past the
+            # limits (called then, for their message), and a render has many short parts
+            limit, per_unit = budget.max_chars, template_sandbox.CHARS_PER_UNIT
             for part in template.root_render_func(context):
                 length += len(part)
-                budget.fits(length, "the rendered text")
-                budget.spend(1 + len(part) // template_sandbox.CHARS_PER_UNIT)
+                if length > limit:
+                    budget.fits(length, "the rendered text")
+                budget.work -= 1 + len(part) // per_unit
+                if budget.work < 0:
+                    budget.spend(0)
                 parts.append(part)
         except ChatTemplateError as exc:
             raise ChatTemplateError(

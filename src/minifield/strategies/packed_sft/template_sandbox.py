@@ -139,6 +139,26 @@ def join_strings(budget: Budget, left: str, right: str) -> str:
     return left + right
 
 
+def join_all(budget: Budget, operands: tuple, add) -> object:
+    """``operands[0] + operands[1] + …``, left to right, charged exactly as that chain of
+    binary ``+`` is: when every operand is a plain string and no step would pass the budget
+    (the sizes and charges of the steps only grow, so the last step decides), joined at once
+    with the steps' charges summed; otherwise step by step with ``add(left, right)``, which
+    charges and refuses as each ``+`` does."""
+    if all(type(operand) is str for operand in operands):
+        size, cost = len(operands[0]), 0
+        for operand in operands[1:]:
+            size += len(operand)
+            cost += 2 + size // CHARS_PER_UNIT
+        if size <= budget.max_chars and budget.work >= cost:
+            budget.work -= cost
+            return "".join(operands)
+    result = operands[0]
+    for operand in operands[1:]:
+        result = add(result, operand)
+    return result
+
+
 def check_call(budget: Budget, obj, args: tuple, kwargs: dict) -> None:
     """Refuse a call whose result would pass the budget: integer arguments are sizes, a
     format string's widths too, and ``replace``/``join`` results are counted first."""
@@ -237,13 +257,17 @@ def bounded_iter(budget_of, iterable: Iterable, literal_chars: int):
     """A loop's iterable, charged per item (one unit plus the body's literal text)."""
     cost = 1 + literal_chars // CHARS_PER_UNIT
     for item in iterable:
-        budget_of().spend(cost)
+        budget = budget_of()
+        budget.work -= cost  # Budget.spend written out (called past the limit, for its error)
+        if budget.work < 0:
+            budget.spend(0)
         yield item
 
 
 def code_generator_class():
-    """jinja2's code generator, which first rewrites the template's loops and ``~``
-    concatenations into calls the budget sees (``environment.bounded_iter``/``_concat``)."""
+    """jinja2's code generator, which first rewrites the template's loops, ``~``
+    concatenations and chains of ``+`` into calls the budget sees
+    (``environment.bounded_iter``/``_concat``/``_add``)."""
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
     from jinja2.visitor import NodeTransformer
@@ -261,6 +285,18 @@ def code_generator_class():
         def visit_Concat(self, node):
             node = self.generic_visit(node)
             return call("bounded_concat", nodes.List(node.nodes))
+
+        def visit_Add(self, node):
+            # a chain a + b + c + … (a chat template writes one per message) is one call
+            # that joins it at once when it can, charged as the chain (join_all)
+            operands = []
+            while isinstance(node, nodes.Add):
+                operands.append(node.right)
+                node = node.left
+            operands = [self.visit(o) for o in [node, *reversed(operands)]]
+            if len(operands) == 2:
+                return nodes.Add(*operands)
+            return call("bounded_add", *operands)
 
     class BoundedCodeGenerator(CodeGenerator):
         def visit_Template(self, node, frame=None):
