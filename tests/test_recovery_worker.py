@@ -352,12 +352,13 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     e = case.every
     assert steps == [e, 2 * e, 3 * e, 4 * e]
     newest, second, third = (crashed / f"step-{s:08d}" for s in (4 * e, 3 * e, 2 * e))
-    # flipped byte in the newest, truncated array in the next, missing manifest in the third
-    victim = newest / "arrays" / "00000.npy"
+    # flipped byte in the newest, truncated data file in the next, missing manifest in the third
+    victim = newest / "arrays.bin"
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x01
+    data[-1] ^= 0x01  # the last array's last byte (nothing follows the last array)
     victim.write_bytes(bytes(data))
-    victim2 = second / "arrays" / "00000.npy"
+    last = json.loads((newest / "manifest.json").read_text())["arrays"][-1]["name"]
+    victim2 = second / "arrays.bin"
     victim2.write_bytes(victim2.read_bytes()[: len(victim2.read_bytes()) // 2])
     (third / "manifest.json").unlink()
     before = _snapshot(out / job / "crashed")
@@ -370,9 +371,8 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     events = events_of(out / job / "resumed")
     rejected = {ev["step"]: ev["reason"] for ev in events if ev["type"] == "checkpoint_rejected"}
     assert set(rejected) == {4 * e, 3 * e}
-    assert "sha256 mismatch" in rejected[4 * e]
-    # cut inside its .npy header (a small state): the file no longer parses
-    assert f"{victim2}: not a valid .npy array" in rejected[3 * e]
+    assert f"{victim}: sha256 mismatch for state array {last!r}" in rejected[4 * e]
+    assert f"{victim2}: truncated or extended" in rejected[3 * e]
     assert "rejected checkpoint" in proc.stderr
     restored = [ev for ev in events if ev["type"] == "restored"]
     assert [r["step"] for r in restored] == [e]  # without a manifest a checkpoint never counted
