@@ -83,3 +83,23 @@ def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     text = "".join(line for _, line in sorted(lines))
     assert manifest["state_hash"] == hashlib.sha256(text.encode()).hexdigest(), path
     return manifest, arrays
+
+
+def rewrite_as_format_2(path: Path) -> None:
+    """Turn a format-3 checkpoint directory into the format-2 checkpoint of the same state, as
+    the previous release wrote it: one ``np.save`` file per array (``arrays/00000.npy`` … in
+    the manifest's order), entries naming their ``file``, the same per-array and state hashes
+    (version 2 in both), no ``data`` field."""
+    manifest, arrays = verify_checkpoint_by_hand(path)
+    assert manifest["format"] == "minifield-checkpoint/3", path
+    (path / "arrays").mkdir()
+    entries = []
+    for index, entry in enumerate(manifest["arrays"]):
+        file = f"arrays/{index:05d}.npy"
+        np.save(path / file, arrays[entry["name"]], allow_pickle=False)
+        kept = {key: entry[key] for key in ("name", "dtype", "shape", "sha256")}
+        entries.append({**kept, "file": file})
+    (path / "arrays.bin").unlink()
+    rest = {key: value for key, value in manifest.items() if key != "data"}
+    old = {**rest, "format": "minifield-checkpoint/2", "arrays": entries}
+    (path / "manifest.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoint_by_hand import verify_checkpoint_by_hand
+from checkpoint_by_hand import rewrite_as_format_2, verify_checkpoint_by_hand
 from conftest import REPO, run_worker, worker_command, write_recipe
 from recovery_cases import (
     CASES,
@@ -361,6 +361,8 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     victim2 = second / "arrays.bin"
     victim2.write_bytes(victim2.read_bytes()[: len(victim2.read_bytes()) // 2])
     (third / "manifest.json").unlink()
+    # the one left to restore, as the previous release wrote it: a resume crosses formats
+    rewrite_as_format_2(crashed / f"step-{e:08d}")
     before = _snapshot(out / job / "crashed")
 
     proc = run_worker(
@@ -376,6 +378,10 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     assert "rejected checkpoint" in proc.stderr
     restored = [ev for ev in events if ev["type"] == "restored"]
     assert [r["step"] for r in restored] == [e]  # without a manifest a checkpoint never counted
+    assert restored[0]["state_hash"] == reference["hashes"][e]  # format 2, the same hash
+    resumed_checkpoints = out / job / "resumed" / "checkpoints"
+    newest_resumed = max(resumed_checkpoints.glob("step-*"))  # zero-padded: name order
+    assert _verify_checkpoint_by_hand(newest_resumed)["format"] == "minifield-checkpoint/3"
     result = json.loads((out / job / "resumed" / "result.json").read_text())
     assert result["final_state_hash"] == reference["final"]
     _assert_on_reference_path(reference, out / job / "resumed")

@@ -23,6 +23,7 @@ per-array hashes and version-2 state hash) and ``minifield-checkpoint/1`` (an en
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -180,7 +181,21 @@ def _write_contents(
         "arrays": entries,
         "extra": extra or {},
     }
-    return manifest, atomic.json_bytes(manifest)
+    return manifest, _manifest_bytes(manifest)
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as JSON, one line per array entry: as readable as an indented file, and
+    written by json's C encoder (an indented dump of 161 entries took more CPU than writing
+    the data file of a 39 MB state)."""
+    rest = {k: v for k, v in manifest.items() if k != "arrays"}
+    head = json.dumps(rest, indent=2, sort_keys=True, allow_nan=False)
+    lines = ",\n".join(
+        "    " + json.dumps(entry, sort_keys=True, allow_nan=False) for entry in manifest["arrays"]
+    )
+    # "arrays" sorts first: the same key order as an indented, sorted dump
+    body = head.removeprefix("{\n")
+    return ('{\n  "arrays": [\n' + lines + "\n  ],\n" + body + "\n").encode()
 
 
 def prune(directory: Path, keep: int) -> None:
