@@ -301,3 +301,28 @@ def test_a_process_killed_while_writing_the_data_file_leaves_the_previous_checkp
     # the next commit clears the half-written temporary (prune) and succeeds
     checkpoint.save(tmp_path, state, step=3, computation_digest="c" * 64, keep=2)
     assert checkpoint.committed_steps(tmp_path) == [1, 3] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_format_3_entry_without_its_sha256_is_refused_naming_the_field(tmp_path):
+    committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
+    manifest_path = Path(committed.path) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["arrays"][2]["sha256"]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=r"arrays\[2\]: needs name, .*sha256"):
+        checkpoint.load(Path(committed.path), make_state())
+
+
+def test_the_proof_compares_a_format_2_and_a_format_3_checkpoint_part_by_part(tmp_path):
+    """The proof names the state parts that differ between two checkpoints from their
+    manifests' per-array hashes, which formats 2 and 3 share."""
+    from minifield.proof.comparison import _manifest_part_diff
+
+    same = checkpoint.save(
+        tmp_path / "a", make_state(w=0.75, step=3), step=3, computation_digest="c" * 64
+    )
+    moved = make_state(w=0.75, step=3)
+    moved["params"]["b"] = moved["params"]["b"] + 1.0
+    other = checkpoint.save(tmp_path / "b", moved, step=3, computation_digest="c" * 64)
+    assert _manifest_part_diff(STORED_V2, Path(same.path)) == []
+    assert _manifest_part_diff(STORED_V2, Path(other.path)) == ["params"]

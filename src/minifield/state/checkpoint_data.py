@@ -119,6 +119,8 @@ def _layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, i
     for index, entry in enumerate(manifest.get("arrays", [])):
         where = f"{manifest_path}: arrays[{index}]"
         try:
+            if not isinstance(entry["name"], str) or not isinstance(entry["sha256"], str):
+                raise TypeError("name and sha256 must be strings")
             dtype = np.dtype(entry["dtype"])
             shape, offset, nbytes = entry["shape"], entry["offset"], entry["nbytes"]
             count = math.prod(int(n) for n in shape)
