@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +28,6 @@ _TRANSPOSE_ROWS = 16
 #: elements widened at a time where no transpose is needed (the block stays in cache for the
 #: finite check)
 _CHUNK = 1 << 20
-#: threads widening one tensor (every core: numpy's loops release the GIL)
-_THREADS = max(1, os.cpu_count() or 1)
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    """The widening threads, started on first use and kept (a load converts tensor after
-    tensor; starting threads per tensor would cost more than small tensors do)."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="hf-widen")
-    return _POOL
 
 
 def data_offsets(path: Path) -> dict[str, tuple[int, int, str]]:
@@ -120,49 +107,26 @@ def _non_finite(path: Path, name: str, value: np.ndarray) -> CheckpointError:
     )
 
 
-def _widen_block(source: np.ndarray, out: np.ndarray) -> bool:
-    """Widen ``source`` into ``out`` (FP32, same shape); whether every value is finite.
-
-    BF16 is the top half of an FP32 of the same value, so its widening is an integer shift of
-    its bits into the upper 16 bits (exact for every value: NaN payloads, infinities,
-    subnormals, -0 included) — a plain numpy loop that releases the GIL, several times
-    faster than ml_dtypes' cast loop."""
-    if source.dtype.name == "bfloat16":
-        np.left_shift(source.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
-    else:
-        np.copyto(out, source, casting="unsafe")
-    return bool(np.isfinite(out).all())
-
-
-def _widen_rows(data: np.ndarray, out: np.ndarray, first: int, last: int) -> bool:
-    """Rows ``[first, last)`` of a stored ``[out, in]`` matrix widened into ``out`` (held
-    ``[in, out]``), :data:`_TRANSPOSE_ROWS` at a time; whether every value was finite."""
-    finite = True
-    for row in range(first, last, _TRANSPOSE_ROWS):
-        stop = min(row + _TRANSPOSE_ROWS, last)
-        block = np.empty((stop - row, data.shape[1]), np.float32)
-        finite = _widen_block(data[row:stop], block) and finite
-        out[:, row:stop] = block.T
-    return finite
-
-
 def _widen(data: np.ndarray, transpose: bool) -> tuple[np.ndarray, bool]:
-    """``(FP32 copy of data in this project's layout, all finite)``, block by block on every
-    core (numpy's loops release the GIL): each block is widened contiguously, checked for
-    finite values while in cache, then scattered into place; the blocks of one tensor are
-    split among the threads in contiguous ranges (disjoint parts of the result)."""
+    """``(FP32 copy of data in this project's layout, all finite)``, block by block: each block
+    is widened contiguously (ml_dtypes' cast loop is slow on a strided view), checked for
+    finite values while in cache, then scattered into place."""
+    finite = True
     if not transpose:
         out = _aligned_fp32(data.shape)
         flat, source = out.reshape(-1), data.reshape(-1)
-        starts = range(0, flat.size, _CHUNK)
-        work = [(source[i : i + _CHUNK], flat[i : i + _CHUNK]) for i in starts]
-        # every block converted before the verdict (a refusal counts the non-finite values)
-        return out, all(list(_pool().map(lambda pair: _widen_block(*pair), work)))
+        for first in range(0, flat.size, _CHUNK):
+            part = flat[first : first + _CHUNK]
+            np.copyto(part, source[first : first + _CHUNK], casting="unsafe")
+            finite = finite and bool(np.isfinite(part).all())
+        return out, finite
     rows, cols = data.shape  # stored [out, in]; held [in, out]
     out = _aligned_fp32((cols, rows))
-    step = -(-rows // _THREADS // _TRANSPOSE_ROWS) * _TRANSPOSE_ROWS  # whole blocks per thread
-    ranges = [(first, min(first + step, rows)) for first in range(0, rows, step)]
-    return out, all(list(_pool().map(lambda r: _widen_rows(data, out, *r), ranges)))
+    for first in range(0, rows, _TRANSPOSE_ROWS):
+        block = data[first : first + _TRANSPOSE_ROWS].astype(np.float32)
+        finite = finite and bool(np.isfinite(block).all())
+        out[:, first : first + block.shape[0]] = block.T
+    return out, finite
 
 
 def read_fp32(
