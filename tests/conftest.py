@@ -99,10 +99,12 @@ def pytest_runtest_makereport(item, call):
 # persistent cache in the environment of every process the tests start, one directory per
 # session under the session's temporary root (every session starts cold; nothing carries over
 # from another run), lets each process after the first load those executables instead of
-# compiling them. A worker given its own cache (`--compilation-cache`, as the pipeline does)
-# uses that one. A loaded executable computes what a compiled one does: every update's state
-# hash, the final hash and the export's bytes are the same without the cache, cold and warm
-# (README, Development). In this process the setting counts only where JAX is first imported
+# compiling them. The pipeline's train stage and recovery proof pass this directory to their
+# workers too (`attempt.options.computation_cache`: the cache the environment names wins over
+# the work dir's), so a computation the suite ran before loads its programs; a worker the tests
+# give their own `--compilation-cache` uses that one. A loaded executable computes what a
+# compiled one does: every update's state hash, the final hash and the export's bytes are the
+# same without the cache, cold and warm (README, Development). In this process the setting counts only where JAX is first imported
 # after it (in a whole run, test modules import JAX while they are collected, before): its tests
 # rarely compile one program twice, and writing out every small one cost more than it saved.
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import test_llama
@@ -37,9 +38,24 @@ def reference(export):
     with pytest.MonkeyPatch.context() as patch:
         test_llama.flax_rope_theta.__wrapped__(patch)(hf["rope_theta"])
         flax = _flax_model(directory, hf)
+        width = hf["max_position_embeddings"]
+        # Every row runs at one width, compiled once: run op by op at each row's own length,
+        # transformers' model compiled every operation again per length (the greedy reference
+        # below asks for ~40 lengths: minutes). The model is causal, so a position's logits do
+        # not depend on the tokens padded after it; checked here with two different paddings.
+        logits_of = jax.jit(lambda params, ids_1xW: flax(ids_1xW, params=params).logits[0])
+
+        def logits_TxV(ids: list[int], pad: int = 0) -> np.ndarray:
+            assert len(ids) <= width, (len(ids), width)
+            row = np.full((1, width), pad, np.int32)
+            row[0, : len(ids)] = ids
+            return np.asarray(logits_of(flax.params, row)[: len(ids)], np.float64)
+
+        probe = [BOS, *_bytes("causal?")]
+        assert np.array_equal(logits_TxV(probe), logits_TxV(probe, pad=EOS))
 
         def log_probs(ids: list[int]) -> np.ndarray:
-            logits = np.asarray(flax(np.asarray([ids], np.int32)).logits[0], np.float64)
+            logits = logits_TxV(ids)
             return (
                 logits
                 - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))[:, None]

@@ -396,9 +396,15 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(space, reference):
+def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(
+    space, reference, monkeypatch
+):
     """prepare → train (worker subprocess, cache under the work dir) → evaluate, as Snakemake runs them."""
     import shutil
+
+    # the work dir's cache is the default: without a JAX cache named by the environment (the
+    # test session names one; the choice is checked below)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
 
     from minifield.pipeline import evaluation, preparation, training
 
@@ -461,3 +467,17 @@ def test_pipeline_stages_prepare_train_evaluate_select_on_dev_and_test_once(spac
     again = recipe.strategy.evaluate_export(recipe.data, root / "selected-export")
     assert again["dev_exact_match"] == best["dev"]["dev_exact_match"]
     assert again["dev_loss"] == pytest.approx(best["dev"]["dev_loss"], rel=1e-6)
+
+
+def test_pipeline_workers_use_the_jax_cache_the_environment_names_else_the_work_dirs(
+    tmp_path, monkeypatch
+):
+    from minifield.attempt.options import computation_cache
+
+    work = tmp_path / "work" / "0123abcd"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "shared"))
+    assert computation_cache(work) == tmp_path / "shared"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")  # set but empty: JAX's "no cache"
+    assert computation_cache(work) == tmp_path / "work" / "0123abcd" / "jax-cache"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert computation_cache(work) == tmp_path / "work" / "0123abcd" / "jax-cache"

@@ -1,6 +1,7 @@
 """Real Snakemake runs of the pipeline on the small linear workload."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -122,6 +123,10 @@ def test_train_resumes_a_failed_attempt_with_a_fresh_attempt_id(tmp_path, linear
         for line in (project / result["attempt_dir"] / "events.jsonl").read_text().splitlines()
     ]
     assert next(e for e in events if e["type"] == "restored")["step"] == 4
+    # the train stage's worker used the JAX cache this session's environment names (conftest),
+    # shared with every computation the suite runs, not one of its own under the work dir
+    compiled = next(e for e in events if e["type"] == "compiled")
+    assert compiled["compilation_cache"] == os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):

@@ -3,6 +3,7 @@ resumes from, operational limits and faults (none of them in the computation dig
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,17 @@ class Options:
     faults: Faults = field(default_factory=Faults)
     #: the processes of this attempt (one, unless started with ``--distributed``)
     group: distributed.Group = field(default_factory=distributed.Group)
+
+
+def computation_cache(work_dir: Path) -> Path:
+    """The compilation cache the pipeline gives a computation's workers (training and its
+    recovery proof): the directory the environment names for JAX's own cache
+    (``JAX_COMPILATION_CACHE_DIR``), so every computation of a user's (or a test session's)
+    runs shares one, else the computation's ``work_dir/jax-cache``. Either way a retried or
+    resumed attempt finds the executables of the attempts before it; a loaded executable
+    computes what a compiled one does (README, Development)."""
+    named = os.environ.get("JAX_COMPILATION_CACHE_DIR", "").strip()
+    return Path(named) if named else Path(work_dir) / "jax-cache"
 
 
 def enable_compilation_cache(directory: Path) -> None:

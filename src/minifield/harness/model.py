@@ -7,7 +7,7 @@ group), which ``minifield-lm-eval`` (:mod:`.cli`) and :mod:`.run` do before hand
 Scoring runs our forward over whole rows, ``batch_size`` requests at a time, rows padded to a
 multiple of 32 positions and batches to ``batch_size`` rows, so a handful of compilations serve a
 whole task. Generation is the export's greedy generation (a Llama model's key/value cache),
-batched; a stop sequence cuts the decoded text at its first occurrence, which is what greedy
+batched by token budget, batches filled to ``batch_size`` rows; a stop sequence cuts the decoded text at its first occurrence, which is what greedy
 generation token by token would have returned.
 """
 
@@ -211,12 +211,17 @@ class MinifieldLM(TemplateLM):
 
     def generate_until(self, requests, **_options) -> list[str]:
         """Greedy continuations, cut at the first stop sequence (``until``), at most
-        ``max_gen_toks`` tokens, ending early at ``<eos>``; batched by settings."""
-        groups: dict[tuple, list[int]] = {}
-        for number, request in enumerate(requests):
-            groups.setdefault(self._generation_settings(request.args[1]), []).append(number)
+        ``max_gen_toks`` tokens, ending early at ``<eos>``.
+
+        Requests are batched by token budget alone (stop sequences only cut the decoded text)
+        and every batch is filled up to ``batch_size`` rows, so a task compiles one generation
+        loop per buffer length, not one per batch size or per set of stop sequences."""
+        groups: dict[int, list[int]] = {}
+        settings = [self._generation_settings(request.args[1]) for request in requests]
+        for number, (_, max_gen) in enumerate(settings):
+            groups.setdefault(max_gen, []).append(number)
         out: list[str | None] = [None] * len(requests)
-        for (until, max_gen), numbers in groups.items():
+        for max_gen, numbers in groups.items():
             room = self.max_length - max_gen
             if room < 1:
                 raise HarnessModelError(
@@ -227,10 +232,11 @@ class MinifieldLM(TemplateLM):
             for start in range(0, len(numbers), self.batch_size):
                 chosen = numbers[start : start + self.batch_size]
                 prompts = [self.tok_encode(requests[n].args[0])[-room:] for n in chosen]
-                for n, new in zip(
-                    chosen, loading.generate(self.loaded, prompts, max_gen, self.cache), strict=True
-                ):
-                    out[n] = cut_at_stop(self.tok_decode(new), until)
+                # filler rows repeat the first prompt (rows are independent); their output is dropped
+                filler = [prompts[0]] * (self.batch_size - len(prompts))
+                generated = loading.generate(self.loaded, prompts + filler, max_gen, self.cache)
+                for n, new in zip(chosen, generated[: len(chosen)], strict=True):
+                    out[n] = cut_at_stop(self.tok_decode(new), settings[n][0])
                     self.cache_hook.add_partial("generate_until", requests[n].args, out[n])
         return out  # type: ignore[return-value]
 

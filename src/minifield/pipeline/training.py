@@ -17,6 +17,7 @@ from pathlib import Path
 from .. import atomic
 from .. import recipe as recipes
 from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT
+from ..attempt.options import computation_cache
 from ..proof.document import DEFAULT_MODE, PROOF_FILE
 from ..proof.prove import prove
 from ..proof.verdict import verdict
@@ -187,7 +188,7 @@ def train_attempt(
         attempt_id,
         # Compiled executables persist across attempts: a resumed attempt starts updating sooner.
         "--compilation-cache",
-        str(work_dir / "jax-cache"),
+        str(computation_cache(work_dir)),
     ]
     if previous is not None:
         args += ["--resume-from", previous]

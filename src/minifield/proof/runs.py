@@ -16,6 +16,7 @@ from .. import atomic
 from ..attempt.chain import committed_checkpoints
 from ..attempt.events import read as read_events
 from ..attempt.layout import ATTEMPT_JSON, CHECKPOINTS, EVENTS, RESULT
+from ..attempt.options import computation_cache
 from ..supervision import supervise as supervisor
 from .document import EXIT_FAILED, EXIT_PREEMPTED, PREEMPT_HOLD_S, PROOF_HASH_EVERY
 
@@ -87,7 +88,7 @@ class Runs:
             "--state-hash-every", str(PROOF_HASH_EVERY),
             # Shared with training: the proof's runs compile once, and the proof then also
             # covers a resume that loads its executable from the persistent cache.
-            "--compilation-cache", Path(work_dir) / "jax-cache",
+            "--compilation-cache", computation_cache(work_dir),
         ]  # fmt: skip
         if examples_dir is not None:
             self.common += ["--examples", examples_dir]
