@@ -44,3 +44,39 @@ def answer_logps(params, cfg, batch: dict) -> dict:
         "rejected_len": counts[:, 1::2],
         "valid": (batch["pair_index"] >= 0).astype(jnp.float32),
     }
+
+
+#: the per-pair values :func:`by_pair` gathers
+PAIR_VALUES = ("chosen", "rejected", "chosen_len", "rejected_len")
+
+
+def padded(rows: dict, n: int) -> dict:
+    """``rows`` with empty rows appended up to ``n`` (no segment, no pair), so every batch of
+    an evaluation has one shape (one compilation)."""
+    import numpy as np
+
+    extra = n - rows["tokens"].shape[0]
+    if extra <= 0:
+        return rows
+    fill = {"pair_index": -1}
+    return {
+        k: np.concatenate([v, np.full((extra, *v.shape[1:]), fill.get(k, 0), v.dtype)])
+        for k, v in rows.items()
+    }
+
+
+def by_pair(logps_fn, rows: dict, batch_size: int, n_pairs: int) -> dict:
+    """Per pair of the file (``[n_pairs]`` float32, NaN for a pair not packed): the values of
+    :data:`PAIR_VALUES` that ``logps_fn(batch)`` (:func:`answer_logps` bound to parameters)
+    gives for the packed ``rows``, ``batch_size`` rows at a time."""
+    import numpy as np
+
+    out = {k: np.full(n_pairs, np.nan, np.float32) for k in PAIR_VALUES}
+    for start in range(0, rows["tokens"].shape[0], batch_size):
+        chunk = padded({k: v[start : start + batch_size] for k, v in rows.items()}, batch_size)
+        values = logps_fn(chunk)
+        index = np.asarray(chunk["pair_index"])
+        held = index >= 0
+        for key in PAIR_VALUES:
+            out[key][index[held]] = np.asarray(values[key])[held]
+    return out

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-LOSSES = ("dpo", "ipo", "simpo", "orpo")
-#: the losses that read the reference model's log-probabilities
-WITH_REFERENCE = ("dpo", "ipo")
+from .settings import LOSSES, WITH_REFERENCE
+
+__all__ = ["LOSSES", "WITH_REFERENCE", "LossSettings", "batch_loss", "pair_losses"]
 
 
 @dataclass(frozen=True)

@@ -236,3 +236,21 @@ def pack(pairs: list[EncodedPair], seq_len: int, overlong: str, pad_id: int) -> 
         "efficiency": real / (rows * seq_len) if rows else 0.0,
     }
     return PackedPairs(arrays, stats)
+
+
+def unpack(rows: dict[str, np.ndarray]) -> dict[int, EncodedPair]:
+    """The pairs packed rows hold, by pair index: each segment's tokens split at its first
+    answer token (the inverse of :func:`pack` for the pairs it kept)."""
+    out = {}
+    for row, slots in enumerate(rows["pair_index"]):
+        for slot, index in enumerate(slots):
+            if index < 0:
+                continue
+            sides = []
+            for side in (1, 2):
+                where = rows["segments"][row] == 2 * slot + side
+                tokens = rows["tokens"][row][where].tolist()
+                first = int(np.argmax(rows["loss_mask"][row][where] > 0))
+                sides.append((tokens[:first], tokens[first:]))
+            out[int(index)] = EncodedPair(sides[0][0], sides[0][1], sides[1][1])
+    return out
