@@ -41,6 +41,8 @@ DATA_FILE, RECORD_FILE = "reference.safetensors", "reference.json"
 DIGEST_KEY = "minifield.reference_digest"
 #: bumped when the same spec computes other numbers
 REFERENCE_VERSION = 1
+#: the pin of a reference input a recipe does not pin yet (never read)
+PLACEHOLDER_SHA256 = "0" * 64
 #: the evaluation batch (packed rows) the reference pass runs at
 BATCH_ROWS = 64
 
@@ -58,18 +60,24 @@ def _document(recipe) -> dict:
 
 
 def pairs_recipe(recipe) -> dict:
-    """The validated recipe of the same pairs and base without a reference: the input
-    ``preference.reference`` names dropped, the loss reference-free. ``recipe``: a path, a
-    parsed document or a validated :class:`minifield.recipe.Recipe`."""
+    """The validated recipe without its reference input: the pairs and base the reference is
+    computed from. ``recipe``: a path, a parsed document or a validated
+    :class:`minifield.recipe.Recipe`. The whole recipe is validated (a bad β is refused here
+    too); a reference input it does not pin yet (the file is what is about to be computed)
+    stands in as a placeholder that nothing reads."""
     from ...recipe import validate
 
     data = copy.deepcopy(_document(recipe))
-    named = (data.get("preference") or {}).get("reference")
-    data["inputs"] = [i for i in data.get("inputs", []) if i.get("name") != named]
-    data["preference"] = {"loss": "orpo"}
-    (data.get("evaluation") or {}).pop("min_dev_reward_accuracy", None)
+    section = data.get("preference")
+    named = section.get("reference") if isinstance(section, dict) else None
+    inputs = data.get("inputs")
+    if isinstance(named, str) and isinstance(inputs, list):
+        if named not in [i.get("name") for i in inputs if isinstance(i, dict)]:
+            inputs.append({"name": named, "path": named, "sha256": PLACEHOLDER_SHA256})
     source = str(recipe) if isinstance(recipe, str | Path) else "<recipe>"
-    return validate(data, source).data
+    data = validate(data, source).data
+    data["inputs"] = [i for i in data["inputs"] if i["name"] != named]
+    return data
 
 
 def spec(data: dict) -> dict:
