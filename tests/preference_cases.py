@@ -1,6 +1,6 @@
-"""Preference recipes over the demo base (data/llama-base, trained to reverse letter strings):
-pairs whose chosen answer is the reversed prompt and whose rejected answer is a near miss
-(its last two letters swapped), half of them in the ``messages`` shape."""
+"""Preference recipes over the demo base (data/llama-base, pretrained on ``reverse: word``
+among other tasks): pairs whose chosen answer is the reversed word and whose rejected answer
+is a near miss (its last two letters swapped), half of them in the ``messages`` shape."""
 
 from __future__ import annotations
 
@@ -38,18 +38,19 @@ def near_miss(answer: str) -> str:
 def pair_rows(words: list[str], flip: bool = False) -> list[dict]:
     rows = []
     for n, word in enumerate(words):
+        prompt = f"reverse: {word}"  # the task as the demo base was trained on it
         good, bad = word[::-1], near_miss(word[::-1])
         chosen, rejected = (bad, good) if flip else (good, bad)
         if n % 2:
             rows.append(
                 {
-                    "messages": [{"role": "user", "content": word}],
+                    "messages": [{"role": "user", "content": prompt}],
                     "chosen": chosen,
                     "rejected": rejected,
                 }
             )
         else:
-            rows.append({"prompt": word, "chosen": chosen, "rejected": rejected})
+            rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return rows
 
 

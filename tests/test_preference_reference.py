@@ -11,12 +11,14 @@ import math
 import jax
 import numpy as np
 import pytest
+from conftest import write_recipe
 from family_reference import reference_logits
 from preference_cases import BASE_DIR, make_inputs, recipe, sha, with_reference
 from safetensors.numpy import load_file
 
 from minifield import recipe as recipes
 from minifield.inputs import pinned
+from minifield.pipeline import reference_logprobs
 from minifield.strategies.preference import pairs, reference
 
 DPO = {"loss": "dpo", "beta": 0.5}
@@ -25,25 +27,34 @@ DPO = {"loss": "dpo", "beta": 0.5}
 @pytest.fixture(scope="module")
 def computed(tmp_path_factory):
     root = make_inputs(tmp_path_factory.mktemp("pref") / "in")
-    record = reference.compute(recipe(root, {"loss": "simpo"}), root, root / "ref")
+    record = reference.compute(
+        recipes.validate(recipe(root, {"loss": "simpo"})), root, root / "ref"
+    )
     return root, record
 
 
 def test_the_address_ignores_the_loss_and_beta_and_follows_the_pairs(computed, tmp_path):
     root, record = computed
     digests = {
-        reference.reference_digest(recipe(root, settings), root)
+        reference.reference_digest(recipes.validate(recipe(root, settings)), root)
         for settings in ({"loss": "simpo"}, {"loss": "orpo"}, {"loss": "simpo", "beta": 5.0})
     }
-    dpo = with_reference(recipe(root, DPO), root, "ref/reference.safetensors")
-    assert digests | {reference.reference_digest(dpo, root)} == {record["digest"]}
+    pinned_dpo = with_reference(recipe(root, DPO), root, "ref/reference.safetensors")
+    digests.add(reference.reference_digest(recipes.validate(pinned_dpo), root))
+    # a DPO recipe before its reference exists (the stage that computes it): a placeholder
+    unpinned = write_recipe(tmp_path / "dpo.json", recipe(root, DPO | {"reference": "ref"}))
+    digests.add(reference_logprobs.digest(unpinned, root))
+    assert digests == {record["digest"]}
     edited = make_inputs(tmp_path / "in")
     path = edited / "pairs" / "dev.jsonl"
     path.write_text(path.read_text().replace('"chosen": "', '"chosen": "z', 1))
-    assert (
-        reference.reference_digest(recipe(edited, DPO | {"reference": "x"}), edited)
-        != (record["digest"])
-    )
+    moved = write_recipe(tmp_path / "edited.json", recipe(edited, DPO | {"reference": "ref"}))
+    assert reference_logprobs.digest(moved, edited) != record["digest"]
+    with pytest.raises(recipes.RecipeError, match="/preference/beta"):
+        reference_logprobs.digest(
+            write_recipe(tmp_path / "b.json", recipe(root, DPO | {"beta": 0, "reference": "r"})),
+            root,
+        )
 
 
 def test_the_file_holds_each_pairs_base_log_probs_as_the_numpy_forward_gives(computed):
@@ -104,7 +115,7 @@ def test_a_tampered_reference_is_refused_by_its_pin(computed, tmp_path):
 def test_a_reference_computed_for_other_pairs_is_refused_naming_the_file(computed, tmp_path):
     root, _ = computed
     other = make_inputs(tmp_path / "other", seed=12)
-    reference.compute(recipe(other, {"loss": "simpo"}), other, other / "ref")
+    reference.compute(recipes.validate(recipe(other, {"loss": "simpo"})), other, other / "ref")
     # this recipe's pairs, the other pairs' reference file (pinned with its true sha256)
     (root / "foreign").mkdir(exist_ok=True)
     foreign = root / "foreign" / reference.DATA_FILE

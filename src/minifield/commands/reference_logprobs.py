@@ -13,11 +13,11 @@ from pathlib import Path
 
 def run(args) -> int:
     from ..inputs.pinned import InputError
+    from ..pipeline import reference_logprobs
     from ..recipe import RecipeError
-    from ..strategies.preference import reference
 
     try:
-        record = reference.compute(args.recipe, args.input_root, args.out)
+        record = reference_logprobs.compute(args.recipe, args.input_root, args.out)
     except RecipeError as exc:
         problems = "; ".join(f"{e['path'] or '/'}: {e['message']}" for e in exc.errors)
         print(f"minifield reference-logprobs: {exc.source}: {problems}", file=sys.stderr)

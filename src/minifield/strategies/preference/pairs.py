@@ -175,8 +175,7 @@ def fit(p: EncodedPair, seq_len: int, overlong: str) -> tuple[EncodedPair | None
     room = seq_len - 2 * len(p.prompt)  # answer tokens the row holds
     if overlong == "reject" or room < 2:
         return None, "rejected"
-    short, long = sorted((len(p.chosen), len(p.rejected)))
-    keep_short = min(short, room // 2)
+    keep_short = min(len(p.chosen), len(p.rejected), room // 2)
     keep_long = room - keep_short
     if len(p.chosen) <= len(p.rejected):
         keep_c, keep_r = keep_short, keep_long

@@ -51,31 +51,26 @@ class ReferenceError(InputError):
     """A reference file that is not the one for this recipe (an invalid input: exit 2)."""
 
 
-def _document(recipe) -> dict:
-    if isinstance(recipe, str | Path):
-        from ...recipe import read_document
-
-        return read_document(recipe)
-    return recipe.data if hasattr(recipe, "data") else recipe
-
-
-def pairs_recipe(recipe) -> dict:
-    """The validated recipe without its reference input: the pairs and base the reference is
-    computed from. ``recipe``: a path, a parsed document or a validated
-    :class:`minifield.recipe.Recipe`. The whole recipe is validated (a bad β is refused here
-    too); a reference input it does not pin yet (the file is what is about to be computed)
-    stands in as a placeholder that nothing reads."""
-    from ...recipe import validate
-
-    data = copy.deepcopy(_document(recipe))
-    section = data.get("preference")
+def pending(document: dict) -> dict:
+    """A copy of a recipe document whose reference input is not pinned yet (the file about
+    to be computed), with a placeholder pin (:data:`PLACEHOLDER_SHA256`, never read) so that
+    the rest of it validates; :func:`pairs_data` drops it again."""
+    out = copy.deepcopy(document)
+    section = out.get("preference")
     named = section.get("reference") if isinstance(section, dict) else None
-    inputs = data.get("inputs")
+    inputs = out.get("inputs")
     if isinstance(named, str) and isinstance(inputs, list):
         if named not in [i.get("name") for i in inputs if isinstance(i, dict)]:
             inputs.append({"name": named, "path": named, "sha256": PLACEHOLDER_SHA256})
-    source = str(recipe) if isinstance(recipe, str | Path) else "<recipe>"
-    data = validate(data, source).data
+    return out
+
+
+def pairs_data(recipe) -> dict:
+    """A validated recipe's data (``recipe``: a :class:`minifield.recipe.Recipe` or its
+    ``data``) without its reference input: the pairs and base the reference is computed
+    from."""
+    data = copy.deepcopy(recipe.data if hasattr(recipe, "data") else recipe)
+    named = data["preference"].get("reference")
     data["inputs"] = [i for i in data["inputs"] if i["name"] != named]
     return data
 
@@ -100,13 +95,14 @@ def spec(data: dict) -> dict:
 
 
 def reference_digest(recipe, input_root) -> str:
-    """The digest addressing a recipe's reference directory (see the module docstring).
+    """The digest addressing a validated recipe's reference directory (see the module
+    docstring; ``recipe``: a :class:`minifield.recipe.Recipe` or its ``data``).
 
-    Reads no file but the recipe: the pins say what the files hold, and :func:`compute`
+    Reads no file: the pins say what the files hold, and :func:`compute`
     verifies them. A pair or base input missing under ``input_root`` is refused
     (:class:`~minifield.inputs.pinned.InputError`, naming it), so no address is given out
     for files that are not there."""
-    data = pairs_recipe(recipe)
+    data = pairs_data(recipe)
     described = spec(data)
     wanted = {*described["base_inputs"], *SPLITS}
     for item in data["inputs"]:
@@ -118,8 +114,9 @@ def reference_digest(recipe, input_root) -> str:
 
 
 def compute(recipe, input_root, out_dir) -> dict:
-    """Compute the reference log-probabilities into ``out_dir`` (see the module docstring);
-    returns the record written as ``reference.json``. Every pinned input is verified first;
+    """Compute the reference log-probabilities of a validated recipe (a
+    :class:`minifield.recipe.Recipe` or its ``data``) into ``out_dir`` (see the module
+    docstring); returns the record written as ``reference.json``. Every pinned input is verified first;
     nothing is written unless all of it is computed."""
     import jax
 
@@ -127,7 +124,7 @@ def compute(recipe, input_root, out_dir) -> dict:
     from ...inputs import pinned
     from . import logprobs, prepared
 
-    data = pairs_recipe(recipe)
+    data = pairs_data(recipe)
     pinned.verify(data, Path(input_root))
     files = pinned.files_by_name(data, Path(input_root))
     arrays, meta = prepared.prepare_pairs(data, files)
