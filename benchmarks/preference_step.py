@@ -2,7 +2,7 @@
 pass ÷ one forward over the same tokens, measured side by side in one run.
 
 The model: Llama architecture (``--d-model``, ``--layers``, GQA, vocabulary ``--vocab``).
-The rows: random pairs (a prompt of 16–48 tokens, two answers of 24–96) packed two segments
+The rows: random pairs (a prompt of seq/16 to seq/8 tokens, two answers of seq/12 to seq/4) packed two segments
 per pair into ``--batch`` rows of ``--seq`` slots by :func:`minifield.strategies.preference.pairs.pack`.
 
 - **preference**: ``sft_step.make_train_step`` with the preference objective (DPO, reference
@@ -24,25 +24,32 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minifield.strategies.packed_sft import llama, model, optimizer, sft_step
-from minifield.strategies.preference import logprobs, losses, pairs
-from minifield.strategies.preference.program import make_objective
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _llama_shape  # noqa: E402
+
+from minifield.strategies.packed_sft import model, optimizer, sft_step  # noqa: E402
+from minifield.strategies.preference import logprobs, losses, pairs  # noqa: E402
+from minifield.strategies.preference.program import make_objective  # noqa: E402
 
 
 def _rows(args) -> dict:
     rng = np.random.default_rng(0)
     made = []
-    for _ in range(4 * args.batch * args.seq // 200):
-        prompt = rng.integers(3, args.vocab, rng.integers(16, 49)).tolist()
+    for _ in range(3 * args.batch):  # about two pairs fill a row: more than enough rows
+        prompt = rng.integers(3, args.vocab, rng.integers(args.seq // 16, args.seq // 8))
         chosen, rejected = (
-            rng.integers(3, args.vocab, rng.integers(24, 97)).tolist() for _ in "ab"
+            rng.integers(3, args.vocab, rng.integers(args.seq // 12, args.seq // 4)).tolist()
+            for _ in "ab"
         )
+        prompt = prompt.tolist()
         made.append(pairs.EncodedPair(prompt, chosen, rejected))
     packed = pairs.pack(made, args.seq, "reject", 0)
     rows = {k: v[: args.batch] for k, v in packed.arrays.items()}
@@ -54,27 +61,9 @@ def _rows(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--steps", type=int, default=5, help="timed calls per round")
-    parser.add_argument("--rounds", type=int, default=3)
+    _llama_shape.add_step_arguments(parser)
     args = parser.parse_args()
-    cfg = llama.LlamaConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_ff=4 * args.d_model,
-        max_len=args.seq,
-        compute_dtype=args.dtype,
-    )
+    cfg = _llama_shape.config(args, args.seq)
     training = {"warmup_steps": 2, "learning_rate": 1e-4}
     opt = optimizer.make_optimizer(training, 1000)
     rows = {k: jnp.asarray(v) for k, v in _rows(args).items()}
