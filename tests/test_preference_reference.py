@@ -156,3 +156,29 @@ def test_the_preference_section_is_refused_by_other_strategies_and_kept_in_the_d
     other = recipes.validate(recipe(root, {"loss": "simpo", "beta": 3.0}))
     assert one.computation_digest == same.computation_digest != other.computation_digest
     assert one.examples_digest == other.examples_digest  # a β sweep shares its examples
+
+
+def test_dpo_acceptance_checks_reward_accuracy_when_measured_and_preference_accuracy_always(
+    computed,
+):
+    root, _ = computed
+    settings = DPO | {"reference": "reference"}
+    raw = recipe(root, settings, evaluation={"min_dev_preference_accuracy": 0.75})
+    raw["evaluation"]["min_dev_reward_accuracy"] = 0.5
+    raw["inputs"].append({"name": "reference", "path": "ref/x", "sha256": "1" * 64})
+    loaded = recipes.validate(raw)
+
+    def verdict(**metrics):
+        result = loaded.strategy.acceptance(loaded.data, metrics)
+        return result["passed"], [c["name"] for c in result["checks"] if not c["passed"]]
+
+    # training's evaluation: both measured, both checked
+    assert verdict(dev_preference_accuracy=0.75, dev_reward_accuracy=0.5) == (True, [])
+    assert verdict(dev_preference_accuracy=0.75, dev_reward_accuracy=0.25) == (
+        False,
+        ["dev_reward_accuracy"],
+    )
+    # the gate's re-evaluation from an export (no reference): preference accuracy only
+    assert verdict(dev_preference_accuracy=0.75) == (True, [])
+    assert verdict(dev_preference_accuracy=0.5) == (False, ["dev_preference_accuracy"])
+    assert verdict() == (False, ["dev_preference_accuracy"])

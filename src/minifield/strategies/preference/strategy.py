@@ -106,7 +106,9 @@ class Preference(Strategy):
     def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
         evaluation = recipe["evaluation"]
         thresholds = {"dev_preference_accuracy": evaluation["min_dev_preference_accuracy"]}
-        if recipe["preference"]["loss"] in WITH_REFERENCE:
+        # the training evaluation has DPO/IPO's reward accuracy; an export's re-evaluation (the
+        # gate) cannot (no reference in it) and relies on the declared validation for it
+        if recipe["preference"]["loss"] in WITH_REFERENCE and "dev_reward_accuracy" in metrics:
             thresholds["dev_reward_accuracy"] = evaluation.get("min_dev_reward_accuracy", 0.0)
         checks = []
         for name, threshold in thresholds.items():
