@@ -13,39 +13,30 @@ calls in the same process; prints the seconds and the ratio uncached / cached.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _llama_shape  # noqa: E402
 
 from minifield.strategies.packed_sft import llama, model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=2048)
+    _llama_shape.add_model_arguments(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=192)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     length = args.prompt + args.new
-    cfg = llama.LlamaConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_ff=4 * args.d_model,
-        max_len=length,
-        compute_dtype=args.dtype,
-    )
+    cfg = _llama_shape.config(args, length)
     params = llama.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, args.vocab, args.prompt).tolist() for _ in range(args.batch)]

@@ -14,43 +14,30 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 
-from minifield.strategies.packed_sft import llama, lora, optimizer, sft_step
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _llama_shape  # noqa: E402
+
+from minifield.strategies.packed_sft import llama, lora, optimizer, sft_step  # noqa: E402
 
 ALL_TARGETS = tuple(lora.TARGETS)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
+    _llama_shape.add_step_arguments(parser)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--targets", default=",".join(ALL_TARGETS))
     parser.add_argument("--base-dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--steps", type=int, default=5, help="timed updates per round")
-    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    cfg = llama.LlamaConfig(
-        vocab_size=args.vocab,
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        d_ff=4 * args.d_model,
-        max_len=args.seq,
-        compute_dtype=args.dtype,
-    )
+    cfg = _llama_shape.config(args, args.seq)
     settings = lora.LoraSettings(
         args.rank, float(2 * args.rank), tuple(args.targets.split(",")), args.base_dtype
     )
