@@ -1,9 +1,10 @@
-"""Llama train-step benchmark: the project's packed-SFT step against a minimal JAX+optax loop.
+"""Llama train-step benchmark: the project's packed-SFT step against a minimal JAX+optax loop,
+at several vocabularies (the byte vocabulary 260, 8192, Llama 3's 128,256).
 
 The model: Llama architecture, d512, 8 layers, GQA 8 query / 2 key-value heads, SwiGLU d_ff
-1408, vocabulary 8192, untied head, sequence 512, a batch of packed rows (several segments
-per row, loss on half of each). Measured in one run, interleaved round by round so the
-ratio comes from the same window on this shared machine:
+1408, untied head, sequence 512, a batch of packed rows (several segments per row, loss on half
+of each); only the vocabulary changes between lines. Measured in one run, interleaved round by
+round so each ratio comes from the same window on this shared machine:
 
 - **ours**: ``LlamaConfig`` + ``optimizer.make_optimizer`` + ``sft_step.make_train_step``,
   jit-compiled once with the state donated, exactly as the worker runs it;
@@ -13,21 +14,23 @@ ratio comes from the same window on this shared machine:
   adamw(warmup+cosine))``, ``jax.jit`` with donation; in BF16 mode each product is BF16 x
   BF16 with FP32 accumulation in forward and backward (its own custom VJP), as ours.
 
-Printed: median step time of each, ours / minimal (goal ≤ 1.05), per compute dtype.
+Printed per vocabulary and compute dtype: median step time of each (wall and CPU time of the
+process), ours / minimal (goal <= 1.05), and the load average before and after.
 
-    uv run --locked python benchmarks/llama_step.py [--batch 2] [--rounds 5] [--steps 3]
+    uv run --locked python benchmarks/llama_step.py [--vocabs 260,8192,128256] [--batch 1]
+        [--rounds 5] [--steps 2] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_minimal as minimal  # noqa: E402
@@ -36,63 +39,82 @@ from minifield.strategies.packed_sft.llama import LlamaConfig  # noqa: E402
 from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
 from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step  # noqa: E402
 
-D, LAYERS, HEADS, KV_HEADS, D_FF, VOCAB, SEQ = 512, 8, 8, 2, 1408, 8192, 512
+D, LAYERS, HEADS, KV_HEADS, D_FF, SEQ = 512, 8, 8, 2, 1408, 512
 THETA, EPS = 10000.0, 1e-6
 MAX_STEPS = 1000
-F32, BF16 = jnp.float32, jnp.bfloat16
-SHAPE = minimal.Shape(D, LAYERS, HEADS, KV_HEADS, D_FF, VOCAB, THETA, EPS)
 
 
-# ----------------------------------------------------------------------------- timing
+def _loops(vocab: int, dtype: str, batch: dict):
+    """``{"ours": run, "minimal": run}``, each compiled (one step taken); ``run(n)`` takes
+    ``n`` more steps and waits for them."""
+    cfg = LlamaConfig(
+        vocab_size=vocab, d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
+        d_ff=D_FF, max_len=SEQ, rope_theta=THETA, norm_eps=EPS, compute_dtype=dtype,
+    )  # fmt: skip
+    optimizer = make_optimizer({}, MAX_STEPS)
+    ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
+    shape = minimal.Shape(D, LAYERS, HEADS, KV_HEADS, D_FF, vocab, THETA, EPS)
+    mini, params, opt_state = minimal.make_step(shape, cfg.dtype, MAX_STEPS)
+    held = {"ours": init_train_state(cfg, optimizer, seed=0), "minimal": (params, opt_state)}
+
+    def run_ours(n: int) -> None:
+        for _ in range(n):
+            held["ours"], metrics = ours(held["ours"], batch)
+        jax.block_until_ready(metrics)
+
+    def run_minimal(n: int) -> None:
+        params, opt_state = held["minimal"]
+        for _ in range(n):
+            params, opt_state, loss = mini(params, opt_state, batch)
+        jax.block_until_ready(loss)
+        held["minimal"] = (params, opt_state)
+
+    run_ours(1)
+    run_minimal(1)
+    return {"ours": run_ours, "minimal": run_minimal}
+
+
+def measure(vocab: int, dtype: str, batch_rows: int, rounds: int, steps: int) -> dict:
+    """Per-step medians ``{(loop, "wall" | "cpu"): seconds}``, the two loops interleaved."""
+    loops = _loops(vocab, dtype, minimal.packed_batch(batch_rows, SEQ, vocab))
+    times = {(name, clock): [] for name in loops for clock in ("wall", "cpu")}
+    for _ in range(rounds):
+        for name, run in loops.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            run(steps)
+            times[name, "wall"].append((time.perf_counter() - wall) / steps)
+            times[name, "cpu"].append((time.process_time() - cpu) / steps)
+    return {key: statistics.median(values) for key, values in times.items()} | {"raw": times}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--vocabs", default="260,8192,128256")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()
-    batch = minimal.packed_batch(args.batch, SEQ, VOCAB)
     print(
-        f"Llama d{D}, {LAYERS} layers, GQA {HEADS}/{KV_HEADS}, d_ff {D_FF}, vocab {VOCAB}, "
-        f"seq {SEQ}, batch {args.batch}; {jax.device_count()} {jax.devices()[0].platform} "
-        f"device(s); median of {args.rounds} rounds x {args.steps} steps"
+        f"Llama d{D}, {LAYERS} layers, GQA {HEADS}/{KV_HEADS}, d_ff {D_FF}, seq {SEQ}, "
+        f"batch {args.batch}; {jax.device_count()} {jax.devices()[0].platform} device(s), "
+        f"{os.cpu_count()} cpus; median of {args.rounds} rounds x {args.steps} steps, "
+        "interleaved"
     )
-    for dtype in args.dtypes.split(","):
-        cfg = LlamaConfig(
-            vocab_size=VOCAB, d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
-            d_ff=D_FF, max_len=SEQ, rope_theta=THETA, norm_eps=EPS, compute_dtype=dtype,
-        )  # fmt: skip
-        optimizer = make_optimizer({}, MAX_STEPS)
-        ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
-        state = init_train_state(cfg, optimizer, seed=0)
-        mini, params, opt_state = minimal.make_step(
-            SHAPE, BF16 if dtype == "bfloat16" else F32, MAX_STEPS
-        )
-        state, _ = ours(state, batch)  # compile
-        jax.block_until_ready(state)
-        params, opt_state, loss = mini(params, opt_state, batch)
-        jax.block_until_ready(loss)
-        times = {"ours": [], "minimal": []}
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                state, metrics = ours(state, batch)
-            jax.block_until_ready(metrics)
-            times["ours"].append((time.perf_counter() - start) / args.steps)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                params, opt_state, loss = mini(params, opt_state, batch)
-            jax.block_until_ready(loss)
-            times["minimal"].append((time.perf_counter() - start) / args.steps)
-        ours_s, mini_s = (statistics.median(times[k]) for k in ("ours", "minimal"))
-        print(
-            f"{dtype:>9}: ours {ours_s:.3f} s/step, minimal {mini_s:.3f} s/step -> "
-            f"ours / minimal = {ours_s / mini_s:.3f} (goal <= 1.05); "
-            f"rounds ours {[round(t, 3) for t in times['ours']]}, "
-            f"minimal {[round(t, 3) for t in times['minimal']]}"
-        )
+    for vocab in (int(v) for v in args.vocabs.split(",")):
+        for dtype in args.dtypes.split(","):
+            load = os.getloadavg()[0]
+            m = measure(vocab, dtype, args.batch, args.rounds, args.steps)
+            print(
+                f"vocab {vocab:>6} {dtype:>8}: ours {m['ours', 'wall']:.3f} s/step, minimal "
+                f"{m['minimal', 'wall']:.3f} s/step -> ours / minimal = "
+                f"{m['ours', 'wall'] / m['minimal', 'wall']:.3f} wall, "
+                f"{m['ours', 'cpu'] / m['minimal', 'cpu']:.3f} CPU time (goal <= 1.05); "
+                f"load {load:.2f} -> {os.getloadavg()[0]:.2f}; rounds ours "
+                f"{[round(t, 3) for t in m['raw']['ours', 'wall']]}, minimal "
+                f"{[round(t, 3) for t in m['raw']['minimal', 'wall']]}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
