@@ -15,7 +15,12 @@ round so each ratio comes from the same window on this shared machine:
   BF16 with FP32 accumulation in forward and backward (its own custom VJP), as ours.
 
 Printed per vocabulary and compute dtype: median step time of each (wall and CPU time of the
-process), ours / minimal (goal <= 1.05), and the load average before and after.
+process), ours / minimal (goal <= 1.05) as a ratio of the medians and as the median of each
+round's ratio, the load average before and after, and what each
+compiled step does over the vocabulary: the operations of its optimised HLO whose result has a
+vocabulary-sized axis (head product, log-softmax, its gradient, the embedding's and head's
+gradients and AdamW updates), counted by kind and shape, and whether the two loops' lists are
+the same.
 
     uv run --locked python benchmarks/llama_step.py [--vocabs 260,8192,128256] [--batch 1]
         [--rounds 5] [--steps 2] [--dtypes bfloat16,float32]
@@ -24,7 +29,9 @@ process), ours / minimal (goal <= 1.05), and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import statistics
 import sys
 import time
@@ -44,18 +51,39 @@ THETA, EPS = 10000.0, 1e-6
 MAX_STEPS = 1000
 
 
+def vocab_ops(hlo_text: str, vocab: int) -> collections.Counter:
+    """``(op, result type)`` counts of the entry computation's instructions whose result has
+    an axis of ``vocab`` elements (parameters and the output tuple left out)."""
+    entry = hlo_text[hlo_text.index("ENTRY") :].splitlines()[1:]
+    ops = collections.Counter()
+    for line in entry:
+        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* (\w[\w-]*)\(", line)
+        if (
+            m
+            and m.group(2) not in ("parameter", "tuple")
+            and re.search(rf"[\[,]{vocab}[\],]", m.group(1))
+        ):
+            kind = re.search(r"kind=(\w+)", line)
+            ops[m.group(2) + (f" {kind.group(1)}" if kind else ""), m.group(1)] += 1
+    return ops
+
+
 def _loops(vocab: int, dtype: str, batch: dict):
-    """``{"ours": run, "minimal": run}``, each compiled (one step taken); ``run(n)`` takes
-    ``n`` more steps and waits for them."""
+    """``({"ours": run, "minimal": run}, {"ours": hlo, "minimal": hlo})``, each compiled (one
+    step taken); ``run(n)`` takes ``n`` more steps and waits for them; ``hlo`` the optimised
+    HLO text of the compiled step."""
     cfg = LlamaConfig(
         vocab_size=vocab, d_model=D, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV_HEADS,
         d_ff=D_FF, max_len=SEQ, rope_theta=THETA, norm_eps=EPS, compute_dtype=dtype,
     )  # fmt: skip
     optimizer = make_optimizer({}, MAX_STEPS)
-    ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
+    state = init_train_state(cfg, optimizer, seed=0)
+    ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,)).lower(state, batch)
+    ours = ours.compile()
     shape = minimal.Shape(D, LAYERS, HEADS, KV_HEADS, D_FF, vocab, THETA, EPS)
     mini, params, opt_state = minimal.make_step(shape, cfg.dtype, MAX_STEPS)
-    held = {"ours": init_train_state(cfg, optimizer, seed=0), "minimal": (params, opt_state)}
+    mini = mini.lower(params, opt_state, batch).compile()
+    held = {"ours": state, "minimal": (params, opt_state)}
 
     def run_ours(n: int) -> None:
         for _ in range(n):
@@ -71,12 +99,14 @@ def _loops(vocab: int, dtype: str, batch: dict):
 
     run_ours(1)
     run_minimal(1)
-    return {"ours": run_ours, "minimal": run_minimal}
+    hlo = {"ours": ours.as_text(), "minimal": mini.as_text()}
+    return {"ours": run_ours, "minimal": run_minimal}, hlo
 
 
 def measure(vocab: int, dtype: str, batch_rows: int, rounds: int, steps: int) -> dict:
-    """Per-step medians ``{(loop, "wall" | "cpu"): seconds}``, the two loops interleaved."""
-    loops = _loops(vocab, dtype, minimal.packed_batch(batch_rows, SEQ, vocab))
+    """Per-step medians ``{(loop, "wall" | "cpu"): seconds}``, the two loops interleaved (and
+    ``"raw"``: every round's times; ``"ops"``: :func:`vocab_ops` of each loop)."""
+    loops, hlo = _loops(vocab, dtype, minimal.packed_batch(batch_rows, SEQ, vocab))
     times = {(name, clock): [] for name in loops for clock in ("wall", "cpu")}
     for _ in range(rounds):
         for name, run in loops.items():
@@ -84,7 +114,17 @@ def measure(vocab: int, dtype: str, batch_rows: int, rounds: int, steps: int) ->
             run(steps)
             times[name, "wall"].append((time.perf_counter() - wall) / steps)
             times[name, "cpu"].append((time.process_time() - cpu) / steps)
-    return {key: statistics.median(values) for key, values in times.items()} | {"raw": times}
+    ops = {name: vocab_ops(text, vocab) for name, text in hlo.items()}
+    return {key: statistics.median(values) for key, values in times.items()} | {
+        "raw": times,
+        "ops": ops,
+    }
+
+
+def round_ratio(raw: dict, clock: str) -> float:
+    """Median over rounds of ours / minimal within the round (each pair ran back to back)."""
+    pairs = zip(raw["ours", clock], raw["minimal", clock], strict=True)
+    return statistics.median(o / m for o, m in pairs)
 
 
 def main() -> None:
@@ -110,11 +150,18 @@ def main() -> None:
                 f"{m['minimal', 'wall']:.3f} s/step -> ours / minimal = "
                 f"{m['ours', 'wall'] / m['minimal', 'wall']:.3f} wall, "
                 f"{m['ours', 'cpu'] / m['minimal', 'cpu']:.3f} CPU time (goal <= 1.05); "
+                f"median of the rounds' ratios {round_ratio(m['raw'], 'wall'):.3f} wall, "
+                f"{round_ratio(m['raw'], 'cpu'):.3f} CPU time; "
                 f"load {load:.2f} -> {os.getloadavg()[0]:.2f}; rounds ours "
                 f"{[round(t, 3) for t in m['raw']['ours', 'wall']]}, minimal "
                 f"{[round(t, 3) for t in m['raw']['minimal', 'wall']]}",
                 flush=True,
             )
+            same = "the same" if m["ops"]["ours"] == m["ops"]["minimal"] else "DIFFERENT"
+            print(f"  ops over the vocabulary: {same} in both loops")
+            for name, ops in m["ops"].items():
+                listed = ", ".join(f"{n} {op} {ty}" for (op, ty), n in sorted(ops.items()))
+                print(f"    {name}: {sum(ops.values())}: {listed}", flush=True)
 
 
 if __name__ == "__main__":
