@@ -52,19 +52,24 @@ MAX_STEPS = 1000
 
 
 def vocab_ops(hlo_text: str, vocab: int) -> collections.Counter:
-    """``(op, result type)`` counts of the entry computation's instructions whose result has
-    an axis of ``vocab`` elements (parameters and the output tuple left out)."""
+    """``(op, result type)`` counts of the entry computation's instructions that produce or
+    read an array with an axis of ``vocab`` elements (a reduction over the vocabulary counts
+    by its operand; parameters and the output tuple left out)."""
     entry = hlo_text[hlo_text.index("ENTRY") :].splitlines()[1:]
-    ops = collections.Counter()
+    vocab_axis = re.compile(rf"\w+\[(?:[\d,]*,)?{vocab}(?:,[\d,]*)?\]")
+    types, ops = {}, collections.Counter()
     for line in entry:
-        m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+\[[\d,]*\])\S* (\w[\w-]*)\(", line)
-        if (
-            m
-            and m.group(2) not in ("parameter", "tuple")
-            and re.search(rf"[\[,]{vocab}[\],]", m.group(1))
-        ):
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = (\w+\[[\d,]*\]|\(.*?\))\S* ([\w-]+)\((.*?)\)", line)
+        if not m:
+            continue
+        name, result, op, operands = m.groups()
+        types[name] = result
+        if op in ("parameter", "tuple"):
+            continue
+        read = (types.get(o, "") for o in re.findall(r"%[\w.-]+", operands))
+        if vocab_axis.fullmatch(result) or any(vocab_axis.fullmatch(t) for t in read):
             kind = re.search(r"kind=(\w+)", line)
-            ops[m.group(2) + (f" {kind.group(1)}" if kind else ""), m.group(1)] += 1
+            ops[op + (f" {kind.group(1)}" if kind else ""), result] += 1
     return ops
 
 
