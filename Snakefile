@@ -32,7 +32,8 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/publish.smk"
 include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
-include: "workflow/rules/two_stage_common.smk"
+include: "workflow/rules/chains_common.smk"
+include: "workflow/rules/chains.smk"
 include: "workflow/rules/two_stage.smk"
 include: "workflow/rules/tracking.smk"
 
@@ -41,4 +42,4 @@ rule all:
     default_target: True
     input:
         final_targets(),
-        two_stage_targets,
+        chain_targets,
