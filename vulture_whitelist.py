@@ -59,3 +59,6 @@ _.apply_chat_template
 _._loglikelihood_tokens
 _.loglikelihood_rolling
 _.generate_until
+# pipeline/reference_logprobs.digest: the reference directory's address for the Snakemake rule
+# that computes the reference log-probabilities (workflow/rules, the chain work), and the tests
+_.digest

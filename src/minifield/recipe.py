@@ -30,7 +30,7 @@ import yaml
 from . import schemas, strategies
 from .digest import sha256_json
 from .harness import tasks as harness_tasks
-from .strategies.base import computation_digest
+from .strategies.base import EXTRA_SECTIONS, computation_digest
 
 #: a recipe is a small document; anything larger is refused before parsing
 MAX_RECIPE_BYTES = 1 << 20
@@ -330,6 +330,16 @@ def _validate(document: Any, source: str) -> Recipe:
             )
     if strategy is not None:
         sections = {k: data.setdefault(k, {}) for k in ("model", "training", "evaluation")}
+        # a strategy's own sections (preference's): validated by its schema when given,
+        # refused by every other strategy
+        for key in strategy.extra_sections:
+            if key in data:
+                sections[key] = data[key]
+        errors += [
+            {"path": f"/{key}", "message": f"only for a strategy that has it (not {spec['name']})"}
+            for key in EXTRA_SECTIONS
+            if key in data and key not in strategy.extra_sections
+        ]
         if all(isinstance(v, dict) for v in sections.values()):
             errors += validate_document(sections, load_schema(strategy.schema_file))
         if isinstance(data.get("limits"), dict):

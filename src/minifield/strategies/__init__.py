@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import Program, Strategy
 from .linear_momentum import LinearMomentum
 from .packed_sft import PackedSFT
+from .preference.strategy import Preference
 from .two_stage import TwoStage
 
 _REGISTRY: dict[tuple[str, str], Strategy] = {}
@@ -24,6 +25,7 @@ def available() -> list[Strategy]:
 
 register(LinearMomentum())
 register(PackedSFT())
+register(Preference())
 register(TwoStage())
 
 __all__ = ["Program", "Strategy", "available", "get", "register"]

@@ -20,6 +20,9 @@ from ..digest import sha256_json
 #: an input entry's keys that say how its rows are read (absent from most recipes, so
 #: only a recipe that gives one has them in its digests)
 READING_KEYS = ("format", "columns", "roles")
+#: recipe sections only some strategies have (``Strategy.extra_sections``); in the
+#: computation digest only when given, so every other recipe keeps its digest
+EXTRA_SECTIONS = ("preference",)
 
 
 def pinned_inputs(data: dict) -> list[dict]:
@@ -37,7 +40,7 @@ def computation_fields(data: dict) -> dict:
     """What defines a validated recipe's computation: not ids, roots, runtime placement or
     operational limits. Its digest is the computation digest (the recipe's identity, and
     what an export of a two-stage computation records)."""
-    return {
+    fields = {
         "strategy": data["strategy"],
         "inputs": pinned_inputs(data),
         "model": data["model"],
@@ -45,6 +48,8 @@ def computation_fields(data: dict) -> dict:
         "limits": {"max_steps": data["limits"]["max_steps"]},
         "evaluation": data["evaluation"],
     }
+    fields.update({key: data[key] for key in EXTRA_SECTIONS if key in data})
+    return fields
 
 
 def computation_digest(data: dict) -> str:
@@ -122,6 +127,8 @@ class Strategy(ABC):
     default_every_steps: int
     #: (metric, "min" | "max") used to select a checkpoint on DEV
     selection_metric: tuple[str, str]
+    #: the recipe sections of :data:`EXTRA_SECTIONS` this strategy has (its schema's)
+    extra_sections: tuple[str, ...] = ()
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "description": self.description}

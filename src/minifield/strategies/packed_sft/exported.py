@@ -24,12 +24,16 @@ from . import tokenizer as tokenizers
 #: files an export carries besides its weights (so the store can re-evaluate it alone)
 DEV_FILE = "dev.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
-#: strategies whose exports are this model family (two-stage's stage 1 continues raw text)
-FAMILY = (settings.NAME, "two-stage")
+#: strategies whose exports are this model family (two-stage's stage 1 continues raw text;
+#: preference's DEV copy holds pairs)
+FAMILY = (settings.NAME, "two-stage", "preference")
 
 
-def config(recipe: dict, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> dict:
-    """``model.json`` of a packed-sft export."""
+def config(
+    recipe: dict, cfg, tokenizer, tokenizer_file, dev_bytes: bytes, strategy: dict | None = None
+) -> dict:
+    """``model.json`` of a packed-sft export (``strategy``: another strategy's identity, for
+    one that exports this model family; None: packed-sft's)."""
     tokenizer_settings = tokenizer.config(tokenizer_file)
     layout = "<bos> prompt <sep> response <eos>"
     if "base" in recipe["model"]:
@@ -44,7 +48,7 @@ def config(recipe: dict, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> di
         }
         layout = "chat_template (tokenizer_config.json)"
     return {
-        "strategy": {"name": settings.NAME, "version": settings.VERSION},
+        "strategy": strategy or {"name": settings.NAME, "version": settings.VERSION},
         "model": cfg.to_dict(),
         "tokenizer": tokenizer_settings,
         "layout": layout,
@@ -56,8 +60,18 @@ def config(recipe: dict, cfg, tokenizer, tokenizer_file, dev_bytes: bytes) -> di
     }
 
 
-def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, lora_run=None):
-    """Write the export of ``params`` (per layer, FP32) into ``directory``.
+def write(
+    directory: Path,
+    recipe: dict,
+    arrays: dict,
+    cfg,
+    tokenizer,
+    params,
+    lora_run=None,
+    strategy=None,
+):
+    """Write the export of ``params`` (per layer, FP32) into ``directory`` (``strategy``: as
+    :func:`config`).
 
     ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
@@ -71,7 +85,7 @@ def write(directory: Path, recipe: dict, arrays: dict, cfg, tokenizer, params, l
     if "tokenizer_json" in arrays:
         tokenizer_json = np.asarray(arrays["tokenizer_json"]).tobytes()
     tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
-    model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes)
+    model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes, strategy)
     if cfg.architecture != "llama":  # the GPT model keeps the .npy format
         atomic.write_bytes(directory / DEV_FILE, dev_bytes)
         if tokenizer_json is not None:
@@ -140,7 +154,7 @@ class ExportedModel(loaded.LoadedModel):
         flat, self.config = export.read(directory)
         if self.config.get("strategy", {}).get("name") not in FAMILY:
             raise export.ExportError(
-                f"{directory / export.MODEL_FILE}: not a packed-sft or two-stage export "
+                f"{directory / export.MODEL_FILE}: not a packed-sft, two-stage or preference export "
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.directory = directory
@@ -185,6 +199,17 @@ class ExportedModel(loaded.LoadedModel):
         """The export's copy of the DEV split, encoded as training encoded it (``source``,
         ``train_on``: the recipe's); it must be the file the export records and the recipe
         pins (``pinned_sha256``)."""
+        dev_path = self.dev_file(pinned_sha256)
+        examples = data_formats.read(dev_path, source).examples
+        if self.template is not None:
+            return base_model.encode_chat(
+                examples, self.tokenizer, self.template, train_on, dev_path
+            )
+        return sft_data.encode_examples(examples, self.tokenizer, train_on, dev_path)
+
+    def dev_file(self, pinned_sha256: str | None) -> Path:
+        """The export's copy of the DEV split, refused unless it is the file the export
+        records and the recipe pins (``pinned_sha256``)."""
         dev = self.config["dev"]
         dev_path = self.directory / dev["file"]
         data = dev_path.read_bytes() if dev_path.is_file() else b""
@@ -194,12 +219,7 @@ class ExportedModel(loaded.LoadedModel):
                 f"{dev_path}: sha256 {actual}, but the export records {dev['sha256']} and the "
                 f"recipe pins {pinned_sha256}"
             )
-        examples = data_formats.read(dev_path, source).examples
-        if self.template is not None:
-            return base_model.encode_chat(
-                examples, self.tokenizer, self.template, train_on, dev_path
-            )
-        return sft_data.encode_examples(examples, self.tokenizer, train_on, dev_path)
+        return dev_path
 
     def raw_ids(self, text: str) -> list[int]:
         """A base-model run's export: as any HF directory; else ``<bos> text``, the layout

@@ -231,15 +231,20 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     return params
 
 
-def make_train_step(cfg, settings: LoraSettings, optimizer, schedule=None, accum_steps=1):
+def make_train_step(
+    cfg, settings: LoraSettings, optimizer, schedule=None, accum_steps=1, objective=None
+):
     """``train_step(state, base, batch) -> (state, metrics)``: :mod:`.sft_step`'s update with
     the loss differentiated with respect to the adapters only (``base`` is an argument, not
-    donated, never updated); ``frozen_base`` is carried unchanged."""
+    donated, never updated); ``frozen_base`` is carried unchanged. ``objective(params, cfg,
+    batch)``: the loss of the adapted parameters (None: the supervised ``model.loss_fn``)."""
     from . import model, sft_step
+
+    objective = objective or model.loss_fn
 
     def train_step(state: dict, base: dict, batch: dict):
         def loss(adapters, cfg, batch):
-            return model.loss_fn(adapted(base, adapters, settings), cfg, batch)
+            return objective(adapted(base, adapters, settings), cfg, batch)
 
         inner = sft_step.make_train_step(cfg, optimizer, schedule, loss, accum_steps)
         core = {k: v for k, v in state.items() if k != BASE_PART}

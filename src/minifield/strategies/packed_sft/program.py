@@ -21,6 +21,10 @@ from .initial_state import InitialState
 
 
 class PackedSFTProgram(Program):
+    #: the strategy identity an export records (None: packed-sft's; a strategy built on
+    #: this program names itself)
+    export_strategy: dict | None = None
+
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from . import execution, optimizer, parallel, sft_step
 
@@ -210,5 +214,12 @@ class PackedSFTProgram(Program):
         if self.lora is not None:
             lora_run, params = (self.lora, params), self._merge(self._base, params)
         exported.write(
-            directory, self.recipe, self.arrays, self.cfg, self.tokenizer, params, lora_run
+            directory,
+            self.recipe,
+            self.arrays,
+            self.cfg,
+            self.tokenizer,
+            params,
+            lora_run,
+            self.export_strategy,
         )

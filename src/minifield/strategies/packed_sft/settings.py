@@ -148,6 +148,19 @@ def model_errors(model: dict) -> list[dict]:
     return errors
 
 
+def warmup_errors(recipe: dict) -> list[dict]:
+    """The warmup must end before the last update."""
+    warmup, steps = recipe["training"]["warmup_steps"], recipe["limits"]["max_steps"]
+    if warmup < steps:
+        return []
+    return [
+        {
+            "path": "/training/warmup_steps",
+            "message": f"must be below limits.max_steps={steps} (got {warmup})",
+        }
+    ]
+
+
 def base_model_inputs(model: dict) -> list[str]:
     """Names of the pinned inputs that form the base model (empty without one)."""
     base = model.get("base")

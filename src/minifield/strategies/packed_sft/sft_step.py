@@ -99,7 +99,8 @@ def make_train_step(
     """The pure update ``(state, batch) -> (state, metrics)``.
 
     Metrics (device scalars, FP32): ``loss`` (mean over counted targets), ``loss_sum``,
-    ``tokens`` (counted targets), ``grad_norm`` (global norm before clipping) and, when
+    ``tokens`` (counted targets), ``grad_norm`` (global norm before clipping), any further
+    entry of the objective's ``aux`` and, when
     ``schedule`` (see ``optimizer.make_schedule``) is given, ``learning_rate`` of this update.
     ``objective(params, cfg, batch) -> (loss, aux)`` is differentiated with respect to
     ``state["params"]`` (:mod:`.lora` passes one that adds its adapters to a frozen base).
@@ -135,6 +136,9 @@ def make_train_step(
             "tokens": aux["tokens"],
             "grad_norm": optax.tree.norm(grads),
         }
+        # an objective's further scalars (the preference losses' accuracy and margins); the
+        # supervised loss has none, so its metrics are unchanged
+        metrics.update({k: v for k, v in aux.items() if k not in metrics})
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state["step"]), jnp.float32)
         return new_state, metrics

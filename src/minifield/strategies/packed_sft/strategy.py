@@ -123,15 +123,7 @@ class PackedSFT(Strategy):
                     f"(every device gets the same number of rows; got {data_parallel['devices']})",
                 }
             )
-        warmup = recipe["training"]["warmup_steps"]
-        if warmup >= recipe["limits"]["max_steps"]:
-            errors.append(
-                {
-                    "path": "/training/warmup_steps",
-                    "message": f"must be below limits.max_steps={recipe['limits']['max_steps']} "
-                    f"(got {warmup})",
-                }
-            )
+        errors += settings.warmup_errors(recipe)
         return errors
 
     def devices_required(self, recipe: dict) -> int:

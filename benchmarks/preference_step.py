@@ -1,0 +1,131 @@
+"""A preference update ÷ a supervised update on the same answer tokens, and the reference
+pass ÷ one forward over the same tokens, measured side by side in one run.
+
+The model: Llama architecture (``--d-model``, ``--layers``, GQA, vocabulary ``--vocab``).
+The rows: random pairs (a prompt of 16–48 tokens, two answers of 24–96) packed two segments
+per pair into ``--batch`` rows of ``--seq`` slots by :func:`minifield.strategies.preference.pairs.pack`.
+
+- **preference**: ``sft_step.make_train_step`` with the preference objective (DPO, reference
+  log-probabilities given), exactly as :class:`PreferenceProgram` builds it;
+- **sft**: ``sft_step.make_train_step`` with the supervised loss on the *same rows*: the same
+  tokens, segments and answer-token mask (so the same answer tokens are trained);
+- **reference**: ``logprobs.answer_logps`` jitted (what ``minifield reference-logprobs``
+  runs per batch);
+- **forward**: ``model.forward`` (the logits) over the same rows.
+
+Each is compiled and run once untimed, then timed over ``--steps`` calls, interleaved in
+rounds so a busy machine slows all alike; the medians and the ratios are printed
+(goals: preference / sft ≤ 2.2, reference / forward ≤ 1.1).
+
+    uv run --locked python benchmarks/preference_step.py [--d-model 256 --layers 4 --seq 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from minifield.strategies.packed_sft import llama, model, optimizer, sft_step
+from minifield.strategies.preference import logprobs, losses, pairs
+from minifield.strategies.preference.program import make_objective
+
+
+def _rows(args) -> dict:
+    rng = np.random.default_rng(0)
+    made = []
+    for _ in range(4 * args.batch * args.seq // 200):
+        prompt = rng.integers(3, args.vocab, rng.integers(16, 49)).tolist()
+        chosen, rejected = (
+            rng.integers(3, args.vocab, rng.integers(24, 97)).tolist() for _ in "ab"
+        )
+        made.append(pairs.EncodedPair(prompt, chosen, rejected))
+    packed = pairs.pack(made, args.seq, "reject", 0)
+    rows = {k: v[: args.batch] for k, v in packed.arrays.items()}
+    held = rows["pair_index"] >= 0
+    rows["ref_chosen"] = np.where(held, -50.0, 0.0).astype(np.float32)
+    rows["ref_rejected"] = np.where(held, -60.0, 0.0).astype(np.float32)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--steps", type=int, default=5, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    cfg = llama.LlamaConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        d_ff=4 * args.d_model,
+        max_len=args.seq,
+        compute_dtype=args.dtype,
+    )
+    training = {"warmup_steps": 2, "learning_rate": 1e-4}
+    opt = optimizer.make_optimizer(training, 1000)
+    rows = {k: jnp.asarray(v) for k, v in _rows(args).items()}
+    sft_rows = {k: rows[k] for k in ("tokens", "segments", "positions", "loss_mask")}
+    objective = make_objective(losses.LossSettings("dpo", beta=0.1))
+    steps = {
+        "preference": jax.jit(
+            sft_step.make_train_step(cfg, opt, objective=objective), donate_argnums=(0,)
+        ),
+        "sft": jax.jit(sft_step.make_train_step(cfg, opt), donate_argnums=(0,)),
+    }
+    states = {name: sft_step.init_train_state(cfg, opt, 0) for name in steps}
+    params = sft_step.init_train_state(cfg, opt, 0)["params"]
+    reference = jax.jit(lambda p, b: logprobs.answer_logps(p, cfg, b))
+    forward = jax.jit(
+        lambda p, b: model.forward(p, cfg, b["tokens"], b["segments"], b["positions"])
+    )
+    calls = {
+        "preference": lambda: steps["preference"](states["preference"], rows),
+        "sft": lambda: steps["sft"](states["sft"], sft_rows),
+        "reference": lambda: (states.get("x"), reference(params, rows)),
+        "forward": lambda: (states.get("x"), forward(params, sft_rows)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+
+    def run(name):
+        start = time.perf_counter()
+        state, out = calls[name]()
+        if name in steps:
+            states[name] = state
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    for name in calls:  # compile and run once, untimed
+        run(name)
+    for _ in range(args.rounds):
+        for name in calls:
+            times[name] += [run(name) for _ in range(args.steps)]
+    median = {name: statistics.median(t) for name, t in times.items()}
+    answer = int(np.asarray(rows["loss_mask"]).sum())
+    n_pairs = int((np.asarray(rows["pair_index"]) >= 0).sum())
+    print(
+        f"llama d{args.d_model} L{args.layers} GQA {args.heads}/{args.kv_heads} vocab "
+        f"{args.vocab}, {args.batch} rows x {args.seq}: {n_pairs} pairs, {answer} answer "
+        f"tokens; compute {args.dtype}; {jax.device_count()} {jax.default_backend()} device(s)"
+    )
+    for name, seconds in median.items():
+        print(f"{name:>10}: {seconds * 1e3:8.2f} ms")
+    print(f"preference / sft update: {median['preference'] / median['sft']:.3f} (goal <= 2.2)")
+    print(f"reference pass / forward: {median['reference'] / median['forward']:.3f} (goal <= 1.1)")
+
+
+if __name__ == "__main__":
+    main()

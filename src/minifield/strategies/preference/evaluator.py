@@ -1,0 +1,96 @@
+"""DEV/TEST evaluation of a preference policy, in training and from an export (the gate).
+
+Per split (``{split}_`` prefixed): ``pairs`` (pairs packed), ``preference_accuracy`` (the
+share whose chosen answer the policy gives the larger summed log-probability),
+``chosen_logps`` and ``rejected_logps`` (their means), and, where the loss can be computed,
+``loss`` (the recipe's, mean over pairs), ``reward_accuracy`` and ``reward_margin`` (of the
+loss's implicit rewards: for DPO/IPO policy minus reference). An export carries no reference
+log-probabilities, so the gate re-evaluates DEV preference accuracy (and, for SimPO/ORPO,
+the loss and rewards), from the export's weights and its copy of the DEV pairs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import logprobs, losses, pairs, prepared
+
+#: a pair's reference log-probabilities in a prepared split's rows (per pair slot)
+REF_FIELDS = {"ref_chosen": "chosen", "ref_rejected": "rejected"}
+
+
+def reference_by_pair(arrays: dict, split: str, n_pairs: int) -> dict[str, np.ndarray] | None:
+    """``{ref_chosen, ref_rejected}`` per pair of the file from the rows' slots (None when the
+    prepared split has none)."""
+    if f"{split}_ref_chosen" not in arrays:
+        return None
+    index = np.asarray(arrays[f"{split}_pair_index"])
+    held = index >= 0
+    out = {}
+    for key in REF_FIELDS:
+        values = np.full(n_pairs, np.nan, np.float32)
+        values[index[held]] = np.asarray(arrays[f"{split}_{key}"])[held]
+        out[key] = values
+    return out
+
+
+class PairEvaluator:
+    """The per-pair log-probabilities of a split's packed rows under given parameters, and
+    the metrics of the module docstring."""
+
+    def __init__(self, cfg, batch_size: int, settings: losses.LossSettings):
+        import jax
+
+        self.batch_size, self.settings = batch_size, settings
+        self._logps = jax.jit(lambda params, batch: logprobs.answer_logps(params, cfg, batch))
+
+    def metrics(self, params, rows: dict, n_pairs: int, reference=None, prefix="dev"):
+        values = logprobs.by_pair(
+            lambda batch: self._logps(params, batch), rows, self.batch_size, n_pairs
+        )
+        held = ~np.isnan(values["chosen"])
+        picked = {k: v[held] for k, v in values.items()}
+        out = {
+            f"{prefix}_pairs": float(held.sum()),
+            f"{prefix}_preference_accuracy": float(np.mean(picked["chosen"] > picked["rejected"])),
+            f"{prefix}_chosen_logps": float(np.mean(picked["chosen"])),
+            f"{prefix}_rejected_logps": float(np.mean(picked["rejected"])),
+        }
+        if self.settings.uses_reference:
+            if reference is None:
+                return out  # an export: no reference, so neither loss nor rewards
+            picked.update({k: v[held] for k, v in reference.items()})
+        loss, batch = losses.batch_loss(self.settings, picked, np.ones(int(held.sum())))
+        out[f"{prefix}_loss"] = float(loss)
+        out[f"{prefix}_reward_accuracy"] = float(batch["reward_accuracy"])
+        out[f"{prefix}_reward_margin"] = float(batch["margin"])
+        return out
+
+    def split_metrics(self, params, arrays: dict, split: str) -> dict[str, float]:
+        n_pairs = int(arrays[f"{split}_pairs"])
+        return self.metrics(
+            params,
+            prepared.split_rows(arrays, split),
+            n_pairs,
+            reference_by_pair(arrays, split, n_pairs),
+            split,
+        )
+
+
+def export_metrics(recipe: dict, export_dir: Path) -> dict[str, float]:
+    """DEV metrics from the export alone: its weights, tokenizer, chat template and its copy of
+    the DEV pairs, which must be the file the recipe pins as ``dev``."""
+    from ..packed_sft import exported
+
+    model = exported.ExportedModel(Path(export_dir))
+    pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
+    dev = model.dev_file(pinned)
+    encoded = pairs.encode(pairs.read(dev), model.tokenizer, model.template)
+    training = recipe["training"]
+    packed = pairs.pack(encoded, training["seq_len"], training["overlong"], model.tokenizer.pad_id)
+    evaluator = PairEvaluator(
+        model.cfg, recipe["evaluation"]["batch_size"], losses.LossSettings.of(recipe["preference"])
+    )
+    return evaluator.metrics(model.params, packed.arrays, len(encoded))

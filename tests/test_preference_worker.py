@@ -1,0 +1,142 @@
+"""The preference strategy through real worker processes: per-update metrics in the events, a
+crash resumed to the same state hashes, the recovery proof in both modes (crash and
+preemption), the evaluate stage's DEV selection and export, and the store's gate
+re-evaluating DEV preference accuracy from the export (checked against the float64 NumPy
+forward on the exported weights) and refusing it below the threshold; full fine-tuning with
+DPO (reference from ``minifield reference-logprobs``) and LoRA with SimPO. Bad inputs end
+the command and the worker with exit 2 and one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import attempts_of, read_events, run_attempt, update_hashes, write_recipe
+from family_reference import reference_logits
+from preference_cases import make_inputs, recipe, with_reference
+from safetensors.numpy import load_file
+
+from minifield import recipe as recipes
+from minifield.pipeline import evaluation, preparation
+from minifield.proof.prove import prove
+from minifield.strategies.packed_sft import exported
+from minifield.strategies.preference import pairs
+
+pytestmark = pytest.mark.slow
+
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "down_proj"]}
+METRICS = ("loss", "reward_accuracy", "margin", "chosen_logps", "rejected_logps", "grad_norm")
+
+
+def _reference_cli(recipe_path, root, out):
+    return subprocess.run(
+        [sys.executable, "-m", "minifield.cli", "reference-logprobs", "--recipe", str(recipe_path),
+         "--input-root", str(root), "--out", str(out)],
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+
+
+def _numpy_accuracy(export, encoded):
+    """The share of pairs whose chosen answer the exported weights score higher (float64)."""
+    hf = json.loads((export / "config.json").read_text())
+    weights = load_file(export / "model.safetensors")
+
+    def logp(prompt, answer):
+        ids = prompt + answer
+        logits = reference_logits(weights, hf, ids)
+        top = logits.max(-1, keepdims=True)
+        lp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        return sum(lp[t - 1, ids[t]] for t in range(len(prompt), len(ids)))
+
+    return np.mean([logp(p.prompt, p.chosen) > logp(p.prompt, p.rejected) for p in encoded])
+
+
+@pytest.mark.parametrize("kind", ["dpo-full", "simpo-lora"])
+def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(tmp_path, kind):
+    root = make_inputs(tmp_path / "in", flip=kind == "dpo-full")
+    if kind == "dpo-full":
+        # the DPO recipe before its reference exists, as the stage computing it sees it
+        unpinned = recipe(root, {"loss": "dpo", "beta": 0.5, "reference": "reference"})
+        made = _reference_cli(write_recipe(tmp_path / "dpo.json", unpinned), root, root / "ref")
+        assert made.returncode == 0, made.stderr
+        assert json.loads(made.stdout)["splits"]["train"]["pairs"] == 24
+        raw = with_reference(
+            recipe(root, {"loss": "dpo", "beta": 0.5}), root, "ref/reference.safetensors"
+        )
+    else:
+        raw = recipe(root, {"loss": "simpo", "beta": 2.0}, model={"lora": LORA})
+    raw["training"]["learning_rate"] = 0.01
+    raw["evaluation"]["min_dev_preference_accuracy"] = 0.5
+    path = write_recipe(tmp_path / "recipe.json", raw)
+    # an uninterrupted run, and a crash after update 3 resumed from the step-2 checkpoint
+    run_attempt(path, root, tmp_path / "out")
+    (attempt,) = attempts_of(tmp_path / "out", "pref-test")
+    updates = [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
+    assert [e["step"] for e in updates] == [1, 2, 3, 4]
+    assert all(np.isfinite(e[m]) for e in updates for m in METRICS)
+    run_attempt(path, root, tmp_path / "crash", "--fail-after-step", "3", codes=(1,))
+    (crashed,) = attempts_of(tmp_path / "crash", "pref-test")
+    run_attempt(path, root, tmp_path / "crash", "--resume-from", crashed)
+    resumed = attempts_of(tmp_path / "crash", "pref-test")
+    assert update_hashes(resumed) == update_hashes([attempt])
+    result = json.loads((attempt / "result.json").read_text())
+    # the recovery proof, both modes, as the qualification rule runs it
+    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
+    assert proof["passed"], proof["diagnosis"]
+    # the evaluate stage: DEV selection, TEST, the selected export
+    recipe_json = tmp_path / "validated.json"
+    preparation.validate(path, recipe_json, tmp_path / "validation.json")
+    preparation.prepare(recipe_json, root, tmp_path / "examples")
+    (tmp_path / "train.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
+    metrics = evaluation.evaluate(
+        recipe_json, tmp_path / "train.json", tmp_path / "examples", tmp_path / "metrics.json",
+        tmp_path / "selected",
+    )  # fmt: skip
+    dev = metrics["selected_dev"]
+    assert {"dev_preference_accuracy", "dev_reward_accuracy", "dev_loss"} <= set(dev)
+    assert "test_preference_accuracy" in metrics["test"]
+    # the gate's re-evaluation from the export alone, against the NumPy forward by hand
+    loaded = recipes.load(recipe_json)
+    gate = loaded.strategy.evaluate_export(loaded.data, tmp_path / "selected")
+    model = exported.ExportedModel(tmp_path / "selected")  # its tokenizer and template
+    encoded = pairs.encode(
+        pairs.read(root / "pairs" / "dev.jsonl"), model.tokenizer, model.template
+    )
+    by_hand = _numpy_accuracy(tmp_path / "selected", encoded)
+    assert gate["dev_preference_accuracy"] == pytest.approx(by_hand)
+    assert gate["dev_preference_accuracy"] == pytest.approx(dev["dev_preference_accuracy"])
+    # the DPO run's pairs are flipped (chosen: the near miss the base rejects), so after four
+    # updates its DEV preference accuracy is still below the threshold 0.5: refused
+    verdict = loaded.strategy.acceptance(loaded.data, gate)
+    assert verdict["checks"][0]["name"] == "dev_preference_accuracy"
+    assert verdict["passed"] == (kind == "simpo-lora") == (by_hand >= 0.5)
+
+
+def test_bad_inputs_end_the_command_and_the_worker_with_exit_2_and_one_line(tmp_path):
+    root = make_inputs(tmp_path / "in")
+    bad = recipe(root, {"loss": "simpo", "beta": 0.0})
+    made = _reference_cli(write_recipe(tmp_path / "beta.json", bad), root, tmp_path / "ref")
+    assert made.returncode == 2 and "/preference/beta" in made.stderr
+    assert len(made.stderr.strip().splitlines()) == 1 and not (tmp_path / "ref").exists()
+    # a pair whose answers are equal: the file, the row and the field named
+    dev = root / "pairs" / "dev.jsonl"
+    rows = dev.read_text().splitlines()
+    row = json.loads(rows[2])
+    rows[2] = json.dumps({**row, "rejected": row["chosen"]})
+    dev.write_text("\n".join(rows) + "\n")
+    equal = write_recipe(tmp_path / "equal.json", recipe(root, {"loss": "simpo"}))
+    made = _reference_cli(equal, root, tmp_path / "ref")
+    assert made.returncode == 2 and f"{dev}:3: 'chosen' equals 'rejected'" in made.stderr
+    assert not (tmp_path / "ref").exists()
+    worker = run_attempt(equal, root, tmp_path / "out", codes=(2,))
+    assert f"{dev}:3" in worker.stderr
+    # a DPO recipe whose reference file is missing
+    missing = with_reference(recipe(root, {"loss": "dpo"}), root, "pairs/dev.jsonl")
+    missing["inputs"][-1]["path"] = "ref/reference.safetensors"
+    worker = run_attempt(
+        write_recipe(tmp_path / "m.json", missing), root, tmp_path / "o2", codes=(2,)
+    )
+    assert "ref/reference.safetensors" in worker.stderr
