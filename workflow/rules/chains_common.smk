@@ -1,20 +1,41 @@
-# Chained computations (config "chains" and "two_stage", docs/two-stage.md): the links table
-# and the input functions of workflow/rules/chains.smk, kept apart from its rules.
+# Chained computations (config "chains" and "two_stage", docs/two-stage.md) and reference
+# products (docs/preference.md): the links table and the input functions of
+# workflow/rules/chains.smk and reference.smk, kept apart from their rules.
 from pathlib import Path
 
 from minifield.pipeline import chains
 
-#: (config key of the kind, upstream digest, digest of the recipe as written) -> link
-LINKS = {
-    (link.kind.key, link.a, link.b): link
-    for link in chains.load_links(config, COMPUTATIONS)
-}
+#: (kind key, upstream digest, digest of the recipe as written) -> link; configured links
+#: when parsing, then the links the workflow makes (a reference for every DPO/IPO recipe)
+LINKS = {}
+#: short reference digest -> a link reading it (its recipe and input root compute it)
+REFERENCES = {}
 
+
+def add_link(link):
+    LINKS[(link.kind.key, link.a, link.b)] = link
+    if link.kind.key == "reference":
+        REFERENCES.setdefault(link.a, link)
+    return link
+
+
+def follow_up(computation):
+    """The reference link of a computation that needs one (None otherwise), added."""
+    link = chains.link_reference(computation, INPUT_ROOT)
+    return None if link is None else add_link(link)
+
+
+for _link in chains.load_links(config, COMPUTATIONS):
+    add_link(_link)
+# a configured recipe that needs a reference runs as the reference link completes it, not as
+# written (its reference pin is a placeholder): found by digest, not a target itself
+for _cdigest in [c for c in COMPUTATIONS if follow_up(COMPUTATIONS[c])]:
+    COMPUTATIONS.registered[_cdigest] = COMPUTATIONS.pop(_cdigest)
 # A downstream recipe already linked is registered when parsing too: a job started in its
 # own Snakemake process (a cluster executor) finds its computation by digest.
-for _link in LINKS.values():
-    if Path(_link.recipe_path).is_file():
-        chains.register(COMPUTATIONS, _link)
+for _link in list(LINKS.values()):
+    while _link is not None and Path(_link.recipe_path).is_file():
+        _link = follow_up(chains.register(COMPUTATIONS, _link))
 
 
 wildcard_constraints:
@@ -24,13 +45,30 @@ wildcard_constraints:
     s2="[0-9a-f]{16}",
 
 
-def written_recipe(kind):
-    """Input function: the downstream recipe as written of a link of this kind."""
+def link_inputs(kind):
+    """Input function of a link checkpoint: the recipe as written, the upstream product
+    and, for a computation's export, its recipe and evaluation (acceptance is checked).
+    """
 
-    def path(wildcards):
-        return str(LINKS[(kind.key, wildcards.a, wildcards.b)].written_path)
+    def inputs(wildcards):
+        link = LINKS[(kind.key, wildcards.a, wildcards.b)]
+        found = {"written": str(link.written_path), "product": link.product}
+        if kind.upstream_label is not None:
+            base = f"results/computations/{link.a}"
+            found.update(
+                upstream_recipe=f"{base}/recipe.json",
+                upstream_metrics=f"{base}/eval/metrics.json",
+            )
+        return found
 
-    return path
+    return inputs
+
+
+def link_input_root(kind):
+    def root(wildcards):
+        return LINKS[(kind.key, wildcards.a, wildcards.b)].input_root or INPUT_ROOT
+
+    return root
 
 
 def linked_computation(kind_key, a, b):
@@ -40,22 +78,34 @@ def linked_computation(kind_key, a, b):
     return chains.register(COMPUTATIONS, link)
 
 
-def chain_targets(wildcards):
-    """Every link's downstream results, and a two-stage link's comparison (rule all)."""
-    targets = []
-    for link in LINKS.values():
-        cdigest = linked_computation(link.kind.key, link.a, link.b).cdigest
-        base = f"results/computations/{cdigest}"
-        targets += [
-            link.recipe_path,
-            f"{base}/eval/metrics.json",
-            f"{base}/publication.json",
-        ]
-        targets += [f"{base}/capacity.json", f"{base}/summary.json"]
-        targets += [f"{base}/report/{item}" for item in REPORT_ITEMS]
-        if link.kind.key == "two_stage":
-            targets.append(f"{link.directory}/comparison.json")
-            targets.append(f"{link.directory}/report/two-stage.html")
-        if config["store"]["activate"]:
-            targets.append(f"{base}/activation.json")
+def link_targets(link):
+    """A link's recipe and its downstream results; a computation that needs a reference,
+    its reference link's instead."""
+    computation = linked_computation(link.kind.key, link.a, link.b)
+    follow = follow_up(computation)
+    if follow is not None:
+        return [link.recipe_path, *link_targets(follow)]
+    base = f"results/computations/{computation.cdigest}"
+    targets = [
+        link.recipe_path,
+        f"{base}/eval/metrics.json",
+        f"{base}/publication.json",
+    ]
+    targets += [f"{base}/capacity.json", f"{base}/summary.json"]
+    targets += [f"{base}/report/{item}" for item in REPORT_ITEMS]
+    if link.kind.key == "two_stage":
+        targets.append(f"{link.directory}/comparison.json")
+        targets.append(f"{link.directory}/report/two-stage.html")
+    if config["store"]["activate"]:
+        targets.append(f"{base}/activation.json")
     return targets
+
+
+def chain_targets():
+    """Input functions of rule all, one per link known when parsing: each waits for its own
+    checkpoint (one function for all would stop at the first link not yet made)."""
+
+    def targets_of(link):
+        return lambda wildcards: link_targets(link)
+
+    return [targets_of(link) for link in list(LINKS.values())]

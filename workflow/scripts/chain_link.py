@@ -5,14 +5,13 @@ from pathlib import Path
 from minifield.pipeline import chains
 
 sys.stderr = open(snakemake.log[0], "w")
-inputs = snakemake.input
+inputs = dict(snakemake.input.items())
 chains.link(
     snakemake.params.kind,
-    Path(inputs.written),
-    Path(inputs.upstream_recipe),
-    Path(inputs.upstream_metrics),
-    Path(inputs.product),
+    Path(inputs["written"]),
+    Path(inputs["product"]),
     Path(snakemake.params.input_root),
     Path(snakemake.output.recipe),
     Path(snakemake.output.root),
+    *(Path(inputs[key]) for key in ("upstream_recipe", "upstream_metrics") if key in inputs),
 )
