@@ -19,8 +19,11 @@ def add_link(link):
     return link
 
 
-def follow_up(computation):
-    """The reference link of a computation that needs one (None otherwise), added."""
+def follow_up(computation, made_by=None):
+    """The reference link of a computation that needs one (None otherwise), added; not for
+    one a reference link made (``made_by``), whose reference is pinned."""
+    if made_by is not None and made_by.kind.key == "reference":
+        return None
     link = chains.link_reference(computation, INPUT_ROOT)
     return None if link is None else add_link(link)
 
@@ -35,7 +38,7 @@ for _cdigest in [c for c in COMPUTATIONS if follow_up(COMPUTATIONS[c])]:
 # own Snakemake process (a cluster executor) finds its computation by digest.
 for _link in list(LINKS.values()):
     while _link is not None and Path(_link.recipe_path).is_file():
-        _link = follow_up(chains.register(COMPUTATIONS, _link))
+        _link = follow_up(chains.register(COMPUTATIONS, _link), _link)
 
 
 wildcard_constraints:
@@ -82,9 +85,13 @@ def link_targets(link):
     """A link's recipe and its downstream results; a computation that needs a reference,
     its reference link's instead."""
     computation = linked_computation(link.kind.key, link.a, link.b)
-    follow = follow_up(computation)
+    extra = []
+    if link.kind.key == "chains" and computation.recipe.strategy.name == "preference":
+        extra = [f"{link.directory}/before-after.json"]
+        extra.append(f"{link.directory}/report/before-after.html")
+    follow = follow_up(computation, link)
     if follow is not None:
-        return [link.recipe_path, *link_targets(follow)]
+        return [link.recipe_path, *extra, *link_targets(follow)]
     base = f"results/computations/{computation.cdigest}"
     targets = [
         link.recipe_path,
@@ -93,6 +100,7 @@ def link_targets(link):
     ]
     targets += [f"{base}/capacity.json", f"{base}/summary.json"]
     targets += [f"{base}/report/{item}" for item in REPORT_ITEMS]
+    targets += extra
     if link.kind.key == "two_stage":
         targets.append(f"{link.directory}/comparison.json")
         targets.append(f"{link.directory}/report/two-stage.html")

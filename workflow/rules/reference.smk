@@ -30,3 +30,40 @@ rule reference:
         input_root=lambda wildcards: REFERENCES[wildcards.r].input_root,
     script:
         "../scripts/reference.py"
+
+
+def before_after_inputs(wildcards):
+    """A chain into a preference recipe: the upstream export (before), the preference
+    computation's export (after, through its reference link when it has one) and the pairs.
+    """
+    computation = linked_computation("chains", wildcards.a, wildcards.b)
+    follow = follow_up(computation)
+    final = computation
+    if follow is not None:
+        final = linked_computation("reference", follow.a, follow.b)
+    paths = {i["name"]: i["path"] for i in computation.recipe.data["inputs"]}
+    return {
+        "before": f"results/computations/{wildcards.a}/train/export",
+        "after": f"results/computations/{final.cdigest}/train/export",
+        "dev": f"{computation.own_root}/{paths['dev']}",
+        "test": f"{computation.own_root}/{paths['test']}",
+    }
+
+
+rule before_after:
+    input:
+        unpack(before_after_inputs),
+    output:
+        record="results/chains/{a}/{b}/before-after.json",
+        table=report(
+            "results/chains/{a}/{b}/report/before-after.html",
+            caption="../report/before-after.rst",
+            category="8. Preference",
+            labels={"upstream": "{a}", "preference recipe as written": "{b}"},
+        ),
+    log:
+        "logs/before_after/{a}-{b}.log",
+    conda:
+        "../../envs/minifield.yaml"
+    script:
+        "../scripts/before_after.py"

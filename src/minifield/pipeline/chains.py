@@ -1,14 +1,14 @@
-"""Chained computations: a recipe as written made concrete from an upstream computation's
-export, linked by digest in the workflow's DAG (config ``chains`` and ``two_stage``,
-docs/two-stage.md).
+"""Chained computations: a recipe as written made concrete from an upstream product (another
+computation's export, a reference), linked by digest in the workflow's DAG (config
+``chains`` and ``two_stage``, docs/two-stage.md).
 
 A downstream computation's digest covers the upstream product (its files are pinned
 inputs), which exists only once the upstream computation has trained, so it is unknown when
 the Snakefile is parsed. One mechanism serves every kind of link: a Snakemake
 ``checkpoint`` per kind whose output path is known at parse time,
-``<kind directory>/{a}/{b}/`` with ``a`` the upstream computation digest and ``b`` the digest
-of the downstream recipe as written. It refuses an upstream computation whose evaluation
-failed its acceptance, completes the recipe from the product (the kind's ``complete``: which
+``<kind directory>/{a}/{b}/`` with ``a`` the upstream digest (a computation's, or a reference
+product's) and ``b`` the digest of the downstream recipe as written. It refuses an upstream
+computation whose evaluation failed its acceptance, completes the recipe from the product (the kind's ``complete``: which
 pinned inputs it adds or replaces) and gives it its own input root; after it ran, the
 concrete computation is registered under its own digest (:func:`register`) and goes through
 the usual rules (validate … evaluate, publish, report).
@@ -231,7 +231,8 @@ def link(
     recipe = recipes.validate(references.pending(concrete), str(out_recipe))
     if out_root.exists():
         shutil.rmtree(out_root)
-    linked_root.make(recipe.data, input_root, product_dir, kind.product_subdir, out_root)
+    # the inputs as written (validation may add a placeholder for an unpinned reference)
+    linked_root.make(concrete, input_root, product_dir, kind.product_subdir, out_root)
     atomic.write_json(out_recipe, concrete)
     return {"computation_digest": recipe.computation_digest}
 
