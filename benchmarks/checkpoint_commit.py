@@ -6,12 +6,12 @@ packed-sft model (``init_train_state``), on this machine's disk, round by round:
 
 - **raw**: the same bytes written as one file + fsync + rename + directory fsync: the
   machine's fsync write bandwidth, the ceiling for any durable commit;
-- **two passes**: the work of checkpoint format 1 (before state-hash version 2): the same
-  files written and hashed, plus the version-1 state hash — a second sha256 pass over every
-  byte — on another thread;
-- **synchronous commit**: :func:`minifield.state.checkpoint.save` (format 2: each array hashed
-  once while it is written, the state hash the hash of those hashes), also with the
-  per-array hashes already known (a checkpoint at a hashed update), and its CPU time;
+- **two passes**: the commit plus the version-1 state hash — a second sha256 pass over every
+  byte, what format 1 added — on another thread;
+- **synchronous commit**: :func:`minifield.state.checkpoint.save` (format 3: one data file,
+  each array hashed once while it is written, the state hash the hash of those hashes), also
+  with the per-array hashes already known (a checkpoint at a hashed update), and its CPU
+  time;
 - **asynchronous commit**: :class:`minifield.attempt.checkpoint_cadence.CheckpointCadence` with its
   background writer: the time the update loop is blocked at the step boundary, then the
   wait for durability.
@@ -20,7 +20,9 @@ packed-sft model (``init_train_state``), on this machine's disk, round by round:
 runs ``LOOP_UPDATES`` real training updates (both cores busy) while a checkpoint taken at the
 first one is written in the background, against the same updates with no checkpoint; the
 difference (wall and process CPU) is what the checkpoint cost the loop, for the commit as
-the loop does it (``CheckpointCadence``), the two-pass work, and a raw write in the
+the loop does it (``CheckpointCadence``; at an update that was not hashed, and at a hashed
+one — ``train.state_hash_every: 1``, the default — whose per-array hashes the update loop
+computed for its ``update`` event anyway), the two-pass work, and a raw write in the
 background. Printed: each cost ÷ one raw write+fsync of those bytes (goal ≤ 1.5 for the
 commit).
 
@@ -130,8 +132,9 @@ def sync_commit(directory: Path, state, step: int, known: dict | None = None):
     return time.perf_counter() - started, time.process_time() - cpu
 
 
-def _cadence(directory: Path) -> CheckpointCadence:
-    """Checkpoints as the update loop commits them: on the cadence, in the background."""
+def _cadence(directory: Path, snapshot: HostSnapshot | None = None) -> CheckpointCadence:
+    """Checkpoints as the update loop commits them: on the cadence, in the background
+    (``snapshot``: the update loop's host copy, hashed when that update was)."""
     return CheckpointCadence(
         directory,
         computation_digest="bench",
@@ -142,6 +145,7 @@ def _cadence(directory: Path) -> CheckpointCadence:
         group=distributed.Group(),
         events=EventLog(None, None),
         faults=Faults(),
+        snapshot=snapshot,
     )
 
 
@@ -180,7 +184,8 @@ def loop_costs(directory: Path, rounds: int) -> dict:
     minus those of the same updates without it (per round, then the median)."""
     step_fn, state, batch = _compiled(*LOOP_SIZE)
     data = b"".join(np.ascontiguousarray(a).tobytes() for a in named_arrays(state).values())
-    counter = {"commit": 0, "two_pass": 0}
+    counter = {"commit": 0, "two_pass": 0, "hashed": 0}
+    hashed = HostSnapshot()
 
     def loop(state, background=None):
         started, cpu = time.perf_counter(), time.process_time()
@@ -198,6 +203,11 @@ def loop_costs(directory: Path, rounds: int) -> dict:
         cadence.on_cadence(state, counter["commit"], 0.0)
         return cadence.wait
 
+    def commit_hashed_update(state):  # the update's hashes computed by the loop (not timed)
+        cadence = _cadence(directory / "loop-hashed", hashed)
+        cadence.on_cadence(state, counter["hashed"], 0.0)
+        return cadence.wait
+
     def two_pass(state):
         counter["two_pass"] += 1
         arrays = named_arrays(state)
@@ -205,6 +215,7 @@ def loop_costs(directory: Path, rounds: int) -> dict:
 
     variants = {
         "commit": commit,
+        "commit_hashed_update": commit_hashed_update,
         "two_pass": two_pass,
         "raw_background": lambda s: _in_background(raw_commit, directory, data),
     }
@@ -217,7 +228,11 @@ def loop_costs(directory: Path, rounds: int) -> dict:
         (base, base_cpu), state = loop(state)
         plain.append(base)
         for name, background in variants.items():
+            if name == "commit_hashed_update":
+                counter["hashed"] += 1
+                hashed.hashes_of(state, counter["hashed"])  # what the update event hashed
             (wall, cpu), state = loop(state, background)
+            hashed.forget()
             costs[name].append(wall - base)
             cpu_costs[name].append(cpu - base_cpu)
     raw_s = statistics.median(raw)
@@ -352,7 +367,7 @@ def report(result: dict) -> None:
         print(
             f"  {name:16s} +{ms:6.1f} ms wall (+{loop['cost_cpu_ms'][name]:6.1f} ms CPU) = "
             f"{loop['cost_over_raw'][name]:.2f}x the raw write+fsync"
-            + (" (goal <= 1.5)" if name == "commit" else "")
+            + (" (goal <= 1.5)" if name.startswith("commit") else "")
         )
     for row in result["hashing"]:
         print(

@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from checkpoint_by_hand import verify_checkpoint_by_hand
 from conftest import linear_recipe, run_worker, write_recipe
 
 from minifield.pipeline import evaluation, preparation
@@ -18,14 +19,12 @@ pytestmark = pytest.mark.slow  # a worker run makes the checkpoints
 
 
 def _checkpoint_params(checkpoint_dir) -> dict[str, np.ndarray]:
-    """``params/*`` arrays of one checkpoint, read straight from its manifest and .npy files."""
-    manifest = json.loads((checkpoint_dir / "manifest.json").read_text())
+    """``params/*`` arrays of one checkpoint, read by hand from its manifest and data file."""
+    _, arrays = verify_checkpoint_by_hand(checkpoint_dir)
     return {
-        entry["name"].removeprefix("params/"): np.load(
-            checkpoint_dir / entry["file"], allow_pickle=False
-        )
-        for entry in manifest["arrays"]
-        if entry["name"].startswith("params/")
+        name.removeprefix("params/"): array
+        for name, array in arrays.items()
+        if name.startswith("params/")
     }
 
 

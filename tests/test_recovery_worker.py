@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from checkpoint_by_hand import verify_checkpoint_by_hand
+from checkpoint_by_hand import rewrite_as_format_2, verify_checkpoint_by_hand
 from conftest import REPO, run_worker, worker_command, write_recipe
 from recovery_cases import (
     CASES,
@@ -352,14 +352,17 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     e = case.every
     assert steps == [e, 2 * e, 3 * e, 4 * e]
     newest, second, third = (crashed / f"step-{s:08d}" for s in (4 * e, 3 * e, 2 * e))
-    # flipped byte in the newest, truncated array in the next, missing manifest in the third
-    victim = newest / "arrays" / "00000.npy"
+    # flipped byte in the newest, truncated data file in the next, missing manifest in the third
+    victim = newest / "arrays.bin"
     data = bytearray(victim.read_bytes())
-    data[-1] ^= 0x01
+    data[-1] ^= 0x01  # the last array's last byte (nothing follows the last array)
     victim.write_bytes(bytes(data))
-    victim2 = second / "arrays" / "00000.npy"
+    last = json.loads((newest / "manifest.json").read_text())["arrays"][-1]["name"]
+    victim2 = second / "arrays.bin"
     victim2.write_bytes(victim2.read_bytes()[: len(victim2.read_bytes()) // 2])
     (third / "manifest.json").unlink()
+    # the one left to restore, as the previous release wrote it: a resume crosses formats
+    rewrite_as_format_2(crashed / f"step-{e:08d}")
     before = _snapshot(out / job / "crashed")
 
     proc = run_worker(
@@ -370,12 +373,15 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     events = events_of(out / job / "resumed")
     rejected = {ev["step"]: ev["reason"] for ev in events if ev["type"] == "checkpoint_rejected"}
     assert set(rejected) == {4 * e, 3 * e}
-    assert "sha256 mismatch" in rejected[4 * e]
-    # cut inside its .npy header (a small state): the file no longer parses
-    assert f"{victim2}: not a valid .npy array" in rejected[3 * e]
+    assert f"{victim}: sha256 mismatch for state array {last!r}" in rejected[4 * e]
+    assert f"{victim2}: truncated or extended" in rejected[3 * e]
     assert "rejected checkpoint" in proc.stderr
     restored = [ev for ev in events if ev["type"] == "restored"]
     assert [r["step"] for r in restored] == [e]  # without a manifest a checkpoint never counted
+    assert restored[0]["state_hash"] == reference["hashes"][e]  # format 2, the same hash
+    resumed_checkpoints = out / job / "resumed" / "checkpoints"
+    newest_resumed = max(resumed_checkpoints.glob("step-*"))  # zero-padded: name order
+    assert _verify_checkpoint_by_hand(newest_resumed)["format"] == "minifield-checkpoint/3"
     result = json.loads((out / job / "resumed" / "result.json").read_text())
     assert result["final_state_hash"] == reference["final"]
     _assert_on_reference_path(reference, out / job / "resumed")

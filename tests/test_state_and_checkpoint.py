@@ -1,6 +1,12 @@
 import hashlib
 import io
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -46,24 +52,61 @@ def test_roundtrip_keeps_scalars_shapes_and_hash(tmp_path):
 
 
 def _first_array(path):
+    """A format-1/2 checkpoint's first array file."""
     manifest = json.loads((path / "manifest.json").read_text())
     return path / manifest["arrays"][0]["file"]
 
 
+def _flip_byte(file: Path, offset: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[offset] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
 def test_flipped_byte_truncation_and_missing_manifest_are_detected(tmp_path):
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8):
         checkpoint.save(tmp_path, make_state(step=step), step=step, computation_digest="c" * 64)
-    flipped = _first_array(tmp_path / "step-00000002")
-    data = bytearray(flipped.read_bytes())
-    data[-1] ^= 0x01
-    flipped.write_bytes(bytes(data))
-    truncated = _first_array(tmp_path / "step-00000004")
+    # a byte of opt_state/trace (the 2nd array in name order), found from the manifest
+    manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
+    entry = next(e for e in manifest["arrays"] if e["name"] == "opt_state/trace")
+    _flip_byte(tmp_path / "step-00000002" / "arrays.bin", entry["offset"] + 5)
+    truncated = tmp_path / "step-00000004" / "arrays.bin"
     truncated.write_bytes(truncated.read_bytes()[:-3])
     (tmp_path / "step-00000006" / "manifest.json").unlink()
-    for step, needle in ((2, "sha256 mismatch"), (4, "truncated"), (6, "never committed")):
+    # padding between two arrays (cursor is 4 bytes at offset 0; the next starts at 64)
+    _flip_byte(tmp_path / "step-00000008" / "arrays.bin", 10)
+    for step, needle in (
+        (2, "arrays.bin: sha256 mismatch for state array 'opt_state/trace' .bytes 64-76."),
+        (4, "arrays.bin: truncated or extended: 321 bytes, the manifest says 324"),
+        (6, "never committed"),
+        (8, "arrays.bin: non-zero bytes before state array 'opt_state/trace'"),
+    ):
         with pytest.raises(checkpoint.CheckpointError, match=needle):
             checkpoint.load(tmp_path / checkpoint.step_dir_name(step), make_state())
-    assert checkpoint.committed_steps(tmp_path) == [2, 4]
+    assert checkpoint.committed_steps(tmp_path) == [2, 4, 8]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("offset", 65, r"arrays\[1\] \('opt_state/trace'\): offset 65 must be a multiple of 64"),
+        ("offset", 0, r"arrays\[1\] \('opt_state/trace'\): offset 0 must be .* end \(4\)"),
+        ("nbytes", 8, r"arrays\[1\] \('opt_state/trace'\): nbytes 8 is not the size of <f4\[3\]"),
+        ("dtype", "|O", r"arrays\[1\] \('opt_state/trace'\): dtype \|O holds Python objects"),
+        ("shape", [4], r"arrays\[1\] .*: nbytes 12 is not the size of <f4\[4\] \(16\)"),
+    ],
+)
+def test_a_format_3_manifest_whose_layout_is_wrong_is_refused_naming_the_field(
+    tmp_path, field, value, needle
+):
+    committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
+    manifest_path = Path(committed.path) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["arrays"][1]["name"] == "opt_state/trace"
+    manifest["arrays"][1][field] = value
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=f"manifest.json: {needle}"):
+        checkpoint.load(Path(committed.path), make_state())
 
 
 def test_other_computation_is_refused(tmp_path):
@@ -82,18 +125,26 @@ def test_non_increasing_step_is_rejected_and_retention_prunes(tmp_path):
     assert checkpoint.committed_steps(tmp_path) == [4, 5]
 
 
-def test_checkpoint_contains_no_pickle(tmp_path):
+def test_checkpoint_is_one_data_file_and_a_manifest_holding_every_leaf(tmp_path):
     state = make_state(w=1.5, step=1)
     committed = checkpoint.save(tmp_path, state, step=1, computation_digest="c" * 64)
-    # One .npy per state leaf (the documented layout arrays/00000.npy ...), counted from the
-    # state itself, so an empty or partial arrays directory fails here.
+    path = Path(committed.path)
+    assert sorted(p.name for p in path.iterdir()) == ["arrays.bin", "manifest.json"]
+    # every state leaf, cut from the raw data file by hand (no pickle: plain bytes at offsets)
+    manifest, stored = verify_checkpoint_by_hand(path)
+    assert manifest["format"] == "minifield-checkpoint/3"
     leaves = jax.tree_util.tree_leaves(state)
-    files = sorted((Path(committed.path) / "arrays").iterdir())
-    assert [f.name for f in files] == [f"{i:05d}.npy" for i in range(len(leaves))]
-    # raises if an object array / pickle were stored
-    stored = [np.load(file, allow_pickle=False) for file in files]
-    as_bytes = sorted((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, stored))
+    as_bytes = sorted((a.dtype.str, a.shape, a.tobytes()) for a in stored.values())
     assert as_bytes == sorted((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, leaves))
+    # the documented layout, by hand: cursor (4 bytes) at 0, each next array at 64 bytes on
+    assert [(e["name"], e["offset"], e["nbytes"]) for e in manifest["arrays"]] == [
+        ("cursor", 0, 4),
+        ("opt_state/trace", 64, 12),
+        ("params/b", 128, 4),
+        ("params/w", 192, 12),
+        ("rng", 256, 8),
+        ("step", 320, 4),
+    ]
 
 
 def _flat(state) -> dict:
@@ -161,10 +212,7 @@ def test_a_version_1_checkpoint_is_still_read_and_verified(tmp_path):
     for name, array in _flat(state).items():
         assert np.array_equal(_flat(restored)[name], array), name
     # its check is that of format 1: a flipped byte anywhere in a file is refused
-    first = _first_array(path)
-    data = bytearray(first.read_bytes())
-    data[-1] ^= 0x01
-    first.write_bytes(bytes(data))
+    _flip_byte(_first_array(path), -1)
     with pytest.raises(checkpoint.CheckpointError, match="sha256 mismatch"):
         checkpoint.load(path, make_state())
 
@@ -177,11 +225,104 @@ def test_a_manifest_that_mixes_format_and_hash_version_or_a_forged_header_is_ref
     with pytest.raises(checkpoint.CheckpointError, match="state_hash_version 2, expected 1"):
         checkpoint.load(v1, make_state())
     # format 2: the .npy header is not hashed, but must say the manifest's dtype and shape
-    committed = checkpoint.save(tmp_path / "v2", make_state(), step=1, computation_digest="c" * 64)
-    path = Path(committed.path)
+    path = tmp_path / "v2"
+    shutil.copytree(STORED_V2, path)
     entry = next(e for e in json.loads((path / "manifest.json").read_text())["arrays"]
                  if e["name"] == "opt_state/trace")  # fmt: skip
     file = path / entry["file"]
     file.write_bytes(file.read_bytes().replace(b"'<f4'", b"'<i4'"))
     with pytest.raises(checkpoint.CheckpointError, match="header says <i4"):
         checkpoint.load(path, make_state())
+
+
+#: a format-2 checkpoint of ``make_state(w=0.75, step=3)`` written by the previous release
+STORED_V2 = Path(__file__).parent / "data" / "checkpoint-format-2" / "step-00000003"
+
+
+def test_a_stored_format_2_checkpoint_is_read_and_saved_again_as_format_3_with_its_hashes(
+    tmp_path,
+):
+    """State-hash version 2 is the same in formats 2 and 3: the stored checkpoint's hashes,
+    its state rebuilt here and a format-3 commit of what was restored all agree."""
+    manifest_v2, by_hand = verify_checkpoint_by_hand(STORED_V2)
+    assert manifest_v2["format"] == "minifield-checkpoint/2"
+    restored, manifest = checkpoint.load(STORED_V2, make_state(), computation_digest="c" * 64)
+    expected = state_hash_by_hand(_flat(make_state(w=0.75, step=3)))
+    assert manifest["state_hash"] == state_hash(restored) == expected
+    assert state_hash_by_hand(by_hand) == expected
+    again = checkpoint.save(tmp_path, restored, step=4, computation_digest="c" * 64)
+    manifest_v3, _ = verify_checkpoint_by_hand(Path(again.path))
+    assert manifest_v3["format"] == "minifield-checkpoint/3"
+    assert again.state_hash == expected
+    sha = {e["name"]: e["sha256"] for e in manifest_v2["arrays"]}
+    assert {e["name"]: e["sha256"] for e in manifest_v3["arrays"]} == sha
+    # a flipped byte in its .npy data is refused naming the file and the array
+    copy = tmp_path / "v2"
+    shutil.copytree(STORED_V2, copy)
+    entry = next(e for e in manifest_v2["arrays"] if e["name"] == "params/w")
+    _flip_byte(copy / entry["file"], -1)
+    with pytest.raises(
+        checkpoint.CheckpointError, match="sha256 mismatch for state array 'params/w'"
+    ):
+        checkpoint.load(copy, make_state())
+
+
+_WRITER = """
+import sys
+import numpy as np
+from pathlib import Path
+from minifield.state import checkpoint
+state = {"params": {"a": np.full((int(sys.argv[2]),), 3.0, np.float32)}, "step": np.int32(2)}
+checkpoint.save(Path(sys.argv[1]), state, step=2, computation_digest="c" * 64)
+"""
+
+
+@pytest.mark.slow  # a real process, killed while it writes
+def test_a_process_killed_while_writing_the_data_file_leaves_the_previous_checkpoint(tmp_path):
+    state = make_state(w=0.5, step=1)
+    previous = checkpoint.save(tmp_path, state, step=1, computation_digest="c" * 64)
+    count = 64 << 20  # 256 MB of float32: the write takes many polls
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(count)])
+    data = tmp_path / f".tmp-step-00000002-{proc.pid}" / "arrays.bin"
+    try:
+        while not (data.is_file() and data.stat().st_size > 0):
+            assert proc.poll() is None, "the writer ended before it wrote anything"
+            time.sleep(0.001)
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen mid-write: what a kill leaves
+        written = data.stat().st_size
+        assert 0 < written < 4 * count, written
+        assert not (data.parent / "manifest.json").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert checkpoint.committed_steps(tmp_path) == [1]
+    restored, _ = checkpoint.load(Path(previous.path), make_state(), computation_digest="c" * 64)
+    assert state_hash(restored) == state_hash_by_hand(_flat(state)) == previous.state_hash
+    # the next commit clears the half-written temporary (prune) and succeeds
+    checkpoint.save(tmp_path, state, step=3, computation_digest="c" * 64, keep=2)
+    assert checkpoint.committed_steps(tmp_path) == [1, 3] and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_format_3_entry_without_its_sha256_is_refused_naming_the_field(tmp_path):
+    committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
+    manifest_path = Path(committed.path) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["arrays"][2]["sha256"]
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match=r"arrays\[2\]: needs name, .*sha256"):
+        checkpoint.load(Path(committed.path), make_state())
+
+
+def test_the_proof_compares_a_format_2_and_a_format_3_checkpoint_part_by_part(tmp_path):
+    """The proof names the state parts that differ between two checkpoints from their
+    manifests' per-array hashes, which formats 2 and 3 share."""
+    from minifield.proof.comparison import _manifest_part_diff
+
+    same = checkpoint.save(
+        tmp_path / "a", make_state(w=0.75, step=3), step=3, computation_digest="c" * 64
+    )
+    moved = make_state(w=0.75, step=3)
+    moved["params"]["b"] = moved["params"]["b"] + 1.0
+    other = checkpoint.save(tmp_path / "b", moved, step=3, computation_digest="c" * 64)
+    assert _manifest_part_diff(STORED_V2, Path(same.path)) == []
+    assert _manifest_part_diff(STORED_V2, Path(other.path)) == ["params"]

@@ -219,9 +219,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     proc.wait(timeout=30)
     newest = run_dir(out, attempt="k") / "checkpoints" / "step-00000006"
     manifest = json.loads((newest / "manifest.json").read_text())
-    target = newest / manifest["arrays"][-1]["file"]
+    last = manifest["arrays"][-1]  # its bytes end the data file
+    target = newest / "arrays.bin"
     data = bytearray(target.read_bytes())
-    data[-2] ^= 0xFF
+    data[last["offset"] + last["nbytes"] - 2] ^= 0xFF
     target.write_bytes(bytes(data))
     run_worker(
         job=job,
@@ -233,7 +234,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     )
     events = read_events(run_dir(out, attempt="r") / "events.jsonl")
     rejected = [e for e in events if e["type"] == "checkpoint_rejected"]
-    assert rejected and rejected[0]["step"] == 6 and "sha256 mismatch" in rejected[0]["reason"]
+    assert rejected and rejected[0]["step"] == 6
+    assert f"sha256 mismatch for state array {last['name']!r}" in rejected[0]["reason"]
     assert next(e for e in events if e["type"] == "restored")["step"] == 4
     assert result_of(out, "r")["final_state_hash"] == reference["final_state_hash"]
 

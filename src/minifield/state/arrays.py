@@ -51,7 +51,7 @@ def named_arrays(state: Mapping[str, Any]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for path, leaf in leaves:
         name = "/".join(_key_name(entry) for entry in path)
-        out[name] = to_host(leaf)
+        out[name] = leaf if isinstance(leaf, np.ndarray) else to_host(leaf)
     return out
 
 

@@ -1,65 +1,57 @@
 """Atomic, verifiable checkpoints of the complete training state (no pickle).
 
-Layout of one committed checkpoint::
+Layout of one committed checkpoint (format ``minifield-checkpoint/3``)::
 
     checkpoints/step-00000004/
+        arrays.bin               every state array at an aligned offset (.checkpoint_data)
         manifest.json            written last; its presence means "committed"
-        arrays/00000.npy ...     one .npy per state leaf (allow_pickle=False)
 
-A checkpoint is written into a temporary sibling directory, every file is
-fsynced, the directory is renamed into place and the parent fsynced. Each array's
-bytes are hashed while they are written (or not at all when the caller hashed that
-very state already), and the state hash (version 2, :data:`~.arrays.STATE_HASH_VERSION`)
-is the hash of those per-array hashes: every byte is hashed once. A reader verifies each
-file's ``.npy`` header against the manifest's dtype and shape, the sha256 of its bytes,
-and the state hash recomputed from them against the recorded one; anything that fails is
-never used.
+A checkpoint is written into a temporary sibling directory: the data file is written
+sequentially, each array's bytes hashed on the chunks written (or not at all when the
+caller hashed that very state already), and fsynced; then the manifest (offsets, dtypes,
+shapes, per-array sha256, the state hash) is written and fsynced, the directory fsynced,
+renamed into place and the parent fsynced. The state hash (version 2,
+:data:`~.arrays.STATE_HASH_VERSION`) is the hash of the per-array hashes: every byte is
+hashed once. A reader maps the data file, checks the layout, each array's sha256 and the
+state hash recomputed from them against the recorded one; anything that fails is never used.
 
-Format ``minifield-checkpoint/2`` (this one): an entry's ``sha256`` is that of the array's
-bytes (the file after its ``.npy`` header), and the manifest's ``state_hash`` is of
-version 2 (``state_hash_version: 2``). Checkpoints of format ``minifield-checkpoint/1``
-(an entry's ``sha256`` of the whole file, a version-1 state hash) are still read and
-verified as they were written.
+Checkpoints of earlier releases are still read and verified as they were written
+(:mod:`.checkpoint_npy`): format ``minifield-checkpoint/2`` (one ``.npy`` per array, the same
+per-array hashes and version-2 state hash) and ``minifield-checkpoint/1`` (an entry's
+``sha256`` of the whole file, a version-1 state hash).
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from numpy.lib import format as npy_format
-
 from .. import atomic
 from ..digest import sha256_bytes, sha256_file
+from . import checkpoint_data, checkpoint_npy
 from .arrays import (
     STATE_HASH_VERSION,
-    array_sha256,
-    byte_view,
     hash_named_arrays,
     named_arrays,
     restore_like,
     state_hash,
 )
+from .checkpoint_data import CheckpointError
 
-FORMAT = "minifield-checkpoint/2"
+FORMAT = "minifield-checkpoint/3"
 #: formats read and verified: format -> the state-hash version of its manifests
-STATE_HASH_VERSION_OF = {"minifield-checkpoint/1": 1, FORMAT: STATE_HASH_VERSION}
+STATE_HASH_VERSION_OF = {
+    "minifield-checkpoint/1": 1,
+    "minifield-checkpoint/2": 2,
+    FORMAT: STATE_HASH_VERSION,
+}
 MANIFEST = "manifest.json"
-#: bytes hashed and written at a time (a chunk stays in cache between the two)
-_CHUNK = 4 << 20
-#: threads writing array files at once
-_WRITERS = max(2, min(8, os.cpu_count() or 2))
 
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be trusted (missing, corrupt, or of another computation)."""
+__all__ = ["CheckpointError", "CheckpointRecord", "FORMAT", "MANIFEST", "load", "save"]
 
 
 @dataclass(frozen=True)
@@ -91,32 +83,6 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _npy_header(array: np.ndarray) -> bytes:
-    """The ``.npy`` header ``np.save`` writes for ``array`` (format 1.0: our names and shapes
-    always fit), so a file is written from the array's own memory without a serialised copy."""
-    buffer = io.BytesIO()
-    npy_format.write_array_header_1_0(buffer, npy_format.header_data_from_array_1_0(array))
-    return buffer.getvalue()
-
-
-def _write_array(path: Path, array: np.ndarray, known_sha256: str | None) -> str:
-    """Write ``array`` as an ``.npy`` file and fsync it, hashing its bytes as they are
-    written unless ``known_sha256`` is given; returns the sha256 of the array's bytes. An
-    error names the file."""
-    header, data = _npy_header(array), byte_view(array)
-    digest = None if known_sha256 else hashlib.sha256()
-    with atomic.naming(path), open(path, "wb") as handle:
-        handle.write(header)
-        for start in range(0, data.size, _CHUNK):
-            chunk = data[start : start + _CHUNK]
-            if digest is not None:
-                digest.update(chunk)
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-    return known_sha256 or digest.hexdigest()
-
-
 def committed_steps(directory: Path) -> list[int]:
     """Steps of committed (manifest present) checkpoints in ``directory``, ascending."""
     if not directory.is_dir():
@@ -144,13 +110,13 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    One pass over the bytes: each array is hashed while its file is written (several files
-    at once) and the complete-state hash is the hash of those per-array hashes;
+    One pass over the bytes: each array is hashed while it is written into the one data
+    file and the complete-state hash is the hash of those per-array hashes;
     ``known_digests`` (``{name: array_sha256}``, when the caller hashed this very state
-    already) spares even that pass. Durability: every file fsynced, then the directories,
-    then the rename, then the parent.
+    already) spares even that pass. Durability: the data file fsynced, then the manifest,
+    then the directory, then the rename, then the parent.
 
-    ``before_commit`` (fault injection only) is called once the arrays are written, before
+    ``before_commit`` (fault injection only) is called once the data file is written, before
     the manifest and the rename that commit the checkpoint. On any error the temporary
     directory is removed (best effort) and the previous checkpoints are untouched.
     """
@@ -166,7 +132,7 @@ def save(
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        (tmp / "arrays").mkdir(parents=True)
+        tmp.mkdir()
         manifest, manifest_bytes = _write_contents(
             tmp, named_arrays(state), step, computation_digest, extra, known_digests
         )
@@ -194,46 +160,42 @@ def save(
 
 def _write_contents(
     tmp: Path,
-    arrays: dict[str, np.ndarray],
+    arrays: dict[str, Any],
     step: int,
     computation_digest: str,
     extra: dict | None,
     known_digests: dict[str, str] | None,
 ) -> tuple[dict, bytes]:
-    """Write and fsync every array file under ``tmp/arrays``; return the manifest (and its
-    bytes as ``atomic.write_json`` would write them)."""
+    """Write and fsync the data file under ``tmp``; return the manifest (and its bytes as
+    ``atomic.write_json`` would write them)."""
     items = sorted(arrays.items())
-    files = [f"arrays/{index:05d}.npy" for index in range(len(items))]
-    known = known_digests or {}
-    # hashlib, file writes and fsync release the GIL: the arrays are written (each hashed as
-    # it goes, each fsynced) by several threads
-    with ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix="checkpoint") as pool:
-        writes = [
-            pool.submit(_write_array, tmp / file, array, known.get(name))
-            for file, (name, array) in zip(files, items, strict=True)
-        ]
-        entries = [
-            {
-                "name": name,
-                "file": file,
-                "dtype": array.dtype.str,
-                "shape": list(array.shape),
-                "sha256": write.result(),
-            }
-            for file, (name, array), write in zip(files, items, writes, strict=True)
-        ]
+    entries = checkpoint_data.write(tmp / checkpoint_data.DATA_FILE, items, known_digests or {})
     digests = {entry["name"]: entry["sha256"] for entry in entries}
-    atomic.fsync_dir(tmp / "arrays")
     manifest = {
         "format": FORMAT,
         "step": step,
         "computation_digest": computation_digest,
         "state_hash": hash_named_arrays(items, digests=digests),
         "state_hash_version": STATE_HASH_VERSION,
+        "data": checkpoint_data.description(entries),
         "arrays": entries,
         "extra": extra or {},
     }
-    return manifest, atomic.json_bytes(manifest)
+    return manifest, _manifest_bytes(manifest)
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as JSON, one line per array entry: as readable as an indented file, and
+    written by json's C encoder (an indented dump of 161 entries took more CPU than writing
+    the data file of a 39 MB state)."""
+    rest = {k: v for k, v in manifest.items() if k != "arrays"}
+    head = json.dumps(rest, indent=2, sort_keys=True, allow_nan=False)
+    lines = ",\n".join(
+        "    " + json.dumps(entry, sort_keys=True, allow_nan=False) for entry in manifest["arrays"]
+    )
+    # "arrays" sorts first: the same key order as an indented, sorted dump
+    body = head.removeprefix("{\n")
+    return ('{\n  "arrays": [\n' + lines + "\n  ],\n" + body + "\n").encode()
 
 
 def prune(directory: Path, keep: int) -> None:
@@ -273,70 +235,17 @@ def _read_manifest(path: Path, computation_digest: str | None) -> dict:
     return manifest
 
 
-def _read_array(file: Path, entry: dict) -> np.ndarray:
-    """One array of a format-2 checkpoint: its ``.npy`` header must give the manifest's
-    dtype and shape, its bytes (exactly that many) the manifest's sha256."""
-    try:
-        with open(file, "rb") as handle:
-            magic = npy_format.read_magic(handle)
-            read_header = (
-                npy_format.read_array_header_1_0
-                if magic == (1, 0)
-                else npy_format.read_array_header_2_0
-            )
-            shape, fortran_order, dtype = read_header(handle)
-            if fortran_order or dtype.hasobject or dtype.str != entry["dtype"]:
-                raise CheckpointError(
-                    f"{file}: .npy header says {dtype.str} (fortran_order {fortran_order}), "
-                    f"the manifest {entry['dtype']} in C order"
-                )
-            if list(shape) != entry["shape"]:
-                raise CheckpointError(
-                    f"{file}: .npy header says shape {list(shape)}, the manifest {entry['shape']}"
-                )
-            array = np.empty(shape, dtype)
-            data = byte_view(array)
-            got, more = handle.readinto(data), handle.read(1)
-    except OSError as exc:
-        raise CheckpointError(f"{file}: unreadable ({exc})") from exc
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: not a valid .npy array ({exc})") from exc
-    if got != data.size or more:
-        raise CheckpointError(
-            f"{file}: truncated or extended: {got}{'+' if more else ''} bytes after the .npy "
-            f"header, expected {data.size} for state array {entry['name']!r}"
-        )
-    if array_sha256(array) != entry["sha256"]:
-        raise CheckpointError(f"{file}: sha256 mismatch for state array {entry['name']!r}")
-    return array
-
-
-def _read_array_v1(file: Path, entry: dict) -> np.ndarray:
-    """One array of a format-1 checkpoint: the manifest's sha256 is of the whole file."""
-    try:
-        data = file.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"{file}: unreadable ({exc})") from exc
-    if sha256_bytes(data) != entry["sha256"]:
-        raise CheckpointError(f"{file}: sha256 mismatch for state array {entry['name']!r}")
-    try:
-        array = np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as exc:
-        raise CheckpointError(f"{file}: not a valid .npy array ({exc})") from exc
-    if array.dtype.str != entry["dtype"] or list(array.shape) != entry["shape"]:
-        raise CheckpointError(f"{file}: dtype/shape differ from the manifest")
-    return array
-
-
 def load(path: Path, template: Any, *, computation_digest: str | None = None) -> tuple[Any, dict]:
-    """Verify and restore one checkpoint directory (either format). Raises CheckpointError on
+    """Verify and restore one checkpoint directory (any format read). Raises CheckpointError on
     any mismatch. The state hash is recomputed in the manifest's own version: a version-2
     one from the per-array hashes just verified against the bytes read."""
     manifest = _read_manifest(path, computation_digest)
     version = STATE_HASH_VERSION_OF[manifest["format"]]
-    read = _read_array_v1 if version == 1 else _read_array
+    if manifest["format"] == FORMAT:
+        arrays = checkpoint_data.read(path, path / MANIFEST, manifest)
+    else:
+        arrays = checkpoint_npy.read(path, manifest, version)
     entries = manifest.get("arrays", [])
-    arrays = {entry["name"]: read(path / entry["file"], entry) for entry in entries}
     try:
         state = restore_like(template, arrays)
     except ValueError as exc:

@@ -1,0 +1,66 @@
+"""BF16 tensors widened to FP32 (``hf_tensors.read_fp32``, block by block, transposed or
+not): every finite BF16 bit pattern against its value computed here from the format's
+definition (sign, 8-bit exponent biased by 127, 7-bit mantissa; subnormals at exponent 0),
+and −0.0 kept, in both layouts; non-finite values counted and refused naming the file and
+tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minifield.strategies.packed_sft import hf_tensors
+from minifield.strategies.packed_sft.hf_config import CheckpointError
+
+
+def _finite_patterns() -> np.ndarray:
+    """All 65,280 finite BF16 bit patterns (exponent not all ones), as [255, 256]."""
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    return bits[(bits & 0x7F80) != 0x7F80].astype(np.uint16).reshape(255, 256)
+
+
+def _by_definition(bits: np.ndarray) -> np.ndarray:
+    """Each pattern's value in float64 (exact: 8 significant bits)."""
+    bits = bits.astype(np.int64)
+    sign = np.where(bits >> 15, -1.0, 1.0)
+    exponent, mantissa = (bits >> 7) & 0xFF, bits & 0x7F
+    normal = np.ldexp(1.0 + mantissa / 128.0, exponent - 127)
+    subnormal = np.ldexp(mantissa / 128.0, -126)
+    return sign * np.where(exponent > 0, normal, subnormal)
+
+
+def _read(path: Path, bits: np.ndarray, transpose: bool) -> np.ndarray:
+    path.write_bytes(b"pad!" + bits.tobytes())  # at an offset, as in a safetensors file
+    dtype = np.dtype(ml_dtypes.bfloat16)
+    with hf_tensors.Source(path) as source:
+        return hf_tensors.read_fp32(
+            source, 4, 4 + bits.nbytes, bits.shape, dtype, transpose, "model.norm.weight"
+        )
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_every_finite_bf16_value_widens_exactly(tmp_path, transpose):
+    bits = _finite_patterns()
+    value = _read(tmp_path / "t.bin", bits, transpose)
+    expected = _by_definition(bits)
+    if transpose:  # held [in, out]
+        expected = expected.T
+    assert value.dtype == np.float32 and value.shape == expected.shape
+    assert np.array_equal(value.astype(np.float64), expected)
+    assert np.array_equal(np.signbit(value), np.signbit(expected))  # -0.0 kept too
+    assert value.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_bf16_nan_and_infinity_are_counted_and_refused(tmp_path, transpose):
+    bits = _finite_patterns()[:67].copy()  # 67 rows: the last block of rows is partial
+    bits[66, 255] = 0x7FC1  # a NaN
+    bits[3, 0] = 0xFF80  # -inf
+    path = tmp_path / "t.bin"
+    with pytest.raises(
+        CheckpointError, match=f"^{path}: tensor model.norm.weight holds 2 non-finite values"
+    ):
+        _read(path, bits, transpose)
