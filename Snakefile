@@ -12,6 +12,8 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+# before the rules: it takes recipes that need a reference out of the configured targets
+include: "workflow/rules/chains_common.smk"
 
 
 # Digests in paths are 16 hex characters: an unconstrained {cdigest} would also
@@ -33,7 +35,8 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/publish.smk"
 include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
-include: "workflow/rules/two_stage_common.smk"
+include: "workflow/rules/chains.smk"
+include: "workflow/rules/reference.smk"
 include: "workflow/rules/two_stage.smk"
 include: "workflow/rules/tracking.smk"
 
@@ -42,4 +45,4 @@ rule all:
     default_target: True
     input:
         final_targets(),
-        two_stage_targets,
+        *chain_targets(),

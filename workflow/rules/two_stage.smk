@@ -1,25 +1,27 @@
 # Two-stage computations (config "two_stage", docs/two-stage.md): stage 2 starts from stage
-# 1's export, so its computation digest is known only once stage 1 has trained. The link is
-# a checkpoint whose output path is known when parsing (stage-1 digest / digest of the
-# stage-2 recipe as written); after it ran, the concrete stage-2 recipe is registered under
-# its own digest and goes through the usual rules (validate ... evaluate, publish).
-checkpoint two_stage_link:
-    input:
-        stage2=lambda wildcards: str(two_stage_link_of(wildcards).stage2_path),
-        stage1_recipe="results/computations/{s1}/recipe.json",
-        stage1_metrics="results/computations/{s1}/eval/metrics.json",
-        export="results/computations/{s1}/train/export",
-    output:
-        recipe="results/two-stage/{s1}/{s2}/stage2.json",
-        root=directory("results/two-stage/{s1}/{s2}/inputs"),
-    log:
-        "logs/two_stage_link/{s1}-{s2}.log",
-    conda:
-        "../../envs/minifield.yaml"
-    params:
-        input_root=INPUT_ROOT,
-    script:
-        "../scripts/two_stage_link.py"
+# 1's export through the chains' link (workflow/rules/chains.smk, checkpoint
+# two_stage_link); this rule compares the stages and the random-initialisation baseline.
+def stage2_file(name):
+    """Input function: a file of the stage-2 computation the link wrote."""
+
+    def path(wildcards):
+        cdigest = linked_computation("two_stage", wildcards.s1, wildcards.s2).cdigest
+        return f"results/computations/{cdigest}/{name}"
+
+    return path
+
+
+def baseline_metrics(wildcards):
+    """The stage-2 recipe as written, from a random initialisation, when configured."""
+    if wildcards.s2 in COMPUTATIONS:
+        return f"results/computations/{wildcards.s2}/eval/metrics.json"
+    return []
+
+
+def stage1_publication(wildcards):
+    if rules.has("publish"):
+        return f"results/computations/{wildcards.s1}/publication.json"
+    return []
 
 
 rule two_stage_report:

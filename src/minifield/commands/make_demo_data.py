@@ -46,6 +46,8 @@ def _run_llama(args) -> int:
 def run(args) -> int:
     if args.two_stage:
         return run_two_stage(args.directory)
+    if args.preference:
+        return run_preference(args.directory)
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
@@ -81,6 +83,20 @@ def run_two_stage(directory: Path) -> int:
     return 0
 
 
+def run_preference(directory: Path) -> int:
+    """The preference demo's pairs, derived from ``DIR/llama-sft-demo/*.jsonl``."""
+    from ..inputs.pinned import InputError
+    from ..strategies.preference import demo_data
+
+    try:
+        pins = demo_data.write(directory)
+    except (OSError, InputError) as exc:
+        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(pins, indent=2))
+    return 0
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "make-demo-data",
@@ -112,5 +128,12 @@ def register(sub) -> None:
         action="store_true",
         help="instead: derive the two-stage demo's word-completion pairs DIR/sft/*.jsonl from "
         "the shipped corpus DIR/corpus/train.jsonl (data/two-stage, docs/two-stage.md)",
+    )
+    parser.add_argument(
+        "--preference",
+        action="store_true",
+        help="instead: derive the preference demo's pairs DIR/preference-demo/*.jsonl (chosen: "
+        "the mirror answer, rejected: a near miss) from DIR/llama-sft-demo/*.jsonl "
+        "(docs/preference.md)",
     )
     parser.set_defaults(func=run)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import recipe as recipes
 from ..digest import short
+from . import reference_logprobs
 
 
 class ConfigError(Exception):
@@ -70,7 +71,8 @@ def load_computations(config: dict) -> Computations:
     for entry in config["recipes"]:
         path = Path(entry)
         try:
-            computation = Computation(path, recipes.load(path))
+            # a preference recipe's reference may be unpinned: the pipeline computes it
+            computation = Computation(path, reference_logprobs.validated(path))
         except recipes.RecipeError as exc:
             problems.append(str(exc))
             continue

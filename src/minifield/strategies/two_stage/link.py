@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 from pathlib import Path
 
 from ...digest import sha256_file
-from ...inputs.pinned import InputError
+from ...inputs import linked_root
+from ...inputs.linked_root import LinkError
 from ...state import export
 from .stage1_export import FILES
 
@@ -29,10 +28,6 @@ from .stage1_export import FILES
 INPUT_NAMES = {key: f"stage1-{key}" for key in FILES}
 #: where the export's files go under the stage-2 input root
 STAGE1_DIR = "stage1"
-
-
-class LinkError(InputError):
-    """A stage-1 result stage 2 cannot be linked to (missing, or another computation's)."""
 
 
 def check_export(export_dir: Path, stage1_digest: str) -> dict:
@@ -82,23 +77,6 @@ def stage2_recipe(template: dict, export_dir: Path, stage1_digest: str) -> dict:
     return recipe
 
 
-def _place(source: Path, destination: Path) -> None:
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    destination.unlink(missing_ok=True)
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copyfile(source, destination)
-
-
 def make_input_root(recipe: dict, input_root: Path, export_dir: Path, out_root: Path) -> None:
     """Stage 2's input root: local inputs at their paths, the export's files in ``stage1/``."""
-    stage1_paths = {f"{STAGE1_DIR}/{name}" for name in FILES.values()}
-    for item in recipe.get("inputs", []):
-        path = item.get("path")
-        if path is None:
-            raise LinkError(f"input {item['name']!r}: a two-stage link needs local inputs")
-        if path in stage1_paths:
-            _place(Path(export_dir) / Path(path).name, out_root / path)
-        else:
-            _place(Path(input_root) / path, out_root / path)
+    linked_root.make(recipe, input_root, export_dir, STAGE1_DIR, out_root)

@@ -1,0 +1,119 @@
+# Chained computations (config "chains" and "two_stage", docs/two-stage.md) and reference
+# products (docs/preference.md): the links table and the input functions of
+# workflow/rules/chains.smk and reference.smk, kept apart from their rules.
+from pathlib import Path
+
+from minifield.pipeline import chains
+
+#: (kind key, upstream digest, digest of the recipe as written) -> link; configured links
+#: when parsing, then the links the workflow makes (a reference for every DPO/IPO recipe)
+LINKS = {}
+#: short reference digest -> a link reading it (its recipe and input root compute it)
+REFERENCES = {}
+
+
+def add_link(link):
+    LINKS[(link.kind.key, link.a, link.b)] = link
+    if link.kind.key == "reference":
+        REFERENCES.setdefault(link.a, link)
+    return link
+
+
+def follow_up(computation, made_by=None):
+    """The reference link of a computation that needs one (None otherwise), added; not for
+    one a reference link made (``made_by``), whose reference is pinned."""
+    if made_by is not None and made_by.kind.key == "reference":
+        return None
+    link = chains.link_reference(computation, INPUT_ROOT)
+    return None if link is None else add_link(link)
+
+
+for _link in chains.load_links(config, COMPUTATIONS):
+    add_link(_link)
+# a configured recipe that needs a reference runs as the reference link completes it, not as
+# written (its reference pin is a placeholder): found by digest, not a target itself
+for _cdigest in [c for c in COMPUTATIONS if follow_up(COMPUTATIONS[c])]:
+    COMPUTATIONS.registered[_cdigest] = COMPUTATIONS.pop(_cdigest)
+# A downstream recipe already linked is registered when parsing too: a job started in its
+# own Snakemake process (a cluster executor) finds its computation by digest.
+for _link in list(LINKS.values()):
+    while _link is not None and Path(_link.recipe_path).is_file():
+        _link = follow_up(chains.register(COMPUTATIONS, _link), _link)
+
+
+wildcard_constraints:
+    a="[0-9a-f]{16}",
+    b="[0-9a-f]{16}",
+    s1="[0-9a-f]{16}",
+    s2="[0-9a-f]{16}",
+
+
+def link_inputs(kind):
+    """Input function of a link checkpoint: the recipe as written, the upstream product
+    and, for a computation's export, its recipe and evaluation (acceptance is checked).
+    """
+
+    def inputs(wildcards):
+        link = LINKS[(kind.key, wildcards.a, wildcards.b)]
+        found = {"written": str(link.written_path), "product": link.product}
+        if kind.upstream_label is not None:
+            base = f"results/computations/{link.a}"
+            found.update(
+                upstream_recipe=f"{base}/recipe.json",
+                upstream_metrics=f"{base}/eval/metrics.json",
+            )
+        return found
+
+    return inputs
+
+
+def link_input_root(kind):
+    def root(wildcards):
+        return LINKS[(kind.key, wildcards.a, wildcards.b)].input_root or INPUT_ROOT
+
+    return root
+
+
+def linked_computation(kind_key, a, b):
+    """The downstream computation the link wrote (Snakemake runs the link first if needed)."""
+    link = LINKS[(kind_key, a, b)]
+    getattr(checkpoints, link.kind.rule).get(a=a, b=b)
+    return chains.register(COMPUTATIONS, link)
+
+
+def link_targets(link):
+    """A link's recipe and its downstream results; a computation that needs a reference,
+    its reference link's instead."""
+    computation = linked_computation(link.kind.key, link.a, link.b)
+    extra = []
+    if link.kind.key == "chains" and computation.recipe.strategy.name == "preference":
+        extra = [f"{link.directory}/before-after.json"]
+        extra.append(f"{link.directory}/report/before-after.html")
+    follow = follow_up(computation, link)
+    if follow is not None:
+        return [link.recipe_path, *extra, *link_targets(follow)]
+    base = f"results/computations/{computation.cdigest}"
+    targets = [
+        link.recipe_path,
+        f"{base}/eval/metrics.json",
+        f"{base}/publication.json",
+    ]
+    targets += [f"{base}/capacity.json", f"{base}/summary.json"]
+    targets += [f"{base}/report/{item}" for item in REPORT_ITEMS]
+    targets += extra
+    if link.kind.key == "two_stage":
+        targets.append(f"{link.directory}/comparison.json")
+        targets.append(f"{link.directory}/report/two-stage.html")
+    if config["store"]["activate"]:
+        targets.append(f"{base}/activation.json")
+    return targets
+
+
+def chain_targets():
+    """Input functions of rule all, one per link known when parsing: each waits for its own
+    checkpoint (one function for all would stop at the first link not yet made)."""
+
+    def targets_of(link):
+        return lambda wildcards: link_targets(link)
+
+    return [targets_of(link) for link in list(LINKS.values())]
