@@ -65,3 +65,6 @@ _.generate_until
 # pipeline/reference_logprobs.digest: the reference directory's address for the Snakemake rule
 # that computes the reference log-probabilities (workflow/rules, the chain work), and the tests
 _.digest
+# pipeline/chains: the reference link's input functions, called from workflow/rules (chains_common.smk, reference.smk)
+_.link_reference
+_.reference_input_files

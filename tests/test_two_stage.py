@@ -12,7 +12,7 @@ from conftest import REPO
 
 import minifield
 from minifield import recipe as recipes
-from minifield.inputs import pinned
+from minifield.inputs import linked_root, pinned
 from minifield.inputs.pinned import InputError, files_by_name
 from minifield.strategies.packed_sft import tokenizer as tokenizers
 from minifield.strategies.two_stage import corpus, demo_data, link, strategy
@@ -157,7 +157,7 @@ def export_stage1(root: Path, recipe: dict, directory: Path) -> Path:
 
 def linked(root: Path, stage1_export: Path, digest: str, template: dict) -> dict:
     recipe = link.stage2_recipe(template, stage1_export, digest)
-    link.make_input_root(recipe, root, stage1_export, root / "linked")
+    linked_root.make(recipe, root, stage1_export, link.STAGE1_DIR, root / "linked")
     return recipe
 
 

@@ -7,9 +7,9 @@ must match what the export's ``model.json`` lists) and ``model.init.stage1`` nam
 together with the stage-1 computation digest. The stage-2 computation digest therefore
 covers the stage-1 export's content, and through its ``model.json`` everything upstream.
 
-:func:`make_input_root` gives stage 2 its own input root (as remote inputs get one): the
-recipe's local inputs hard-linked (or copied) at their paths, the export's files under
-``stage1/``. Both run in the pipeline's ``two_stage_link`` rule, after stage 1 trained.
+Stage 2's own input root (the recipe's local inputs at their paths, the export's files under
+``stage1/``) is made by the chains' one link mechanism (``pipeline/chains.py`` with
+``inputs/linked_root.make``), in the pipeline's ``two_stage_link`` rule after stage 1 trained.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 from ...digest import sha256_file
-from ...inputs import linked_root
 from ...inputs.linked_root import LinkError
 from ...state import export
 from .stage1_export import FILES
@@ -75,8 +74,3 @@ def stage2_recipe(template: dict, export_dir: Path, stage1_digest: str) -> dict:
         "stage1": {"computation_digest": stage1_digest, **INPUT_NAMES}
     }
     return recipe
-
-
-def make_input_root(recipe: dict, input_root: Path, export_dir: Path, out_root: Path) -> None:
-    """Stage 2's input root: local inputs at their paths, the export's files in ``stage1/``."""
-    linked_root.make(recipe, input_root, export_dir, STAGE1_DIR, out_root)
