@@ -23,11 +23,11 @@ from conftest import (
     linear_recipe,
     read_events,
     run_worker,
-    small_sft_inputs,
-    small_sft_recipe,
     worker_command,
     write_recipe,
 )
+from test_base_model import make_inputs
+from test_lora import lora_recipe
 
 from minifield import atomic
 from minifield.attempt.events import EventLog
@@ -226,27 +226,23 @@ def test_the_api_reports_io_failed_with_the_attempt_directory(tmp_path, linear_j
 
 @pytest.mark.slow
 def test_a_failed_export_is_removed_named_and_resumed(tmp_path):
-    """A llama export is one safetensors file larger than any checkpoint array: a file-size
-    limit between the two fails the export alone."""
-    sft = small_sft_inputs(tmp_path, train=48)
-    recipe = small_sft_recipe(
-        sft["pins"], "llama-io", 1,
-        model={"architecture": "llama", "d_model": 48, "n_layers": 1, "n_heads": 4,
-               "n_kv_heads": 2, "d_ff": 96, "tie_embeddings": False},
-        training={"warmup_steps": 1},
-        limits={"max_steps": 2},
-        evaluation={"eval_every": 0, "batch_size": 8, "max_generate_examples": 1,
-                    "export_dtype": "float32"},
-    )  # fmt: skip
+    """A LoRA run's checkpoint holds only the adapters and their moments (one data file per
+    checkpoint), its export the merged full model: a file-size limit between the two fails
+    the export alone."""
+    make_inputs(tmp_path / "in")
+    recipe = lora_recipe(tmp_path / "in")
+    recipe["limits"]["max_steps"] = 2
+    recipe["evaluation"].update({"max_generate_examples": 1, "export_dtype": "float32"})
+    recipe["job_id"] = "llama-io"
     job = write_recipe(tmp_path / "recipe.json", recipe)
-    common = {"job": job, "input_root": sft["input_root"], "record_state_hashes": True}
+    common = {"job": job, "input_root": tmp_path / "in", "record_state_hashes": True}
     run_worker(output_root=tmp_path / "ref", check_codes=(0,), **common)
     (reference,) = (tmp_path / "ref" / "llama-io").iterdir()
     weights = reference / "export" / "model.safetensors"
     biggest_checkpoint_file = max(
         p.stat().st_size for p in (reference / "checkpoints").rglob("*") if p.is_file()
     )
-    limit = 128 << 10
+    limit = (biggest_checkpoint_file + weights.stat().st_size) // 2
     assert biggest_checkpoint_file < limit < weights.stat().st_size  # the premise
 
     out = tmp_path / "out"
