@@ -110,10 +110,63 @@ def link_targets(link):
 
 
 def chain_targets():
-    """Input functions of rule all, one per link known when parsing: each waits for its own
-    checkpoint (one function for all would stop at the first link not yet made)."""
+    """Input functions of the final target `all`, one per link known when parsing; each
+    waits for its own checkpoint (one function for all would stop at the first link not
+    yet made)."""
 
     def targets_of(link):
         return lambda wildcards: link_targets(link)
 
     return [targets_of(link) for link in list(LINKS.values())]
+
+
+# Input functions of the two-stage comparison (two_stage.smk)
+def stage2_file(name):
+    """Input function: a file of the stage-2 computation the link wrote."""
+
+    def path(wildcards):
+        cdigest = linked_computation("two_stage", wildcards.s1, wildcards.s2).cdigest
+        return f"results/computations/{cdigest}/{name}"
+
+    return path
+
+
+def baseline_metrics(wildcards):
+    """The stage-2 recipe as written, from a random initialisation, when configured."""
+    if wildcards.s2 in COMPUTATIONS:
+        return f"results/computations/{wildcards.s2}/eval/metrics.json"
+    return []
+
+
+def stage1_publication(wildcards):
+    if rules.has("publish"):
+        return f"results/computations/{wildcards.s1}/publication.json"
+    return []
+
+
+# Input functions of the reference and before/after rules (reference.smk)
+def reference_inputs(wildcards):
+    """The recipe a reference is computed from and its pair and base files."""
+    link = REFERENCES[wildcards.r]
+    return {
+        "recipe": str(link.written_path),
+        "files": chains.reference_input_files(link),
+    }
+
+
+def before_after_inputs(wildcards):
+    """A chain into a preference recipe: the upstream export (before), the preference
+    computation's export (after, through its reference link when it has one) and the pairs.
+    """
+    computation = linked_computation("chains", wildcards.a, wildcards.b)
+    follow = follow_up(computation)
+    final = computation
+    if follow is not None:
+        final = linked_computation("reference", follow.a, follow.b)
+    paths = {i["name"]: i["path"] for i in computation.recipe.data["inputs"]}
+    return {
+        "before": f"results/computations/{wildcards.a}/train/export",
+        "after": f"results/computations/{final.cdigest}/train/export",
+        "dev": f"{computation.own_root}/{paths['dev']}",
+        "test": f"{computation.own_root}/{paths['test']}",
+    }

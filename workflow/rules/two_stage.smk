@@ -1,27 +1,7 @@
 # Two-stage computations (config "two_stage", docs/two-stage.md): stage 2 starts from stage
 # 1's export through the chains' link (workflow/rules/chains.smk, checkpoint
-# two_stage_link); this rule compares the stages and the random-initialisation baseline.
-def stage2_file(name):
-    """Input function: a file of the stage-2 computation the link wrote."""
-
-    def path(wildcards):
-        cdigest = linked_computation("two_stage", wildcards.s1, wildcards.s2).cdigest
-        return f"results/computations/{cdigest}/{name}"
-
-    return path
-
-
-def baseline_metrics(wildcards):
-    """The stage-2 recipe as written, from a random initialisation, when configured."""
-    if wildcards.s2 in COMPUTATIONS:
-        return f"results/computations/{wildcards.s2}/eval/metrics.json"
-    return []
-
-
-def stage1_publication(wildcards):
-    if rules.has("publish"):
-        return f"results/computations/{wildcards.s1}/publication.json"
-    return []
+# two_stage_link); this rule compares the stages and the random-initialisation baseline
+# (its input functions are in chains_common.smk).
 
 
 rule two_stage_report:
