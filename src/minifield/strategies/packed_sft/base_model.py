@@ -1,10 +1,10 @@
 """A pinned HF base model as a recipe input: ``model.base`` names the inputs that form it.
 
-Prepare checks and converts the base model once: its files (each a pinned input, so its
-sha256 is in the computation and examples digests) are linked into a private directory under
-their HF file names, :func:`.hf_checkpoint.load` reads the weights (safetensors only, every
-shape checked against ``config.json``), and the FP32 parameters go into the prepared examples
-as ``base.<parameter path>`` arrays beside the raw ``config.json``, ``tokenizer.json`` and
+Prepare checks the base model once: its files (each a pinned input, so its sha256 is in the
+computation and examples digests) are linked into a private directory under their HF file
+names, :func:`.hf_checkpoint.load_stored` reads the weights (safetensors only, every shape
+checked against ``config.json``), and the tensors go into the prepared examples as stored —
+their dtype, HF's layout (:mod:`.frozen_base`) — as ``base.<parameter path>`` arrays beside the raw ``config.json``, ``tokenizer.json`` and
 ``tokenizer_config.json`` bytes. Training starts from those arrays, so the worker never
 re-reads the checkpoint and a resumed attempt starts from the same bits.
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import assistant_turns, chat_template, execution, hf_checkpoint, sft_data
+from . import assistant_turns, chat_template, execution, frozen_base, hf_checkpoint, sft_data
 from . import tokenizer as tokenizers
 
-PARAM_PREFIX = "base."
+PARAM_PREFIX = frozen_base.PARAM_PREFIX
 #: conversations rendered, then tokenized together (``encode_batch``), at a time
 ENCODE_BATCH = 4096
 CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
@@ -110,7 +110,10 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
         directory = Path(tmp)
         _link_directory(recipe, files, directory)
         try:
-            cfg, params = hf_checkpoint.load(directory, seq_len, model["compute_dtype"])
+            # as stored (dtype, layout): a LoRA run holds them so; full fine-tuning widens
+            cfg, params, stored_layout = hf_checkpoint.load_stored(
+                directory, seq_len, model["compute_dtype"]
+            )
         except (hf_checkpoint.CheckpointError, SafetensorError, OSError) as exc:
             # name the pinned files, not the private links
             message = str(exc)
@@ -135,10 +138,7 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
             "(model.lora) on them is not supported (full fine-tuning is)"
         )
-    arrays = {
-        PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
-        for path, value in _flatten(params)
-    }
+    arrays = frozen_base.to_arrays(params, stored_layout)
     arrays[CONFIG_ARRAY] = np.frombuffer(config_path.read_bytes(), dtype=np.uint8)
     arrays[TOKENIZER_ARRAY] = np.frombuffer(files[base["tokenizer"]].read_bytes(), dtype=np.uint8)
     arrays[TOKENIZER_CONFIG_ARRAY] = np.frombuffer(
@@ -148,7 +148,8 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
         path = files[base["generation_config"]]
         _read_json(path)
         arrays[GENERATION_CONFIG_ARRAY] = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-    description = {"config": cfg.to_dict(), "parameters": int(sum(a.size for a in arrays.values()))}
+    counted = (a.size for name, a in arrays.items() if name != frozen_base.LAYOUT_ARRAY)
+    description = {"config": cfg.to_dict(), "parameters": int(sum(counted))}
     return arrays, description
 
 
@@ -173,17 +174,9 @@ def _flatten(tree, prefix: str = ""):
 
 
 def params_from_arrays(arrays: dict[str, np.ndarray]) -> dict:
-    """The nested FP32 parameter tree the prepared ``base.*`` arrays hold (host numpy)."""
-    params: dict = {"blocks": {}}
-    for name, value in arrays.items():
-        if not name.startswith(PARAM_PREFIX):
-            continue
-        node = params
-        *parents, leaf = name[len(PARAM_PREFIX) :].split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = np.asarray(value, dtype=np.float32)
-    return params
+    """The nested FP32 parameter tree the prepared ``base.*`` arrays hold (host numpy, this
+    project's layout: :func:`.frozen_base.host_fp32`)."""
+    return frozen_base.host_fp32(arrays)
 
 
 def base_config(arrays: dict[str, np.ndarray]) -> dict:

@@ -275,6 +275,17 @@ def split(cfg, path, value) -> list[tuple[str, object]]:
     ]
 
 
+def split_stored(cfg, path, value) -> list[tuple[str, object]]:
+    """:func:`split` of a tensor read as stored, ``[out, in]``: a fused matrix's parts are
+    blocks of rows (contiguous views, no copy)."""
+    if isinstance(path, str):
+        return [(path, value)]
+    import numpy as np
+
+    edges = np.cumsum([param_shape(cfg, p)[1] for p in path])[:-1]
+    return list(zip(path, np.split(value, edges, axis=0), strict=True))
+
+
 def join(path, lookup):
     """The ``[in, out]`` matrix of ``path``: ``lookup(path)``, or for a fused one the parts'
     matrices side by side (what :func:`split` undoes)."""

@@ -22,9 +22,24 @@ from ... import atomic
 
 # the tensor tables and config.json's reading and writing; the names are this module's too
 # (one loader API)
-from .families import ARCHITECTURES, expected_tensors, fp32_bytes, join, shape_fields, split
+from .families import (
+    ARCHITECTURES,
+    expected_tensors,
+    fp32_bytes,
+    join,
+    shape_fields,
+    split,
+    split_stored,
+)
 from .hf_config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
-from .hf_tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, source_dtype
+from .hf_tensors import (
+    ACCEPTED_DTYPES,
+    Source,
+    data_offsets,
+    read_fp32,
+    read_stored,
+    source_dtype_of,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -37,6 +52,7 @@ __all__ = [
     "exported_config",
     "fp32_bytes",
     "load",
+    "load_stored",
     "write",
 ]
 
@@ -88,18 +104,12 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
-    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory.
-
-    Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
-    unsupported config, a missing or unexpected tensor, a shape disagreeing with
-    ``config.json``, an unsupported dtype, a non-finite value, or an index naming a missing
-    shard.
-    """
-    import jax
+def _checked(directory: Path, max_len, compute_dtype):
+    """``(cfg, expected tensors, tensor name -> file, names by file, duplicate head)`` of an
+    HF directory, every name, shape and dtype checked from the headers alone (see :func:`load`),
+    so a bad checkpoint fails before any tensor is read."""
     from safetensors import safe_open
 
-    directory = Path(directory)
     if directory.suffix in PICKLE_SUFFIXES:
         raise CheckpointError(
             f"{directory}: pickle checkpoints are refused (unpickling runs arbitrary code); "
@@ -129,7 +139,6 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
             f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]} "
             f"({len(unexpected)} in all) for the model config.json describes"
         )
-    # Every shape and dtype first (headers only), so a bad checkpoint fails before any load.
     by_file: dict[Path, list[str]] = {}
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
@@ -148,36 +157,88 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
                         f"{path}: tensor {name} has dtype {dtype} "
                         f"(accepted: {sorted(ACCEPTED_DTYPES)})"
                     )
+    return cfg, expected, files, by_file, duplicate_head
+
+
+def _put(params: dict, part_path: str, value) -> None:
+    node = params
+    *parents, leaf = part_path.split("/")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
+    """``(cfg, params, expected)``: every tensor through ``read(source, name, start, end,
+    shape, kind, transpose)``, cut into its parameters by ``parts(cfg, path, value)``."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    cfg, expected, files, by_file, duplicate_head = _checked(directory, max_len, compute_dtype)
     params: dict = {}
     for path, names in by_file.items():
         offsets = data_offsets(path)
         with Source(path) as source:
             for name in names:
                 internal, transpose, shape = expected[name]
-                start, end, _ = offsets[name]
-                dtype = source_dtype(name, offsets)
-                value = read_fp32(source, start, end, shape, dtype, transpose, name)
-                for part_path, part in split(cfg, internal, value):  # fused: several
-                    node = params
-                    *parents, leaf = part_path.split("/")
-                    for key in parents:
-                        node = node.setdefault(key, {})
-                    # may_alias: the aligned host buffer becomes the CPU array without a copy
-                    node[leaf] = jax.device_put(part, may_alias=True)
-                del value, part
+                start, end, kind = offsets[name]
+                value = read(source, name, start, end, shape, kind, transpose)
+                for part_path, part in parts(cfg, internal, value):  # fused: several
+                    _put(params, part_path, part)
+                del value
     if duplicate_head:
         path = files["lm_head.weight"]
         with safe_open(path, framework="numpy") as f:
             head = f.get_tensor("lm_head.weight")
         if head.shape != expected["model.embed_tokens.weight"][2] or not np.array_equal(
-            head.astype(np.float32), np.asarray(params["embed"]["tokens"])
+            head.astype(np.float32), np.asarray(params["embed"]["tokens"], np.float32)
         ):
             raise CheckpointError(
                 f"{path}: tensor lm_head.weight differs from model.embed_tokens.weight, but "
                 "config.json says tie_word_embeddings"
             )
     params.setdefault("blocks", {})
+    return cfg, params, expected
+
+
+def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
+    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory.
+
+    Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
+    unsupported config, a missing or unexpected tensor, a shape disagreeing with
+    ``config.json``, an unsupported dtype, a non-finite value, or an index naming a missing
+    shard.
+    """
+    import jax
+
+    def read(source, name, start, end, shape, kind, transpose):
+        value = read_fp32(source, start, end, shape, source_dtype_of(kind), transpose, name)
+        return value
+
+    def parts(cfg, internal, value):
+        # may_alias: the aligned host buffer becomes the CPU array without a copy
+        return [(p, jax.device_put(v, may_alias=True)) for p, v in split(cfg, internal, value)]
+
+    cfg, params, _ = _read_all(directory, max_len, compute_dtype, read, parts)
     return cfg, params
+
+
+def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
+    """``(LlamaConfig, params, stored_layout)``: the tensors as the checkpoint stores them —
+    their own dtype (BF16 stays BF16), HF's ``[out, in]`` layout for the matrices
+    ``stored_layout`` names (internal path -> True) — as aligned host arrays, nothing
+    converted; :func:`.frozen_base.model_layout` makes them this project's parameters inside
+    a jitted function. The same checks and errors as :func:`load`."""
+
+    def read(source, name, start, end, shape, kind, transpose):
+        return read_stored(source, start, end, shape, kind, name)
+
+    cfg, params, expected = _read_all(directory, max_len, compute_dtype, read, split_stored)
+    stored_layout = {}
+    for internal, transpose, _ in expected.values():
+        for path in (internal,) if isinstance(internal, str) else internal:
+            stored_layout[path] = transpose
+    return cfg, params, stored_layout
 
 
 # ----------------------------------------------------------------------------- writing

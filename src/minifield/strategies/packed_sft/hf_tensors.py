@@ -1,10 +1,15 @@
-"""Safetensors tensors into FP32 arrays in this project's layout, at the speed of the memory.
+"""Safetensors tensors into arrays: FP32 in this project's layout, or as stored.
+
+Two readings. :func:`read_fp32` (FP32 master parameters, what full fine-tuning trains):
 
 The file is memory-mapped (:class:`Source`); each tensor is widened to FP32 straight from the
 page cache block by block — a block of rows converted contiguously, checked for finite values
 while it is in cache, then transposed into place where a ``torch.nn.Linear`` weight's
 ``[out, in]`` becomes the ``[in, out]`` that :mod:`.llama` holds — and its mapped pages are
-dropped once it is converted. Reading a checkpoint's names, shapes and config is
+dropped once it is converted. :func:`read_stored` (a frozen base, inference): the tensor in its
+own dtype and HF's ``[out, in]`` layout, read straight into a 64-byte-aligned buffer that JAX
+adopts without a copy — one pass over the bytes, like reading the file, plus a finite check of
+each block while it is in cache. Reading a checkpoint's names, shapes and config is
 :mod:`.hf_checkpoint`'s.
 """
 
@@ -46,7 +51,11 @@ def data_offsets(path: Path) -> dict[str, tuple[int, int, str]]:
 
 
 def source_dtype(name: str, offsets: dict) -> np.dtype:
-    kind = offsets[name][2]
+    return source_dtype_of(offsets[name][2])
+
+
+def source_dtype_of(kind: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name (BF16: ``ml_dtypes.bfloat16``)."""
     if kind == "BF16":
         import ml_dtypes
 
@@ -54,13 +63,14 @@ def source_dtype(name: str, offsets: dict) -> np.dtype:
     return np.dtype(ACCEPTED_DTYPES[kind])
 
 
-def _aligned_fp32(shape: tuple[int, ...]) -> np.ndarray:
-    """An uninitialised FP32 array at a 64-byte boundary (what lets JAX's CPU backend take
-    it over without a copy)."""
-    count = math.prod(shape)
-    raw = np.empty(4 * count + 64, np.uint8)
+def _aligned(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """An uninitialised array at a 64-byte boundary (what lets JAX's CPU backend take it over
+    without a copy)."""
+    dtype = np.dtype(dtype)
+    size = dtype.itemsize * math.prod(shape)
+    raw = np.empty(size + 64, np.uint8)
     offset = (-raw.ctypes.data) % 64
-    return raw[offset : offset + 4 * count].view(np.float32).reshape(shape)
+    return raw[offset : offset + size].view(dtype).reshape(shape)
 
 
 class Source:
@@ -92,6 +102,17 @@ class Source:
             shape
         )
 
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """The file's bytes from ``start`` into ``out`` (one ``pread``: no page faults on the
+        mapping, no intermediate buffer)."""
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._file.fileno(), [view[done:]], start + done)
+            if count == 0:
+                raise CheckpointError(f"{self.path}: ends inside a tensor's data")
+            done += count
+
     def release(self, start: int, end: int) -> None:
         import mmap
 
@@ -113,7 +134,7 @@ def _widen(data: np.ndarray, transpose: bool) -> tuple[np.ndarray, bool]:
     finite values while in cache, then scattered into place."""
     finite = True
     if not transpose:
-        out = _aligned_fp32(data.shape)
+        out = _aligned(data.shape)
         flat, source = out.reshape(-1), data.reshape(-1)
         for first in range(0, flat.size, _CHUNK):
             part = flat[first : first + _CHUNK]
@@ -121,7 +142,7 @@ def _widen(data: np.ndarray, transpose: bool) -> tuple[np.ndarray, bool]:
             finite = finite and bool(np.isfinite(part).all())
         return out, finite
     rows, cols = data.shape  # stored [out, in]; held [in, out]
-    out = _aligned_fp32((cols, rows))
+    out = _aligned((cols, rows))
     for first in range(0, rows, _TRANSPOSE_ROWS):
         block = data[first : first + _TRANSPOSE_ROWS].astype(np.float32)
         finite = finite and bool(np.isfinite(block).all())
@@ -146,3 +167,36 @@ def read_fp32(
     if not finite:
         raise _non_finite(source.path, name, value)
     return value
+
+
+#: the exponent bits of each stored float type (all ones: infinity or NaN), by item size and
+#: the unsigned view that holds them
+_EXPONENT = {
+    "BF16": (np.uint16, 0x7F80),
+    "F16": (np.uint16, 0x7C00),
+    "F32": (np.uint32, 0x7F800000),
+}
+
+
+def read_stored(source: Source, start: int, end: int, shape, kind: str, name: str) -> np.ndarray:
+    """One tensor as stored (its own dtype ``kind``, HF's layout), in a 64-byte-aligned buffer;
+    raises :class:`CheckpointError` naming the file and tensor for a size that disagrees with
+    the shape or a non-finite value. No conversion: the finite check looks at the exponent bits
+    (all ones is infinity or NaN), block by block right after each block is read."""
+    dtype = source_dtype_of(kind)
+    if end - start != math.prod(shape) * dtype.itemsize:
+        raise CheckpointError(f"{source.path}: tensor {name}'s data size disagrees with its shape")
+    out = _aligned(tuple(shape), dtype)
+    bits_type, mask = _EXPONENT[kind]
+    flat = out.reshape(-1)
+    bits = flat.view(bits_type)
+    scratch = np.empty(min(_CHUNK, flat.size), bits_type)
+    finite = True
+    for first in range(0, flat.size, _CHUNK):
+        part = flat[first : first + _CHUNK]
+        source.read_into(part, start + first * dtype.itemsize)
+        masked = np.bitwise_and(bits[first : first + _CHUNK], mask, out=scratch[: part.size])
+        finite = finite and int(masked.max()) != mask
+    if not finite:
+        raise _non_finite(source.path, name, out.astype(np.float32))
+    return out

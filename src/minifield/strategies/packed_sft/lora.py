@@ -1,10 +1,12 @@
 """LoRA fine-tuning of a pinned base model (``model.lora``), and its PEFT-format adapter.
 
 A recipe with ``model.base`` and ``model.lora: {rank, alpha, targets, base_dtype}`` trains
-low-rank adapters instead of the model: each target projection ``W [in, out]`` (held as in
-:mod:`.llama`) computes ``x @ W + (alpha / rank) * (x @ A) @ B`` with ``A [in, rank]`` and
-``B [rank, out]``. The base is frozen (held in ``base_dtype``), the adapters, their gradients
-and their optimizer state are FP32; nothing else is trained.
+low-rank adapters instead of the model: each target projection ``W [in, out]`` (as
+:mod:`.llama` sees it) computes ``x @ W + (alpha / rank) * (x @ A) @ B`` with ``A [in, rank]``
+and ``B [rank, out]``. The base is frozen: on the device as its checkpoint stores it (dtype and
+HF's ``[out, in]`` layout, :mod:`.frozen_base`) and seen by the model in ``base_dtype``, the
+conversion made inside the jitted step; the adapters, their gradients and their optimizer
+state are FP32; nothing else is trained.
 
 Initialisation (as PEFT's default ``init_lora_weights=True``): ``A`` uniform in
 ``[-1/sqrt(in), 1/sqrt(in)]`` (PEFT's ``kaiming_uniform_(a=sqrt(5))`` bound), drawn from
@@ -186,13 +188,12 @@ def init_state(cfg, settings: LoraSettings, optimizer, seed: int, identity: np.n
     }
 
 
-def frozen_base(params: dict, settings: LoraSettings) -> dict:
-    """The base parameters as held during training (``base_dtype``), on the device."""
-    import jax
-    import jax.numpy as jnp
+def _model_params(base) -> dict:
+    """The base as :mod:`.llama` runs it: a :class:`.frozen_base.FrozenBase` (as stored) made
+    into parameters inside the traced function, or a parameter tree as it is."""
+    from .frozen_base import FrozenBase
 
-    dtype = jnp.bfloat16 if settings.base_dtype == "bfloat16" else jnp.float32
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    return base.model_params() if isinstance(base, FrozenBase) else base
 
 
 def _adapted_leaves(adapters: dict):
@@ -207,6 +208,7 @@ def adapted(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     by a :class:`.llama.LoraWeight` (base matrix, A, B, scale)."""
     from .llama import LoraWeight
 
+    base = _model_params(base)
     params = {**base, "blocks": {k: dict(v) for k, v in base["blocks"].items()}}
     for layer, group, leaf, pair in _adapted_leaves(adapters):
         block = params["blocks"][layer]
@@ -221,7 +223,7 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     import jax
     import jax.numpy as jnp
 
-    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), base)
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), _model_params(base))
     params["blocks"] = {k: dict(v) for k, v in params["blocks"].items()}
     for layer, group, leaf, pair in _adapted_leaves(adapters):
         block = params["blocks"][layer]

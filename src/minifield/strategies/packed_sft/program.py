@@ -52,7 +52,7 @@ class PackedSFTProgram(Program):
             self.cfg, self.optimizer, schedule, accum_steps=self.accum_steps
         )
         self.start = InitialState(self.cfg, self.optimizer, self.seed)
-        if "base" in recipe["model"]:
+        if "base" in recipe["model"] and self.lora is None:
             self.base_params = base_model.params_from_arrays(arrays)
         if self.lora is not None:
             self._lora_setup(schedule)
@@ -69,10 +69,13 @@ class PackedSFTProgram(Program):
 
     def _lora_setup(self, schedule) -> None:
         """LoRA: the step trains the adapters against the frozen base (held on the device
-        once, in ``base_dtype``); evaluation runs on the merged weights."""
+        once as its checkpoint stores it, seen in ``base_dtype``: :mod:`.frozen_base`);
+        evaluation runs on the merged weights."""
         import jax
 
-        self._base = lora.frozen_base(self.base_params, self.lora)
+        from .frozen_base import on_device
+
+        self._base = on_device(self.arrays, self.lora.base_dtype)
         identity = lora.base_identity(self.recipe, settings.base_model_inputs(self.recipe["model"]))
         self.start.lora_run = (self.lora, identity)
         self._step_fn = lora.make_train_step(
