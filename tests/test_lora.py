@@ -24,7 +24,7 @@ from test_base_model import BASE, _prepare, _run, base_recipe, make_inputs
 
 from minifield import recipe as recipes
 from minifield.pipeline import evaluation, preparation
-from minifield.strategies.packed_sft import lora, model
+from minifield.strategies.packed_sft import base_model, lora, model
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # k_proj, gate_proj, up_proj untouched
@@ -96,7 +96,8 @@ def test_adapters_start_with_b_zero_so_the_first_forward_is_the_base(trained):
                 bound = 1 / np.sqrt(pair["a"].shape[0])  # PEFT's kaiming-uniform(a=sqrt(5))
                 assert np.all(np.abs(pair["a"]) <= bound) and np.std(pair["a"]) > bound / 3
     cfg = program.cfg
-    base_params = jax.tree_util.tree_map(jnp.asarray, program.base_params)
+    # the base as the prepared arrays hold it, widened to FP32 masters on the host
+    base_params = jax.tree_util.tree_map(jnp.asarray, base_model.params_from_arrays(program.arrays))
     ours = _logits(lora.adapted(base_params, adapters, program.lora), cfg, ROWS)
     np.testing.assert_array_equal(ours, _logits(base_params, cfg, ROWS))
     # the state holds the adapters only, and their optimizer state only
@@ -137,6 +138,18 @@ def test_the_adapter_is_a_peft_directory_with_the_documented_names(trained):
     assert all(v.dtype == np.float32 for v in tensors.values())
     # trained: every B moved away from zero
     assert all(np.any(v) for k, v in tensors.items() if "lora_B" in k)
+
+
+def test_the_export_is_byte_for_byte_the_one_before_the_frozen_base_change(trained):
+    """The base held as stored (:mod:`.frozen_base`) changes no bit of the run: the final
+    state hash and the exported files' sha256, recorded before that change."""
+    from test_frozen_base import BEFORE, _sha256
+
+    from minifield.state.arrays import state_hash
+
+    assert state_hash(trained["state"]) == BEFORE["fp32"]["state"]
+    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        assert _sha256(trained["export"] / file) == BEFORE["fp32"][file], file
 
 
 def test_the_merged_export_is_w_plus_scaled_b_times_a_from_the_files(trained):

@@ -4,11 +4,15 @@ A LoRA run never updates its base, so nothing needs FP32 masters of it, nor this
 ``[in, out]`` layout: the prepared examples keep each tensor in the checkpoint's own dtype
 (BF16 stays BF16) and HF's ``[out, in]`` layout (:func:`to_arrays`), training memory-maps
 them and puts them on the device unconverted (:func:`on_device`), and the jitted step makes the
-parameters :mod:`.llama` runs (:meth:`FrozenBase.model_params`): each stored ``[out, in]``
-matrix transposed — which XLA folds into the matrix product's dimension numbers, so no
-transposed copy is made — and every leaf in the dtype the base is held in (``base_dtype``),
-an exact conversion from BF16 to FP32. Full fine-tuning widens them to FP32 masters on the
-host instead (:func:`host_fp32`).
+parameters :mod:`.llama` runs (:meth:`FrozenBase.model_params`): every leaf in the dtype the
+base is held in (``base_dtype``; BF16 to FP32 is exact), each stored ``[out, in]`` matrix
+transposed once per step into ``[in, out]``. That transpose is a real copy on purpose: left
+to itself XLA folds it into the products' dimension numbers (``dot_general`` contracting
+HF's layout directly), and XLA:CPU then sums in another order — FP32 logits differ in the
+last bits (9.5e-7 on the test model) — so the step would no longer give the state hashes of
+the transposed-at-load base; behind an ``optimization_barrier`` the products are the same
+products. Its cost per step: ``benchmarks/hf_load.py``. Full fine-tuning widens and
+transposes on the host instead (:func:`host_fp32`): its FP32 masters are trained.
 
 The arrays: ``base.<path>`` per parameter (BF16 stored as its ``uint16`` bits: ``.npy`` has no
 BF16) and ``base_layout_json``, per path its stored dtype and whether it is ``[out, in]``.
@@ -130,12 +134,16 @@ class FrozenBase:
         return cls(children[0], *aux)
 
     def model_params(self) -> dict:
-        """The parameters :mod:`.llama` runs (``[in, out]``, in ``dtype``); call it inside the
-        jitted function, where the transposes become dimension numbers of the products."""
+        """The parameters :mod:`.llama` runs (``[in, out]``, in ``dtype``), made inside the
+        jitted function (see the module for why the transposes are copies)."""
+        import jax
         import jax.numpy as jnp
 
         dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
-        return _nest(
-            (path, (value.T if path in self.out_in else value).astype(dtype))
-            for path, value in _flatten(self.params)
-        )
+
+        def made(path, value):
+            if path in self.out_in:  # in the stored dtype: the fewest bytes to move
+                value = jax.lax.optimization_barrier(value.T)
+            return value.astype(dtype)
+
+        return _nest((path, made(path, value)) for path, value in _flatten(self.params))

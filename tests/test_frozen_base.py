@@ -1,0 +1,175 @@
+"""A LoRA run's frozen base held as its checkpoint stores it (:mod:`.frozen_base`).
+
+The base is ``test_base_model``'s, its tensors rounded to BF16 and written back with
+``safetensors.numpy``. References independent of :mod:`.frozen_base`: the tensors read back
+with ``safetensors.numpy`` and widened and transposed by numpy through ``test_base_model``'s
+hand-written name table; the FP32 loader (:func:`.hf_checkpoint.load`, which widens and
+transposes at load, as every LoRA run did before); and the sha256 of the exported files and
+the final state hash of the same runs recorded with the code before this change (commit
+f1053f6, where the base was prepared as FP32 ``[in, out]`` arrays and cast on the host).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_base_model import HF_TO_OURS, _prepare, _sha, make_inputs
+from test_lora import ROWS, lora_recipe
+
+from minifield.state.arrays import state_hash
+from minifield.strategies.packed_sft import base_model, hf_checkpoint, lora, model
+from minifield.strategies.packed_sft.frozen_base import FrozenBase
+
+#: recorded at commit f1053f6 (before this change) by training the same recipes 3 updates
+#: in process and exporting (``test_lora``'s ``trained`` is the FP32 one)
+BEFORE = {
+    "fp32": {
+        "state": "6a758ec9c8e903bba20241d668f0c0b8b8d1312a88ce68ed582e21b0a2f63d06",
+        "model.safetensors": "2a03fab09b6b524280bd33022757de228df1da0b080bb74f1ed97076f64aef62",
+        "adapter/adapter_model.safetensors": (
+            "c326297b5753e64d8105d71c28ca38002dd3774a45ef4f604b4fdc1b7cc08553"
+        ),
+    },
+    "bf16": {
+        "state": "ec7ac6b477a3f3555700064d20123c166f7c3a7f4104f979cf53b208798727cd",
+        "model.safetensors": "88db075ecff78a633ab73335fb7983ad57d7fcc2fcbb2175446f1c1ee67a5cdc",
+        "adapter/adapter_model.safetensors": (
+            "a4fea96e2d808bcae16982afe6d4fbf491cacf2d69d8d8b6f4577790736172e2"
+        ),
+    },
+}
+
+
+def _bf16_inputs(root):
+    """``test_base_model``'s inputs with the base's tensors rounded to BF16 (re-pinned)."""
+    make_inputs(root)
+    weights = root / "base" / "model.safetensors"
+    tensors = load_file(str(weights))
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    save_file(bf16, str(weights), {"format": "pt"})
+    recipe = lora_recipe(root)  # base_dtype float32: the step widens the BF16 base
+    for entry in recipe["inputs"]:
+        if entry["name"] == "base-weights":
+            entry["sha256"] = _sha(weights)
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("frozen") / "in"
+    recipe = _bf16_inputs(root)
+    loaded, (arrays, _) = _prepare(recipe, root)
+    program = loaded.strategy.build(loaded.data, arrays)
+    return {"root": root, "arrays": arrays, "program": program}
+
+
+def _reference(root, dtype=np.float32) -> dict:
+    """The base as :mod:`.llama` runs it, from the file by numpy: widened, transposed."""
+    params: dict = {"blocks": {}}
+    for name, value in load_file(str(root / "base" / "model.safetensors")).items():
+        path, transpose = HF_TO_OURS[name]
+        node = params
+        *parents, leaf = path.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.asarray((value.T if transpose else value).astype(np.float32), dtype)
+    return params
+
+
+def test_a_bf16_base_stays_bf16_in_hf_layout_from_file_to_device(bf16_run):
+    stored = load_file(str(bf16_run["root"] / "base" / "model.safetensors"))
+    arrays, base = bf16_run["arrays"], bf16_run["program"]._base
+    assert isinstance(base, FrozenBase) and base.dtype == "float32"
+    for name, value in stored.items():
+        path, transpose = HF_TO_OURS[name]
+        # prepared: the file's bits, as stored (.npy has no BF16: its uint16 bits)
+        prepared = np.asarray(arrays["base." + path.replace("/", ".")])
+        assert prepared.dtype == np.uint16
+        np.testing.assert_array_equal(prepared, value.view(np.uint16))
+        # on the device: BF16, HF's [out, in] shape
+        node = base.params
+        for part in path.split("/"):
+            node = node[part]
+        assert node.dtype == jnp.bfloat16 and node.shape == value.shape
+        assert (path in base.out_in) == transpose
+
+
+def test_bf16_base_logits_equal_the_widened_loaders_exactly_in_fp32(bf16_run):
+    program = bf16_run["program"]
+    assert program.cfg.compute_dtype == "float32"
+    cfg = program.cfg
+
+    @jax.jit
+    def logits(base, tokens, positions):  # the model's parameters made inside the jit
+        params = base.model_params() if isinstance(base, FrozenBase) else base
+        return model.forward(params, cfg, tokens, jnp.ones_like(tokens), positions)
+
+    tokens = jnp.asarray(ROWS, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    ours = np.asarray(logits(program._base, tokens, positions))
+    # the FP32 loader widens and transposes on the host, as every LoRA run did before
+    _, widened = hf_checkpoint.load(bf16_run["root"] / "base", 64, "float32")
+    np.testing.assert_array_equal(ours, np.asarray(logits(widened, tokens, positions)))
+    reference = _reference(bf16_run["root"])
+    np.testing.assert_array_equal(ours, np.asarray(logits(reference, tokens, positions)))
+    # full fine-tuning's masters: the same values, this project's layout, FP32
+    masters = base_model.params_from_arrays(bf16_run["arrays"])
+    for path, leaf in jax.tree_util.tree_leaves_with_path(widened):
+        node = masters
+        for key in path:
+            node = node[key.key]
+        assert node.dtype == np.float32
+        np.testing.assert_array_equal(node, np.asarray(leaf))
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_a_lora_step_on_the_hf_layout_equals_the_transposed_layout_bit_for_bit(
+    bf16_run, compute_dtype
+):
+    """Loss and adapter gradients with the base contracted as stored ([out, in], the
+    transpose folded into the products) and with numpy's transposed copies."""
+    import dataclasses
+
+    program = bf16_run["program"]
+    cfg = dataclasses.replace(program.cfg, compute_dtype=compute_dtype)
+    adapters = lora.init_adapters(cfg, program.lora, jax.random.key(1))
+    # B nonzero, so the adapters' path carries the base's products into the gradients
+    adapters = jax.tree_util.tree_map(lambda a: a + 0.01, adapters)
+    batch = {k: jnp.asarray(v) for k, v in program.batches.batch(0).items()}
+
+    def loss_and_grads(base):
+        def loss(ad):
+            return model.loss_fn(lora.adapted(base, ad, program.lora), cfg, batch)[0]
+
+        return jax.value_and_grad(loss)(adapters)
+
+    stored = jax.jit(loss_and_grads)(program._base)
+    transposed = jax.jit(loss_and_grads)(_reference(bf16_run["root"]))
+    leaves = jax.tree_util.tree_leaves(stored), jax.tree_util.tree_leaves(transposed)
+    for a, b in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _trained_export(program, directory):
+    state = program.place(program.init_state())
+    for _ in range(3):
+        state, _ = program.step(state)
+    program.export(state, directory)
+    return state
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_bf16_base_lora_run_and_its_exports_are_those_before_the_change(bf16_run, tmp_path):
+    state = _trained_export(bf16_run["program"], tmp_path / "export")
+    assert state_hash(state) == BEFORE["bf16"]["state"]
+    for file in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        assert _sha256(tmp_path / "export" / file) == BEFORE["bf16"][file], file
