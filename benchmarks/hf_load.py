@@ -9,6 +9,8 @@ in the page cache), interleaved round by round:
 
 - **read**: the file's bytes read into memory (``readinto`` a preallocated buffer, 16 MiB
   chunks): the floor any loader has to pay;
+- **read fresh**: the same into memory allocated inside the timing (``np.empty``): the
+  floor for a loader whose arrays are new memory (page faults included);
 - **load**: ``hf_checkpoint.load`` (headers checked, tensors converted to the FP32 master
   parameters as JAX arrays), its time and the peak resident memory it adds over the
   process's resident memory just before (``ru_maxrss`` after minus RSS before), against the
@@ -17,17 +19,33 @@ in the page cache), interleaved round by round:
   finite check, ``device_put``) with no transpose at all — what a load would cost if the
   parameters kept HF's ``[out, in]`` layout: the bound for that layout change;
 - **convert only**: the BF16→FP32 widening of the whole file's tensors in memory, from the
-  page cache to fresh FP32 arrays, nothing else (the least a BF16→FP32 load does).
+  page cache to fresh FP32 arrays, nothing else (the least a BF16→FP32 load does);
+- **stored**: ``hf_checkpoint.load_stored`` (the same checks; every tensor in its own dtype
+  and HF's layout, read straight into aligned buffers, finite-checked, ``device_put``):
+  what the prepare stage of a LoRA recipe reads, with peak added RSS against the weights as
+  loaded (the file's tensor bytes);
+- **LoRA base load**: what a LoRA run does at its start with the base the prepare stage
+  wrote (written once here, :func:`.frozen_base.to_arrays` + ``examples.write``):
+  ``examples.load`` (the sha256 of every prepared file checked against the manifest, the
+  arrays memory-mapped) then :func:`.frozen_base.on_device`; ``verify_seconds`` is the
+  sha256 part.
 
-Goals (issue 21, item 4): load ≤ 1.3 × read; peak added RSS ≤ 1.2 × the FP32 weights.
+Then **one LoRA update** on the stored base (rank 8 on ``q_proj``/``v_proj``, batch 1,
+``--seq-len`` tokens, BF16 compute, base held BF16; compile excluded, median of 3), and the
+same update on a base transposed beforehand: the difference is the per-step cost of making
+``[in, out]`` matrices from the stored ``[out, in]`` ones inside the step.
 
-    uv run --locked python benchmarks/hf_load.py [--shape 1b|small] [--rounds 2]
+Goals (issue 21, item 4): load ≤ 1.3 × read; peak added RSS ≤ 1.2 × the weights as loaded
+(the FP32 load: against its FP32 weights).
+
+    uv run --locked python benchmarks/hf_load.py [--shape 1b|small] [--rounds 2] [--seq-len 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +73,13 @@ with open(path, "rb", buffering=0) as f:
         done += f.readinto(view[done : done + (16 << 20)])
 print(json.dumps({"seconds": time.perf_counter() - start, "bytes": done}))
 """
+
+#: the read into memory allocated inside the timing (a loader's arrays are fresh memory: its
+#: page faults are part of any load, and ``read``'s buffer is zeroed before its clock starts)
+READ_FRESH = READ.replace(
+    "buffer = bytearray(size)\nview = memoryview(buffer)\nstart = time.perf_counter()",
+    "start = time.perf_counter()\nbuffer = np.empty(size, np.uint8)\nview = memoryview(buffer)",
+).replace("import json, os, sys, time", "import json, os, sys, time\nimport numpy as np")
 
 PRELUDE = """
 import json, resource, sys, time
@@ -125,6 +150,71 @@ done(start, before)
 )
 
 
+#: every tensor as stored (dtype, layout), on the device
+STORED = (
+    PRELUDE
+    + """
+cfg, params, _ = hf_checkpoint.load_stored(sys.argv[1])
+params = jax.tree_util.tree_map(lambda a: jax.device_put(a, may_alias=True), params)
+jax.block_until_ready(params)
+done(start, before, stored_bytes=sum(a.nbytes for a in jax.tree_util.tree_leaves(params)))
+"""
+)
+
+#: a LoRA run's start: the prepared base verified, memory-mapped, put on the device
+LORA_BASE = (
+    PRELUDE
+    + """
+from pathlib import Path
+from minifield.inputs import examples
+from minifield.strategies.packed_sft import frozen_base
+arrays, _ = examples.load(Path(sys.argv[1]).parent / "prepared")
+verified = time.perf_counter()
+base = frozen_base.on_device(arrays, "bfloat16")
+jax.block_until_ready(base)
+done(start, before, verify_seconds=verified - start)
+"""
+)
+
+#: one LoRA update on the stored base, and on a base transposed beforehand
+LORA_UPDATE = """
+import json, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np, optax
+from minifield.strategies.packed_sft import hf_checkpoint, lora
+from minifield.strategies.packed_sft.frozen_base import FrozenBase
+seq_len = int(sys.argv[2])
+cfg, params, layout = hf_checkpoint.load_stored(sys.argv[1], seq_len, "bfloat16")
+out_in = frozenset(path for path, transposed in layout.items() if transposed)
+base = FrozenBase(jax.tree_util.tree_map(jax.device_put, params), out_in, "bfloat16")
+del params
+settings = lora.LoraSettings(8, 16.0, ("q_proj", "v_proj"), "bfloat16")
+optimizer = optax.adamw(1e-4)
+step = jax.jit(lora.make_train_step(cfg, settings, optimizer), donate_argnums=(0,))
+tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq_len)), jnp.int32)
+batch = {"tokens": tokens, "segments": jnp.ones_like(tokens),
+         "positions": jnp.arange(seq_len, dtype=jnp.int32)[None], "loss_mask": jnp.ones_like(tokens)}
+def timed(base):
+    state = lora.init_state(cfg, settings, optimizer, 0, np.zeros(32, np.uint8))
+    start = time.perf_counter()
+    state, metrics = step(state, base, batch)
+    jax.block_until_ready(state)
+    compile_seconds = time.perf_counter() - start
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        state, metrics = step(state, base, batch)
+        jax.block_until_ready(state)
+        seconds.append(time.perf_counter() - start)
+    return {"first": compile_seconds, "update": statistics.median(seconds), "loss": float(metrics["loss"])}
+stored = timed(base)
+# the same base already [in, out]: made on the device, the stored one released first
+transposed = jax.jit(lambda b: b.model_params())(base)
+del base
+pre = timed(FrozenBase(transposed, frozenset(), "bfloat16"))
+print(json.dumps({"stored": stored, "pre_transposed": pre}))
+"""
+
+
 def write_checkpoint(directory: Path, shape: dict) -> Path:
     """A random BF16 checkpoint with PyTorch names, written tensor by tensor (random finite
     values — the exponent's top bit cleared —: only sizes matter here)."""
@@ -173,9 +263,18 @@ def write_checkpoint(directory: Path, shape: dict) -> Path:
     return path
 
 
-def _measure(script: str, argument: Path) -> dict:
+def write_prepared(directory: Path) -> None:
+    """The prepared base a LoRA recipe's prepare stage writes (``directory/../prepared``)."""
+    from minifield.inputs import examples
+    from minifield.strategies.packed_sft import frozen_base, hf_checkpoint
+
+    _, params, layout = hf_checkpoint.load_stored(directory)
+    examples.write(directory.parent / "prepared", frozen_base.to_arrays(params, layout), {}, "")
+
+
+def _measure(script: str, argument: Path, *extra: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(argument)],
+        [sys.executable, "-c", script, str(argument), *extra],
         capture_output=True,
         text=True,
         check=False,
@@ -192,12 +291,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="median of N for each time")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoint is written")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens of the LoRA update")
     args = parser.parse_args()
     shape = SHAPES[args.shape]
-    sides = {"read": READ, "load": LOAD, "no_transpose": NO_TRANSPOSE, "convert": CONVERT}
+    sides = {
+        "read": READ,
+        "read_fresh": READ_FRESH,
+        "load": LOAD,
+        "no_transpose": NO_TRANSPOSE,
+        "convert": CONVERT,
+        "stored": STORED,
+        "lora_base": LORA_BASE,
+    }
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="minifield-hf-load-", dir=args.dir) as tmp:
         directory = Path(tmp) / "model"
         weights = write_checkpoint(directory, shape)
+        write_prepared(directory)
         with open(weights, "rb") as f:  # into the page cache for every side
             while f.read(64 << 20):
                 pass
@@ -205,33 +315,55 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, script in sides.items():
                 runs[name].append(_measure(script, directory))
+        update = _measure(LORA_UPDATE, directory, str(args.seq_len))
         file_bytes = weights.stat().st_size
     seconds = {name: statistics.median(r["seconds"] for r in rows) for name, rows in runs.items()}
     fp32 = runs["load"][0]["fp32_bytes"]
+    stored = runs["stored"][0]["stored_bytes"]
+    # each side against the weights as it loads them: FP32 masters, or the bytes as stored
+    loaded_bytes = {"stored": stored, "lora_base": stored}
     added = {
-        name: max(r["peak"] - r["rss_before"] for r in rows)
+        name: max(r["peak"] - r["rss_before"] for r in rows) / loaded_bytes.get(name, fp32)
         for name, rows in runs.items()
-        if name != "read"
+        if not name.startswith("read")
     }
     result = {
         "shape": {"name": args.shape, **shape},
         "file_bytes": file_bytes,
         "fp32_bytes": fp32,
+        "stored_bytes": stored,
         "rounds": args.rounds,
         "seconds": seconds,
         "over_read": {name: s / seconds["read"] for name, s in seconds.items()},
-        "peak_added_over_fp32": {name: a / fp32 for name, a in added.items()},
+        "over_read_fresh": {name: s / seconds["read_fresh"] for name, s in seconds.items()},
+        "peak_added_over_weights": added,
+        "lora_base_verify_seconds": statistics.median(
+            r["verify_seconds"] for r in runs["lora_base"]
+        ),
+        "lora_update": update,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
     }
     print(
         f"BF16 file {file_bytes / 1e9:.2f} GB ({args.shape}: {shape}), FP32 weights "
-        f"{fp32 / 1e9:.2f} GB, median of {args.rounds}"
+        f"{fp32 / 1e9:.2f} GB, median of {args.rounds}; load average "
+        f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
+    goals = {"load": " (goals <= 1.3x, <= 1.2x)", "stored": " (goals <= 1.3x, <= 1.2x)"}
     for name in sides:
-        peak = result["peak_added_over_fp32"].get(name)
+        peak = added.get(name)
         print(
-            f"  {name:13s} {seconds[name]:7.3f} s = {result['over_read'][name]:5.2f}x the read"
-            + (f"; peak added RSS {peak:.2f}x the FP32 weights" if peak is not None else "")
-            + {"load": " (goals <= 1.3x, <= 1.2x)"}.get(name, "")
+            f"  {name:13s} {seconds[name]:7.3f} s = {result['over_read'][name]:5.2f}x the read, "
+            f"{result['over_read_fresh'][name]:5.2f}x the fresh read"
+            + (f"; peak added RSS {peak:.2f}x the weights as loaded" if peak is not None else "")
+            + goals.get(name, "")
+        )
+    print(
+        f"  (LoRA base load: sha256 of the prepared files {result['lora_base_verify_seconds']:.3f} s)"
+    )
+    for name, row in update.items():
+        print(
+            f"  LoRA update, base {name}: {row['update']:.3f} s "
+            f"(first, with compile: {row['first']:.1f} s; loss {row['loss']:.4f})"
         )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -38,7 +38,9 @@ def _dtype_name(value: np.ndarray) -> str:
 
 
 def _flatten(tree, prefix=""):
-    for key, value in tree.items():
+    """``(path, leaf)`` in sorted order (the prepared arrays' order, whatever the files')."""
+    for key in sorted(tree):
+        value = tree[key]
         if isinstance(value, dict):
             yield from _flatten(value, f"{prefix}{key}/")
         else:
@@ -102,9 +104,6 @@ def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:
     files, no conversion), held in ``base_dtype`` by the step."""
     import jax
 
-    if not _registered:
-        jax.tree_util.register_pytree_node_class(FrozenBase)
-        _registered.append(True)
     items, out_in = [], set()
     for path, value, transposed in _stored(arrays):
         items.append((path, jax.device_put(value)))
@@ -125,6 +124,11 @@ class FrozenBase:
 
     def __init__(self, params: dict, out_in: frozenset, dtype: str):
         self.params, self.out_in, self.dtype = params, out_in, dtype
+        if not _registered:
+            import jax
+
+            jax.tree_util.register_pytree_node_class(FrozenBase)
+            _registered.append(True)
 
     def tree_flatten(self):
         return (self.params,), (self.out_in, self.dtype)
