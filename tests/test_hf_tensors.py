@@ -64,3 +64,54 @@ def test_bf16_nan_and_infinity_are_counted_and_refused(tmp_path, transpose):
         CheckpointError, match=f"^{path}: tensor model.norm.weight holds 2 non-finite values"
     ):
         _read(path, bits, transpose)
+
+
+# -- read as stored (a frozen base, :func:`.hf_tensors.read_stored`) ----------------------------
+
+
+def _read_stored(path: Path, raw: bytes, shape, kind: str):
+    path.write_bytes(b"pad!" + raw)
+    with hf_tensors.Source(path) as source:
+        return hf_tensors.read_stored(source, 4, 4 + len(raw), shape, kind, "model.norm.weight")
+
+
+def test_every_finite_bf16_pattern_is_read_as_stored_bit_for_bit(tmp_path):
+    bits = _finite_patterns()
+    value = _read_stored(tmp_path / "t.bin", bits.tobytes(), bits.shape, "BF16")
+    assert value.dtype == ml_dtypes.bfloat16 and value.shape == bits.shape
+    assert np.array_equal(value.view(np.uint16), bits)
+    assert np.array_equal(value.astype(np.float64), _by_definition(bits))
+    assert value.ctypes.data % 64 == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "bad"),
+    [
+        ("BF16", np.uint16, [0x7FC1, 0xFF80, 0x7F80]),  # NaN, -inf, +inf by their bits
+        ("F16", np.float16, [np.nan, -np.inf]),
+        ("F32", np.float32, [np.inf]),
+    ],
+)
+def test_non_finite_values_read_as_stored_are_counted_and_refused(tmp_path, kind, dtype, bad):
+    # more than one read block (the check runs block by block), the bad values in the last
+    count = (1 << 20) + 300
+    values = np.zeros(count, dtype)
+    values[-len(bad) :] = bad
+    path = tmp_path / "t.bin"
+    with pytest.raises(
+        CheckpointError,
+        match=f"^{path}: tensor model.norm.weight holds {len(bad)} non-finite values",
+    ):
+        _read_stored(path, values.tobytes(), (count,), kind)
+    values[-len(bad) :] = 1 if kind != "BF16" else 0x3F80  # 1.0: now all finite
+    assert _read_stored(path, values.tobytes(), (count,), kind).shape == (count,)
+
+
+def test_a_tensor_read_as_stored_past_the_files_end_is_refused(tmp_path):
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"pad!" + b"\0" * 10)
+    with (
+        hf_tensors.Source(path) as source,
+        pytest.raises(CheckpointError, match=f"^{path}: ends inside a tensor's data"),
+    ):
+        hf_tensors.read_stored(source, 4, 24, (10,), "BF16", "model.norm.weight")
