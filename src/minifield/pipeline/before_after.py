@@ -7,6 +7,11 @@ the chosen answer (the SFT task's own measure), and **preference accuracy**, the
 pairs whose chosen answer's tokens get the larger summed log-probability after the rendered
 prompt (log-softmax in float64 over the model's FP32 logits). Both exports are read as HF
 directories (``minifield.load_model``'s loader), so one measure serves both.
+
+**The check**: with ``evaluation.max_dev_exact_match_drop`` (tolerance ``t``) in the
+preference recipe, the after export's DEV exact-match must be at least the before export's
+minus ``t``; the record and the report item say pass or fail, and the rule exits 1 on a fail
+(:class:`DevExactMatchDrop`, one line naming both numbers). Absent: shown, not checked.
 """
 
 from __future__ import annotations
@@ -49,8 +54,57 @@ def figures(export_dir: Path, pairs_path: Path) -> dict:
     }
 
 
-def compare(before: Path, after: Path, pairs: dict[str, Path], out_json: Path, out_html: Path):
-    """Both exports on every split's pairs; writes the record and the report item."""
+KEY = "max_dev_exact_match_drop"
+
+
+class DevExactMatchDrop(Exception):
+    """The after export's DEV exact-match fell below the before export's minus the tolerance."""
+
+
+def tolerance(recipe_path: Path) -> float | None:
+    """The preference recipe's ``evaluation.max_dev_exact_match_drop`` (None: absent)."""
+    return json.loads(Path(recipe_path).read_text())["evaluation"].get(KEY)
+
+
+def check(record: dict, max_drop: float | None) -> dict | None:
+    """``{max_dev_exact_match_drop, passed}`` of a record (None: no tolerance, no check)."""
+    if max_drop is None:
+        return None
+    before, after = record["before"]["dev"]["exact_match"], record["after"]["dev"]["exact_match"]
+    # exact-match is a count over the pairs: 1e-9 absorbs the float sum, nothing a pair moves
+    return {KEY: max_drop, "passed": after >= before - max_drop - 1e-9}
+
+
+def refusal(record: dict, recipe_path: Path) -> str | None:
+    """The one-line message of a failed check (None when it passed or there is none)."""
+    verdict = record["dev_exact_match_check"]
+    if verdict is None or verdict["passed"]:
+        return None
+    before, after = record["before"]["dev"]["exact_match"], record["after"]["dev"]["exact_match"]
+    return (
+        f"preference tuning undid the upstream result on DEV: exact-match after {after:.4f} < "
+        f"before {before:.4f} - {verdict[KEY]} (evaluation.{KEY} of {recipe_path})"
+    )
+
+
+def _verdict_text(verdict: dict | None) -> str:
+    if verdict is None:
+        return f"Not checked (the preference recipe has no evaluation.{KEY})."
+    word = "PASS" if verdict["passed"] else "FAIL"
+    return f"Check after &ge; before &minus; {verdict[KEY]}: <b>{word}</b>."
+
+
+def compare(
+    before: Path,
+    after: Path,
+    pairs: dict[str, Path],
+    out_json: Path,
+    out_html: Path,
+    recipe: Path | None = None,
+):
+    """Both exports on every split's pairs; writes the record and the report item (with the
+    check of the preference recipe ``recipe``'s tolerance, if it has one) and raises
+    :class:`DevExactMatchDrop` after writing them when the check fails."""
     record = {
         "before": {split: figures(before, path) for split, path in pairs.items()},
         "after": {split: figures(after, path) for split, path in pairs.items()},
@@ -58,6 +112,7 @@ def compare(before: Path, after: Path, pairs: dict[str, Path], out_json: Path, o
     }
     dev = record["before"]["dev"]["exact_match"], record["after"]["dev"]["exact_match"]
     record["dev_exact_match_change"] = dev[1] - dev[0]
+    record["dev_exact_match_check"] = check(record, None if recipe is None else tolerance(recipe))
     atomic.write_json(out_json, record)
     rows = "".join(
         f"<tr><td>{label}</td>"
@@ -75,7 +130,10 @@ def compare(before: Path, after: Path, pairs: dict[str, Path], out_json: Path, o
         f"<tr><th>model</th>{head}</tr>{rows}</table><p>Greedy exact-match of the chosen "
         "answer and the share of pairs whose chosen answer has the larger log-probability, "
         f"on the same pairs. DEV exact-match change: {record['dev_exact_match_change']:+.3f}."
-        f"</p><p>{html.escape(str(before))} → {html.escape(str(after))}</p></body></html>\n"
+        f" {_verdict_text(record['dev_exact_match_check'])}</p><p>{html.escape(str(before))} → {html.escape(str(after))}</p></body></html>\n"
     )
     atomic.write_bytes(out_html, body.encode("utf-8"))
+    message = refusal(record, recipe)
+    if message is not None:
+        raise DevExactMatchDrop(message)
     return record
