@@ -54,7 +54,7 @@ def make_project(tmp_path):
     for name, evaluation in (
         ("llama-sft-demo", {}),
         # four updates: acceptance is not what this test is about (the gate: the worker tests)
-        ("preference-demo", {"min_dev_preference_accuracy": 0.0}),
+        ("preference-demo", {"min_dev_preference_accuracy": 0.0, "max_dev_exact_match_drop": 0.0}),
     ):
         recipe = _tiny(REPO / "config" / "recipes" / f"{name}.yaml", tmp_path, **evaluation)
         (tmp_path / "config" / "recipes" / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
@@ -64,22 +64,23 @@ def make_project(tmp_path):
     return tmp_path
 
 
-def numpy_preference_accuracy(export, pairs) -> float:
+def numpy_preference(export, pairs) -> tuple[float, float]:
+    """Preference accuracy and mean margin, each answer scored through its end-of-turn token
+    (`answer<eos>`, the template's assistant turn)."""
     tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
     hf = json.loads((export / "config.json").read_text())
     weights = load_file(export / "model.safetensors")
 
     def logp(prompt, answer):
         head = tokenizer.encode(f"<bos>{prompt}<sep>", add_special_tokens=False).ids
-        ids = head + tokenizer.encode(answer, add_special_tokens=False).ids
+        ids = head + tokenizer.encode(f"{answer}<eos>", add_special_tokens=False).ids
         logits = np.asarray(reference_logits(weights, hf, ids), np.float64)
         top = logits.max(-1, keepdims=True)
         lp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
         return sum(lp[t - 1, ids[t]] for t in range(len(head), len(ids)))
 
-    return float(
-        np.mean([logp(p["prompt"], p["chosen"]) > logp(p["prompt"], p["rejected"]) for p in pairs])
-    )
+    margins = [logp(p["prompt"], p["chosen"]) - logp(p["prompt"], p["rejected"]) for p in pairs]
+    return float(np.mean(np.asarray(margins) > 0)), float(np.mean(margins))
 
 
 def test_dpo_chained_after_sft_with_its_reference_and_the_before_after_record(tmp_path):
@@ -120,11 +121,15 @@ def test_dpo_chained_after_sft_with_its_reference_and_the_before_after_record(tm
         for line in (project / "data" / "preference-demo" / "dev.jsonl").read_text().splitlines()
     ]
     assert record["after"]["dev"]["pairs"] == len(dev) == 8
-    assert record["after"]["dev"]["preference_accuracy"] == numpy_preference_accuracy(
-        cdir / "train" / "export", dev
-    )
-    assert record["before"]["dev"]["preference_accuracy"] == numpy_preference_accuracy(
-        sft_export, dev
-    )
+    for key, export in (("after", cdir / "train" / "export"), ("before", sft_export)):
+        accuracy, margin = numpy_preference(export, dev)
+        assert record[key]["dev"]["preference_accuracy"] == accuracy
+        assert record[key]["dev"]["mean_margin"] == pytest.approx(margin, abs=1e-4)
+    # the check's wiring: the tolerance read from the DPO recipe, the verdict in the report
+    # (four SFT updates exact-match no DEV pair: nothing to lose; test_before_after.py refuses
+    # a real drop)
+    assert record["before"]["dev"]["exact_match"] == 0.0
+    assert record["dev_exact_match_check"] == {"max_dev_exact_match_drop": 0.0, "passed": True}
+    assert "<b>PASS</b>" in (chain_dir / "report" / "before-after.html").read_text()
     again = run_snakemake(project, *configfile, "-n", check=True)
     assert "Nothing to be done" in again.stdout + again.stderr

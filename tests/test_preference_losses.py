@@ -60,8 +60,17 @@ def orpo_ref(lam):
     return loss, d_a / LEN_C, d_b / LEN_R
 
 
+def rpo_ref(reference, alpha):
+    """RPO (Pang et al. 2024; TRL's rpo_alpha): the loss plus α times the chosen answer's NLL
+    per token, −π_c/|y_c|, whose derivative in π_c is −α/|y_c| (none in π_r)."""
+    loss, d_c, d_r = reference
+    return loss - alpha * CHOSEN / LEN_C, d_c - alpha / LEN_C, d_r
+
+
 def _case_id(value):
-    return getattr(value, "loss", "") if isinstance(value, LossSettings) else ""
+    if not isinstance(value, LossSettings):
+        return ""
+    return value.loss + ("+rpo" if value.rpo_alpha else "")
 
 
 CASES = [
@@ -71,6 +80,12 @@ CASES = [
     (LossSettings("simpo", beta=2.0, gamma=0.5), simpo_ref(2.0, 0.5)),
     (LossSettings("orpo", orpo_lambda=0.1), orpo_ref(0.1)),
     (LossSettings("orpo", orpo_lambda=1.5), orpo_ref(1.5)),
+    (LossSettings("dpo", beta=0.1, rpo_alpha=1.0), rpo_ref(dpo_ref(0.1, 0.0), 1.0)),
+    (
+        LossSettings("dpo", beta=0.5, label_smoothing=0.2, rpo_alpha=0.3),
+        rpo_ref(dpo_ref(0.5, 0.2), 0.3),
+    ),
+    (LossSettings("ipo", beta=0.25, rpo_alpha=2.0), rpo_ref(ipo_ref(0.25), 2.0)),
 ]
 
 
@@ -122,6 +137,20 @@ def test_ipo_is_minimal_with_zero_gradient_at_margin_one_over_two_beta():
     for shift in (-0.5, 0.5):  # either side of the optimum the loss is larger
         moved = losses.pair_losses(settings, _logps(chosen=chosen + shift))[0]
         np.testing.assert_allclose(np.asarray(moved), shift**2, rtol=1e-4)
+
+
+def test_the_rpo_term_leaves_the_rewards_and_counts_padding_pairs_out():
+    """RPO adds to the loss only: the rewards are DPO's; a padding pair (length 0, valid 0)
+    contributes nothing to the mean."""
+    plain, rpo = LossSettings("dpo", beta=0.1), LossSettings("dpo", beta=0.1, rpo_alpha=1.0)
+    rewards = losses.pair_losses(plain, _logps())[1:], losses.pair_losses(rpo, _logps())[1:]
+    for a, b in zip(*rewards, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    valid = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
+    padded = _logps(len_c=np.where(valid > 0, LEN_C, 0.0))
+    loss = float(losses.batch_loss(rpo, padded, jnp.asarray(valid))[0])
+    want = rpo_ref(dpo_ref(0.1, 0.0), 1.0)[0]
+    np.testing.assert_allclose(loss, want[valid > 0].mean(), rtol=1e-6)
 
 
 @pytest.mark.parametrize(("settings", "reference"), CASES[:4], ids=_case_id)

@@ -137,6 +137,9 @@ def test_a_reference_computed_for_other_pairs_is_refused_naming_the_file(compute
         ({"loss": "simpo", "label_smoothing": 0.1}, "/preference/label_smoothing"),
         ({"loss": "orpo", "reference": "r"}, "/preference/reference"),
         ({"loss": "kto"}, "/preference/loss"),
+        ({"loss": "dpo", "rpo_alpha": -0.5, "reference": "r"}, "/preference/rpo_alpha"),
+        ({"loss": "simpo", "rpo_alpha": 1.0}, "/preference/rpo_alpha"),
+        ({"loss": "orpo", "rpo_alpha": 1.0}, "/preference/rpo_alpha"),
     ],
 )
 def test_bad_preference_settings_are_named(computed, preference, pointer):
@@ -156,6 +159,23 @@ def test_the_preference_section_is_refused_by_other_strategies_and_kept_in_the_d
     other = recipes.validate(recipe(root, {"loss": "simpo", "beta": 3.0}))
     assert one.computation_digest == same.computation_digest != other.computation_digest
     assert one.examples_digest == other.examples_digest  # a β sweep shares its examples
+
+
+def test_rpo_alpha_zero_is_the_plain_dpo_computation_and_any_other_value_another(computed):
+    """rpo_alpha 0 is spelled by its absence (DPO recipes written before the key keep their
+    digest); 1.0 is another computation, with the same examples."""
+    root, _ = computed
+
+    def validated(**extra):
+        raw = recipe(root, DPO | {"reference": "reference"} | extra)
+        raw["inputs"].append({"name": "reference", "path": "ref/x", "sha256": "1" * 64})
+        return recipes.validate(raw)
+
+    plain, zero, rpo = validated(), validated(rpo_alpha=0), validated(rpo_alpha=1.0)
+    assert "rpo_alpha" not in zero.data["preference"]
+    assert plain.computation_digest == zero.computation_digest != rpo.computation_digest
+    assert rpo.data["preference"]["rpo_alpha"] == 1.0
+    assert plain.examples_digest == rpo.examples_digest
 
 
 def test_dpo_acceptance_checks_reward_accuracy_when_measured_and_preference_accuracy_always(

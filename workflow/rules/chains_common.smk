@@ -156,7 +156,8 @@ def reference_inputs(wildcards):
 
 def before_after_inputs(wildcards):
     """A chain into a preference recipe: the upstream export (before), the preference
-    computation's export (after, through its reference link when it has one) and the pairs.
+    computation's export (after, through its reference link when it has one), its recipe
+    (the check's tolerance) and the pairs.
     """
     computation = linked_computation("chains", wildcards.a, wildcards.b)
     follow = follow_up(computation)
@@ -167,6 +168,7 @@ def before_after_inputs(wildcards):
     return {
         "before": f"results/computations/{wildcards.a}/train/export",
         "after": f"results/computations/{final.cdigest}/train/export",
+        "recipe": f"results/computations/{final.cdigest}/recipe.json",
         "dev": f"{computation.own_root}/{paths['dev']}",
         "test": f"{computation.own_root}/{paths['test']}",
     }

@@ -17,6 +17,12 @@ chosen and rejected answer; :func:`batch_loss` averages over the valid pairs of 
 - **ORPO** (Hong et al. 2024), reference-free, on the length-normalised log-probabilities
   ``a = π/|y|`` (the paper's ``P(y|x)`` is their exponential): ``loss = −a_c + λ · −log σ(
   log odds(a_c) − log odds(a_r))`` with ``log odds(a) = a − log(1 − e^a)``; rewards ``a``.
+- **RPO** term (Pang et al. 2024, TRL's ``rpo_alpha``), DPO and IPO only: ``rpo_alpha`` α > 0
+  adds ``α · (−π_c/|y_c|)``, the chosen answer's NLL per token, to the pair's loss, so the
+  preference term cannot lower the chosen answer's likelihood unchecked (docs/preference.md
+  "The demo"). Per pair (TRL averages over the batch's chosen tokens), so a pair's loss does
+  not depend on its batch and DEV loss adds up over evaluation batches. The rewards are the
+  loss's own (the term changes no reward).
 
 Rewards order the pair: a pair's reward accuracy is ``reward_c > reward_r``, its margin
 ``reward_c − reward_r``.
@@ -43,10 +49,12 @@ class LossSettings:
     label_smoothing: float = 0.0
     gamma: float = 0.5
     orpo_lambda: float = 0.1
+    #: the RPO term's weight (0: none, the plain loss)
+    rpo_alpha: float = 0.0
 
     @classmethod
     def of(cls, section: dict) -> LossSettings:
-        keys = ("loss", "beta", "label_smoothing", "gamma", "orpo_lambda")
+        keys = ("loss", "beta", "label_smoothing", "gamma", "orpo_lambda", "rpo_alpha")
         return cls(**{k: section[k] for k in keys if k in section})
 
     @property
@@ -96,19 +104,25 @@ def pair_losses(settings: LossSettings, logps: dict):
     DPO/IPO, ``ref_chosen``, ``ref_rejected`` (arrays of one shape).
     """
     c, r = logps["chosen"], logps["rejected"]
-    if settings.loss == "dpo":
-        return dpo(
-            c,
-            r,
-            logps["ref_chosen"],
-            logps["ref_rejected"],
-            settings.beta,
-            settings.label_smoothing,
-        )
-    if settings.loss == "ipo":
-        return ipo(c, r, logps["ref_chosen"], logps["ref_rejected"], settings.beta)
     # a padding pair has length 0: divide by 1 instead (its loss is weighted out)
     n_c, n_r = jnp.maximum(logps["chosen_len"], 1), jnp.maximum(logps["rejected_len"], 1)
+    if settings.loss in ("dpo", "ipo"):
+        if settings.loss == "dpo":
+            loss, reward_c, reward_r = dpo(
+                c,
+                r,
+                logps["ref_chosen"],
+                logps["ref_rejected"],
+                settings.beta,
+                settings.label_smoothing,
+            )
+        else:
+            loss, reward_c, reward_r = ipo(
+                c, r, logps["ref_chosen"], logps["ref_rejected"], settings.beta
+            )
+        if settings.rpo_alpha:  # 0: the plain loss, not a zero added to it
+            loss = loss + settings.rpo_alpha * (-c / n_c)
+        return loss, reward_c, reward_r
     if settings.loss == "simpo":
         return simpo(c, r, n_c, n_r, settings.beta, settings.gamma)
     if settings.loss == "orpo":

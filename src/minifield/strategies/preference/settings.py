@@ -20,8 +20,8 @@ SCHEMA_FILE = "strategy-preference.schema.json"
 SPLITS = ("train", "dev", "test")
 #: the keys each loss reads (besides ``loss``)
 LOSS_KEYS = {
-    "dpo": ("beta", "label_smoothing", "reference"),
-    "ipo": ("beta", "reference"),
+    "dpo": ("beta", "label_smoothing", "reference", "rpo_alpha"),
+    "ipo": ("beta", "reference", "rpo_alpha"),
     "simpo": ("beta", "gamma"),
     "orpo": ("orpo_lambda",),
 }
@@ -46,10 +46,16 @@ def normalize_preference(recipe: dict) -> list[dict]:
         if key != "loss" and key not in LOSS_KEYS[loss]
     ]
     absent = absent_values("preference")
+    # rpo_alpha 0 is the plain loss: spelled by its absence, so recipes written before the key
+    # existed keep their digests
+    if section.get("rpo_alpha") == absent["rpo_alpha"]:
+        section.pop("rpo_alpha")
     for key in LOSS_KEYS[loss]:
-        if key in absent:
+        if key in absent and key != "rpo_alpha":
             section.setdefault(key, absent[key])
             section[key] = float(section[key])
+    if "rpo_alpha" in section:
+        section["rpo_alpha"] = float(section["rpo_alpha"])
     if loss in WITH_REFERENCE and "reference" not in section:
         errors.append(
             {
