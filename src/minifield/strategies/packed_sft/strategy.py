@@ -25,6 +25,7 @@ from ..base import Program, Strategy, pinned_inputs
 from . import (
     base_model,
     data_formats,
+    encode_pool,
     evaluator,
     execution,
     exported,
@@ -277,9 +278,12 @@ def _reading(recipe: dict, files: dict[str, Path]):
         arrays, meta["base_model"] = base_model.load(recipe, files)
         tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
         meta["chat_template"] = template.source
+        processes = encode_pool.workers()  # operational: the same examples for any number
 
         def encode(name, examples, train_on):
-            return base_model.encode_chat(examples, tokenizer, template, train_on, files[name])
+            return base_model.encode_chat(
+                examples, tokenizer, template, train_on, files[name], processes
+            )
     else:
         tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
