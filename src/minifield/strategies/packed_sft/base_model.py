@@ -236,6 +236,21 @@ def tokenizer_and_template(
     return tokenizer, template
 
 
+def tokenizer_from_files(recipe: dict, files: dict[str, Path]):
+    """:func:`tokenizer_from_arrays` on the pinned files' bytes, before the weights are loaded
+    (the arrays :func:`load` would hold for them are these bytes)."""
+    base = recipe["model"]["base"]
+    arrays = {
+        name: np.frombuffer(files[base[key]].read_bytes(), dtype=np.uint8)
+        for name, key in (
+            (CONFIG_ARRAY, "config"),
+            (TOKENIZER_ARRAY, "tokenizer"),
+            (TOKENIZER_CONFIG_ARRAY, "tokenizer_config"),
+        )
+    }
+    return tokenizer_from_arrays(recipe, arrays, files)
+
+
 def check_vocab(tokenizer, vocab: int, where: str) -> None:
     """Every id of the tokenizer (``where`` names its file) must fit the model's ``vocab``
     embedding rows."""

@@ -18,6 +18,7 @@ backends — a fork there can deadlock — encode in this process instead.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -72,7 +73,11 @@ def _fork_is_safe() -> bool:
     """False once JAX has started its backends (threads a forked child would find locked;
     JAX warns at such a fork for that reason)."""
     bridge = sys.modules.get("jax._src.xla_bridge")
-    return bridge is None or not bridge.backends_are_initialized()
+    if bridge is None:  # JAX not even imported
+        return True
+    # JAX's own test before it warns at a fork (private: where it is gone, assume started)
+    started = getattr(bridge, "backends_are_initialized", lambda: True)
+    return not started()
 
 
 #: what a worker encodes: set by :func:`_start` in each forked worker
@@ -111,6 +116,9 @@ def encode(
                 assistant_turns.encode_many(conversations[start : start + ENCODE_BATCH], *job)
             )
         return out
+    # every object so far out of the collector's reach: a worker's collections would otherwise
+    # visit (write the headers of) the whole inherited heap, copying every page of it
+    gc.freeze()
     pool = ProcessPoolExecutor(
         min(processes, len(bounds)), get_context("fork"), _start, (conversations, *job)
     )
@@ -118,3 +126,4 @@ def encode(
         return [one for chunk in pool.map(_encode_chunk, bounds) for one in chunk]
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        gc.unfreeze()
