@@ -12,10 +12,13 @@ with ChatML's specials. Then, on the same file and tokenizer:
 - **prepare**: what the packed-sft prepare stage does with a base model's template: read and
   check the file (:func:`minifield.strategies.packed_sft.data_formats.read`), render in the
   bounded sandbox, find every assistant turn's trained span
-  (:func:`minifield.strategies.packed_sft.base_model.encode_chat`, ``all_assistant``).
+  (:func:`minifield.strategies.packed_sft.base_model.encode_chat`, ``all_assistant``), on as
+  many processes as the prepare stage uses (``MINIFIELD_PREPARE_WORKERS``, else the CPUs).
 
-Printed: examples/s of each, their ratio (goal ≥ 0.5), and the packing fill of the prepared
-examples in rows of ``--seq-len`` (goal ≥ 97 %). With ``--repeat R`` the two are timed R
+Printed: examples/s of each, their ratio (goal ≥ 0.5), the load average before and after, and
+the packing fill of the prepared examples in rows of ``--seq-len`` (goal ≥ 97 %) with the
+sha256 of the packed arrays (``prepared_sha256``: equal before and after a change that must
+not change the prepared bytes). With ``--repeat R`` the two are timed R
 times, alternately, and the fastest of each counts (on a shared machine the slower runs
 measure the other jobs).
 
@@ -26,14 +29,22 @@ Usage: uv run python benchmarks/prepare_conversations.py [--n 100000] [--seq-len
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from minifield.strategies.packed_sft import base_model, chat_template, data_formats, packing
+from minifield.strategies.packed_sft import (
+    base_model,
+    chat_template,
+    data_formats,
+    encode_pool,
+    packing,
+)
 from minifield.strategies.packed_sft import tokenizer as tk
 
 CHATML = (
@@ -107,7 +118,9 @@ def prepare(data: Path, tokenizer_path: Path, seq_len: int) -> tuple[int, list]:
     )
     template = chat_template.ChatTemplate(CHATML, strings, "chatml", positions=seq_len)
     examples = data_formats.read(data).examples
-    encoded = base_model.encode_chat(examples, tokenizer, template, "all_assistant", data)
+    encoded = base_model.encode_chat(
+        examples, tokenizer, template, "all_assistant", data, encode_pool.workers()
+    )
     return len(encoded), encoded
 
 
@@ -124,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         rows = conversations(args.n)
         data = Path(tmp) / "train.jsonl"
@@ -137,17 +151,25 @@ def main(argv=None) -> int:
             ours_s = min(ours_s, seconds)
             assert count == ours == args.n
         packed, pack_s = timed(packing.pack, encoded, args.seq_len, "reject", 0)
+    digest = hashlib.sha256()
+    for key in sorted(packed.arrays):
+        digest.update(key.encode())
+        digest.update(packed.arrays[key].tobytes())
     result = {
         "conversations": args.n,
         "minimal_loop_examples_per_s": args.n / baseline_s,
         "prepare_examples_per_s": args.n / ours_s,
         "ratio": baseline_s / ours_s,
         "repeat": args.repeat,
+        "workers": encode_pool.workers(),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "pack_seconds": pack_s,
         "seq_len": args.seq_len,
         "packing_fill": packed.stats["efficiency"],
         "trained_tokens": packed.stats["loss_tokens"],
         "tokens": packed.stats["real_tokens"],
+        "prepared_sha256": digest.hexdigest(),
     }
     print(json.dumps(result, indent=2))
     if args.json:

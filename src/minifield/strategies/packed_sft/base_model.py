@@ -21,12 +21,20 @@ from pathlib import Path
 import numpy as np
 
 from ...inputs.pinned import InputError, location
-from . import assistant_turns, chat_template, execution, frozen_base, hf_checkpoint, sft_data
+from . import (
+    assistant_turns,
+    chat_template,
+    encode_pool,
+    execution,
+    frozen_base,
+    hf_checkpoint,
+    sft_data,
+)
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = frozen_base.PARAM_PREFIX
 #: conversations rendered, then tokenized together (``encode_batch``), at a time
-ENCODE_BATCH = 4096
+ENCODE_BATCH = encode_pool.ENCODE_BATCH
 CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
     "base_config_json",
     "tokenizer_json",
@@ -229,6 +237,21 @@ def tokenizer_and_template(
     return tokenizer, template
 
 
+def tokenizer_from_files(recipe: dict, files: dict[str, Path]):
+    """:func:`tokenizer_from_arrays` on the pinned files' bytes, before the weights are loaded
+    (the arrays :func:`load` would hold for them are these bytes)."""
+    base = recipe["model"]["base"]
+    arrays = {
+        name: np.frombuffer(files[base[key]].read_bytes(), dtype=np.uint8)
+        for name, key in (
+            (CONFIG_ARRAY, "config"),
+            (TOKENIZER_ARRAY, "tokenizer"),
+            (TOKENIZER_CONFIG_ARRAY, "tokenizer_config"),
+        )
+    }
+    return tokenizer_from_arrays(recipe, arrays, files)
+
+
 def check_vocab(tokenizer, vocab: int, where: str) -> None:
     """Every id of the tokenizer (``where`` names its file) must fit the model's ``vocab``
     embedding rows."""
@@ -259,16 +282,22 @@ def tokenizer_from_arrays(recipe: dict, arrays: dict[str, np.ndarray], files=Non
 
 
 def encode_chat(
-    examples: list[sft_data.Example], tokenizer, template, train_on: str, path: Path
+    examples: list[sft_data.Example],
+    tokenizer,
+    template,
+    train_on: str,
+    path: Path,
+    processes: int = 1,
 ) -> list[sft_data.Encoded]:
     """Examples of the supervised file ``path`` rendered with the base model's chat template
     (a failure is a bad input, naming the file and example); a ``text`` row is its tokens
-    between the bos (when the tokenizer has one) and the eos, all trained."""
+    between the bos (when the tokenizer has one) and the eos, all trained. ``processes``:
+    how many processes render (:mod:`.encode_pool`; the result is the same for any)."""
     backend, eos = tokenizer._backend, tokenizer.eos_id
     end_ids = assistant_turns.end_of_turn_ids(backend, eos)
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     out: list[sft_data.Encoded | None] = [None] * len(examples)
-    chats = []
+    chats, indices = [], []
     for index, example in enumerate(examples):
         if example.text:
             ids = [*head, *tokenizer.encode(example.response), eos]
@@ -278,17 +307,14 @@ def encode_chat(
             where = f"{path} (example {index + 1})"
             # the checked messages as read (the sandbox cannot change them): no copy
             messages = list(example.messages or ()) or example.conversation()
-            chats.append((index, assistant_turns.Conversation(messages, where, tools)))
-    for start in range(0, len(chats), ENCODE_BATCH):
-        batch = chats[start : start + ENCODE_BATCH]
-        try:
-            encoded = assistant_turns.encode_many(
-                [c for _, c in batch], template, backend, eos, train_on, end_ids
-            )
-        except chat_template.ChatTemplateError as exc:
-            raise BaseModelError(str(exc)) from None
-        for (index, _), one in zip(batch, encoded, strict=True):
-            out[index] = one
+            chats.append(assistant_turns.Conversation(messages, where, tools))
+            indices.append(index)
+    try:
+        encoded = encode_pool.encode(chats, template, backend, eos, train_on, end_ids, processes)
+    except chat_template.ChatTemplateError as exc:
+        raise BaseModelError(str(exc)) from None
+    for index, one in zip(indices, encoded, strict=True):
+        out[index] = one
     return out
 
 

@@ -25,6 +25,7 @@ from ..base import Program, Strategy, pinned_inputs
 from . import (
     base_model,
     data_formats,
+    encode_pool,
     evaluator,
     execution,
     exported,
@@ -184,7 +185,7 @@ class PackedSFT(Strategy):
         self, recipe: dict, name: str, files: dict[str, Path]
     ) -> tuple[dict[str, np.ndarray], dict]:
         """One training source's packed rows, with its format decision and packing figures."""
-        _, _, tokenizer, encoded = _reading(recipe, files)
+        _, _, tokenizer, encoded, _ = _reading(recipe, files)
         packed, record = _packed_source(recipe, name, encoded, tokenizer.pad_id, files)
         return dict(packed.arrays), {"format": record, "stats": packed.stats}
 
@@ -194,7 +195,7 @@ class PackedSFT(Strategy):
         """Every split's arrays; ``sources``: training sources already prepared on their own
         (input name → ``(arrays, meta)`` of :meth:`prepare_source`), used as they are."""
         training = recipe["training"]
-        arrays, described, tokenizer, encoded = _reading(recipe, files)
+        arrays, described, tokenizer, encoded, load_base = _reading(recipe, files)
         meta: dict[str, Any] = {"splits": {}, "formats": {}, **described}
         packed = {}
         for source in mixture.input_names(training):
@@ -225,6 +226,8 @@ class PackedSFT(Strategy):
                 files[recipe["model"]["tokenizer"]["input"]].read_bytes(), dtype=np.uint8
             )
         meta["packing_efficiency"] = meta["splits"]["train"]["efficiency"]
+        if "base_model" in meta:  # the weights, after every split is encoded (see _reading)
+            meta["base_model"] = load_base()
         return arrays, meta
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
@@ -268,18 +271,40 @@ class PackedSFT(Strategy):
 
 
 def _reading(recipe: dict, files: dict[str, Path]):
-    """What encoding the recipe's files needs: the base model's arrays (empty without one),
-    what the manifest says of the tokenizer (and base model), the tokenizer, and
-    ``encoded(name)`` → (the input's examples encoded, its format decision)."""
+    """What encoding the recipe's files needs: the arrays (the base model's, once
+    ``load_base()`` has run), what the manifest says of the tokenizer (and base model), the
+    tokenizer, ``encoded(name)`` → (the input's examples encoded, its format decision), and
+    ``load_base()`` → the base model's description (its arrays added; once).
+
+    The base model's tokenizer and template come from its files, so its weights load after the
+    conversations are encoded: loading them starts JAX's backends, after which conversations
+    are encoded in one process (:mod:`.encode_pool`). Files the tokenizer cannot be read from
+    load the weights first, which report the problem as they always have."""
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}
+    described: list[dict] = []
+
+    def load_base() -> dict:
+        if not described:
+            loaded, description = base_model.load(recipe, files)
+            arrays.update(loaded)
+            described.append(description)
+        return described[0]
+
     if "base" in recipe["model"]:
-        arrays, meta["base_model"] = base_model.load(recipe, files)
-        tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
+        meta["base_model"] = None  # load_base() fills it (the manifest's key order as before)
+        try:
+            tokenizer, template = base_model.tokenizer_from_files(recipe, files)
+        except Exception:  # noqa: BLE001 - the weights-first order below reports it as before
+            meta["base_model"] = load_base()
+            tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
         meta["chat_template"] = template.source
+        processes = encode_pool.workers()  # operational: the same examples for any number
 
         def encode(name, examples, train_on):
-            return base_model.encode_chat(examples, tokenizer, template, train_on, files[name])
+            return base_model.encode_chat(
+                examples, tokenizer, template, train_on, files[name], processes
+            )
     else:
         tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
@@ -293,7 +318,7 @@ def _reading(recipe: dict, files: dict[str, Path]):
         read = data_formats.read(files[name], source)
         return encode(name, read.examples, train_on), read.record()
 
-    return arrays, meta, tokenizer, encoded
+    return arrays, meta, tokenizer, encoded, load_base
 
 
 def _packed_source(recipe: dict, name: str, encoded, pad_id: int, files: dict[str, Path]):
