@@ -484,7 +484,9 @@ def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None, stderr.read_text()[-3000:]
         time.sleep(0.1)
     launchers = subprocess.run(
-        ["pgrep", "-f", "-n", f"{python} -m minifield.supervision.launch --processes 2"],
+        # this test's launcher only: its command line names this test's output root (another
+        # pytest worker may run a launcher of its own at the same time)
+        ["pgrep", "-f", "-n", f"{python} -m minifield.supervision.launch --processes 2 .*{tmp_path}/out"],
         capture_output=True, text=True, check=False,
     ).stdout.split()  # fmt: skip
     assert len(launchers) == 1, "launcher process not found"

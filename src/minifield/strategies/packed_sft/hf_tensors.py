@@ -50,10 +50,6 @@ def data_offsets(path: Path) -> dict[str, tuple[int, int, str]]:
     }
 
 
-def source_dtype(name: str, offsets: dict) -> np.dtype:
-    return source_dtype_of(offsets[name][2])
-
-
 def source_dtype_of(kind: str) -> np.dtype:
     """The numpy dtype of a safetensors dtype name (BF16: ``ml_dtypes.bfloat16``)."""
     if kind == "BF16":
