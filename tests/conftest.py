@@ -93,15 +93,6 @@ def pytest_runtest_makereport(item, call):
             )
 
 
-# -- the longest files first ----------------------------------------------------------------------
-# The suite runs on two worker processes, each taking whole files (`--dist loadfile`) in
-# collection order. The `*_pipeline.py` files run real Snakemake pipelines, several minutes each;
-# collected alphabetically, the last of them started when the other worker had nothing left, and
-# one core idled for the final minutes. They go first; every file keeps its own tests' order.
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not item.path.name.endswith("_pipeline.py"))
-
-
 # -- one JAX compilation cache for the processes tests start --------------------------------------
 # The suite starts hundreds of workers, Snakemake jobs and CLI processes that compile the same
 # small programs (a recipe's step, evaluation and generation functions) again and again. JAX's
