@@ -33,8 +33,6 @@ from . import (
 from . import tokenizer as tokenizers
 
 PARAM_PREFIX = frozen_base.PARAM_PREFIX
-#: conversations rendered, then tokenized together (``encode_batch``), at a time
-ENCODE_BATCH = encode_pool.ENCODE_BATCH
 CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
     "base_config_json",
     "tokenizer_json",

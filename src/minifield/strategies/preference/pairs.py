@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from ..packed_sft import assistant_turns, chat_template, data_formats
-from ..packed_sft.base_model import ENCODE_BATCH
 from ..packed_sft.data_formats import DataError
+from ..packed_sft.encode_pool import ENCODE_BATCH
 from ..packed_sft.packing import OVERLONG, ROW_FIELDS, first_fit_decreasing
 
 #: the per-row arrays of packed pairs (a batch is these, rows stacked)
