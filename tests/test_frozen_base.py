@@ -27,7 +27,11 @@ from minifield.strategies.packed_sft import base_model, hf_checkpoint, lora, mod
 from minifield.strategies.packed_sft.frozen_base import FrozenBase
 
 #: recorded at commit f1053f6 (before this change) by training the same recipes 3 updates
-#: in process and exporting (``test_lora``'s ``trained`` is the FP32 one)
+#: in process and exporting (``test_lora``'s ``trained`` is the FP32 one), with the jaxlib
+#: below on CPU; bit-identity is promised within one environment, and another XLA (the lock
+#: gives Python 3.12 a newer jax) rounds differently, so elsewhere the pins do not apply
+#: (the same-environment comparisons in this file still run)
+BEFORE_JAXLIB = "0.10.2"
 BEFORE = {
     "fp32": {
         "state": "6a758ec9c8e903bba20241d668f0c0b8b8d1312a88ce68ed582e21b0a2f63d06",
@@ -164,11 +168,22 @@ def _trained_export(program, directory):
     return state
 
 
+def skip_unless_recorded_environment() -> None:
+    import jaxlib
+
+    if jaxlib.__version__ != BEFORE_JAXLIB or jax.default_backend() != "cpu":
+        pytest.skip(
+            f"hashes recorded with jaxlib {BEFORE_JAXLIB} on CPU; this is jaxlib "
+            f"{jaxlib.__version__} on {jax.default_backend()}"
+        )
+
+
 def _sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_a_bf16_base_lora_run_and_its_exports_are_those_before_the_change(bf16_run, tmp_path):
+    skip_unless_recorded_environment()
     state = _trained_export(bf16_run["program"], tmp_path / "export")
     assert state_hash(state) == BEFORE["bf16"]["state"]
     for file in ("model.safetensors", "adapter/adapter_model.safetensors"):

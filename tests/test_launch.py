@@ -110,7 +110,7 @@ def test_inside_a_slurm_allocation_it_runs_srun():
     assert launch.allocation_tasks({"SLURM_NTASKS": "2"}) is None  # no job: not inside one
     assert launch.allocation_tasks({}) is None
     assert launch.srun_command(["w", "--x"], 2) == [
-        "srun", "--ntasks=2", "--kill-on-bad-exit=1", "w", "--x",
+        "srun", "--ntasks=2", "--kill-on-bad-exit=0", "--wait=60", "w", "--x",
     ]  # fmt: skip
     with pytest.raises(launch.LaunchError, match="SLURM allocation of at least 4 tasks"):
         launch.launch(["true"], 4, mode="slurm", env=env)

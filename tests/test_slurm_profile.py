@@ -457,7 +457,8 @@ def test_two_process_training_under_srun_resumes_bit_identically(slurm_cluster, 
 def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
     """SIGTERM to ``minifield.supervision.launch`` inside an allocation (what a supervisor sends) reaches
     the srun step's tasks as SIGTERM — srun would kill them outright — so both tasks commit
-    a checkpoint at the same step and the launch exits 3 (preempted)."""
+    a checkpoint at the same step and the launch exits 3 (preempted), whichever task leaves
+    first (with ``--kill-on-bad-exit`` the first exit 3 killed the other: 143)."""
     inputs = small_sft_inputs(tmp_path)
     recipe = small_sft_recipe(
         inputs["pins"], "launch-test", 2,
@@ -499,3 +500,28 @@ def test_launcher_preempts_a_two_task_step_gracefully(slurm_cluster, tmp_path):
     preempted = next(e for e in read_events(attempt / "events.jsonl") if e["type"] == "preempted")
     assert preempted["step"] == 3 and preempted["signal"] == "SIGTERM"
     assert (attempt / "checkpoints" / "step-00000003" / "manifest.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_under_srun_a_failed_task_leaves_its_peer_the_grace_then_the_step_ends(
+    slurm_cluster, tmp_path
+):
+    """Task 1 exits 5 at once, task 0 would sleep for ten minutes: srun's ``--wait`` (the
+    launcher's grace) ends the step a few seconds later, and the launch reports a failure."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MINIFIELD_"))}
+    python = str(VENV_BIN / "python")
+    task = "import os, sys, time; sys.exit(5) if os.environ['SLURM_PROCID'] == '1' else time.sleep(600)"
+    started = time.monotonic()
+    proc = subprocess.run(
+        ["timeout", "-k", "10", "120", "salloc", "-n2", "--mem-per-cpu=500", "-t", "3",
+         python, "-m", "minifield.supervision.launch", "--processes", "2", "--grace-seconds", "3",
+         "--", python, "-c", task],
+        capture_output=True, text=True, env=env, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert "srun in SLURM job" in proc.stderr, proc.stderr
+    # srun ends the step after the grace: task 0 killed (137, as a local launch reports a
+    # process 0 killed after the grace), well before the 600 s sleep or the 120 s timeout
+    assert "task 1: Exited with exit code 5" in proc.stderr, proc.stderr
+    assert proc.returncode == 137 and elapsed < 60, (proc.returncode, elapsed, proc.stderr)

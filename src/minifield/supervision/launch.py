@@ -3,7 +3,8 @@
 ``python -m minifield.supervision.launch --processes N -- minifield-worker --distributed ...``
 
 - Inside a SLURM job of at least N tasks (``SLURM_JOB_ID`` set; the task count from
-  ``SLURM_NTASKS`` or ``scontrol show job``): ``srun --ntasks=N --kill-on-bad-exit=1 CMD``;
+  ``SLURM_NTASKS`` or ``scontrol show job``): ``srun --ntasks=N --kill-on-bad-exit=0
+  --wait=GRACE CMD``;
   the tasks, possibly on several hosts, find each other from SLURM's environment
   (:mod:`minifield.supervision.distributed`). The Snakemake SLURM executor submits the ``qualify`` and
   ``train`` jobs with ``--ntasks=N`` when ``train.processes`` is N.
@@ -21,12 +22,17 @@ it), the signal goes to the step's tasks through ``scancel --signal`` (the step 
 by the unique name the launcher gives it), and srun is told to end if the launcher is
 killed outright. When one local process ends in failure the
 others get ``grace_s`` seconds to end on their own (JAX's distributed runtime stops them
-when a peer is gone) and are then killed, so a launch never hangs on a dead peer.
+when a peer is gone) and are then killed, so a launch never hangs on a dead peer; under
+srun the same grace is srun's ``--wait``. (Not ``--kill-on-bad-exit``: a preempted task
+exits 3, which srun counts as bad, and it killed the peer that was exiting 3 too, so the
+step ended 143 instead of 3. The workers leave through ``jax.distributed.shutdown``, a
+barrier, so a normal end never waits out the grace.)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -73,9 +79,13 @@ def _slurm_query(*command: str) -> str:
         return ""
 
 
-def srun_command(command: Sequence[str], processes: int, step_name: str = "") -> list[str]:
+def srun_command(
+    command: Sequence[str], processes: int, step_name: str = "", grace_s: float = 60.0
+) -> list[str]:
     name = [f"--job-name={step_name}"] if step_name else []
-    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=1", *name, *command]
+    # --wait: once one task has ended, the others get grace_s seconds (0 would mean forever)
+    wait = f"--wait={max(1, math.ceil(grace_s))}"
+    return ["srun", f"--ntasks={processes}", "--kill-on-bad-exit=0", wait, *name, *command]
 
 
 def step_id(job_id: str, step_name: str) -> str | None:
@@ -126,10 +136,10 @@ def _forward_signals(children: list[subprocess.Popen], slurm_step: tuple | None)
 
 
 def _start_srun(
-    command: Sequence[str], processes: int, step_name: str, env: dict
+    command: Sequence[str], processes: int, step_name: str, env: dict, grace_s: float
 ) -> subprocess.Popen:
     return subprocess.Popen(
-        srun_command(command, processes, step_name),
+        srun_command(command, processes, step_name, grace_s),
         env=env,
         start_new_session=True,
         preexec_fn=_end_with_parent,  # only a prctl call: safe before exec
@@ -207,7 +217,7 @@ def launch(
     if mode == "slurm":
         step_name = f"minifield-launch-{os.getpid()}"
         slurm_step = (job, step_name)
-        children = [_start_srun(command, processes, step_name, base)]
+        children = [_start_srun(command, processes, step_name, base, grace_s)]
     else:
         slurm_step = None
         children = _start_local(command, processes, base)
