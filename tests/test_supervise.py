@@ -50,12 +50,15 @@ if mode == "stall":
     ev("update", step=2)
     time.sleep(300)
 if mode == "busy":
-    def stop(signum, frame):
-        ev("preempted", signal=signum)
-        sys.exit(3)
-    signal.signal(signal.SIGTERM, stop)
+    # As the worker does: the handler only notes the signal and the loop answers it between
+    # updates (a print from the handler could land inside an update's line and spoil both).
+    stop = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
     step = 0
     while True:
+        if stop:
+            ev("preempted", signal=stop[0])
+            sys.exit(3)
         step += 1
         ev("update", step=step)
         time.sleep(0.05)
