@@ -10,10 +10,10 @@ with ChatML's specials. Then, on the same file and tokenizer:
   ``tokenizers``' ``encode_batch`` over all texts: the tokens of every conversation, but no
   trained spans, no checks, no sandbox;
 - **prepare**: what the packed-sft prepare stage does with a base model's template: read and
-  check the file (:func:`minifield.strategies.packed_sft.data_formats.read`), render in the
-  bounded sandbox, find every assistant turn's trained span
-  (:func:`minifield.strategies.packed_sft.base_model.encode_chat`, ``all_assistant``), on as
-  many processes as the prepare stage uses (``MINIFIELD_PREPARE_WORKERS``, else the CPUs).
+  check the file, render in the bounded sandbox, find every assistant turn's trained span
+  (:func:`minifield.strategies.packed_sft.base_model.read_and_encode_chat`, ``all_assistant``),
+  on as many processes as the prepare stage uses (``MINIFIELD_PREPARE_WORKERS``, else the
+  CPUs).
 
 Printed: examples/s of each, their ratio (goal ≥ 0.5), the load average before and after, and
 the packing fill of the prepared examples in rows of ``--seq-len`` (goal ≥ 97 %) with the
@@ -117,9 +117,8 @@ def prepare(data: Path, tokenizer_path: Path, seq_len: int) -> tuple[int, list]:
         "tokenizer_config.json",
     )
     template = chat_template.ChatTemplate(CHATML, strings, "chatml", positions=seq_len)
-    examples = data_formats.read(data).examples
-    encoded = base_model.encode_chat(
-        examples, tokenizer, template, "all_assistant", data, encode_pool.workers()
+    encoded, _ = base_model.read_and_encode_chat(
+        data, data_formats.Source(), tokenizer, template, "all_assistant", encode_pool.workers()
     )
     return len(encoded), encoded
 

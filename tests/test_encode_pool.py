@@ -31,6 +31,8 @@ CONVERSATIONS = 300
 BAD_ROW = 100
 #: ... and a later one: the error must name the first in input order, as one process does
 LATER_BAD_ROW = 250
+#: a blank line after every this many rows (skipped; counted in the ``file:line`` of errors)
+BLANK_EVERY = 40
 
 
 def _conversation(index: int) -> dict:
@@ -49,10 +51,20 @@ def _with_system(row: dict) -> dict:
     return {"messages": [{"role": "system", "content": "be brief"}, *row["messages"]]}
 
 
-def _root(tmp_path: Path, bad_rows: tuple[int, ...] = ()) -> tuple[Path, Path]:
+def _line(row: int) -> int:
+    """The line of the train file that holds 1-based ``row``: a blank line follows every
+    ``BLANK_EVERY`` rows (the reader skips it, error messages count it)."""
+    return row + (row - 1) // BLANK_EVERY
+
+
+def _root(
+    tmp_path: Path, bad_rows: tuple[int, ...] = (), empty_rows: tuple[int, ...] = ()
+) -> tuple[Path, Path]:
     """An input root holding the Llama demo's base model and DEV/TEST files, and a train file
-    of ``CONVERSATIONS`` two-turn conversations (1-based ``bad_rows`` with a system turn); the
-    demo recipe with that train file pinned, written as JSON."""
+    of ``CONVERSATIONS`` two-turn conversations (1-based ``bad_rows`` with a system turn, which
+    the template refuses; ``empty_rows`` with an empty first answer, which the reader refuses),
+    a blank line after every ``BLANK_EVERY`` rows; the demo recipe with that train file pinned,
+    written as JSON."""
     import yaml
 
     root = tmp_path / "root"
@@ -65,8 +77,16 @@ def _root(tmp_path: Path, bad_rows: tuple[int, ...] = ()) -> tuple[Path, Path]:
     rows = [_conversation(i) for i in range(CONVERSATIONS)]
     for row in bad_rows:
         rows[row - 1] = _with_system(rows[row - 1])
+    for row in empty_rows:
+        rows[row - 1]["messages"][1]["content"] = " "
+    lines = []
+    for number, row in enumerate(rows, start=1):
+        lines.append(json.dumps(row) + "\n")
+        if number % BLANK_EVERY == 0:
+            lines.append("\n")
     train = root / "llama-sft-demo" / "train.jsonl"
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    train.write_text("".join(lines), encoding="utf-8")
+    assert train.read_text().splitlines()[_line(CONVERSATIONS) - 1] == json.dumps(rows[-1])
     recipe = yaml.safe_load(DEMO_RECIPE.read_text())
     for item in recipe["inputs"]:
         if item["name"] == "train":
@@ -140,6 +160,27 @@ def test_a_bad_row_in_the_second_chunk_names_the_file_and_row(tmp_path):
     assert error["message"].startswith(f"{train} (example {BAD_ROW}): ")
     assert "only user and assistant turns are supported" in error["message"]
     assert not (tmp_path / "examples").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_row_is_named_by_its_line_before_an_earlier_rows_template_error(tmp_path):
+    """The workers read the rows too, and the answer is still one process's: that process
+    reads the whole file before it renders, so a row the reader refuses (in the pool's third
+    chunk) is the error, not the earlier row the template refuses (second chunk)."""
+    root, recipe = _root(tmp_path, (BAD_ROW,), (LATER_BAD_ROW,))
+    chunks = encode_pool.chunk_bounds(CONVERSATIONS, 2)
+    assert chunks[1][0] < BAD_ROW <= chunks[1][1] < LATER_BAD_ROW
+    train = root / "llama-sft-demo" / "train.jsonl"
+    # by hand: the row's line (blank lines counted), its first answer (messages[1])
+    expected = (
+        f"{train}:{_line(LATER_BAD_ROW)}: messages[1].content is empty: an assistant turn "
+        "must say something to train"
+    )
+    for workers in (2, 1):
+        result = _prepare(recipe, root, tmp_path / f"examples-{workers}", workers)
+        assert result["error"] == {"message": expected, "input_error": True}
+        assert result["forks"] == (2 if workers == 2 else 0)
+        assert not (tmp_path / f"examples-{workers}").exists()
 
 
 def test_chunks_cover_every_conversation_in_order():

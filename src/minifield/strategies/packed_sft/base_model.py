@@ -22,7 +22,6 @@ import numpy as np
 
 from ...inputs.pinned import InputError, location
 from . import (
-    assistant_turns,
     chat_template,
     encode_pool,
     execution,
@@ -288,32 +287,26 @@ def encode_chat(
     processes: int = 1,
 ) -> list[sft_data.Encoded]:
     """Examples of the supervised file ``path`` rendered with the base model's chat template
-    (a failure is a bad input, naming the file and example); a ``text`` row is its tokens
-    between the bos (when the tokenizer has one) and the eos, all trained. ``processes``:
-    how many processes render (:mod:`.encode_pool`; the result is the same for any)."""
-    backend, eos = tokenizer._backend, tokenizer.eos_id
-    end_ids = assistant_turns.end_of_turn_ids(backend, eos)
-    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    out: list[sft_data.Encoded | None] = [None] * len(examples)
-    chats, indices = [], []
-    for index, example in enumerate(examples):
-        if example.text:
-            ids = [*head, *tokenizer.encode(example.response), eos]
-            out[index] = sft_data.Encoded(ids[:1], ids[1:])
-        else:
-            tools = None if example.tools is None else list(example.tools)
-            where = f"{path} (example {index + 1})"
-            # the checked messages as read (the sandbox cannot change them): no copy
-            messages = list(example.messages or ()) or example.conversation()
-            chats.append(assistant_turns.Conversation(messages, where, tools))
-            indices.append(index)
+    (:func:`.encode_pool.encode_examples`; a failure is a bad input, naming the file and
+    example). ``processes``: how many processes render (:mod:`.encode_pool`; the result is
+    the same for any)."""
+    job = encode_pool.ChatJob(tokenizer, template, train_on, path)
     try:
-        encoded = encode_pool.encode(chats, template, backend, eos, train_on, end_ids, processes)
+        return encode_pool.encode(examples, job, processes)
     except chat_template.ChatTemplateError as exc:
         raise BaseModelError(str(exc)) from None
-    for index, one in zip(indices, encoded, strict=True):
-        out[index] = one
-    return out
+
+
+def read_and_encode_chat(
+    path: Path, source, tokenizer, template, train_on: str, processes: int = 1
+) -> tuple[list[sft_data.Encoded], dict]:
+    """:func:`encode_chat` of every example of ``path`` read with ``source`` (on the workers,
+    :func:`.encode_pool.read_and_encode`), and the format decision the manifest records."""
+    job = encode_pool.ChatJob(tokenizer, template, train_on, path)
+    try:
+        return encode_pool.read_and_encode(source, job, processes)
+    except chat_template.ChatTemplateError as exc:
+        raise BaseModelError(str(exc)) from None
 
 
 def config_template(config: dict, where: str) -> str:

@@ -96,15 +96,23 @@ def _environment():
             return self.budget.built(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-            if getattr(__obj, "__func__", None) is BoundedEnvironment.bounded_add:
+            function = getattr(__obj, "__func__", None)
+            if function is BoundedEnvironment.bounded_add:
                 # a chain of + the code generator wrote as one call: charged as the chain
-                return __obj(__context, *args)
-            template_sandbox.check_call(__self.budget, __obj, args, kwargs)
-            if getattr(__obj, "__func__", None) is BoundedEnvironment.bounded_iter:
+                return template_sandbox.join_all(
+                    __self.budget, args, lambda a, b: __self.call_binop(__context, "+", a, b)
+                )
+            if function is BoundedEnvironment.bounded_iter:
                 # the loop wrapper the code generator writes in (a template cannot name it):
-                # charged as any call, without the sandbox's checks of a callable it knows;
-                # the loop's variables jinja passes along are dropped, as Context.call does
+                # charged as check_call charges any call (one unit, integer arguments are
+                # sizes), without the sandbox's checks of a callable it knows; the loop's
+                # variables jinja passes along are dropped, as Context.call does
+                budget = __self.budget
+                budget.spend()
+                for value in args:
+                    budget.argument(value, "an integer argument")
                 return __obj(*args)
+            template_sandbox.check_call(__self.budget, __obj, args, kwargs)
             return __self.budget.built(super().call(__context, __obj, *args, **kwargs))
 
         def is_safe_attribute(self, obj, attr, value):

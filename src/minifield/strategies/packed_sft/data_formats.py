@@ -100,13 +100,19 @@ class Read:
 
     def record(self) -> dict:
         """What the prepared manifest records of the decision."""
-        return {"format": self.format, "detected": self.detected, "examples": len(self.examples)}
+        return record(self.format, self.detected, len(self.examples))
 
 
-def json_rows(lines, path, error: type[Exception]):
+def record(fmt: str, detected: bool, count: int) -> dict:
+    """What the prepared manifest records of a file's format decision (:meth:`Read.record`)."""
+    return {"format": fmt, "detected": detected, "examples": count}
+
+
+def json_rows(lines, path, error: type[Exception], start: int = 1):
     """``(row, "file:line")`` for every non-blank line of a JSONL file (``lines``: its lines
-    in order); a line that is not JSON raises ``error`` naming the file and line."""
-    for number, line in enumerate(lines, start=1):
+    in order, the first being line ``start``); a line that is not JSON raises ``error`` naming
+    the file and line."""
+    for number, line in enumerate(lines, start=start):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -276,33 +282,46 @@ def example(row: dict, fmt: str, where: str, source: Source) -> Example:
     return Example(prompt, response)
 
 
+def row_example(row, where: str, fmt: str | None, source: Source, first: bool):
+    """``(Example, format)`` of one row (``where``: its ``file:line``; ``fmt``: the file's
+    format so far, None before its first row, which decides it; ``first``: the file's first
+    row): checked, its fields renamed by ``source.columns``."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if source.columns:
+        names = {file_name: name for name, file_name in source.columns.items()}
+        row = {names.get(k, k): v for k, v in row.items()}
+    found = shape(row)
+    if fmt is None:
+        fmt = found
+    if found != fmt or fmt is None:
+        expected = fmt or "any format"
+        required, optional = FIELDS.get(fmt, (set(), set()))
+        raise DataError(
+            f"{where}: fields {sorted(row)} are not those of {expected!r}"
+            + (
+                f" (required {sorted(required)}, optional {sorted(optional)})"
+                if fmt
+                else f" (one of {list(FORMATS)})"
+            )
+            + ("" if source.format or first else "; a file holds one shape")
+        )
+    return example(row, fmt, where, source), fmt
+
+
+def check_format(path: Path, source: Source) -> None:
+    if source.format is not None and source.format not in FORMATS:
+        raise DataError(f"{path}: format {source.format!r} is not one of {list(FORMATS)}")
+
+
 def read(path: Path, source: Source | None = None) -> Read:
     """Every example of a supervised file (see the module docstring)."""
     source = source or Source()
-    if source.format is not None and source.format not in FORMATS:
-        raise DataError(f"{path}: format {source.format!r} is not one of {list(FORMATS)}")
-    names = {file_name: name for name, file_name in source.columns.items()}
+    check_format(path, source)
     examples, fmt = [], source.format
     for row, where in rows(path, source):
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        row = {names.get(k, k): v for k, v in row.items()}
-        found = shape(row)
-        if fmt is None:
-            fmt = found
-        if found != fmt or fmt is None:
-            expected = fmt or "any format"
-            required, optional = FIELDS.get(fmt, (set(), set()))
-            raise DataError(
-                f"{where}: fields {sorted(row)} are not those of {expected!r}"
-                + (
-                    f" (required {sorted(required)}, optional {sorted(optional)})"
-                    if fmt
-                    else f" (one of {list(FORMATS)})"
-                )
-                + ("" if source.format or not examples else "; a file holds one shape")
-            )
-        examples.append(example(row, fmt, where, source))
+        one, fmt = row_example(row, where, fmt, source, not examples)
+        examples.append(one)
     if not examples:
         raise DataError(f"{path}: no examples (the file is empty)")
     return Read(examples, fmt, source.format is None)

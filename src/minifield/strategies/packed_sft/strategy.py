@@ -301,22 +301,22 @@ def _reading(recipe: dict, files: dict[str, Path]):
         meta["chat_template"] = template.source
         processes = encode_pool.workers()  # operational: the same examples for any number
 
-        def encode(name, examples, train_on):
-            return base_model.encode_chat(
-                examples, tokenizer, template, train_on, files[name], processes
+        def encoded(name):
+            source, train_on = sft_data.recipe_reading(recipe, name)
+            return base_model.read_and_encode_chat(
+                files[name], source, tokenizer, template, train_on, processes
             )
     else:
         tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
-        def encode(name, examples, train_on):
-            return sft_data.encode_examples(examples, tokenizer, train_on, files[name])
+        def encoded(name):
+            source, train_on = sft_data.recipe_reading(recipe, name)
+            read = data_formats.read(files[name], source)
+            return sft_data.encode_examples(read.examples, tokenizer, train_on, files[name]), (
+                read.record()
+            )
 
     meta["tokenizer"] = tokenizer.config()
-
-    def encoded(name):
-        source, train_on = sft_data.recipe_reading(recipe, name)
-        read = data_formats.read(files[name], source)
-        return encode(name, read.examples, train_on), read.record()
 
     return arrays, meta, tokenizer, encoded, load_base
 

@@ -145,11 +145,14 @@ def join_all(budget: Budget, operands: tuple, add) -> object:
     (the sizes and charges of the steps only grow, so the last step decides), joined at once
     with the steps' charges summed; otherwise step by step with ``add(left, right)``, which
     charges and refuses as each ``+`` does."""
-    if all(type(operand) is str for operand in operands):
-        size, cost = len(operands[0]), 0
-        for operand in operands[1:]:
-            size += len(operand)
-            cost += 2 + size // CHARS_PER_UNIT
+    size = cost = 0
+    for operand in operands:  # one pass: the type check, the sizes and the charges
+        if type(operand) is not str:
+            break
+        size += len(operand)
+        cost += 2 + size // CHARS_PER_UNIT
+    else:
+        cost -= 2 + len(operands[0]) // CHARS_PER_UNIT  # the first operand is no step
         if size <= budget.max_chars and budget.work >= cost:
             budget.work -= cost
             return "".join(operands)
