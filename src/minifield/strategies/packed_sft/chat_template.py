@@ -96,22 +96,6 @@ def _environment():
             return self.budget.built(super().call_binop(context, operator, left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-            function = getattr(__obj, "__func__", None)
-            if function is BoundedEnvironment.bounded_add:
-                # a chain of + the code generator wrote as one call: charged as the chain
-                return template_sandbox.join_all(
-                    __self.budget, args, lambda a, b: __self.call_binop(__context, "+", a, b)
-                )
-            if function is BoundedEnvironment.bounded_iter:
-                # the loop wrapper the code generator writes in (a template cannot name it):
-                # charged as check_call charges any call (one unit, integer arguments are
-                # sizes), without the sandbox's checks of a callable it knows; the loop's
-                # variables jinja passes along are dropped, as Context.call does
-                budget = __self.budget
-                budget.spend()
-                for value in args:
-                    budget.argument(value, "an integer argument")
-                return __obj(*args)
             template_sandbox.check_call(__self.budget, __obj, args, kwargs)
             return __self.budget.built(super().call(__context, __obj, *args, **kwargs))
 
@@ -120,7 +104,12 @@ def _environment():
                 return False
             return super().is_safe_attribute(obj, attr, value)
 
-        def bounded_iter(self, iterable, literal_chars):
+        def bounded_iter(self, context, iterable, literal_chars):
+            # charged as check_call charges any call (one unit, integer arguments are sizes)
+            budget = self.budget
+            budget.spend()
+            budget.argument(iterable, "an integer argument")
+            budget.argument(literal_chars, "an integer argument")
             return template_sandbox.bounded_iter(lambda: self.budget, iterable, literal_chars)
 
         def bounded_add(self, context, *operands):
@@ -128,10 +117,13 @@ def _environment():
                 self.budget, operands, lambda a, b: self.call_binop(context, "+", a, b)
             )
 
-        def bounded_concat(self, values):
+        def bounded_concat(self, context, values):
+            # charged as before it was called directly: a call (one unit), then its result
+            # as a call's result (once more)
+            self.budget.spend()
             parts = [str(v) for v in values]
             self.budget.fits(sum(map(len, parts)), "a concatenation (~)")
-            return self.budget.built("".join(parts))
+            return self.budget.built(self.budget.built("".join(parts)))
 
     def raise_exception(message):
         raise ChatTemplateError(f"the template raised: {message}")

@@ -267,10 +267,14 @@ def bounded_iter(budget_of, iterable: Iterable, literal_chars: int):
         yield item
 
 
+#: the environment's methods the code generator's rewrite calls (:func:`code_generator_class`)
+REWRITTEN = frozenset({"bounded_iter", "bounded_concat", "bounded_add"})
+
+
 def code_generator_class():
     """jinja2's code generator, which first rewrites the template's loops, ``~``
     concatenations and chains of ``+`` into calls the budget sees
-    (``environment.bounded_iter``/``_concat``/``_add``)."""
+    (``environment.bounded_iter``/``_concat``/``_add``, each given the context first)."""
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
     from jinja2.visitor import NodeTransformer
@@ -304,5 +308,19 @@ def code_generator_class():
     class BoundedCodeGenerator(CodeGenerator):
         def visit_Template(self, node, frame=None):
             super().visit_Template(Bound().visit(node), frame)
+
+        def visit_Call(self, node, frame, forward_caller=False):
+            # the rewrite's own calls (a template cannot name them) go straight to the
+            # environment, which charges them, not through the sandbox's call(): a template
+            # makes one per loop and one per message
+            target = node.node
+            if not isinstance(target, nodes.EnvironmentAttribute) or target.name not in REWRITTEN:
+                return super().visit_Call(node, frame, forward_caller=forward_caller)
+            self.write(f"environment.{node.node.name}(context")
+            for argument in node.args:
+                self.write(", ")
+                self.visit(argument, frame)
+            self.write(")")
+            return None
 
     return BoundedCodeGenerator
