@@ -439,3 +439,27 @@ def test_without_a_template_every_turn_follows_sep_and_ends_with_eos():
     earlier = "system: be brief\nuser: reverse: hello\nassistant: olleh\nuser: and world?\n"
     assert last.prompt == [tk.BOS_ID, *b(earlier), tk.SEP_ID]
     assert (last.response, last.trained) == ([*b("dlrow"), tk.EOS_ID], None)
+
+
+def test_the_token_at_a_boundary_is_the_first_starting_at_or_after_it(tmp_path):
+    """The boundary lookup (the tokenizer's char→token lookup where that is exact, else a
+    bisection of every token's start) against its definition, by brute force over the
+    offsets, at every character of a text with multi-byte characters (one character, several
+    byte tokens), runs of spaces and special tokens: the same token, or the same refusal."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(make_tokenizer(tmp_path / "tokenizer.json")))
+    text = "<|im_start|>user\nnaïve 日本語 🙂🙂  two   spaces<|im_end|>\n<|im_start|>x"
+    encoding = backend.encode(text, add_special_tokens=False)
+    offsets = encoding.offsets
+    looked_up = 0
+    for boundary in range(len(text) + 1):
+        expected = next((i for i, (s, _) in enumerate(offsets) if s >= boundary), len(offsets))
+        token_index = assistant_turns._TokenIndex(encoding, text)
+        if expected > 0 and offsets[expected - 1][1] > boundary:
+            with pytest.raises(chat_template.ChatTemplateError, match="a token spans"):
+                token_index(boundary)
+        else:
+            assert token_index(boundary) == expected
+            looked_up += token_index._offsets is None  # answered without listing offsets
+    assert 0 < looked_up < len(text)  # both ways were taken

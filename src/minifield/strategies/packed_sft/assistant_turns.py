@@ -86,32 +86,55 @@ def render(conversation: Conversation, template: ChatTemplate, train_on: str) ->
     return Rendered(marked, starts=starts)
 
 
-def _token_index(starts: list[int], offsets, boundary: int, text: str) -> int:
-    """The first token starting at or after character ``boundary``; a token across it is an
-    error (the trained tokens could not be separated from the context)."""
-    index = bisect.bisect_left(starts, boundary)
-    if index > 0 and offsets[index - 1][1] > boundary:
-        start, end = offsets[index - 1]
-        raise ChatTemplateError(
-            "a token spans the end of the prompt and the start of the assistant's "
-            f"turn ({text[start:end]!r}), so the trained tokens cannot be separated from the "
-            "prompt"
-        )
-    return index
+class _TokenIndex:
+    """The first token of an encoding starting at or after a character boundary; a token
+    across it is an error (the trained tokens could not be separated from the context).
+
+    By bisecting every token's start, or, where it gives the same answer, the tokenizer's own
+    lookup of the token holding the boundary's character (three calls, where listing every
+    token's offsets costs half as much as the rest of finding the spans): that token starts at
+    the boundary and the one before it lies wholly before (token starts never decrease)."""
+
+    def __init__(self, encoding, text: str):
+        self.encoding, self.text = encoding, text
+        self._offsets = self._starts = None
+
+    def __call__(self, boundary: int) -> int:
+        encoding = self.encoding
+        token = encoding.char_to_token(boundary)
+        if token is not None and encoding.token_to_chars(token)[0] == boundary:
+            if token == 0:
+                return 0
+            start, end = encoding.token_to_chars(token - 1)
+            if start < boundary and end <= boundary:
+                return token
+        return self._bisect(boundary)
+
+    def _bisect(self, boundary: int) -> int:
+        if self._offsets is None:
+            self._offsets = self.encoding.offsets
+            self._starts = [s for s, _ in self._offsets]
+        offsets = self._offsets
+        index = bisect.bisect_left(self._starts, boundary)
+        if index > 0 and offsets[index - 1][1] > boundary:
+            start, end = offsets[index - 1]
+            raise ChatTemplateError(
+                "a token spans the end of the prompt and the start of the assistant's "
+                f"turn ({self.text[start:end]!r}), so the trained tokens cannot be separated "
+                "from the prompt"
+            )
+        return index
 
 
-def token_spans(rendered: Rendered, ids, offsets, end_ids) -> list[tuple[int, int]]:
-    """``(start, end)`` token spans of the trained turns, end-of-turn token included."""
-    starts = [s for s, _ in offsets]
-    text = rendered.text
+def token_spans(rendered: Rendered, ids, encoding, end_ids) -> list[tuple[int, int]]:
+    """``(start, end)`` token spans of the trained turns, end-of-turn token included
+    (``encoding``: the tokenizer's of ``rendered.text``, whose ``ids`` these are)."""
+    token_index = _TokenIndex(encoding, rendered.text)
     if rendered.blocks is not None:
-        return [
-            (_token_index(starts, offsets, s, text), _token_index(starts, offsets, e, text))
-            for s, e in rendered.blocks
-        ]
+        return [(token_index(s), token_index(e)) for s, e in rendered.blocks]
     spans = []
     for index, boundary in rendered.starts:
-        start = _token_index(starts, offsets, boundary, text)
+        start = token_index(boundary)
         end = next((i for i in range(start, len(ids)) if ids[i] in end_ids), None)
         if end is None:
             raise ChatTemplateError(
@@ -180,7 +203,7 @@ def encode_many(
     for conversation, text, encoding in zip(conversations, rendered, encodings, strict=True):
         ids = list(encoding.ids)
         try:
-            spans = token_spans(text, ids, encoding.offsets, end_ids)
+            spans = token_spans(text, ids, encoding, end_ids)
             out.append(_encoded(ids, spans, conversation, train_on))
         except ChatTemplateError as exc:
             raise ChatTemplateError(f"{conversation.where}: {exc}") from None
