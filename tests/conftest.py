@@ -107,9 +107,16 @@ def pytest_runtest_makereport(item, call):
 # same without the cache, cold and warm (README, Development). In this process the setting counts only where JAX is first imported
 # after it (in a whole run, test modules import JAX while they are collected, before): its tests
 # rarely compile one program twice, and writing out every small one cost more than it saved.
+# Under pytest-xdist the directory is the session's, shared by its workers (each worker has a
+# temporary root of its own below it): both run the same small recipes, and JAX's cache is
+# already written and read by concurrent processes within one worker (Snakemake's parallel jobs).
 @pytest.fixture(scope="session", autouse=True)
 def session_compilation_cache(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("jax-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        directory = tmp_path_factory.getbasetemp().parent / "jax-cache"
+        directory.mkdir(exist_ok=True)
+    else:
+        directory = tmp_path_factory.mktemp("jax-cache")
     os.environ.update(  # every program, as the worker's `--compilation-cache` does
         JAX_COMPILATION_CACHE_DIR=str(directory),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

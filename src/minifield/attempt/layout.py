@@ -11,9 +11,12 @@
                     it write how it ended (removed before result.json)
 
 The worker writes these; resume, recovery proofs, evaluation, summaries, capacity figures and
-the store read them. This module imports nothing, so any reader can use it without the
-training stack.
+the store read them. This module imports only the standard library, so any reader can use it
+without the training stack.
 """
+
+import datetime as dt
+import secrets
 
 ATTEMPT_JSON = "attempt.json"
 EVENTS = "events.jsonl"
@@ -21,3 +24,8 @@ CHECKPOINTS = "checkpoints"
 EXPORT = "export"
 RESULT = "result.json"
 RESERVE = ".reserve"
+
+
+def new_attempt_id() -> str:
+    """A new attempt directory's name: its UTC start time and six random hex digits."""
+    return dt.datetime.now(dt.UTC).strftime("a%Y%m%dT%H%M%SZ-") + secrets.token_hex(3)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..state.checkpoint import CheckpointRecord
 from . import environment
+
+if TYPE_CHECKING:  # an annotation only: importing the checkpoint code would start JAX in
+    # every process that reads an attempt's result (the pipeline's supervising stages)
+    from ..state.checkpoint import CheckpointRecord
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
 #: the output could not be written (:func:`minifield.atomic.is_io_failure`); resumable

@@ -9,10 +9,8 @@ outcomes. :func:`agree` makes every process of a multi-process attempt act on th
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +24,7 @@ from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from . import device_check, resume
 from .events import EventLog
-from .layout import ATTEMPT_JSON, RESERVE
+from .layout import ATTEMPT_JSON, RESERVE, new_attempt_id
 from .result import EXIT_FAILED, EXIT_INVALID, EXIT_IO, AttemptError, Progress
 from .resume import ResumeRefused
 
@@ -76,10 +74,6 @@ class ReadyToTrain:
 
 
 SetUp = SetUpFailed | AdoptCompleted | ReadyToTrain
-
-
-def new_attempt_id() -> str:
-    return dt.datetime.now(dt.UTC).strftime("a%Y%m%dT%H%M%SZ-") + secrets.token_hex(3)
 
 
 def _choose_attempt_id(job_dir: Path, given: str | None, wanted: str | None, resuming: bool) -> str:

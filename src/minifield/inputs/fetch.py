@@ -30,14 +30,20 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 from urllib.parse import urljoin
-
-import requests
 
 from .. import atomic
 from ..digest import sha256_file
 from . import credentials, origins
+
+if TYPE_CHECKING:
+    import requests
+
+# ``requests`` is imported where a download happens, not with this module: importing it costs
+# ~2.5 s of CPU here (it loads ``chardet``, whose 6.x models are slow to import), and every
+# pipeline job that validates, hashes or prepares inputs imports this module, usually with no
+# remote input to fetch.
 
 _CHUNK = 1 << 20
 _MIB = float(1 << 20)
@@ -104,6 +110,8 @@ def remote_items(recipe: dict) -> list[dict]:
 
 
 def _session(settings: Settings) -> requests.Session:
+    import requests
+
     session = requests.Session()
     # No ~/.netrc credentials, no proxy or CA settings from the environment: what is
     # sent where is decided by the settings alone.
@@ -155,6 +163,8 @@ def _status_error(origin: str, url: str, response: requests.Response, settings) 
 
 def _get(session: requests.Session, url: str, origin: str, settings: Settings):
     """GET with redirects followed by hand: same origin only, at most ``max_redirects``."""
+    import requests
+
     current = url
     for _ in range(settings.max_redirects + 1):
         headers = {"Accept-Encoding": "identity"}
@@ -211,6 +221,8 @@ def _download_once(
     label: str,
     stream: TextIO,
 ) -> None:
+    import requests
+
     tmp_dir = Path(settings.cache_dir) / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f"{sha256[:16]}.", suffix=".part", dir=tmp_dir)

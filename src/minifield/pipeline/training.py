@@ -2,7 +2,8 @@
 training) and ``train`` (one attempt, resuming the computation's latest).
 
 Both hold GPU leases for their workers; ``train`` also holds the computation's one-attempt
-lock. The attempt module imports JAX: it is imported only inside :func:`train_attempt`.
+lock. Neither imports JAX: the workers they supervise train, and a supervising process that
+loaded JAX would pay its import (~2 s of CPU) for nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT
+from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT, new_attempt_id
 from ..attempt.options import computation_cache
+from ..attempt.result import EXIT_INVALID, EXIT_IO
 from ..proof.document import DEFAULT_MODE, PROOF_FILE
 from ..proof.prove import prove
 from ..proof.verdict import verdict
@@ -167,14 +169,12 @@ def train_attempt(
     checkpoints survive Snakemake's clean-up and the next try resumes from them.
     The supervisor's record of each attempt is ``work_dir/runs/<attempt_id>/run.json``.
     """
-    from ..attempt import train
-
     recipe = recipes.load(recipe_json)
     if proof is not None:
         check_proof(proof, recipe)
     job_dir = work_dir / "attempts" / recipe.job_id
     previous = latest_attempt(job_dir)
-    attempt_id = train.new_attempt_id()
+    attempt_id = new_attempt_id()
     args = [
         "--job",
         recipe_json,
@@ -251,9 +251,9 @@ def train_attempt(
         error = result.get("error") or {}
         detail = f": {error.get('phase')}: {error.get('message')}" if error else ""
         advice = {
-            train.EXIT_INVALID: "a retry cannot fix this: correct the recipe, inputs or "
+            EXIT_INVALID: "a retry cannot fix this: correct the recipe, inputs or "
             "environment first",
-            train.EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
+            EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
             "last committed checkpoint",
         }.get(code, "the next run resumes from its last committed checkpoint")
         if error.get("phase") == "diverged":
