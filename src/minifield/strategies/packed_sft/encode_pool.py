@@ -275,7 +275,8 @@ def read_and_encode(
     """Every example of the file ``job.path`` read (as :func:`.data_formats.read` with
     ``source``) and encoded, on ``processes`` workers (see the module); and the format
     decision the manifest records (:func:`.data_formats.record`)."""
-    lines = _jsonl_lines(job.path, source) if processes > 1 else None
+    # the lines are split here only for a pool (one process reads the file as it goes)
+    lines = _jsonl_lines(job.path, source) if processes > 1 and _fork_is_safe() else None
     if lines is not None:
         pooled = _encode_rows(lines, len(lines.line_of), job, processes)
         if pooled is not None:
