@@ -456,6 +456,8 @@ def test_a_bad_base_model_ends_the_worker_with_exit_2_and_nothing_trained(root, 
     assert result["checkpoint"] is None and result["final_state_hash"] is None
 
 
+# 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
+@pytest.mark.slow
 def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_template(
     root, tmp_path
 ):

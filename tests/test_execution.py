@@ -130,6 +130,8 @@ def test_fused_attention_matches_the_xla_path_forward_and_backward():
         np.testing.assert_allclose(g_f, g_x, rtol=1e-5, atol=1e-5)
 
 
+# 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
+@pytest.mark.slow
 def test_fused_attention_model_loss_and_gradients_match_the_xla_path_in_bf16():
     """Within BF16 noise: the XLA path's own BF16 gradients differ from its FP32 ones by 0.4 to
     2.6 % (per-leaf norm) on this model; the fused kernel's differ from them by at most 1.2 %."""
@@ -293,7 +295,8 @@ def test_chunked_cross_entropy_by_hand(chunk):
     np.testing.assert_allclose(np.asarray(losses), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# gpt as for the scanned layers above: in the slow tier; the fast tier keeps llama
+@pytest.mark.parametrize("family", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_chunked_loss_gives_the_default_loss_and_gradients(reference, family):
     cfg, params, batch, loss, grads = reference(family)
     chunked = with_execution(cfg, loss_chunk_tokens=7)  # 32 tokens: 5 chunks, the last padded

@@ -97,6 +97,8 @@ def _max_difference(a, b) -> float:
     return max(float(jnp.max(x)) for x in leaves)
 
 
+# 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
     cfg, _, state = setup

@@ -178,6 +178,8 @@ def _numpy_answer_logp(prompt, answer):
     return sum(logp[t - 1, ids[t]] for t in range(len(prompt), len(ids)))
 
 
+# 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
+@pytest.mark.slow
 def test_packed_log_probs_equal_one_pair_per_row_and_the_numpy_forward(model, encoded, chat):
     pad = chat[0].pad_id
     packed = _per_pair(model, pairs.pack(encoded, SEQ_LEN, "reject", pad))

@@ -84,6 +84,8 @@ def test_the_file_holds_each_pairs_base_log_probs_as_the_numpy_forward_gives(com
             assert abs(float(tensors[f"dev.{side}"][index]) - want) < 1e-4
 
 
+# 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
+@pytest.mark.slow
 def test_a_dpo_recipe_reads_it_and_starts_at_ln2(computed):
     root, _ = computed
     loaded = recipes.validate(with_reference(recipe(root, DPO), root, "ref/reference.safetensors"))

@@ -77,6 +77,7 @@ def test_a_bad_parquet_corpus_is_refused_naming_the_file(tmp_path, table, needle
     assert needle in str(raised.value)
 
 
+@pytest.mark.slow  # trains, exports and re-evaluates (~15 s): the slow tier
 def test_a_parquet_dev_corpus_travels_in_the_export_and_is_reevaluated_from_it(tmp_path):
     data = _parquet_bytes(tmp_path, pa.table({"text": TEXTS}), "dev")
     pins = {s: _pin(tmp_path, f"c/{s}.parquet", data) for s in ("train", "dev", "test")}
