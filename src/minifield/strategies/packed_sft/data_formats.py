@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ...inputs.pinned import InputError
@@ -88,6 +89,11 @@ class Source:
         return cls(
             entry.get("format"), dict(entry.get("columns", {})), dict(entry.get("roles", {}))
         )
+
+    @cached_property
+    def renames(self) -> dict:
+        """A file's field name -> the format's (``columns`` inverted), built once per file."""
+        return {file_name: name for name, file_name in self.columns.items()}
 
 
 @dataclass(frozen=True)
@@ -155,11 +161,16 @@ def _without_nulls(value):
     return value
 
 
+def is_parquet(path: Path) -> bool:
+    """Whether ``path`` is a Parquet file (by its first bytes); OSError where unreadable."""
+    with open(path, "rb") as handle:
+        return handle.read(4) == PARQUET_MAGIC
+
+
 def rows(path: Path, source: Source):
     """``(row, where)`` of every example row of a JSONL or Parquet file."""
     try:
-        with open(path, "rb") as handle:
-            parquet = handle.read(4) == PARQUET_MAGIC
+        parquet = is_parquet(path)
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from exc
     if parquet:
@@ -289,7 +300,7 @@ def row_example(row, where: str, fmt: str | None, source: Source, first: bool):
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if source.columns:
-        names = {file_name: name for name, file_name in source.columns.items()}
+        names = source.renames
         row = {names.get(k, k): v for k, v in row.items()}
     found = shape(row)
     if fmt is None:
@@ -309,15 +320,11 @@ def row_example(row, where: str, fmt: str | None, source: Source, first: bool):
     return example(row, fmt, where, source), fmt
 
 
-def check_format(path: Path, source: Source) -> None:
-    if source.format is not None and source.format not in FORMATS:
-        raise DataError(f"{path}: format {source.format!r} is not one of {list(FORMATS)}")
-
-
 def read(path: Path, source: Source | None = None) -> Read:
     """Every example of a supervised file (see the module docstring)."""
     source = source or Source()
-    check_format(path, source)
+    if source.format is not None and source.format not in FORMATS:
+        raise DataError(f"{path}: format {source.format!r} is not one of {list(FORMATS)}")
     examples, fmt = [], source.format
     for row, where in rows(path, source):
         one, fmt = row_example(row, where, fmt, source, not examples)

@@ -191,9 +191,8 @@ def _jsonl_lines(path: Path, source: data_formats.Source) -> _JsonlLines | None:
     (Parquet, unreadable, not UTF-8, no rows, a first row that is not an example: the reading
     here names the problem exactly)."""
     try:
-        with open(path, "rb") as handle:
-            if handle.read(4) == data_formats.PARQUET_MAGIC:
-                return None
+        if data_formats.is_parquet(path):
+            return None
         # text mode, as the reader: its universal newlines, the same lines
         with open(path, encoding="utf-8") as handle:
             lines = handle.read().split("\n")
