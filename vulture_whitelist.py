@@ -15,17 +15,17 @@ _.greedy_generate
 _.__cause__
 # requests.Session.trust_env, set in inputs/fetch.py: read by requests (no proxies from env)
 _.trust_env
-# tokenizers' Tokenizer.pre_tokenizer, set in strategies/packed_sft/hf_export.py
+# tokenizers' Tokenizer.pre_tokenizer, set in hf/directory.py
 _.pre_tokenizer
-# the JAX pytree protocol of strategies/packed_sft/llama.py: called by jax.tree_util
+# the JAX pytree protocol of models/llama.py: called by jax.tree_util
 _.tree_flatten
 # jsonschema's format checker registers recipe._is_date_time by its decorator
 _._is_date_time
-# called by name through jinja2's call_method in strategies/packed_sft/chat_template.py
+# called by name through jinja2's call_method in data/chat_template.py
 _._render_body
 # read by jinja2's sandbox (which operators it routes to call_binop) in chat_template.py
 _.intercepted_binops
-# called by the code strategies/packed_sft/template_sandbox.py's rewrite makes a template
+# called by the code data/template_sandbox.py's rewrite makes a template
 # compile to (environment.bounded_concat, environment.bounded_add)
 _.bounded_concat
 _.bounded_add

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from minifield.strategies.packed_sft import optimizer as project_optimizer
+from minifield.training import optimizer as project_optimizer
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from minifield.strategies.packed_sft import llama
+from minifield.models import llama
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -46,9 +46,9 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_matmul import peak_probe  # noqa: E402
 
-from minifield.strategies.packed_sft.model import ModelConfig, flops_per_token  # noqa: E402
-from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
-from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step  # noqa: E402
+from minifield.models.model import ModelConfig, flops_per_token  # noqa: E402
+from minifield.training.optimizer import make_optimizer  # noqa: E402
+from minifield.training.train_step import init_train_state, make_train_step  # noqa: E402
 
 SIZES = {"d128": (128, 2, 128), "d256": (256, 4, 256)}  # d_model, layers, seq
 HEADS, VOCAB, BATCH = 4, 256, 16
@@ -246,15 +246,15 @@ def worker_program(D, L, T, bf16, root: Path):
     import hashlib
 
     from minifield import recipe as recipes
-    from minifield.strategies.packed_sft import sft_data
+    from minifield.data import encoding
 
     data = root / "sft"
     pins = {}
     if not data.exists():
         data.mkdir(parents=True)
     sizes = {"train": 2000, "dev": 8, "test": 8}
-    for split, rows in sft_data.demo_examples(seed=0, sizes=sizes).items():
-        blob = sft_data.to_jsonl(rows)
+    for split, rows in encoding.demo_examples(seed=0, sizes=sizes).items():
+        blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()
     checked = recipes.validate(_worker_recipe(D, L, T, bf16, pins))

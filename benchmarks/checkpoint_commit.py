@@ -58,19 +58,16 @@ from minifield.attempt.checkpoint_cadence import CheckpointCadence  # noqa: E402
 from minifield.attempt.events import EventLog  # noqa: E402
 from minifield.attempt.faults import Faults  # noqa: E402
 from minifield.attempt.update_loop import HostSnapshot  # noqa: E402
+from minifield.models.model import ModelConfig  # noqa: E402
 from minifield.state import checkpoint  # noqa: E402
 from minifield.state.arrays import (  # noqa: E402
     array_digests,
     hash_named_arrays,
     named_arrays,
 )
-from minifield.strategies.packed_sft.model import ModelConfig  # noqa: E402
-from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
-from minifield.strategies.packed_sft.sft_step import (  # noqa: E402
-    init_train_state,
-    make_train_step,
-)
 from minifield.supervision import distributed  # noqa: E402
+from minifield.training.optimizer import make_optimizer  # noqa: E402
+from minifield.training.train_step import init_train_state, make_train_step
 
 #: (d_model, layers): the checkpoint state (≥ 100 MB), the loop-cost state (≈ 40 MB) and the
 #: two hashing sizes

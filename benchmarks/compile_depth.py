@@ -24,9 +24,10 @@ import time
 
 import jax
 
-from minifield.strategies.packed_sft import model, optimizer, sft_step
-from minifield.strategies.packed_sft.execution import Execution
-from minifield.strategies.packed_sft.llama import LlamaConfig
+from minifield.models import model
+from minifield.models.execution import Execution
+from minifield.models.llama import LlamaConfig
+from minifield.training import optimizer, train_step
 
 TRAINING = {**optimizer.defaults(), "warmup_steps": 1}
 
@@ -44,8 +45,8 @@ def config(args, layers: int, scan: bool):
 def compile_seconds(cfg, batch: int, seq_len: int, part: str = "step") -> tuple[float, float]:
     """Wall and CPU seconds to trace, lower and compile the update (or ``grad``)."""
     tx = optimizer.make_optimizer(TRAINING, 100)
-    step = sft_step.make_train_step(cfg, tx)
-    state = jax.eval_shape(lambda: sft_step.init_train_state(cfg, tx, 0))
+    step = train_step.make_train_step(cfg, tx)
+    state = jax.eval_shape(lambda: train_step.init_train_state(cfg, tx, 0))
     if part == "grad":
         state = state["params"]
 

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_shape  # noqa: E402
 
-from minifield.strategies.packed_sft import llama, model
+from minifield.models import llama, model
 
 
 def main() -> None:

@@ -145,13 +145,13 @@ def batch_rows(args, size: str) -> int:
 
 
 def execution(args):
-    from minifield.strategies.packed_sft.execution import Execution
+    from minifield.models.execution import Execution
 
     return Execution(attention=args.attention, scan_layers=args.scan_layers, remat=args.remat)
 
 
 def llama_config(shape, seq: int, exec_options):
-    from minifield.strategies.packed_sft.llama import LlamaConfig
+    from minifield.models.llama import LlamaConfig
 
     return LlamaConfig(
         vocab_size=shape.vocab_size,
@@ -319,9 +319,9 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     import jax
     import jax.numpy as jnp
 
-    from minifield.strategies.packed_sft import llama
-    from minifield.strategies.packed_sft.optimizer import make_optimizer
-    from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step
+    from minifield.models import llama
+    from minifield.training.optimizer import make_optimizer
+    from minifield.training.train_step import init_train_state, make_train_step
 
     shape, seq, rows = model_shape(args, size), seq_len(args), batch_rows(args, size)
     cfg = llama_config(shape, seq, execution(args))
@@ -511,8 +511,8 @@ def section_checkpoint(args, context, report) -> dict:
 
     from minifield.attempt.update_loop import HostSnapshot
     from minifield.state.arrays import named_arrays
-    from minifield.strategies.packed_sft.optimizer import make_optimizer
-    from minifield.strategies.packed_sft.sft_step import init_train_state
+    from minifield.training.optimizer import make_optimizer
+    from minifield.training.train_step import init_train_state
 
     cfg = llama_config(model_shape(args, "125m"), seq_len(args), execution(args))
     optimizer = make_optimizer({}, MAX_STEPS)

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minifield.strategies.packed_sft import hf_export, llama, model
-from minifield.strategies.packed_sft import tokenizer as tokenizers
+from minifield.data import tokenizer as tokenizers
+from minifield.hf import directory as hf_directory
+from minifield.models import llama, model
 
 BOS = 257
 
@@ -55,7 +56,9 @@ def write_export(directory: Path, args) -> None:
         "tokenizer": tokenizer.config(),
         "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
     }
-    hf_export.write(directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, "float32")
+    hf_directory.write(
+        directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, "float32"
+    )
 
 
 def requests(count: int) -> list[tuple[str, str]]:

@@ -25,9 +25,9 @@ in the page cache), interleaved round by round:
   what the prepare stage of a LoRA recipe reads, with peak added RSS against the weights as
   loaded (the file's tensor bytes);
 - **LoRA base load**: what a LoRA run does at its start with the base the prepare stage
-  wrote (written once here, :func:`.frozen_base.to_arrays` + ``examples.write``):
+  wrote (written once here, :func:`.stored_base.to_arrays` + ``examples.write``):
   ``examples.load`` (the sha256 of every prepared file checked against the manifest, the
-  arrays memory-mapped) then :func:`.frozen_base.on_device`; ``verify_seconds`` is the
+  arrays memory-mapped) then :func:`.stored_base.on_device`; ``verify_seconds`` is the
   sha256 part.
 
 Then **one LoRA update** on the stored base (rank 8 on ``q_proj``/``v_proj``, batch 1,
@@ -181,7 +181,7 @@ LORA_UPDATE = """
 import json, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
 from minifield.strategies.packed_sft import hf_checkpoint, lora
-from minifield.strategies.packed_sft.frozen_base import FrozenBase
+from minifield.hf.stored_base import FrozenBase
 seq_len = int(sys.argv[2])
 cfg, params, layout = hf_checkpoint.load_stored(sys.argv[1], seq_len, "bfloat16")
 out_in = frozenset(path for path, transposed in layout.items() if transposed)
@@ -238,7 +238,7 @@ def write_checkpoint(directory: Path, shape: dict) -> Path:
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(hf))
     sys.path.insert(0, str(ROOT / "src"))
-    from minifield.strategies.packed_sft import hf_checkpoint
+    from minifield.hf import checkpoint as hf_checkpoint
 
     cfg = hf_checkpoint.config_from_hf(hf)
     tensors = {name: s for name, (_, _, s) in hf_checkpoint.expected_tensors(cfg).items()}
@@ -265,11 +265,12 @@ def write_checkpoint(directory: Path, shape: dict) -> Path:
 
 def write_prepared(directory: Path) -> None:
     """The prepared base a LoRA recipe's prepare stage writes (``directory/../prepared``)."""
+    from minifield.hf import checkpoint as hf_checkpoint
+    from minifield.hf import stored_base
     from minifield.inputs import examples
-    from minifield.strategies.packed_sft import frozen_base, hf_checkpoint
 
     _, params, layout = hf_checkpoint.load_stored(directory)
-    examples.write(directory.parent / "prepared", frozen_base.to_arrays(params, layout), {}, "")
+    examples.write(directory.parent / "prepared", stored_base.to_arrays(params, layout), {}, "")
 
 
 def _measure(script: str, argument: Path, *extra: str) -> dict:

@@ -43,9 +43,9 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_minimal as minimal  # noqa: E402
 
-from minifield.strategies.packed_sft.llama import LlamaConfig  # noqa: E402
-from minifield.strategies.packed_sft.optimizer import make_optimizer  # noqa: E402
-from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step  # noqa: E402
+from minifield.models.llama import LlamaConfig  # noqa: E402
+from minifield.training.optimizer import make_optimizer  # noqa: E402
+from minifield.training.train_step import init_train_state, make_train_step  # noqa: E402
 
 D, LAYERS, HEADS, KV_HEADS, D_FF, SEQ = 512, 8, 8, 2, 1408, 512
 THETA, EPS = 10000.0, 1e-6

@@ -24,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_shape  # noqa: E402
 
-from minifield.strategies.packed_sft import llama, lora, optimizer, sft_step  # noqa: E402
+from minifield.models import llama
+from minifield.training import lora, optimizer, train_step  # noqa: E402
 
 ALL_TARGETS = tuple(lora.TARGETS)
 
@@ -61,8 +62,8 @@ def main() -> None:
         "loss_mask": np.ones(tokens.shape, np.float32),
     }
 
-    full_state = sft_step.init_train_state(cfg, opt, 0)
-    full_step = jax.jit(sft_step.make_train_step(cfg, opt, schedule), donate_argnums=(0,))
+    full_state = train_step.init_train_state(cfg, opt, 0)
+    full_step = jax.jit(train_step.make_train_step(cfg, opt, schedule), donate_argnums=(0,))
     base = lora.frozen_base(llama.init_params(cfg, jax.random.key(1)), settings)
     lora_state = lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8))
     lora_step = jax.jit(lora.make_train_step(cfg, settings, opt, schedule), donate_argnums=(0,))

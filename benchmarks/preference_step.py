@@ -35,9 +35,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_shape  # noqa: E402
 
-from minifield.strategies.packed_sft import model, optimizer, sft_step  # noqa: E402
+from minifield.models import model
 from minifield.strategies.preference import logprobs, losses, pairs  # noqa: E402
 from minifield.strategies.preference.program import make_objective  # noqa: E402
+from minifield.training import optimizer, train_step  # noqa: E402
 
 
 def _rows(args) -> dict:
@@ -71,12 +72,12 @@ def main() -> None:
     objective = make_objective(losses.LossSettings("dpo", beta=0.1))
     steps = {
         "preference": jax.jit(
-            sft_step.make_train_step(cfg, opt, objective=objective), donate_argnums=(0,)
+            train_step.make_train_step(cfg, opt, objective=objective), donate_argnums=(0,)
         ),
-        "sft": jax.jit(sft_step.make_train_step(cfg, opt), donate_argnums=(0,)),
+        "sft": jax.jit(train_step.make_train_step(cfg, opt), donate_argnums=(0,)),
     }
-    states = {name: sft_step.init_train_state(cfg, opt, 0) for name in steps}
-    params = sft_step.init_train_state(cfg, opt, 0)["params"]
+    states = {name: train_step.init_train_state(cfg, opt, 0) for name in steps}
+    params = train_step.init_train_state(cfg, opt, 0)["params"]
     reference = jax.jit(lambda p, b: logprobs.answer_logps(p, cfg, b))
     forward = jax.jit(
         lambda p, b: model.forward(p, cfg, b["tokens"], b["segments"], b["positions"])

@@ -11,7 +11,7 @@ with ChatML's specials. Then, on the same file and tokenizer:
   trained spans, no checks, no sandbox;
 - **prepare**: what the packed-sft prepare stage does with a base model's template: read and
   check the file, render in the bounded sandbox, find every assistant turn's trained span
-  (:func:`minifield.strategies.packed_sft.base_model.read_and_encode_chat`, ``all_assistant``),
+  (:func:`minifield.hf.pinned_base.read_and_encode_chat`, ``all_assistant``),
   on as many processes as the prepare stage uses (``MINIFIELD_PREPARE_WORKERS``, else the
   CPUs).
 
@@ -38,14 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from minifield.strategies.packed_sft import (
-    base_model,
-    chat_template,
-    data_formats,
-    encode_pool,
-    packing,
-)
-from minifield.strategies.packed_sft import tokenizer as tk
+from minifield.data import chat_template, encode_pool, formats, packing
+from minifield.data import tokenizer as tk
+from minifield.hf import pinned_base
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
@@ -117,8 +112,8 @@ def prepare(data: Path, tokenizer_path: Path, seq_len: int) -> tuple[int, list]:
         "tokenizer_config.json",
     )
     template = chat_template.ChatTemplate(CHATML, strings, "chatml", positions=seq_len)
-    encoded, _ = base_model.read_and_encode_chat(
-        data, data_formats.Source(), tokenizer, template, "all_assistant", encode_pool.workers()
+    encoded, _ = pinned_base.read_and_encode_chat(
+        data, formats.Source(), tokenizer, template, "all_assistant", encode_pool.workers()
     )
     return len(encoded), encoded
 

@@ -141,14 +141,14 @@ def small_sft_inputs(root: Path, seed: int = 5, train: int = 96, held_out: int =
     """Write a small reversal dataset under ``root/in/sft``; returns its input root and pins."""
     import hashlib
 
-    from minifield.strategies.packed_sft import sft_data
+    from minifield.data import encoding
 
     data = root / "in" / "sft"
     data.mkdir(parents=True)
     sizes = {"train": train, "dev": held_out, "test": held_out}
     pins = {}
-    for split, rows in sft_data.demo_examples(seed=seed, sizes=sizes).items():
-        blob = sft_data.to_jsonl(rows)
+    for split, rows in encoding.demo_examples(seed=seed, sizes=sizes).items():
+        blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()
     return {"input_root": root / "in", "pins": pins}

@@ -18,9 +18,9 @@ import jax
 import numpy as np
 
 from minifield import recipe as recipes
+from minifield.data.packing import ROW_FIELDS
 from minifield.state.arrays import named_arrays, restore_like, state_hash
-from minifield.strategies.packed_sft.packing import ROW_FIELDS
-from minifield.strategies.packed_sft.sft_step import init_train_state
+from minifield.training.train_step import init_train_state
 
 
 def leaf_report(state) -> list[dict]:

@@ -33,10 +33,11 @@ from test_llama import LLAMA, hf_tensors
 
 from minifield import cli
 from minifield import recipe as recipes
+from minifield.data import encoding
+from minifield.hf import pinned_base
 from minifield.inputs import examples, pinned
 from minifield.pipeline import preparation
 from minifield.state import export
-from minifield.strategies.packed_sft import base_model, sft_data
 
 BASE = {**LLAMA, "vocab_size": 340, "rope_theta": 50000.0, "max_position_embeddings": 128}
 TOKENIZER_CONFIG = {
@@ -90,7 +91,7 @@ def make_inputs(root: Path) -> dict:
     model under ``root/base``."""
     data = root / "sft"
     data.mkdir(parents=True, exist_ok=True)
-    for split, rows in sft_data.demo_examples(
+    for split, rows in encoding.demo_examples(
         seed=5, sizes={"train": 40, "dev": 8, "test": 8}
     ).items():
         lines = []
@@ -270,9 +271,9 @@ def test_a_different_base_file_is_a_different_computation(root):
 def test_recipe_keys_must_agree_with_config_json(root):
     _, (arrays, _) = _prepare(base_recipe(root, {"d_model": 32, "n_kv_heads": 2}), root)
     assert "base.embed.tokens" in arrays
-    with pytest.raises(base_model.BaseModelError, match=r"config.json: hidden_size gives d_model"):
+    with pytest.raises(pinned_base.BaseModelError, match=r"config.json: hidden_size gives d_model"):
         _prepare(base_recipe(root, {"d_model": 64}), root)
-    with pytest.raises(base_model.BaseModelError, match=r"config.json: rope_theta gives"):
+    with pytest.raises(pinned_base.BaseModelError, match=r"config.json: rope_theta gives"):
         _prepare(base_recipe(root, {"rope_theta": 10000}), root)
 
 
@@ -330,14 +331,14 @@ def test_bad_base_models_are_refused_naming_the_file(root, file, change, message
             str(root / "base" / "model.safetensors"),
         )
         recipe = base_recipe(root)
-    with pytest.raises(base_model.BaseModelError, match=message) as info:
+    with pytest.raises(pinned_base.BaseModelError, match=message) as info:
         _prepare(recipe, root)
     assert str(root / "base") in str(info.value)
 
 
 def test_a_failing_chat_template_names_the_data_file(root):
     template = "{{ raise_exception('no system messages') if messages[0]['role'] == 'system' }}"
-    with pytest.raises(base_model.BaseModelError, match=r"train.jsonl \(example 1\).*no system"):
+    with pytest.raises(pinned_base.BaseModelError, match=r"train.jsonl \(example 1\).*no system"):
         _prepare(base_recipe(root, {"chat_template": template}), root)
 
 
@@ -349,7 +350,7 @@ def test_pickle_weights_are_refused_unread(root):
         "path": "base/pytorch_model.bin",
         "sha256": _sha(root / "base" / "pytorch_model.bin"),
     }
-    with pytest.raises(base_model.BaseModelError, match="pytorch_model.bin: pickle checkpoints"):
+    with pytest.raises(pinned_base.BaseModelError, match="pytorch_model.bin: pickle checkpoints"):
         _prepare(recipe, root)
 
 
@@ -408,7 +409,7 @@ def test_remote_base_files_are_found_by_input_name_as_fetch_places_them(root):
 
 
 def test_an_index_naming_a_missing_shard_is_refused(root):
-    with pytest.raises(base_model.BaseModelError, match="names missing shard model-00002"):
+    with pytest.raises(pinned_base.BaseModelError, match="names missing shard model-00002"):
         _prepare(_sharded(root, drop_shard=True), root)
 
 
@@ -467,8 +468,8 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from minifield.strategies.packed_sft.exported import ExportedModel
-    from minifield.strategies.packed_sft.model import greedy_generate
+    from minifield.models.model import greedy_generate
+    from minifield.strategies.lm.export_format import ExportedModel
 
     recipe = base_recipe(root)
     loaded, (arrays, _) = _prepare(recipe, root)
@@ -515,7 +516,7 @@ def test_a_base_model_runs_export_is_an_hf_directory_with_its_tokenizer_and_temp
 
 
 def test_a_damaged_base_model_export_is_refused_naming_the_file(root, tmp_path):
-    from minifield.strategies.packed_sft.exported import ExportedModel
+    from minifield.strategies.lm.export_format import ExportedModel
 
     loaded, (arrays, _) = _prepare(base_recipe(root), root)
     program = loaded.strategy.build(loaded.data, arrays)

@@ -21,7 +21,7 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from minifield.pipeline import before_after, reference_logprobs
-from minifield.strategies.packed_sft import chain_base
+from minifield.strategies.lm import chain_base
 from minifield.strategies.preference import reference_link
 
 pytestmark = pytest.mark.slow  # real worker processes

@@ -17,7 +17,7 @@ from minifield.inputs import linked_root
 from minifield.inputs.linked_root import LinkError
 from minifield.pipeline import chains, computations
 from minifield.state import export
-from minifield.strategies.packed_sft import chain_base
+from minifield.strategies.lm import chain_base
 
 DEMO = REPO / "config" / "recipes" / "llama-sft-demo.yaml"
 EXPORT_FILES = (

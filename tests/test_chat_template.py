@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minifield.strategies.packed_sft import assistant_turns, chat_template
+from minifield.data import assistant_turns, chat_template
 
 # Real-world shapes, copied in spirit from the published tokenizer_config.json files.
 LLAMA3 = (
@@ -226,7 +226,7 @@ def test_a_token_across_the_start_of_the_assistant_turn_is_refused(tokenizer_fil
 
 
 def test_tokenizer_config_special_tokens_may_be_added_token_dicts(tokenizer_file):
-    from minifield.strategies.packed_sft import tokenizer as tokenizers
+    from minifield.data import tokenizer as tokenizers
 
     config = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
     tok, strings = tokenizers.from_base_model(

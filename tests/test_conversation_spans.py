@@ -16,8 +16,15 @@ from pathlib import Path
 import pytest
 from test_chat_template import GENERATION_TAG, LLAMA3, SPECIALS, make_tokenizer
 
-from minifield.strategies.packed_sft import assistant_turns, chat_template, data_formats, sft_data
-from minifield.strategies.packed_sft import tokenizer as tk
+from minifield.data import (
+    assistant_turns,
+    chat_template,
+    formats,
+)
+from minifield.data import (
+    encoding as sft_data,
+)
+from minifield.data import tokenizer as tk
 
 QWEN25 = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -424,7 +431,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tokenizer_file):
 
 def test_without_a_template_every_turn_follows_sep_and_ends_with_eos():
     tok = tk.byte_tokenizer()
-    example = data_formats.chat_example(TWO_TURNS, "row 1")
+    example = formats.chat_example(TWO_TURNS, "row 1")
 
     def b(text):
         return list(text.encode())

@@ -13,9 +13,10 @@ import pytest
 from conftest import TINY_SFT, merged, packed_sft_recipe, read_events, run_attempt, write_recipe
 
 from minifield import recipe as recipes
+from minifield.data import encoding
+from minifield.data import formats as data_formats
+from minifield.data import tokenizer as tk
 from minifield.pipeline import preparation
-from minifield.strategies.packed_sft import data_formats, sft_data
-from minifield.strategies.packed_sft import tokenizer as tk
 
 SYSTEM, Q1, A1, Q2, A2 = "be brief", "reverse: abc", "cba", "and xyz?", "zyx"
 #: the conversation every format below spells, as OpenAI messages
@@ -52,7 +53,7 @@ def _jsonl(path: Path, rows) -> Path:
 
 def _encoded(path: Path, source=None, tokenizer=None):
     tokenizer = tokenizer or tk.byte_tokenizer()
-    return [sft_data.encode(e, tokenizer) for e in data_formats.read(path, source).examples]
+    return [encoding.encode(e, tokenizer) for e in data_formats.read(path, source).examples]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def chat(tmp_path_factory):
     from test_chat_template import SPECIALS, make_tokenizer
     from tokenizers import Tokenizer
 
-    from minifield.strategies.packed_sft import chat_template
+    from minifield.data import chat_template
 
     path = make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", specials=SPECIALS)
     tokenizer, strings = tk.from_base_model(
@@ -72,11 +73,11 @@ def chat(tmp_path_factory):
 
 
 def _templated(path: Path, chat, source=None):
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
     tokenizer, template = chat
     read = data_formats.read(path, source)
-    return base_model.encode_chat(read.examples, tokenizer, template, "all_assistant", path)
+    return pinned_base.encode_chat(read.examples, tokenizer, template, "all_assistant", path)
 
 
 @pytest.mark.parametrize(
@@ -297,9 +298,9 @@ def test_everything_is_refused_for_a_conversation_with_a_tool_result(tmp_path):
     path = _jsonl(tmp_path / "tool.jsonl", [{"messages": MESSAGES}, {"messages": WITH_TOOL}])
     examples = data_formats.read(path).examples
     with pytest.raises(data_formats.DataError, match=rf"^{path} \(example 2\): .*tool's output"):
-        sft_data.encode_examples(examples, tk.byte_tokenizer(), "everything", path)
+        encoding.encode_examples(examples, tk.byte_tokenizer(), "everything", path)
     # every assistant turn, the tool call's text included; the tool's output is context
-    encoded = sft_data.encode_examples(examples, tk.byte_tokenizer(), "all_assistant", path)[1]
+    encoded = encoding.encode_examples(examples, tk.byte_tokenizer(), "all_assistant", path)[1]
     trained = bytes(
         t for t, f in zip(encoded.response, encoded.response_mask(), strict=True) if f and t < 256
     )

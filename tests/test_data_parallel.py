@@ -35,7 +35,7 @@ from conftest import (
 )
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import parallel
+from minifield.training import data_parallel
 
 MAX_STEPS = 6
 BATCH = 8
@@ -140,11 +140,11 @@ def test_data_parallel_settings_validate_and_define_the_computation(space):
 
 
 def test_sharding_rule_splits_the_first_axis_the_device_count_divides():
-    dp = parallel.DataParallel(devices=4, shard_params=True)
-    assert dp._leaf_spec((260, 32)) == parallel.PartitionSpec("data")
-    assert dp._leaf_spec((3, 32)) == parallel.PartitionSpec(None, "data")
-    assert dp._leaf_spec((3, 5)) == parallel.PartitionSpec()
-    assert dp._leaf_spec((2,)) == parallel.PartitionSpec()  # smaller than the mesh
+    dp = data_parallel.DataParallel(devices=4, shard_params=True)
+    assert dp._leaf_spec((260, 32)) == data_parallel.PartitionSpec("data")
+    assert dp._leaf_spec((3, 32)) == data_parallel.PartitionSpec(None, "data")
+    assert dp._leaf_spec((3, 5)) == data_parallel.PartitionSpec()
+    assert dp._leaf_spec((2,)) == data_parallel.PartitionSpec()  # smaller than the mesh
 
 
 # -- 1 device vs 4 devices ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import REPO  # noqa: E402
 
-from minifield.strategies.packed_sft import encode_pool  # noqa: E402
+from minifield.data import encode_pool  # noqa: E402
 
 DEMO_RECIPE = REPO / "config" / "recipes" / "llama-sft-demo.yaml"
 CONVERSATIONS = 300

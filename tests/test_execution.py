@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from minifield import recipe as recipes
+from minifield.models import model
+from minifield.models.cross_entropy import chunked_token_losses
+from minifield.models.execution import Execution
+from minifield.models.layers import attention, layer_stack
+from minifield.models.llama import LlamaConfig
 from minifield.state.arrays import named_arrays, restore_like, state_hash
-from minifield.strategies.packed_sft import attention, layer_stack, model
-from minifield.strategies.packed_sft.cross_entropy import chunked_token_losses
-from minifield.strategies.packed_sft.execution import Execution
-from minifield.strategies.packed_sft.llama import LlamaConfig
-from minifield.strategies.packed_sft.optimizer import make_optimizer
-from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step
+from minifield.training.optimizer import make_optimizer
+from minifield.training.train_step import init_train_state, make_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 V = 37
@@ -405,7 +406,7 @@ def test_spelled_out_defaults_keep_the_digest_and_other_values_change_it():
 
 
 def test_recipe_selects_the_execution_options():
-    from minifield.strategies.packed_sft.execution import Execution as E
+    from minifield.models.execution import Execution as E
 
     document = _demo()
     document["model"].update(attention="pallas", scan_layers=True)
@@ -449,7 +450,7 @@ def test_fused_attention_recipe_needs_whole_blocks():
 def test_scanned_layers_carry_lora_adapters():
     """LoRA's adapted weights (a pytree per target matrix) stack and scan like plain ones:
     the adapters' gradient is the loop's."""
-    from minifield.strategies.packed_sft import lora
+    from minifield.training import lora
 
     cfg = llama(n_layers=2)
     base = model.init_params(cfg, jax.random.key(0))

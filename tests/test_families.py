@@ -25,7 +25,9 @@ from family_reference import (
 )
 from safetensors.numpy import load_file
 
-from minifield.strategies.packed_sft import hf_checkpoint, hf_config, model
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import config as hf_config
+from minifield.models import model
 
 
 def packed_logits(cfg, params, tokens, segments, positions) -> np.ndarray:

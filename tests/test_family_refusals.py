@@ -20,9 +20,10 @@ from family_reference import (
     write_checkpoint,
 )
 
-from minifield.strategies.packed_sft import hf_checkpoint, hf_config
-from minifield.strategies.packed_sft.execution import Execution
-from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import config as hf_config
+from minifield.hf.checkpoint import CheckpointError
+from minifield.models.execution import Execution
 
 # -- refusals -----------------------------------------------------------------------------------
 
@@ -139,7 +140,7 @@ def test_recipe_fields_keep_the_digest_when_spelled_at_their_absent_value():
     from test_llama import _recipe
 
     from minifield import recipe as recipes
-    from minifield.strategies.packed_sft import settings
+    from minifield.strategies.lm import model_section
 
     base = {"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 4, "d_ff": 64}
     plain = recipes.validate(_recipe(base))
@@ -150,9 +151,9 @@ def test_recipe_fields_keep_the_digest_when_spelled_at_their_absent_value():
     windowed = recipes.validate(_recipe({**base, "sliding_window": 4}))
     digests = {r.computation_digest for r in (plain, qwen3_like, windowed)}
     assert len(digests) == 3
-    cfg = settings.model_config(qwen3_like.data, vocab_size=260)
+    cfg = model_section.model_config(qwen3_like.data, vocab_size=260)
     assert (cfg.head_dim, cfg.qk_norm, cfg.sliding_window) == (12, True, None)
-    assert settings.model_config(windowed.data, vocab_size=260).sliding_window == 4
+    assert model_section.model_config(windowed.data, vocab_size=260).sliding_window == 4
     with pytest.raises(recipes.RecipeError) as info:
         recipes.validate(_recipe({"d_model": 32, "n_heads": 2, "sliding_window": 4}))
     assert {e["path"]: e["message"] for e in info.value.errors} == {
@@ -174,25 +175,27 @@ def _base_of_family(tmp_path, hf: dict) -> tuple[Path, dict]:
 def test_a_qwen3_base_prepares_and_recipe_keys_must_agree_with_it(tmp_path):
     from test_base_model import _prepare, base_recipe
 
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
     root, _ = _base_of_family(tmp_path, QWEN3)
     _, (arrays, meta) = _prepare(base_recipe(root), root)
     config = meta["base_model"]["config"]
     assert config["qk_norm"] and config["head_dim"] == 12
     assert arrays["base.blocks.01.attn.q_norm"].shape == (12,)
-    with pytest.raises(base_model.BaseModelError, match=r"config.json: head_dim gives head_dim=12"):
+    with pytest.raises(
+        pinned_base.BaseModelError, match=r"config.json: head_dim gives head_dim=12"
+    ):
         _prepare(base_recipe(root, {"head_dim": 8}), root)
 
 
 def test_lora_on_a_fused_phi3_base_is_refused_naming_config_json(tmp_path):
     from test_base_model import _prepare, base_recipe
 
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
     root, _ = _base_of_family(tmp_path, PHI3)
     with pytest.raises(
-        base_model.BaseModelError,
+        pinned_base.BaseModelError,
         match=rf"^{root / 'base' / 'config.json'}: model_type phi3 stores qkv_proj and "
         "gate_up_proj fused; LoRA",
     ):
@@ -204,7 +207,7 @@ def test_a_window_the_fused_kernel_cannot_run_is_refused_at_validation_and_prepa
     from test_llama import _recipe
 
     from minifield import recipe as recipes
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
     section = {"architecture": "llama", "d_model": 32, "n_heads": 4, "attention": "pallas"}
     with pytest.raises(recipes.RecipeError) as info:
@@ -213,7 +216,7 @@ def test_a_window_the_fused_kernel_cannot_run_is_refused_at_validation_and_prepa
     recipes.validate(_recipe({**section, "sliding_window": 32}))  # no row reaches past it
     root, _ = _base_of_family(tmp_path, MISTRAL)
     with pytest.raises(
-        base_model.BaseModelError,
+        pinned_base.BaseModelError,
         match=rf"^{root / 'base' / 'config.json'}: model.attention pallas: the fused kernel has "
         r"no sliding window, and sliding_window 4 < the rows' 64 positions",
     ):

@@ -1,9 +1,9 @@
-"""A LoRA run's frozen base held as its checkpoint stores it (:mod:`.frozen_base`).
+"""A LoRA run's frozen base held as its checkpoint stores it (:mod:`.stored_base`).
 
 The base is ``test_base_model``'s, its tensors rounded to BF16 and written back with
-``safetensors.numpy``. References independent of :mod:`.frozen_base`: the tensors read back
+``safetensors.numpy``. References independent of :mod:`.stored_base`: the tensors read back
 with ``safetensors.numpy`` and widened and transposed by numpy through ``test_base_model``'s
-hand-written name table; the FP32 loader (:func:`.hf_checkpoint.load`, which widens and
+hand-written name table; the FP32 loader (:func:`.checkpoint.load`, which widens and
 transposes at load, as every LoRA run did before); and the sha256 of the exported files and
 the final state hash of the same runs recorded with the code before this change (commit
 f1053f6, where the base was prepared as FP32 ``[in, out]`` arrays and cast on the host).
@@ -22,9 +22,12 @@ from safetensors.numpy import load_file, save_file
 from test_base_model import HF_TO_OURS, _prepare, _sha, make_inputs
 from test_lora import ROWS, lora_recipe
 
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import pinned_base
+from minifield.hf.stored_base import FrozenBase
+from minifield.models import model
 from minifield.state.arrays import state_hash
-from minifield.strategies.packed_sft import base_model, hf_checkpoint, lora, model
-from minifield.strategies.packed_sft.frozen_base import FrozenBase
+from minifield.training import lora
 
 #: recorded at commit f1053f6 (before this change) by training the same recipes 3 updates
 #: in process and exporting (``test_lora``'s ``trained`` is the FP32 one), with the jaxlib
@@ -123,7 +126,7 @@ def test_bf16_base_logits_equal_the_widened_loaders_exactly_in_fp32(bf16_run):
     reference = _reference(bf16_run["root"])
     np.testing.assert_array_equal(ours, np.asarray(logits(reference, tokens, positions)))
     # full fine-tuning's masters: the same values, this project's layout, FP32
-    masters = base_model.params_from_arrays(bf16_run["arrays"])
+    masters = pinned_base.params_from_arrays(bf16_run["arrays"])
     for path, leaf in jax.tree_util.tree_leaves_with_path(widened):
         node = masters
         for key in path:

@@ -15,7 +15,8 @@ import pytest
 import test_llama
 from test_llama import _flax_model
 
-from minifield.strategies.packed_sft import hf_checkpoint, llama, model
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.models import llama, model
 
 pytestmark = pytest.mark.slow
 

@@ -239,8 +239,8 @@ def test_minimal_loop_is_the_same_model_as_ours():
     import jax
     import jax.numpy as jnp
 
-    from minifield.strategies.packed_sft import llama
-    from minifield.strategies.packed_sft.model import loss_fn
+    from minifield.models import llama
+    from minifield.models.model import loss_fn
 
     shape = minimal.Shape(32, 2, 4, 2, 48, 96)
     cfg = llama.LlamaConfig(

@@ -31,10 +31,12 @@ import optax
 import pytest
 
 from minifield import schemas
-from minifield.strategies.packed_sft import lora, model, optimizer, packing, sft_data, sft_step
-from minifield.strategies.packed_sft import tokenizer as tokenizers
-from minifield.strategies.packed_sft.gpt import ModelConfig
-from minifield.strategies.packed_sft.llama import LlamaConfig
+from minifield.data import encoding, packing
+from minifield.data import tokenizer as tokenizers
+from minifield.models import model
+from minifield.models.gpt import ModelConfig
+from minifield.models.llama import LlamaConfig
+from minifield.training import lora, optimizer, train_step
 
 SEQ, ROWS, UPDATES = 32, 8, 4
 GRAD_RTOL, PARAM_ATOL, PITFALL_MIN = 1e-5, 1e-5, 1e-3
@@ -58,7 +60,7 @@ def batches() -> list[dict[str, np.ndarray]]:
         for r in range(ROWS):
             length = int(rng.integers(20, 27)) if r % 2 == 0 else 1
             word = "".join(rng.choice(letters, size=length))
-            example = sft_data.encode(sft_data.Example(word[:3], word[::-1]), tok)
+            example = encoding.encode(encoding.Example(word[:3], word[::-1]), tok)
             rows.append(_rows([example]))  # one example per row: its own fill
         out.append({k: np.concatenate([row[k] for row in rows]) for k in packing.ROW_FIELDS})
     per_row = np.concatenate([np.asarray(model.loss_weights(b)).sum(axis=1) for b in out])
@@ -75,14 +77,14 @@ def setup():
     training = {**schemas.defaults(schemas.TRAINING), "learning_rate": 1e-2, "warmup_steps": 0}
     training["eps"] = 1e-4  # see the module docstring: no amplified rounding noise
     tx = optimizer.make_optimizer(training, max_steps=UPDATES)
-    return cfg, tx, sft_step.init_train_state(cfg, tx, seed=3)
+    return cfg, tx, train_step.init_train_state(cfg, tx, seed=3)
 
 
 @pytest.fixture(scope="module")
 def full_batch(setup, batches) -> dict:
     """The state after UPDATES plain updates of ROWS rows each (the reference)."""
     cfg, tx, state = setup
-    return _train(sft_step.make_train_step(cfg, tx), state, batches)
+    return _train(train_step.make_train_step(cfg, tx), state, batches)
 
 
 def _train(step_fn, state, batches):
@@ -104,7 +106,7 @@ def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
     cfg, _, state = setup
     batch = {key: jnp.asarray(v) for key, v in batches[0].items()}
     (loss, aux), full = jax.value_and_grad(model.loss_fn, has_aux=True)(state["params"], cfg, batch)
-    (acc_loss, acc_aux), acc = sft_step.accumulated_gradient(
+    (acc_loss, acc_aux), acc = train_step.accumulated_gradient(
         model.loss_fn, state["params"], cfg, batch, k
     )
     assert float(acc_aux["tokens"]) == float(model.loss_weights(batch).sum())
@@ -116,7 +118,7 @@ def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
 @pytest.mark.parametrize("k", [2, 4])
 def test_k_micro_batches_equal_one_batch_after_several_updates(setup, batches, full_batch, k):
     cfg, tx, state = setup
-    accumulated = _train(sft_step.make_train_step(cfg, tx, accum_steps=k), state, batches)
+    accumulated = _train(train_step.make_train_step(cfg, tx, accum_steps=k), state, batches)
     assert int(accumulated["step"]) == UPDATES
     assert int(accumulated["cursor"]) == UPDATES * ROWS  # rows of whole updates
     assert _max_difference(full_batch["params"], accumulated["params"]) <= PARAM_ATOL

@@ -11,8 +11,10 @@ from test_base_model import _prepare, base_recipe
 from test_base_model import root as root  # noqa: F401 - the fixture
 from test_llama import LLAMA, _broken
 
-from minifield.strategies.packed_sft import base_model, hf_checkpoint, hf_config
-from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import config as hf_config
+from minifield.hf import pinned_base
+from minifield.hf.checkpoint import CheckpointError
 
 
 @pytest.mark.parametrize(
@@ -109,7 +111,7 @@ def test_a_non_finite_base_model_is_a_bad_input_naming_the_pinned_file(root):  #
     save_file(tensors, str(weights), {"format": "pt"})
     # BaseModelError is an InputError: the worker's exit 2 (the path
     # test_base_model's worker test takes for a bad shape)
-    with pytest.raises(base_model.BaseModelError) as info:
+    with pytest.raises(pinned_base.BaseModelError) as info:
         _prepare(base_recipe(root), root)
     assert str(info.value) == (
         f"{weights}: tensor model.norm.weight holds 1 non-finite values (NaN or infinity); "
@@ -120,7 +122,7 @@ def test_a_non_finite_base_model_is_a_bad_input_naming_the_pinned_file(root):  #
 def test_a_config_json_list_is_a_bad_input_naming_the_pinned_file(root):  # noqa: F811
     config = root / "base" / "config.json"
     config.write_text(json.dumps([json.loads(config.read_text())]))
-    with pytest.raises(base_model.BaseModelError) as info:
+    with pytest.raises(pinned_base.BaseModelError) as info:
         _prepare(base_recipe(root), root)
     assert str(info.value) == f"{config}: expected a JSON object, found a list"
 

@@ -24,10 +24,13 @@ from test_llama import _flax_model, _recipe
 
 from minifield import cli
 from minifield import recipe as recipes
+from minifield.data import encoding
+from minifield.data import tokenizer as tokenizers
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import directory as hf_directory
+from minifield.models import llama, model
 from minifield.state import export
-from minifield.strategies.packed_sft import hf_checkpoint, hf_export, llama, model, sft_data
-from minifield.strategies.packed_sft import tokenizer as tokenizers
-from minifield.strategies.packed_sft.exported import ExportedModel
+from minifield.strategies.lm.export_format import ExportedModel
 
 flax_rope_theta = test_llama.flax_rope_theta  # the fixture (transformers' rope_theta gap)
 
@@ -97,7 +100,7 @@ def test_bfloat16_and_float16_exports_hold_the_rounded_fp32_values(tmp_path):
 def test_built_in_byte_tokenizer_is_exported_as_an_equivalent_tokenizer_json():
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(hf_export.byte_tokenizer_json().decode())
+    backend = Tokenizer.from_str(hf_directory.byte_tokenizer_json().decode())
     for text in ["hello world", "  two  spaces\nnew line\t", "héllo → 東京 🙂", "<x>", ""]:
         assert backend.encode(text, add_special_tokens=False).ids == list(text.encode("utf-8"))
         assert backend.decode(list(text.encode("utf-8"))) == text
@@ -136,7 +139,7 @@ def _write_export(directory: Path, dtype="float32"):
         "tokenizer": tokenizer.config(),
         "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
     }
-    hf_export.write(directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, dtype)
+    hf_directory.write(directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, dtype)
     return cfg, params
 
 
@@ -192,7 +195,9 @@ def test_a_tokenizers_json_run_exports_its_file_and_its_special_tokens(tmp_path)
         "tokenizer": tokenizer.config("tokenizer.json"),
     }
     directory = tmp_path / "export"
-    hf_export.write(directory, cfg, params, tokenizer, source.read_bytes(), {}, config, "float32")
+    hf_directory.write(
+        directory, cfg, params, tokenizer, source.read_bytes(), {}, config, "float32"
+    )
     assert (directory / "tokenizer.json").read_bytes() == source.read_bytes()
     backend = Tokenizer.from_file(str(source))
     special = json.loads((directory / "tokenizer_config.json").read_text())
@@ -224,8 +229,8 @@ def _llama_run(root: Path) -> dict:
     data.mkdir(parents=True)
     pins = {}
     sizes = {"train": 48, "dev": 8, "test": 8}
-    for split, rows in sft_data.demo_examples(seed=5, sizes=sizes).items():
-        blob = sft_data.to_jsonl(rows)
+    for split, rows in encoding.demo_examples(seed=5, sizes=sizes).items():
+        blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()
     recipe = _recipe(
@@ -280,7 +285,7 @@ def test_worker_export_loads_in_transformers_with_equal_logits_and_tokens(
     reference = _flax_model(directory, hf)
     cfg, params = hf_checkpoint.load(directory, compute_dtype="float32")
     prompts = [
-        sft_data.encode(sft_data.Example(row["prompt"], "x"), tokenizers.byte_tokenizer()).prompt
+        encoding.encode(encoding.Example(row["prompt"], "x"), tokenizers.byte_tokenizer()).prompt
         for row in map(json.loads, (directory / "dev.jsonl").read_text().splitlines()[:2])
     ]
     for prompt in prompts:

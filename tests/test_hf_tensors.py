@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minifield.strategies.packed_sft import hf_tensors
-from minifield.strategies.packed_sft.hf_config import CheckpointError
+from minifield.hf import tensors as hf_tensors
+from minifield.hf.config import CheckpointError
 
 
 def _finite_patterns() -> np.ndarray:
@@ -66,7 +66,7 @@ def test_bf16_nan_and_infinity_are_counted_and_refused(tmp_path, transpose):
         _read(path, bits, transpose)
 
 
-# -- read as stored (a frozen base, :func:`.hf_tensors.read_stored`) ----------------------------
+# -- read as stored (a frozen base, :func:`.tensors.read_stored`) ----------------------------
 
 
 def _read_stored(path: Path, raw: bytes, shape, kind: str):

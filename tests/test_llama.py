@@ -32,8 +32,10 @@ from family_reference import hf_tensors  # noqa: F401 - the tensors, for this an
 from safetensors.numpy import save_file
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import hf_checkpoint, llama, model, sft_data
-from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
+from minifield.data import encoding
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf.checkpoint import CheckpointError
+from minifield.models import llama, model
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -523,10 +525,10 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     data = tmp_path / "in" / "sft"
     data.mkdir(parents=True)
     pins = {}
-    for split, rows in sft_data.demo_examples(
+    for split, rows in encoding.demo_examples(
         seed=5, sizes={"train": 48, "dev": 8, "test": 8}
     ).items():
-        blob = sft_data.to_jsonl(rows)
+        blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()
     recipe = _recipe(

@@ -23,8 +23,9 @@ import yaml
 from conftest import REPO, run_generate, run_snakemake
 
 import minifield
-from minifield.strategies.packed_sft import llama_demo, sft_data
-from minifield.strategies.packed_sft import tokenizer as tokenizers
+from minifield.data import encoding
+from minifield.data import tokenizer as tokenizers
+from minifield.strategies.packed_sft import demo_data
 
 BASE = REPO / "data" / "llama-base"
 DEMO_RECIPE = REPO / "config" / "recipes" / "llama-sft-demo.yaml"
@@ -55,7 +56,7 @@ def test_the_shipped_base_is_what_the_recipes_pin_and_the_provenance_names():
 
 
 def test_the_demo_data_regenerates_byte_for_byte(tmp_path):
-    written = llama_demo.write(tmp_path)
+    written = demo_data.write(tmp_path)
     pinned = {**_pins(BASE_RECIPE), **_pins(DEMO_RECIPE)}
     for relative, sha in written.items():
         assert pinned[relative] == sha == _sha(REPO / "data" / relative), relative
@@ -85,7 +86,7 @@ def test_transformers_renders_the_base_template_as_the_pipeline_layout():
     whole = hf_tokenizer.apply_chat_template(conversation, tokenize=True)
     prompt = hf_tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=True)
     ours = tokenizers.from_file(BASE / "tokenizer.json")
-    encoded = sft_data.encode(sft_data.Example(row["prompt"], row["response"]), ours)
+    encoded = encoding.encode(encoding.Example(row["prompt"], row["response"]), ours)
     assert whole == encoded.tokens and prompt == encoded.prompt
     # by hand: one id per character, specials from tokenizer.json
     vocab = json.loads((BASE / "tokenizer.json").read_text())["model"]["vocab"]
@@ -141,7 +142,8 @@ def test_the_export_loads_in_transformers_and_generate_prints_its_greedy_text(de
     import jax.numpy as jnp
     from transformers import AutoTokenizer
 
-    from minifield.strategies.packed_sft import hf_checkpoint, model
+    from minifield.hf import checkpoint as hf_checkpoint
+    from minifield.models import model
 
     directory = demo_run / "train" / "export"
     reference = _flax(directory)

@@ -30,10 +30,11 @@ import test_llama
 from test_chat_template import LLAMA3, make_tokenizer
 
 import minifield
-from minifield.strategies.packed_sft import hf_export, model
-from minifield.strategies.packed_sft import sampling as sampling_rules
-from minifield.strategies.packed_sft.loaded import ModelLoadError
-from minifield.strategies.packed_sft.sampling import GenerationDefaults, Sampling
+from minifield.hf import directory as hf_directory
+from minifield.hf.loaded_model import ModelLoadError
+from minifield.models import model
+from minifield.models import sampling as sampling_rules
+from minifield.models.sampling import GenerationDefaults, Sampling
 
 BOS, EOT = "<|begin_of_text|>", "<|eot_id|>"
 HF = {
@@ -121,7 +122,7 @@ def test_an_export_of_the_same_weights_gives_the_same_logits_and_prompts(hf_dir,
         },
         "dev": {"file": "dev.jsonl", "sha256": "0" * 64},
     }
-    hf_export.write(
+    hf_directory.write(
         export_dir,
         loaded.cfg,
         loaded.params,

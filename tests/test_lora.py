@@ -23,8 +23,10 @@ from safetensors.numpy import load_file
 from test_base_model import BASE, _prepare, _run, base_recipe, make_inputs
 
 from minifield import recipe as recipes
+from minifield.hf import pinned_base
+from minifield.models import model
 from minifield.pipeline import evaluation, preparation
-from minifield.strategies.packed_sft import base_model, lora, model
+from minifield.training import lora
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # k_proj, gate_proj, up_proj untouched
@@ -97,7 +99,9 @@ def test_adapters_start_with_b_zero_so_the_first_forward_is_the_base(trained):
                 assert np.all(np.abs(pair["a"]) <= bound) and np.std(pair["a"]) > bound / 3
     cfg = program.cfg
     # the base as the prepared arrays hold it, widened to FP32 masters on the host
-    base_params = jax.tree_util.tree_map(jnp.asarray, base_model.params_from_arrays(program.arrays))
+    base_params = jax.tree_util.tree_map(
+        jnp.asarray, pinned_base.params_from_arrays(program.arrays)
+    )
     ours = _logits(lora.adapted(base_params, adapters, program.lora), cfg, ROWS)
     np.testing.assert_array_equal(ours, _logits(base_params, cfg, ROWS))
     # the state holds the adapters only, and their optimizer state only
@@ -141,7 +145,7 @@ def test_the_adapter_is_a_peft_directory_with_the_documented_names(trained):
 
 
 def test_the_export_is_byte_for_byte_the_one_before_the_frozen_base_change(trained):
-    """The base held as stored (:mod:`.frozen_base`) changes no bit of the run: the final
+    """The base held as stored (:mod:`.stored_base`) changes no bit of the run: the final
     state hash and the exported files' sha256, recorded before that change."""
     from test_frozen_base import BEFORE, _sha256, skip_unless_recorded_environment
 

@@ -21,9 +21,9 @@ from recovery_cases import attempt_options, run_and_kill, update_hashes
 from test_data_parallel import devices_env
 from test_mixtures import mixed_recipe, mixture_inputs
 
+from minifield.data import encoding, packing
+from minifield.data import tokenizer as tokenizers
 from minifield.observe import summarize
-from minifield.strategies.packed_sft import packing, sft_data
-from minifield.strategies.packed_sft import tokenizer as tokenizers
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_kill_and_resume_with_a_mixture_is_bit_identical(space, recipe_path, ref
     assert sum(rows.values()) == STEPS * 8  # every row of every update once, redone ones once
     byte = tokenizers.byte_tokenizer()
     for name, figures in chain["sources"].items():
-        examples = sft_data.encode_file(space["input_root"] / "sft" / f"{name}.jsonl", byte)
+        examples = encoding.encode_file(space["input_root"] / "sft" / f"{name}.jsonl", byte)
         n_rows = packing.pack(examples, 32, "truncate", byte.pad_id).stats["rows"]
         assert figures["epochs_count"] == pytest.approx(rows[name] / n_rows)
         assert 0 < figures["trained_loss_tokens_count"] <= rows[name] * 32

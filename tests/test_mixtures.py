@@ -18,9 +18,9 @@ import pytest
 from conftest import packed_sft_recipe, small_sft_inputs, small_sft_recipe
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import batches as batches_module
-from minifield.strategies.packed_sft import packing, sft_data
-from minifield.strategies.packed_sft import tokenizer as tokenizers
+from minifield.data import batches as batches_module
+from minifield.data import encoding, packing
+from minifield.data import tokenizer as tokenizers
 from minifield.strategies.packed_sft.strategy import PackedSFT
 
 SOURCE_ROWS = (5, 7, 11)
@@ -110,7 +110,7 @@ def mixture_inputs(root) -> dict:
     """The small reversal splits under ``root/in/sft``, plus a second training source
     ``extra.jsonl`` (40 other words); input root, pins and ``extra``'s sha256."""
     found = small_sft_inputs(root)
-    extra = sft_data.to_jsonl(sft_data.demo_examples(seed=9, sizes={"train": 40})["train"])
+    extra = encoding.to_jsonl(encoding.demo_examples(seed=9, sizes={"train": 40})["train"])
     (root / "in" / "sft" / "extra.jsonl").write_bytes(extra)
     return {**found, "extra": hashlib.sha256(extra).hexdigest()}
 
@@ -199,7 +199,7 @@ def test_prepare_packs_each_source_on_its_own(space):
     arrays, meta = PackedSFT().prepare(recipe, files)
     byte, seq = tokenizers.byte_tokenizer(), recipe["training"]["seq_len"]
     separately = {
-        name: packing.pack(sft_data.encode_file(files[name], byte), seq, "truncate", byte.pad_id)
+        name: packing.pack(encoding.encode_file(files[name], byte), seq, "truncate", byte.pad_id)
         for name in ("train", "extra")
     }
     rows = [separately[n].stats["rows"] for n in ("train", "extra")]

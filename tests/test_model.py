@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minifield.state.arrays import state_hash
-from minifield.strategies.packed_sft.model import (
+from minifield.models.model import (
     ModelConfig,
     flops_per_token,
     forward,
@@ -20,8 +19,9 @@ from minifield.strategies.packed_sft.model import (
     init_params,
     loss_fn,
 )
-from minifield.strategies.packed_sft.optimizer import make_optimizer, make_schedule
-from minifield.strategies.packed_sft.sft_step import init_train_state, make_train_step
+from minifield.state.arrays import state_hash
+from minifield.training.optimizer import make_optimizer, make_schedule
+from minifield.training.train_step import init_train_state, make_train_step
 
 
 def tiny(**overrides) -> ModelConfig:

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft.optimizer import make_optimizer, make_schedule
+from minifield.training.optimizer import make_optimizer, make_schedule
 
 PEAK, FLOOR = 1e-2, 1e-3
 BASE = {"learning_rate": PEAK, "warmup_steps": 4, "min_learning_rate_ratio": 0.1}

@@ -29,7 +29,8 @@ from conftest import (
 )
 
 from minifield import recipe as recipes
-from minifield.strategies.packed_sft import batches, exported, sft_data
+from minifield.data import batches, encoding
+from minifield.strategies.lm import export_format
 
 MAX_STEPS = 6
 
@@ -40,10 +41,10 @@ def space(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("packed-sft")
     data = root / "in" / "sft"
     data.mkdir(parents=True)
-    splits = sft_data.demo_examples(seed=5, sizes={"train": 96, "dev": 12, "test": 12})
+    splits = encoding.demo_examples(seed=5, sizes={"train": 96, "dev": 12, "test": 12})
     pins = {}
     for split, rows in splits.items():
-        blob = sft_data.to_jsonl(rows)
+        blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()
     return {"root": root, "input_root": root / "in", "pins": pins, "cache": root / "jax-cache"}
@@ -364,8 +365,8 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     """The pinned tokenizer.json alternative: packed with its ids, carried into the export."""
     from test_tokenizer import _write_bpe
 
+    from minifield.data import tokenizer
     from minifield.inputs import examples
-    from minifield.strategies.packed_sft import tokenizer
 
     path = _write_bpe(space["input_root"] / "sft" / "tokenizer.json")
     recipe = tiny_recipe(space, model={"tokenizer": {"kind": "tokenizers-json", "input": "tok"}})
@@ -390,7 +391,7 @@ def test_tokenizers_json_recipe_prepares_exports_and_loads(space, tmp_path):
     program = validated.strategy.build(validated.data, loaded)
     program.export(program.init_state(), tmp_path / "export")
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == path.read_bytes()
-    model = exported.ExportedModel(tmp_path / "export")
+    model = export_format.ExportedModel(tmp_path / "export")
     assert model.cfg.vocab_size == tok.vocab_size
     assert isinstance(model.generate("abc", max_new_tokens=3), str)
 

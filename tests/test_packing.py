@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minifield.strategies.packed_sft import packing, sft_data
-from minifield.strategies.packed_sft import tokenizer as tk
-from minifield.strategies.packed_sft.sft_data import Encoded
+from minifield.data import encoding, packing
+from minifield.data import tokenizer as tk
+from minifield.data.encoding import Encoded
 
 PAD = 99
 
@@ -66,7 +66,7 @@ def test_overlong_examples_are_truncated_or_rejected_and_counted():
 
 def test_demo_packing_efficiency_is_at_least_095_and_masks_only_responses():
     tok = tk.byte_tokenizer()
-    examples = [sft_data.encode(e, tok) for e in sft_data.demo_examples()["train"]]
+    examples = [encoding.encode(e, tok) for e in encoding.demo_examples()["train"]]
     packed = packing.pack(examples, 64, "truncate", tok.pad_id)
     arrays = packed.arrays
     # recount from the arrays, independently of the reported statistics
@@ -92,10 +92,10 @@ def test_packed_loss_equals_sum_of_unpacked_example_losses():
     """No attention or loss leaks across segments: packing changes nothing per example."""
     import jax
 
-    from minifield.strategies.packed_sft import model
+    from minifield.models import model
 
     tok = tk.byte_tokenizer()
-    examples = [sft_data.encode(e, tok) for e in sft_data.demo_examples(sizes={"x": 12})["x"]]
+    examples = [encoding.encode(e, tok) for e in encoding.demo_examples(sizes={"x": 12})["x"]]
     cfg = model.ModelConfig(
         vocab_size=tok.vocab_size,
         d_model=32,

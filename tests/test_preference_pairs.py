@@ -15,8 +15,9 @@ from conftest import REPO
 from family_reference import reference_logits
 from safetensors.numpy import load_file
 
-from minifield.strategies.packed_sft import base_model, hf_checkpoint
-from minifield.strategies.packed_sft.data_formats import DataError
+from minifield.data.formats import DataError
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import pinned_base
 from minifield.strategies.preference import logprobs, losses, pairs
 
 BASE = REPO / "data" / "llama-base"
@@ -37,7 +38,7 @@ ROWS = [
 def chat():
     recipe = {"model": {"base": {}}, "training": {"seq_len": SEQ_LEN}}
     config = json.loads((BASE / "config.json").read_text())
-    return base_model.tokenizer_and_template(
+    return pinned_base.tokenizer_and_template(
         recipe,
         (BASE / "tokenizer.json").read_bytes(),
         (BASE / "tokenizer_config.json").read_bytes(),

@@ -69,10 +69,10 @@ def test_the_first_update_reports_the_loss_of_its_pairs_scored_by_numpy(root, pr
     loaded, arrays, program = _program(root, preference, model=model)
     batch = program.batches.batch(0)
     files = pinned.files_by_name(loaded.data, root)
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
     encoded = pairs.encode(
-        pairs.read(files["train"]), *base_model.tokenizer_from_arrays(loaded.data, arrays)
+        pairs.read(files["train"]), *pinned_base.tokenizer_from_arrays(loaded.data, arrays)
     )
     ids = batch["pair_index"][batch["pair_index"] >= 0]
     chosen = np.array([_numpy_logp(encoded[i].prompt, encoded[i].chosen) for i in ids])

@@ -67,10 +67,10 @@ def test_the_file_holds_each_pairs_base_log_probs_as_the_numpy_forward_gives(com
     weights = load_file(BASE_DIR / "model.safetensors")
     loaded = recipes.validate(recipe(root, {"loss": "simpo"}))
     files = pinned.files_by_name(loaded.data, root)
-    from minifield.strategies.packed_sft import base_model
+    from minifield.hf import pinned_base
 
-    arrays, _ = base_model.load(loaded.data, files)
-    chat = base_model.tokenizer_from_arrays(loaded.data, arrays)
+    arrays, _ = pinned_base.load(loaded.data, files)
+    chat = pinned_base.tokenizer_from_arrays(loaded.data, arrays)
     encoded = pairs.encode(pairs.read(files["dev"]), *chat)
     assert tensors["dev.chosen"].shape == (len(encoded),) == (record["splits"]["dev"]["pairs"],)
     for index in (0, 3, 6):

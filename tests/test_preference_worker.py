@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 from minifield import recipe as recipes
 from minifield.pipeline import evaluation, preparation
 from minifield.proof.prove import prove
-from minifield.strategies.packed_sft import exported
+from minifield.strategies.lm import export_format
 from minifield.strategies.preference import pairs
 
 pytestmark = pytest.mark.slow
@@ -101,7 +101,7 @@ def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(t
     # the gate's re-evaluation from the export alone, against the NumPy forward by hand
     loaded = recipes.load(recipe_json)
     gate = loaded.strategy.evaluate_export(loaded.data, tmp_path / "selected")
-    model = exported.ExportedModel(tmp_path / "selected")  # its tokenizer and template
+    model = export_format.ExportedModel(tmp_path / "selected")  # its tokenizer and template
     encoded = pairs.encode(
         pairs.read(root / "pairs" / "dev.jsonl"), model.tokenizer, model.template
     )

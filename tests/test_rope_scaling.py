@@ -24,8 +24,9 @@ from conftest import read_events, run_worker, write_recipe
 from test_base_model import BASE, _prepare, base_recipe, make_inputs
 from test_llama import LLAMA, hf_tensors, write_checkpoint
 
-from minifield.strategies.packed_sft import hf_checkpoint, model
-from minifield.strategies.packed_sft.hf_checkpoint import CheckpointError
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf.checkpoint import CheckpointError
+from minifield.models import model
 
 #: head size 16 (8 frequencies) and theta 100: wavelengths 6.3, 11.2, 19.9, 35.3, ... positions
 HF = {**LLAMA, "hidden_size": 64, "rope_theta": 100.0, "max_position_embeddings": 128}
@@ -260,7 +261,7 @@ def test_an_export_keeps_every_field_of_the_base_config(long_base, tmp_path, lor
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (directory / name).read_bytes() == (long_base / "base" / name).read_bytes(), name
     # it loads back (the project's loader, at the run's rows) to the model the run evaluated
-    from minifield.strategies.packed_sft.exported import ExportedModel
+    from minifield.strategies.lm.export_format import ExportedModel
 
     back = ExportedModel(directory)
     assert back.cfg == program.cfg and back.cfg.max_len == 64
@@ -283,7 +284,7 @@ def test_a_llama3_scaled_base_fine_tunes_in_the_worker(long_base, tmp_path):
 
 
 def test_a_pinned_generation_config_that_is_not_an_object_is_refused_naming_it(long_base):
-    from minifield.strategies.packed_sft.base_model import BaseModelError
+    from minifield.hf.pinned_base import BaseModelError
 
     recipe = _with_generation_config(base_recipe(long_base), long_base)
     path = long_base / "base" / "generation_config.json"

@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from minifield.strategies.packed_sft import sft_data
-from minifield.strategies.packed_sft import tokenizer as tk
+from minifield.data import encoding
+from minifield.data import tokenizer as tk
 
 
 def _write(path, lines):
@@ -29,8 +29,8 @@ def test_reads_prompt_response_and_chat_rows(tmp_path):
     }
     pairs = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "ab", "response": "ba"}), ""])
     chats = _write(tmp_path / "c.jsonl", ["", json.dumps(chat)])
-    assert sft_data.read_jsonl(pairs) == [sft_data.Example("ab", "ba")]
-    assert sft_data.read_jsonl(chats) == [sft_data.Example("system: be brief\nuser: hi\n", "hello")]
+    assert encoding.read_jsonl(pairs) == [encoding.Example("ab", "ba")]
+    assert encoding.read_jsonl(chats) == [encoding.Example("system: be brief\nuser: hi\n", "hello")]
 
 
 @pytest.mark.parametrize(
@@ -67,27 +67,27 @@ def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, message):
         turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
         good = json.dumps({"messages": turns})
     path = _write(tmp_path / "bad.jsonl", [good, "", bad, good])
-    with pytest.raises(sft_data.DataError, match=message) as info:
-        sft_data.read_jsonl(path)
+    with pytest.raises(encoding.DataError, match=message) as info:
+        encoding.read_jsonl(path)
     assert str(info.value).startswith(f"{path}:3: ")  # line 3, counting the blank line
 
 
 def test_empty_file_is_an_error(tmp_path):
     path = _write(tmp_path / "empty.jsonl", [""])
-    with pytest.raises(sft_data.DataError, match="no examples"):
-        sft_data.read_jsonl(path)
+    with pytest.raises(encoding.DataError, match="no examples"):
+        encoding.read_jsonl(path)
 
 
 def test_encode_layout_is_bos_prompt_sep_response_eos():
     tok = tk.byte_tokenizer()
-    encoded = sft_data.encode(sft_data.Example("ab", "c"), tok)
+    encoded = encoding.encode(encoding.Example("ab", "c"), tok)
     assert encoded.prompt == [257, ord("a"), ord("b"), 259]
     assert encoded.response == [ord("c"), 258]
     assert len(encoded) == 6
 
 
 def test_demo_generator_is_deterministic_checkable_and_disjoint():
-    splits = sft_data.demo_examples()
+    splits = encoding.demo_examples()
     assert {k: len(v) for k, v in splits.items()} == {"train": 4000, "dev": 200, "test": 200}
     words = [e.prompt for rows in splits.values() for e in rows]
     assert len(words) == len(set(words))  # no string occurs twice, across splits too

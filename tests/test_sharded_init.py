@@ -115,7 +115,7 @@ def test_a_compiled_scaled_normal_has_the_op_by_op_bits():
     above compare whole initial states."""
     import jax
 
-    from minifield.strategies.packed_sft.primitives import scaled_normal
+    from minifield.models.layers.primitives import scaled_normal
 
     key = jax.random.key(11)
     for shape, std in (((260, 32), 0.02), ((32, 96), 32**-0.5)):

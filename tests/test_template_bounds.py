@@ -17,8 +17,8 @@ from test_base_model import root as root  # noqa: F401 - the fixture
 from test_chat_template import CASES, CHATML
 
 from minifield import cli
-from minifield.strategies.packed_sft import base_model
-from minifield.strategies.packed_sft.chat_template import ChatTemplate, ChatTemplateError
+from minifield.data.chat_template import ChatTemplate, ChatTemplateError
+from minifield.hf import pinned_base
 
 MESSAGES = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "olleh"}]
 BOUNDS = "T.json: chat_template exceeds its bounds: "
@@ -110,7 +110,7 @@ def test_real_templates_render_as_jinja_renders_them_unbounded(template):
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from minifield.strategies.packed_sft.chat_template import _generation_tag
+    from minifield.data.chat_template import _generation_tag
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag(), loopcontrols]
@@ -134,7 +134,7 @@ def test_real_templates_render_as_jinja_renders_them_unbounded(template):
 def test_a_template_past_its_bounds_in_prepare_names_the_example_and_template(root):  # noqa: F811
     # the first render (train.jsonl's first row, the whole conversation) trips it
     template = CHATML.replace("{% endfor %}", "{% endfor %}{{ 'x' * 10000000 }}")
-    with pytest.raises(base_model.BaseModelError) as info:
+    with pytest.raises(pinned_base.BaseModelError) as info:
         _prepare(base_recipe(root, {"chat_template": template}), root)
     train = root / "sft" / "train.jsonl"
     first = json.loads(train.read_text().splitlines()[0])["messages"]

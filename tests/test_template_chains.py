@@ -9,7 +9,7 @@ jinja2's own sandbox for the values.
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from minifield.strategies.packed_sft.chat_template import ChatTemplate, ChatTemplateError
+from minifield.data.chat_template import ChatTemplate, ChatTemplateError
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 PARTS = {"a": "x" * 700, "b": "y" * 650, "c": "z" * 500, "d": "w" * 150}

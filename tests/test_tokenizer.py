@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minifield.strategies.packed_sft import tokenizer as tk
+from minifield.data import tokenizer as tk
 
 
 def test_byte_tokenizer_round_trips_text_and_names_its_special_ids():

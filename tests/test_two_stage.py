@@ -12,9 +12,9 @@ from conftest import REPO
 
 import minifield
 from minifield import recipe as recipes
+from minifield.data import tokenizer as tokenizers
 from minifield.inputs import linked_root, pinned
 from minifield.inputs.pinned import InputError, files_by_name
-from minifield.strategies.packed_sft import tokenizer as tokenizers
 from minifield.strategies.two_stage import corpus, demo_data, link, strategy
 
 BYTE = tokenizers.byte_tokenizer()
@@ -358,7 +358,7 @@ def test_demo_recipes_pin_the_shipped_files():
 def test_bits_per_byte_of_packed_rows_equals_each_document_scored_alone(stage1):
     """The packed evaluation (chunks, masks, padding batches) against each DEV document run
     alone through the model in float64 numpy log-softmax, summed by hand."""
-    from minifield.strategies.packed_sft import model
+    from minifield.models import model
 
     root, recipe, export, digest = stage1
     checked = recipes.validate(recipe)

@@ -17,7 +17,7 @@ a refusal is a result with ``status == "invalid"``; only a programming error
 (a wrong argument type) raises.
 
 ``load_model(path)`` loads a model to use (logits, generation, its tokenizer): an HF
-directory or a minifield export (see :mod:`minifield.strategies.packed_sft.loaded`).
+directory or a minifield export (see :mod:`minifield.hf.loaded_model`).
 
 Importing this module does not import JAX; ``run`` does, when it trains, and
 ``load_model`` does.
@@ -39,7 +39,7 @@ from .attempt.layout import RESULT
 
 if TYPE_CHECKING:
     from .attempt import train
-    from .strategies.packed_sft.loaded import LoadedModel
+    from .hf.loaded_model import LoadedModel
     from .supervision import distributed
 
 __all__ = ["RunResult", "Validation", "load_model", "run", "run_problems", "validate"]
@@ -330,25 +330,26 @@ def load_model(path: str | os.PathLike, *, compute_dtype: str | None = None) -> 
     an HF directory in ``float32``. Raises ``ModelLoadError`` (a ``ValueError``) naming the
     file and field for anything that cannot be loaded.
     """
+    from .data.tokenizer import TokenizerError
+    from .hf import loaded_model
     from .inputs.pinned import InputError
     from .state.export import MODEL_FILE, ExportError
-    from .strategies.packed_sft import exported, loaded
-    from .strategies.packed_sft.tokenizer import TokenizerError
+    from .strategies.lm import export_format
 
     if compute_dtype not in (None, "float32", "bfloat16"):
         raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {compute_dtype!r}")
     directory = Path(path)
     if not directory.is_dir():
-        raise loaded.ModelLoadError(f"{directory}: not a directory")
+        raise loaded_model.ModelLoadError(f"{directory}: not a directory")
     if not (directory / MODEL_FILE).exists():
-        if not (directory / loaded.hf_checkpoint.CONFIG_FILE).exists():
-            raise loaded.ModelLoadError(
+        if not (directory / loaded_model.hf_checkpoint.CONFIG_FILE).exists():
+            raise loaded_model.ModelLoadError(
                 f"{directory}: neither a minifield export ({MODEL_FILE} missing) nor an HF "
-                f"model directory ({loaded.hf_checkpoint.CONFIG_FILE} missing)"
+                f"model directory ({loaded_model.hf_checkpoint.CONFIG_FILE} missing)"
             )
-        return loaded.from_hf_directory(directory, compute_dtype or "float32")
+        return loaded_model.from_hf_directory(directory, compute_dtype or "float32")
     try:
-        model = exported.ExportedModel(directory)
+        model = export_format.ExportedModel(directory)
     except (ExportError, InputError, TokenizerError, ValueError, OSError) as exc:
-        raise loaded.ModelLoadError(str(exc)) from None
+        raise loaded_model.ModelLoadError(str(exc)) from None
     return model if compute_dtype is None else model.with_compute_dtype(compute_dtype)

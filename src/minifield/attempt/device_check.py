@@ -41,7 +41,7 @@ def check(recipe: Recipe, env: dict, group: distributed.Group, events: EventLog)
             "device(s) visible"
         )
     if len(devices) < data_parallel:
-        from ..strategies.packed_sft.parallel import missing_devices_message
+        from ..training.data_parallel import missing_devices_message
 
         raise RuntimeError(missing_devices_message(data_parallel, len(devices)))
     if group.size > 1 and data_parallel != len(devices):

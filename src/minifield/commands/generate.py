@@ -3,7 +3,7 @@
 The model is loaded by ``minifield.load_model``; each prompt is the user's turn in the
 model's chat template (``--no-chat-template``: raw text continued), and tokens are chosen
 greedily unless ``generation_config.json`` says ``do_sample`` or a sampling flag is given
-(:mod:`minifield.strategies.packed_sft.sampling`: the flags win over the file).
+(:mod:`minifield.models.sampling`: the flags win over the file).
 
 Prompts must be UTF-8 text: a ``--prompt`` argument or a stdin line that is not valid UTF-8
 is refused (exit 2, naming it) before the model is loaded and before anything is printed; so
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..strategies.packed_sft import sampling
+from ..models import sampling
 from . import bounded_float, bounded_int
 
 

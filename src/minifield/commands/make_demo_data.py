@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..strategies.packed_sft import sft_data
+from ..data import encoding
 from . import bounded_int
 
 
@@ -16,7 +16,7 @@ def _run_llama(args) -> int:
     import tempfile
 
     from .. import api
-    from ..strategies.packed_sft import llama_demo
+    from ..strategies.packed_sft import demo_data as llama_demo
 
     try:
         seed = llama_demo.SEED if args.seed is None else args.seed
@@ -51,8 +51,8 @@ def run(args) -> int:
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
-        seed = sft_data.DEMO_SEED if args.seed is None else args.seed
-        pins = sft_data.write_demo(args.directory, seed=seed)
+        seed = encoding.DEMO_SEED if args.seed is None else args.seed
+        pins = encoding.write_demo(args.directory, seed=seed)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2

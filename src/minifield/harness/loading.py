@@ -29,9 +29,9 @@ class LoadError(ValueError):
 
 
 def load(path: str | Path) -> Loaded:
+    from ..data import tokenizer as tokenizers
     from ..state import export
-    from ..strategies.packed_sft import tokenizer as tokenizers
-    from ..strategies.packed_sft.exported import ExportedModel
+    from ..strategies.lm.export_format import ExportedModel
 
     try:
         exported = ExportedModel(Path(path))
@@ -45,7 +45,7 @@ def scoring_config(cfg):
     or loss chunks; a scanned stack stays scanned (as generation does)."""
     import dataclasses
 
-    from ..strategies.packed_sft.execution import Execution
+    from ..models.execution import Execution
 
     return dataclasses.replace(cfg, execution=Execution(scan_layers=cfg.execution.scan_layers))
 
@@ -54,7 +54,7 @@ def forward(params, cfg, tokens_BxT):
     """FP32 logits ``[B, T, V]`` of unpacked rows (one segment per row, positions from 0)."""
     import jax.numpy as jnp
 
-    from ..strategies.packed_sft import model
+    from ..models import model
 
     B, T = tokens_BxT.shape
     positions_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -64,7 +64,7 @@ def forward(params, cfg, tokens_BxT):
 def generate(loaded: Loaded, prompts: list[list[int]], max_new: int, cache: bool):
     """Greedy continuations (new tokens, the end-of-sequence token excluded) of ``prompts`` in
     one batch; a Llama model uses its key/value cache when ``cache``."""
-    from ..strategies.packed_sft import model
+    from ..models import model
 
     return model.greedy_generate_batch(
         loaded.params, loaded.cfg, prompts, max_new, loaded.tokenizer.eos_id, cache

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
-from ..strategies.packed_sft import loaded
+from ..hf import loaded_model
 
 
 def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
@@ -47,7 +47,7 @@ def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
 
 def figures(export_dir: Path, pairs_path: Path) -> dict:
     """Exact-match, preference accuracy and mean margin of one export on one pair file."""
-    model = loaded.from_hf_directory(export_dir, "float32")
+    model = loaded_model.from_hf_directory(export_dir, "float32")
     rows = [json.loads(line) for line in Path(pairs_path).read_text().splitlines() if line]
     exact, margins = 0, []
     for row in rows:

@@ -32,7 +32,7 @@ from .. import recipe as recipes
 from ..digest import short
 from ..inputs import linked_root
 from ..inputs.linked_root import LinkError
-from ..strategies.packed_sft import chain_base
+from ..strategies.lm import chain_base
 from ..strategies.preference import reference as references
 from ..strategies.preference import reference_link
 from ..strategies.two_stage import link as two_stage_link

@@ -1,4 +1,4 @@
-"""Registry of the computations this package accepts."""
+"""The computations this package accepts: every strategy, registered by (name, version)."""
 
 from __future__ import annotations
 
@@ -6,22 +6,8 @@ from .base import Program, Strategy
 from .linear_momentum import LinearMomentum
 from .packed_sft import PackedSFT
 from .preference.strategy import Preference
+from .registry import available, get, register
 from .two_stage import TwoStage
-
-_REGISTRY: dict[tuple[str, str], Strategy] = {}
-
-
-def register(strategy: Strategy) -> None:
-    _REGISTRY[(strategy.name, strategy.version)] = strategy
-
-
-def get(name: str, version: str) -> Strategy | None:
-    return _REGISTRY.get((name, version))
-
-
-def available() -> list[Strategy]:
-    return [_REGISTRY[key] for key in sorted(_REGISTRY)]
-
 
 register(LinearMomentum())
 register(PackedSFT())

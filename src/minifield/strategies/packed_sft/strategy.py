@@ -1,17 +1,17 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
-Inputs (pinned JSONL, see :mod:`minifield.strategies.packed_sft.sft_data`): ``train``, ``dev``,
+Inputs (pinned JSONL, see :mod:`minifield.data.encoding`): ``train``, ``dev``,
 ``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
-(:mod:`minifield.strategies.packed_sft.base_model`: training starts from its weights, and its
+(:mod:`minifield.hf.pinned_base`: training starts from its weights, and its
 tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
-on it are trained, :mod:`minifield.strategies.packed_sft.lora`). The prepare stage packs each
-split into rows (:mod:`minifield.strategies.packed_sft.packing`) and keeps the DEV/TEST
+on it are trained, :mod:`minifield.training.lora`). The prepare stage packs each
+split into rows (:mod:`minifield.data.packing`) and keeps the DEV/TEST
 prompts with their expected answers for exact-match evaluation by greedy generation.
 
 The strategy is the worker's and the store's view; the parts live beside it: the recipe
-settings (:mod:`.settings`), the program (:mod:`.program`), the evaluator (:mod:`.evaluator`)
-and the exported model (:mod:`.exported`).
+settings (:mod:`.model_section`), the program (:mod:`.program`), the evaluator (:mod:`.evaluator`)
+and the exported model (:mod:`.export_format`).
 """
 
 from __future__ import annotations
@@ -21,28 +21,20 @@ from typing import Any
 
 import numpy as np
 
+from ...data import encode_pool, encoding, formats, mixture, packing
+from ...data import tokenizer as tokenizers
+from ...hf import pinned_base
+from ...models import execution
+from ...training import evaluator, lora
 from ..base import Program, Strategy, pinned_inputs
-from . import (
-    base_model,
-    data_formats,
-    encode_pool,
-    evaluator,
-    execution,
-    exported,
-    lora,
-    mixture,
-    packing,
-    settings,
-    sft_data,
-)
-from . import tokenizer as tokenizers
-from .program import PackedSFTProgram
+from ..lm import export_format, model_section
+from ..lm.model_section import SPLITS
+from ..lm.program import LMProgram
 
 # JAX (and what imports it: state, parallel, the model) is imported inside the methods that
 # compute, so that validating a recipe, describing the strategy or hashing its
 # data spec never imports JAX (the Snakefile validates every recipe when it is parsed).
 
-SPLITS = ("train", "dev", "test")
 #: part of the examples digest: bumped when preparing the same files gives other arrays, so a
 #: cache prepared by older code is never reused. 2: a conversation trains every assistant turn
 #: (1 trained only the last), files of mixed shapes are refused.
@@ -50,26 +42,26 @@ PREPARE_VERSION = 2
 
 
 class PackedSFT(Strategy):
-    name, version = settings.NAME, settings.VERSION
+    name, version = model_section.NAME, model_section.VERSION
     description = (
         "Supervised fine-tuning of a decoder-only transformer on packed sequences (segment ids, "
         "per-segment positions, block-diagonal causal attention, loss on response tokens only); "
         "AdamW with warmup and decay, global-norm clipping, BF16 compute by default; DEV loss and "
         "greedy exact-match evaluation; export for generation."
     )
-    schema_file = settings.SCHEMA_FILE
+    schema_file = model_section.SCHEMA_FILE
     default_max_steps = 300
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
 
     def check(self, recipe: dict) -> list[dict]:
         model = recipe["model"]
-        errors = settings.normalize_model_section(model)
+        errors = model_section.normalize_model_section(model)
         names = [i["name"] for i in recipe.get("inputs", [])]
         errors += mixture.normalize(recipe)
         sources = mixture.input_names(recipe["training"])
         held_out = [split for split in SPLITS if split != "train"]
-        wanted = sources + held_out + settings.base_model_inputs(model)
+        wanted = sources + held_out + model_section.base_model_inputs(model)
         errors += [
             {
                 "path": f"/training/mixture/{index}/input",
@@ -101,11 +93,11 @@ class PackedSFT(Strategy):
                     f"evaluation.harness.tasks); got unexpected {unknown}",
                 }
             )
-        errors += settings.normalize_export_dtype(recipe)
+        errors += model_section.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
-        sft_data.normalize_train_on(recipe["training"])
-        errors += settings.model_errors(model)
+        encoding.normalize_train_on(recipe["training"])
+        errors += model_section.model_errors(model)
         evaluation = recipe["evaluation"]
         if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
             errors.append(
@@ -124,7 +116,7 @@ class PackedSFT(Strategy):
                     f"(every device gets the same number of rows; got {data_parallel['devices']})",
                 }
             )
-        errors += settings.warmup_errors(recipe)
+        errors += model_section.warmup_errors(recipe)
         return errors
 
     def devices_required(self, recipe: dict) -> int:
@@ -172,7 +164,7 @@ class PackedSFT(Strategy):
         kept = ("strategy", "prepare_version", "tokenizer", "seq_len", "overlong", "train_on")
         common = {key: spec[key] for key in (*kept, "base", "chat_template") if key in spec}
         common["part"] = "training source"
-        model_inputs = settings.base_model_inputs(recipe["model"])
+        model_inputs = model_section.base_model_inputs(recipe["model"])
         if (spec["tokenizer"] or {}).get("kind") == "tokenizers-json":
             model_inputs.append(spec["tokenizer"]["input"])
         common["model_inputs"] = {name: pinned[name]["sha256"] for name in model_inputs}
@@ -231,7 +223,7 @@ class PackedSFT(Strategy):
         return arrays, meta
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
-        return PackedSFTProgram(recipe, examples)
+        return LMProgram(recipe, examples)
 
     def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
         evaluation = recipe["evaluation"]
@@ -257,9 +249,9 @@ class PackedSFT(Strategy):
     def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
         """DEV metrics from the export alone: its weights, its tokenizer and its copy of the
         DEV split, which must be the file this recipe pins as ``dev``."""
-        model = exported.ExportedModel(Path(export_dir))
+        model = export_format.ExportedModel(Path(export_dir))
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
-        encoded = model.encode_dev(pinned, *sft_data.recipe_reading(recipe, "dev"))
+        encoded = model.encode_dev(pinned, *encoding.recipe_reading(recipe, "dev"))
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, model.tokenizer.pad_id)
         dev = evaluator.Evaluator(
             model.cfg,
@@ -286,7 +278,7 @@ def _reading(recipe: dict, files: dict[str, Path]):
 
     def load_base() -> dict:
         if not described:
-            loaded, description = base_model.load(recipe, files)
+            loaded, description = pinned_base.load(recipe, files)
             arrays.update(loaded)
             described.append(description)
         return described[0]
@@ -294,25 +286,25 @@ def _reading(recipe: dict, files: dict[str, Path]):
     if "base" in recipe["model"]:
         meta["base_model"] = None  # load_base() fills it (the manifest's key order as before)
         try:
-            tokenizer, template = base_model.tokenizer_from_files(recipe, files)
+            tokenizer, template = pinned_base.tokenizer_from_files(recipe, files)
         except Exception:  # noqa: BLE001 - the weights-first order below reports it as before
             meta["base_model"] = load_base()
-            tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
+            tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
         meta["chat_template"] = template.source
         processes = encode_pool.workers()  # operational: the same examples for any number
 
         def encoded(name):
-            source, train_on = sft_data.recipe_reading(recipe, name)
-            return base_model.read_and_encode_chat(
+            source, train_on = encoding.recipe_reading(recipe, name)
+            return pinned_base.read_and_encode_chat(
                 files[name], source, tokenizer, template, train_on, processes
             )
     else:
         tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
 
         def encoded(name):
-            source, train_on = sft_data.recipe_reading(recipe, name)
-            read = data_formats.read(files[name], source)
-            return sft_data.encode_examples(read.examples, tokenizer, train_on, files[name]), (
+            source, train_on = encoding.recipe_reading(recipe, name)
+            read = formats.read(files[name], source)
+            return encoding.encode_examples(read.examples, tokenizer, train_on, files[name]), (
                 read.record()
             )
 
@@ -327,7 +319,7 @@ def _packed_source(recipe: dict, name: str, encoded, pad_id: int, files: dict[st
     examples, record = encoded(name)
     packed = packing.pack(examples, training["seq_len"], training["overlong"], pad_id)
     if packed.stats["rows"] == 0:
-        raise sft_data.DataError(
+        raise encoding.DataError(
             f"{files[name]}: no example fits training.seq_len={training['seq_len']}"
         )
     return packed, record

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..packed_sft.batches import rows_for_step
-from ..packed_sft.packing import first_fit_decreasing
+from ...data.batches import rows_for_step
+from ...data.packing import first_fit_decreasing
 from . import logprobs, pairs, prepared
 from .evaluator import REF_FIELDS, reference_by_pair
 

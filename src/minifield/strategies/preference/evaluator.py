@@ -82,9 +82,9 @@ class PairEvaluator:
 def export_metrics(recipe: dict, export_dir: Path) -> dict[str, float]:
     """DEV metrics from the export alone: its weights, tokenizer, chat template and its copy of
     the DEV pairs, which must be the file the recipe pins as ``dev``."""
-    from ..packed_sft import exported
+    from ..lm import export_format
 
-    model = exported.ExportedModel(Path(export_dir))
+    model = export_format.ExportedModel(Path(export_dir))
     pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
     dev = model.dev_file(pinned)
     encoded = pairs.encode(pairs.read(dev), model.tokenizer, model.template)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..packed_sft.model import loss_weights, token_losses
+from ...models.model import loss_weights, token_losses
 
 
 def segment_sums(values_BxT, batch: dict, width: int):

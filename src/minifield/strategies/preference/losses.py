@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from .settings import LOSSES, WITH_REFERENCE
+from .section import LOSSES, WITH_REFERENCE
 
 __all__ = ["LOSSES", "WITH_REFERENCE", "LossSettings", "batch_loss", "pair_losses"]
 

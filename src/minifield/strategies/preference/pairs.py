@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..packed_sft import assistant_turns, chat_template, data_formats
-from ..packed_sft.data_formats import DataError
-from ..packed_sft.encode_pool import ENCODE_BATCH
-from ..packed_sft.packing import OVERLONG, ROW_FIELDS, first_fit_decreasing
+from ...data import assistant_turns, chat_template, formats
+from ...data.encode_pool import ENCODE_BATCH
+from ...data.formats import DataError
+from ...data.packing import OVERLONG, ROW_FIELDS, first_fit_decreasing
 
 #: the per-row arrays of packed pairs (a batch is these, rows stacked)
 PAIR_FIELDS = (*ROW_FIELDS, "pair_index")
@@ -76,7 +76,7 @@ def _answer(row: dict, key: str, where: str) -> dict:
         value = value[0]
     if isinstance(value, str):
         value = {"role": "assistant", "content": value}
-    message = data_formats._message(value, 0, where, key) if isinstance(value, dict) else None
+    message = formats._message(value, 0, where, key) if isinstance(value, dict) else None
     if message is None or message["role"] != "assistant" or "tool_calls" in message:
         raise DataError(
             f"{where}: {key!r} must be a string or an assistant message with text content "
@@ -94,7 +94,7 @@ def _prompt(row: dict, where: str) -> list[dict]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {key!r} must be a string or a non-empty list of messages")
-    messages = [data_formats._message(m, i, where, key) for i, m in enumerate(value)]
+    messages = [formats._message(m, i, where, key) for i, m in enumerate(value)]
     if messages[-1]["role"] == "assistant":
         raise DataError(
             f"{where}: {key!r} ends with an assistant message; the answers are 'chosen' and "
@@ -128,7 +128,7 @@ def pair(row, where: str) -> Pair:
 
 def read(path: Path) -> list[Pair]:
     """Every pair of a JSONL or Parquet pair file."""
-    pairs = [pair(row, where) for row, where in data_formats.rows(path, data_formats.Source())]
+    pairs = [pair(row, where) for row, where in formats.rows(path, formats.Source())]
     if not pairs:
         raise DataError(f"{path}: no pairs (the file is empty)")
     return pairs

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..packed_sft import base_model
-from ..packed_sft.data_formats import DataError
+from ...data.formats import DataError
+from ...hf import pinned_base
 from . import pairs
-from .settings import SPLITS
+from .section import SPLITS
 
 #: part of the examples and reference digests: bumped when the same files prepare otherwise
 PREPARE_VERSION = 1
@@ -25,8 +25,8 @@ PREPARE_VERSION = 1
 def prepare_pairs(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
     """The base model's arrays and every split's packed pairs, with their statistics."""
     training = recipe["training"]
-    arrays, meta = base_model.load(recipe, files)
-    tokenizer, template = base_model.tokenizer_from_arrays(recipe, arrays, files)
+    arrays, meta = pinned_base.load(recipe, files)
+    tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
     meta = {"base_model": meta, "chat_template": template.source, "splits": {}}
     for split in SPLITS:
         encoded = pairs.encode(pairs.read(files[split]), tokenizer, template)
@@ -44,11 +44,11 @@ def prepare_pairs(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.nd
 
 def model_of(recipe: dict, arrays: dict[str, np.ndarray]):
     """``(config, FP32 base parameters, tokenizer)`` of prepared arrays."""
-    from ..packed_sft import execution
+    from ...models import execution
 
-    tokenizer, _ = base_model.tokenizer_from_arrays(recipe, arrays)
-    cfg = execution.with_recipe_options(base_model.config_from_arrays(recipe, arrays), recipe)
-    return cfg, base_model.params_from_arrays(arrays), tokenizer
+    tokenizer, _ = pinned_base.tokenizer_from_arrays(recipe, arrays)
+    cfg = execution.with_recipe_options(pinned_base.config_from_arrays(recipe, arrays), recipe)
+    return cfg, pinned_base.params_from_arrays(arrays), tokenizer
 
 
 def split_rows(arrays: dict[str, np.ndarray], split: str) -> dict[str, np.ndarray]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..packed_sft import lora
-from ..packed_sft.program import PackedSFTProgram
-from . import logprobs, losses, settings
+from ...training import lora
+from ..lm.program import LMProgram
+from . import logprobs, losses, section
 from .batches import PairBatches
 from .evaluator import REF_FIELDS, PairEvaluator
 
@@ -36,11 +36,11 @@ def make_objective(loss_settings: losses.LossSettings):
     return objective
 
 
-class PreferenceProgram(PackedSFTProgram):
-    export_strategy = {"name": settings.NAME, "version": settings.VERSION}
+class PreferenceProgram(LMProgram):
+    export_strategy = {"name": section.NAME, "version": section.VERSION}
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
-        from ..packed_sft import optimizer, sft_step
+        from ...training import optimizer, train_step
 
         super().__init__(recipe, arrays)
         training, max_steps = recipe["training"], recipe["limits"]["max_steps"]
@@ -51,7 +51,9 @@ class PreferenceProgram(PackedSFTProgram):
         objective = make_objective(self.loss_settings)
         schedule = optimizer.make_schedule(training, max_steps)
         if self.lora is None:
-            self._step_fn = sft_step.make_train_step(self.cfg, self.optimizer, schedule, objective)
+            self._step_fn = train_step.make_train_step(
+                self.cfg, self.optimizer, schedule, objective
+            )
         else:
             self._step_fn = lora.make_train_step(
                 self.cfg, self.lora, self.optimizer, schedule, objective=objective

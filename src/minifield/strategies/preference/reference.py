@@ -32,9 +32,9 @@ import numpy as np
 
 from ...digest import sha256_bytes, sha256_json
 from ...inputs.pinned import InputError, location, resolve
-from ..packed_sft import settings as sft_settings
+from ..lm import model_section as sft_settings
 from .prepared import PREPARE_VERSION
-from .settings import SPLITS
+from .section import SPLITS
 
 DATA_FILE, RECORD_FILE = "reference.safetensors", "reference.json"
 #: the safetensors metadata key holding the digest the file was computed for

@@ -19,7 +19,7 @@ from pathlib import Path
 from ...digest import sha256_file
 from ...inputs.linked_root import LinkError
 from .reference import DATA_FILE, RECORD_FILE
-from .settings import NAME, WITH_REFERENCE
+from .section import NAME, WITH_REFERENCE
 
 #: where the product's file goes under the linked input root
 PRODUCT_DIR = "reference"

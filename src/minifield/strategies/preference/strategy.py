@@ -17,15 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from ...models import execution
+from ...training import lora
 from ..base import Program, Strategy, pinned_inputs
-from ..packed_sft import execution, lora
-from ..packed_sft import settings as sft_settings
-from . import settings
-from .settings import SPLITS, WITH_REFERENCE
+from ..lm import model_section as sft_settings
+from . import section
+from .section import SPLITS, WITH_REFERENCE
 
 
 class Preference(Strategy):
-    name, version = settings.NAME, settings.VERSION
+    name, version = section.NAME, section.VERSION
     description = (
         "Preference tuning of a pinned base model on pairs {prompt | messages, chosen, "
         "rejected}: DPO (label smoothing), IPO, SimPO, ORPO; both answers of a pair as two "
@@ -33,7 +34,7 @@ class Preference(Strategy):
         "fine-tuning or LoRA; reference log-probabilities as a pinned product; DEV/TEST "
         "preference and reward accuracy; HF/PEFT export."
     )
-    schema_file = settings.SCHEMA_FILE
+    schema_file = section.SCHEMA_FILE
     default_max_steps = 200
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
@@ -43,8 +44,8 @@ class Preference(Strategy):
         if "preference" not in recipe:
             return [{"path": "/preference", "message": "the preference strategy needs it"}]
         errors = sft_settings.normalize_model_section(recipe["model"])
-        errors += settings.normalize_preference(recipe)
-        wanted = settings.wanted_inputs(recipe)
+        errors += section.normalize_preference(recipe)
+        wanted = section.wanted_inputs(recipe)
         names = [i["name"] for i in recipe.get("inputs", [])]
         missing = [n for n in wanted if n not in names]
         unknown = [n for n in names if n not in wanted]
@@ -60,7 +61,7 @@ class Preference(Strategy):
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
         errors += sft_settings.model_errors(recipe["model"])
-        errors += settings.single_device_errors(recipe["training"])
+        errors += section.single_device_errors(recipe["training"])
         errors += sft_settings.warmup_errors(recipe)
         return errors
 

@@ -11,7 +11,7 @@ rows of ``seq_len`` slots. Consecutive chunks overlap by one token: a chunk's fi
 context only (not trained), every later slot is trained, so every token of the document but
 ``<bos>`` is predicted exactly once, from the tokens of its own chunk. A chunk is one packed
 segment (its own segment id, positions from 0), packed with
-:func:`minifield.strategies.packed_sft.packing.pack` as an example whose "prompt" is that
+:func:`minifield.data.packing.pack` as an example whose "prompt" is that
 first token and whose "response" is the rest: the loss mask is 1 on every slot but the
 first of each chunk.
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ...data.encoding import Encoded
+from ...data.formats import PARQUET_MAGIC, json_rows
 from ...inputs.pinned import InputError
-from ..packed_sft.data_formats import PARQUET_MAGIC, json_rows
-from ..packed_sft.sft_data import Encoded
 
 
 class CorpusError(InputError):

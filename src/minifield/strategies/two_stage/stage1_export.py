@@ -24,21 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
+from ...data import tokenizer as tokenizers
 from ...digest import sha256_bytes
+from ...hf import checkpoint as hf_checkpoint
+from ...hf import directory as hf_directory
+from ...hf import pinned_base
 from ...inputs.pinned import InputError
 from ...state import export
-from ..packed_sft import base_model, hf_checkpoint, hf_export
-from ..packed_sft import tokenizer as tokenizers
 
 #: ``model.init.stage1`` key -> the export file it names
 FILES = {
     "record": export.MODEL_FILE,
     "config": hf_checkpoint.CONFIG_FILE,
     "weights": hf_checkpoint.SINGLE_FILE,
-    "tokenizer": hf_export.TOKENIZER_FILE,
+    "tokenizer": hf_directory.TOKENIZER_FILE,
 }
 #: prepared-array prefix of the stage-1 parameters (the same layout as a base model's)
-PARAM_PREFIX = base_model.PARAM_PREFIX
+PARAM_PREFIX = pinned_base.PARAM_PREFIX
 
 
 class Stage1Error(InputError):
@@ -84,7 +86,7 @@ def check_tokenizer(record: dict, tokenizer_path: Path, stage2_tokenizer, stage2
             f"{sha256_bytes(stage2_json)})"
         )
     recorded = record["config"].get("tokenizer") or {}
-    ours = stage2_tokenizer.config(hf_export.TOKENIZER_FILE)
+    ours = stage2_tokenizer.config(hf_directory.TOKENIZER_FILE)
     if recorded.get("kind") == "tokenizers-json" and recorded.get("special_tokens") != ours.get(
         "special_tokens"
     ):
@@ -129,12 +131,12 @@ def load(recipe: dict, files: dict[str, Path], tokenizer, tokenizer_json: bytes,
             f"{tokenizer.vocab_size} ids (tokenizer mismatch between the stages)"
         )
     try:
-        base_model.check_recipe_agrees(model, cfg, paths["config"])
-    except base_model.BaseModelError as exc:
+        pinned_base.check_recipe_agrees(model, cfg, paths["config"])
+    except pinned_base.BaseModelError as exc:
         raise Stage1Error(str(exc)) from None
     arrays = {
         PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
-        for path, value in base_model._flatten(params)
+        for path, value in pinned_base._flatten(params)
     }
     description = {
         "computation_digest": stage1["computation_digest"],
@@ -147,7 +149,7 @@ def load(recipe: dict, files: dict[str, Path], tokenizer, tokenizer_json: bytes,
 def stage2_tokenizer_json(tokenizer, files: dict[str, Path], settings: dict) -> bytes:
     """The ``tokenizer.json`` a stage-2 run with these tokenizer settings exports."""
     if tokenizer.kind == "byte":
-        return hf_export.byte_tokenizer_json()
+        return hf_directory.byte_tokenizer_json()
     return files[settings.get("input", "tokenizer")].read_bytes()
 
 

@@ -26,15 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from ...data import encoding, packing
+from ...data import tokenizer as tokenizers
+from ...data.packing import ROW_FIELDS
 from ...digest import sha256_bytes
 from ...inputs.pinned import InputError
 from ...state import export
+from ...training import evaluator
 from ..base import Program, Strategy, computation_digest
-from ..packed_sft import evaluator, exported, packing, settings, sft_data
-from ..packed_sft import strategy as sft
-from ..packed_sft import tokenizer as tokenizers
-from ..packed_sft.packing import ROW_FIELDS
-from ..packed_sft.program import PackedSFTProgram
+from ..lm import export_format
+from ..lm import model_section as settings
+from ..registry import get as registered
+from ..lm.program import LMProgram
 from . import corpus, stage1_export
 
 PREPARE_VERSION = 1
@@ -96,7 +99,7 @@ class TwoStage(Strategy):
             )
         errors += [
             {**e, "message": e["message"].replace("packed-sft", "two-stage")}
-            for e in sft.PackedSFT().check(_sft_view(recipe))
+            for e in _packed_sft().check(_sft_view(recipe))
         ]
         # after packed-sft's check, which drops train_on spelled at its absent value
         if stage == "pretrain" and "train_on" in recipe["training"]:
@@ -119,7 +122,7 @@ class TwoStage(Strategy):
     def data_spec(self, recipe: dict) -> dict:
         stage = recipe["training"]["stage"]
         if stage == "sft":
-            spec = sft.PackedSFT().data_spec(recipe)
+            spec = _packed_sft().data_spec(recipe)
             return {
                 **spec,
                 "strategy": self.name,
@@ -146,8 +149,8 @@ class TwoStage(Strategy):
             arrays, meta = _prepare_corpus(recipe, files, tokenizer)
         else:
             try:
-                arrays, meta = sft.PackedSFT().prepare(_sft_view(recipe), files)
-            except (sft_data.DataError, tokenizers.TokenizerError) as exc:
+                arrays, meta = _packed_sft().prepare(_sft_view(recipe), files)
+            except (encoding.DataError, tokenizers.TokenizerError) as exc:
                 raise DataError(str(exc)) from None
         if "stage1" in (recipe["model"].get("init") or {}):
             tokenizer_json = stage1_export.stage2_tokenizer_json(tokenizer, files, settings)
@@ -163,7 +166,7 @@ class TwoStage(Strategy):
 
     def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
         if recipe["training"]["stage"] == "sft":
-            return sft.PackedSFT().acceptance(recipe, metrics)
+            return _packed_sft().acceptance(recipe, metrics)
         evaluation, checks = recipe["evaluation"], []
         for name, key in (
             ("dev_loss", "max_dev_loss"),
@@ -180,7 +183,7 @@ class TwoStage(Strategy):
     def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
         """DEV metrics from the export alone (its weights, tokenizer and DEV copy, which must
         be the file this recipe pins as ``dev``)."""
-        from ..packed_sft import hf_export
+        from ...hf import directory as hf_directory
 
         directory = Path(export_dir)
         _, config = export.read(directory)
@@ -195,15 +198,15 @@ class TwoStage(Strategy):
             )
         check_lineage(recipe, config, directory / export.MODEL_FILE)
         tokenizer = tokenizers.from_config(config["tokenizer"], directory)
-        cfg, params = hf_export.load(directory, config)
+        cfg, params = hf_directory.load(directory, config)
         dev = evaluator.Evaluator(
             cfg, recipe["evaluation"]["batch_size"], tokenizer.eos_id, tokenizer.pad_id
         )
         if config["stage"] == "pretrain":
             arrays = _corpus_split("dev", dev_path, tokenizer, recipe["training"]["seq_len"])[0]
             return lm_metrics(dev, params, arrays, "dev")
-        source, train_on = sft_data.recipe_reading(recipe, "dev")
-        encoded = sft_data.encode_file(dev_path, tokenizer, source, train_on)
+        source, train_on = encoding.recipe_reading(recipe, "dev")
+        encoded = encoding.encode_file(dev_path, tokenizer, source, train_on)
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, tokenizer.pad_id)
         return dev.split_metrics(params, arrays, "dev")
 
@@ -240,7 +243,7 @@ def _prepare_corpus(recipe: dict, files: dict[str, Path], tokenizer) -> tuple[di
     seq_len = recipe["training"]["seq_len"]
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"splits": {}, "tokenizer": tokenizer.config()}
-    for split in sft.SPLITS:
+    for split in settings.SPLITS:
         split_arrays, meta["splits"][split] = _corpus_split(split, files[split], tokenizer, seq_len)
         arrays.update(split_arrays)
     arrays["dev_file"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
@@ -269,7 +272,7 @@ def lm_metrics(evaluator, params, arrays: dict[str, np.ndarray], split: str) -> 
     }
 
 
-class TwoStageProgram(PackedSFTProgram):
+class TwoStageProgram(LMProgram):
     """packed-sft's program (model, step, batches, compile, placement) with a stage's start,
     evaluation and export."""
 
@@ -277,9 +280,9 @@ class TwoStageProgram(PackedSFTProgram):
         super().__init__(recipe, arrays)
         self.stage = recipe["training"]["stage"]
         if "stage1" in (recipe["model"].get("init") or {}):
-            from ..packed_sft import base_model
+            from ...hf import pinned_base
 
-            self.base_params = base_model.params_from_arrays(arrays)
+            self.base_params = pinned_base.params_from_arrays(arrays)
 
     def evaluate(self, state: dict) -> dict[str, float]:
         if self.stage == "sft":
@@ -296,8 +299,9 @@ class TwoStageProgram(PackedSFTProgram):
         digest and, for stage 2, the stage-1 computation it started from."""
         import jax
 
+        from ...hf import directory as hf_directory
+        from ...models.layers import layer_stack
         from ...state.arrays import to_host
-        from ..packed_sft import hf_export, layer_stack
 
         directory.mkdir(parents=True, exist_ok=True)
         pins = {i["name"]: i for i in self.recipe["inputs"]}
@@ -310,7 +314,7 @@ class TwoStageProgram(PackedSFTProgram):
             layout = "documents: <bos> text <eos>, chunked with one token of overlap"
         else:
             dev_bytes = np.asarray(self.arrays["dev_jsonl"]).tobytes()
-            dev_file, layout = exported.DEV_FILE, "<bos> prompt <sep> response <eos>"
+            dev_file, layout = export_format.DEV_FILE, "<bos> prompt <sep> response <eos>"
         tokenizer_json = None
         if "tokenizer_json" in self.arrays:
             tokenizer_json = np.asarray(self.arrays["tokenizer_json"]).tobytes()
@@ -320,7 +324,7 @@ class TwoStageProgram(PackedSFTProgram):
             "computation_digest": computation_digest(self.recipe),
             "model": self.cfg.to_dict(),
             "tokenizer": self.tokenizer.config(
-                hf_export.TOKENIZER_FILE if tokenizer_json is not None else None
+                hf_directory.TOKENIZER_FILE if tokenizer_json is not None else None
             ),
             "layout": layout,
             "dev": {"file": dev_file, "sha256": sha256_bytes(dev_bytes)},
@@ -331,7 +335,7 @@ class TwoStageProgram(PackedSFTProgram):
                 "computation_digest": stage1["computation_digest"],
                 "record_sha256": pins[stage1["record"]]["sha256"],
             }
-        hf_export.write(
+        hf_directory.write(
             directory,
             self.cfg,
             # per layer: a scanned run holds its blocks stacked (packed_sft.layer_stack)
@@ -342,3 +346,9 @@ class TwoStageProgram(PackedSFTProgram):
             config,
             settings.export_dtype(self.recipe),
         )
+
+
+def _packed_sft():
+    """packed-sft, which runs stage 2 (and checks the recipe's shared parts), from the registry:
+    the strategy object, never its modules."""
+    return registered(settings.NAME, settings.VERSION)

@@ -1,0 +1,300 @@
+"""HuggingFace Llama-family checkpoints in and out: ``config.json`` + safetensors.
+
+Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
+``.ckpt``, ``.pth``) are refused, never unpickled. :func:`load` converts tensors one at a time to
+FP32 (F32, BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.tensors`),
+so the load holds at most one source tensor's pages beside the FP32 result;
+:func:`load_stored` reads them as stored (dtype and layout), one pass over the bytes. Every shape is checked against ``config.json`` (read by :mod:`.config`)
+before any tensor is read, and every value is checked to be finite.
+
+:data:`.families.NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this
+project's parameter paths (see :mod:`.llama`), for every family :mod:`.families` lists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .. import atomic
+
+# the tensor tables and config.json's reading and writing; the names are this module's too
+# (one loader API)
+from ..models.families import (
+    ARCHITECTURES,
+    expected_tensors,
+    fp32_bytes,
+    join,
+    shape_fields,
+    split,
+    split_stored,
+)
+from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
+from .tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, read_stored, source_dtype_of
+
+__all__ = [
+    "ARCHITECTURES",
+    "CONFIG_FILE",
+    "EXPORT_DTYPES",
+    "CheckpointError",
+    "config_from_hf",
+    "config_to_hf",
+    "expected_tensors",
+    "exported_config",
+    "fp32_bytes",
+    "load",
+    "load_stored",
+    "write",
+]
+
+if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
+    from ..models.llama import LlamaConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _refuse_pickles(directory: Path) -> None:
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles and not (directory / SINGLE_FILE).exists() and not (directory / INDEX_FILE).exists():
+        raise CheckpointError(
+            f"{directory / pickles[0]}: pickle checkpoints are refused (unpickling runs "
+            f"arbitrary code); convert the model to safetensors ({SINGLE_FILE})"
+        )
+
+
+def _tensor_files(directory: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (single file or sharded index)."""
+    from safetensors import safe_open
+
+    index_path = directory / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({e})") from None
+        files = {}
+        for name, shard in weight_map.items():
+            shard_path = directory / shard
+            if Path(shard).suffix != ".safetensors" or shard_path.parent != directory:
+                raise CheckpointError(
+                    f"{index_path}: tensor {name} names shard {shard!r}, not a .safetensors "
+                    "file in this directory"
+                )
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index_path}: tensor {name} names missing shard {shard}")
+            files[name] = shard_path
+        return files
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    with safe_open(single, framework="numpy") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _checked(directory: Path, max_len, compute_dtype):
+    """``(cfg, expected tensors, tensor name -> file, names by file, duplicate head)`` of an
+    HF directory, every name, shape and dtype checked from the headers alone (see :func:`load`),
+    so a bad checkpoint fails before any tensor is read."""
+    from safetensors import safe_open
+
+    if directory.suffix in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{directory}: pickle checkpoints are refused (unpickling runs arbitrary code); "
+            f"give an HF directory with {SINGLE_FILE}"
+        )
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory")
+    _refuse_pickles(directory)
+    config_path = directory / CONFIG_FILE
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: cannot read ({e})") from None
+    cfg = config_from_hf(hf, str(config_path), max_len, compute_dtype)
+    expected = expected_tensors(cfg)
+    files = _tensor_files(directory)
+    present = set(files)
+    duplicate_head = cfg.tie_embeddings and "lm_head.weight" in present
+    if duplicate_head:
+        present.discard("lm_head.weight")  # some tied checkpoints store the shared matrix twice
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(f"{directory}: tensor {missing[0]} missing ({len(missing)} in all)")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]} "
+            f"({len(unexpected)} in all) for the model config.json describes"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        with safe_open(path, framework="numpy") as f:
+            for name in names:
+                info = f.get_slice(name)
+                shape, dtype = tuple(info.get_shape()), info.get_dtype()
+                if shape != expected[name][2]:
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {list(shape)}, config.json implies "
+                        f"{list(expected[name][2])} ({shape_fields(*expected[name][:2])})"
+                    )
+                if dtype not in ACCEPTED_DTYPES:
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has dtype {dtype} "
+                        f"(accepted: {sorted(ACCEPTED_DTYPES)})"
+                    )
+    return cfg, expected, files, by_file, duplicate_head
+
+
+def _put(params: dict, part_path: str, value) -> None:
+    node = params
+    *parents, leaf = part_path.split("/")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
+    """``(cfg, params, expected)``: every tensor through ``read(source, name, start, end,
+    shape, kind, transpose)``, cut into its parameters by ``parts(cfg, path, value)``."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    cfg, expected, files, by_file, duplicate_head = _checked(directory, max_len, compute_dtype)
+    params: dict = {}
+    for path, names in by_file.items():
+        offsets = data_offsets(path)
+        with Source(path) as source:
+            for name in names:
+                internal, transpose, shape = expected[name]
+                start, end, kind = offsets[name]
+                value = read(source, name, start, end, shape, kind, transpose)
+                for part_path, part in parts(cfg, internal, value):  # fused: several
+                    _put(params, part_path, part)
+                del value
+    if duplicate_head:
+        path = files["lm_head.weight"]
+        with safe_open(path, framework="numpy") as f:
+            head = f.get_tensor("lm_head.weight")
+        if head.shape != expected["model.embed_tokens.weight"][2] or not np.array_equal(
+            head.astype(np.float32), np.asarray(params["embed"]["tokens"], np.float32)
+        ):
+            raise CheckpointError(
+                f"{path}: tensor lm_head.weight differs from model.embed_tokens.weight, but "
+                "config.json says tie_word_embeddings"
+            )
+    params.setdefault("blocks", {})
+    return cfg, params, expected
+
+
+def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
+    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory.
+
+    Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
+    unsupported config, a missing or unexpected tensor, a shape disagreeing with
+    ``config.json``, an unsupported dtype, a non-finite value, or an index naming a missing
+    shard.
+    """
+    import jax
+
+    def read(source, name, start, end, shape, kind, transpose):
+        value = read_fp32(source, start, end, shape, source_dtype_of(kind), transpose, name)
+        return value
+
+    def parts(cfg, internal, value):
+        # may_alias: the aligned host buffer becomes the CPU array without a copy
+        return [(p, jax.device_put(v, may_alias=True)) for p, v in split(cfg, internal, value)]
+
+    cfg, params, _ = _read_all(directory, max_len, compute_dtype, read, parts)
+    return cfg, params
+
+
+def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
+    """``(LlamaConfig, params, stored_layout)``: the tensors as the checkpoint stores them —
+    their own dtype (BF16 stays BF16), HF's ``[out, in]`` layout for the matrices
+    ``stored_layout`` names (internal path -> True) — as aligned host arrays, nothing
+    converted; :func:`.stored_base.model_layout` makes them this project's parameters inside
+    a jitted function. The same checks and errors as :func:`load`."""
+
+    def read(source, name, start, end, shape, kind, transpose):
+        return read_stored(source, start, end, shape, kind, name)
+
+    cfg, params, expected = _read_all(directory, max_len, compute_dtype, read, split_stored)
+    stored_layout = {}
+    for internal, transpose, _ in expected.values():
+        for path in (internal,) if isinstance(internal, str) else internal:
+            stored_layout[path] = transpose
+    return cfg, params, stored_layout
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _export_dtypes() -> dict:
+    import ml_dtypes
+
+    return {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+#: tensor dtypes :func:`write` can store (the ``torch_dtype`` written in ``config.json``)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def write(
+    directory: str | Path,
+    cfg: LlamaConfig,
+    params,
+    dtype: str = "float32",
+    base_config: dict | None = None,
+) -> None:
+    """Write ``params`` as a PyTorch-named ``model.safetensors`` plus ``config.json``.
+
+    ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
+    ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
+    from safetensors.numpy import save
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
+    stored_dtype = _export_dtypes()[dtype]
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+
+    def lookup(path: str):
+        node = params
+        for part in path.split("/"):
+            node = node[part]
+        return node
+
+    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+        value = np.asarray(join(internal, lookup), dtype=np.float32)
+        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+        if tensors[name].shape != shape:
+            raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
+        tensors[name] = tensors[name].astype(stored_dtype)
+    # Serialised in memory and written atomically (an interrupted write leaves no half-written
+    # file; a full disk is an OSError naming the file, which save_file does not raise).
+    atomic.write_bytes(directory / SINGLE_FILE, save(tensors, metadata={"format": "pt"}))
+    config = exported_config(cfg, dtype, base_config)
+    atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = None) -> dict:
+    """The ``config.json`` :func:`write` writes: a base model's (``base_config``) fields all
+    kept but the ones the run sets, the stored dtype (``torch_dtype``, and ``dtype``,
+    transformers' newer name, where the base has it); without a base, :func:`config_to_hf`'s."""
+    if base_config is None:
+        return {**config_to_hf(cfg), "torch_dtype": dtype}
+    out = {**base_config, "torch_dtype": dtype}
+    if "dtype" in base_config:
+        out["dtype"] = dtype
+    return out

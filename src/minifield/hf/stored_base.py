@@ -1,0 +1,153 @@
+"""A base model's weights as its checkpoint stores them, and the parameters the model runs.
+
+A LoRA run never updates its base, so nothing needs FP32 masters of it, nor this project's
+``[in, out]`` layout: the prepared examples keep each tensor in the checkpoint's own dtype
+(BF16 stays BF16) and HF's ``[out, in]`` layout (:func:`to_arrays`), training memory-maps
+them and puts them on the device unconverted (:func:`on_device`), and the jitted step makes the
+parameters :mod:`.llama` runs (:meth:`FrozenBase.model_params`): every leaf in the dtype the
+base is held in (``base_dtype``; BF16 to FP32 is exact), each stored ``[out, in]`` matrix
+transposed once per step into ``[in, out]``. That transpose is a real copy on purpose: left
+to itself XLA folds it into the products' dimension numbers (``dot_general`` contracting
+HF's layout directly), and XLA:CPU then sums in another order — FP32 logits differ in the
+last bits (9.5e-7 on the test model) — so the step would no longer give the state hashes of
+the transposed-at-load base; behind an ``optimization_barrier`` the products are the same
+products. Its cost per step: ``benchmarks/hf_load.py``. Full fine-tuning widens and
+transposes on the host instead (:func:`host_fp32`): its FP32 masters are trained.
+
+The arrays: ``base.<path>`` per parameter (BF16 stored as its ``uint16`` bits: ``.npy`` has no
+BF16) and ``base_layout_json``, per path its stored dtype and whether it is ``[out, in]``.
+Prepared examples without ``base_layout_json`` (an older preparation, a two-stage link) hold
+FP32 ``[in, out]`` arrays.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+PARAM_PREFIX = "base."
+LAYOUT_ARRAY = "base_layout_json"
+
+#: a stored dtype's name -> (the numpy dtype it is stored as in ``.npy``, its own dtype)
+_NPY = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
+
+
+def _dtype_name(value: np.ndarray) -> str:
+    return "bfloat16" if value.dtype.name == "bfloat16" else value.dtype.name
+
+
+def _flatten(tree, prefix=""):
+    """``(path, leaf)`` in sorted order (the prepared arrays' order, whatever the files')."""
+    for key in sorted(tree):
+        value = tree[key]
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}/")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _nest(items) -> dict:
+    params: dict = {"blocks": {}}
+    for path, value in items:
+        node = params
+        *parents, leaf = path.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return params
+
+
+def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndarray]:
+    """The prepared arrays of a base read by :func:`.checkpoint.load_stored` (see the
+    module): the bytes as stored, nothing converted."""
+    arrays, layout = {}, {}
+    for path, value in _flatten(params):
+        name = _dtype_name(value)
+        arrays[PARAM_PREFIX + path.replace("/", ".")] = value.view(_NPY[name])
+        layout[path] = {"dtype": name, "out_in": bool(stored_layout[path])}
+    arrays[LAYOUT_ARRAY] = np.frombuffer(json.dumps(layout, sort_keys=True).encode(), np.uint8)
+    return arrays
+
+
+def _stored(arrays: dict[str, np.ndarray]):
+    """``(path, array in its own dtype, out_in)`` of every base parameter."""
+    layout = None
+    if LAYOUT_ARRAY in arrays:
+        layout = json.loads(np.asarray(arrays[LAYOUT_ARRAY]).tobytes())
+    for name, value in arrays.items():
+        if not name.startswith(PARAM_PREFIX):
+            continue
+        path = name[len(PARAM_PREFIX) :].replace(".", "/")
+        if layout is None:  # FP32 [in, out] (see the module)
+            yield path, value, False
+            continue
+        entry = layout[path]
+        if entry["dtype"] == "bfloat16":
+            import ml_dtypes
+
+            value = value.view(ml_dtypes.bfloat16)
+        yield path, value, entry["out_in"]
+
+
+def host_fp32(arrays: dict[str, np.ndarray]) -> dict:
+    """The nested FP32 ``[in, out]`` parameter tree (host numpy) of prepared base arrays: the
+    stored values widened exactly, matrices transposed (full fine-tuning's masters)."""
+    return _nest(
+        (path, np.ascontiguousarray((value.T if out_in else value).astype(np.float32)))
+        for path, value, out_in in _stored(arrays)
+    )
+
+
+def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:
+    """The base of prepared arrays on the device as stored (one copy from the memory-mapped
+    files, no conversion), held in ``base_dtype`` by the step."""
+    import jax
+
+    items, out_in = [], set()
+    for path, value, transposed in _stored(arrays):
+        items.append((path, jax.device_put(value)))
+        if transposed:
+            out_in.add(path)
+    return FrozenBase(_nest(items), frozenset(out_in), base_dtype)
+
+
+#: registered as a pytree on first use (importing this module must not import JAX: the
+#: prepare stage and recipe validation use it)
+_registered: list[bool] = []
+
+
+class FrozenBase:
+    """Stored base weights (a pytree, so it passes into jitted steps as an argument):
+    ``params`` as stored, ``out_in`` the paths held ``[out, in]``, ``dtype`` the dtype the
+    model sees them in."""
+
+    def __init__(self, params: dict, out_in: frozenset, dtype: str):
+        self.params, self.out_in, self.dtype = params, out_in, dtype
+        if not _registered:
+            import jax
+
+            jax.tree_util.register_pytree_node_class(FrozenBase)
+            _registered.append(True)
+
+    def tree_flatten(self):
+        return (self.params,), (self.out_in, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def model_params(self) -> dict:
+        """The parameters :mod:`.llama` runs (``[in, out]``, in ``dtype``), made inside the
+        jitted function (see the module for why the transposes are copies)."""
+        import jax
+        import jax.numpy as jnp
+
+        dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
+
+        def made(path, value):
+            if path in self.out_in:  # in the stored dtype: the fewest bytes to move
+                value = jax.lax.optimization_barrier(value.T)
+            return value.astype(dtype)
+
+        return _nest((path, made(path, value)) for path, value in _flatten(self.params))

@@ -1,0 +1,126 @@
+"""How the model computes, as opposed to what it computes: attention kernel, layer loop,
+rematerialisation and loss chunking.
+
+Four recipe fields select it (see docs/model.md, "Execution options")::
+
+    model.attention: xla | pallas        # absent: xla
+    model.scan_layers: true | false      # absent: false
+    training.remat: none | full | dots_saveable   # absent: none
+    training.loss_chunk_tokens: N        # absent or 0: the whole batch at once
+
+Every option computes the same mathematics as the default; the floating-point bits may differ
+(another kernel, another fusion, another summation order), so a value other than the default is
+part of the computation digest. A value equal to the default is removed from the recipe when it
+is checked (:func:`normalize_recipe`), so recipes written before these fields, and recipes that
+spell the defaults out, keep their computation digest.
+
+The options ride on the model config (``cfg.execution``) because the config is what every
+forward, loss and jit already receives; they are not part of the architecture, so ``to_dict``
+(exports, base-model descriptions) leaves them out and an exported model computes with the
+defaults. This module does not import JAX (recipes are checked without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import schemas
+
+ATTENTION_KINDS = ("xla", "pallas")
+REMAT_POLICIES = ("none", "full", "dots_saveable")
+
+#: block sizes of the fused (Pallas) attention kernel: forward query/key blocks, and the
+#: backward pass's blocks; each is capped at the row length, which it must divide
+PALLAS_FORWARD_BLOCK = 128
+PALLAS_BACKWARD_BLOCK = 32
+
+#: recipe fields (section, key) of the execution options with the value an absent key means
+#: (the schema's ``x-absent``: absent and spelled at that value are one computation)
+DEFAULTS = {
+    (section, key): schemas.absent(schemas.PACKED_SFT, section)[key]
+    for section, key in (
+        ("model", "attention"),
+        ("model", "scan_layers"),
+        ("training", "remat"),
+        ("training", "loss_chunk_tokens"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Execution options of a model (hashable: part of a static jit argument)."""
+
+    attention: str = DEFAULTS[("model", "attention")]
+    scan_layers: bool = DEFAULTS[("model", "scan_layers")]
+    remat: str = DEFAULTS[("training", "remat")]
+    loss_chunk_tokens: int = DEFAULTS[("training", "loss_chunk_tokens")]  # 0: whole batch
+
+    def __post_init__(self):
+        errors = []
+        if self.attention not in ATTENTION_KINDS:
+            errors.append(
+                f"model.attention: expected one of {ATTENTION_KINDS}, got {self.attention!r}"
+            )
+        if not isinstance(self.scan_layers, bool):
+            errors.append(f"model.scan_layers: expected true or false, got {self.scan_layers!r}")
+        if self.remat not in REMAT_POLICIES:
+            errors.append(f"training.remat: expected one of {REMAT_POLICIES}, got {self.remat!r}")
+        chunk = self.loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            errors.append(f"training.loss_chunk_tokens: expected an integer >= 0, got {chunk!r}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def from_recipe(cls, recipe: dict) -> Execution:
+        """The options a checked recipe selects (absent keys: the defaults)."""
+        values = {
+            key: recipe[section].get(key, default) for (section, key), default in DEFAULTS.items()
+        }
+        return cls(**values)
+
+
+def with_recipe_options(cfg, recipe: dict):
+    """``cfg`` (a model config) computing as the recipe's execution options say."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, execution=Execution.from_recipe(recipe))
+
+
+def pallas_seq_len_problem(seq_len: int) -> str | None:
+    """Why the fused kernel cannot run rows of ``seq_len`` tokens (None: it can).
+
+    The kernel tiles a row into blocks of ``min(block, seq_len)`` tokens and needs whole
+    blocks, forward and backward."""
+    for block in (PALLAS_FORWARD_BLOCK, PALLAS_BACKWARD_BLOCK):
+        if seq_len % min(block, seq_len):
+            return (
+                f"model.attention pallas tiles a row into blocks of {block} tokens: "
+                f"training.seq_len must be at most {PALLAS_BACKWARD_BLOCK}, a multiple of "
+                f"{PALLAS_BACKWARD_BLOCK} up to {PALLAS_FORWARD_BLOCK}, or a multiple of "
+                f"{PALLAS_FORWARD_BLOCK} (got {seq_len})"
+            )
+    return None
+
+
+def normalize_recipe(recipe: dict) -> list[dict]:
+    """Remove execution options equal to their defaults (digest stability); returns errors."""
+    for (section, key), default in DEFAULTS.items():
+        if key in recipe[section] and recipe[section][key] == default:
+            del recipe[section][key]
+    errors = []
+    if recipe["model"].get("attention") == "pallas":
+        problem = pallas_seq_len_problem(recipe["training"]["seq_len"])
+        if problem:
+            errors.append({"path": "/model/attention", "message": problem})
+        window = recipe["model"].get("sliding_window")
+        if window is not None and window < recipe["training"]["seq_len"]:
+            errors.append(
+                {
+                    "path": "/model/sliding_window",
+                    "message": "the fused kernel (model.attention pallas) has no sliding window; "
+                    f"{window} < training.seq_len {recipe['training']['seq_len']}",
+                }
+            )
+    return errors

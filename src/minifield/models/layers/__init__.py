@@ -1,0 +1,1 @@
+"""What every model family is built from: primitives, attention, the layer stack."""

@@ -1,0 +1,159 @@
+"""What both model families (:mod:`.gpt`, :mod:`.llama`) and :mod:`.attention` share: the
+compute dtypes, the one matrix-product primitive, rotary positions, the initialisation draw,
+and the checks every model config makes.
+
+Precision: parameters are FP32 ("master" weights). With ``compute_dtype="bfloat16"`` every
+matrix product is a BF16 x BF16 dot accumulating in FP32 (``preferred_element_type``),
+through a custom VJP whose backward dots are BF16 x BF16 -> FP32 as well: autodiff of such a
+dot would otherwise produce FP32 backward dots, and XLA:CPU only runs the BF16 x BF16 -> FP32
+form on its fast (AMX-BF16) path. Weight gradients leave the custom VJP in FP32 without a
+BF16 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
+ROTARY_BASE = 10000.0
+
+
+def scaled_normal(key, shape, std: float):
+    """N(0, std²) samples in FP32, with the same bits whether run op by op or inside one
+    jit-compiled initialisation (the sharded one, see ``parallel.sharded_program``): without the
+    barrier XLA folds ``std`` into the sampler's own constant factor (sqrt 2) when it sees
+    both, which moves the last bit of some values and so the state hash."""
+    return jax.lax.optimization_barrier(jax.random.normal(key, shape, F32)) * std
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _bf16_einsum(equation: str, out_dtype, a, b):
+    """einsum of ``a`` and ``b`` rounded to BF16, accumulated in FP32, result in ``out_dtype``.
+
+    The operands may be FP32 (master weights): they are rounded inside, and their
+    gradients are returned in their own dtype straight from the FP32 accumulator.
+    """
+    return _bf16_einsum_fwd(equation, out_dtype, a, b)[0]
+
+
+def _bf16_einsum_fwd(equation, out_dtype, a, b):
+    a16, b16 = a.astype(BF16), b.astype(BF16)
+    out = jnp.einsum(equation, a16, b16, preferred_element_type=F32).astype(out_dtype)
+    # The dtypes of the original operands ride along as zero-size arrays (residuals must be
+    # arrays), so the backward pass can return each gradient in its operand's dtype.
+    return out, (a16, b16, jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))
+
+
+def _bf16_einsum_bwd(equation, out_dtype, residuals, g):
+    a16, b16, a_proto, b_proto = residuals
+    inputs, out = equation.split("->")
+    spec_a, spec_b = inputs.split(",")
+    g16 = g.astype(BF16)
+    # The transposed-left products (dV = P^T dO, dK = dS^T Q) are still upcast to FP32 by
+    # XLA:CPU (its fast path wants the left operand contracting on its last axis, and it
+    # folds explicit transposes back into the dot); the weight gradients are not.
+    da = jnp.einsum(f"{out},{spec_b}->{spec_a}", g16, b16, preferred_element_type=F32)
+    db = jnp.einsum(f"{spec_a},{out}->{spec_b}", a16, g16, preferred_element_type=F32)
+    return da.astype(a_proto.dtype), db.astype(b_proto.dtype)
+
+
+_bf16_einsum.defvjp(_bf16_einsum_fwd, _bf16_einsum_bwd)
+
+
+def einsum(cfg, equation: str, a, b, out_dtype=None):
+    """The models' one matrix-product primitive (precision per ``cfg.compute_dtype``)."""
+    out_dtype = cfg.dtype if out_dtype is None else out_dtype
+    if cfg.compute_dtype == "float32":
+        return jnp.einsum(equation, a, b).astype(out_dtype)
+    return _bf16_einsum(equation, out_dtype, a, b)
+
+
+def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None, scale=1.0):
+    """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
+    frequencies when not the plain ones of ``base`` (see :mod:`.rope_scaling`); ``scale``: a factor
+    on cos and sin (longrope's ``attention_factor``)."""
+    half = x_BxTxHxK.shape[-1] // 2
+    if inv_freq_K2 is None:
+        inv_freq_K2 = base ** (-jnp.arange(half, dtype=F32) / half)
+    angle_BxTx1xK2 = (positions_BxT.astype(F32)[:, :, None] * inv_freq_K2)[:, :, None, :]
+    cos, sin = jnp.cos(angle_BxTx1xK2), jnp.sin(angle_BxTx1xK2)
+    if scale != 1.0:  # only then: the other models' computation stays as it was
+        cos, sin = cos * scale, sin * scale
+    x = x_BxTxHxK.astype(F32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxHxK.dtype)
+
+
+class ArchitectureConfig:
+    """What every model config (a frozen dataclass deriving from this) has: its checks, its
+    head width and compute dtype, and its ``to_dict`` / ``from_dict`` form.
+
+    A subclass names its positive-integer and true-or-false fields and adds the checks of its
+    own architecture (:meth:`architecture_errors`); errors are reported together, named by
+    their recipe field, in one ``ValueError``.
+    """
+
+    architecture: ClassVar[str]
+    #: fields that must be positive integers, and fields that must be true or false
+    INTEGER_FIELDS: ClassVar[tuple[str, ...]]
+    FLAG_FIELDS: ClassVar[tuple[str, ...]]
+
+    def __post_init__(self):
+        errors = []
+        for name in self.INTEGER_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                errors.append(f"model.{name}: expected a positive integer, got {value!r}")
+        errors += self.architecture_errors(sizes_valid=not errors)
+        for name in self.FLAG_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"model.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            errors.append(
+                f"model.compute_dtype: expected one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
+            )
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    def architecture_errors(self, sizes_valid: bool) -> list[str]:
+        """The architecture's own checks (``sizes_valid``: every integer field is valid)."""
+        return []
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def dtype(self):
+        return BF16 if self.compute_dtype == "bfloat16" else F32
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """Build from :meth:`to_dict`'s form; unknown or missing keys are an error (named)."""
+        d = {k: v for k, v in d.items() if not (k == "architecture" and v == cls.architecture)}
+        fields = dataclasses.fields(cls)
+        known = {f.name for f in fields}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"model: unknown keys {unknown}; expected a subset of {sorted(known)}")
+        missing = sorted(
+            f.name for f in fields if f.default is dataclasses.MISSING and f.name not in d
+        )
+        if missing:
+            raise ValueError(f"model: missing required keys {missing}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """The architecture's fields (not how it computes: ``execution`` is left out)."""
+        out = dataclasses.asdict(self)
+        del out["execution"]
+        return out

@@ -1,0 +1,359 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 layouts) over packed rows.
+
+The same contracts as :mod:`.model` (packed rows of ``tokens``/``segments``/``positions``,
+segment-restricted causal attention, per-segment positions, FP32 master parameters, every
+matrix product through :func:`.primitives.einsum` so ``compute_dtype`` means the same thing),
+with the Llama block instead of the GPT one (:mod:`.gpt`):
+
+- RMSNorm (FP32 statistics, ``norm_eps``), no biases in norms or the MLP;
+- rotary positions with base ``rope_theta`` (rotate-half form, as HF Llama);
+- grouped-query attention: ``n_kv_heads`` key/value heads, each shared by
+  ``n_heads / n_kv_heads`` query heads (query head h reads key/value head h // group);
+- optional q/k/v projection biases (Qwen2), never an output-projection bias;
+- optional per-head RMSNorm of queries and keys before rotary (Qwen3), and a head width
+  ``head_dim`` that need not be ``d_model / n_heads``;
+- optional sliding-window attention (Mistral, Qwen): on every layer or those
+  ``layer_types`` names (:func:`.attention.window_mask`);
+- gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU (Gemma's GeGLU);
+- Gemma: RMSNorm scaled by ``1 + w``, embeddings multiplied by ``sqrt(d_model)``;
+- output head tied to the token embedding or separate.
+
+Parameters (``[in, out]`` matrices, as in :mod:`.gpt`; :mod:`.families` holds the one
+table mapping them to HF names)::
+
+    embed/tokens [V, D]
+    blocks/NN/attn_norm/scale [D]
+    blocks/NN/attn/{wq [D, H*K], wk [D, G*K], wv [D, G*K], wo [H*K, D]}
+                  (+ bq, bk, bv with qkv_bias; q_norm [K], k_norm [K] with qk_norm)
+    blocks/NN/mlp_norm/scale [D]
+    blocks/NN/mlp/{w_gate [D, F], w_up [D, F], w_down [F, D]}
+    final_norm/scale [D]
+    head/w [D, V]  (untied only)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import rope_scaling
+from . import sampling as sampling_rules
+from .layers import attention, layer_stack
+from .layers.primitives import F32, einsum, rotate, scaled_normal
+
+# the config's home is :mod:`.llama_config`; its names are this module's too
+from .llama_config import LlamaConfig
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def init_params(cfg: LlamaConfig, key) -> dict:
+    """FP32 parameters: embeddings N(0, 0.02), matrices N(0, 1/fan_in) with the two residual
+    writers (``wo``, ``w_down``) scaled by 1/sqrt(2 n_layers); biases 0, norm scales 1."""
+    D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
+    HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    keys = iter(jax.random.split(key, 2 + 7 * L))
+    residual_scale = 1.0 / math.sqrt(2 * L)
+
+    def normal(shape, std):
+        return scaled_normal(next(keys), shape, std)
+
+    params: dict[str, Any] = {
+        "embed": {"tokens": normal((V, D), 0.02)},
+        "blocks": {},
+        "final_norm": {"scale": jnp.ones((D,), F32)},
+    }
+    for i in range(L):
+        attn = {
+            "wq": normal((D, HK), D**-0.5),
+            "wk": normal((D, GK), D**-0.5),
+            "wv": normal((D, GK), D**-0.5),
+            "wo": normal((HK, D), HK**-0.5 * residual_scale),
+        }
+        if cfg.qkv_bias:
+            attn.update(
+                bq=jnp.zeros((HK,), F32), bk=jnp.zeros((GK,), F32), bv=jnp.zeros((GK,), F32)
+            )
+        if cfg.qk_norm:
+            attn.update(
+                q_norm=jnp.ones((cfg.head_dim,), F32), k_norm=jnp.ones((cfg.head_dim,), F32)
+            )
+        params["blocks"][f"{i:02d}"] = {
+            "attn_norm": {"scale": jnp.ones((D,), F32)},
+            "attn": attn,
+            "mlp_norm": {"scale": jnp.ones((D,), F32)},
+            "mlp": {
+                "w_gate": normal((D, F), D**-0.5),
+                "w_up": normal((D, F), D**-0.5),
+                "w_down": normal((F, D), F**-0.5 * residual_scale),
+            },
+        }
+    if not cfg.tie_embeddings:
+        params["head"] = {"w": normal((D, V), D**-0.5)}
+    return params
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+@jax.tree_util.register_pytree_node_class
+class LoraWeight:
+    """A frozen ``[in, out]`` matrix with a low-rank adapter (see :mod:`.lora`): it multiplies
+    as ``x @ base + scale * (x @ a) @ b``. Built inside the traced step only."""
+
+    def __init__(self, base, a, b, scale: float):
+        self.base, self.a, self.b, self.scale = base, a, b, scale
+
+    def tree_flatten(self):
+        return (self.base, self.a, self.b), self.scale
+
+    @classmethod
+    def tree_unflatten(cls, scale, children):
+        return cls(*children, scale)
+
+
+def _linear(cfg: LlamaConfig, x_BxTxK, w):
+    """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
+    adapter's inner product is rounded to the compute dtype, like any activation)."""
+    if isinstance(w, LoraWeight):
+        y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
+        down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
+        return y_BxTxN + w.scale * einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
+    return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
+
+
+def _rms_norm(cfg: LlamaConfig, x_BxTxD, norm):
+    """x / sqrt(mean(x^2) + eps) * scale (Gemma: * (1 + scale)), statistics in FP32."""
+    x = x_BxTxD.astype(F32)
+    mean_sq_BxTx1 = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
+    scale = 1.0 + norm["scale"] if cfg.norm_plus_one else norm["scale"]
+    return (x * jax.lax.rsqrt(mean_sq_BxTx1 + cfg.norm_eps) * scale).astype(cfg.dtype)
+
+
+#: ``activation`` -> the MLP's gate function (gelu_tanh: GELU's tanh approximation, as
+#: PyTorch's ``gelu(approximate="tanh")``)
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+def _embed(params, cfg: LlamaConfig, tokens_BxT):
+    """Token embeddings in the compute dtype (Gemma: times sqrt(d_model), itself rounded to
+    the compute dtype first, as transformers' ``normalizer``)."""
+    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    if cfg.scale_embeddings:
+        h_BxTxD = h_BxTxD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
+    return h_BxTxD
+
+
+def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
+    """x @ w (+ b added to the FP32 accumulator), rounded to the compute dtype."""
+    y_BxTxN = _linear(cfg, x_BxTxK, w_KxN)
+    if b_N is not None:
+        y_BxTxN = y_BxTxN + b_N
+    return y_BxTxN.astype(cfg.dtype)
+
+
+def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
+    """Rotated queries ``[B, T, H, K]`` and keys, values ``[B, T, G, K]`` (compute dtype);
+    ``window``: the layer's sliding window (Gemma 3 rotates those layers by another base)."""
+    B, T, _ = x_BxTxD.shape
+    H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
+    k_BxTxGxK = _project(cfg, x_BxTxD, p["wk"], p.get("bk")).reshape(B, T, G, K)
+    v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
+    if cfg.qk_norm:  # per head, before rotary (Qwen3)
+        q_BxTxHxK = _rms_norm(cfg, q_BxTxHxK, {"scale": p["q_norm"]})
+        k_BxTxGxK = _rms_norm(cfg, k_BxTxGxK, {"scale": p["k_norm"]})
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if window is not None and cfg.rope_local_theta is not None:
+        theta, scaling = cfg.rope_local_theta, ()
+    inv_freq_K2 = rope_scaling.inv_freq(theta, K // 2, scaling)
+    scale = rope_scaling.amplitude(scaling)
+    q_BxTxHxK = rotate(q_BxTxHxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
+    k_BxTxGxK = rotate(k_BxTxGxK, positions_BxT, inv_freq_K2=inv_freq_K2, scale=scale)
+    return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
+
+
+def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
+    """Attention of T queries over S keys/values (S = T in training, the cache length when
+    generating), then the output projection. ``mask``: :func:`.attention.packed_mask`'s, or a
+    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`.attention.xla_mix`."""
+    out_BxTxHK = attention.mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
+    return _project(cfg, out_BxTxHK, p["wo"])
+
+
+def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT, window):
+    q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT, window)
+    return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p)
+
+
+def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
+    gate_BxTxF = _linear(cfg, x_BxTxD, p["w_gate"])
+    up_BxTxF = _linear(cfg, x_BxTxD, p["w_up"])
+    act_BxTxF = (_ACTIVATIONS[cfg.activation](gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
+    return _project(cfg, act_BxTxF, p["w_down"])
+
+
+def head(params, cfg: LlamaConfig, h_BxTxD):
+    """FP32 logits from the last hidden states (final norm, then the tied or separate head;
+    Gemma 2: soft-capped)."""
+    h_BxTxD = _rms_norm(cfg, h_BxTxD, params["final_norm"])
+    if cfg.tie_embeddings:
+        logits = einsum(cfg, "btd,vd->btv", h_BxTxD, params["embed"]["tokens"], out_dtype=F32)
+    else:
+        logits = einsum(cfg, "btd,dv->btv", h_BxTxD, params["head"]["w"], out_dtype=F32)
+    if cfg.final_softcap is not None:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    return logits
+
+
+def _add(cfg: LlamaConfig, h_BxTxD, out_BxTxD, block, post_norm: str):
+    """The residual stream plus a sublayer's output (Gemma 2: normalised first)."""
+    if cfg.sandwich_norms:
+        out_BxTxD = _rms_norm(cfg, out_BxTxD, block[post_norm])
+    return h_BxTxD + out_BxTxD
+
+
+def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
+    """Logits ``[B, T, V]`` (FP32) for every slot of a packed batch (see :func:`.model.forward`)."""
+    return head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
+
+
+def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
+    """The residual stream after the last block (before the final norm, see
+    :func:`.model.hidden`); the blocks run as :mod:`.layer_stack` says."""
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
+    mask = attention.packed_mask(cfg, segments_BxT)
+
+    def block_fn(mask, window):
+        def fn(block, h_BxTxD):
+            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
+            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
+            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
+            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
+            return _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
+
+        return fn
+
+    names = layer_stack.layer_names(params["blocks"])
+    windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+    if len(set(windows)) == 1:  # one body for every layer (a scan needs it)
+        mask = attention.window_mask(mask, positions_BxT, positions_BxT, windows[0])
+        return layer_stack.run_blocks(
+            cfg.execution, params["blocks"], names, block_fn(mask, windows[0]), h_BxTxD
+        )
+    # layers with and without the window: each its own mask (scan_layers is refused for these)
+    masks = {w: attention.window_mask(mask, positions_BxT, positions_BxT, w) for w in set(windows)}
+    for name, window in zip(names, windows, strict=True):
+        fn = block_fn(masks[window], window)
+        h_BxTxD = layer_stack.run_blocks(cfg.execution, params["blocks"], [name], fn, h_BxTxD)
+    return h_BxTxD
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """6 x (matrix weights: q, o of D x H*K; k, v of D x G*K; 3 D x F; the D x V head)
+    + 12 x layers x seq_len x H*K for attention scores and mixing."""
+    D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
+    HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    matmul_params = L * (2 * D * HK + 2 * D * GK + 3 * D * F) + D * V
+    return float(6 * matmul_params + 12 * L * seq_len * HK)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def empty_cache(cfg: LlamaConfig, batch: int, length: int) -> dict:
+    """Key/value cache: per layer ``[B, L, G, K]`` keys and values in the compute dtype."""
+    shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {
+        f"{i:02d}": {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+        for i in range(cfg.n_layers)
+    }
+
+
+def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, last_B):
+    """One generation step over a single unpacked row per batch entry.
+
+    The keys and values of ``tokens`` are written into ``cache`` at their ``positions``;
+    each query attends to every cache slot at or before its own position (slots after it
+    may hold stale values and are masked, exactly as the full forward masks the slots after
+    the prompt). Returns the FP32 logits at slot ``last_B[b]`` of each row ``[B, V]`` and the
+    updated cache. ``T`` is the whole buffer for the prompt (prefill) and 1 per new token.
+    """
+    B, T = tokens_BxT.shape
+    S = next(iter(cache.values()))["k"].shape[1]
+    rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    # query at position t sees cache slot s iff s <= t (one causal segment per row)
+    mask_Bx1xTxS = (jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None])[:, None]
+    h_BxTxD = _embed(params, cfg, tokens_BxT)
+    new_cache = {}
+    for name in sorted(params["blocks"], key=int):
+        block = params["blocks"][name]
+        window = cfg.layer_window(int(name))
+        slots_BxS = jnp.broadcast_to(jnp.arange(S), (B, S))  # a slot holds its own position
+        layer_mask = attention.window_mask(mask_Bx1xTxS, positions_BxT, slots_BxS, window)
+        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, a_BxTxD, block["attn"], positions_BxT, window)
+        k_BxSxGxK = cache[name]["k"].at[rows_BxT, positions_BxT].set(k_BxTxGxK)
+        v_BxSxGxK = cache[name]["v"].at[rows_BxT, positions_BxT].set(v_BxTxGxK)
+        new_cache[name] = {"k": k_BxSxGxK, "v": v_BxSxGxK}
+        out_BxTxD = _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
+        h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
+        a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
+        h_BxTxD = _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
+    last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
+    return head(params, cfg, last_Bx1xD)[:, 0], new_cache
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def generate_rows_cached(
+    params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_B, stops_S, sampling, seed
+):
+    """:func:`.model._generate_rows` with a key/value cache: the prompt buffer runs through
+    the model once, then each new token costs one single-position step instead of a full
+    forward over the buffer. The same loop, stopping rules and outputs."""
+    B, L = buffer_BxL.shape
+    rows_B = jnp.arange(B)
+    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    logits_BxV, cache = forward_cached(
+        params,
+        cfg,
+        buffer_BxL,
+        positions_BxL,
+        empty_cache(cfg, B, L),
+        jnp.maximum(lengths_B - 1, 0),
+    )
+
+    def cond(carry):
+        i, _, _, done_B, _, _ = carry
+        return (i < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
+        next_B = sampling_rules.choose(logits_BxV, sampling, seed, i)
+        write_B = ~done_B
+        slot_B = jnp.minimum(len_B, L - 1)
+        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
+            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
+        )
+        len_B = len_B + write_B.astype(jnp.int32)
+        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
+        # The token just written (a finished row rewrites its last slot with the same values).
+        last_B = jnp.minimum(len_B - 1, L - 1)
+        token_Bx1 = buf_BxL[rows_B, last_B][:, None]
+        logits_BxV, cache = forward_cached(
+            params, cfg, token_Bx1, last_B[:, None], cache, jnp.zeros((B,), jnp.int32)
+        )
+        return i + 1, buf_BxL, len_B, done_B, logits_BxV, cache
+
+    done0_B = lengths_B >= L
+    carry = (jnp.int32(0), buffer_BxL, lengths_B, done0_B, logits_BxV, cache)
+    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return buf_BxL, len_B

@@ -1,0 +1,118 @@
+"""Evaluation of a packed-sft model on a DEV or TEST split: loss over packed rows, and greedy
+exact-match of the split's first prompts.
+
+The same evaluator serves the training program (periodic and final evaluation, on the
+data-parallel mesh when there is one) and the store's re-evaluation of an export. Importing
+this module does not import JAX (the strategy imports it to validate recipes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..data import packing
+from ..data.packing import ROW_FIELDS
+
+
+def split_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, dict]:
+    """Packed rows of a split plus its prompts/answers for generation (whole examples only),
+    named ``{split}_{field}``; and the split's packing figures."""
+    training = recipe["training"]
+    packed = packing.pack(encoded, training["seq_len"], training["overlong"], pad_id)
+    # a conversation is asked its last answer, with every earlier turn as the prompt
+    whole = [e.last_turn() for e in encoded if len(e) <= training["seq_len"]]
+    limit = recipe["evaluation"]["max_generate_examples"]
+    arrays = {f"{split}_{k}": v for k, v in packed.arrays.items()}
+    generation = packing.prompts_and_answers(whole[:limit], pad_id)
+    arrays.update({f"{split}_{k}": v for k, v in generation.items()})
+    return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
+
+
+class Evaluator:
+    """DEV/TEST loss over packed rows and greedy exact-match, jit-compiled once per shape."""
+
+    def __init__(self, cfg, batch_size: int, eos_id: int, pad_id: int):
+        import jax
+
+        from ..models import model
+
+        self.model, self.cfg = model, cfg
+        self.batch_size, self.eos_id, self.pad_id = batch_size, eos_id, pad_id
+        self._loss = jax.jit(lambda p, b: model.loss_fn(p, cfg, b)[1])
+        self._rows_sharding = None  # set by on_mesh: loss rows split over the data axis
+        self._loss_rows = batch_size
+
+    def on_mesh(self, rows_sharding, devices: int) -> None:
+        """Evaluate the loss on the data-parallel mesh: the parameters stay in the state's
+        shardings and each batch of rows is split over the devices like a training batch,
+        padded up to a multiple of ``devices`` (padding rows count nothing)."""
+        self._rows_sharding = rows_sharding
+        self._loss_rows = -(-self.batch_size // devices) * devices
+
+    def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
+        """Mean loss per trained token and perplexity, summed over every row (padding batches
+        repeat row 0 with an all-zero loss mask, so they add nothing)."""
+        from ..state.arrays import to_host
+        from .data_parallel import place
+
+        n = rows["tokens"].shape[0]
+        total, count = 0.0, 0.0
+        for start in range(0, n, self._loss_rows):
+            index = np.arange(start, start + self._loss_rows)
+            valid = index < n
+            index = np.where(valid, index, 0)
+            batch = {k: np.asarray(rows[k][index]) for k in ROW_FIELDS}
+            batch["loss_mask"] = batch["loss_mask"] * valid[:, None].astype(np.float32)
+            if self._rows_sharding is not None:
+                batch = {k: place(v, self._rows_sharding) for k, v in batch.items()}
+            out = self._loss(params, batch)
+            # to_host: the replicated sums of a mesh spanning processes are read locally
+            total += float(to_host(out["loss_sum"]))
+            count += float(to_host(out["tokens"]))
+        mean = total / count if count else float("nan")
+        return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else float("inf")}
+
+    def exact_match(self, params, prompts, prompt_len, answers, answer_len) -> dict[str, float]:
+        """Share of prompts whose greedy continuation is the answer followed by ``<eos>``.
+
+        ``answers`` end with ``<eos>``; generation may produce as many tokens as
+        the longest answer holds (``<eos>`` included), so a continuation that
+        does not stop right after the answer has an extra token and never matches.
+        Prompts go in fixed-size chunks (the last padded with repeats) so one
+        compilation serves every chunk.
+        """
+        n = int(prompts.shape[0])
+        if n == 0:
+            # Nothing generated: no figure (null in JSON) rather than a NaN events cannot hold.
+            return {"exact_match": None, "generated": 0}
+        max_new = int(np.max(answer_len))
+        correct = 0
+        for start in range(0, n, self.batch_size):
+            index = [min(i, n - 1) for i in range(start, start + self.batch_size)]
+            chunk = [np.asarray(prompts[i, : prompt_len[i]]).tolist() for i in index]
+            outputs = self.model.greedy_generate_batch(
+                params, self.cfg, chunk, max_new, self.eos_id
+            )
+            for i, new in zip(range(start, min(start + self.batch_size, n)), outputs, strict=False):
+                expected = np.asarray(answers[i, : answer_len[i] - 1]).tolist()
+                correct += new == expected
+        return {"exact_match": correct / n, "generated": n}
+
+    def split_metrics(self, params, arrays: dict[str, np.ndarray], split: str) -> dict[str, float]:
+        rows = {k: arrays[f"{split}_{k}"] for k in ROW_FIELDS}
+        loss = self.loss(params, rows)
+        match = self.exact_match(
+            params,
+            arrays[f"{split}_prompts"],
+            arrays[f"{split}_prompt_len"],
+            arrays[f"{split}_answers"],
+            arrays[f"{split}_answer_len"],
+        )
+        return {
+            f"{split}_loss": loss["loss"],
+            f"{split}_perplexity": loss["perplexity"],
+            f"{split}_exact_match": match["exact_match"],
+            f"{split}_generated": match["generated"],
+        }
