@@ -68,7 +68,7 @@ def chat(tmp_path_factory):
     tokenizer, strings = tk.from_base_model(
         path.read_bytes(), {"eos_token": "<|im_end|>"}, "tokenizer.json", "tokenizer_config.json"
     )
-    assert isinstance(tokenizer._backend, Tokenizer)
+    assert isinstance(tokenizer.backend, Tokenizer)
     return tokenizer, chat_template.ChatTemplate(CHATML, strings, "chatml")
 
 

@@ -69,7 +69,7 @@ def test_each_shape_renders_as_the_template_writes_a_user_turn_and_its_answer(ch
     for (chosen, rejected), row, got in zip(answers, ROWS, encoded, strict=False):
         prompt = row.get("prompt", row.get("messages"))
         user = prompt if isinstance(prompt, str) else prompt[0]["content"]
-        sep = tokenizer._backend.token_to_id("<sep>")
+        sep = tokenizer.backend.token_to_id("<sep>")
         assert got.prompt == [tokenizer.bos_id, *ids(user), sep]
         assert got.chosen == [*ids(chosen), tokenizer.eos_id]
         assert got.rejected == [*ids(rejected), tokenizer.eos_id]

@@ -331,6 +331,7 @@ def load_model(path: str | os.PathLike, *, compute_dtype: str | None = None) -> 
     file and field for anything that cannot be loaded.
     """
     from .data.tokenizer import TokenizerError
+    from .hf import config as hf_config
     from .hf import loaded_model
     from .inputs.pinned import InputError
     from .state.export import MODEL_FILE, ExportError
@@ -342,10 +343,10 @@ def load_model(path: str | os.PathLike, *, compute_dtype: str | None = None) -> 
     if not directory.is_dir():
         raise loaded_model.ModelLoadError(f"{directory}: not a directory")
     if not (directory / MODEL_FILE).exists():
-        if not (directory / loaded_model.hf_checkpoint.CONFIG_FILE).exists():
+        if not (directory / hf_config.CONFIG_FILE).exists():
             raise loaded_model.ModelLoadError(
                 f"{directory}: neither a minifield export ({MODEL_FILE} missing) nor an HF "
-                f"model directory ({loaded_model.hf_checkpoint.CONFIG_FILE} missing)"
+                f"model directory ({hf_config.CONFIG_FILE} missing)"
             )
         return loaded_model.from_hf_directory(directory, compute_dtype or "float32")
     try:

@@ -116,7 +116,7 @@ class ChatJob:
     path: Path
 
     def end_ids(self) -> frozenset[int]:
-        return assistant_turns.end_of_turn_ids(self.tokenizer._backend, self.tokenizer.eos_id)
+        return assistant_turns.end_of_turn_ids(self.tokenizer.backend, self.tokenizer.eos_id)
 
 
 def encode_examples(
@@ -126,7 +126,7 @@ def encode_examples(
     failure names the file and example); a ``text`` row is its tokens between the bos (when
     the tokenizer has one) and the eos, all trained."""
     tokenizer = job.tokenizer
-    backend, eos = tokenizer._backend, tokenizer.eos_id
+    backend, eos = tokenizer.backend, tokenizer.eos_id
     head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     out: list[Encoded | None] = [None] * len(examples)
     chats, indices = [], []

@@ -199,7 +199,7 @@ def _string(row: dict, key: str, where: str) -> str:
     return value
 
 
-def _message(message, index: int, where: str, field_name: str = "messages") -> dict:
+def parse_message(message, index: int, where: str, field_name: str = "messages") -> dict:
     at = f"{where}: {field_name}[{index}]"
     if not isinstance(message, dict) or "role" not in message:
         raise DataError(f"{at} must be an object with 'role' and 'content' (got {message!r})")
@@ -227,7 +227,7 @@ def chat_example(messages, where: str, tools=None, field_name: str = "messages")
     """A conversation (checked: roles, contents, an assistant turn, ending with one)."""
     if not isinstance(messages, list) or len(messages) < 2:
         raise DataError(f"{where}: {field_name!r} must be a list of at least two messages")
-    checked = [_message(m, i, where, field_name) for i, m in enumerate(messages)]
+    checked = [parse_message(m, i, where, field_name) for i, m in enumerate(messages)]
     if not any(m["role"] == "assistant" for m in checked):
         raise DataError(f"{where}: {field_name!r} has no assistant turn (nothing to train on)")
     if checked[-1]["role"] != "assistant":

@@ -43,13 +43,13 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     sep_id: int
-    _backend: Any = None  # tokenizers.Tokenizer for kind "tokenizers-json"
+    backend: Any = None  # tokenizers.Tokenizer for kind "tokenizers-json"
     special_tokens: dict | None = None
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "byte":
             return list(text.encode("utf-8"))
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens dropped (invalid UTF-8 replaced, never raised)."""
@@ -57,7 +57,7 @@ class Tokenizer:
         kept = [int(i) for i in ids if int(i) not in specials]
         if self.kind == "byte":
             return bytes(i for i in kept if 0 <= i < 256).decode("utf-8", errors="replace")
-        return self._backend.decode(kept, skip_special_tokens=True)
+        return self.backend.decode(kept, skip_special_tokens=True)
 
     def config(self, file: str | None = None) -> dict:
         """JSON description that :func:`from_config` turns back into this tokenizer."""

@@ -102,7 +102,7 @@ class LoadedModel:
     def raw_ids(self, text: str) -> list[int]:
         """``text`` encoded for a raw continuation (the ``tokenizer.json`` post-processor's
         special tokens around it, nothing else)."""
-        return list(self.tokenizer._backend.encode(text, add_special_tokens=True).ids)
+        return list(self.tokenizer.backend.encode(text, add_special_tokens=True).ids)
 
     def prompt_ids(self, prompt, chat_template: bool = True) -> list[int]:
         """Token ids of a prompt string or a list of messages (see the module)."""
@@ -125,7 +125,7 @@ class LoadedModel:
             text = self.template.render(messages, add_generation_prompt=True)
         except chat_template.ChatTemplateError as exc:
             raise ValueError(str(exc)) from None
-        return list(self.tokenizer._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.backend.encode(text, add_special_tokens=False).ids)
 
     def generate_ids(
         self,

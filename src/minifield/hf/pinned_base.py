@@ -164,16 +164,6 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def _flatten(tree, prefix: str = ""):
-    for key in sorted(tree):
-        value = tree[key]
-        path = f"{prefix}/{key}" if prefix else key
-        if isinstance(value, dict):
-            yield from _flatten(value, path)
-        else:
-            yield path, value
-
-
 def params_from_arrays(arrays: dict[str, np.ndarray]) -> dict:
     """The nested FP32 parameter tree the prepared ``base.*`` arrays hold (host numpy, this
     project's layout: :func:`.stored_base.host_fp32`)."""
@@ -248,7 +238,7 @@ def tokenizer_from_files(recipe: dict, files: dict[str, Path]):
 def check_vocab(tokenizer, vocab: int, where: str) -> None:
     """Every id of the tokenizer (``where`` names its file) must fit the model's ``vocab``
     embedding rows."""
-    largest = max(tokenizer._backend.get_vocab(with_added_tokens=True).values()) + 1
+    largest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values()) + 1
     if max(largest, tokenizer.vocab_size) > vocab:
         raise BaseModelError(
             f"{where}: the tokenizer has ids up to {largest - 1} "

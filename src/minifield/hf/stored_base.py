@@ -37,12 +37,12 @@ def _dtype_name(value: np.ndarray) -> str:
     return "bfloat16" if value.dtype.name == "bfloat16" else value.dtype.name
 
 
-def _flatten(tree, prefix=""):
+def flatten(tree, prefix=""):
     """``(path, leaf)`` in sorted order (the prepared arrays' order, whatever the files')."""
     for key in sorted(tree):
         value = tree[key]
         if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}{key}/")
+            yield from flatten(value, f"{prefix}{key}/")
         else:
             yield f"{prefix}{key}", value
 
@@ -62,7 +62,7 @@ def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndar
     """The prepared arrays of a base read by :func:`.checkpoint.load_stored` (see the
     module): the bytes as stored, nothing converted."""
     arrays, layout = {}, {}
-    for path, value in _flatten(params):
+    for path, value in flatten(params):
         name = _dtype_name(value)
         arrays[PARAM_PREFIX + path.replace("/", ".")] = value.view(_NPY[name])
         layout[path] = {"dtype": name, "out_in": bool(stored_layout[path])}
@@ -150,4 +150,4 @@ class FrozenBase:
                 value = jax.lax.optimization_barrier(value.T)
             return value.astype(dtype)
 
-        return _nest((path, made(path, value)) for path, value in _flatten(self.params))
+        return _nest((path, made(path, value)) for path, value in flatten(self.params))

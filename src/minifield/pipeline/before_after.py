@@ -35,7 +35,7 @@ def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
         raise ValueError(f"{model.where}: no chat template to render the answers with")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     text = model.template.render([*messages, {"role": "assistant", "content": answer}])
-    ids = model.tokenizer._backend.encode(text, add_special_tokens=False).ids
+    ids = model.tokenizer.backend.encode(text, add_special_tokens=False).ids
     if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(f"{model.where}: the chat template renders the prompt differently alone")
     logits = np.asarray(model.logits(ids), np.float64)

@@ -76,7 +76,7 @@ def _answer(row: dict, key: str, where: str) -> dict:
         value = value[0]
     if isinstance(value, str):
         value = {"role": "assistant", "content": value}
-    message = formats._message(value, 0, where, key) if isinstance(value, dict) else None
+    message = formats.parse_message(value, 0, where, key) if isinstance(value, dict) else None
     if message is None or message["role"] != "assistant" or "tool_calls" in message:
         raise DataError(
             f"{where}: {key!r} must be a string or an assistant message with text content "
@@ -94,7 +94,7 @@ def _prompt(row: dict, where: str) -> list[dict]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {key!r} must be a string or a non-empty list of messages")
-    messages = [formats._message(m, i, where, key) for i, m in enumerate(value)]
+    messages = [formats.parse_message(m, i, where, key) for i, m in enumerate(value)]
     if messages[-1]["role"] == "assistant":
         raise DataError(
             f"{where}: {key!r} ends with an assistant message; the answers are 'chosen' and "
@@ -136,7 +136,7 @@ def read(path: Path) -> list[Pair]:
 
 def encode(pairs: list[Pair], tokenizer, template) -> list[EncodedPair]:
     """Each pair rendered with ``template`` and tokenized (a failure names the row)."""
-    backend, eos = tokenizer._backend, tokenizer.eos_id
+    backend, eos = tokenizer.backend, tokenizer.eos_id
     end_ids = assistant_turns.end_of_turn_ids(backend, eos)
     out = []
     for start in range(0, len(pairs), ENCODE_BATCH // 2):

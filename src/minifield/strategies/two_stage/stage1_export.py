@@ -28,7 +28,7 @@ from ...data import tokenizer as tokenizers
 from ...digest import sha256_bytes
 from ...hf import checkpoint as hf_checkpoint
 from ...hf import directory as hf_directory
-from ...hf import pinned_base
+from ...hf import pinned_base, stored_base
 from ...inputs.pinned import InputError
 from ...state import export
 
@@ -136,7 +136,7 @@ def load(recipe: dict, files: dict[str, Path], tokenizer, tokenizer_json: bytes,
         raise Stage1Error(str(exc)) from None
     arrays = {
         PARAM_PREFIX + path.replace("/", "."): np.asarray(value, dtype=np.float32)
-        for path, value in pinned_base._flatten(params)
+        for path, value in stored_base.flatten(params)
     }
     description = {
         "computation_digest": stage1["computation_digest"],

@@ -36,8 +36,8 @@ from ...training import evaluator
 from ..base import Program, Strategy, computation_digest
 from ..lm import export_format
 from ..lm import model_section as settings
-from ..registry import get as registered
 from ..lm.program import LMProgram
+from ..registry import get as registered
 from . import corpus, stage1_export
 
 PREPARE_VERSION = 1
