@@ -46,6 +46,7 @@ from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, rotate, scaled_normal
 
 # the config's home is :mod:`.llama_config`; its names are this module's too
+from .llama_config import ARCHITECTURE as ARCHITECTURE
 from .llama_config import LlamaConfig
 
 # ----------------------------------------------------------------------------- parameters
