@@ -36,6 +36,7 @@ from urllib.parse import urljoin
 from .. import atomic
 from ..digest import sha256_file
 from . import credentials, origins
+from .progress import DownloadProgress
 
 if TYPE_CHECKING:
     import requests
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 # remote input to fetch.
 
 _CHUNK = 1 << 20
-_MIB = float(1 << 20)
 REDIRECT_CODES = (301, 302, 303, 307, 308)
 TRANSIENT_CODES = (408, 429)
 
@@ -118,31 +118,6 @@ def _session(settings: Settings) -> requests.Session:
     session.trust_env = False
     session.verify = str(settings.ca_bundle) if settings.ca_bundle else True
     return session
-
-
-class _Progress:
-    """Progress lines on stderr for large files, at most one per second."""
-
-    def __init__(self, label: str, size: int, settings: Settings, stream: TextIO):
-        self.label, self.size, self.stream = label, size, stream
-        self.enabled = size >= settings.progress_min_bytes
-        self.start = self.last = time.monotonic()
-
-    def update(self, done: int, final: bool = False) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if not final and now - self.last < 1.0:
-            return
-        self.last = now
-        rate = done / _MIB / max(now - self.start, 1e-9)
-        percent = 100.0 * done / self.size if self.size else 100.0
-        print(
-            f"fetch {self.label}: {done / _MIB:.1f}/{self.size / _MIB:.1f} MiB "
-            f"({percent:.0f}%) {rate:.1f} MiB/s",
-            file=self.stream,
-            flush=True,
-        )
 
 
 def _status_error(origin: str, url: str, response: requests.Response, settings) -> FetchError:
@@ -240,7 +215,7 @@ def _download_once(
                             f"pins size {size}: not the pinned file"
                         )
                 digest, done = hashlib.sha256(), 0
-                progress = _Progress(label, size, settings, stream)
+                progress = DownloadProgress(label, size, settings.progress_min_bytes, stream)
                 try:
                     for chunk in response.iter_content(_CHUNK):
                         done += len(chunk)

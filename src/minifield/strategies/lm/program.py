@@ -1,10 +1,13 @@
-"""The packed-sft program: a prepared recipe bound to its model, optimizer and update.
+"""The language-model program: a prepared recipe bound to its model, optimizer and update.
 
-What it is made of lives beside it: where training starts (:mod:`.initial_state`), the rows
-of each update (:mod:`.batches`; a weighted mixture's draws, :mod:`.mixture`), the mesh and
-shardings of a data-parallel update (:mod:`.data_parallel`), evaluation (:mod:`.evaluator`), the
-export (:mod:`.export_format`), LoRA's frozen base and adapters (:mod:`.lora`). The program holds them together and owns the
-state's life on the device: created, placed, updated, evaluated, exported.
+packed-sft runs it as it is; preference and two-stage build on it. What it is made of lives in
+the library: where training starts (:mod:`minifield.training.initial_state`), the rows of each
+update (:mod:`minifield.data.batches`; a weighted mixture's draws,
+:mod:`minifield.data.mixture`), the mesh and shardings of a data-parallel update
+(:mod:`minifield.training.data_parallel`), evaluation (:mod:`minifield.training.evaluator`),
+LoRA's frozen base and adapters (:mod:`minifield.training.lora`), and the export
+(:mod:`.export_format`). The program holds them together and owns the state's life on the
+device: created, placed, updated, evaluated, exported.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ class LMProgram(Program):
         cfg = model_section.config_of(recipe, arrays, self.tokenizer)
         self.cfg = execution.with_recipe_options(cfg, recipe)
         self.seed = training["seed"]
-        if "mixture" in training:
-            self.batches = MixtureBatches(arrays, training)
-        else:
-            self.batches = TrainBatches(arrays, self.seed, training["batch_size"])
+        self.batches = (
+            MixtureBatches(arrays, training)
+            if "mixture" in training
+            else TrainBatches(arrays, self.seed, training["batch_size"])
+        )
         self.accum_steps = mixture.grad_accum_steps(training)
         self.examples_per_step = training["batch_size"]
         self.tokens_per_step = training["batch_size"] * training["seq_len"]
@@ -148,16 +152,7 @@ class LMProgram(Program):
             self._compiled = lambda state, batch: step(state, self._base, batch)
             return
         self.lay_out_mesh()
-        shardings = {}
-        if self.layout is not None:
-            batch_shardings = {k: self.layout.batch for k in abstract_batch}
-            shardings = {
-                "in_shardings": (self.layout.state, batch_shardings),
-                "out_shardings": (
-                    self.layout.state,
-                    self.data_parallel.replicated(self.layout.mesh),
-                ),
-            }
+        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
         self._compiled = fn.lower(abstract_state, abstract_batch).compile()
 
@@ -233,3 +228,15 @@ class LMProgram(Program):
             lora_run,
             self.export_strategy,
         )
+
+
+def _update_shardings(layout, data_parallel, abstract_batch: dict) -> dict:
+    """``jax.jit``'s shardings of the update on the mesh: the batch split over ``data``, the
+    state as laid out, the metrics replicated; none on one device."""
+    if layout is None:
+        return {}
+    batch_shardings = {k: layout.batch for k in abstract_batch}
+    return {
+        "in_shardings": (layout.state, batch_shardings),
+        "out_shardings": (layout.state, data_parallel.replicated(layout.mesh)),
+    }

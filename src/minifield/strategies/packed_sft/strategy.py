@@ -57,42 +57,8 @@ class PackedSFT(Strategy):
     def check(self, recipe: dict) -> list[dict]:
         model = recipe["model"]
         errors = model_section.normalize_model_section(model)
-        names = [i["name"] for i in recipe.get("inputs", [])]
         errors += mixture.normalize(recipe)
-        sources = mixture.input_names(recipe["training"])
-        held_out = [split for split in SPLITS if split != "train"]
-        wanted = sources + held_out + model_section.base_model_inputs(model)
-        errors += [
-            {
-                "path": f"/training/mixture/{index}/input",
-                "message": f"{name!r} is a held-out split or part of the model, not training data",
-            }
-            for index, name in enumerate(sources)
-            if name in wanted[len(sources) :]
-        ]
-        tokenizer = model.get("tokenizer", {"kind": "byte"})
-        if tokenizer["kind"] == "tokenizers-json":
-            wanted.append(tokenizer["input"])
-        missing = [n for n in wanted if n not in names]
-        if missing:
-            errors.append(
-                {
-                    "path": "/inputs",
-                    "message": f"packed-sft needs pinned inputs named {wanted}; missing {missing}",
-                }
-            )
-        # a harness task's files are pinned inputs too (checked task by task in recipe.py)
-        harness = recipe["evaluation"].get("harness") or {}
-        tasks = [t[key] for t in harness.get("tasks", []) for key in ("config", "data")]
-        unknown = [n for n in names if n not in wanted and n not in tasks]
-        if unknown:
-            errors.append(
-                {
-                    "path": "/inputs",
-                    "message": f"packed-sft accepts only inputs {wanted} (and the files of "
-                    f"evaluation.harness.tasks); got unexpected {unknown}",
-                }
-            )
+        errors += _input_errors(recipe)
         errors += model_section.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
@@ -260,6 +226,49 @@ class PackedSFT(Strategy):
             model.tokenizer.pad_id,
         )
         return dev.split_metrics(model.params, arrays, "dev")
+
+
+def _input_errors(recipe: dict) -> list[dict]:
+    """The pinned inputs a recipe must name (its splits or mixture sources, the base model's
+    files, a tokenizer file, harness task files) and nothing else."""
+    model = recipe["model"]
+    names = [i["name"] for i in recipe.get("inputs", [])]
+    errors = []
+    sources = mixture.input_names(recipe["training"])
+    held_out = [split for split in SPLITS if split != "train"]
+    wanted = sources + held_out + model_section.base_model_inputs(model)
+    errors += [
+        {
+            "path": f"/training/mixture/{index}/input",
+            "message": f"{name!r} is a held-out split or part of the model, not training data",
+        }
+        for index, name in enumerate(sources)
+        if name in wanted[len(sources) :]
+    ]
+    tokenizer = model.get("tokenizer", {"kind": "byte"})
+    if tokenizer["kind"] == "tokenizers-json":
+        wanted.append(tokenizer["input"])
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        errors.append(
+            {
+                "path": "/inputs",
+                "message": f"packed-sft needs pinned inputs named {wanted}; missing {missing}",
+            }
+        )
+    # a harness task's files are pinned inputs too (checked task by task in recipe.py)
+    harness = recipe["evaluation"].get("harness") or {}
+    tasks = [t[key] for t in harness.get("tasks", []) for key in ("config", "data")]
+    unknown = [n for n in names if n not in wanted and n not in tasks]
+    if unknown:
+        errors.append(
+            {
+                "path": "/inputs",
+                "message": f"packed-sft accepts only inputs {wanted} (and the files of "
+                f"evaluation.harness.tasks); got unexpected {unknown}",
+            }
+        )
+    return errors
 
 
 def _reading(recipe: dict, files: dict[str, Path]):
