@@ -7,8 +7,8 @@ so the load holds at most one source tensor's pages beside the FP32 result;
 :func:`load_stored` reads them as stored (dtype and layout), one pass over the bytes. Every shape is checked against ``config.json`` (read by :mod:`.config`)
 before any tensor is read, and every value is checked to be finite.
 
-:data:`.families.NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this
-project's parameter paths (see :mod:`.llama`), for every family :mod:`.families` lists.
+:data:`minifield.models.families.NAME_TABLE` is the one mapping between HF (PyTorch) tensor names and this
+project's parameter paths (see :mod:`minifield.models.llama`), for every family :mod:`minifield.models.families` lists.
 """
 
 from __future__ import annotations

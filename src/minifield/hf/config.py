@@ -1,4 +1,4 @@
-"""An HF ``config.json`` read into a :class:`~.llama.LlamaConfig`, and written back.
+"""An HF ``config.json`` read into a :class:`~minifield.models.llama.LlamaConfig`, and written back.
 
 Every field read is checked for its type (:class:`_Fields`), so a list where an object is
 expected, or a string where a number is, is refused naming the file and the field, never an
@@ -152,7 +152,7 @@ def _refuse_unsupported(fields: _Fields, arch: str) -> None:
 
 
 def _window(fields: _Fields, arch: str, n_layers: int) -> tuple[int | None, tuple]:
-    """``(sliding_window, layer_types)`` as the family reads them (see :mod:`.families`)."""
+    """``(sliding_window, layer_types)`` as the family reads them (see :mod:`minifield.models.families`)."""
     family = FAMILIES[ARCHITECTURES[arch]]
     window = fields.get("sliding_window", "integer", None)
     if window is not None and window < 1:
@@ -271,7 +271,7 @@ def config_from_hf(
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     """``config.json`` for an export without a base model's: the simplest family that holds
-    the model (:func:`.families.family_of`)."""
+    the model (:func:`minifield.models.families.family_of`)."""
     family = family_of(cfg)
     out = {
         "architectures": [family.architecture],

@@ -16,7 +16,7 @@ verify any export::
     model.json               this project's metadata: strategy, model config, tokenizer, files
 
 Everything but ``model.json`` is what transformers reads; ``model.json`` is what
-:class:`.export_format.ExportedModel` and the store read.
+:class:`minifield.strategies.lm.export_format.ExportedModel` and the store read.
 """
 
 from __future__ import annotations

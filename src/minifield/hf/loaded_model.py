@@ -3,7 +3,7 @@
 :class:`LoadedModel` is what ``minifield.load_model`` returns: for an HF directory
 (:func:`from_hf_directory`: ``config.json`` and safetensors weights as :mod:`.checkpoint`
 reads them, ``tokenizer.json`` and ``tokenizer_config.json``, and ``generation_config.json``
-when there is one), and for a minifield export (:class:`.export_format.ExportedModel`, a subclass
+when there is one), and for a minifield export (:class:`minifield.strategies.lm.export_format.ExportedModel`, a subclass
 whose prompts follow the layout its run trained). Importing this module does not import JAX.
 
 Prompts: a string is the user's turn rendered with the model's chat template and its
@@ -138,7 +138,7 @@ class LoadedModel:
         seed: int = 0,
     ) -> list[int]:
         """The new token ids after ``prompt_ids`` (the stop token not included); sampling as
-        :mod:`.sampling` resolves it (the arguments win over ``generation_config.json``)."""
+        :mod:`minifield.models.sampling` resolves it (the arguments win over ``generation_config.json``)."""
         from ..models import model
 
         if type(seed) is not int or not 0 <= seed <= sampling_rules.MAX_SEED:

@@ -273,8 +273,8 @@ def encode_chat(
     processes: int = 1,
 ) -> list[encoding.Encoded]:
     """Examples of the supervised file ``path`` rendered with the base model's chat template
-    (:func:`.encode_pool.encode_examples`; a failure is a bad input, naming the file and
-    example). ``processes``: how many processes render (:mod:`.encode_pool`; the result is
+    (:func:`minifield.data.encode_pool.encode_examples`; a failure is a bad input, naming the file and
+    example). ``processes``: how many processes render (:mod:`minifield.data.encode_pool`; the result is
     the same for any)."""
     job = encode_pool.ChatJob(tokenizer, template, train_on, path)
     try:
@@ -287,7 +287,7 @@ def read_and_encode_chat(
     path: Path, source, tokenizer, template, train_on: str, processes: int = 1
 ) -> tuple[list[encoding.Encoded], dict]:
     """:func:`encode_chat` of every example of ``path`` read with ``source`` (on the workers,
-    :func:`.encode_pool.read_and_encode`), and the format decision the manifest records."""
+    :func:`minifield.data.encode_pool.read_and_encode`), and the format decision the manifest records."""
     job = encode_pool.ChatJob(tokenizer, template, train_on, path)
     try:
         return encode_pool.read_and_encode(source, job, processes)

@@ -4,7 +4,7 @@ A LoRA run never updates its base, so nothing needs FP32 masters of it, nor this
 ``[in, out]`` layout: the prepared examples keep each tensor in the checkpoint's own dtype
 (BF16 stays BF16) and HF's ``[out, in]`` layout (:func:`to_arrays`), training memory-maps
 them and puts them on the device unconverted (:func:`on_device`), and the jitted step makes the
-parameters :mod:`.llama` runs (:meth:`FrozenBase.model_params`): every leaf in the dtype the
+parameters :mod:`minifield.models.llama` runs (:meth:`FrozenBase.model_params`): every leaf in the dtype the
 base is held in (``base_dtype``; BF16 to FP32 is exact), each stored ``[out, in]`` matrix
 transposed once per step into ``[in, out]``. That transpose is a real copy on purpose: left
 to itself XLA folds it into the products' dimension numbers (``dot_general`` contracting
@@ -138,7 +138,7 @@ class FrozenBase:
         return cls(children[0], *aux)
 
     def model_params(self) -> dict:
-        """The parameters :mod:`.llama` runs (``[in, out]``, in ``dtype``), made inside the
+        """The parameters :mod:`minifield.models.llama` runs (``[in, out]``, in ``dtype``), made inside the
         jitted function (see the module for why the transposes are copies)."""
         import jax
         import jax.numpy as jnp

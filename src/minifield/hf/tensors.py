@@ -5,7 +5,7 @@ Two readings. :func:`read_fp32` (FP32 master parameters, what full fine-tuning t
 The file is memory-mapped (:class:`Source`); each tensor is widened to FP32 straight from the
 page cache block by block — a block of rows converted contiguously, checked for finite values
 while it is in cache, then transposed into place where a ``torch.nn.Linear`` weight's
-``[out, in]`` becomes the ``[in, out]`` that :mod:`.llama` holds — and its mapped pages are
+``[out, in]`` becomes the ``[in, out]`` that :mod:`minifield.models.llama` holds — and its mapped pages are
 dropped once it is converted. :func:`read_stored` (a frozen base, inference): the tensor in its
 own dtype and HF's ``[out, in]`` layout, read straight into a 64-byte-aligned buffer that JAX
 adopts without a copy — one pass over the bytes, like reading the file, plus a finite check of

@@ -1,7 +1,7 @@
 """The Llama-style model families an HF checkpoint may be: per family its HF class, what its
 ``config.json`` means for the architecture, and the one table of its tensor names.
 
-A family is chosen by ``model_type`` (:mod:`.config` reads the fields). What differs:
+A family is chosen by ``model_type`` (:mod:`minifield.hf.config` reads the fields). What differs:
 
 ==========  ====================  =========  =======  ===============  =========================
 model_type  class                 qkv bias   q/k norm absent head_dim  sliding window

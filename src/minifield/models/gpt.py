@@ -3,7 +3,7 @@
 Pre-LayerNorm blocks (LayerNorm with FP32 statistics, fused q/k/v projection with biases,
 GELU MLP), learned or rotary positions, an output head tied to the token embedding or
 separate. The packed-row contracts and precision are :mod:`.model`'s; every matrix product
-goes through :func:`.primitives.einsum`.
+goes through :func:`minifield.models.layers.primitives.einsum`.
 
 Parameters (``[in, out]`` matrices)::
 
@@ -137,7 +137,7 @@ def _layer_norm(x_BxTxD, norm, dtype):
 
 
 def _attention(cfg: ModelConfig, x_BxTxD, p, mask, positions_BxT):
-    """``mask``: :func:`.attention.packed_mask`'s (the dense mask, or segment ids)."""
+    """``mask``: :func:`minifield.models.layers.attention.packed_mask`'s (the dense mask, or segment ids)."""
     B, T, D = x_BxTxD.shape
     H, K = cfg.n_heads, cfg.head_dim
     qkv_BxTx3D = _dense(cfg, x_BxTxD, p["wqkv"], p["bqkv"])

@@ -2,7 +2,7 @@
 
 The same contracts as :mod:`.model` (packed rows of ``tokens``/``segments``/``positions``,
 segment-restricted causal attention, per-segment positions, FP32 master parameters, every
-matrix product through :func:`.primitives.einsum` so ``compute_dtype`` means the same thing),
+matrix product through :func:`minifield.models.layers.primitives.einsum` so ``compute_dtype`` means the same thing),
 with the Llama block instead of the GPT one (:mod:`.gpt`):
 
 - RMSNorm (FP32 statistics, ``norm_eps``), no biases in norms or the MLP;
@@ -13,7 +13,7 @@ with the Llama block instead of the GPT one (:mod:`.gpt`):
 - optional per-head RMSNorm of queries and keys before rotary (Qwen3), and a head width
   ``head_dim`` that need not be ``d_model / n_heads``;
 - optional sliding-window attention (Mistral, Qwen): on every layer or those
-  ``layer_types`` names (:func:`.attention.window_mask`);
+  ``layer_types`` names (:func:`minifield.models.layers.attention.window_mask`);
 - gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU (Gemma's GeGLU);
 - Gemma: RMSNorm scaled by ``1 + w``, embeddings multiplied by ``sqrt(d_model)``;
 - output head tied to the token embedding or separate.
@@ -103,7 +103,7 @@ def init_params(cfg: LlamaConfig, key) -> dict:
 
 @jax.tree_util.register_pytree_node_class
 class LoraWeight:
-    """A frozen ``[in, out]`` matrix with a low-rank adapter (see :mod:`.lora`): it multiplies
+    """A frozen ``[in, out]`` matrix with a low-rank adapter (see :mod:`minifield.training.lora`): it multiplies
     as ``x @ base + scale * (x @ a) @ b``. Built inside the traced step only."""
 
     def __init__(self, base, a, b, scale: float):
@@ -184,8 +184,8 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
 
 def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
     """Attention of T queries over S keys/values (S = T in training, the cache length when
-    generating), then the output projection. ``mask``: :func:`.attention.packed_mask`'s, or a
-    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`.attention.xla_mix`."""
+    generating), then the output projection. ``mask``: :func:`minifield.models.layers.attention.packed_mask`'s, or a
+    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`minifield.models.layers.attention.xla_mix`."""
     out_BxTxHK = attention.mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
     return _project(cfg, out_BxTxHK, p["wo"])
 
@@ -229,7 +229,7 @@ def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
 
 def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     """The residual stream after the last block (before the final norm, see
-    :func:`.model.hidden`); the blocks run as :mod:`.layer_stack` says."""
+    :func:`.model.hidden`); the blocks run as :mod:`minifield.models.layers.layer_stack` says."""
     h_BxTxD = _embed(params, cfg, tokens_BxT)
     mask = attention.packed_mask(cfg, segments_BxT)
 

@@ -80,7 +80,7 @@ class LlamaConfig(ArchitectureConfig):
     #: an HF checkpoint's layout, not the function: q/k/v and gate/up stored fused (Phi-3)
     fused_projections: bool = False
     #: a query sees the keys of its segment less than this many positions back (itself
-    #: included); None: the whole segment (see :func:`.attention.window_mask`)
+    #: included); None: the whole segment (see :func:`minifield.models.layers.attention.window_mask`)
     sliding_window: int | None = None
     #: per layer ``sliding_attention`` or ``full_attention`` (:mod:`.families`); empty: the
     #: window, if any, applies to every layer

@@ -10,12 +10,12 @@ same shape ``[B, T]`` describe it:
   at 0 for every segment).
 
 Attention is causal *and* restricted to the query's own segment (a
-block-diagonal causal mask, :func:`.attention.segment_mask`), and positions restart per
+block-diagonal causal mask, :func:`minifield.models.layers.attention.segment_mask`), and positions restart per
 segment, so an example packed with others sees exactly what it would see alone in a row.
 
 Two families compute it: the GPT-style block (:mod:`.gpt`, ``ModelConfig``) and the Llama
 block (:mod:`.llama`, ``LlamaConfig``); a config's ``architecture`` selects one, and this
-module dispatches to it. Precision (:mod:`.primitives`): parameters are FP32 ("master"
+module dispatches to it. Precision (:mod:`minifield.models.layers.primitives`): parameters are FP32 ("master"
 weights); with ``compute_dtype="bfloat16"`` the forward activations are BF16 and every matrix
 product is a BF16 x BF16 dot accumulating in FP32. Norm statistics, the attention softmax,
 the logits and the loss are FP32.

@@ -3,7 +3,7 @@
 The local files stay the source of truth (``events.jsonl``, ``results/``, the store);
 MLflow is where they are delivered. Modules, one concept each:
 
-- :mod:`.model_section` — the ``tracking`` config section, checked;
+- :mod:`.settings` — the ``tracking`` config section, checked;
 - :mod:`.connection` — the MLflow client, its credentials and the retry policy;
 - :mod:`.cursor` — the persisted per-attempt delivery cursor (exactly-once);
 - :mod:`.attempt_events` — reading an attempt's events incrementally, events → metrics;

@@ -2,9 +2,9 @@
 
 A recipe with ``model.base`` and ``model.lora: {rank, alpha, targets, base_dtype}`` trains
 low-rank adapters instead of the model: each target projection ``W [in, out]`` (as
-:mod:`.llama` sees it) computes ``x @ W + (alpha / rank) * (x @ A) @ B`` with ``A [in, rank]``
+:mod:`minifield.models.llama` sees it) computes ``x @ W + (alpha / rank) * (x @ A) @ B`` with ``A [in, rank]``
 and ``B [rank, out]``. The base is frozen: on the device as its checkpoint stores it (dtype and
-HF's ``[out, in]`` layout, :mod:`.stored_base`) and seen by the model in ``base_dtype``, the
+HF's ``[out, in]`` layout, :mod:`minifield.hf.stored_base`) and seen by the model in ``base_dtype``, the
 conversion made inside the jitted step; the adapters, their gradients and their optimizer
 state are FP32; nothing else is trained.
 
@@ -189,7 +189,7 @@ def init_state(cfg, settings: LoraSettings, optimizer, seed: int, identity: np.n
 
 
 def _model_params(base) -> dict:
-    """The base as :mod:`.llama` runs it: a :class:`.stored_base.FrozenBase` (as stored) made
+    """The base as :mod:`minifield.models.llama` runs it: a :class:`minifield.hf.stored_base.FrozenBase` (as stored) made
     into parameters inside the traced function, or a parameter tree as it is."""
     from ..hf.stored_base import FrozenBase
 
@@ -204,8 +204,8 @@ def _adapted_leaves(adapters: dict):
 
 
 def adapted(base: dict, adapters: dict, settings: LoraSettings) -> dict:
-    """The parameter tree :mod:`.llama` runs: the base's, with every target matrix replaced
-    by a :class:`.llama.LoraWeight` (base matrix, A, B, scale)."""
+    """The parameter tree :mod:`minifield.models.llama` runs: the base's, with every target matrix replaced
+    by a :class:`minifield.models.llama.LoraWeight` (base matrix, A, B, scale)."""
     from ..models.llama import LoraWeight
 
     base = _model_params(base)

@@ -28,7 +28,7 @@ Schedule, with ``s`` the number of updates already applied (0 for the first upda
 
 Weight decay applies to parameters with two or more dimensions (weight matrices and
 embedding tables), not to biases or LayerNorm parameters; a leaf holding layers stacked along
-its first axis (:func:`.layer_stack.stack_layers`, the scanned update) is judged by the rank
+its first axis (:func:`minifield.models.layers.layer_stack.stack_layers`, the scanned update) is judged by the rank
 of one layer's leaf, so every element decays as it would in the per-layer layout. The optimizer state's moment
 estimates have the parameters' dtype (FP32); its step counters are int32 scalars.
 """

@@ -10,10 +10,10 @@ meant to be compiled once with ``jax.jit(train_step, donate_argnums=(0,))``. The
 ``{"tokens", "segments", "positions": int32 [B, T], "loss_mask": float32 or int32 [B, T]}``.
 Layer layout: per layer (``params/blocks/00/...``, and the same in each optimizer moment)
 by default; with ``model.scan_layers`` the state holds the blocks stacked
-(``params/blocks/stacked/...`` with a leading layer axis, :func:`.layer_stack.stack_layers`),
+(``params/blocks/stacked/...`` with a leading layer axis, :func:`minifield.models.layers.layer_stack.stack_layers`),
 so the compiled update holds no per-layer code and compiles in a time independent of depth.
 Checkpoints and state hashes of a scanned run are of that layout; evaluation and exports see
-the per-layer one (:func:`.layer_stack.per_layer`). The model has no dropout, so ``rng`` is
+the per-layer one (:func:`minifield.models.layers.layer_stack.per_layer`). The model has no dropout, so ``rng`` is
 carried unchanged; it stays in the state so a
 stochastic variant would remain resumable. ``cursor`` advances by B per update (with gradient
 accumulation too: B is the update's rows, over all its micro-batches).

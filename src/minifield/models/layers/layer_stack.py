@@ -1,5 +1,5 @@
 """The residual stack: every block in order, as a Python loop or one ``lax.scan``, with
-optional rematerialisation (``cfg.execution``, see :mod:`.execution`).
+optional rematerialisation (``cfg.execution``, see :mod:`minifield.models.execution`).
 
 - Loop (the default): each block is traced and compiled separately, so compile time grows
   with depth. The jaxpr is exactly the one the models built before this module existed.

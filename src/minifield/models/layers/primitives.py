@@ -1,4 +1,4 @@
-"""What both model families (:mod:`.gpt`, :mod:`.llama`) and :mod:`.attention` share: the
+"""What both model families (:mod:`minifield.models.gpt`, :mod:`minifield.models.llama`) and :mod:`.attention` share: the
 compute dtypes, the one matrix-product primitive, rotary positions, the initialisation draw,
 and the checks every model config makes.
 
@@ -78,7 +78,7 @@ def einsum(cfg, equation: str, a, b, out_dtype=None):
 
 def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None, scale=1.0):
     """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
-    frequencies when not the plain ones of ``base`` (see :mod:`.rope_scaling`); ``scale``: a factor
+    frequencies when not the plain ones of ``base`` (see :mod:`minifield.models.rope_scaling`); ``scale``: a factor
     on cos and sin (longrope's ``attention_factor``)."""
     half = x_BxTxHxK.shape[-1] // 2
     if inv_freq_K2 is None:

@@ -4,7 +4,7 @@ back to generate.
 An export is self-contained, so the store re-evaluates it alone: its weights, ``model.json``
 (the strategy, the model config, the tokenizer settings, the token layout, the packing and
 the DEV file's sha256), the tokenizer files, and a copy of the DEV split. A Llama model's
-export is a HuggingFace directory (:mod:`.directory`), with LoRA's PEFT adapter beside the
+export is a HuggingFace directory (:mod:`minifield.hf.directory`), with LoRA's PEFT adapter beside the
 merged weights; the GPT model's is the project's own FP32 ``.npy`` format
 (:mod:`minifield.export`). Importing this module does not import JAX.
 """

@@ -77,7 +77,7 @@ class LMProgram(Program):
 
     def _lora_setup(self, schedule) -> None:
         """LoRA: the step trains the adapters against the frozen base (held on the device
-        once as its checkpoint stores it, seen in ``base_dtype``: :mod:`.stored_base`);
+        once as its checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
         evaluation runs on the merged weights."""
         import jax
 
@@ -165,7 +165,7 @@ class LMProgram(Program):
 
     def dispatch(self, state: dict, step: int):
         """Queue the update on the device and return at once: the batch was built ahead on
-        the host (:class:`.batch_prefetch.Prefetcher`), the metrics are read back
+        the host (:class:`minifield.data.batch_prefetch.Prefetcher`), the metrics are read back
         when the caller asks for them (no device sync here)."""
         import jax
 

@@ -19,7 +19,7 @@ character, ids 0..4 the special tokens ``<pad> <bos> <eos> <sep> <unk>``), so ev
 its own token and the tasks stay letter-by-letter problems. The base model's chat template
 (:data:`CHAT_TEMPLATE`) renders a user turn and the assistant's answer as
 ``<bos>prompt<sep>answer<eos>``: exactly the layout a recipe without a base model trains on
-(:mod:`.encoding`), so the base's pretraining and the demo's fine-tuning see one format and a
+(:mod:`minifield.data.encoding`), so the base's pretraining and the demo's fine-tuning see one format and a
 random-init run of the same fine-tuning recipe (a ``tokenizers-json`` recipe with this
 ``tokenizer.json``, ``benchmarks/pretrained_vs_random.py``) trains on the very same token ids.
 

@@ -1,7 +1,7 @@
 """``packed-sft`` 12.0.0: supervised fine-tuning of a decoder-only transformer on packed rows.
 
 Inputs (pinned JSONL, see :mod:`minifield.data.encoding`): ``train``, ``dev``,
-``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
+``test`` (with ``training.mixture``, its sources instead of ``train``: :mod:`minifield.data.mixture`); plus the tokenizer file when ``model.tokenizer.kind`` is
 ``tokenizers-json``, or the files of a base model that ``model.base`` names
 (:mod:`minifield.hf.pinned_base`: training starts from its weights, and its
 tokenizer and chat template encode the examples; with ``model.lora`` only low-rank adapters
@@ -10,8 +10,8 @@ split into rows (:mod:`minifield.data.packing`) and keeps the DEV/TEST
 prompts with their expected answers for exact-match evaluation by greedy generation.
 
 The strategy is the worker's and the store's view; the parts live beside it: the recipe
-settings (:mod:`.model_section`), the program (:mod:`.program`), the evaluator (:mod:`.evaluator`)
-and the exported model (:mod:`.export_format`).
+settings (:mod:`minifield.strategies.lm.model_section`), the program (:mod:`minifield.strategies.lm.program`), the evaluator (:mod:`minifield.training.evaluator`)
+and the exported model (:mod:`minifield.strategies.lm.export_format`).
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def _reading(recipe: dict, files: dict[str, Path]):
 
     The base model's tokenizer and template come from its files, so its weights load after the
     conversations are encoded: loading them starts JAX's backends, after which conversations
-    are encoded in one process (:mod:`.encode_pool`). Files the tokenizer cannot be read from
+    are encoded in one process (:mod:`minifield.data.encode_pool`). Files the tokenizer cannot be read from
     load the weights first, which report the problem as they always have."""
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """``preference``: tuning a base model on preference pairs (DPO, IPO, SimPO, ORPO).
 
-The strategy (:mod:`.strategy`) and its recipe settings (:mod:`.model_section`); the losses over
+The strategy (:mod:`.strategy`) and its recipe settings (:mod:`.section`); the losses over
 per-answer log-probabilities (:mod:`.losses`); the pair files as packed rows (:mod:`.pairs`,
 :mod:`.prepared`); the per-answer log-probabilities of one forward (:mod:`.logprobs`); the
 reference model's log-probabilities as a product of their own (:mod:`.reference`); each

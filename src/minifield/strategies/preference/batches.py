@@ -2,7 +2,7 @@
 (seed, update), packed into a fixed number of rows.
 
 The pair order of epoch ``e`` is a fixed permutation drawn from ``(seed, e)``
-(:func:`.packed_sft.batches.rows_for_step` over pairs instead of rows), so a resumed run sees
+(:func:`minifield.data.batches.rows_for_step` over pairs instead of rows), so a resumed run sees
 exactly the pairs the uninterrupted run saw. Update ``k``'s pairs are packed on the host
 (:func:`.pairs.pack`: both answers of a pair in one row) and padded with empty rows to
 :attr:`PairBatches.rows`, the most rows any of the run's updates needs (computed once from

@@ -1,9 +1,9 @@
 """Per-answer log-probabilities of packed pair rows: one forward, summed per segment.
 
-The forward is packed-sft's (:func:`.packed_sft.model.token_losses`: block-diagonal causal
+The forward is packed-sft's (:func:`minifield.models.model.token_losses`: block-diagonal causal
 attention over segments, positions restarting per segment, chunked cross-entropy when the
 recipe asks), so a pair packed with others sees exactly what it would see alone. A target
-counts where :func:`.packed_sft.model.loss_weights` says (an answer token of the same
+counts where :func:`minifield.models.model.loss_weights` says (an answer token of the same
 segment); its log-probability is summed into its segment with ``jax.ops.segment_sum``. Pair
 slot ``k`` of a row reads segment ``2k + 1`` (chosen) and ``2k + 2`` (rejected), as
 :mod:`.pairs` packs them.

@@ -1,6 +1,6 @@
 """Preference pair files, rendered with the base model's chat template and packed into rows.
 
-One row of a pair file (JSONL or Parquet, :func:`.packed_sft.data_formats.rows`) is one
+One row of a pair file (JSONL or Parquet, :func:`minifield.data.formats.rows`) is one
 pair, in the shapes TRL uses::
 
     {"prompt": "text" | [messages], "chosen": answer, "rejected": answer}
@@ -9,7 +9,7 @@ pair, in the shapes TRL uses::
 An answer is a string, one assistant message, or a list holding one assistant message. The
 prompt (a string is one user turn) is rendered with ``add_generation_prompt`` and each answer
 as the assistant turn after it, through its end-of-turn token
-(:func:`.packed_sft.assistant_turns.encode_many`, the last assistant turn trained).
+(:func:`minifield.data.assistant_turns.encode_many`, the last assistant turn trained).
 
 Packing (:func:`pack`): a pair is two segments, prompt + chosen and prompt + rejected, one
 after the other in the same row, so both answers are always in the same update and neither
@@ -21,7 +21,7 @@ the file each of the row's ``M`` pair slots holds, −1 for none). A pair longer
 ``seq_len`` is cut (both answers shortened, the longer first) or dropped, as
 ``training.overlong`` says, and counted.
 
-Every bad row is a :class:`.packed_sft.data_formats.DataError` (an invalid input: exit 2)
+Every bad row is a :class:`minifield.data.formats.DataError` (an invalid input: exit 2)
 naming the file, the row and the field.
 """
 

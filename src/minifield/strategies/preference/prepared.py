@@ -2,7 +2,7 @@
 packed pairs (:mod:`.pairs`), which both the strategy's prepare and the reference product
 (:mod:`.reference`) start from.
 
-Arrays: the base model's (:func:`.packed_sft.base_model.load`), ``{split}_{field}`` for each
+Arrays: the base model's (:func:`minifield.hf.pinned_base.load`), ``{split}_{field}`` for each
 split and field of :data:`.pairs.PAIR_FIELDS`, and ``{split}_pairs`` (the split's pair count,
 packed or not: the reference's per-pair arrays have that length).
 """

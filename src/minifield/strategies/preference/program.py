@@ -2,7 +2,7 @@
 compiled update, checkpoints, export) with the preference objective, pair batches and pair
 evaluation in place of the supervised ones.
 
-The update is :func:`.packed_sft.sft_step.make_train_step` (or LoRA's) differentiating
+The update is :func:`minifield.training.train_step.make_train_step` (or LoRA's) differentiating
 :func:`objective`: one forward over the update's packed rows, each answer's log-probabilities
 summed (:mod:`.logprobs`), the recipe's loss over the pairs (:mod:`.losses`). Its metrics:
 ``loss``, ``reward_accuracy``, ``margin`` (the mean reward margin), ``chosen_logps``,
