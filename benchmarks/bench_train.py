@@ -247,13 +247,14 @@ def worker_program(D, L, T, bf16, root: Path):
 
     from minifield import recipe as recipes
     from minifield.data import encoding
+    from minifield.strategies.packed_sft import demo_data
 
     data = root / "sft"
     pins = {}
     if not data.exists():
         data.mkdir(parents=True)
     sizes = {"train": 2000, "dev": 8, "test": 8}
-    for split, rows in encoding.demo_examples(seed=0, sizes=sizes).items():
+    for split, rows in demo_data.demo_examples(seed=0, sizes=sizes).items():
         blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from minifield.data import encoding
+from minifield.strategies.packed_sft import demo_data
 
 #: relative loss difference allowed between the 1-device and N-device curves (see
 #: docs/data-parallel.md for why)
@@ -40,7 +41,7 @@ def write_data(root: Path) -> dict[str, str]:
     data = root / "in" / "sft"
     data.mkdir(parents=True, exist_ok=True)
     pins = {}
-    for split, rows in encoding.demo_examples().items():
+    for split, rows in demo_data.demo_examples().items():
         blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()

@@ -47,12 +47,13 @@ def main() -> None:
     from minifield import recipe as recipes
     from minifield.data import encoding
     from minifield.state.arrays import state_hash
+    from minifield.strategies.packed_sft import demo_data
 
     root = Path(tempfile.mkdtemp(prefix="sharded-init-"))
     data = root / "in" / "sft"
     data.mkdir(parents=True)
     pins = {}
-    for split, rows in encoding.demo_examples().items():
+    for split, rows in demo_data.demo_examples().items():
         blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()

@@ -142,12 +142,13 @@ def small_sft_inputs(root: Path, seed: int = 5, train: int = 96, held_out: int =
     import hashlib
 
     from minifield.data import encoding
+    from minifield.strategies.packed_sft import demo_data
 
     data = root / "in" / "sft"
     data.mkdir(parents=True)
     sizes = {"train": train, "dev": held_out, "test": held_out}
     pins = {}
-    for split, rows in encoding.demo_examples(seed=seed, sizes=sizes).items():
+    for split, rows in demo_data.demo_examples(seed=seed, sizes=sizes).items():
         blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()

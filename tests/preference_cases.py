@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-from minifield.data import encoding
+from minifield.strategies.packed_sft import demo_data
 
 BASE_DIR = REPO / "data" / "llama-base"
 BASE_FILES = {
@@ -58,7 +58,7 @@ def make_inputs(root: Path, seed: int = 11, flip: bool = False) -> Path:
     """Pair files under ``root/pairs`` (``flip``: chosen and rejected swapped, so the base
     prefers the rejected answers) and the demo base's files under ``root/base``."""
     (root / "pairs").mkdir(parents=True, exist_ok=True)
-    for split, examples in encoding.demo_examples(seed=seed, sizes=SIZES).items():
+    for split, examples in demo_data.demo_examples(seed=seed, sizes=SIZES).items():
         rows = pair_rows([e.prompt for e in examples], flip)
         (root / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "base").mkdir(exist_ok=True)

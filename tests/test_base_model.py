@@ -33,11 +33,11 @@ from test_llama import LLAMA, hf_tensors
 
 from minifield import cli
 from minifield import recipe as recipes
-from minifield.data import encoding
 from minifield.hf import pinned_base
 from minifield.inputs import examples, pinned
 from minifield.pipeline import preparation
 from minifield.state import export
+from minifield.strategies.packed_sft import demo_data
 
 BASE = {**LLAMA, "vocab_size": 340, "rope_theta": 50000.0, "max_position_embeddings": 128}
 TOKENIZER_CONFIG = {
@@ -91,7 +91,7 @@ def make_inputs(root: Path) -> dict:
     model under ``root/base``."""
     data = root / "sft"
     data.mkdir(parents=True, exist_ok=True)
-    for split, rows in encoding.demo_examples(
+    for split, rows in demo_data.demo_examples(
         seed=5, sizes={"train": 40, "dev": 8, "test": 8}
     ).items():
         lines = []

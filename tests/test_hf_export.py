@@ -31,6 +31,7 @@ from minifield.hf import directory as hf_directory
 from minifield.models import llama, model
 from minifield.state import export
 from minifield.strategies.lm.export_format import ExportedModel
+from minifield.strategies.packed_sft import demo_data
 
 flax_rope_theta = test_llama.flax_rope_theta  # the fixture (transformers' rope_theta gap)
 
@@ -229,7 +230,7 @@ def _llama_run(root: Path) -> dict:
     data.mkdir(parents=True)
     pins = {}
     sizes = {"train": 48, "dev": 8, "test": 8}
-    for split, rows in encoding.demo_examples(seed=5, sizes=sizes).items():
+    for split, rows in demo_data.demo_examples(seed=5, sizes=sizes).items():
         blob = encoding.to_jsonl(rows)
         (data / f"{split}.jsonl").write_bytes(blob)
         pins[split] = hashlib.sha256(blob).hexdigest()

@@ -36,6 +36,7 @@ from minifield.data import encoding
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf.checkpoint import CheckpointError
 from minifield.models import llama, model
+from minifield.strategies.packed_sft import demo_data
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -525,7 +526,7 @@ def test_a_llama_recipe_trains_end_to_end_in_the_worker(tmp_path):
     data = tmp_path / "in" / "sft"
     data.mkdir(parents=True)
     pins = {}
-    for split, rows in encoding.demo_examples(
+    for split, rows in demo_data.demo_examples(
         seed=5, sizes={"train": 48, "dev": 8, "test": 8}
     ).items():
         blob = encoding.to_jsonl(rows)

@@ -26,6 +26,7 @@ from test_mixtures import mixed_recipe, mixture_inputs
 from minifield import recipe as recipes
 from minifield.data import encoding
 from minifield.digest import short
+from minifield.strategies.packed_sft import demo_data
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,7 @@ def test_a_source_shared_by_two_mixtures_is_prepared_once(tmp_path):
     workdir = tmp_path / "project"
     space = mixture_inputs(workdir)
     first = mixed_recipe(space)  # train (3) + extra (1)
-    other = encoding.to_jsonl(encoding.demo_examples(seed=13, sizes={"train": 30})["train"])
+    other = encoding.to_jsonl(demo_data.demo_examples(seed=13, sizes={"train": 30})["train"])
     (workdir / "in" / "sft" / "other.jsonl").write_bytes(other)
     second = mixed_recipe(space, [{"input": "extra", "weight": 1}, {"input": "other", "weight": 2}])
     second["job_id"] = "mix-two"

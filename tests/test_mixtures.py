@@ -21,6 +21,7 @@ from minifield import recipe as recipes
 from minifield.data import batches as batches_module
 from minifield.data import encoding, packing
 from minifield.data import tokenizer as tokenizers
+from minifield.strategies.packed_sft import demo_data
 from minifield.strategies.packed_sft.strategy import PackedSFT
 
 SOURCE_ROWS = (5, 7, 11)
@@ -110,7 +111,7 @@ def mixture_inputs(root) -> dict:
     """The small reversal splits under ``root/in/sft``, plus a second training source
     ``extra.jsonl`` (40 other words); input root, pins and ``extra``'s sha256."""
     found = small_sft_inputs(root)
-    extra = encoding.to_jsonl(encoding.demo_examples(seed=9, sizes={"train": 40})["train"])
+    extra = encoding.to_jsonl(demo_data.demo_examples(seed=9, sizes={"train": 40})["train"])
     (root / "in" / "sft" / "extra.jsonl").write_bytes(extra)
     return {**found, "extra": hashlib.sha256(extra).hexdigest()}
 

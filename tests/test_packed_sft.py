@@ -31,6 +31,7 @@ from conftest import (
 from minifield import recipe as recipes
 from minifield.data import batches, encoding
 from minifield.strategies.lm import export_format
+from minifield.strategies.packed_sft import demo_data
 
 MAX_STEPS = 6
 
@@ -41,7 +42,7 @@ def space(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("packed-sft")
     data = root / "in" / "sft"
     data.mkdir(parents=True)
-    splits = encoding.demo_examples(seed=5, sizes={"train": 96, "dev": 12, "test": 12})
+    splits = demo_data.demo_examples(seed=5, sizes={"train": 96, "dev": 12, "test": 12})
     pins = {}
     for split, rows in splits.items():
         blob = encoding.to_jsonl(rows)

@@ -8,6 +8,7 @@ import pytest
 from minifield.data import encoding, packing
 from minifield.data import tokenizer as tk
 from minifield.data.encoding import Encoded
+from minifield.strategies.packed_sft import demo_data
 
 PAD = 99
 
@@ -66,7 +67,7 @@ def test_overlong_examples_are_truncated_or_rejected_and_counted():
 
 def test_demo_packing_efficiency_is_at_least_095_and_masks_only_responses():
     tok = tk.byte_tokenizer()
-    examples = [encoding.encode(e, tok) for e in encoding.demo_examples()["train"]]
+    examples = [encoding.encode(e, tok) for e in demo_data.demo_examples()["train"]]
     packed = packing.pack(examples, 64, "truncate", tok.pad_id)
     arrays = packed.arrays
     # recount from the arrays, independently of the reported statistics
@@ -95,7 +96,7 @@ def test_packed_loss_equals_sum_of_unpacked_example_losses():
     from minifield.models import model
 
     tok = tk.byte_tokenizer()
-    examples = [encoding.encode(e, tok) for e in encoding.demo_examples(sizes={"x": 12})["x"]]
+    examples = [encoding.encode(e, tok) for e in demo_data.demo_examples(sizes={"x": 12})["x"]]
     cfg = model.ModelConfig(
         vocab_size=tok.vocab_size,
         d_model=32,

@@ -12,6 +12,7 @@ import yaml
 
 from minifield.data import encoding
 from minifield.data import tokenizer as tk
+from minifield.strategies.packed_sft import demo_data
 
 
 def _write(path, lines):
@@ -87,7 +88,7 @@ def test_encode_layout_is_bos_prompt_sep_response_eos():
 
 
 def test_demo_generator_is_deterministic_checkable_and_disjoint():
-    splits = encoding.demo_examples()
+    splits = demo_data.demo_examples()
     assert {k: len(v) for k, v in splits.items()} == {"train": 4000, "dev": 200, "test": 200}
     words = [e.prompt for rows in splits.values() for e in rows]
     assert len(words) == len(set(words))  # no string occurs twice, across splits too

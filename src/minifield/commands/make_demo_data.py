@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..data import encoding
+from ..strategies.packed_sft import demo_data as sft_demo
 from . import bounded_int
 
 
@@ -16,11 +16,10 @@ def _run_llama(args) -> int:
     import tempfile
 
     from .. import api
-    from ..strategies.packed_sft import demo_data as llama_demo
 
     try:
-        seed = llama_demo.SEED if args.seed is None else args.seed
-        pins = llama_demo.write(args.directory, seed=seed)
+        seed = sft_demo.SEED if args.seed is None else args.seed
+        pins = sft_demo.write(args.directory, seed=seed)
         print(json.dumps(pins, indent=2))
         if args.llama_base is None:
             return 0
@@ -28,15 +27,15 @@ def _run_llama(args) -> int:
         checked = api.validate(args.llama_base)
         if not checked.valid:
             problems = "; ".join(f"{e['path']}: {e['message']}" for e in checked.errors)
-            raise llama_demo.ProduceError(f"{args.llama_base}: not a valid recipe ({problems})")
+            raise sft_demo.ProduceError(f"{args.llama_base}: not a valid recipe ({problems})")
         with tempfile.TemporaryDirectory(prefix="minifield-llama-base-") as work:
             # trained from its random initialisation on the inputs just written
             result = api.run(checked, input_root=args.directory, output_root=Path(work))
-            provenance = llama_demo.produce_base(args.directory, args.llama_base, result, command)
+            provenance = sft_demo.produce_base(args.directory, args.llama_base, result, command)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2
-    except llama_demo.ProduceError as exc:
+    except sft_demo.ProduceError as exc:
         print(f"minifield make-demo-data: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(provenance, indent=2))
@@ -51,8 +50,8 @@ def run(args) -> int:
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
-        seed = encoding.DEMO_SEED if args.seed is None else args.seed
-        pins = encoding.write_demo(args.directory, seed=seed)
+        seed = sft_demo.DEMO_SEED if args.seed is None else args.seed
+        pins = sft_demo.write_demo(args.directory, seed=seed)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2

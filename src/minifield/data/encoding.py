@@ -1,4 +1,4 @@
-"""Supervised examples as tokens: the layout of one example, and the demo dataset.
+"""Supervised examples as tokens: the layout of one example, encoded.
 
 Files are read by :mod:`.formats` (messages, ShareGPT, Alpaca, prompt/response, text;
 JSONL or Parquet). Without a chat template (the byte tokenizer, or a plain ``tokenizer.json``)
@@ -19,13 +19,10 @@ included), or every token but the first. A ``text`` row is ``<bos> text <eos>``,
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import schemas
-from ..atomic import write_bytes
-from ..digest import sha256_bytes
 from .formats import DataError, Example, Source, read
 from .tokenizer import Tokenizer
 
@@ -151,53 +148,7 @@ def encode_file(
     return encode_examples(read_jsonl(path, source), tokenizer, train_on, path)
 
 
-# -- the demo dataset -------------------------------------------------------------------------
-
-
-DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}
-DEMO_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
-DEMO_LENGTHS = (3, 6)
-DEMO_SEED = 20260101
-
-
-def demo_examples(
-    seed: int = DEMO_SEED, sizes: dict[str, int] | None = None
-) -> dict[str, list[Example]]:
-    """Reverse a 3–6 letter string: disjoint train/dev/test splits, answers checkable exactly.
-
-    Deterministic in ``seed`` (Python's ``random.Random`` sequence is stable
-    across versions for ``randrange``); no string occurs in two splits.
-    """
-    sizes = dict(sizes or DEMO_SPLITS)
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    splits: dict[str, list[Example]] = {}
-    low, high = DEMO_LENGTHS
-    for split, count in sizes.items():
-        rows = []
-        while len(rows) < count:
-            length = low + rng.randrange(high - low + 1)
-            word = "".join(DEMO_ALPHABET[rng.randrange(len(DEMO_ALPHABET))] for _ in range(length))
-            if word in seen:
-                continue
-            seen.add(word)
-            rows.append(Example(word, word[::-1]))
-        splits[split] = rows
-    return splits
-
-
 def to_jsonl(examples: list[Example]) -> bytes:
     return "".join(
         json.dumps({"prompt": e.prompt, "response": e.response}) + "\n" for e in examples
     ).encode("utf-8")
-
-
-def write_demo(directory: Path, seed: int = DEMO_SEED) -> dict[str, str]:
-    """Write ``{split}.jsonl`` into ``directory``; returns split → sha256 (for recipe pins)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pins = {}
-    for split, rows in demo_examples(seed).items():
-        data = to_jsonl(rows)
-        write_bytes(directory / f"{split}.jsonl", data)
-        pins[split] = sha256_bytes(data)
-    return pins

@@ -221,7 +221,7 @@ def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype
     """``(LlamaConfig, params, stored_layout)``: the tensors as the checkpoint stores them —
     their own dtype (BF16 stays BF16), HF's ``[out, in]`` layout for the matrices
     ``stored_layout`` names (internal path -> True) — as aligned host arrays, nothing
-    converted; :func:`.stored_base.model_layout` makes them this project's parameters inside
+    converted; :meth:`minifield.hf.stored_base.FrozenBase.model_params` makes them this project's parameters inside
     a jitted function. The same checks and errors as :func:`load`."""
 
     def read(source, name, start, end, shape, kind, transpose):

@@ -1,4 +1,5 @@
-"""The Llama demo's data: the base model's pretraining corpus and tokenizer, the fine-tuning task.
+"""packed-sft's demo data: the string-reversal task (``sft-demo``), and the Llama demo's data —
+the base model's pretraining corpus and tokenizer, the fine-tuning task.
 
 The demo shows a pretrained start at work without a model hub, so the base model is one this
 project trains itself (``config/recipes/llama-base.yaml``, shipped under ``data/llama-base/``)
@@ -206,3 +207,49 @@ def produce_base(data_root: Path, recipe_path: Path, result, command: str) -> di
     }
     write_bytes(target / PROVENANCE_FILE, (json.dumps(provenance, indent=2) + "\n").encode("utf-8"))
     return provenance
+
+
+# -- the packed-sft demo: reverse a string ---------------------------------------------------
+
+
+DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}
+DEMO_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+DEMO_LENGTHS = (3, 6)
+DEMO_SEED = 20260101
+
+
+def demo_examples(
+    seed: int = DEMO_SEED, sizes: dict[str, int] | None = None
+) -> dict[str, list[Example]]:
+    """Reverse a 3–6 letter string: disjoint train/dev/test splits, answers checkable exactly.
+
+    Deterministic in ``seed`` (Python's ``random.Random`` sequence is stable
+    across versions for ``randrange``); no string occurs in two splits.
+    """
+    sizes = dict(sizes or DEMO_SPLITS)
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    splits: dict[str, list[Example]] = {}
+    low, high = DEMO_LENGTHS
+    for split, count in sizes.items():
+        rows = []
+        while len(rows) < count:
+            length = low + rng.randrange(high - low + 1)
+            word = "".join(DEMO_ALPHABET[rng.randrange(len(DEMO_ALPHABET))] for _ in range(length))
+            if word in seen:
+                continue
+            seen.add(word)
+            rows.append(Example(word, word[::-1]))
+        splits[split] = rows
+    return splits
+
+
+def write_demo(directory: Path, seed: int = DEMO_SEED) -> dict[str, str]:
+    """Write ``{split}.jsonl`` into ``directory``; returns split → sha256 (for recipe pins)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    pins = {}
+    for split, rows in demo_examples(seed).items():
+        data = to_jsonl(rows)
+        write_bytes(directory / f"{split}.jsonl", data)
+        pins[split] = sha256_bytes(data)
+    return pins

@@ -2,7 +2,7 @@
 
 ``minifield make-demo-data DIR --preference`` reads the shipped fine-tuning task
 ``DIR/llama-sft-demo/{split}.jsonl`` (``mirror: s`` → ``s`` followed by ``s`` reversed,
-:mod:`..packed_sft.llama_demo`) and writes ``DIR/preference-demo/{split}.jsonl``: one pair per
+:mod:`minifield.strategies.packed_sft.demo_data`) and writes ``DIR/preference-demo/{split}.jsonl``: one pair per
 row of the first :data:`PAIRS` rows of each split, ``{"prompt", "chosen", "rejected"}`` (TRL's
 string shape). ``chosen`` is the correct answer; ``rejected`` a near miss of it, one edit
 away: a letter **changed** (to another letter), **dropped**, or two adjacent different

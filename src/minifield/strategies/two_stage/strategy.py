@@ -295,7 +295,7 @@ class TwoStageProgram(LMProgram):
         return lm_metrics(self.evaluator, self._eval_params(state), self.arrays, "test")
 
     def export(self, state: dict, directory: Path) -> None:
-        """An HF directory (hf_export) whose ``model.json`` records the stage, the computation
+        """An HF directory (:mod:`minifield.hf.directory`) whose ``model.json`` records the stage, the computation
         digest and, for stage 2, the stage-1 computation it started from."""
         import jax
 
