@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..strategies.packed_sft import demo_data as sft_demo
+from ..strategies import packed_sft
 from . import bounded_int
 
 
@@ -18,8 +18,8 @@ def _run_llama(args) -> int:
     from .. import api
 
     try:
-        seed = sft_demo.SEED if args.seed is None else args.seed
-        pins = sft_demo.write(args.directory, seed=seed)
+        seed = packed_sft.demo_data.SEED if args.seed is None else args.seed
+        pins = packed_sft.demo_data.write(args.directory, seed=seed)
         print(json.dumps(pins, indent=2))
         if args.llama_base is None:
             return 0
@@ -27,15 +27,19 @@ def _run_llama(args) -> int:
         checked = api.validate(args.llama_base)
         if not checked.valid:
             problems = "; ".join(f"{e['path']}: {e['message']}" for e in checked.errors)
-            raise sft_demo.ProduceError(f"{args.llama_base}: not a valid recipe ({problems})")
+            raise packed_sft.demo_data.ProduceError(
+                f"{args.llama_base}: not a valid recipe ({problems})"
+            )
         with tempfile.TemporaryDirectory(prefix="minifield-llama-base-") as work:
             # trained from its random initialisation on the inputs just written
             result = api.run(checked, input_root=args.directory, output_root=Path(work))
-            provenance = sft_demo.produce_base(args.directory, args.llama_base, result, command)
+            provenance = packed_sft.demo_data.produce_base(
+                args.directory, args.llama_base, result, command
+            )
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2
-    except sft_demo.ProduceError as exc:
+    except packed_sft.demo_data.ProduceError as exc:
         print(f"minifield make-demo-data: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(provenance, indent=2))
@@ -50,8 +54,8 @@ def run(args) -> int:
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
-        seed = sft_demo.DEMO_SEED if args.seed is None else args.seed
-        pins = sft_demo.write_demo(args.directory, seed=seed)
+        seed = packed_sft.demo_data.DEMO_SEED if args.seed is None else args.seed
+        pins = packed_sft.demo_data.write_demo(args.directory, seed=seed)
     except OSError as exc:
         print(f"minifield make-demo-data: cannot write {args.directory}: {exc}", file=sys.stderr)
         return 2
@@ -70,10 +74,10 @@ def run(args) -> int:
 def run_two_stage(directory: Path) -> int:
     """The two-stage demo's supervised pairs, derived from ``DIR/corpus/train.jsonl``."""
     from ..inputs.pinned import InputError
-    from ..strategies.two_stage import demo_data
+    from ..strategies import two_stage
 
     try:
-        pins = demo_data.write_pairs(directory / "corpus", directory / "sft")
+        pins = two_stage.demo_data.write_pairs(directory / "corpus", directory / "sft")
     except (OSError, InputError) as exc:
         print(f"minifield make-demo-data: {exc}", file=sys.stderr)
         return 2
@@ -85,10 +89,10 @@ def run_two_stage(directory: Path) -> int:
 def run_preference(directory: Path) -> int:
     """The preference demo's pairs, derived from ``DIR/llama-sft-demo/*.jsonl``."""
     from ..inputs.pinned import InputError
-    from ..strategies.preference import demo_data
+    from ..strategies import preference
 
     try:
-        pins = demo_data.write(directory)
+        pins = preference.demo_data.write(directory)
     except (OSError, InputError) as exc:
         print(f"minifield make-demo-data: {exc}", file=sys.stderr)
         return 2

@@ -32,10 +32,8 @@ from .. import recipe as recipes
 from ..digest import short
 from ..inputs import linked_root
 from ..inputs.linked_root import LinkError
+from ..strategies import preference, two_stage
 from ..strategies.lm import chain_base
-from ..strategies.preference import reference as references
-from ..strategies.preference import reference_link
-from ..strategies.two_stage import link as two_stage_link
 from . import computations as comps
 from . import reference_logprobs, stage_links
 
@@ -85,8 +83,8 @@ KINDS = {
             directory="results/two-stage",
             recipe_file="stage2.json",
             product=EXPORT,
-            product_subdir=two_stage_link.STAGE1_DIR,
-            complete=two_stage_link.stage2_recipe,
+            product_subdir=two_stage.link.STAGE1_DIR,
+            complete=two_stage.link.stage2_recipe,
             check=stage_links.check_stages,
             upstream_label="stage 1",
         ),
@@ -109,8 +107,10 @@ KINDS = {
             directory="results/preference",
             recipe_file="recipe.json",
             product="results/reference/{a}",
-            product_subdir=reference_link.PRODUCT_DIR,
-            complete=lambda written, product, _: reference_link.reference_recipe(written, product),
+            product_subdir=preference.reference_link.PRODUCT_DIR,
+            complete=lambda written, product, _: preference.reference_link.reference_recipe(
+                written, product
+            ),
             check=None,
             upstream_label=None,
         ),
@@ -180,10 +180,10 @@ def link_reference(computation: comps.Computation, input_root: str) -> Link | No
     """The link giving ``computation`` (a DPO/IPO preference recipe, as configured or as
     another link wrote it) its reference product; None for any other recipe. Its inputs
     are read under ``input_root`` (the computation's own root, when it has one)."""
-    if not reference_link.needs_reference(computation.recipe.data):
+    if not preference.reference_link.needs_reference(computation.recipe.data):
         return None
     root = comps.input_root(computation, input_root)
-    digest = short(references.reference_digest(computation.recipe, root))
+    digest = short(preference.reference.reference_digest(computation.recipe, root))
     return Link(KINDS["reference"], digest, Path(computation.path), computation.recipe, root)
 
 
@@ -228,7 +228,7 @@ def link(
     written = recipes.read_document(written_path)
     concrete = kind.complete(written, product_dir, upstream_digest)
     # a preference recipe's reference may still be unpinned (its own link pins it)
-    recipe = recipes.validate(references.pending(concrete), str(out_recipe))
+    recipe = recipes.validate(preference.reference.pending(concrete), str(out_recipe))
     if out_root.exists():
         shutil.rmtree(out_root)
     # the inputs as written (validation may add a placeholder for an unpinned reference)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import recipe as recipes
-from ..strategies.preference import reference
+from ..strategies import preference
 
 
 def validated(recipe_path: Path) -> recipes.Recipe:
@@ -22,15 +22,15 @@ def validated(recipe_path: Path) -> recipes.Recipe:
     :class:`~minifield.recipe.RecipeError` names every other problem)."""
     document = recipes.read_document(recipe_path)
     if isinstance(document, dict):
-        document = reference.pending(document)
+        document = preference.reference.pending(document)
     return recipes.validate(document, str(recipe_path))
 
 
 def digest(recipe_path: Path, input_root: Path) -> str:
     """The address of the recipe's reference directory."""
-    return reference.reference_digest(validated(recipe_path), input_root)
+    return preference.reference.reference_digest(validated(recipe_path), input_root)
 
 
 def compute(recipe_path: Path, input_root: Path, out_dir: Path) -> dict:
     """Compute the recipe's reference log-probabilities into ``out_dir``; the record."""
-    return reference.compute(validated(recipe_path), input_root, out_dir)
+    return preference.reference.compute(validated(recipe_path), input_root, out_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .base import Program, Strategy
 from .linear_momentum import LinearMomentum
 from .packed_sft import PackedSFT
-from .preference.strategy import Preference
+from .preference import Preference
 from .registry import available, get, register
 from .two_stage import TwoStage
 

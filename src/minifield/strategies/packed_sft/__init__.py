@@ -8,6 +8,8 @@ Everything it trains with is the library's: the model (:mod:`minifield.models`),
 (:mod:`minifield.strategies.lm`: the recipe's model section, the program, the export format).
 """
 
+# the package's face: what the commands use (never a module below it)
+from . import demo_data
 from .strategy import PackedSFT
 
-__all__ = ["PackedSFT"]
+__all__ = ["PackedSFT", "demo_data"]

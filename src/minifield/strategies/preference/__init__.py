@@ -8,3 +8,9 @@ update's pairs (:mod:`.batches`), the program on packed-sft's (:mod:`.program`) 
 evaluation (:mod:`.evaluator`). See docs/preference.md. Importing this package does not
 import JAX.
 """
+
+# the package's face: what the pipeline and the commands use (never a module below it)
+from . import demo_data, reference, reference_link
+from .strategy import Preference
+
+__all__ = ["Preference", "demo_data", "reference", "reference_link"]

@@ -6,6 +6,8 @@ evaluation and export), ``corpus`` (raw documents → chunks, bits per byte),
 demo corpus and the supervised pairs derived from it).
 """
 
+# the package's face: what the pipeline and the commands use (never a module below it)
+from . import demo_data, link
 from .strategy import TwoStage
 
-__all__ = ["TwoStage"]
+__all__ = ["TwoStage", "demo_data", "link"]
