@@ -84,7 +84,8 @@ READ_FRESH = READ.replace(
 PRELUDE = """
 import json, resource, sys, time
 import jax, jax.numpy as jnp, numpy as np
-from minifield.strategies.packed_sft import hf_checkpoint, hf_tensors
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.hf import tensors as hf_tensors
 jnp.zeros(1).block_until_ready()  # the backend up before the baseline
 def rss():
     with open("/proc/self/statm") as f:
@@ -167,10 +168,10 @@ LORA_BASE = (
     + """
 from pathlib import Path
 from minifield.inputs import examples
-from minifield.strategies.packed_sft import frozen_base
+from minifield.hf import stored_base
 arrays, _ = examples.load(Path(sys.argv[1]).parent / "prepared")
 verified = time.perf_counter()
-base = frozen_base.on_device(arrays, "bfloat16")
+base = stored_base.on_device(arrays, "bfloat16")
 jax.block_until_ready(base)
 done(start, before, verify_seconds=verified - start)
 """
@@ -180,7 +181,8 @@ done(start, before, verify_seconds=verified - start)
 LORA_UPDATE = """
 import json, statistics, sys, time
 import jax, jax.numpy as jnp, numpy as np, optax
-from minifield.strategies.packed_sft import hf_checkpoint, lora
+from minifield.hf import checkpoint as hf_checkpoint
+from minifield.training import lora
 from minifield.hf.stored_base import FrozenBase
 seq_len = int(sys.argv[2])
 cfg, params, layout = hf_checkpoint.load_stored(sys.argv[1], seq_len, "bfloat16")

@@ -22,7 +22,7 @@ from minifield.data import batches as batches_module
 from minifield.data import encoding, packing
 from minifield.data import tokenizer as tokenizers
 from minifield.strategies.packed_sft import demo_data
-from minifield.strategies.packed_sft.strategy import PackedSFT
+from minifield.strategies.packed_sft import PackedSFT
 
 SOURCE_ROWS = (5, 7, 11)
 WEIGHTS = (5.0, 3.0, 2.0)
