@@ -21,8 +21,7 @@ from minifield import recipe as recipes
 from minifield.data import batches as batches_module
 from minifield.data import encoding, packing
 from minifield.data import tokenizer as tokenizers
-from minifield.strategies.packed_sft import demo_data
-from minifield.strategies.packed_sft import PackedSFT
+from minifield.strategies.packed_sft import PackedSFT, demo_data
 
 SOURCE_ROWS = (5, 7, 11)
 WEIGHTS = (5.0, 3.0, 2.0)
