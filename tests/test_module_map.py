@@ -1,6 +1,6 @@
-"""The README's module map matches the tree under src/minifield/: every top-level module or
-package has a row, every module inside a package is named in its package's row, and no row
-names something that is not there."""
+"""The module map in docs/development.md matches the tree under src/minifield/: every
+top-level module or package has a row, every module inside a package is named in its
+package's row, and no row names something that is not there."""
 
 import re
 
@@ -11,8 +11,8 @@ PACKAGE = REPO / "src" / "minifield"
 
 def _map_rows() -> dict[str, str]:
     """First cell of each row (the names, backticks removed) -> the whole row."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Module map (`src/minifield/`)", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs" / "development.md").read_text(encoding="utf-8")
+    section = text.split("## Module map (`src/minifield/`)", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = line.split("|")
@@ -35,7 +35,8 @@ def test_every_top_level_entry_has_a_row_and_every_row_exists():
         if path.name not in ("__init__.py", "__pycache__")
     }
     assert named == top, (
-        f"README module map: missing {sorted(top - named)}, not in the tree {sorted(named - top)}"
+        f"docs/development.md module map: missing {sorted(top - named)}, "
+        f"not in the tree {sorted(named - top)}"
     )
 
 
@@ -50,4 +51,4 @@ def test_every_module_inside_a_package_is_named_in_its_row():
         [row] = [line for cell, line in rows.items() if top in _named(cell)]
         if not re.search(rf"\b{path.stem}\b", row.split("|", 2)[2]):
             missing.append(str(relative))
-    assert not missing, f"README module map does not name {missing}"
+    assert not missing, f"docs/development.md module map does not name {missing}"
