@@ -262,6 +262,7 @@ def test_new_without_base_keeps_the_like_recipes_base_when_its_files_are_there(p
         ("like recipe without a base", ["sft-demo.yaml", "model.base"]),
         ("unknown input", ["no input named 'extra'"]),
         ("bad input spec", ["--input 'train'", "NAME=FILE"]),
+        ("a base file by --input", ["--input base-config=", "--base replaces whole"]),
         ("symlink out of the input root", ["--dev", "outside the input root"]),
         ("data file not a format", [str(Path("data/mine/train.jsonl")) + ":1", "not those"]),
         ("recipe suffix", ["mine.txt", ".yaml"]),
@@ -297,6 +298,8 @@ def test_new_refuses_bad_input_naming_the_file_and_writes_nothing(project, capsy
         args += ["--input", "extra=data/mine/test.jsonl"]
     elif case == "bad input spec":
         args += ["--input", "train"]
+    elif case == "a base file by --input":
+        args += ["--input", "base-config=data/my-base/config.json"]
     elif case == "symlink out of the input root":
         (project / "elsewhere.jsonl").write_text(chat_rows(4, 9))
         (project / "data" / "mine" / "link.jsonl").symlink_to(project / "elsewhere.jsonl")
@@ -466,6 +469,14 @@ def test_own_base_and_data_through_the_pipeline_to_a_trained_export(tmp_path):
     )
     assert made.returncode == 0, made.stderr
     recipe_path = project / "config" / "recipes" / "mine.yaml"
+    worker = Path(sys.executable).parent / "minifield-worker"
+    checked = subprocess.run(
+        [worker, "--job", recipe_path, "--validate-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert checked.returncode == 0 and json.loads(checked.stdout)["valid"] is True
 
     # the settings a first small run changes (by hand, as a user would): no pin changes
     text = recipe_path.read_text()

@@ -355,6 +355,7 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
     old_base = model.get("base")
     base_names: set[str] = set()
     new_base_inputs: list[dict] = []
+    template_file = args.chat_template
     if args.base is not None:
         if not isinstance(old_base, dict):
             raise Refusal(
@@ -363,9 +364,15 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
             )
         for value in old_base.values():
             base_names.update(value if isinstance(value, list) else [value])
+        overlap = sorted(base_names & set(given))
+        if overlap:
+            raise Refusal(
+                f"--input {overlap[0]}=...: part of the --like recipe's model.base, which --base "
+                "replaces whole; give the file in the --base directory instead"
+            )
         files = base_files(args.base)
         taken = names - base_names
-        base, chat_template = {}, None
+        base = {}
         for key, found in files.items():
             paths = found if isinstance(found, list) else [found]
             input_names = (
@@ -374,7 +381,7 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
                 else [BASE_INPUTS[key]]
             )
             for name, path in zip(input_names, paths, strict=True):
-                if name in taken or name in given:
+                if name in taken:
                     raise Refusal(
                         f"--like {args.like}: its input {name!r} is not part of its model.base, "
                         "but a new base model's file needs that name; rename it in a copy of "
@@ -383,17 +390,20 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
                 relative = under_root(path, root, "--base")
                 new_base_inputs.append({"name": name, "path": relative, "sha256": None})
             base[key] = input_names if key == "weights" else input_names[0]
-        if args.chat_template is None and "chat_template" not in model:
+        if template_file is None and "chat_template" not in model:
             if not _has_template(files["tokenizer_config"]):
-                jinja = args.base / CHAT_TEMPLATE_FILE
-                if not jinja.is_file():
+                template_file = args.base / CHAT_TEMPLATE_FILE
+                if not template_file.is_file():
                     raise Refusal(
                         f"{files['tokenizer_config']}: no chat_template (a base model often has "
                         "none), and the --like recipe sets no model.chat_template: give one with "
                         "--chat-template FILE (a Jinja template, e.g. the instruct model's "
                         f"{CHAT_TEMPLATE_FILE})"
                     )
-                chat_template = jinja
+                notes.append(
+                    f"chat template: {template_file} (tokenizer_config.json has none), written "
+                    "into model.chat_template"
+                )
         stated = [key for key in BASE_CONFIG_KEYS if key in model]
         for key in stated:
             del model[key]
@@ -403,19 +413,13 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
                 "gives them"
             )
         model["base"] = base
-        if chat_template is not None:
-            args.chat_template = chat_template
-            notes.append(
-                f"chat template: {chat_template} (tokenizer_config.json has none), written into "
-                "model.chat_template"
-            )
-    if args.chat_template is not None:
+    if template_file is not None:
         if not isinstance(old_base, dict):
             raise Refusal("--chat-template: only for a recipe with a base model (model.base)")
         try:
-            model["chat_template"] = args.chat_template.read_text(encoding="utf-8")
+            model["chat_template"] = template_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise Refusal(f"--chat-template {args.chat_template}: cannot read ({exc})") from None
+            raise Refusal(f"{template_file}: cannot read the chat template ({exc})") from None
     strategy = (document.get("strategy") or {}).get("name")
     inputs: list[dict] = []
     formats: dict[Path, str] = {}
