@@ -203,8 +203,8 @@ def _json_file(path: Path) -> object:
 
 
 def _check_family(config_path: Path) -> None:
-    from ..strategies.packed_sft.families import ARCHITECTURES
-    from ..strategies.packed_sft.hf_config import MODEL_TYPES
+    from ..hf.config import MODEL_TYPES
+    from ..models.families import ARCHITECTURES
 
     config = _json_file(config_path)
     if not isinstance(config, dict):
@@ -296,7 +296,7 @@ def base_files(directory: Path) -> dict[str, list[Path] | Path]:
 def _first_row_format(path: Path) -> str:
     """The supervised format of the file's first row (packed-sft's reader); refuses a file
     it cannot read, naming file and line."""
-    from ..strategies.packed_sft import data_formats
+    from ..data import formats as data_formats
 
     source = data_formats.Source()
     try:
