@@ -104,7 +104,7 @@ def pytest_runtest_makereport(item, call):
 # the work dir's), so a computation the suite ran before loads its programs; a worker the tests
 # give their own `--compilation-cache` uses that one. A loaded executable computes what a
 # compiled one does: every update's state hash, the final hash and the export's bytes are the
-# same without the cache, cold and warm (README, Development). In this process the setting counts only where JAX is first imported
+# same without the cache, cold and warm (docs/development.md). In this process the setting counts only where JAX is first imported
 # after it (in a whole run, test modules import JAX while they are collected, before): its tests
 # rarely compile one program twice, and writing out every small one cost more than it saved.
 # Under pytest-xdist the directory is the session's, shared by its workers (each worker has a

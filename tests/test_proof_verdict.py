@@ -4,8 +4,8 @@ Each case alters one field of a proof `minifield prove` wrote for the linear dem
 a crash after update 3 resumed from the checkpoint of step 2, a preemption after update 3
 resumed from the checkpoint of step 3, six steps) and names, written out here by hand from
 the proof's own values, every reason the verdict must give. These tests are fast and read
-documents only; they are the tests the mutation run of the verdict uses (README,
-"Development"). The slow test at the end runs the same table on the proof the demo pipeline
+documents only; they are the tests the mutation run of the verdict uses
+(docs/development.md). The slow test at the end runs the same table on the proof the demo pipeline
 wrote in this test session.
 """
 

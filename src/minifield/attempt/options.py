@@ -38,7 +38,7 @@ def computation_cache(work_dir: Path) -> Path:
     (``JAX_COMPILATION_CACHE_DIR``), so every computation of a user's (or a test session's)
     runs shares one, else the computation's ``work_dir/jax-cache``. Either way a retried or
     resumed attempt finds the executables of the attempts before it; a loaded executable
-    computes what a compiled one does (README, Development)."""
+    computes what a compiled one does (docs/development.md)."""
     named = os.environ.get("JAX_COMPILATION_CACHE_DIR", "").strip()
     return Path(named) if named else Path(work_dir) / "jax-cache"
 
