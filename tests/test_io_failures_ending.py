@@ -2,7 +2,7 @@
 
 When the events file is what filled (``RLIMIT_FSIZE``, a full disk), whatever the attempt
 still has to say while handling that failure is refused too: the report of a checkpoint
-committed in the background but not yet reported. Such a refusal once
+committed in the background but not yet reported, a ``diverged`` event. Such a refusal once
 escaped the failure handling: the worker exited 5 with no ``result.json`` (and its
 ``.reserve`` left behind), the error misreported as "cannot open an attempt". These tests
 put the failure exactly there, not by timing.
@@ -10,16 +10,60 @@ put the failure exactly there, not by timing.
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import test_io_failures
 from conftest import read_events, run_worker, worker_args
+from test_divergence import _diverging_recipe
 from test_io_failures import _check_io_failed, _hashes, _only_new
+
+import minifield
+from minifield.attempt.events import EventLog
 
 #: the linear job of LINEAR_STEPS updates and its reference attempt (built once in this module)
 linear_job = test_io_failures.linear_job
+
+
+def test_a_divergence_met_on_a_full_events_file_still_ends_in_a_result(tmp_path, monkeypatch):
+    """The ``diverged`` event is refused (the events file is full from there on): the attempt
+    still ends with a result.json, io_failed (its ending could not be recorded) and naming the
+    divergence; the refused event once escaped the failure handling and left none.
+
+    In-process, the full file is a refusal of every append from that event on (the EFBIG an
+    append at ``RLIMIT_FSIZE`` gets): a real limit would hit this test process's own files."""
+    append, full = EventLog._append, []
+
+    def filling(self, data: bytes) -> None:
+        if b'"type": "diverged"' in data:
+            full.append(self.path)
+        if full:
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(self.path))
+        append(self, data)
+
+    monkeypatch.setattr(EventLog, "_append", filling)
+    recipe = _diverging_recipe(tmp_path / "in")
+    run = minifield.run(recipe, input_root=tmp_path / "in", output_root=tmp_path / "out")
+    assert (run.status, run.exit_code) == ("io_failed", 5) and full
+    assert run.attempt_dir is not None, run.error  # not "cannot open an attempt"
+    attempt = Path(run.attempt_dir)
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "io_failed" and run.error == result["error"]
+    assert result["error"]["phase"] == "finish"
+    message = result["error"]["message"]
+    assert message.startswith("the failed ending (diverged: update ")
+    assert message.endswith(f"was not recorded: [Errno 27] File too large: '{full[0]}'")
+    events = read_events(attempt / "events.jsonl")
+    assert events[-1]["type"] in ("update", "checkpoint_committed")
+    assert result["checkpoint"]["step"] == max(
+        e["step"] for e in events if e["type"] == "checkpoint_committed"
+    )
+    assert not (attempt / ".reserve").exists()
 
 
 #: the worker, with the events file filled at update STEP while the background write of the
