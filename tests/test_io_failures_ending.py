@@ -2,7 +2,8 @@
 
 When the events file is what filled (``RLIMIT_FSIZE``, a full disk), whatever the attempt
 still has to say while handling that failure is refused too: the report of a checkpoint
-committed in the background but not yet reported, a ``diverged`` event. Such a refusal once
+committed in the background but not yet reported, a ``diverged`` event; and a failing device
+may refuse even the removal of the attempt's ``.reserve``. Such a refusal once
 escaped the failure handling: the worker exited 5 with no ``result.json`` (and its
 ``.reserve`` left behind), the error misreported as "cannot open an attempt". These tests
 put the failure exactly there, not by timing.
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import test_io_failures
-from conftest import read_events, run_worker, worker_args
+from conftest import linear_recipe, read_events, run_worker, worker_args, write_recipe
 from test_divergence import _diverging_recipe
 from test_io_failures import _check_io_failed, _hashes, _only_new
 
 import minifield
+from minifield.attempt import setup as attempt_setup
 from minifield.attempt.events import EventLog
 
 #: the linear job of LINEAR_STEPS updates and its reference attempt (built once in this module)
@@ -64,6 +66,21 @@ def test_a_divergence_met_on_a_full_events_file_still_ends_in_a_result(tmp_path,
         e["step"] for e in events if e["type"] == "checkpoint_committed"
     )
     assert not (attempt / ".reserve").exists()
+
+
+def test_a_reserve_that_cannot_be_given_back_still_ends_in_a_result(tmp_path, monkeypatch, capsys):
+    """Giving the reserve back is the first of the last words: a failing device that refuses
+    it (EIO) is said, and result.json is still written (the error once escaped _finish)."""
+
+    def refused(directory: Path) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(directory / ".reserve"))
+
+    monkeypatch.setattr(attempt_setup, "release_reserve", refused)
+    job = write_recipe(tmp_path / "recipe.json", linear_recipe())
+    run = minifield.run(job, input_root=tmp_path, output_root=tmp_path / "out")
+    assert (run.status, run.exit_code) == ("completed", 0)
+    assert json.loads((Path(run.attempt_dir) / "result.json").read_text())["status"] == "completed"
+    assert "the reserve was not given back: [Errno 5] Input/output error" in capsys.readouterr().err
 
 
 #: the worker, with the events file filled at update STEP while the background write of the

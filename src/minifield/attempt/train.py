@@ -264,7 +264,10 @@ class Attempt:
         """Say how the attempt ended (:func:`~minifield.attempt.endings.record`)."""
         writer = self.options.group.is_writer
         if writer:
-            attempt_setup.release_reserve(self.dir)  # held since the start for these last words
+            try:  # held since the start for these last words
+                attempt_setup.release_reserve(self.dir)
+            except OSError as exc:  # a failing disk: result.json is still tried
+                self.say(f"the reserve was not given back: {exc}")
         try:
             ending = endings.record(
                 ending,
