@@ -78,8 +78,7 @@ class CheckpointCadence:
             known_digests=known,
         )
 
-    def _committed(self, committed: CheckpointRecord, **timing) -> CheckpointRecord:
-        self.newest = committed
+    def _report(self, committed: CheckpointRecord, **timing) -> None:
         self.events.emit(
             "checkpoint_committed",
             durable=True,
@@ -90,7 +89,6 @@ class CheckpointCadence:
             state_hash_version=STATE_HASH_VERSION,
             **timing,
         )
-        return self.newest
 
     def commit(self, state, step: int, compute_used: float) -> CheckpointRecord:
         """Commit ``state`` as checkpoint ``step`` now (a collective over the processes)."""
@@ -109,9 +107,9 @@ class CheckpointCadence:
             ) from exc
         self.group.barrier(f"checkpoint-{step}")
         seconds = time.monotonic() - started
-        return self._committed(
-            committed, seconds=seconds, blocking_seconds=seconds, asynchronous=False
-        )
+        self.newest = committed
+        self._report(committed, seconds=seconds, blocking_seconds=seconds, asynchronous=False)
+        return self.newest
 
     def commit_in_background(self, state, step: int, compute_used: float) -> None:
         """Take the host copy of ``state`` now; write and commit it on the writer's thread."""
@@ -124,8 +122,13 @@ class CheckpointCadence:
         write.blocking_seconds = time.monotonic() - started
 
     def _emit_done(self, done: list[Done]) -> None:
+        if done:
+            # durable is durable: ``newest`` (what result.json names) takes every finished
+            # write before its event is tried, so an event the events file refuses (full, at
+            # its size limit) loses no commit
+            self.newest = done[-1].committed
         for item in done:
-            self._committed(
+            self._report(
                 item.committed,
                 seconds=item.seconds,
                 blocking_seconds=item.write.blocking_seconds,

@@ -25,13 +25,19 @@ def diverged(
     else:
         last = f"the last finite state is the committed checkpoint of step {newest.step}"
         last += f" ({newest.path})" if newest.path else ""
-    events.emit(
-        "diverged",
-        step=exc.step,
-        metric=exc.metric,
-        value=str(exc.value),
-        checkpoint=newest.as_dict() if newest else None,
+    # handled like the ending's own event (record): the events file may be full, and a
+    # raise from here would skip result.json
+    refused = atomic.io_refusal(
+        lambda: events.emit(
+            "diverged",
+            step=exc.step,
+            metric=exc.metric,
+            value=str(exc.value),
+            checkpoint=newest.as_dict() if newest else None,
+        )
     )
+    if refused is not None:
+        say(f"the diverged event was not written: {refused}")
     say(f"{exc}; {last}")
     message = f"{exc}: training diverged; {last}; nothing was exported"
     return Ending.failed(AttemptError("diverged", message))
@@ -54,8 +60,10 @@ def record(
         if refused is not None:
             say(f"the attempt's last event was not written: {refused}")
             if ending.status != "io_failed":
+                # what ended the attempt (a divergence, say) stays in result.json's message
+                why = f" ({ending.error.phase}: {ending.error.message})" if ending.error else ""
                 error = AttemptError(
-                    "finish", f"the {ending.status} ending was not recorded: {refused}"
+                    "finish", f"the {ending.status} ending{why} was not recorded: {refused}"
                 )
                 ending = Ending.io_failed(error)
         if result_file is not None:

@@ -173,11 +173,24 @@ class Attempt:
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the
-        attempt's last event, so that nothing is written after ``result.json``."""
+        attempt's last event, so that nothing is written after ``result.json``.
+
+        Never raises: it runs inside the handling of the failure that ends the attempt, and
+        anything escaping from there would skip :meth:`_finish`, leaving no ``result.json``.
+        That failure may be the events file itself (full, at its size limit): the
+        ``checkpoint_committed`` event of a write that did commit is then refused too. The
+        commit still counts (``newest``, hence result.json, names it; a resume finds it on
+        disk); what was not written is said on stderr."""
         try:
             self.checkpoints.wait()
         except CheckpointWriteError as exc:
             self.say(str(exc))
+        except Exception as exc:  # noqa: BLE001 - the failure being handled ends the attempt
+            newest = self.checkpoints.newest
+            self.say(
+                f"a checkpoint's event was not written ({type(exc).__name__}: {exc}); the "
+                f"newest committed checkpoint is {newest.path if newest else None}"
+            )
 
     def _train(self, ready: attempt_setup.ReadyToTrain) -> Ending:
         program = ready.program
@@ -251,7 +264,10 @@ class Attempt:
         """Say how the attempt ended (:func:`~minifield.attempt.endings.record`)."""
         writer = self.options.group.is_writer
         if writer:
-            attempt_setup.release_reserve(self.dir)  # held since the start for these last words
+            try:  # held since the start for these last words
+                attempt_setup.release_reserve(self.dir)
+            except OSError as exc:  # a failing disk: result.json is still tried
+                self.say(f"the reserve was not given back: {exc}")
         try:
             ending = endings.record(
                 ending,
