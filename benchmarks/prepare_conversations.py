@@ -18,7 +18,13 @@ with ChatML's specials. Then, on the same file and tokenizer:
 Printed: examples/s of each, their ratio (goal ≥ 0.5), the load average before and after, and
 the packing fill of the prepared examples in rows of ``--seq-len`` (goal ≥ 97 %) with the
 sha256 of the packed arrays (``prepared_sha256``: equal before and after a change that must
-not change the prepared bytes). With ``--repeat R`` the two are timed R
+not change the prepared bytes). Unlike a state hash, that sha256 is a property of the code and
+its inputs, not of the machine: nothing on the way is floating-point work (the conversations
+from Python's ``random.Random``, BPE training and encoding by ``tokenizers``, which count and
+compare integers, the template rendered as text, first-fit packing; ``loss_mask`` is FP32 but
+only ever holds the assigned 0.0 and 1.0), and no XLA, so the value quoted in
+docs/packed-sft.md (``288f1312…``, for the defaults) is expected on any CPU with the lock's
+``tokenizers``, and with any number of prepare workers. With ``--repeat R`` the two are timed R
 times, alternately, and the fastest of each counts (on a shared machine the slower runs
 measure the other jobs).
 
