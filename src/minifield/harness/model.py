@@ -65,6 +65,8 @@ def _flag(name: str, value) -> bool:
 class MinifieldLM(TemplateLM):
     """An exported minifield model (``path``: the export directory) as an lm-eval model.
 
+    ``dtype``: the compute dtype, ``auto`` (the export's declared one, ``config.json``'s
+    ``torch_dtype``, as lm-eval's ``hf`` model loads it), ``float32`` or ``bfloat16``;
     ``batch_size`` requests per forward or generation batch; ``add_bos_token`` puts the
     tokenizer's ``<bos>`` before every context (as training did); ``cache``: a Llama model
     generates with its key/value cache (the same tokens either way).
@@ -73,6 +75,7 @@ class MinifieldLM(TemplateLM):
     def __init__(
         self,
         path: str,
+        dtype="auto",
         batch_size=8,
         add_bos_token=True,
         cache=True,
@@ -80,14 +83,19 @@ class MinifieldLM(TemplateLM):
         **_ignored,  # lm-eval passes device and similar settings every model receives
     ):
         super().__init__()
-        self.loaded = loading.load(path)
-        self.cfg = loading.scoring_config(self.loaded.cfg)
+        if dtype not in loading.DTYPES:
+            raise HarnessModelError(
+                f"model argument dtype={dtype!r}: expected {', '.join(loading.DTYPES)} "
+                "(auto: the export's declared dtype)"
+            )
         self.batch_size = _positive_int(
             "batch_size", 8 if batch_size in (None, "auto") else batch_size
         )
         self.add_bos_token = _flag("add_bos_token", add_bos_token)
         self.cache = _flag("cache", cache)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        self.loaded = loading.load(path, dtype)
+        self.cfg = loading.scoring_config(self.loaded.cfg)
 
     # -- tokens ------------------------------------------------------------------------------
 
