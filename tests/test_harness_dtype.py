@@ -1,4 +1,4 @@
-"""The harness model's compute dtype (``minifield.harness``).
+"""The harness model's compute dtype and model arguments (``minifield.harness``).
 
 An export declares its weights' dtype in ``config.json`` (``torch_dtype``); lm-eval's ``hf``
 model scores a directory in it (``dtype=auto``), whatever precision the run trained in, and
@@ -185,3 +185,37 @@ def test_a_config_without_a_dtype_declares_its_stored_tensors(tmp_path):
         export.ExportError, match=r"config.json: declares dtype 'float64', expected one"
     ):
         loading.declared_dtype(directory, model_json)
+
+
+def test_unknown_model_arguments_and_dtypes_are_refused_by_name(tmp_path):
+    from minifield.harness.model import HarnessModelError, MinifieldLM
+
+    directory = str(tmp_path / "none")  # nothing is loaded before the arguments are checked
+    with pytest.raises(HarnessModelError) as refused:
+        MinifieldLM.create_from_arg_string(f"path={directory},dtpye=float32")
+    assert str(refused.value) == (
+        "unknown model argument 'dtpye' (did you mean 'dtype'?): the minifield model takes "
+        "path, dtype, batch_size, add_bos_token, cache, max_gen_toks"
+    )
+    with pytest.raises(HarnessModelError, match=r"^unknown model arguments 'pretrained', 'x': "):
+        MinifieldLM(pretrained="gpt2", x=1)
+    for dtype in ("float16", "fp32", None):
+        with pytest.raises(HarnessModelError) as refused:
+            MinifieldLM(path=directory, dtype=dtype)
+        assert str(refused.value) == (
+            f"model argument dtype={dtype!r}: expected auto, float32, bfloat16 "
+            "(auto: the export's declared dtype)"
+        )
+    with pytest.raises(HarnessModelError, match=r"^model argument path=EXPORT_DIR is required"):
+        MinifieldLM(dtype="float32")
+
+
+def test_what_lm_eval_passes_every_model_is_accepted(export):
+    from minifield.harness.model import MinifieldLM
+
+    # simple_evaluate's additional_config: batch_size, max_batch_size and device (None dropped)
+    settings = {"batch_size": "4", "max_batch_size": 64, "device": "cuda:0"}
+    lm = MinifieldLM.create_from_arg_string(f"path={export},dtype=bfloat16", settings)
+    assert (lm.batch_size, lm.cfg.compute_dtype) == (4, "bfloat16")
+    lm = MinifieldLM.create_from_arg_obj({"path": str(export)}, {**settings, "device": None})
+    assert (lm.batch_size, lm.cfg.compute_dtype) == (4, "float32")
