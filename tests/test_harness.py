@@ -175,4 +175,5 @@ def test_shipped_multiple_choice_accuracy_equals_one_computed_by_hand(export, re
             scores.append(sum(logp_TxV[t - 1, ids[t]] for t in range(first, len(ids))))
         right += int(np.argmax(scores)) == doc["label"]
     assert results["samples"] == {"minifield_reverse_mc": len(docs)}
+    assert results["dtype"] == "float32"  # the export's declared dtype
     assert results["results"]["minifield_reverse_mc"]["acc"] == pytest.approx(right / len(docs))

@@ -40,6 +40,21 @@ def test_a_missing_export_exits_2_with_one_line(tmp_path, repo):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_misspelt_model_argument_exits_2_naming_it(tmp_path, repo):
+    _write_export(tmp_path / "export")
+    proc = _lm_eval(
+        "--model", "minifield", "--model_args", f"path={tmp_path / 'export'},dtpye=float32",
+        "--tasks", "minifield_reverse_gen", "--include_path", ".",
+        cwd=repo / "data" / "harness",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "minifield-lm-eval: unknown model argument 'dtpye' (did you mean 'dtype'?): the "
+        "minifield model takes path, dtype, batch_size, add_bos_token, cache, max_gen_toks"
+    )
+    assert "Traceback" not in proc.stderr
+
+
 def test_the_command_line_runs_the_shipped_generate_task_on_our_model(tmp_path, repo):
     from lm_eval.api.instance import Instance
 

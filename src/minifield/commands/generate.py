@@ -7,7 +7,12 @@ greedily unless ``generation_config.json`` says ``do_sample`` or a sampling flag
 
 Prompts must be UTF-8 text: a ``--prompt`` argument or a stdin line that is not valid UTF-8
 is refused (exit 2, naming it) before the model is loaded and before anything is printed; so
-is a bad flag value (one line naming the flag) or a bad ``generation_config.json`` field."""
+is a bad flag value (one line naming the flag) or a bad ``generation_config.json`` field.
+A prompt that leaves no position for a new token in the model's context is refused (exit 2,
+its length in tokens against the context) before anything is generated: its own tokens are
+counted before the chat template renders it, so a prompt far past the context is not met
+first by the template sandbox's size bound (which stays, for what a template itself builds),
+and then the rendered prompt's."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from . import bounded_float, bounded_int
 
 
 class PromptError(ValueError):
-    """A prompt that is not UTF-8 text."""
+    """A prompt that is not UTF-8 text, or too long for the model's context."""
 
 
 def _prompts(given: list[str] | None, stdin) -> list[str]:
@@ -53,6 +58,37 @@ def _ordinal(number: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(number, f"{number}th")
 
 
+def _prompt_ids(model, prompt: str, chat_template: bool, which: str) -> list[int]:
+    """The token ids ``model`` generates after (as ``model.generate`` lays the prompt out),
+    refused when they leave no position for a new token; ``which``: the prompt, in a message.
+
+    The prompt's own tokens are counted first: a prompt longer than the context cannot fit
+    whatever the template adds, and rendering it could pass the template sandbox's bound."""
+    context = model.cfg.max_len
+    own = len(model.tokenizer.encode(prompt))
+    if own >= context:
+        raise PromptError(_too_long(which, f"{own:,} tokens", context))
+    ids = model.prompt_ids(prompt, chat_template)
+    if len(ids) >= context:
+        laid_out = (
+            "its chat template"
+            if chat_template and model.template is not None
+            else "special tokens"
+        )
+        raise PromptError(
+            _too_long(which, f"{len(ids):,} tokens with {laid_out} ({own:,} of its own)", context)
+        )
+    return ids
+
+
+def _too_long(which: str, length: str, context: int) -> str:
+    return (
+        f"{which} is {length}, the model's context is {context:,} positions: shorten the "
+        "prompt (the context holds the prompt and at least one new token) or use a model "
+        "with a longer context"
+    )
+
+
 def run(args) -> int:
     from .. import api
 
@@ -61,24 +97,33 @@ def run(args) -> int:
         model = api.load_model(args.model)
         # the file's defaults and the flags together, judged before anything is printed
         sampling.resolve(model.generation, args.temperature, args.top_k, args.top_p)
+        # every prompt laid out and judged against the context before anything is printed
+        prompt_ids = [
+            _prompt_ids(
+                model,
+                prompt,
+                not args.no_chat_template,
+                "the prompt" if len(prompts) == 1 else f"prompt {number} of {len(prompts)}",
+            )
+            for number, prompt in enumerate(prompts, 1)
+        ]
     except (ValueError, OSError) as exc:
         print(f"minifield generate: {exc}", file=sys.stderr)
         return 2
-    for prompt in prompts:
-        try:
-            text = model.generate(
-                prompt,
+    for ids in prompt_ids:
+        try:  # model.generate, from the ids judged above
+            new = model.generate_ids(
+                ids,
                 args.max_new_tokens,
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,
                 seed=args.seed,
-                chat_template=not args.no_chat_template,
             )
         except ValueError as exc:
             print(f"minifield generate: {exc}", file=sys.stderr)
             return 2
-        print(text)
+        print(model.tokenizer.decode(new))
     return 0
 
 

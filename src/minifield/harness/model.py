@@ -61,33 +61,55 @@ def _flag(name: str, value) -> bool:
     raise HarnessModelError(f"model argument {name}={value!r}: expected true or false")
 
 
+#: what lm-eval 0.4.13 adds to every model's arguments (``simple_evaluate``: its
+#: ``batch_size``, ``max_batch_size`` and ``device``, when not None); the last two mean nothing
+#: here (batches are ``batch_size`` rows; JAX runs on its default device)
+LM_EVAL_SETTINGS = ("max_batch_size", "device")
+
+
 @register_model("minifield")
 class MinifieldLM(TemplateLM):
     """An exported minifield model (``path``: the export directory) as an lm-eval model.
 
+    ``dtype``: the compute dtype, ``auto`` (the export's declared one, ``config.json``'s
+    ``torch_dtype``, as lm-eval's ``hf`` model loads it), ``float32`` or ``bfloat16``;
     ``batch_size`` requests per forward or generation batch; ``add_bos_token`` puts the
     tokenizer's ``<bos>`` before every context (as training did); ``cache``: a Llama model
-    generates with its key/value cache (the same tokens either way).
+    generates with its key/value cache (the same tokens either way). Any other argument is
+    refused by name, except lm-eval's own ``max_batch_size`` and ``device`` (accepted, unused).
     """
+
+    ARGUMENTS = ("path", "dtype", "batch_size", "add_bos_token", "cache", "max_gen_toks")
 
     def __init__(
         self,
-        path: str,
+        path: str | None = None,
+        dtype="auto",
         batch_size=8,
         add_bos_token=True,
         cache=True,
         max_gen_toks=64,
-        **_ignored,  # lm-eval passes device and similar settings every model receives
+        **settings,
     ):
         super().__init__()
-        self.loaded = loading.load(path)
-        self.cfg = loading.scoring_config(self.loaded.cfg)
+        unknown = sorted(set(settings) - set(LM_EVAL_SETTINGS))
+        if unknown:
+            raise HarnessModelError(_unknown_arguments(unknown, self.ARGUMENTS))
+        if path is None:
+            raise HarnessModelError("model argument path=EXPORT_DIR is required")
+        if dtype not in loading.DTYPES:
+            raise HarnessModelError(
+                f"model argument dtype={dtype!r}: expected {', '.join(loading.DTYPES)} "
+                "(auto: the export's declared dtype)"
+            )
         self.batch_size = _positive_int(
             "batch_size", 8 if batch_size in (None, "auto") else batch_size
         )
         self.add_bos_token = _flag("add_bos_token", add_bos_token)
         self.cache = _flag("cache", cache)
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        self.loaded = loading.load(path, dtype)
+        self.cfg = loading.scoring_config(self.loaded.cfg)
 
     # -- tokens ------------------------------------------------------------------------------
 
@@ -239,6 +261,21 @@ class MinifieldLM(TemplateLM):
                     out[n] = cut_at_stop(self.tok_decode(new), settings[n][0])
                     self.cache_hook.add_partial("generate_until", requests[n].args, out[n])
         return out  # type: ignore[return-value]
+
+
+def _unknown_arguments(names: list[str], known: tuple[str, ...]) -> str:
+    """One line naming each unknown model argument (with the known name it is closest to)."""
+    import difflib
+
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(names) > 1 else ""
+    return (
+        f"unknown model argument{plural} {', '.join(parts)}: the minifield model takes "
+        f"{', '.join(known)}"
+    )
 
 
 def cut_at_stop(text: str, until: tuple[str, ...]) -> str:

@@ -34,8 +34,9 @@ def metric_values(task_results: dict) -> dict[str, float]:
 
 
 def evaluate(export_dir: Path, resolved: list[dict], harness: dict, batch_size: int) -> dict:
-    """Run the resolved tasks on the export; ``{"results": {task: {metric: value}},
-    "samples": {task: n}, "settings": ..., "lm_eval_version": ...}``."""
+    """Run the resolved tasks on the export, in its declared dtype; ``{"results": {task:
+    {metric: value}}, "samples": {task: n}, "settings": ..., "lm_eval_version": ...,
+    "dtype": ...}``."""
     os.environ.update(OFFLINE)
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -75,6 +76,8 @@ def evaluate(export_dir: Path, resolved: list[dict], harness: dict, batch_size: 
             for key in ("num_fewshot", "limit", "max_gen_toks", "chat_template")
         },
         "lm_eval_version": lm_eval.__version__,
+        # the compute dtype the tasks ran in: the export's declared one (docs/harness.md)
+        "dtype": lm.loaded.dtype,
     }
 
 
