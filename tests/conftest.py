@@ -402,6 +402,59 @@ def linear_demo_run(tmp_path_factory) -> Path:
     return workdir
 
 
+def readme_first_command() -> list[list[str]]:
+    """The README's first command (the main job), as the argument lists of its ``snakemake``
+    steps: what follows ``uv run --locked`` in each ``&&`` part (the install steps before them
+    are what the suite's own environment already did)."""
+    line = next(
+        line.strip()
+        for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+        if "uv run --locked snakemake --cores 2 &&" in line
+    )
+    prefix = "uv run --locked "
+    return [part.strip()[len(prefix) :].split() for part in line.split("&&") if prefix in part]
+
+
+@pytest.fixture(scope="session")
+def readme_pipeline_run(tmp_path_factory) -> Path:
+    """The README's first command on a fresh copy of the repository's tracked files: the
+    default demo recipes through the whole pipeline, report included, run once per session
+    and read by every test that only looks at what it made (tests/test_readme_commands.py,
+    tests/test_llama_demo.py). Nothing may change it: a test that edits works on a copy."""
+    import shutil
+
+    tracked = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
+    workdir = tmp_path_factory.mktemp("readme-run") / "minifield"
+    for name in filter(None, tracked):
+        source = REPO / name
+        if source.is_file():
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, workdir / name)
+    for argv in readme_first_command():
+        assert argv[0] == "snakemake", argv
+        proc = subprocess.run(
+            [sys.executable, "-m", *argv],
+            cwd=workdir,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            check=False,
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF),
+            },
+        )
+        assert proc.returncode == 0, (
+            f"{' '.join(argv)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return workdir
+
+
 def copy_run(template: Path, destination: Path) -> Path:
     """A private copy of a finished project directory (results, work dir, Snakemake metadata)."""
     import shutil
