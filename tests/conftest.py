@@ -23,6 +23,24 @@ pytest_plugins = ["pytester"]  # test_fast_tier runs this conftest on probe test
 # module's fixtures end in its last test's tear-down, whichever tier that test is in.
 
 
+#: the fast tier's marker expression, exactly as the development notes give it
+FAST_TIER = "not slow"
+
+
+def pytest_configure(config):
+    """The fast tier compiles with XLA's optimizations mostly off (JAX's
+    ``jax_disable_most_optimizations``): its tests are small programs compiled once each, so
+    compiling is most of their time, and this halves it (the tier's test bodies: 285 -> 147
+    CPU-s; docs/performance.md). Every comparison a fast test makes is between programs compiled
+    the same way in the same process, or against NumPy within a tolerance. The full suite (what
+    CI runs) compiles as production does, so the same tests also run with the optimizations
+    the workers use."""
+    if (config.option.markexpr or "").strip() == FAST_TIER:
+        import jax
+
+        jax.config.update("jax_disable_most_optimizations", True)
+
+
 class UnmarkedSubprocess(RuntimeError):
     """A test outside the slow tier started a process."""
 
