@@ -448,10 +448,12 @@ def readme_pipeline_run(tmp_path_factory) -> Path:
     )
     workdir = tmp_path_factory.mktemp("readme-run") / "minifield"
     for name in filter(None, tracked):
-        source = REPO / name
-        if source.is_file():
-            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, workdir / name)
+        source, target = REPO / name, workdir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():  # e.g. workflow/schemas, as a clone checks it out
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
     for argv in readme_first_command():
         assert argv[0] == "snakemake", argv
         proc = subprocess.run(
