@@ -254,16 +254,7 @@ class Attempt:
                 self.events,
                 self.progress,
                 result_file=self.dir / RESULT if writer else None,
-                document=lambda final: attempt_result.document(
-                    final,
-                    self.progress,
-                    self.checkpoints.newest,
-                    recipe=self.recipe,
-                    attempt_id=self.attempt_id,
-                    env=self.env,
-                    resumed_from=self.options.resume_from,
-                    started=self.started,
-                ),
+                document=lambda final: _result_document(self, final),
                 say=self.say,
             )
         finally:
@@ -295,6 +286,20 @@ def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
         events=attempt.events,
         progress=attempt.progress,
         say=attempt.say,
+    )
+
+
+def _result_document(attempt: Attempt, ending: Ending) -> dict:
+    """``result.json`` of the attempt ended ``ending``: what it reads of the attempt, named."""
+    return attempt_result.document(
+        ending,
+        attempt.progress,
+        attempt.checkpoints.newest,
+        recipe=attempt.recipe,
+        attempt_id=attempt.attempt_id,
+        env=attempt.env,
+        resumed_from=attempt.options.resume_from,
+        started=attempt.started,
     )
 
 
