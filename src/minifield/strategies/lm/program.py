@@ -179,13 +179,7 @@ class LMProgram(Program):
         if self.layout is not None:
             batch = jax.device_put(batch, self.layout.batch)
         new_state, metrics = self._compiled(state, batch)
-
-        def read_metrics() -> dict[str, float]:
-            host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
-            host["loss_tokens"] = host.pop("tokens", float("nan"))
-            return {**host, **counts}
-
-        return new_state, read_metrics
+        return new_state, lambda: _host_metrics(metrics, counts)
 
     # -- evaluation and export -----------------------------------------------------------------
     def _eval_params(self, state: dict):
@@ -228,6 +222,14 @@ class LMProgram(Program):
             lora_run,
             self.export_strategy,
         )
+
+
+def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
+    """An update's metrics read back on the host (the scalars, ``tokens`` as ``loss_tokens``)
+    beside the batch's counts: what ``dispatch`` returns the caller to ask for."""
+    host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+    host["loss_tokens"] = host.pop("tokens", float("nan"))
+    return {**host, **counts}
 
 
 def _update_shardings(layout, data_parallel, abstract_batch: dict) -> dict:
