@@ -28,8 +28,7 @@ from typing import NamedTuple
 from .. import atomic
 from ..recipe import Recipe
 from ..state import export
-from ..state.arrays import STATE_HASH_VERSION
-from . import endings, environment, resume
+from . import completion, endings, environment, resume
 from . import result as attempt_result
 from . import setup as attempt_setup
 from .checkpoint_cadence import CheckpointCadence, fault_hook
@@ -57,7 +56,6 @@ from .update_loop import (
     HostSnapshot,
     Stopped,
     UpdateLoop,
-    check_evaluation,
     periodic_evaluation,
 )
 
@@ -231,34 +229,16 @@ class Attempt:
         if isinstance(end, Stopped):
             self.events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
             return Ending.limit_reached(end.stop.reason)
-        return self._complete(program, end.state, end.step)
-
-    def _complete(self, program, state, step: int) -> Ending:
-        """The final evaluation, the export and the final state hash."""
-        import jax
-
-        from ..state.arrays import to_host
-
-        if self.options.group.size > 1:
-            # one host copy on every process (a collective when sharded over processes), so
-            # that process 0 alone can export it afterwards
-            state = jax.tree_util.tree_map(to_host, state)
-        started = time.monotonic()
-        final_metrics = program.evaluate(state)
-        check_evaluation(step, final_metrics)
-        self.progress.metrics.update(final_metrics)
-        self.events.emit(
-            "evaluation",
-            step=step,
-            metrics=final_metrics,
-            seconds=time.monotonic() - started,
-            final=True,
+        return completion.complete(
+            program,
+            end.state,
+            end.step,
+            group=self.options.group,
+            events=self.events,
+            progress=self.progress,
+            snapshot=self.snapshot,
+            export_dir=self.dir / EXPORT,
         )
-        if self.options.group.is_writer:
-            export.write_whole(self.dir / EXPORT, lambda partial: program.export(state, partial))
-        self.progress.final_state_hash = self.snapshot.hash_of(state, step)
-        self.progress.state_hash_version = STATE_HASH_VERSION
-        return Ending.completed()
 
     def _finish(self, ending: Ending) -> int:
         """Say how the attempt ended (:func:`~minifield.attempt.endings.record`)."""
@@ -274,16 +254,7 @@ class Attempt:
                 self.events,
                 self.progress,
                 result_file=self.dir / RESULT if writer else None,
-                document=lambda final: attempt_result.document(
-                    final,
-                    self.progress,
-                    self.checkpoints.newest,
-                    recipe=self.recipe,
-                    attempt_id=self.attempt_id,
-                    env=self.env,
-                    resumed_from=self.options.resume_from,
-                    started=self.started,
-                ),
+                document=lambda final: _result_document(self, final),
                 say=self.say,
             )
         finally:
@@ -315,6 +286,20 @@ def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
         events=attempt.events,
         progress=attempt.progress,
         say=attempt.say,
+    )
+
+
+def _result_document(attempt: Attempt, ending: Ending) -> dict:
+    """``result.json`` of the attempt ended ``ending``: what it reads of the attempt, named."""
+    return attempt_result.document(
+        ending,
+        attempt.progress,
+        attempt.checkpoints.newest,
+        recipe=attempt.recipe,
+        attempt_id=attempt.attempt_id,
+        env=attempt.env,
+        resumed_from=attempt.options.resume_from,
+        started=attempt.started,
     )
 
 

@@ -19,12 +19,15 @@ parsing the result; where that cannot be done, the recipe is rewritten whole, an
 Bad input (a missing file, a directory that is not an HF model, an output that exists without
 ``--force``, a recipe that does not validate) is refused with one message naming the file,
 exit 2, and nothing written: the recipe is validated before it is written, atomically.
+
+This module is the command: its arguments, what it prints, its exit codes. The recipe is
+derived by :mod:`minifield.own_recipe`, the base directory's files found by
+:mod:`minifield.hf.base_files`, the inputs pinned by :mod:`minifield.inputs.repin`.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shlex
@@ -33,10 +36,11 @@ from pathlib import Path
 
 import yaml
 
-from .. import atomic
+from .. import atomic, own_recipe
 from .. import recipe as recipes
-from ..digest import sha256_file
-from ..inputs import pinned
+from ..hf.base_files import BaseFilesError
+from ..inputs import repin as pins
+from ..own_recipe import DATA_FLAGS
 
 EXIT_STALE = 1
 EXIT_REFUSED = 2
@@ -44,56 +48,17 @@ EXIT_REFUSED = 2
 CONFIG_FILE = Path("config/config.yaml")
 #: the pipeline's default input root (config/README.md: ``input_root``)
 DEFAULT_INPUT_ROOT = Path("data")
-#: ``model.base`` key -> the name of the input that holds it in a written recipe (the Llama
-#: demo's names); shards of a sharded checkpoint are ``base-weights-1`` ... ``base-weights-N``
-BASE_INPUTS = {
-    "config": "base-config",
-    "weights": "base-weights",
-    "index": "base-index",
-    "tokenizer": "base-tokenizer",
-    "tokenizer_config": "base-tokenizer-config",
-    "generation_config": "base-generation-config",
-}
-#: ``model.base`` key -> the HF file name of that role
-BASE_FILES = {
-    "config": "config.json",
-    "weights": "model.safetensors",
-    "index": "model.safetensors.index.json",
-    "tokenizer": "tokenizer.json",
-    "tokenizer_config": "tokenizer_config.json",
-    "generation_config": "generation_config.json",
-}
-#: a chat template saved beside the tokenizer (transformers >= 4.47 writes it there)
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
-#: model keys that only restate the base's config.json (packed-sft checks them against it):
-#: stated in the --like recipe about its own base, they are dropped with a new --base
-BASE_CONFIG_KEYS = (
-    "d_model",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "d_ff",
-    "rope_theta",
-    "norm_eps",
-    "qkv_bias",
-    "tie_embeddings",
-    "head_dim",
-    "qk_norm",
-    "sliding_window",
-)
-#: the inputs --train, --dev and --test replace
-DATA_FLAGS = ("train", "dev", "test")
-#: what describes how a replaced data file is read: the --like recipe's file, not yours
-READ_SETTINGS = ("format", "columns", "roles")
 _JOB_ID = re.compile(r"[^A-Za-z0-9._-]+")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: characters that would end a comment line of the YAML header (a path may hold them)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class Refusal(Exception):
     """Bad input: the message names the file and what to do; exit 2, nothing written."""
+
+
+#: what the library refuses with, said as a :class:`Refusal` is
+REFUSED = (Refusal, own_recipe.OwnRecipeError, BaseFilesError, pins.PinError)
 
 
 # ----------------------------------------------------------------------------- shared
@@ -125,54 +90,11 @@ def _input_root(args) -> tuple[Path, str]:
     return root, source
 
 
-def under_root(path: Path, root: Path, flag: str) -> str:
-    """``path`` (as given, relative to the working directory) as a recipe path: relative to
-    ``root``, POSIX separators; refuses a path outside the root, saying what to do."""
-    for candidate, base in (
-        (Path(os.path.abspath(path)), Path(os.path.abspath(root))),
-        (path.resolve(), root.resolve()),
-    ):
-        try:
-            relative = candidate.relative_to(base).as_posix()
-            break
-        except ValueError:
-            continue
-    else:
-        suggestion = root / path.name
-        raise Refusal(
-            f"{flag} {path}: outside the input root {root} (recipe paths are relative to it, "
-            f"without '..' or absolute paths). Copy it there, e.g. `cp -r {shlex.quote(str(path))} "
-            f"{shlex.quote(str(suggestion))}`, and give {flag} {suggestion}; or pass "
-            "--input-root (the pipeline must use the same one: config input_root)"
-        )
-    if relative == ".":
-        raise Refusal(f"{flag} {path}: is the input root itself, not a file under it")
-    try:
-        pinned.resolve(root, relative)
-    except pinned.InputError as exc:  # a symlink leaving the root
-        raise Refusal(
-            f"{flag} {path}: {exc}; copy the file itself under the input root (the worker "
-            "refuses a symlink that leaves it)"
-        ) from None
-    return relative
-
-
 def _write(path: Path, text: str) -> None:
     try:
         atomic.write_bytes(path, text.encode("utf-8"))
     except OSError as exc:
         raise Refusal(f"cannot write {exc.filename or path}: {exc.strerror or exc}") from None
-
-
-def _is_yaml(path: Path) -> bool:
-    return path.suffix.lower() in (".yaml", ".yml")
-
-
-def _dump(document: dict, path: Path, header: str = "") -> str:
-    if _is_yaml(path):
-        body = yaml.safe_dump(document, sort_keys=False, allow_unicode=True, width=100)
-        return header + body
-    return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
 
 
 def _validated(document: dict, source: str) -> recipes.Recipe:
@@ -193,118 +115,6 @@ def _read_recipe(path: Path, flag: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- new
-
-
-def _json_file(path: Path) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise Refusal(f"{path}: not readable JSON ({exc})") from None
-
-
-def _check_family(config_path: Path) -> None:
-    from ..hf.config import MODEL_TYPES
-    from ..models.families import ARCHITECTURES
-
-    config = _json_file(config_path)
-    if not isinstance(config, dict):
-        raise Refusal(f"{config_path}: expected a JSON object (an HF config.json)")
-    model_type, archs = config.get("model_type"), config.get("architectures")
-    known = model_type in MODEL_TYPES if isinstance(model_type, str) else None
-    if known is None and isinstance(archs, list) and archs:
-        known = archs[0] in ARCHITECTURES
-    if not known:
-        raise Refusal(
-            f"{config_path}: model_type {model_type!r} (architectures {archs!r}) is not a family "
-            f"minifield fine-tunes (model_type one of {list(MODEL_TYPES)}; see "
-            "docs/pretrained.md, families)"
-        )
-
-
-def _shards(index: Path) -> list[Path]:
-    document = _json_file(index)
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise Refusal(f"{index}: not a safetensors index (no weight_map)")
-    shards = []
-    for name in sorted(set(map(str, weight_map.values()))):
-        shard = index.parent / name
-        if Path(name).name != name or Path(name).suffix != ".safetensors":
-            raise Refusal(f"{index}: names shard {name!r}, not a .safetensors file beside it")
-        if not shard.is_file():
-            raise Refusal(f"{shard}: missing (named by {index})")
-        shards.append(shard)
-    return shards
-
-
-def _has_template(tokenizer_config: Path) -> bool:
-    config = _json_file(tokenizer_config)
-    if not isinstance(config, dict):
-        raise Refusal(f"{tokenizer_config}: expected a JSON object")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = template.get("default")
-    return isinstance(template, str) and bool(template)
-
-
-def base_files(directory: Path) -> dict[str, list[Path] | Path]:
-    """``model.base`` key -> the file(s) of the HF directory that play that role; refuses a
-    directory that is not an HF model minifield reads (the message names the file)."""
-    described = (
-        "an HF model directory: config.json, model.safetensors (or model.safetensors.index.json "
-        "and its shards), tokenizer.json, tokenizer_config.json"
-    )
-    if not directory.is_dir():
-        state = "not a directory" if directory.exists() else "no such directory"
-        raise Refusal(f"--base {directory}: {state} (give {described})")
-    files: dict[str, list[Path] | Path] = {}
-    config = directory / BASE_FILES["config"]
-    if not config.is_file():
-        raise Refusal(f"{config}: missing, so {directory} is not {described}")
-    _check_family(config)
-    files["config"] = config
-    single, index = directory / BASE_FILES["weights"], directory / BASE_FILES["index"]
-    if single.is_file():
-        files["weights"] = [single]
-    elif index.is_file():
-        files["index"], files["weights"] = index, _shards(index)
-    else:
-        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise Refusal(
-                f"{directory / pickles[0]}: a pickle checkpoint, refused (unpickling runs "
-                "arbitrary code); save the model as safetensors first (transformers: "
-                "model.save_pretrained(DIR, safe_serialization=True))"
-            )
-        raise Refusal(f"{single}: missing (nor {index.name}), so {directory} is not {described}")
-    for key in ("tokenizer", "tokenizer_config"):
-        path = directory / BASE_FILES[key]
-        if not path.is_file():
-            raise Refusal(
-                f"{path}: missing, so {directory} is not {described} (minifield reads the fast "
-                "tokenizer's files: AutoTokenizer.from_pretrained(...).save_pretrained(DIR) "
-                "writes them)"
-            )
-        files[key] = path
-    generation = directory / BASE_FILES["generation_config"]
-    if generation.is_file():
-        files["generation_config"] = generation
-    return files
-
-
-def _first_row_format(path: Path) -> str:
-    """The supervised format of the file's first row (packed-sft's reader); refuses a file
-    it cannot read, naming file and line."""
-    from ..data import formats as data_formats
-
-    source = data_formats.Source()
-    try:
-        for row, where in data_formats.rows(path, source):
-            return data_formats.row_example(row, where, None, source, True)[1]
-    except data_formats.DataError as exc:
-        raise Refusal(str(exc)) from None
-    raise Refusal(f"{path}: no examples (the file is empty)")
 
 
 def _job_id(args) -> str:
@@ -339,167 +149,11 @@ def build(args, root: Path) -> tuple[dict, list[dict], list[str]]:
     """The new recipe (as written), one row per pinned input it holds, and notes to print."""
     like = _read_recipe(args.like, "--like")
     _validated(copy.deepcopy(like), f"--like {args.like}")
-    document = copy.deepcopy(like)
-    notes = []
-    items = [item for item in document.get("inputs", []) if isinstance(item, dict)]
-    names = {item.get("name") for item in items}
-    given, data_notes = _data_paths(args, names)
-    notes += data_notes
-    unknown = sorted(set(given) - names)
-    if unknown:
-        raise Refusal(
-            f"--like {args.like} has no input named {unknown[0]!r} to replace (its inputs: "
-            f"{sorted(n for n in names if isinstance(n, str))})"
-        )
-    model = document.get("model") if isinstance(document.get("model"), dict) else {}
-    old_base = model.get("base")
-    base_names: set[str] = set()
-    new_base_inputs: list[dict] = []
-    template_file = args.chat_template
-    if args.base is not None:
-        if not isinstance(old_base, dict):
-            raise Refusal(
-                f"--like {args.like} trains its model from scratch (no model.base): --base needs "
-                "a recipe that fine-tunes a base model, e.g. config/recipes/llama-sft-demo.yaml"
-            )
-        for value in old_base.values():
-            base_names.update(value if isinstance(value, list) else [value])
-        overlap = sorted(base_names & set(given))
-        if overlap:
-            raise Refusal(
-                f"--input {overlap[0]}=...: part of the --like recipe's model.base, which --base "
-                "replaces whole; give the file in the --base directory instead"
-            )
-        files = base_files(args.base)
-        taken = names - base_names
-        base = {}
-        for key, found in files.items():
-            paths = found if isinstance(found, list) else [found]
-            input_names = (
-                [f"{BASE_INPUTS[key]}-{i}" for i in range(1, len(paths) + 1)]
-                if key == "weights" and len(paths) > 1
-                else [BASE_INPUTS[key]]
-            )
-            for name, path in zip(input_names, paths, strict=True):
-                if name in taken:
-                    raise Refusal(
-                        f"--like {args.like}: its input {name!r} is not part of its model.base, "
-                        "but a new base model's file needs that name; rename it in a copy of "
-                        "the recipe"
-                    )
-                relative = under_root(path, root, "--base")
-                new_base_inputs.append({"name": name, "path": relative, "sha256": None})
-            base[key] = input_names if key == "weights" else input_names[0]
-        if template_file is None and "chat_template" not in model:
-            if not _has_template(files["tokenizer_config"]):
-                template_file = args.base / CHAT_TEMPLATE_FILE
-                if not template_file.is_file():
-                    raise Refusal(
-                        f"{files['tokenizer_config']}: no chat_template (a base model often has "
-                        "none), and the --like recipe sets no model.chat_template: give one with "
-                        "--chat-template FILE (a Jinja template, e.g. the instruct model's "
-                        f"{CHAT_TEMPLATE_FILE})"
-                    )
-                notes.append(
-                    f"chat template: {template_file} (tokenizer_config.json has none), written "
-                    "into model.chat_template"
-                )
-        stated = [key for key in BASE_CONFIG_KEYS if key in model]
-        for key in stated:
-            del model[key]
-        if stated:
-            notes.append(
-                f"dropped model.{', model.'.join(stated)} of --like: the new base's config.json "
-                "gives them"
-            )
-        model["base"] = base
-    if template_file is not None:
-        if not isinstance(old_base, dict):
-            raise Refusal("--chat-template: only for a recipe with a base model (model.base)")
-        try:
-            model["chat_template"] = template_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise Refusal(f"{template_file}: cannot read the chat template ({exc})") from None
-    strategy = (document.get("strategy") or {}).get("name")
-    inputs: list[dict] = []
-    formats: dict[Path, str] = {}
-    for item in document.get("inputs", []):
-        name = item.get("name")
-        if name in base_names:
-            inputs += new_base_inputs  # where the old base's first file was; once
-            new_base_inputs = []
-            continue
-        if name in given:
-            flag = f"--{name}" if name in DATA_FLAGS else f"--input {name}="
-            path = given[name]
-            if not path.is_file():
-                state = "not a file" if path.exists() else "no such file"
-                raise Refusal(f"{flag} {path}: {state}")
-            relative = under_root(path, root, flag.rstrip("="))
-            dropped = [key for key in READ_SETTINGS if key in item]
-            if dropped:
-                notes.append(
-                    f"input {name}: dropped {', '.join(dropped)} of --like (they described its "
-                    "file; yours is detected from its first row)"
-                )
-            item = {"name": name, "path": relative, "sha256": None}
-            if strategy == "packed-sft" and name in DATA_FLAGS and path not in formats:
-                formats[path] = _first_row_format(path)
-                notes.append(
-                    f"{path}: rows read as {formats[path]!r} (detected from its first row)"
-                )
-        inputs.append(item)
-    document["inputs"] = inputs
-    rows = _pin(document, root, args.like)
-    document["job_id"] = _job_id(args)
-    document.pop("attempt_id", None)  # an execution's identity, never reused
-    return _ordered(document, like), rows, notes
-
-
-def _pin(document: dict, root: Path, like: Path) -> list[dict]:
-    """Hash every local input written by this command (sha256 None) and check every one kept
-    from the --like recipe against its pin; one row per input."""
-    rows, problems, absent = [], [], []
-    for item in document["inputs"]:
-        if "path" not in item:
-            rows.append({"name": item["name"], "path": item.get("url"), "sha256": item["sha256"]})
-            continue
-        try:
-            path = pinned.resolve(root, item["path"])
-        except pinned.InputError as exc:
-            problems.append(f"input {item['name']!r}: {exc}")
-            continue
-        if not path.is_file():
-            absent.append(f"{item['name']} ({root / item['path']})")
-            continue
-        actual = sha256_file(path)
-        if item["sha256"] is None:
-            item["sha256"] = actual
-        elif actual != item["sha256"]:
-            problems.append(
-                f"input {item['name']!r} (kept from --like {like}): {root / item['path']} has "
-                f"sha256 {actual}, but --like pins {item['sha256']}; give the file with a flag, "
-                "or write the recipe and run `minifield recipe repin` on it"
-            )
-            continue
-        rows.append({"name": item["name"], "path": item["path"], "sha256": actual})
-    if absent:
-        problems.append(
-            f"--like {like} keeps inputs whose files are not under the input root {root}: "
-            f"{', '.join(absent)}; give yours (--base, --train, --dev, --test, --input "
-            "NAME=FILE) or put those files there"
-        )
-    if problems:
-        raise Refusal("; ".join(problems))
-    return rows
-
-
-def _ordered(document: dict, like: dict) -> dict:
-    """``document`` with ``job_id`` first and the rest in the --like recipe's order."""
-    order = ["job_id", *(key for key in like if key != "job_id")]
-    out = {key: document[key] for key in order if key in document}
-    out.update({key: value for key, value in document.items() if key not in out})
-    return out
+    given, notes = _data_paths(args, own_recipe.input_names(like))
+    document, rows, derived_notes = own_recipe.derive(
+        like, args.like, given, args.base, args.chat_template, root, _job_id(args)
+    )
+    return document, rows, notes + derived_notes
 
 
 def _command(args) -> str:
@@ -516,7 +170,7 @@ def _command(args) -> str:
 
 def run_new(args) -> int:
     output = args.output
-    if not _is_yaml(output) and output.suffix.lower() != ".json":
+    if not own_recipe.is_yaml(output) and output.suffix.lower() != ".json":
         raise Refusal(f"-o {output}: name the recipe .yaml, .yml or .json (its format)")
     if output.is_dir():
         raise Refusal(f"-o {output}: is a directory; give the recipe file to write")
@@ -531,7 +185,7 @@ def run_new(args) -> int:
         f"After changing an input file, re-pin: minifield recipe repin {output}",
     )
     header = "".join(f"# {_CONTROL.sub('?', line)}\n" for line in lines)
-    _write(output, _dump(document, output, header))
+    _write(output, own_recipe.dump(document, output, header))
     width = max(len(row["name"]) for row in rows) if rows else 0
     print(
         f"wrote {output}: job_id {document['job_id']}, computation "
@@ -553,64 +207,17 @@ def run_new(args) -> int:
 # ----------------------------------------------------------------------------- repin
 
 
-def _edited_text(text: str, old: list[str], new: list[str]) -> str | None:
-    """``text`` with each pin of ``old`` (every local input's, in order) replaced by ``new``'s,
-    found in order; None where a pin is not found as written."""
-    out, cursor = [], 0
-    for before, after in zip(old, new, strict=True):
-        if not isinstance(before, str) or not _HEX64.match(before):
-            return None
-        at = text.find(before, cursor)
-        if at < 0:
-            return None
-        out += [text[cursor:at], after]
-        cursor = at + len(before)
-    return "".join(out) + text[cursor:]
-
-
-def _parsed(text: str, path: Path) -> object:
-    """``text`` read as ``path``'s format would be (None where it does not parse)."""
-    try:
-        return yaml.safe_load(text) if _is_yaml(path) else json.loads(text)
-    except (ValueError, yaml.YAMLError):
-        return None
-
-
 def run_repin(args) -> int:
     path = args.recipe
     document = _read_recipe(path, "")
     root, root_source = _input_root(args)
-    items = document.get("inputs")
-    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-        raise Refusal(f"{path}: inputs is not a list of {{name, path, sha256}} entries")
-    updated = copy.deepcopy(document)
-    local = [(i, item) for i, item in enumerate(updated["inputs"]) if "path" in item]
-    hashes, problems = {}, []
-    for _, item in local:
-        name, where = item.get("name"), item.get("path")
-        try:
-            file = pinned.resolve(root, str(where))
-        except pinned.InputError as exc:
-            problems.append(f"input {name!r}: {exc}")
-            continue
-        if not file.is_file():
-            problems.append(f"input {name!r}: {root / str(where)} does not exist")
-            continue
-        if file not in hashes:
-            hashes[file] = sha256_file(file)
-        item["sha256"] = hashes[file]
-    if problems:
-        raise Refusal(f"{path}: " + "; ".join(problems) + f" (input root {root}); nothing written")
+    updated, local = pins.rehash(document, root, path)
     checked = _validated(updated, str(path))
     try:
         before = recipes.validate(document, str(path)).computation_digest[:16]
     except recipes.RecipeError:
         before = "(not valid before)"
-    changes = [
-        (item["name"], item["path"], document["inputs"][i].get("sha256"), item["sha256"])
-        for i, item in local
-        if document["inputs"][i].get("sha256") != item["sha256"]
-    ]
+    changes = pins.changed_pins(document, local)
     verb = "stale" if args.check else "re-pinned"
     for name, where, old, new in changes:
         print(f"{verb}: input {name} ({where}): sha256 {old or '(none)'} -> {new}")
@@ -628,11 +235,8 @@ def run_repin(args) -> int:
         print(f"{path}: all {len(local)} local pins current (input root {root}); not rewritten")
         return 0
     text = path.read_text(encoding="utf-8")
-    old = [document["inputs"][i].get("sha256") for i, _ in local]
-    edited = _edited_text(text, old, [item["sha256"] for _, item in local])
-    kept = edited is not None and _parsed(edited, path) == updated
+    edited, kept = own_recipe.repinned_text(text, path, document, updated, local)
     if not kept:
-        edited = _dump(updated, path)
         print(
             f"note: {path} rewritten whole (its pins could not be edited in place): comments dropped"
         )
@@ -650,7 +254,7 @@ def run_repin(args) -> int:
 def run(args) -> int:
     try:
         return args.action(args)
-    except Refusal as exc:
+    except REFUSED as exc:
         print(f"minifield recipe {args.recipe_command}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
 

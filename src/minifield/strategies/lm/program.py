@@ -139,12 +139,7 @@ class LMProgram(Program):
         the state's buffers. Without it (``devices: 1``) a plain single-device jit."""
         import jax
 
-        abstract_state = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-            jax.eval_shape(self.start.on_one_device),
-        )
-        batch = self.batches.batch(0)
-        abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+        abstract_state, abstract_batch = _abstract_arguments(self.start, self.batches)
         if self.lora is not None:  # one device (checked at validation); the base an argument
             fn = jax.jit(self._step_fn, donate_argnums=(0,))
             abstract_base = jax.eval_shape(lambda: self._base)
@@ -179,13 +174,7 @@ class LMProgram(Program):
         if self.layout is not None:
             batch = jax.device_put(batch, self.layout.batch)
         new_state, metrics = self._compiled(state, batch)
-
-        def read_metrics() -> dict[str, float]:
-            host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
-            host["loss_tokens"] = host.pop("tokens", float("nan"))
-            return {**host, **counts}
-
-        return new_state, read_metrics
+        return new_state, lambda: _host_metrics(metrics, counts)
 
     # -- evaluation and export -----------------------------------------------------------------
     def _eval_params(self, state: dict):
@@ -228,6 +217,28 @@ class LMProgram(Program):
             lora_run,
             self.export_strategy,
         )
+
+
+def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:
+    """The update's state and batch as shapes and dtypes, what it is compiled for: the state
+    a single device would start from, the batch of update 0."""
+    import jax
+
+    abstract_state = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+        jax.eval_shape(start.on_one_device),
+    )
+    batch = batches.batch(0)
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    return abstract_state, abstract_batch
+
+
+def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
+    """An update's metrics read back on the host (the scalars, ``tokens`` as ``loss_tokens``)
+    beside the batch's counts: what ``dispatch`` returns the caller to ask for."""
+    host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+    host["loss_tokens"] = host.pop("tokens", float("nan"))
+    return {**host, **counts}
 
 
 def _update_shardings(layout, data_parallel, abstract_batch: dict) -> dict:
