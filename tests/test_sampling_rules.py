@@ -168,6 +168,19 @@ def test_top_k_cuts_when_the_nucleus_is_off():
     assert (np.cumsum(probs, axis=1, dtype=np.float32)[:, -1] < 1.0).sum() > 100
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_top_p_one_and_top_k_zero_cut_nothing(temperature):
+    """Both cuts off (transformers adds no top-k warper at 0 and no top-p warper at 1): every
+    token stays, also those below about 6e-8 that come after a float32 cumulative sum has
+    reached 1 (the premise, in float64: such tokens exist in most rows)."""
+    filtered = np.asarray(FILTER(LOGITS, Sampling(temperature, 0, 1.0)))
+    np.testing.assert_array_equal(filtered, LOGITS / np.float32(temperature))
+    scaled = LOGITS.astype(np.float64) / temperature
+    p = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    assert ((p < 6e-8).any(axis=1)).sum() > 1000
+
+
 def test_each_row_draws_with_its_own_key():
     """Row ``b`` at step ``i`` draws with ``fold_in(fold_in(key(seed), i), b)``: identical
     flat rows draw different tokens, each (checked for four rows) the draw of its own key, and
