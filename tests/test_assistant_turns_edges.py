@@ -164,6 +164,21 @@ def test_an_added_token_that_is_not_special_does_not_end_the_turn(backend):
     assert _pieces(thinking, encoded)[-1] == ("<think>ok<|im_end|>", True)
 
 
+def test_the_eos_closes_a_turn_even_when_it_is_not_an_added_token(backend):
+    """The end-of-turn ids are the eos and every special added token: a template that
+    closes turns with a newline, the newline being the eos (a plain byte token), trains each
+    answer through it."""
+    lines = "{% for m in messages %}{{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    lines += "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    newline = backend.token_to_id("\u010a")  # byte-level BPE spells "\n" as "Ċ"
+    assert backend.encode("\n").ids == [newline]  # the premise: one plain token
+    encoded = assistant_turns.encode(ONE, _template(lines), backend, newline, "row 1")
+    assert _pieces(backend, encoded) == [
+        ("user:\nreverse: hello\nassistant:\n", False),
+        ("olleh\n", True),
+    ]
+
+
 # -- refusals, in full --------------------------------------------------------------------------
 
 
