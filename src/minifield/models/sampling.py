@@ -125,9 +125,11 @@ def filter_logits(logits_BxV, sampling: Sampling):
     k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, V), V)
     in_top_k_V = jnp.arange(V) < k
     probs_BxV = jax.nn.softmax(jnp.where(in_top_k_V, sorted_BxV, -jnp.inf), axis=-1)
-    # a token is in the nucleus when the more probable ones sum to less than top_p
+    # a token is in the nucleus when the more probable ones sum to less than top_p; top_p 1
+    # is no nucleus (a float32 cumulative sum reaches 1 before the least probable tokens)
     before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    kept_BxV = in_top_k_V & ((before_BxV < sampling.top_p) | (jnp.arange(V) == 0))
+    in_nucleus_BxV = (before_BxV < sampling.top_p) | (sampling.top_p >= 1.0)
+    kept_BxV = in_top_k_V & (in_nucleus_BxV | (jnp.arange(V) == 0))
     threshold_Bx1 = jnp.min(jnp.where(kept_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(scaled_BxV >= threshold_Bx1, scaled_BxV, -jnp.inf)
 
