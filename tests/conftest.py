@@ -437,8 +437,9 @@ def readme_first_command() -> list[list[str]]:
 def readme_pipeline_run(tmp_path_factory) -> Path:
     """The README's first command on a fresh copy of the repository's tracked files: the
     default demo recipes through the whole pipeline, report included, run once per session
-    and read by every test that only looks at what it made (tests/test_readme_commands.py,
-    tests/test_llama_demo.py). Nothing may change it: a test that edits works on a copy."""
+    and read by the tests that only look at what it made (tests/test_readme_commands.py: a
+    session fixture is built once per xdist worker, so its readers share one file). Nothing
+    may change it: a test that edits works on a copy."""
     import shutil
 
     tracked = (
