@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from minifield.strategies.preference import losses
@@ -111,3 +112,11 @@ def test_the_settings_read_the_section_and_default_to_the_schemas_absent_values(
     assert not LossSettings("simpo").uses_reference and not LossSettings("orpo").uses_reference
     with pytest.raises(ValueError, match="preference.loss must be one of"):
         losses.pair_losses(LossSettings("kto"), _logps(*[[-1.0] * 4] * 4))
+
+
+def test_dpo_without_label_smoothing_is_the_plain_loss():
+    """``dpo``'s smoothing defaults to none: z = 0.5 · ((−2 + 3) − (−4 + 3)) = 1, loss
+    −log σ(1)."""
+    c, r, ref = (jnp.full(4, v, jnp.float32) for v in (-2.0, -4.0, -3.0))
+    loss, _, _ = losses.dpo(c, r, ref, ref, 0.5)
+    np.testing.assert_allclose(np.asarray(loss), math.log1p(math.exp(-1.0)), rtol=1e-6)
