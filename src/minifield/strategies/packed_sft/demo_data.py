@@ -66,8 +66,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _strings(rng: random.Random, count: int, seen: set[str]) -> list[str]:
-    low, high = LENGTHS
+def _strings(rng: random.Random, count: int, seen: set[str], lengths=LENGTHS) -> list[str]:
+    """``count`` new lowercase strings of ``lengths`` (inclusive), none in ``seen`` (added)."""
+    low, high = lengths
     out = []
     while len(out) < count:
         length = low + rng.randrange(high - low + 1)
@@ -213,7 +214,6 @@ def produce_base(data_root: Path, recipe_path: Path, result, command: str) -> di
 
 
 DEMO_SPLITS = {"train": 4000, "dev": 200, "test": 200}
-DEMO_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 DEMO_LENGTHS = (3, 6)
 DEMO_SEED = 20260101
 
@@ -230,17 +230,9 @@ def demo_examples(
     rng = random.Random(seed)
     seen: set[str] = set()
     splits: dict[str, list[Example]] = {}
-    low, high = DEMO_LENGTHS
     for split, count in sizes.items():
-        rows = []
-        while len(rows) < count:
-            length = low + rng.randrange(high - low + 1)
-            word = "".join(DEMO_ALPHABET[rng.randrange(len(DEMO_ALPHABET))] for _ in range(length))
-            if word in seen:
-                continue
-            seen.add(word)
-            rows.append(Example(word, word[::-1]))
-        splits[split] = rows
+        words = _strings(rng, count, seen, DEMO_LENGTHS)
+        splits[split] = [Example(word, word[::-1]) for word in words]
     return splits
 
 
