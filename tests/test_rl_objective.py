@@ -331,6 +331,11 @@ def test_clip_metrics_by_hand():
     assert float(tok["clip_ratio/low_min"]) == 0.0
     assert float(tok["clip_ratio/high_max"]) == pytest.approx(3 / 5)
     assert float(tok["tokens"]) == 14 and float(tok["sequences"]) == 6
+    # a zero advantage is never clipped (its surrogate is 0 either way), however far its ratio
+    zero = ADV.copy()
+    zero[1] = 0.0
+    _, flat = jitted(settings(0.0, "token"), LOGPS, OLD, None, zero, MASK, weights)
+    assert float(flat["clip_ratio/low_mean"]) == 0.0
     _, seq = objective_value(settings(0.0, "sequence"), LOGPS, OLD, None, ADV, MASK, weights)
     assert float(seq["clip_ratio/high_mean"]) == pytest.approx(1 / 6)
     assert float(seq["clip_ratio/low_mean"]) == pytest.approx(1 / 6)
