@@ -41,9 +41,10 @@ def reference(tmp_path, job):
 
 def test_list_strategies_names_linear_momentum():
     proc = run_worker("--list-strategies", check_codes=[0])
-    listed = json.loads(proc.stdout)
-    assert {"name": "linear-momentum", "version": "1.0.0"}.items() <= listed[0].items()
-    assert listed[0]["description"]
+    listed = {entry["name"]: entry for entry in json.loads(proc.stdout)}
+    assert listed["linear-momentum"]["version"] == "1.0.0"
+    assert listed["grpo"]["version"] == "1.0.0"
+    assert all(entry["description"] for entry in listed.values())
 
 
 def test_validate_only_names_all_three_mistakes(tmp_path):

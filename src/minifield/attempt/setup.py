@@ -218,6 +218,8 @@ def set_up(context: SetUpContext) -> SetUp:
 
         phase = "compile"
         program = recipe.strategy.build(data, example_arrays)
+        if context.group.is_writer:
+            program.attach(context.directory)
         started = time.monotonic()
         program.compile()
         events.emit(

@@ -51,6 +51,8 @@ def run(args) -> int:
         return run_two_stage(args.directory)
     if args.preference:
         return run_preference(args.directory)
+    if args.grpo:
+        return run_grpo(args.directory)
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
@@ -100,6 +102,20 @@ def run_preference(directory: Path) -> int:
     return 0
 
 
+def run_grpo(directory: Path) -> int:
+    """The grpo demo's prompts, derived from ``DIR/llama-sft-demo/*.jsonl``."""
+    from ..inputs.pinned import InputError
+    from ..strategies import grpo
+
+    try:
+        pins = grpo.demo_data.write(directory)
+    except (OSError, InputError) as exc:
+        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(pins, indent=2))
+    return 0
+
+
 def register(sub) -> None:
     parser = sub.add_parser(
         "make-demo-data",
@@ -138,5 +154,12 @@ def register(sub) -> None:
         help="instead: derive the preference demo's pairs DIR/preference-demo/*.jsonl (chosen: "
         "the mirror answer, rejected: a near miss) from DIR/llama-sft-demo/*.jsonl "
         "(docs/preference.md)",
+    )
+    parser.add_argument(
+        "--grpo",
+        action="store_true",
+        help="instead: derive the grpo demo's prompts DIR/grpo-demo/*.jsonl ({prompt, answer}: "
+        "the mirror task, its answer checked by the reward, never shown) from "
+        "DIR/llama-sft-demo/*.jsonl (docs/grpo.md)",
     )
     parser.set_defaults(func=run)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from .base import Program, Strategy
+from .grpo import GRPO
 from .linear_momentum import LinearMomentum
 from .packed_sft import PackedSFT
 from .preference import Preference
 from .registry import available, get, register
 from .two_stage import TwoStage
 
+register(GRPO())
 register(LinearMomentum())
 register(PackedSFT())
 register(Preference())

@@ -22,7 +22,7 @@ from ..digest import sha256_json
 READING_KEYS = ("format", "columns", "roles")
 #: recipe sections only some strategies have (``Strategy.extra_sections``); in the
 #: computation digest only when given, so every other recipe keeps its digest
-EXTRA_SECTIONS = ("preference",)
+EXTRA_SECTIONS = ("preference", "rl")
 
 
 def pinned_inputs(data: dict) -> list[dict]:
@@ -67,6 +67,12 @@ class Program(ABC):
     @abstractmethod
     def init_state(self) -> dict:
         """Fresh complete state (params, opt_state, rng, step, cursor) for step 0."""
+
+    def attach(self, attempt_dir: Path) -> None:
+        """The attempt's directory, for a program that keeps files of its own there (grpo's
+        rollouts); called on the writing process only, before ``compile``. The default keeps
+        nothing."""
+        return None
 
     @abstractmethod
     def compile(self) -> None:

@@ -28,8 +28,8 @@ from . import model_section
 DEV_FILE = "dev.jsonl"
 TOKENIZER_FILE = "tokenizer.json"
 #: strategies whose exports are this model family (two-stage's stage 1 continues raw text;
-#: preference's DEV copy holds pairs)
-FAMILY = (model_section.NAME, "two-stage", "preference")
+#: preference's DEV copy holds pairs, grpo's prompts)
+FAMILY = (model_section.NAME, "two-stage", "preference", "grpo")
 
 
 def config(
@@ -72,9 +72,11 @@ def write(
     params,
     lora_run=None,
     strategy=None,
+    extra_files: dict[str, bytes] | None = None,
 ):
     """Write the export of ``params`` (per layer, FP32) into ``directory`` (``strategy``: as
-    :func:`config`).
+    :func:`config`; ``extra_files``: further files the export carries, name → bytes, listed
+    and hashed in ``model.json`` with the others).
 
     ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
@@ -101,7 +103,7 @@ def write(
     from ...state.arrays import to_host
 
     tokenizer_config_json = base_config = None
-    extra = {DEV_FILE: dev_bytes}
+    extra = {DEV_FILE: dev_bytes, **(extra_files or {})}
     if "base" in recipe["model"]:
         tokenizer_config_json = pinned_base.export_tokenizer_config(
             recipe, np.asarray(arrays[pinned_base.TOKENIZER_CONFIG_ARRAY]).tobytes()
@@ -157,7 +159,8 @@ class ExportedModel(loaded_model.LoadedModel):
         flat, self.config = export.read(directory)
         if self.config.get("strategy", {}).get("name") not in FAMILY:
             raise export.ExportError(
-                f"{directory / export.MODEL_FILE}: not a packed-sft, two-stage or preference export "
+                f"{directory / export.MODEL_FILE}: not a packed-sft, two-stage, preference or grpo "
+                f"export "
                 f"(strategy {self.config.get('strategy')!r})"
             )
         self.directory = directory

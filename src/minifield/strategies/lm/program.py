@@ -43,11 +43,7 @@ class LMProgram(Program):
         cfg = model_section.config_of(recipe, arrays, self.tokenizer)
         self.cfg = execution.with_recipe_options(cfg, recipe)
         self.seed = training["seed"]
-        self.batches = (
-            MixtureBatches(arrays, training)
-            if "mixture" in training
-            else TrainBatches(arrays, self.seed, training["batch_size"])
-        )
+        self.batches = self.make_batches(arrays, training)
         self.accum_steps = mixture.grad_accum_steps(training)
         self.examples_per_step = training["batch_size"]
         self.tokens_per_step = training["batch_size"] * training["seq_len"]
@@ -74,6 +70,12 @@ class LMProgram(Program):
             self.tokenizer.eos_id,
             self.tokenizer.pad_id,
         )
+
+    def make_batches(self, arrays: dict[str, np.ndarray], training: dict):
+        """The rows of each update (a strategy that makes its own batches overrides it)."""
+        if "mixture" in training:
+            return MixtureBatches(arrays, training)
+        return TrainBatches(arrays, self.seed, training["batch_size"])
 
     def _lora_setup(self, schedule) -> None:
         """LoRA: the step trains the adapters against the frozen base (held on the device
@@ -216,7 +218,12 @@ class LMProgram(Program):
             params,
             lora_run,
             self.export_strategy,
+            self.export_files(),
         )
+
+    def export_files(self) -> dict[str, bytes]:
+        """Files the export carries besides the model and its DEV copy (none here)."""
+        return {}
 
 
 def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:

@@ -1,0 +1,170 @@
+"""Rollouts: G sampled completions of each prompt from the policy's key/value-cache generation,
+every draw a pure function of (seed, update, prompt index, completion index).
+
+Row ``n`` of an update's batch is completion ``c`` of prompt ``p`` (the prompt's index in its
+split); its token at generation step ``i`` is drawn with the key
+``fold_in(fold_in(fold_in(fold_in(fold_in(key(seed), update), p), c), i)`` from the
+temperature-scaled logits filtered by top-k and top-p exactly as
+:func:`minifield.models.sampling.filter_logits` filters them (transformers' order). The draw
+never depends on which other rows share the batch, so a resumed attempt regenerates the
+rollouts of the update it resumes at, whatever the batch's composition or placement. Greedy
+(``sampling`` None) takes the argmax (ties to the lowest id), for evaluation.
+
+A completion ends with its first stop token (kept: the policy is trained to emit it) or after
+``max_new`` tokens without one (truncated). The prompt occupies slots ``0 .. len - 1`` of a
+row, the completion the slots after it. Only the Llama family generates with a cache: a
+grpo recipe always has a base model, which is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..models import llama
+from ..models import sampling as sampling_rules
+from ..models.execution import Execution
+
+
+class Rollouts(NamedTuple):
+    """An update's completions, ``N = prompts x G`` rows in prompt-major order."""
+
+    prompt_index: np.ndarray  # [N] int: the prompt's row in its split
+    completion_index: np.ndarray  # [N] int: 0 .. G - 1 within the prompt's group
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]  # the stop token included when there is one
+    truncated: np.ndarray  # [N] bool: max_new tokens without a stop token
+
+
+@functools.partial(jax.jit, static_argnums=(1, 8))
+def _generate(params, cfg, buffer_BxL, lengths_B, stops_S, sampling, keys_B, max_new, greedy):
+    B, L = buffer_BxL.shape
+    rows_B = jnp.arange(B)
+    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    logits_BxV, cache = llama.forward_cached(
+        params, cfg, buffer_BxL, positions_BxL, llama.empty_cache(cfg, B, L), lengths_B - 1
+    )
+
+    def choose(logits_BxV, i):
+        if greedy:
+            return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        filtered_BxV = sampling_rules.filter_logits(logits_BxV, sampling)
+        step_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, i))(keys_B)
+        return jax.vmap(jax.random.categorical)(step_keys_B, filtered_BxV).astype(jnp.int32)
+
+    def cond(carry):
+        i, _, _, done_B, _, _ = carry
+        return (i < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
+        next_B = choose(logits_BxV, i)
+        write_B = ~done_B
+        slot_B = jnp.minimum(len_B, L - 1)
+        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
+            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
+        )
+        len_B = len_B + write_B.astype(jnp.int32)
+        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
+        last_B = jnp.minimum(len_B - 1, L - 1)
+        logits_BxV, cache = llama.forward_cached(
+            params,
+            cfg,
+            buf_BxL[rows_B, last_B][:, None],
+            last_B[:, None],
+            cache,
+            jnp.zeros((B,), jnp.int32),
+        )
+        return i + 1, buf_BxL, len_B, done_B, logits_BxV, cache
+
+    carry = (jnp.int32(0), buffer_BxL, lengths_B, jnp.zeros((B,), bool), logits_BxV, cache)
+    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
+    return buf_BxL, len_B
+
+
+def row_keys(seed: int, update: int, prompt_index: np.ndarray, completion_index: np.ndarray):
+    """The base key of each row (see the module): ``[N]`` typed keys."""
+
+    def one(p, c):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), update), p)
+        return jax.random.fold_in(key, c)
+
+    return jax.vmap(one)(
+        jnp.asarray(prompt_index, jnp.uint32), jnp.asarray(completion_index, jnp.uint32)
+    )
+
+
+def generate(
+    params,
+    cfg,
+    prompt_ids: list[list[int]],
+    max_new: int,
+    stops: tuple[int, ...],
+    *,
+    sampling=None,
+    seed: int = 0,
+    update: int = 0,
+    prompt_index=None,
+    completion_index=None,
+    length: int | None = None,
+):
+    """``(completion ids, truncated)`` of each row (see the module); ``sampling`` None is
+    greedy. ``length``: the buffer's slots (a fixed value keeps one compilation; default
+    the longest prompt plus ``max_new``, at most ``cfg.max_len``)."""
+    rows = len(prompt_ids)
+    prompt_index = np.arange(rows) if prompt_index is None else np.asarray(prompt_index)
+    completion_index = (
+        np.zeros(rows, np.int64) if completion_index is None else np.asarray(completion_index)
+    )
+    longest = max(len(p) for p in prompt_ids)
+    length = length or min(cfg.max_len, longest + max_new)
+    if longest + max_new > length:
+        raise ValueError(f"a prompt of {longest} tokens and {max_new} new ones exceed {length}")
+    # generation runs the XLA attention over buffers of any length; no remat or loss chunks
+    cfg = dataclasses.replace(cfg, execution=Execution())
+    buffer = np.zeros((rows, length), np.int32)
+    for row, prompt in enumerate(prompt_ids):
+        buffer[row, : len(prompt)] = prompt
+    lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
+    keys = row_keys(seed, update, prompt_index, completion_index)
+    out, out_lengths = _generate(
+        params,
+        cfg,
+        jnp.asarray(buffer),
+        jnp.asarray(lengths),
+        jnp.asarray(stops or (-1,), jnp.int32),
+        sampling,
+        keys,
+        jnp.int32(max_new),
+        sampling is None,
+    )
+    out, out_lengths = np.asarray(out), np.asarray(out_lengths)
+    completions, truncated = [], np.zeros(rows, bool)
+    for row, prompt in enumerate(prompt_ids):
+        new = out[row, len(prompt) : out_lengths[row]].tolist()
+        completions.append(new)
+        truncated[row] = not (new and new[-1] in stops)
+    return completions, truncated
+
+
+def sample_groups(
+    params, cfg, prompts: list[list[int]], prompt_index, G: int, **kwargs
+) -> Rollouts:
+    """G completions of each prompt (rows prompt-major: prompt 0's G, then prompt 1's, …)."""
+    prompt_index = np.repeat(np.asarray(prompt_index), G)
+    completion_index = np.tile(np.arange(G), len(prompts))
+    prompt_ids = [p for p in prompts for _ in range(G)]
+    completions, truncated = generate(
+        params,
+        cfg,
+        prompt_ids,
+        prompt_index=prompt_index,
+        completion_index=completion_index,
+        **kwargs,
+    )
+    return Rollouts(prompt_index, completion_index, prompt_ids, completions, truncated)

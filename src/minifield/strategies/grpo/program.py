@@ -1,0 +1,211 @@
+"""The grpo program: the language-model program (model, LoRA, state, checkpoints, export) with
+online rollouts, rewards and the GRPO update in place of supervised batches.
+
+One update (:meth:`GRPOProgram.dispatch`), all on the host's thread in this order, each part
+timed for the ``update`` event (``rollout_seconds``, ``reward_seconds``,
+``reference_seconds``, ``policy_seconds``):
+
+1. the update's prompts: ``batch_size / G`` rows of the train split, an epoch permutation
+   drawn from ``(seed, update)`` (:func:`minifield.data.batches.rows_for_step`);
+2. G completions of each from the current policy (:mod:`minifield.rl.rollouts`; adapters
+   merged for LoRA), every draw from ``(seed, update, prompt, completion)``;
+3. the rewards (:mod:`minifield.rl.rewards`), their weighted total and the advantages;
+4. with ``beta`` > 0, the reference policy's log-probabilities;
+5. the compiled update (:mod:`.update`): μ optimizer steps;
+6. the rollouts file of the update (:mod:`.rollouts_file`) when the attempt gave a directory.
+
+Nothing here depends on what ran before in the process: a resumed attempt recomputes update
+``n`` from the state after ``n - 1`` alone, so its rollouts and its state are the
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ...data.batches import rows_for_step
+from ...rl import advantages as group_advantages
+from ...rl import objective, rollouts
+from ..lm.program import LMProgram
+from . import prompts, rollouts_file, section
+from .evaluator import RewardEvaluator, reward_files, stop_ids
+
+
+class _NoBatches:
+    """grpo makes its rows itself (rollouts); nothing is read from packed rows."""
+
+
+class GRPOProgram(LMProgram):
+    export_strategy = {"name": section.NAME, "version": section.VERSION}
+
+    def make_batches(self, arrays, training):
+        return _NoBatches()
+
+    def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
+        from ...models.sampling import Sampling
+        from ...training import optimizer
+        from . import update
+
+        super().__init__(recipe, arrays)
+        rl, training = recipe["rl"], recipe["training"]
+        self.rl, self.G, self.N = rl, rl["num_generations"], training["batch_size"]
+        self.seq_len, self.mu = training["seq_len"], rl["num_iterations"]
+        self.examples_per_step = self.N // self.G  # prompts
+        self.tokens_per_step = self.N * self.seq_len
+        self.sampling = Sampling(rl["temperature"], rl["top_k"], rl["top_p"])
+        self.stops = stop_ids(self.tokenizer)
+        self.train_ids = prompts.prompt_ids(arrays, "train")
+        self.train_rows = prompts.rows_of(arrays, "train")
+        # the schedule counts optimizer steps: μ per update
+        steps = recipe["limits"]["max_steps"] * self.mu
+        scaled = {**training, "warmup_steps": training["warmup_steps"] * self.mu}
+        schedule = optimizer.make_schedule(scaled, steps)
+        self.optimizer = optimizer.make_optimizer(scaled, steps, schedule)
+        self.start.optimizer = self.optimizer
+        self.loss_settings = objective.LossSettings(
+            beta=rl["beta"],
+            epsilon=rl["epsilon"],
+            epsilon_high=rl["epsilon_high"],
+            importance_sampling_level=rl["importance_sampling_level"],
+        )
+        self._update_fn = update.make_update(
+            self.cfg,
+            self.optimizer,
+            schedule,
+            self.loss_settings,
+            self.mu,
+            rl["temperature"],
+            self.lora,
+        )
+        self._reference = None
+        if rl["beta"] > 0:
+            self._reference = update.make_reference(self.cfg, rl["temperature"], self.lora)
+        self._ref_params = None  # full fine-tuning: the starting weights, placed at first use
+        self.reward_files = reward_files(recipe, arrays)
+        self.evaluator = RewardEvaluator(
+            recipe, self.cfg, self.tokenizer, self.stops, self.reward_files
+        )
+        self.rollouts_dir: Path | None = None
+
+    def attach(self, attempt_dir: Path) -> None:
+        self.rollouts_dir = Path(attempt_dir) / rollouts_file.DIRECTORY
+
+    # -- the update ------------------------------------------------------------------------
+    def compile(self) -> None:
+        """The update is compiled for the shapes every update has (N rows of seq_len)."""
+        import jax
+
+        abstract_state, _ = _abstract_state(self.start)
+        batch = {
+            "tokens": jax.ShapeDtypeStruct((self.N, self.seq_len), np.int32),
+            "mask": jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32),
+            "weights": jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32),
+            "advantages": jax.ShapeDtypeStruct((self.N,), np.float32),
+        }
+        if self._reference is not None:
+            batch["ref_logps"] = jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32)
+        fn = jax.jit(self._update_fn, donate_argnums=(0,))
+        if self.lora is None:
+            compiled = fn.lower(abstract_state, batch).compile()
+            self._compiled = compiled
+        else:
+            base = jax.eval_shape(lambda: self._base)
+            compiled = fn.lower(abstract_state, batch, base).compile()
+            self._compiled = lambda state, batch: compiled(state, batch, self._base)
+
+    def _policy_params(self, state):
+        from ...models.layers import layer_stack
+
+        if self.lora is not None:
+            return self._merge(self._base, state["params"])
+        return layer_stack.per_layer(state["params"])
+
+    def dispatch(self, state: dict, step: int):
+        import jax
+
+        if self._compiled is None:
+            self.compile()
+        times = {}
+        started = time.monotonic()
+        index = rows_for_step(self.seed, step, self.N // self.G, len(self.train_ids))
+        made = rollouts.sample_groups(
+            self._policy_params(state),
+            self.cfg,
+            [self.train_ids[i] for i in index],
+            index,
+            self.G,
+            max_new=self.rl["max_completion_length"],
+            stops=self.stops,
+            sampling=self.sampling,
+            seed=self.seed,
+            update=step,
+            length=self.seq_len,
+        )
+        times["rollout_seconds"] = time.monotonic() - started
+        started = time.monotonic()
+        scored = self.evaluator.score(made, self.train_rows, update=step + 1)
+        advantages = group_advantages.advantages(scored.total, self.G, self.rl["scale_rewards"])
+        batch = rollouts_file.batch_of(made, advantages, self.rl, self.seq_len)
+        times["reward_seconds"] = time.monotonic() - started
+        started = time.monotonic()
+        ref_logps = None
+        if self._reference is not None:
+            ref_logps = self._reference_logps(state, batch["tokens"])
+            batch["ref_logps"] = ref_logps
+        times["reference_seconds"] = time.monotonic() - started
+        started = time.monotonic()
+        new_state, metrics, logps = self._compiled(
+            state, {k: jax.numpy.asarray(v) for k, v in batch.items()}
+        )
+        jax.block_until_ready(new_state)
+        times["policy_seconds"] = time.monotonic() - started
+        host = {k: float(v) for k, v in metrics.items()}
+        if self.rollouts_dir is not None:
+            rollouts_file.write(
+                self.rollouts_dir,
+                step + 1,
+                made,
+                scored,
+                advantages,
+                np.asarray(logps),
+                None if ref_logps is None else np.asarray(ref_logps),
+            )
+        host.update(scored.metrics())
+        host.update(times)
+        host["loss_tokens"] = float(batch["mask"].sum())
+        return new_state, lambda: host
+
+    def _reference_logps(self, state, tokens):
+        import jax
+
+        if self.lora is not None:
+            return np.asarray(self._reference(self._base, state["params"], tokens))
+        if self._ref_params is None:
+            self._ref_params = jax.device_put(self.base_params)
+        return np.asarray(self._reference(self._ref_params, tokens))
+
+    # -- evaluation and export -------------------------------------------------------------
+    def evaluate(self, state: dict) -> dict[str, float]:
+        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
+
+    def evaluate_test(self, state: dict) -> dict[str, float]:
+        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
+
+    def export_files(self) -> dict[str, bytes]:
+        """The Python rewards' files, so the store's gate re-evaluates the export alone."""
+        return {
+            rollouts_file.export_name(name): path.read_bytes()
+            for name, path in sorted(self.reward_files.items())
+        }
+
+
+def _abstract_state(start):
+    import jax
+
+    abstract = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(start.on_one_device)
+    )
+    return abstract, None

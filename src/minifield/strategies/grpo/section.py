@@ -1,0 +1,96 @@
+"""The grpo strategy's recipe settings: its identity, the ``rl`` section's one spelling per
+computation, and the cross-field checks its schema cannot express.
+
+Every key of ``rl`` has a schema default but ``epsilon_high``, whose absence means
+``epsilon`` (filled in here), so two recipes of one computation have one digest. The rewards
+are normalised by :func:`minifield.rl.rewards.normalize`. This module does not import JAX.
+"""
+
+from __future__ import annotations
+
+from ...rl import rewards as reward_kinds
+from ..lm import model_section
+
+NAME, VERSION = "grpo", "1.0.0"
+SCHEMA_FILE = "strategy-grpo.schema.json"
+SPLITS = ("train", "dev", "test")
+#: ``rl`` keys spelled as floats in the digest (YAML's 1 and 1.0 are one computation)
+FLOAT_KEYS = ("temperature", "top_p", "beta", "epsilon", "epsilon_high")
+
+
+def normalize_rl(recipe: dict) -> list[dict]:
+    """Fill in what absent keys mean, check what the schema cannot; returns errors."""
+    rl, training = recipe["rl"], recipe["training"]
+    rl.setdefault("epsilon_high", rl["epsilon"])
+    for key in FLOAT_KEYS:
+        rl[key] = float(rl[key])
+    names = [i["name"] for i in recipe.get("inputs", [])]
+    errors = reward_kinds.normalize(rl["rewards"], names)
+    G = rl["num_generations"]
+    if training["batch_size"] % G:
+        errors.append(
+            {
+                "path": "/training/batch_size",
+                "message": f"counts the completions of one update: must be a multiple of "
+                f"rl.num_generations={G} (got {training['batch_size']})",
+            }
+        )
+    if rl["max_completion_length"] >= training["seq_len"]:
+        errors.append(
+            {
+                "path": "/rl/max_completion_length",
+                "message": f"must leave room for the prompt in training.seq_len="
+                f"{training['seq_len']} (got {rl['max_completion_length']})",
+            }
+        )
+    errors += _training_errors(training)
+    evaluation = recipe["evaluation"]
+    exact = [r for r in rl["rewards"] if r.get("kind") == "exact_match"]
+    if "max_dev_exact_match_drop" in evaluation and not exact:
+        errors.append(
+            {
+                "path": "/evaluation/max_dev_exact_match_drop",
+                "message": "needs an exact_match reward in rl.rewards (DEV exact-match is its value)",
+            }
+        )
+    return errors
+
+
+def _training_errors(training: dict) -> list[dict]:
+    """What 1.0.0 does not run or read: data parallelism, accumulation, ``train_on``."""
+    errors = []
+    if training["data_parallel"]["devices"] != 1 or training["data_parallel"]["shard_params"]:
+        errors.append(
+            {
+                "path": "/training/data_parallel",
+                "message": "grpo 1.0.0 runs on one device (devices 1, shard_params false)",
+            }
+        )
+    if training.get("grad_accum_steps", 1) != 1:
+        errors.append(
+            {
+                "path": "/training/grad_accum_steps",
+                "message": "grpo 1.0.0 has no gradient accumulation (must be 1 or absent)",
+            }
+        )
+    training.pop("grad_accum_steps", None)
+    for key in ("train_on", "mixture"):
+        if key in training:
+            errors.append({"path": f"/training/{key}", "message": "not read by grpo"})
+    return errors
+
+
+def wanted_inputs(recipe: dict) -> list[str]:
+    """The pinned inputs the recipe needs: the splits, the base model's files and each
+    Python reward's file."""
+    files = [r["file"] for r in recipe["rl"]["rewards"] if r.get("kind") == "python"]
+    names = [*SPLITS, *model_section.base_model_inputs(recipe["model"])]
+    return names + [f for f in dict.fromkeys(files) if f not in names]
+
+
+def exact_match_reward(recipe: dict) -> str | None:
+    """The name of the recipe's first exact_match reward (DEV exact-match), or None."""
+    for reward in recipe["rl"]["rewards"]:
+        if reward["kind"] == "exact_match":
+            return reward["name"]
+    return None

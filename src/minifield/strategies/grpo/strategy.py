@@ -1,0 +1,126 @@
+"""``grpo`` 1.0.0: online reinforcement learning on verifiable rewards of a pinned base model.
+
+Inputs: ``train``, ``dev``, ``test`` (prompt files, :mod:`.prompts`), the base model's files
+(``model.base``, exactly packed-sft's) and each Python reward's file. Prepare renders and
+tokenizes the prompts and keeps the rows' columns for the rewards. The program
+(:mod:`.program`) samples G completions per prompt from the policy, scores them
+(:mod:`minifield.rl.rewards`) and updates the full model or LoRA adapters with the GRPO
+objective (:mod:`minifield.rl.objective`); DEV/TEST evaluation and the store's gate
+(:mod:`.evaluator`) decode greedily and measure the mean reward and pass@1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...models import execution
+from ...rl import rewards as reward_kinds
+from ...training import lora
+from ..base import Program, Strategy, pinned_inputs
+from ..lm import model_section
+from . import section
+from .section import SPLITS
+
+#: part of the examples digest: bumped when the same files prepare otherwise
+PREPARE_VERSION = 1
+
+
+class GRPO(Strategy):
+    name, version = section.NAME, section.VERSION
+    description = (
+        "Online reinforcement learning on verifiable rewards of a pinned base model: G sampled "
+        "completions per prompt from the policy's key/value cache, built-in and pinned Python "
+        "rewards, group advantages, GRPO/DAPO/Dr. GRPO/BNPO losses with clipping, GSPO's "
+        "sequence ratio and a k3 KL to the reference; full fine-tuning or LoRA; rollouts kept "
+        "per update; DEV/TEST greedy mean reward and pass@1; HF/PEFT export."
+    )
+    schema_file = section.SCHEMA_FILE
+    default_max_steps = 100
+    default_every_steps = 10
+    selection_metric = ("dev_reward", "max")
+    extra_sections = ("rl",)
+
+    def check(self, recipe: dict) -> list[dict]:
+        if "rl" not in recipe:
+            return [{"path": "/rl", "message": "the grpo strategy needs it (rl.rewards at least)"}]
+        errors = model_section.normalize_model_section(recipe["model"])
+        errors += section.normalize_rl(recipe)
+        wanted = section.wanted_inputs(recipe)
+        names = [i["name"] for i in recipe.get("inputs", [])]
+        missing = [n for n in wanted if n not in names]
+        unknown = [n for n in names if n not in wanted]
+        if missing or unknown:
+            errors.append(
+                {
+                    "path": "/inputs",
+                    "message": f"grpo needs exactly the pinned inputs {wanted}; "
+                    f"missing {missing}, unexpected {unknown}",
+                }
+            )
+        errors += model_section.normalize_export_dtype(recipe)
+        errors += lora.normalize_section(recipe)
+        errors += execution.normalize_recipe(recipe)
+        errors += model_section.model_errors(recipe["model"])
+        errors += model_section.warmup_errors(recipe)
+        return errors
+
+    def data_spec(self, recipe: dict) -> dict:
+        model, training = recipe["model"], recipe["training"]
+        return {
+            "strategy": self.name,
+            "prepare_version": PREPARE_VERSION,
+            "inputs": {i["name"]: i["sha256"] for i in pinned_inputs(recipe)},
+            "base": model["base"],
+            "chat_template": model.get("chat_template"),
+            "compute_dtype": model["compute_dtype"],
+            "seq_len": training["seq_len"],
+            "max_completion_length": recipe["rl"]["max_completion_length"],
+            "columns": reward_kinds.columns_read(recipe["rl"]["rewards"]),
+        }
+
+    def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
+        from ...hf import pinned_base
+        from . import prompts
+        from .evaluator import REWARD_FILE_ARRAY, python_reward_inputs
+
+        arrays, base_meta = pinned_base.load(recipe, files)
+        tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
+        room = recipe["training"]["seq_len"] - recipe["rl"]["max_completion_length"]
+        needed = reward_kinds.columns_read(recipe["rl"]["rewards"])
+        meta = {"base_model": base_meta, "chat_template": template.source, "splits": {}}
+        for split in SPLITS:
+            rows = prompts.read(files[split], needed)
+            ids = prompts.encode(rows, tokenizer, template, room)
+            arrays.update(prompts.to_arrays(rows, ids, tokenizer.pad_id, split))
+            lengths = [len(i) for i in ids]
+            meta["splits"][split] = {
+                "prompts": len(rows),
+                "prompt_tokens_max": max(lengths),
+                "prompt_tokens_mean": float(np.mean(lengths)),
+            }
+        arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
+        for name in python_reward_inputs(recipe):
+            data = files[name].read_bytes()
+            arrays[REWARD_FILE_ARRAY.format(name=name)] = np.frombuffer(data, dtype=np.uint8)
+        return arrays, meta
+
+    def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
+        from .program import GRPOProgram
+
+        return GRPOProgram(recipe, examples)
+
+    def acceptance(self, recipe: dict, metrics: dict[str, Any]) -> dict:
+        threshold = recipe["evaluation"]["min_dev_reward"]
+        value = metrics.get("dev_reward")
+        passed = value is not None and bool(np.isfinite(value)) and value >= threshold
+        check = {"name": "dev_reward", "value": value, "threshold": threshold, "passed": passed}
+        return {"passed": passed, "checks": [check]}
+
+    def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
+        """DEV mean reward and pass@1 from the export alone (:mod:`.evaluator`)."""
+        from .evaluator import export_metrics
+
+        return export_metrics(recipe, Path(export_dir))

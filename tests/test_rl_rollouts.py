@@ -1,0 +1,112 @@
+"""Rollouts (minifield.rl.rollouts): draws from the filtered softmax at the right frequencies,
+each row's tokens a function of (seed, update, prompt, completion) alone, greedy decoding as
+the model's own generation, and the per-token log-probabilities the objective reads against
+a NumPy log-softmax of the model's logits."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from test_generation_cache import tiny
+
+from minifield.models import model
+from minifield.models.sampling import Sampling
+from minifield.rl import logprobs, rollouts
+
+
+def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float):
+    """transformers' warpers by hand, in float64: temperature, top-k, then the nucleus."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros(scaled.shape, bool)
+    keep[order[: top_k or len(scaled)]] = True
+    p = np.exp(scaled - scaled[keep].max()) * keep
+    p /= p.sum()
+    cumulative = 0.0
+    nucleus = np.zeros_like(keep)
+    for i in order:
+        if not keep[i]:
+            continue
+        if cumulative < top_p or top_p >= 1:
+            nucleus[i] = True
+        cumulative += p[i]
+    p = np.exp(scaled - scaled[nucleus].max()) * nucleus
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.7, 12, 1.0), (1.3, 0, 0.8)])
+def test_first_token_frequencies_are_within_5_sigma_of_the_filtered_softmax(settings):
+    temperature, top_k, top_p = settings
+    cfg, params = tiny(seed=5)
+    params = jax.tree_util.tree_map(lambda x: x / 3.0, params)  # a spread-out distribution
+    prompt = [3, 17, 42, 8]
+    n = 4000
+    ids, _ = rollouts.generate(
+        params, cfg, [prompt] * n, 1, (),
+        sampling=Sampling(temperature, top_k, top_p), seed=7, update=2,
+        prompt_index=np.zeros(n, np.int64), completion_index=np.arange(n),
+    )  # fmt: skip
+    drawn = np.bincount([row[0] for row in ids], minlength=cfg.vocab_size) / n
+    logits = np.asarray(model.forward(params, cfg, *_row(prompt)))[0, len(prompt) - 1]
+    expected = _filtered_probs(logits, temperature, top_k, top_p)
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert np.all(np.abs(drawn - expected) <= 5 * sigma + 1e-12), (drawn, expected)
+    assert drawn[expected == 0].sum() == 0  # nothing outside the kept tokens
+
+
+def _row(prompt):
+    t = np.asarray([prompt], np.int32)
+    return t, np.ones_like(t), np.arange(len(prompt), dtype=np.int32)[None]
+
+
+def test_a_rows_tokens_depend_on_its_keys_alone_not_on_its_batch():
+    cfg, params = tiny(seed=5)
+    params = jax.tree_util.tree_map(lambda x: x / 3.0, params)
+    prompts = [[3, 4, 5], [9, 1], [7, 7, 7, 7, 2]]
+    sampling = Sampling(1.0, 0, 1.0)
+    together = rollouts.sample_groups(
+        params, cfg, prompts, [10, 11, 12], 3, max_new=8, stops=(0,), sampling=sampling,
+        seed=4, update=6, length=20,
+    )  # fmt: skip
+    # prompt 11 alone, its group in reverse order, in a longer buffer
+    alone, _ = rollouts.generate(
+        params, cfg, [prompts[1]] * 3, 8, (0,), sampling=sampling, seed=4, update=6,
+        prompt_index=[11, 11, 11], completion_index=[2, 1, 0], length=32,
+    )  # fmt: skip
+    assert alone == together.completion_ids[3:6][::-1]
+    # another update, seed or completion index draws otherwise
+    other, _ = rollouts.generate(
+        params, cfg, [prompts[1]] * 3, 8, (0,), sampling=sampling, seed=4, update=7,
+        prompt_index=[11, 11, 11], completion_index=[2, 1, 0], length=32,
+    )  # fmt: skip
+    assert other != alone
+    assert len({tuple(c) for c in together.completion_ids}) > 3
+
+
+def test_greedy_equals_the_models_generation_and_a_stop_token_ends_and_is_kept():
+    cfg, params = tiny(seed=3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    mine, truncated = rollouts.generate(params, cfg, prompts, 10, (), length=24)
+    theirs = model.greedy_generate_batch(params, cfg, prompts, 10, None)
+    assert mine == theirs and truncated.all()
+    stop = mine[0][3]  # the 4th token of the first row: that row ends there, stop kept
+    cut, truncated = rollouts.generate(params, cfg, prompts, 10, (stop,), length=24)
+    assert cut[0] == mine[0][: mine[0].index(stop) + 1] and not truncated[0]
+
+
+def test_token_logps_are_the_temperature_scaled_log_softmax_of_the_previous_slot():
+    cfg, params = tiny(seed=2)
+    tokens = np.asarray([[3, 9, 14, 2, 0, 0], [5, 5, 6, 7, 8, 1]], np.int32)
+    logps, entropy = logprobs.token_logps(params, cfg, tokens, 0.8)
+    segments = np.ones_like(tokens)
+    positions = np.broadcast_to(np.arange(6, dtype=np.int32), tokens.shape)
+    logits = np.asarray(model.forward(params, cfg, tokens, segments, positions), np.float64) / 0.8
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    for n in range(2):
+        for t in range(1, 6):
+            assert logps[n, t] == pytest.approx(log_softmax[n, t - 1, tokens[n, t]], abs=2e-5)
+            p = np.exp(log_softmax[n, t - 1])
+            assert entropy[n, t] == pytest.approx(-(p * log_softmax[n, t - 1]).sum(), abs=2e-4)
+    assert np.all(np.asarray(logps)[:, 0] == 0)
