@@ -44,15 +44,6 @@ def normalize_rl(recipe: dict) -> list[dict]:
             }
         )
     errors += _training_errors(training)
-    evaluation = recipe["evaluation"]
-    exact = [r for r in rl["rewards"] if r.get("kind") == "exact_match"]
-    if "max_dev_exact_match_drop" in evaluation and not exact:
-        errors.append(
-            {
-                "path": "/evaluation/max_dev_exact_match_drop",
-                "message": "needs an exact_match reward in rl.rewards (DEV exact-match is its value)",
-            }
-        )
     return errors
 
 
