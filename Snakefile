@@ -37,6 +37,7 @@ include: "workflow/rules/capacity.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/chains.smk"
 include: "workflow/rules/reference.smk"
+include: "workflow/rules/rl.smk"
 include: "workflow/rules/two_stage.smk"
 include: "workflow/rules/tracking.smk"
 

@@ -4,6 +4,7 @@
 from pathlib import Path
 
 from minifield.pipeline import chains
+from minifield.strategies import grpo
 
 #: (kind key, upstream digest, digest of the recipe as written) -> link; configured links
 #: when parsing, then the links the workflow makes (a reference for every DPO/IPO recipe)
@@ -89,6 +90,9 @@ def link_targets(link):
     if link.kind.key == "chains" and computation.recipe.strategy.name == "preference":
         extra = [f"{link.directory}/before-after.json"]
         extra.append(f"{link.directory}/report/before-after.html")
+    if link.kind.key == "chains" and computation.recipe.strategy.name == "grpo":
+        extra = [f"{link.directory}/rl-before-after.json"]
+        extra.append(f"{link.directory}/report/rl-before-after.html")
     follow = follow_up(computation, link)
     if follow is not None:
         return [link.recipe_path, *extra, *link_targets(follow)]
@@ -172,3 +176,27 @@ def before_after_inputs(wildcards):
         "dev": f"{computation.own_root}/{paths['dev']}",
         "test": f"{computation.own_root}/{paths['test']}",
     }
+
+
+def rl_before_after_inputs(wildcards):
+    """A chain into a grpo recipe: the upstream export (before), the grpo computation's export
+    (after), its recipe (the checks' tolerances), the prompts and the Python rewards' files.
+    """
+    computation = linked_computation("chains", wildcards.a, wildcards.b)
+    paths = {i["name"]: i["path"] for i in computation.recipe.data["inputs"]}
+    files = {
+        name: f"{computation.own_root}/{paths[name]}"
+        for name in ["dev", "test", *rl_reward_files(wildcards)]
+    }
+    return {
+        "before": f"results/computations/{wildcards.a}/train/export",
+        "after": f"results/computations/{computation.cdigest}/train/export",
+        "recipe": f"results/computations/{computation.cdigest}/recipe.json",
+        **files,
+    }
+
+
+def rl_reward_files(wildcards):
+    """The pinned inputs of a chained grpo recipe that hold Python rewards."""
+    computation = linked_computation("chains", wildcards.a, wildcards.b)
+    return grpo.python_reward_inputs(computation.recipe.data)

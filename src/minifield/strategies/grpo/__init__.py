@@ -9,7 +9,20 @@ The strategy (:mod:`.strategy`) and its recipe settings (:mod:`.section`); the p
 """
 
 # the package's face: what the pipeline and the commands use (never a module below it)
+from pathlib import Path
+
 from . import demo_data
+from .section import python_reward_inputs
 from .strategy import GRPO
 
-__all__ = ["GRPO", "demo_data"]
+__all__ = ["GRPO", "demo_data", "model_figures", "python_reward_inputs"]
+
+
+def model_figures(recipe: dict, model_dir: Path, prompts_path: Path, files: dict[str, Path]):
+    """Greedy reward figures of any HF directory with a chat template on a prompt file, as
+    the grpo recipe renders and scores them (the chain's before/after record)."""
+    from ...hf import loaded_model
+    from .evaluator import model_metrics
+
+    model = loaded_model.from_hf_directory(model_dir, "float32")
+    return model_metrics(recipe, model, Path(prompts_path), files, prefix="split")

@@ -21,6 +21,7 @@ import numpy as np
 from ...digest import sha256_bytes
 from ...rl import rewards, rollouts
 from . import prompts, rollouts_file, section
+from .section import python_reward_inputs
 
 #: the prepared array holding a Python reward's pinned file, by input name
 REWARD_FILE_ARRAY = "reward_file_{name}"
@@ -52,10 +53,6 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
     from ...data import assistant_turns
 
     return tuple(sorted(assistant_turns.end_of_turn_ids(tokenizer.backend, tokenizer.eos_id)))
-
-
-def python_reward_inputs(recipe: dict) -> list[str]:
-    return sorted({r["file"] for r in recipe["rl"]["rewards"] if r["kind"] == "python"})
 
 
 def reward_files(recipe: dict, arrays: dict) -> dict[str, Path]:
@@ -136,6 +133,24 @@ class RewardEvaluator:
         )
 
 
+def model_metrics(recipe: dict, model, prompts_path: Path, files: dict[str, Path], prefix="dev"):
+    """The metrics of :meth:`RewardEvaluator.metrics` of a loaded model (an export, any HF
+    directory with a chat template: :class:`minifield.hf.loaded_model.LoadedModel`) on the
+    prompt file ``prompts_path``, rendered and scored as the recipe says."""
+    from ...state.export import ExportError
+
+    if model.template is None:
+        raise ExportError(f"{model.where}: no chat template to render the prompts with")
+    rows = prompts.read(prompts_path, rewards.columns_read(recipe["rl"]["rewards"]))
+    room = recipe["training"]["seq_len"] - recipe["rl"]["max_completion_length"]
+    ids = prompts.encode(rows, model.tokenizer, model.template, room)
+    records = [{"prompt": r.prompt, "columns": r.columns} for r in rows]
+    evaluator = RewardEvaluator(
+        recipe, model.cfg, model.tokenizer, stop_ids(model.tokenizer), files
+    )
+    return evaluator.metrics(model.params, ids, records, prefix)
+
+
 def export_metrics(recipe: dict, export_dir: Path) -> dict[str, float]:
     """DEV metrics from the export alone: its weights, tokenizer, chat template, its copy of
     the DEV prompts and of each Python reward's file, each the file the recipe pins."""
@@ -152,11 +167,4 @@ def export_metrics(recipe: dict, export_dir: Path) -> dict[str, float]:
         if sha256_bytes(data) != pins.get(name):
             raise ExportError(f"{path}: not the Python reward file the recipe pins as {name!r}")
         files[name] = path
-    rows = prompts.read(dev, rewards.columns_read(recipe["rl"]["rewards"]))
-    room = recipe["training"]["seq_len"] - recipe["rl"]["max_completion_length"]
-    ids = prompts.encode(rows, model.tokenizer, model.template, room)
-    records = [{"prompt": r.prompt, "columns": r.columns} for r in rows]
-    evaluator = RewardEvaluator(
-        recipe, model.cfg, model.tokenizer, stop_ids(model.tokenizer), files
-    )
-    return evaluator.metrics(model.params, ids, records, "dev")
+    return model_metrics(recipe, model, dev, files)

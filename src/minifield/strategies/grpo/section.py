@@ -44,6 +44,14 @@ def normalize_rl(recipe: dict) -> list[dict]:
             }
         )
     errors += _training_errors(training)
+    if "max_dev_exact_match_drop" in recipe["evaluation"] and not exact_match_reward(recipe):
+        errors.append(
+            {
+                "path": "/evaluation/max_dev_exact_match_drop",
+                "message": "needs an exact_match reward in rl.rewards (DEV exact-match is its "
+                "value)",
+            }
+        )
     return errors
 
 
@@ -77,6 +85,11 @@ def wanted_inputs(recipe: dict) -> list[str]:
     files = [r["file"] for r in recipe["rl"]["rewards"] if r.get("kind") == "python"]
     names = [*SPLITS, *model_section.base_model_inputs(recipe["model"])]
     return names + [f for f in dict.fromkeys(files) if f not in names]
+
+
+def python_reward_inputs(recipe: dict) -> list[str]:
+    """The pinned inputs holding the recipe's Python reward functions."""
+    return sorted({r["file"] for r in recipe["rl"]["rewards"] if r["kind"] == "python"})
 
 
 def exact_match_reward(recipe: dict) -> str | None:

@@ -84,7 +84,7 @@ class GRPO(Strategy):
     def prepare(self, recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
         from ...hf import pinned_base
         from . import prompts
-        from .evaluator import REWARD_FILE_ARRAY, python_reward_inputs
+        from .evaluator import REWARD_FILE_ARRAY
 
         arrays, base_meta = pinned_base.load(recipe, files)
         tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
@@ -102,7 +102,7 @@ class GRPO(Strategy):
                 "prompt_tokens_mean": float(np.mean(lengths)),
             }
         arrays["dev_jsonl"] = np.frombuffer(files["dev"].read_bytes(), dtype=np.uint8)
-        for name in python_reward_inputs(recipe):
+        for name in section.python_reward_inputs(recipe):
             data = files[name].read_bytes()
             arrays[REWARD_FILE_ARRAY.format(name=name)] = np.frombuffer(data, dtype=np.uint8)
         return arrays, meta
