@@ -13,7 +13,8 @@ from . import page
 
 
 def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
-    """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked."""
+    """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked;
+    with rollouts (grpo), each update's mean reward beside them."""
     plt = page.pyplot()
     result = atomic.read_json(train_result)
     metrics = atomic.read_json(metrics_json)
@@ -23,6 +24,9 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
     committed: set[int] = set()
     plotted: list[float] = []  # every value on the loss axis, to choose its scale
     evaluations: list[tuple[int, float]] = []
+    # reinforcement learning's updates carry the rollouts' mean reward: its curve goes beside
+    # the loss, on the DEV metric's axis (grpo selects on DEV reward)
+    rewards: list[tuple[str, list[int], list[float]]] = []
     for path in attempt_event_files(Path(result["attempt_dir"])):
         events, _ = read_events(path)
         updates = [e for e in events if e["type"] == "update" and "loss" in e]
@@ -37,6 +41,15 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
                 label=f"train loss, attempt {label or path.parent.name}",
             )
             plotted += [e["loss"] for e in updates]
+        rewarded = [e for e in updates if isinstance(e.get("reward"), int | float)]
+        if rewarded:
+            rewards.append(
+                (
+                    label or path.parent.name,
+                    [e["step"] for e in rewarded],
+                    [e["reward"] for e in rewarded],
+                )
+            )
         committed |= {int(e["step"]) for e in events if e["type"] == "checkpoint_committed"}
         evaluations += [
             (int(e["step"]), float(e["metrics"][metric]))
@@ -54,6 +67,11 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
             label="committed checkpoint" if index == 0 else None,
         )
     dev_ax = ax.twinx() if selection.get("mode") == "max" else ax
+    for label, steps, values in rewards:
+        dev_ax.plot(
+            steps, values, linestyle="--", linewidth=1.2, color="tab:green",
+            label=f"train mean reward (rollouts), attempt {label}",
+        )  # fmt: skip
     scored = [r for r in metrics.get("checkpoints", []) if isinstance(r.get("dev"), dict)]
     if scored:
         dev_ax.plot(
@@ -87,12 +105,14 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
         )
     if dev_ax is ax:
         plotted += [r["dev"][metric] for r in scored] + [v for _, v in evaluations]
-    if plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
+    # (not for a policy-gradient loss, which hovers around 0 with either sign)
+    if not rewards and plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
         ax.set_yscale("log")  # a loss falling by orders of magnitude: keep its tail readable
     ax.set_xlabel("update step")
     ax.set_ylabel("train loss" if dev_ax is not ax else f"train loss / DEV {metric}")
     if dev_ax is not ax:
-        dev_ax.set_ylabel(f"DEV {metric} (higher is better)")
+        reward = " / train mean reward" if rewards else ""
+        dev_ax.set_ylabel(f"DEV {metric}{reward} (higher is better)")
     ax.set_title(f"Loss curves — computation {str(result.get('computation_digest'))[:16]}")
     ax.grid(True, alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
