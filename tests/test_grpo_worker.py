@@ -22,6 +22,7 @@ from conftest import attempts_of, read_events, run_attempt, update_hashes, worke
 from grpo_cases import make_inputs, recipe
 
 from minifield import recipe as recipes
+from minifield.observe.summarize import summarize
 from minifield.pipeline import evaluation, preparation
 from minifield.proof.prove import prove
 
@@ -132,6 +133,12 @@ def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case)
     resumed = attempts_of(tmp_path / "crash", "grpo-test")
     assert update_hashes(resumed) == update_hashes([attempt])
     assert rollout_files(resumed) == rollout_files([attempt])
+    # the summary's rollouts block over the resumed chain, against the uninterrupted run's events
+    rollouts = summarize([a / "events.jsonl" for a in resumed])["rollouts"]
+    assert rollouts["updates_count"] == 4
+    assert rollouts["reward_first_update"] == updates[0]["reward"]
+    assert rollouts["reward_last_update"] == updates[-1]["reward"]
+    assert rollouts["reward_mean"] == pytest.approx(np.mean([e["reward"] for e in updates]))
     # the recovery proof, both modes
     proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
     assert proof["passed"], proof["diagnosis"]

@@ -130,6 +130,7 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
     }
     attempts = []
     by_step: dict[int, dict] = {}  # a mixture's per-source figures of each update (latest)
+    rewarded: dict[int, dict] = {}  # a reinforcement-learning update's event, by step (latest)
     between_s = 0.0
     previous_last_time = None
     for index, path in enumerate(map(Path, event_files)):
@@ -185,6 +186,8 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
                     attempt["redone_update_s"] += seconds
                 if "sources" in event:  # a mixture's update: its rows per source
                     by_step[step] = _sources_of(path, event)
+                if isinstance(event.get("reward"), int | float):  # rollouts (grpo)
+                    rewarded[step] = event
                 position = step
                 high_water = max(high_water, step)
             elif kind == "checkpoint_committed":
@@ -228,6 +231,8 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         update_s + totals["compile_s"] + totals["checkpoint_s"] + totals["evaluation_s"] + between_s
     )
     extra = {"sources": trained_by_source(by_step, position)} if by_step else {}
+    if rewarded:
+        extra["rollouts"] = rollout_summary(rewarded)
     productive_examples = totals["examples"] - totals["redone_examples"]
     productive_tokens = totals["tokens"] - totals["redone_tokens"]
     return {
@@ -282,6 +287,33 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
         "malformed_lines_count": totals["malformed"],
         "note": NOT_UTILIZATION,
         **extra,
+    }
+
+
+#: the parts of a reinforcement-learning update's time its ``update`` event reports
+ROLLOUT_PARTS = ("rollout", "reward", "reference", "policy")
+
+
+def rollout_summary(by_step: dict[int, dict]) -> dict:
+    """The rollouts of the updates that count (a redone update's later event wins): the mean
+    reward of the first and last and over all, and where the updates' time went."""
+    events = [by_step[s] for s in sorted(by_step)]
+
+    def mean(key: str) -> float | None:
+        values = [float(e[key]) for e in events if isinstance(e.get(key), int | float)]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "updates_count": len(events),
+        "reward_first_update": float(events[0]["reward"]),
+        "reward_last_update": float(events[-1]["reward"]),
+        "reward_mean": mean("reward"),
+        "completion_length_mean": mean("completion_length"),
+        "truncated_fraction_mean": mean("truncated_fraction"),
+        **{
+            f"{part}_s": sum(float(e.get(f"{part}_seconds", 0.0)) for e in events)
+            for part in ROLLOUT_PARTS
+        },
     }
 
 
