@@ -270,8 +270,11 @@ class UpdateLoop:
             raise Diverged(step, *bad)
         ready = time.monotonic()
         # the update's own time: from its dispatch, or from when the device finished the
-        # previous one if it was still busy with that one
+        # previous one if it was still busy with that one; a program whose dispatch does the
+        # whole update before returning (grpo: rollouts on the host) measured it itself, and
+        # the loop's figure would hold the next update's instead
         seconds = ready - max(pending.dispatched, self._last_ready)
+        seconds = metrics.pop("update_seconds", seconds)
         self._last_ready = ready
         self._longest_update = max(self._longest_update, seconds)
         compute_used += seconds

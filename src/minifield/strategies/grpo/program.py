@@ -34,15 +34,12 @@ from . import prompts, rollouts_file, section
 from .evaluator import RewardEvaluator, reward_files, stop_ids
 
 
-class _NoBatches:
-    """grpo makes its rows itself (rollouts); nothing is read from packed rows."""
-
-
 class GRPOProgram(LMProgram):
     export_strategy = {"name": section.NAME, "version": section.VERSION}
 
     def make_batches(self, arrays, training):
-        return _NoBatches()
+        """None: grpo makes each update's rows itself (rollouts), from no packed rows."""
+        return None
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from ...models.sampling import Sampling
@@ -129,7 +126,7 @@ class GRPOProgram(LMProgram):
         if self._compiled is None:
             self.compile()
         times = {}
-        started = time.monotonic()
+        began = started = time.monotonic()
         index = rows_for_step(self.seed, step, self.N // self.G, len(self.train_ids))
         made = rollouts.sample_groups(
             self._policy_params(state),
@@ -175,6 +172,9 @@ class GRPOProgram(LMProgram):
             )
         host.update(scored.metrics())
         host.update(times)
+        # the whole update happened above: its time, for the update event (the loop reads
+        # an update's metrics only after the next one is dispatched)
+        host["update_seconds"] = time.monotonic() - began
         host["loss_tokens"] = float(batch["mask"].sum())
         return new_state, lambda: host
 
