@@ -141,3 +141,23 @@ def test_a_pinned_python_reward_scores_and_its_failure_ends_the_attempt(tmp_path
     assert "update 1" in run.stderr and "Traceback" not in run.stderr
     (failed,) = attempts_of(tmp_path / "bad", "grpo-test")
     assert json.loads((failed / "result.json").read_text())["status"] == "failed"
+
+
+def test_parquet_prompts_prepare_as_their_jsonl(tmp_path, root):
+    import pandas as pd
+
+    from minifield.strategies.grpo import prompts
+
+    rows = [json.loads(line) for line in (root / "prompts" / "dev.jsonl").read_text().splitlines()]
+    parquet = tmp_path / "dev.parquet"
+    pd.DataFrame(
+        {
+            "prompt": [r.get("prompt") or r["messages"][0]["content"] for r in rows],
+            "answer": [r["answer"] for r in rows],
+        }
+    ).to_parquet(parquet)
+    from_parquet = prompts.read(parquet, ["answer"])
+    from_jsonl = prompts.read(root / "prompts" / "dev.jsonl", ["answer"])
+    # a messages row of one user turn is that turn's text as a prompt string
+    assert [r.messages for r in from_parquet] == [r.messages for r in from_jsonl]
+    assert [r.columns for r in from_parquet] == [{"answer": r["answer"]} for r in rows]
