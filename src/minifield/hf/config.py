@@ -196,6 +196,32 @@ def _checked_types(fields: _Fields, window, types: list, n_layers: int) -> tuple
     return window, () if set(types) == {SLIDING} else tuple(types)
 
 
+def _experts(fields: _Fields, family) -> dict:
+    """``n_experts``, ``experts_per_token`` of a mixture-of-experts family (Mixtral; absent:
+    transformers' defaults 8 and 2); what is not computed is refused naming the field: a
+    router jitter (training noise on the router's input), the router's auxiliary loss
+    (``output_router_logits`` true: this part trains without it)."""
+    if not family.moe:
+        return {}
+    n = fields.get("num_local_experts", "count", 8)
+    k = fields.get("num_experts_per_tok", "count", 2)
+    if k > n:
+        fields.refuse(f"num_experts_per_tok {k} exceeds num_local_experts {n}")
+    jitter = fields.get("router_jitter_noise", "number", 0.0)
+    if jitter != 0:
+        fields.refuse(
+            f"router_jitter_noise {jitter} is not supported (expected 0: the router's input "
+            "is not perturbed)"
+        )
+    fields.get("router_aux_loss_coef", "number", 0.001)  # type-checked; used with the loss
+    if fields.get("output_router_logits", "boolean", False):
+        fields.refuse(
+            "output_router_logits true is not supported yet (the router's load-balancing "
+            "loss is not computed); set it false to fine-tune on the language-model loss alone"
+        )
+    return {"n_experts": n, "experts_per_token": k}
+
+
 def config_from_hf(
     hf, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
 ) -> LlamaConfig:
@@ -264,6 +290,7 @@ def config_from_hf(
             **caps,
             sliding_window=window,
             layer_types=layer_types,
+            **_experts(fields, family),
         )
     except ValueError as e:  # the model's own checks (heads dividing, positive sizes, ...)
         fields.refuse(str(e))
@@ -303,6 +330,14 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         out.update(use_sliding_window=True, max_window_layers=full, layer_types=types)
     if family.sliding == "gemma3":
         out["rope_local_base_freq"] = cfg.rope_local_theta
+    if family.moe:
+        out.update(
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+            router_jitter_noise=0.0,
+        )
     if family.sliding in ("gemma2", "gemma3"):
         out.update(
             hidden_activation=out["hidden_act"],

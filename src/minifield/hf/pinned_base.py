@@ -139,6 +139,12 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
             "(model.lora) on them is not supported (full fine-tuning is)"
         )
+    if "lora" in model and cfg.n_experts:
+        # the experts' and the router's adapters (PEFT's names for them) are not built yet
+        raise BaseModelError(
+            f"{config_path}: model_type mixtral (num_local_experts {cfg.n_experts}): LoRA "
+            "(model.lora) on a mixture of experts is not supported yet (full fine-tuning is)"
+        )
     arrays = stored_base.to_arrays(params, stored_layout)
     arrays[CONFIG_ARRAY] = np.frombuffer(config_path.read_bytes(), dtype=np.uint8)
     arrays[TOKENIZER_ARRAY] = np.frombuffer(files[base["tokenizer"]].read_bytes(), dtype=np.uint8)

@@ -14,7 +14,14 @@ phi3        Phi3ForCausalLM       no         no       hidden / heads   every lay
 gemma       GemmaForCausalLM      no         no       256              none
 gemma2      Gemma2ForCausalLM     no         no       256              every other layer
 gemma3_text Gemma3ForCausalLM     no         yes      256              5 of every 6 layers
+mixtral     MixtralForCausalLM    no         no       hidden / heads   every layer
 ==========  ====================  =========  =======  ===============  =========================
+
+Mixtral (a mixture of experts, :mod:`.moe`): Mistral's attention, and in place of the MLP a
+router ``block_sparse_moe.gate`` ``[num_local_experts, hidden]`` and per expert ``j``
+``block_sparse_moe.experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down), each token through
+its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and
+``blocks/NN/moe/experts/JJ/{w_gate, w_up, w_down}`` (one matrix per expert, as stored).
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
 ``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
@@ -75,6 +82,8 @@ class Family:
     #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
     #: q/k/v biases are the family's own, it has no such field)
     attention_bias_field: bool = True
+    #: a mixture of experts in place of the MLP (Mixtral's ``block_sparse_moe``)
+    moe: bool = False
 
 
 FAMILIES = {
@@ -98,6 +107,13 @@ FAMILIES = {
             sliding="gemma3",
             default_rope_theta=1_000_000.0,
         ),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            sliding="all",
+            default_rope_theta=1_000_000.0,
+            moe=True,
+        ),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -111,6 +127,8 @@ QWEN_MAX_WINDOW_LAYERS = 28
 def family_of(cfg) -> Family:
     """The family an export of ``cfg`` without a base model's ``config.json`` is written as:
     the simplest one that holds every feature it has."""
+    if cfg.n_experts:
+        return FAMILIES["mixtral"]
     if cfg.fused_projections:
         return FAMILIES["phi3"]
     if cfg.sandwich_norms:
@@ -158,6 +176,10 @@ NAME_TABLE = [
     ("model.layers.{i}.mlp.up_proj.weight",              "blocks/{i}/mlp/w_up",       True),
     ("model.layers.{i}.mlp.gate_up_proj.weight",         _GATE_UP,                    True),  # fused
     ("model.layers.{i}.mlp.down_proj.weight",            "blocks/{i}/mlp/w_down",     True),
+    ("model.layers.{i}.block_sparse_moe.gate.weight",    "blocks/{i}/moe/router",     True),  # moe
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", "blocks/{i}/moe/experts/{j}/w_gate", True),  # moe
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", "blocks/{i}/moe/experts/{j}/w_up", True),  # moe
+    ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", "blocks/{i}/moe/experts/{j}/w_down", True),  # moe
     ("model.norm.weight",                                "final_norm/scale",          False),
     ("lm_head.weight",                                   "head/w",                    True),  # untied
 ]  # fmt: skip
@@ -169,7 +191,10 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
     HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
     leaf = path.rsplit("/", 2)
     kind = "/".join(leaf[-2:])
+    if "/moe/" in path:  # the router [D, E], an expert's matrices as the MLP's
+        kind = "moe/router" if path.endswith("/router") else "mlp/" + leaf[-1]
     return {
+        "moe/router": (D, cfg.n_experts),
         "embed/tokens": (V, D),
         "attn_norm/scale": (D,),
         "attn_post_norm/scale": (D,),
@@ -208,6 +233,7 @@ _SHAPE_FIELDS = {
     "mlp/w_up": "hidden_size, intermediate_size",
     "mlp/w_down": "intermediate_size, hidden_size",
     "head/w": "hidden_size, vocab_size",
+    "moe/router": "hidden_size, num_local_experts",
 }
 
 
@@ -215,7 +241,10 @@ def shape_fields(path, transpose: bool) -> str:
     """The ``config.json`` fields an internal parameter's HF shape comes from, in its order
     (of a fused matrix: its first part's, the outputs summed over its parts)."""
     first = path if isinstance(path, str) else path[0]
-    fields = _SHAPE_FIELDS.get("/".join(first.rsplit("/", 2)[-2:]), "hidden_size").split(", ")
+    kind = "/".join(first.rsplit("/", 2)[-2:])
+    if "/moe/" in first:  # an expert's matrices are shaped as the MLP's
+        kind = "moe/router" if first.endswith("/router") else "mlp/" + first.rsplit("/", 1)[-1]
+    fields = _SHAPE_FIELDS.get(kind, "hidden_size").split(", ")
     if not isinstance(path, str):
         fields[-1] = "sum of " + "/".join(p.rsplit("/", 1)[-1] for p in path) + " outputs"
     return ", ".join(fields[::-1] if transpose else fields)
@@ -223,6 +252,10 @@ def shape_fields(path, transpose: bool) -> str:
 
 def _present(cfg, hf: str, internal) -> bool:
     """Whether ``cfg``'s checkpoint has the tensor of a :data:`NAME_TABLE` row."""
+    if isinstance(internal, str) and "/moe/" in internal:
+        return bool(cfg.n_experts)
+    if isinstance(internal, str) and "/mlp/" in internal and cfg.n_experts:
+        return False  # the experts replace the MLP
     if hf.endswith(_SANDWICH) or internal == _ATTN_POST:
         return cfg.sandwich_norms
     if hf.endswith("post_attention_layernorm.weight"):  # the MLP input's norm
@@ -247,7 +280,14 @@ def expected_tensors(cfg) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
         if not _present(cfg, hf, internal):
             continue
         layers = range(cfg.n_layers) if "{i}" in hf else [None]
-        for i in layers:
+        experts = range(cfg.n_experts) if "{j}" in hf else [None]
+        for i, j in ((i, j) for i in layers for j in experts):
+            if j is not None:  # an expert's matrix ({j}: HF's index, JJ: 2-digit)
+                name = hf.format(i=i, j=j)
+                path = internal.format(i=f"{i:02d}", j=f"{j:02d}")
+                shape = param_shape(cfg, path)
+                out[name] = (path, transpose, shape[::-1] if transpose else shape)
+                continue
             name = hf if i is None else hf.format(i=i)
             if isinstance(internal, tuple):  # fused: the parts' outputs one after another
                 path = tuple(p.format(i=f"{i:02d}") for p in internal)

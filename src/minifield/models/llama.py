@@ -15,6 +15,7 @@ with the Llama block instead of the GPT one (:mod:`.gpt`):
 - optional sliding-window attention (Mistral, Qwen): on every layer or those
   ``layer_types`` names (:func:`minifield.models.layers.attention.window_mask`);
 - gated MLP: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU) or GELU (Gemma's GeGLU);
+  or, with ``n_experts``, a mixture of such MLPs with a top-k router (Mixtral, :mod:`.moe`);
 - Gemma: RMSNorm scaled by ``1 + w``, embeddings multiplied by ``sqrt(d_model)``;
 - output head tied to the token embedding or separate.
 
@@ -27,6 +28,7 @@ table mapping them to HF names)::
                   (+ bq, bk, bv with qkv_bias; q_norm [K], k_norm [K] with qk_norm)
     blocks/NN/mlp_norm/scale [D]
     blocks/NN/mlp/{w_gate [D, F], w_up [D, F], w_down [F, D]}
+                  (n_experts: blocks/NN/moe/{router [D, E], experts/JJ/{w_gate, w_up, w_down}})
     final_norm/scale [D]
     head/w [D, V]  (untied only)
 """
@@ -40,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import rope_scaling
+from . import moe, rope_scaling
 from . import sampling as sampling_rules
 from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, rotate, scaled_normal
@@ -57,7 +59,9 @@ def init_params(cfg: LlamaConfig, key) -> dict:
     writers (``wo``, ``w_down``) scaled by 1/sqrt(2 n_layers); biases 0, norm scales 1."""
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    keys = iter(jax.random.split(key, 2 + 7 * L))
+    # per layer 4 attention keys and the MLP's 3 (experts: the router's 1 and 3 per expert)
+    per_layer = 5 + 3 * cfg.n_experts if cfg.n_experts else 7
+    keys = iter(jax.random.split(key, 2 + per_layer * L))
     residual_scale = 1.0 / math.sqrt(2 * L)
 
     def normal(shape, std):
@@ -87,12 +91,22 @@ def init_params(cfg: LlamaConfig, key) -> dict:
             "attn_norm": {"scale": jnp.ones((D,), F32)},
             "attn": attn,
             "mlp_norm": {"scale": jnp.ones((D,), F32)},
-            "mlp": {
+        }
+
+        def mlp():
+            return {
                 "w_gate": normal((D, F), D**-0.5),
                 "w_up": normal((D, F), D**-0.5),
                 "w_down": normal((F, D), F**-0.5 * residual_scale),
-            },
-        }
+            }
+
+        if cfg.n_experts:
+            params["blocks"][f"{i:02d}"]["moe"] = {
+                "router": normal((D, cfg.n_experts), D**-0.5),
+                "experts": {f"{j:02d}": mlp() for j in range(cfg.n_experts)},
+            }
+        else:
+            params["blocks"][f"{i:02d}"]["mlp"] = mlp()
     if not cfg.tie_embeddings:
         params["head"] = {"w": normal((D, V), D**-0.5)}
     return params
@@ -202,6 +216,13 @@ def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
     return _project(cfg, act_BxTxF, p["w_down"])
 
 
+def _mlp(cfg: LlamaConfig, x_BxTxD, block):
+    """The block's MLP: the dense one, or the mixture of experts (:mod:`.moe`)."""
+    if "moe" in block:
+        return moe.moe_mlp(cfg, x_BxTxD, block["moe"])
+    return _swiglu(cfg, x_BxTxD, block["mlp"])
+
+
 def head(params, cfg: LlamaConfig, h_BxTxD):
     """FP32 logits from the last hidden states (final norm, then the tied or separate head;
     Gemma 2: soft-capped)."""
@@ -239,7 +260,7 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
             out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
             h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-            return _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
+            return _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block), block, "mlp_post_norm")
 
         return fn
 
@@ -260,10 +281,12 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """6 x (matrix weights: q, o of D x H*K; k, v of D x G*K; 3 D x F; the D x V head)
-    + 12 x layers x seq_len x H*K for attention scores and mixing."""
+    + 12 x layers x seq_len x H*K for attention scores and mixing. With experts: the
+    3 D x F of the k experts a token goes through, and the D x E router."""
     D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
     HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    matmul_params = L * (2 * D * HK + 2 * D * GK + 3 * D * F) + D * V
+    mlp = 3 * D * F * cfg.experts_per_token + D * cfg.n_experts if cfg.n_experts else 3 * D * F
+    matmul_params = L * (2 * D * HK + 2 * D * GK + mlp) + D * V
     return float(6 * matmul_params + 12 * L * seq_len * HK)
 
 
@@ -308,7 +331,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         out_BxTxD = _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
         h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        h_BxTxD = _add(cfg, h_BxTxD, _swiglu(cfg, a_BxTxD, block["mlp"]), block, "mlp_post_norm")
+        h_BxTxD = _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block), block, "mlp_post_norm")
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
     return head(params, cfg, last_Bx1xD)[:, 0], new_cache
 

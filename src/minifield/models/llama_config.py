@@ -85,6 +85,10 @@ class LlamaConfig(ArchitectureConfig):
     #: per layer ``sliding_attention`` or ``full_attention`` (:mod:`.families`); empty: the
     #: window, if any, applies to every layer
     layer_types: tuple = ()
+    #: a mixture of experts in place of each MLP (Mixtral, :mod:`.moe`): this many experts of
+    #: width ``d_ff``, each token through ``experts_per_token`` of them; 0: the dense MLP
+    n_experts: int = 0
+    experts_per_token: int = 0
     #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
     execution: Execution = Execution()
 
@@ -137,7 +141,20 @@ class LlamaConfig(ArchitectureConfig):
                 "model.attention pallas: the fused kernel has no score soft-capping "
                 f"(attn_logit_softcapping {self.attn_softcap}); use model.attention xla"
             )
-        return errors + self._window_errors()
+        return errors + self._window_errors() + self._expert_errors()
+
+    def _expert_errors(self) -> list[str]:
+        n, k = self.n_experts, self.experts_per_token
+        if any(type(v) is not int for v in (n, k)):
+            return [f"model.n_experts, experts_per_token: expected integers, got {n!r}, {k!r}"]
+        if (n, k) == (0, 0):
+            return []
+        if n < 1 or not 1 <= k <= n:
+            return [
+                f"model.experts_per_token: expected 1 to n_experts={n} (both 0: no experts), "
+                f"got {k}"
+            ]
+        return []
 
     @property
     def score_scale(self) -> float:
@@ -191,6 +208,8 @@ class LlamaConfig(ArchitectureConfig):
             "rope_local_theta": None,
             "sliding_window": None,
             "layer_types": [],
+            "n_experts": 0,
+            "experts_per_token": 0,
         }
         for key, value in unset.items():
             if out[key] == value:

@@ -1,0 +1,79 @@
+"""The mixture-of-experts MLP (Mixtral's ``block_sparse_moe``), over the tokens of a packed
+batch.
+
+Routing, as transformers' ``MixtralSparseMoeBlock``: router logits ``x @ router`` (FP32,
+``[N, E]``), a softmax over all ``E`` experts, the ``k`` largest probabilities kept and
+divided by their sum; each token goes through its ``k`` experts (``down(silu(gate(x)) *
+up(x))``, the dense MLP's form) and their outputs are summed with those weights. A token's
+result depends on that token alone, so packed segments and padding need nothing here.
+
+Compute: grouped, dropless. The ``N * k`` (token, expert) pairs are sorted by expert (stable,
+so ties keep token order), the tokens gathered in that order, and each of the three
+projections is one ``jax.lax.ragged_dot`` of the ``[N * k, in]`` rows against the stacked
+``[E, in, out]`` expert matrices with per-expert group sizes: every expert multiplies only
+the rows routed to it, and no token is dropped (no capacity factor, so the result does not
+depend on what else is in the batch). The outputs are weighted and scattered back onto their
+tokens with an add. ``ragged_dot`` exists in the pinned JAX, runs on CPU and differentiates
+(``jax.grad``: its transpose is a ragged dot again), so no per-expert dense fallback is kept.
+
+The experts are held one matrix per expert (``moe/experts/JJ/w_gate`` ``[D, F]``, as the
+checkpoint stores them, :mod:`.families`) and stacked to ``[E, D, F]`` inside the traced
+computation (a copy of the expert weights per step, and of their gradients; holding them
+stacked is a later step). Matrix inputs are rounded to the compute dtype and accumulated in
+FP32, as :func:`minifield.models.layers.primitives.einsum`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .layers.primitives import F32
+
+
+def route(cfg, x_NxD, router_DxE):
+    """``(weights [N, k] FP32, experts [N, k] int32)``: the softmax over every expert's FP32
+    logit, its top ``k``, renormalised to sum to one (Mixtral's order)."""
+    logits_NxE = jnp.einsum(
+        "nd,de->ne",
+        x_NxD.astype(F32),
+        router_DxE.astype(F32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
+    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return weights_NxK, experts_NxK.astype(jnp.int32)
+
+
+def _stacked(cfg, experts: dict, name: str):
+    """One projection of every expert, ``[E, in, out]`` in the compute dtype."""
+    names = sorted(experts, key=int)
+    return jnp.stack([experts[j][name] for j in names]).astype(cfg.dtype)
+
+
+def moe_mlp(cfg, x_BxTxD, p):
+    """The experts' weighted output ``[B, T, D]`` (compute dtype) for every token;
+    ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}``."""
+    B, T, D = x_BxTxD.shape
+    E, K = cfg.n_experts, cfg.experts_per_token
+    x_NxD = x_BxTxD.reshape(B * T, D)
+    weights_NxK, experts_NxK = route(cfg, x_NxD, p["router"])
+    flat_M = experts_NxK.reshape(-1)  # M = N * K (token, expert) pairs, token-major
+    order_M = jnp.argsort(flat_M, stable=True)
+    token_M = order_M // K
+    group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
+    xs_MxD = x_NxD[token_M].astype(cfg.dtype)
+
+    def grouped(lhs, name):
+        return jax.lax.ragged_dot(
+            lhs, _stacked(cfg, p["experts"], name), group_sizes_E, preferred_element_type=F32
+        )
+
+    gate_MxF = grouped(xs_MxD, "w_gate")
+    up_MxF = grouped(xs_MxD, "w_up")
+    act_MxF = (jax.nn.silu(gate_MxF) * up_MxF).astype(cfg.dtype)
+    out_MxD = grouped(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
+    weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
+    y_NxD = jnp.zeros((B * T, D), F32).at[token_M].add(weighted_MxD)
+    return y_NxD.astype(cfg.dtype).reshape(B, T, D)
