@@ -224,7 +224,9 @@ def test_logits_match_the_written_equations(case):
         margins: list[float] = []
         expected = reference_logits(case["tensors"], MIXTRAL, row, margins)
         assert min(margins) > 1e-3  # no top-k near-tie that FP32 could break the other way
-        np.testing.assert_allclose(our_logits(case["cfg"], case["params"], row), expected, atol=1e-4)
+        np.testing.assert_allclose(
+            our_logits(case["cfg"], case["params"], row), expected, atol=1e-4
+        )
 
 
 def test_the_routing_changes_the_logits(case):
@@ -247,6 +249,7 @@ def test_the_routing_changes_the_logits(case):
     assert all(len(set(r)) == 2 for r in np.asarray(experts).tolist())
 
 
+@pytest.mark.slow
 def test_each_segment_of_a_packed_row_equals_the_example_alone(case):
     cfg, params = case["cfg"], case["params"]
     a, b, c = ROWS[0][:7], ROWS[1][:9], ROWS[0][3:8]
@@ -284,6 +287,7 @@ def test_gradients_reach_the_router_and_every_used_expert(case):
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
 
 
+@pytest.mark.slow
 def test_cached_greedy_generation_equals_uncached_and_the_reference(case):
     cfg, params = case["cfg"], case["params"]
     prompt, expected = ROWS[0][:5], []
@@ -321,3 +325,61 @@ def test_export_then_load_is_byte_equal_and_config_field_by_field(case, tmp_path
     np.testing.assert_array_equal(
         our_logits(again, params_again, ROWS[1]), our_logits(cfg, params, ROWS[1])
     )
+
+
+# -- training ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def base_root(tmp_path):
+    """test_base_model's inputs (chat rows, tokenizer, ChatML template) with a Mixtral base."""
+    from test_base_model import make_inputs
+
+    root = tmp_path / "in"
+    make_inputs(root)
+    hf = {**MIXTRAL, "vocab_size": 340, "max_position_embeddings": 128}
+    write_checkpoint(root / "base", hf, mixtral_tensors(hf, seed=5))
+    return root
+
+
+def test_a_full_fine_tune_of_a_mixtral_base_runs_an_update(base_root, tmp_path):
+    from conftest import write_recipe
+    from test_base_model import base_recipe
+
+    from minifield import recipe as recipes
+    from minifield.inputs import examples
+    from minifield.pipeline import preparation
+
+    recipe = base_recipe(base_root, {"compute_dtype": "float32"})
+    path = write_recipe(tmp_path / "recipe.json", recipe)
+    preparation.prepare(path, base_root, tmp_path / "examples")
+    loaded = recipes.load(path)
+    arrays, _ = examples.load(tmp_path / "examples", loaded.examples_digest)
+    program = loaded.strategy.build(loaded.data, arrays)
+    assert (program.cfg.n_experts, program.cfg.experts_per_token) == (4, 2)
+    state = program.init_state()
+    on_disk = load_file(str(base_root / "base" / "model.safetensors"))
+    expert = state["params"]["blocks"]["01"]["moe"]["experts"]["02"]["w_up"]
+    np.testing.assert_array_equal(
+        np.asarray(expert), on_disk["model.layers.1.block_sparse_moe.experts.2.w3.weight"].T
+    )
+    before = np.asarray(state["params"]["blocks"]["00"]["moe"]["router"]).copy()
+    state, metrics = program.step(state)
+    assert np.isfinite(metrics["loss"])
+    after = np.asarray(state["params"]["blocks"]["00"]["moe"]["router"])
+    assert np.abs(after - before).max() > 0
+
+
+def test_lora_on_a_mixtral_base_is_refused_naming_the_field(base_root):
+    from test_base_model import _prepare, base_recipe
+
+    from minifield.hf import pinned_base
+
+    lora_section = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
+    recipe = base_recipe(base_root, {"lora": lora_section, "compute_dtype": "float32"})
+    with pytest.raises(
+        pinned_base.BaseModelError,
+        match=r"config.json: model_type mixtral .*"
+        r"LoRA \(model.lora\) on a mixture of experts is not supported yet",
+    ):
+        _prepare(recipe, base_root)
