@@ -93,7 +93,7 @@ def reference_logits(t: dict, hf: dict, ids, routing=None) -> np.ndarray:
     collects each layer's top-k margin (how far the k-th router logit is from the next)."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
     H, G = hf["num_attention_heads"], hf["num_key_value_heads"]
-    D, E, k = hf["hidden_size"], hf["num_local_experts"], hf["num_experts_per_tok"]
+    D, k = hf["hidden_size"], hf["num_experts_per_tok"]
     K, eps, T = D // H, hf["rms_norm_eps"], len(ids)
 
     def rms(x, weight):
