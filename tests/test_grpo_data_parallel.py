@@ -27,7 +27,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import attempts_of, read_events, run_attempt, write_recipe
+from conftest import attempts_of, read_events, run_attempt, update_hashes, write_recipe
 from grpo_cases import make_inputs, recipe
 from safetensors.numpy import load_file
 
@@ -72,7 +72,7 @@ def dp_recipe(root, devices: int = 1, shard_params: bool = False, grad_accum_ste
             "eps": 1e-4,
         },
         limits={"max_steps": UPDATES},
-        checkpoint={"every_steps": UPDATES, "keep": 1},
+        checkpoint={"every_steps": 2, "keep": 2},
     )
     if grad_accum_steps != 1:
         raw["training"]["grad_accum_steps"] = grad_accum_steps
@@ -96,6 +96,7 @@ def runs(space) -> dict:
         )  # fmt: skip
         (attempt,) = attempts_of(space["top"] / name, "grpo-test")
         out[name] = attempt
+        out[f"{name}-recipe"] = path
     return out
 
 
@@ -209,3 +210,23 @@ def test_lora_on_a_mesh_is_refused_as_packed_sft_refuses_it(space):
     raw = dp_recipe(space["root"], grad_accum_steps=2)
     raw["model"]["lora"] = {"rank": 4, "alpha": 8, "targets": ["q_proj"]}
     assert minifield.validate(raw).valid
+
+
+@pytest.mark.slow
+def test_a_crash_on_the_mesh_resumes_to_the_same_bits(space, runs):
+    """Sharded parameters and two micro-batches on two devices: a crash after update 3,
+    resumed from the step-2 checkpoint (placed on the mesh again), recomputes update 3 to the
+    uninterrupted run's state hash and rollouts file."""
+    env, out = devices_env(2), space["top"] / "crash"
+    path = runs["two-sharded-accum-recipe"]
+    run_attempt(path, space["root"], out, "--fail-after-step", "3", codes=(1,), env=env,
+                cache=space["cache"])  # fmt: skip
+    (crashed,) = attempts_of(out, "grpo-test")
+    run_attempt(path, space["root"], out, "--resume-from", crashed, env=env, cache=space["cache"])
+    resumed = attempts_of(out, "grpo-test")
+    whole = runs["two-sharded-accum"]
+    assert update_hashes(resumed) == update_hashes([whole])
+    name = "update-00000003.jsonl"
+    assert (resumed[-1] / "rollouts" / name).read_bytes() == (
+        whole / "rollouts" / name
+    ).read_bytes()
