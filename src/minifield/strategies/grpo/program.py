@@ -17,6 +17,12 @@ timed for the ``update`` event (``rollout_seconds``, ``reward_seconds``,
 Nothing here depends on what ran before in the process: a resumed attempt recomputes update
 ``n`` from the state after ``n - 1`` alone, so its rollouts and its state are the
 uninterrupted run's.
+
+With ``training.data_parallel.devices`` > 1 (the language-model program's mesh, laid out
+by :meth:`compile`) steps 2, 4 and 5 run on the mesh with the update's rows split over
+``data`` (each device decodes its own rows: a row's draws are its own); step 3 stays on
+the host over the whole update, so a group's statistics are over all its completions.
+``training.grad_accum_steps`` is the update's (:mod:`.update`).
 """
 
 from __future__ import annotations
