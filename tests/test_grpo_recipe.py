@@ -58,8 +58,8 @@ def test_absent_keys_and_their_defaults_spelled_out_are_one_computation(root):
         ({"rl": {"rewards": [{"kind": "bogus"}]}}, "/rl/rewards/0", "bogus"),
         ({"rl": {"max_completion_length": 48}}, "/rl/max_completion_length", "seq_len"),
         ({"training": {"train_on": "everything"}}, "/training/train_on", "not read"),
-        ({"training": {"grad_accum_steps": 2}}, "/training/grad_accum_steps", "accumulation"),
-        ({"training": {"data_parallel": {"devices": 2}}}, "/training/data_parallel", "one device"),
+        ({"training": {"grad_accum_steps": 3}}, "/training/grad_accum_steps", "multiple of"),
+        ({"training": {"data_parallel": {"devices": 3}}}, "/training/data_parallel", "divide"),
         (
             {"rl": {"rewards": [{"kind": "python", "file": "rewards-py", "function": "f"}]}},
             "/rl/rewards/0/file",

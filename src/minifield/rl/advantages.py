@@ -6,7 +6,7 @@ of each completion token in the update's loss (:func:`token_weights`). Both foll
 ``GRPOTrainer`` (``trl/trainer/grpo_trainer.py``: ``_generate_and_score_completions`` for the
 advantages, ``_compute_loss`` for the normalisations); docs/grpo-objective.md writes them out
 and names the one place this differs (the loss as token weights over the whole update, which
-only TRL's ``bnpo`` notices: its micro-batches are ours, consecutive, not shuffled).
+only TRL's ``bnpo`` notices: its micro-batches are ours, every M-th row, not shuffled).
 
 The device side, the per-token loss the weights multiply, is :mod:`minifield.rl.objective`.
 """
@@ -95,12 +95,15 @@ def token_weights(
     - ``dapo``: ``mask / max(Σ len, 1)``: the update's token mean (TRL: ``num_items_in_batch``,
       the active tokens of the whole generation batch).
     - ``dr_grpo``: ``mask / (N · L)``: the constant normaliser of Dr. GRPO.
-    - ``bnpo``: the rows split into ``micro_batches`` consecutive equal parts ``m``; each token
-      weighs ``mask / (max(tokens of m, 1) · micro_batches)``: the token mean of each
+    - ``bnpo``: the rows split into ``micro_batches`` equal parts, micro-batch ``m`` holding
+      every ``micro_batches``-th row from row ``m`` (rows ``m, m + M, m + 2M, …``: the split of
+      the update's gradient accumulation, :func:`minifield.training.train_step.micro_batches`);
+      each token weighs ``mask / (max(tokens of m, 1) · micro_batches)``: the token mean of each
       micro-batch, then their mean (TRL: ``loss / mask.sum().clamp(min=1.0)`` per micro-batch,
-      divided by the accumulation steps, averaged over processes). With one micro-batch it is
-      ``dapo``. TRL shuffles the generation batch before splitting it; here the caller orders the
-      rows (the split is consecutive, so the weights are a pure function of the mask).
+      divided by the accumulation steps). With one micro-batch it is ``dapo``. TRL shuffles the
+      generation batch before splitting it; here the caller orders the rows (the split is fixed,
+      so the weights are a pure function of the mask). A micro-batch spans every device of a
+      data-parallel update (TRL normalises per process): the device count never changes it.
 
     ``micro_batches`` is read by ``bnpo`` only (the other normalisers do not depend on the split);
     TRL's grpo and dr_grpo divide each micro-batch by its own size and the step count, which is
@@ -129,7 +132,8 @@ def token_weights(
             raise ValueError(
                 f"micro_batches must split the {n} completions into equal parts, got {micro_batches}"
             )
-        tokens_M = len_N.reshape(micro_batches, -1).sum(axis=1)
-        per_row_N = np.repeat(np.maximum(tokens_M, 1.0) * micro_batches, n // micro_batches)
+        # row i is in micro-batch i mod M (every M-th row, as the update accumulates them)
+        tokens_M = len_N.reshape(-1, micro_batches).sum(axis=0)
+        per_row_N = np.tile(np.maximum(tokens_M, 1.0) * micro_batches, n // micro_batches)
         weights_NxT = mask_NxT / per_row_N[:, None]
     return weights_NxT.astype(np.float32)

@@ -112,10 +112,14 @@ def generate(
     prompt_index=None,
     completion_index=None,
     length: int | None = None,
+    row_sharding=None,
 ):
     """``(completion ids, truncated)`` of each row (see the module); ``sampling`` None is
     greedy. ``length``: the buffer's slots (a fixed value keeps one compilation; default
-    the longest prompt plus ``max_new``, at most ``cfg.max_len``)."""
+    the longest prompt plus ``max_new``, at most ``cfg.max_len``). ``row_sharding``: one that
+    splits the rows over a data-parallel mesh (the rows must split evenly), for ``params``
+    on that mesh: each device generates its own rows; None runs the rows where ``params``
+    are. A row's draws are the same either way (its key is its own)."""
     rows = len(prompt_ids)
     prompt_index = np.arange(rows) if prompt_index is None else np.asarray(prompt_index)
     completion_index = (
@@ -132,14 +136,18 @@ def generate(
         buffer[row, : len(prompt)] = prompt
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     keys = row_keys(seed, update, prompt_index, completion_index)
+    per_row = (jnp.asarray(buffer), jnp.asarray(lengths), keys)
+    if row_sharding is not None:
+        per_row = jax.device_put(per_row, row_sharding)
+    buffer_BxL, lengths_B, keys_B = per_row
     out, out_lengths = _generate(
         params,
         cfg,
-        jnp.asarray(buffer),
-        jnp.asarray(lengths),
+        buffer_BxL,
+        lengths_B,
         jnp.asarray(stops or (-1,), jnp.int32),
         sampling,
-        keys,
+        keys_B,
         jnp.int32(max_new),
         sampling is None,
     )

@@ -78,6 +78,14 @@ class RewardEvaluator:
         self.batch_size = recipe["evaluation"]["batch_size"]
         self.pass_reward = recipe["evaluation"]["pass_reward"]
         self.exact = section.exact_match_reward(recipe)
+        self.rows = None  # on_mesh: each greedy batch's rows split over the devices
+
+    def on_mesh(self, rows_sharding, devices: int) -> None:
+        """Decode on the data-parallel mesh (the parameters stay in the state's shardings):
+        each batch's rows split over the devices when ``evaluation.batch_size`` divides over
+        them, else every device decodes the whole batch."""
+        if self.batch_size % devices == 0:
+            self.rows = rows_sharding
 
     def score(self, made, rows: list[dict], update: int) -> Scored:
         texts = [self.tokenizer.decode(ids) for ids in made.completion_ids]
@@ -104,7 +112,13 @@ class RewardEvaluator:
             chunk = prompt_ids[start : start + self.batch_size]
             padded = chunk + [chunk[0]] * (self.batch_size - len(chunk))
             ids, cut = rollouts.generate(
-                params, self.cfg, padded, self.max_new, self.stops, length=self.seq_len
+                params,
+                self.cfg,
+                padded,
+                self.max_new,
+                self.stops,
+                length=self.seq_len,
+                row_sharding=self.rows,
             )
             completions += ids[: len(chunk)]
             truncated += list(cut[: len(chunk)])

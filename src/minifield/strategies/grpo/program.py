@@ -17,6 +17,12 @@ timed for the ``update`` event (``rollout_seconds``, ``reward_seconds``,
 Nothing here depends on what ran before in the process: a resumed attempt recomputes update
 ``n`` from the state after ``n - 1`` alone, so its rollouts and its state are the
 uninterrupted run's.
+
+With ``training.data_parallel.devices`` > 1 (the language-model program's mesh, laid out
+by :meth:`compile`) steps 2, 4 and 5 run on the mesh with the update's rows split over
+``data`` (each device decodes its own rows: a row's draws are its own); step 3 stays on
+the host over the whole update, so a group's statistics are over all its completions.
+``training.grad_accum_steps`` is the update's (:mod:`.update`).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class GRPOProgram(LMProgram):
             self.mu,
             rl["temperature"],
             self.lora,
+            self.accum_steps,
         )
         self._reference = None
         if rl["beta"] > 0:
@@ -92,9 +99,20 @@ class GRPOProgram(LMProgram):
 
     # -- the update ------------------------------------------------------------------------
     def compile(self) -> None:
-        """The update is compiled for the shapes every update has (N rows of seq_len)."""
+        """The update is compiled for the shapes every update has (N rows of seq_len). With
+        data parallelism, as packed-sft's: on the mesh, the batch's rows split over ``data``,
+        the state replicated or sharded (``shard_params``), donated; the metrics replicated,
+        iteration 1's log-probabilities split as the rows. LoRA runs on one device (refused
+        on a mesh at validation, as packed-sft's)."""
         import jax
 
+        if jax.process_count() > 1:
+            raise RuntimeError(
+                "grpo runs in one process (its rollouts, rewards and advantages are computed "
+                "on that process's host); start one process with "
+                "training.data_parallel.devices of its devices"
+            )
+        self.lay_out_mesh()
         abstract_state, _ = _abstract_state(self.start)
         batch = {
             "tokens": jax.ShapeDtypeStruct((self.N, self.seq_len), np.int32),
@@ -104,7 +122,18 @@ class GRPOProgram(LMProgram):
         }
         if self._reference is not None:
             batch["ref_logps"] = jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32)
-        fn = jax.jit(self._update_fn, donate_argnums=(0,))
+        shardings = {}
+        if self.layout is not None:
+            rows = self.layout.batch
+            shardings = {
+                "in_shardings": (self.layout.state, {name: rows for name in batch}),
+                "out_shardings": (
+                    self.layout.state,
+                    self.data_parallel.replicated(self.layout.mesh),
+                    rows,
+                ),
+            }
+        fn = jax.jit(self._update_fn, donate_argnums=(0,), **shardings)
         if self.lora is None:
             compiled = fn.lower(abstract_state, batch).compile()
             self._compiled = compiled
@@ -112,6 +141,17 @@ class GRPOProgram(LMProgram):
             base = jax.eval_shape(lambda: self._base)
             compiled = fn.lower(abstract_state, batch, base).compile()
             self._compiled = lambda state, batch: compiled(state, batch, self._base)
+
+    def _rows(self):
+        """The sharding of an update's rows on the mesh (None on one device)."""
+        return None if self.layout is None else self.layout.batch
+
+    def _on_device(self, batch: dict[str, np.ndarray]) -> dict:
+        import jax
+
+        if self.layout is None:
+            return {name: jax.numpy.asarray(value) for name, value in batch.items()}
+        return jax.device_put(batch, self.layout.batch)
 
     def _policy_params(self, state):
         from ...models.layers import layer_stack
@@ -140,12 +180,13 @@ class GRPOProgram(LMProgram):
             seed=self.seed,
             update=step,
             length=self.seq_len,
+            row_sharding=self._rows(),
         )
         times["rollout_seconds"] = time.monotonic() - started
         started = time.monotonic()
         scored = self.evaluator.score(made, self.train_rows, update=step + 1)
         advantages = group_advantages.advantages(scored.total, self.G, self.rl["scale_rewards"])
-        batch = rollouts_file.batch_of(made, advantages, self.rl, self.seq_len)
+        batch = rollouts_file.batch_of(made, advantages, self.rl, self.seq_len, self.accum_steps)
         times["reward_seconds"] = time.monotonic() - started
         started = time.monotonic()
         ref_logps = None
@@ -154,9 +195,7 @@ class GRPOProgram(LMProgram):
             batch["ref_logps"] = ref_logps
         times["reference_seconds"] = time.monotonic() - started
         started = time.monotonic()
-        new_state, metrics, logps = self._compiled(
-            state, {k: jax.numpy.asarray(v) for k, v in batch.items()}
-        )
+        new_state, metrics, logps = self._compiled(state, self._on_device(batch))
         jax.block_until_ready(new_state)
         times["policy_seconds"] = time.monotonic() - started
         host = {k: float(v) for k, v in metrics.items()}
@@ -179,12 +218,27 @@ class GRPOProgram(LMProgram):
         return new_state, lambda: host
 
     def _reference_logps(self, state, tokens):
+        """The reference's log-probabilities of the update's rows, on the mesh when there is
+        one (the rows split over ``data``; the starting weights placed as the state's
+        parameters are: replicated, or sharded with ``shard_params``)."""
         import jax
+
+        from ...training import data_parallel
 
         if self.lora is not None:
             return np.asarray(self._reference(self._base, state["params"], tokens))
         if self._ref_params is None:
-            self._ref_params = jax.device_put(self.base_params)
+            if self.layout is None:
+                self._ref_params = jax.device_put(self.base_params)
+            else:
+                abstract = jax.tree_util.tree_map(
+                    lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                    self.base_params,
+                )
+                where = self.data_parallel.state_shardings(self.layout.mesh, {"params": abstract})
+                self._ref_params = data_parallel.place_tree(self.base_params, where["params"])
+        if self.layout is not None:
+            tokens = jax.device_put(tokens, self.layout.batch)
         return np.asarray(self._reference(self._ref_params, tokens))
 
     # -- evaluation and export -------------------------------------------------------------

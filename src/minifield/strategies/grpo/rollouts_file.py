@@ -3,7 +3,8 @@
 The batch (:func:`batch_of`): row ``n`` holds completion ``n`` after its prompt from slot 0
 (``tokens [N, S]``, padding 0 after it), ``mask`` 1 on its completion tokens (0 for all of a
 truncated completion's with ``rl.mask_truncated_completions``), each token's ``weights`` in the
-loss (:func:`minifield.rl.advantages.token_weights` of the loss type) and the ``advantages``.
+loss (:func:`minifield.rl.advantages.token_weights` of the loss type; bnpo's over the update's
+``training.grad_accum_steps`` micro-batches) and the ``advantages``.
 
 The file, ``rollouts/update-{n:08d}.jsonl`` in the attempt directory (written whole, then
 renamed into place): one line per completion, in row order::
@@ -54,7 +55,9 @@ def completion_mask(made, rl: dict, seq_len: int) -> np.ndarray:
     return mask
 
 
-def batch_of(made, advantages: np.ndarray, rl: dict, seq_len: int) -> dict[str, np.ndarray]:
+def batch_of(
+    made, advantages: np.ndarray, rl: dict, seq_len: int, micro_batches: int = 1
+) -> dict[str, np.ndarray]:
     N = len(made.completion_ids)
     tokens = np.zeros((N, seq_len), np.int32)
     for row, (prompt, completion) in enumerate(
@@ -63,7 +66,9 @@ def batch_of(made, advantages: np.ndarray, rl: dict, seq_len: int) -> dict[str, 
         ids = prompt + completion
         tokens[row, : len(ids)] = ids
     mask = completion_mask(made, rl, seq_len)
-    weights = group_advantages.token_weights(rl["loss_type"], mask, rl["max_completion_length"])
+    weights = group_advantages.token_weights(
+        rl["loss_type"], mask, rl["max_completion_length"], micro_batches
+    )
     return {
         "tokens": tokens,
         "mask": mask,

@@ -56,23 +56,32 @@ def normalize_rl(recipe: dict) -> list[dict]:
 
 
 def _training_errors(training: dict) -> list[dict]:
-    """What 1.0.0 does not run or read: data parallelism, accumulation, ``train_on``."""
+    """What the update's rows must split into: the devices of ``data_parallel`` and the
+    micro-batches of ``grad_accum_steps`` (absent and 1 are one spelling); ``train_on`` and
+    ``mixture`` are not read."""
     errors = []
-    if training["data_parallel"]["devices"] != 1 or training["data_parallel"]["shard_params"]:
+    rows, devices = training["batch_size"], training["data_parallel"]["devices"]
+    accum = training.get("grad_accum_steps", 1)
+    if accum == 1:
+        training.pop("grad_accum_steps", None)
+    if rows % devices:
         errors.append(
             {
-                "path": "/training/data_parallel",
-                "message": "grpo 1.0.0 runs on one device (devices 1, shard_params false)",
+                "path": "/training/data_parallel/devices",
+                "message": f"must divide training.batch_size={rows} (every device gets the same "
+                f"number of completions; got {devices})",
             }
         )
-    if training.get("grad_accum_steps", 1) != 1:
+    elif rows % (devices * accum):
         errors.append(
             {
                 "path": "/training/grad_accum_steps",
-                "message": "grpo 1.0.0 has no gradient accumulation (must be 1 or absent)",
+                "message": f"must divide training.batch_size={rows} into micro-batches whose "
+                f"completions split evenly over training.data_parallel.devices={devices}: "
+                f"batch_size must be a multiple of devices x grad_accum_steps = "
+                f"{devices * accum} (got {accum})",
             }
         )
-    training.pop("grad_accum_steps", None)
     for key in ("train_on", "mixture"):
         if key in training:
             errors.append({"path": f"/training/{key}", "message": "not read by grpo"})

@@ -67,6 +67,9 @@ class GRPO(Strategy):
         errors += model_section.warmup_errors(recipe)
         return errors
 
+    def devices_required(self, recipe: dict) -> int:
+        return recipe["training"]["data_parallel"]["devices"]
+
     def data_spec(self, recipe: dict) -> dict:
         model, training = recipe["model"], recipe["training"]
         return {
