@@ -63,6 +63,9 @@ CASES = {
     "grpo-lora": ("grpo", "token", True),
 }
 
+# compiled updates of a model, four or five times each: minutes, not the fast tier's seconds
+pytestmark = pytest.mark.slow
+
 
 def hand_made_batch(seed: int, loss_type: str, k: int) -> dict[str, np.ndarray]:
     """N rows: a prompt of 3-6 tokens then a completion of 0-L tokens (row 5 empty), groups
