@@ -105,3 +105,24 @@ def _shared(cfg, x_BxTxD, p):
     out_BxTxD = einsum(cfg, "btf,fd->btd", act_BxTxF, s["w_down"]).astype(F32)
     gate_BxTx1 = einsum(cfg, "btd,do->bto", x_BxTxD, p["shared_gate"], out_dtype=F32)
     return jax.nn.sigmoid(gate_BxTx1) * out_BxTxD
+
+
+def load_balancing_loss(cfg, logits_LxNxE, mask_N=None):
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's eqs. 4-6), FP32 scalar:
+    the router logits of every sparse layer pooled (not a per-layer sum), a softmax and the
+    top ``k`` of each; ``f[k, e]``: the share of (layer, token) pairs whose ``k``-th choice is
+    expert ``e``, ``P[e]``: the mean probability of ``e``; the loss is
+    ``E * sum_{k, e} f[k, e] * P[e]``. ``mask_N`` (1 for a token, 0 for padding: the packed
+    rows' ``segments != 0``) leaves padding out of both means, as transformers'
+    ``attention_mask``. Not yet added to the training loss (``output_router_logits`` is
+    refused)."""
+    L, N, E = logits_LxNxE.shape
+    probs_LxNxE = jax.nn.softmax(logits_LxNxE.astype(F32), axis=-1)
+    _, chosen_LxNxK = jax.lax.top_k(probs_LxNxE, cfg.experts_per_token)
+    onehot_LxNxKxE = jax.nn.one_hot(chosen_LxNxK, E, dtype=F32)
+    mask_LxN = jnp.ones((L, N), F32) if mask_N is None else jnp.broadcast_to(mask_N, (L, N))
+    mask_LxN = mask_LxN.astype(F32)
+    count = jnp.sum(mask_LxN)
+    f_KxE = jnp.einsum("lnke,ln->ke", onehot_LxNxKxE, mask_LxN) / count
+    p_E = jnp.einsum("lne,ln->e", probs_LxNxE, mask_LxN) / count
+    return E * jnp.sum(f_KxE * p_E[None, :])
