@@ -140,9 +140,10 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             "(model.lora) on them is not supported (full fine-tuning is)"
         )
     if "lora" in model and cfg.n_experts:
+        model_type = json.loads(config_path.read_text()).get("model_type")
         # the experts' and the router's adapters (PEFT's names for them) are not built yet
         raise BaseModelError(
-            f"{config_path}: model_type mixtral (num_local_experts {cfg.n_experts}): LoRA "
+            f"{config_path}: model_type {model_type} ({cfg.n_experts} experts): LoRA "
             "(model.lora) on a mixture of experts is not supported yet (full fine-tuning is)"
         )
     arrays = stored_base.to_arrays(params, stored_layout)

@@ -15,7 +15,19 @@ gemma       GemmaForCausalLM      no         no       256              none
 gemma2      Gemma2ForCausalLM     no         no       256              every other layer
 gemma3_text Gemma3ForCausalLM     no         yes      256              5 of every 6 layers
 mixtral     MixtralForCausalLM    no         no       hidden / heads   every layer
+qwen2_moe   Qwen2MoeForCausalLM   yes        no       hidden / heads   refused
+qwen3_moe   Qwen3MoeForCausalLM   no         yes      hidden / heads   refused
+olmoe       OlmoeForCausalLM      no         whole    hidden / heads   none
 ==========  ====================  =========  =======  ===============  =========================
+
+Qwen2-MoE, Qwen3-MoE and OLMoE (:mod:`.moe`) name the router ``mlp.gate`` and the experts
+``mlp.experts.{j}.gate_proj`` / ``up_proj`` / ``down_proj`` (``moe_names`` "mlp");
+Qwen2-MoE adds a shared expert ``mlp.shared_expert.*`` gated by ``mlp.shared_expert_gate``
+``[1, hidden]`` (internally ``blocks/NN/moe/shared/{w_gate, w_up, w_down}`` and
+``blocks/NN/moe/shared_gate`` ``[D, 1]``). Qwen's layers listed in ``mlp_only_layers``, or
+not a multiple of ``decoder_sparse_step``, keep the dense ``mlp.*_proj`` of
+``intermediate_size`` (``dense_layers``). OLMoE's q/k norms ("whole") are over the whole
+projected queries and keys, not per head.
 
 Mixtral (a mixture of experts, :mod:`.moe`): Mistral's attention, and in place of the MLP a
 router ``block_sparse_moe.gate`` ``[num_local_experts, hidden]`` and per expert ``j``
@@ -82,7 +94,8 @@ class Family:
     #: whether ``attention_bias`` true is refused (it would add an o_proj bias; Qwen2's
     #: q/k/v biases are the family's own, it has no such field)
     attention_bias_field: bool = True
-    #: a mixture of experts in place of the MLP (Mixtral's ``block_sparse_moe``)
+    #: a mixture of experts in place of the MLP (Mixtral's ``block_sparse_moe``, Qwen-MoE's
+    #: and OLMoE's ``mlp``)
     moe: bool = False
 
 
@@ -114,6 +127,15 @@ FAMILIES = {
             default_rope_theta=1_000_000.0,
             moe=True,
         ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            qkv_bias=True,
+            attention_bias_field=False,
+            moe=True,
+        ),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, moe=True),
+        Family("olmoe", "OlmoeForCausalLM", qk_norm=True, moe=True),
     )
 }
 #: HF ``architectures`` entry -> ``model_type``
@@ -128,6 +150,12 @@ def family_of(cfg) -> Family:
     """The family an export of ``cfg`` without a base model's ``config.json`` is written as:
     the simplest one that holds every feature it has."""
     if cfg.n_experts:
+        if cfg.qk_norm_whole:
+            return FAMILIES["olmoe"]
+        if cfg.qk_norm:
+            return FAMILIES["qwen3_moe"]
+        if cfg.shared_expert_d_ff:
+            return FAMILIES["qwen2_moe"]
         return FAMILIES["mixtral"]
     if cfg.fused_projections:
         return FAMILIES["phi3"]
@@ -180,6 +208,14 @@ NAME_TABLE = [
     ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", "blocks/{i}/moe/experts/{j}/w_gate", True),  # moe
     ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", "blocks/{i}/moe/experts/{j}/w_up", True),  # moe
     ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", "blocks/{i}/moe/experts/{j}/w_down", True),  # moe
+    ("model.layers.{i}.mlp.gate.weight",                 "blocks/{i}/moe/router",     True),  # moe, mlp names
+    ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", "blocks/{i}/moe/experts/{j}/w_gate", True),  # moe, mlp names
+    ("model.layers.{i}.mlp.experts.{j}.up_proj.weight",  "blocks/{i}/moe/experts/{j}/w_up", True),  # moe, mlp names
+    ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", "blocks/{i}/moe/experts/{j}/w_down", True),  # moe, mlp names
+    ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", "blocks/{i}/moe/shared/w_gate", True),  # shared expert
+    ("model.layers.{i}.mlp.shared_expert.up_proj.weight", "blocks/{i}/moe/shared/w_up", True),  # shared expert
+    ("model.layers.{i}.mlp.shared_expert.down_proj.weight", "blocks/{i}/moe/shared/w_down", True),  # shared expert
+    ("model.layers.{i}.mlp.shared_expert_gate.weight",   "blocks/{i}/moe/shared_gate", True),  # shared expert
     ("model.norm.weight",                                "final_norm/scale",          False),
     ("lm_head.weight",                                   "head/w",                    True),  # untied
 ]  # fmt: skip
@@ -191,8 +227,13 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
     HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
     leaf = path.rsplit("/", 2)
     kind = "/".join(leaf[-2:])
-    if "/moe/" in path:  # the router [D, E], an expert's matrices as the MLP's
-        kind = "moe/router" if path.endswith("/router") else "mlp/" + leaf[-1]
+    if cfg.qk_norm_whole and kind in ("attn/q_norm", "attn/k_norm"):  # OLMoE's
+        return (HK,) if kind == "attn/q_norm" else (GK,)
+    if "/moe/" in path:  # the router [D, E], the shared gate [D, 1], experts as the MLP's
+        if path.endswith(("/router", "/shared_gate")):
+            return (D, cfg.n_experts if path.endswith("/router") else 1)
+        F = cfg.shared_expert_d_ff if "/moe/shared/" in path else cfg.expert_d_ff
+        kind = "mlp/" + leaf[-1]
     return {
         "moe/router": (D, cfg.n_experts),
         "embed/tokens": (V, D),
@@ -233,7 +274,9 @@ _SHAPE_FIELDS = {
     "mlp/w_up": "hidden_size, intermediate_size",
     "mlp/w_down": "intermediate_size, hidden_size",
     "head/w": "hidden_size, vocab_size",
-    "moe/router": "hidden_size, num_local_experts",
+    "moe/router": "hidden_size, num_local_experts (num_experts)",
+    "moe/expert": "hidden_size, intermediate_size (moe_intermediate_size)",
+    "moe/shared": "hidden_size, shared_expert_intermediate_size",
 }
 
 
@@ -242,9 +285,12 @@ def shape_fields(path, transpose: bool) -> str:
     (of a fused matrix: its first part's, the outputs summed over its parts)."""
     first = path if isinstance(path, str) else path[0]
     kind = "/".join(first.rsplit("/", 2)[-2:])
-    if "/moe/" in first:  # an expert's matrices are shaped as the MLP's
-        kind = "moe/router" if first.endswith("/router") else "mlp/" + first.rsplit("/", 1)[-1]
+    if "/moe/" in first:  # the router; an expert's matrices are shaped as the MLP's
+        kind = "moe/shared" if "/moe/shared/" in first else "moe/expert"
+        kind = "moe/router" if first.endswith("/router") else kind
     fields = _SHAPE_FIELDS.get(kind, "hidden_size").split(", ")
+    if first.endswith("/w_down") and kind in ("moe/expert", "moe/shared"):
+        fields = fields[::-1]
     if not isinstance(path, str):
         fields[-1] = "sum of " + "/".join(p.rsplit("/", 1)[-1] for p in path) + " outputs"
     return ", ".join(fields[::-1] if transpose else fields)
@@ -253,9 +299,9 @@ def shape_fields(path, transpose: bool) -> str:
 def _present(cfg, hf: str, internal) -> bool:
     """Whether ``cfg``'s checkpoint has the tensor of a :data:`NAME_TABLE` row."""
     if isinstance(internal, str) and "/moe/" in internal:
-        return bool(cfg.n_experts)
-    if isinstance(internal, str) and "/mlp/" in internal and cfg.n_experts:
-        return False  # the experts replace the MLP
+        if not cfg.n_experts or ("block_sparse_moe" in hf) != (cfg.moe_names == "mixtral"):
+            return False
+        return cfg.shared_expert_d_ff > 0 or "/shared" not in internal
     if hf.endswith(_SANDWICH) or internal == _ATTN_POST:
         return cfg.sandwich_norms
     if hf.endswith("post_attention_layernorm.weight"):  # the MLP input's norm
@@ -280,6 +326,10 @@ def expected_tensors(cfg) -> dict[str, tuple[str, bool, tuple[int, ...]]]:
         if not _present(cfg, hf, internal):
             continue
         layers = range(cfg.n_layers) if "{i}" in hf else [None]
+        if isinstance(internal, str) and "/moe/" in internal:  # the experts' layers
+            layers = [i for i in layers if cfg.is_moe_layer(i)]
+        elif isinstance(internal, str) and "/mlp/" in internal and cfg.n_experts:
+            layers = [i for i in layers if not cfg.is_moe_layer(i)]  # the dense MLP's
         experts = range(cfg.n_experts) if "{j}" in hf else [None]
         for i, j in ((i, j) for i in layers for j in experts):
             if j is not None:  # an expert's matrix ({j}: HF's index, JJ: 2-digit)

@@ -59,10 +59,12 @@ def init_params(cfg: LlamaConfig, key) -> dict:
     writers (``wo``, ``w_down``) scaled by 1/sqrt(2 n_layers); biases 0, norm scales 1."""
     D, F, V, L = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layers
     HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    # per layer 4 attention keys and the MLP's 3 (experts: the router's 1 and 3 per expert)
-    per_layer = 5 + 3 * cfg.n_experts if cfg.n_experts else 7
+    # per layer 4 attention keys and the MLP's 3 (experts: the router's 1 and 3 per expert,
+    # a shared expert's 3 and its gate's 1)
+    per_layer = 5 + 3 * cfg.n_experts + 4 * bool(cfg.shared_expert_d_ff) if cfg.n_experts else 7
     keys = iter(jax.random.split(key, 2 + per_layer * L))
     residual_scale = 1.0 / math.sqrt(2 * L)
+    norm_width = (HK, GK) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
 
     def normal(shape, std):
         return scaled_normal(next(keys), shape, std)
@@ -85,7 +87,7 @@ def init_params(cfg: LlamaConfig, key) -> dict:
             )
         if cfg.qk_norm:
             attn.update(
-                q_norm=jnp.ones((cfg.head_dim,), F32), k_norm=jnp.ones((cfg.head_dim,), F32)
+                q_norm=jnp.ones((norm_width[0],), F32), k_norm=jnp.ones((norm_width[1],), F32)
             )
         params["blocks"][f"{i:02d}"] = {
             "attn_norm": {"scale": jnp.ones((D,), F32)},
@@ -93,20 +95,24 @@ def init_params(cfg: LlamaConfig, key) -> dict:
             "mlp_norm": {"scale": jnp.ones((D,), F32)},
         }
 
-        def mlp():
+        def mlp(F):
             return {
                 "w_gate": normal((D, F), D**-0.5),
                 "w_up": normal((D, F), D**-0.5),
                 "w_down": normal((F, D), F**-0.5 * residual_scale),
             }
 
-        if cfg.n_experts:
-            params["blocks"][f"{i:02d}"]["moe"] = {
+        if cfg.is_moe_layer(i):
+            layer_moe = {
                 "router": normal((D, cfg.n_experts), D**-0.5),
-                "experts": {f"{j:02d}": mlp() for j in range(cfg.n_experts)},
+                "experts": {f"{j:02d}": mlp(cfg.expert_d_ff) for j in range(cfg.n_experts)},
             }
+            if cfg.shared_expert_d_ff:
+                layer_moe["shared"] = mlp(cfg.shared_expert_d_ff)
+                layer_moe["shared_gate"] = normal((D, 1), D**-0.5)
+            params["blocks"][f"{i:02d}"]["moe"] = layer_moe
         else:
-            params["blocks"][f"{i:02d}"]["mlp"] = mlp()
+            params["blocks"][f"{i:02d}"]["mlp"] = mlp(F)
     if not cfg.tie_embeddings:
         params["head"] = {"w": normal((D, V), D**-0.5)}
     return params
@@ -180,10 +186,15 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
     ``window``: the layer's sliding window (Gemma 3 rotates those layers by another base)."""
     B, T, _ = x_BxTxD.shape
     H, G, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q_BxTxHxK = _project(cfg, x_BxTxD, p["wq"], p.get("bq")).reshape(B, T, H, K)
-    k_BxTxGxK = _project(cfg, x_BxTxD, p["wk"], p.get("bk")).reshape(B, T, G, K)
+    q_BxTxHK = _project(cfg, x_BxTxD, p["wq"], p.get("bq"))
+    k_BxTxGK = _project(cfg, x_BxTxD, p["wk"], p.get("bk"))
+    if cfg.qk_norm_whole:  # over the whole projection, before rotary (OLMoE)
+        q_BxTxHK = _rms_norm(cfg, q_BxTxHK, {"scale": p["q_norm"]})
+        k_BxTxGK = _rms_norm(cfg, k_BxTxGK, {"scale": p["k_norm"]})
+    q_BxTxHxK = q_BxTxHK.reshape(B, T, H, K)
+    k_BxTxGxK = k_BxTxGK.reshape(B, T, G, K)
     v_BxTxGxK = _project(cfg, x_BxTxD, p["wv"], p.get("bv")).reshape(B, T, G, K)
-    if cfg.qk_norm:  # per head, before rotary (Qwen3)
+    if cfg.qk_norm and not cfg.qk_norm_whole:  # per head, before rotary (Qwen3)
         q_BxTxHxK = _rms_norm(cfg, q_BxTxHxK, {"scale": p["q_norm"]})
         k_BxTxGxK = _rms_norm(cfg, k_BxTxGxK, {"scale": p["k_norm"]})
     theta, scaling = cfg.rope_theta, cfg.rope_scaling
@@ -282,11 +293,15 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """6 x (matrix weights: q, o of D x H*K; k, v of D x G*K; 3 D x F; the D x V head)
     + 12 x layers x seq_len x H*K for attention scores and mixing. With experts: the
-    3 D x F of the k experts a token goes through, and the D x E router."""
+    3 D x F of the k experts a token goes through, the D x E router, a shared expert and its
+    gate; the dense layers' 3 D x F."""
     D, F, L, V = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size
     HK, GK = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    mlp = 3 * D * F * cfg.experts_per_token + D * cfg.n_experts if cfg.n_experts else 3 * D * F
-    matmul_params = L * (2 * D * HK + 2 * D * GK + mlp) + D * V
+    sparse = 3 * D * cfg.expert_d_ff * cfg.experts_per_token + D * cfg.n_experts
+    if cfg.shared_expert_d_ff:
+        sparse += 3 * D * cfg.shared_expert_d_ff + D
+    mlp = sum(sparse if cfg.is_moe_layer(i) else 3 * D * F for i in range(L))
+    matmul_params = L * (2 * D * HK + 2 * D * GK) + mlp + D * V
     return float(6 * matmul_params + 12 * L * seq_len * HK)
 
 

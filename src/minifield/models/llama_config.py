@@ -41,6 +41,8 @@ class LlamaConfig(ArchitectureConfig):
         "norm_plus_one",
         "scale_embeddings",
         "sandwich_norms",
+        "norm_topk",
+        "qk_norm_whole",
     )
 
     vocab_size: int
@@ -89,6 +91,24 @@ class LlamaConfig(ArchitectureConfig):
     #: width ``d_ff``, each token through ``experts_per_token`` of them; 0: the dense MLP
     n_experts: int = 0
     experts_per_token: int = 0
+    #: each expert's width (0: ``d_ff``; Qwen-MoE's ``moe_intermediate_size``, ``d_ff`` then
+    #: being the dense layers' width)
+    moe_d_ff: int = 0
+    #: a shared expert of this width on every token, times ``sigmoid(x @ shared_gate)``
+    #: (Qwen2-MoE); 0: none
+    shared_expert_d_ff: int = 0
+    #: with experts, the layers that keep the dense MLP of width ``d_ff`` (Qwen-MoE's
+    #: ``mlp_only_layers`` and ``decoder_sparse_step``); empty: every layer has experts
+    dense_layers: tuple = ()
+    #: the top-k router probabilities divided by their sum (Mixtral; Qwen-MoE's and OLMoE's
+    #: ``norm_topk_prob``)
+    norm_topk: bool = True
+    #: the q/k norms over the whole projected queries ``[H*K]`` and keys ``[G*K]`` (OLMoE),
+    #: not per head
+    qk_norm_whole: bool = False
+    #: an HF checkpoint's layout, not the function: the experts' tensor names, "mixtral"
+    #: (``block_sparse_moe.experts.{j}.w1``) or "mlp" (``mlp.experts.{j}.gate_proj``)
+    moe_names: str = "mixtral"
     #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
     execution: Execution = Execution()
 
@@ -96,6 +116,7 @@ class LlamaConfig(ArchitectureConfig):
         if isinstance(self.rope_scaling, dict):  # to_dict's form (model.json)
             object.__setattr__(self, "rope_scaling", scaling.from_dict(self.rope_scaling))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         sizes = (self.d_model, self.n_heads)
         if self.head_dim is None and all(type(v) is int and v > 0 for v in sizes):
             if self.d_model % self.n_heads == 0:
@@ -143,18 +164,45 @@ class LlamaConfig(ArchitectureConfig):
             )
         return errors + self._window_errors() + self._expert_errors()
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the experts in place of the dense MLP."""
+        return bool(self.n_experts) and layer not in self.dense_layers
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe_d_ff or self.d_ff
+
     def _expert_errors(self) -> list[str]:
         n, k = self.n_experts, self.experts_per_token
-        if any(type(v) is not int for v in (n, k)):
-            return [f"model.n_experts, experts_per_token: expected integers, got {n!r}, {k!r}"]
-        if (n, k) == (0, 0):
-            return []
-        if n < 1 or not 1 <= k <= n:
+        sizes = (n, k, self.moe_d_ff, self.shared_expert_d_ff)
+        if any(type(v) is not int or v < 0 for v in sizes):
             return [
+                "model.n_experts, experts_per_token, moe_d_ff, shared_expert_d_ff: expected "
+                f"integers >= 0, got {sizes!r}"
+            ]
+        errors = []
+        if self.moe_names not in ("mixtral", "mlp"):
+            errors.append(f"model.moe_names: expected mixtral or mlp, got {self.moe_names!r}")
+        if not all(type(i) is int and 0 <= i < self.n_layers for i in self.dense_layers):
+            errors.append(
+                f"model.dense_layers: expected layer indices below {self.n_layers}, "
+                f"got {list(self.dense_layers)}"
+            )
+        if (n, k) == (0, 0):
+            if self.dense_layers or self.moe_d_ff or self.shared_expert_d_ff:
+                errors.append("model.dense_layers, moe_d_ff, shared_expert_d_ff: only with experts")
+            return errors
+        if n < 1 or not 1 <= k <= n:
+            errors.append(
                 f"model.experts_per_token: expected 1 to n_experts={n} (both 0: no experts), "
                 f"got {k}"
-            ]
-        return []
+            )
+        if self.dense_layers and self.execution.scan_layers:
+            errors.append(
+                "model.scan_layers: layers with experts and with the dense MLP (dense_layers) "
+                "cannot share one scanned body; leave scan_layers false"
+            )
+        return errors
 
     @property
     def score_scale(self) -> float:
@@ -192,6 +240,7 @@ class LlamaConfig(ArchitectureConfig):
         out = {"architecture": ARCHITECTURE, **super().to_dict()}
         out["rope_scaling"] = scaling.to_hf(self.rope_scaling) or {}
         out["layer_types"] = list(self.layer_types)
+        out["dense_layers"] = list(self.dense_layers)
         # configs without them keep their recorded form (model.json of earlier exports)
         unset = {
             "rope_scaling": {},
@@ -210,6 +259,12 @@ class LlamaConfig(ArchitectureConfig):
             "layer_types": [],
             "n_experts": 0,
             "experts_per_token": 0,
+            "moe_d_ff": 0,
+            "shared_expert_d_ff": 0,
+            "dense_layers": [],
+            "norm_topk": True,
+            "qk_norm_whole": False,
+            "moe_names": "mixtral",
         }
         for key, value in unset.items():
             if out[key] == value:

@@ -1,11 +1,14 @@
-"""The mixture-of-experts MLP (Mixtral's ``block_sparse_moe``), over the tokens of a packed
-batch.
+"""The mixture-of-experts MLP (Mixtral's ``block_sparse_moe``, Qwen2-MoE's, Qwen3-MoE's and
+OLMoE's sparse ``mlp``), over the tokens of a packed batch.
 
-Routing, as transformers' ``MixtralSparseMoeBlock``: router logits ``x @ router`` (FP32,
-``[N, E]``), a softmax over all ``E`` experts, the ``k`` largest probabilities kept and
-divided by their sum; each token goes through its ``k`` experts (``down(silu(gate(x)) *
-up(x))``, the dense MLP's form) and their outputs are summed with those weights. A token's
-result depends on that token alone, so packed segments and padding need nothing here.
+Routing, as transformers' ``MixtralSparseMoeBlock`` (and the Qwen-MoE and OLMoE blocks):
+router logits ``x @ router`` (FP32, ``[N, E]``), a softmax over all ``E`` experts, the ``k``
+largest probabilities kept and, with ``norm_topk`` (Mixtral always; the others'
+``norm_topk_prob``), divided by their sum; each token goes through its ``k`` experts
+(``down(silu(gate(x)) * up(x))``, the dense MLP's form) and their outputs are summed with
+those weights. Qwen2-MoE adds a shared expert on every token, times
+``sigmoid(x @ shared_gate)``. A token's result depends on that token alone, so packed
+segments and padding need nothing here.
 
 Compute: grouped, dropless. The ``N * k`` (token, expert) pairs are sorted by expert (stable,
 so ties keep token order), the tokens gathered in that order, and each of the three
@@ -28,21 +31,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .layers.primitives import F32
+from .layers.primitives import F32, einsum
 
 
-def route(cfg, x_NxD, router_DxE):
-    """``(weights [N, k] FP32, experts [N, k] int32)``: the softmax over every expert's FP32
-    logit, its top ``k``, renormalised to sum to one (Mixtral's order)."""
-    logits_NxE = jnp.einsum(
+def router_logits(x_NxD, router_DxE):
+    """The router's FP32 logits ``[N, E]``."""
+    return jnp.einsum(
         "nd,de->ne",
         x_NxD.astype(F32),
         router_DxE.astype(F32),
         precision=jax.lax.Precision.HIGHEST,
     )
+
+
+def route(cfg, x_NxD, router_DxE):
+    """``(weights [N, k] FP32, experts [N, k] int32)``: the softmax over every expert's FP32
+    logit, its top ``k``, renormalised to sum to one with ``norm_topk`` (Mixtral's order)."""
+    return route_logits(cfg, router_logits(x_NxD, router_DxE))
+
+
+def route_logits(cfg, logits_NxE):
+    """:func:`route` from the router's logits."""
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
-    weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    if cfg.norm_topk:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
     return weights_NxK, experts_NxK.astype(jnp.int32)
 
 
@@ -54,7 +67,8 @@ def _stacked(cfg, experts: dict, name: str):
 
 def moe_mlp(cfg, x_BxTxD, p):
     """The experts' weighted output ``[B, T, D]`` (compute dtype) for every token;
-    ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}``."""
+    ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}`` (Qwen2-MoE: and
+    ``"shared": {w_gate, w_up, w_down}``, ``"shared_gate": [D, 1]``)."""
     B, T, D = x_BxTxD.shape
     E, K = cfg.n_experts, cfg.experts_per_token
     x_NxD = x_BxTxD.reshape(B * T, D)
@@ -76,4 +90,39 @@ def moe_mlp(cfg, x_BxTxD, p):
     out_MxD = grouped(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
     weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
     y_NxD = jnp.zeros((B * T, D), F32).at[token_M].add(weighted_MxD)
-    return y_NxD.astype(cfg.dtype).reshape(B, T, D)
+    y_BxTxD = y_NxD.astype(cfg.dtype).reshape(B, T, D)
+    if "shared" in p:  # Qwen2-MoE: every token, gated by sigmoid(x @ shared_gate)
+        y_BxTxD = (y_BxTxD.astype(F32) + _shared(cfg, x_BxTxD, p)).astype(cfg.dtype)
+    return y_BxTxD
+
+
+def _shared(cfg, x_BxTxD, p):
+    """The shared expert's output times its sigmoid gate, FP32 ``[B, T, D]``."""
+    s = p["shared"]
+    gate_BxTxF = einsum(cfg, "btd,df->btf", x_BxTxD, s["w_gate"], out_dtype=F32)
+    up_BxTxF = einsum(cfg, "btd,df->btf", x_BxTxD, s["w_up"], out_dtype=F32)
+    act_BxTxF = (jax.nn.silu(gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
+    out_BxTxD = einsum(cfg, "btf,fd->btd", act_BxTxF, s["w_down"]).astype(F32)
+    gate_BxTx1 = einsum(cfg, "btd,do->bto", x_BxTxD, p["shared_gate"], out_dtype=F32)
+    return jax.nn.sigmoid(gate_BxTx1) * out_BxTxD
+
+
+def load_balancing_loss(cfg, logits_LxNxE, mask_N=None):
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's eqs. 4-6), FP32 scalar:
+    the router logits of every sparse layer pooled (not a per-layer sum), a softmax and the
+    top ``k`` of each; ``f[k, e]``: the share of (layer, token) pairs whose ``k``-th choice is
+    expert ``e``, ``P[e]``: the mean probability of ``e``; the loss is
+    ``E * sum_{k, e} f[k, e] * P[e]``. ``mask_N`` (1 for a token, 0 for padding: the packed
+    rows' ``segments != 0``) leaves padding out of both means, as transformers'
+    ``attention_mask``. Not yet added to the training loss (``output_router_logits`` is
+    refused)."""
+    L, N, E = logits_LxNxE.shape
+    probs_LxNxE = jax.nn.softmax(logits_LxNxE.astype(F32), axis=-1)
+    _, chosen_LxNxK = jax.lax.top_k(probs_LxNxE, cfg.experts_per_token)
+    onehot_LxNxKxE = jax.nn.one_hot(chosen_LxNxK, E, dtype=F32)
+    mask_LxN = jnp.ones((L, N), F32) if mask_N is None else jnp.broadcast_to(mask_N, (L, N))
+    mask_LxN = mask_LxN.astype(F32)
+    count = jnp.sum(mask_LxN)
+    f_KxE = jnp.einsum("lnke,ln->ke", onehot_LxNxKxE, mask_LxN) / count
+    p_E = jnp.einsum("lne,ln->e", probs_LxNxE, mask_LxN) / count
+    return E * jnp.sum(f_KxE * p_E[None, :])
