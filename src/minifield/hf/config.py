@@ -22,6 +22,7 @@ from ..models.families import (
     SLIDING,
     family_of,
 )
+from . import moe_config
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from ..models.llama import LlamaConfig
@@ -200,70 +201,6 @@ def _checked_types(fields: _Fields, window, types: list, n_layers: int) -> tuple
     return window, () if set(types) == {SLIDING} else tuple(types)
 
 
-#: per MoE ``model_type``: transformers' config defaults of the expert count, top-k,
-#: ``norm_topk_prob`` (Mixtral: always renormalised, no such field)
-_MOE_DEFAULTS = {
-    "mixtral": (8, 2, True),
-    "qwen2_moe": (60, 4, False),
-    "qwen3_moe": (128, 8, False),
-    "olmoe": (64, 8, False),
-}
-
-
-def _experts(fields: _Fields, family, n_layers: int) -> dict:
-    """The mixture of experts of a MoE family (absent fields: transformers' defaults, see
-    :data:`_MOE_DEFAULTS`); what is not computed is refused naming the field: a router
-    jitter (training noise on the router's input), the router's auxiliary loss
-    (``output_router_logits`` true: this part trains without it), Qwen-MoE's sliding window,
-    OLMoE's ``clip_qkv``."""
-    if not family.moe:
-        return {}
-    kind = family.model_type
-    n_default, k_default, norm_default = _MOE_DEFAULTS[kind]
-    n = fields.get("num_local_experts" if kind == "mixtral" else "num_experts", "count", n_default)
-    k = fields.get("num_experts_per_tok", "count", k_default)
-    if k > n:
-        experts_field = "num_local_experts" if kind == "mixtral" else "num_experts"
-        fields.refuse(f"num_experts_per_tok {k} exceeds {experts_field} {n}")
-    jitter = fields.get("router_jitter_noise", "number", 0.0)
-    if jitter != 0:
-        fields.refuse(
-            f"router_jitter_noise {jitter} is not supported (expected 0: the router's input "
-            "is not perturbed)"
-        )
-    fields.get("router_aux_loss_coef", "number", 0.001)  # type-checked; used with the loss
-    if fields.get("output_router_logits", "boolean", False):
-        fields.refuse(
-            "output_router_logits true is not supported yet (the router's load-balancing "
-            "loss is not computed); set it false to fine-tune on the language-model loss alone"
-        )
-    out = {"n_experts": n, "experts_per_token": k}
-    if kind == "mixtral":
-        return out
-    out["moe_names"] = "mlp"
-    out["norm_topk"] = fields.get("norm_topk_prob", "boolean", norm_default)
-    if kind == "olmoe":
-        clip = fields.get("clip_qkv", "number", None)
-        if clip is not None:
-            fields.refuse(f"clip_qkv {clip} is not supported (expected null: q/k/v not clamped)")
-        out["qk_norm_whole"] = True
-        return out
-    if fields.get("use_sliding_window", "boolean", False):
-        fields.refuse(f"use_sliding_window true is not supported for model_type {kind}")
-    out["moe_d_ff"] = fields.get(
-        "moe_intermediate_size", "count", 1408 if kind == "qwen2_moe" else 768
-    )
-    if kind == "qwen2_moe":
-        out["shared_expert_d_ff"] = fields.get("shared_expert_intermediate_size", "count", 5632)
-    step = fields.get("decoder_sparse_step", "count", 1)
-    only = fields.get("mlp_only_layers", "integers", [])
-    if not all(0 <= i < n_layers for i in only):
-        fields.refuse(f"mlp_only_layers {only} names layers outside 0..{n_layers - 1}")
-    # transformers' Qwen-MoE decoder layer: experts unless listed or not a step's multiple
-    out["dense_layers"] = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
-    return out
-
-
 def config_from_hf(
     hf, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
 ) -> LlamaConfig:
@@ -288,7 +225,7 @@ def config_from_hf(
         scaling = rope_scaling.read(scaling, fields.refuse, max_len, max_positions, original, half)
     scaling = scaling or ()
     n_layers = fields.get("num_hidden_layers", "count")
-    experts = _experts(fields, family, n_layers)
+    experts = moe_config.experts(fields, family, n_layers)
     if family.model_type == "olmoe" and head_dim not in (None, hidden // heads):
         fields.refuse(f"head_dim {head_dim} is not supported (OLMoE's is hidden_size / heads)")
     qkv_bias = family.qkv_bias
@@ -379,7 +316,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
     if family.sliding == "gemma3":
         out["rope_local_base_freq"] = cfg.rope_local_theta
     if family.moe:
-        out.update(_experts_to_hf(cfg, family.model_type))
+        out.update(moe_config.experts_to_hf(cfg, family.model_type))
     if family.model_type == "olmoe":
         del out["head_dim"]  # OLMoE's is hidden_size / heads; it has no such field
     if family.sliding in ("gemma2", "gemma3"):
@@ -390,35 +327,4 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
             final_logit_softcapping=cfg.final_softcap,
             layer_types=types if cfg.sliding_window is not None else [FULL] * cfg.n_layers,
         )
-    return out
-
-
-def _experts_to_hf(cfg: LlamaConfig, model_type: str) -> dict:
-    """A MoE family's own ``config.json`` fields (what :func:`_experts` reads back)."""
-    out = {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
-    if model_type == "mixtral":
-        if cfg.dense_layers or not cfg.norm_topk or cfg.moe_names != "mixtral" or cfg.qkv_bias:
-            raise ValueError(f"no HF family holds {cfg} (experts without Mixtral's layout)")
-        return {
-            **out,
-            "num_local_experts": cfg.n_experts,
-            "router_aux_loss_coef": 0.001,
-            "router_jitter_noise": 0.0,
-        }
-    out.update(num_experts=cfg.n_experts, norm_topk_prob=cfg.norm_topk)
-    if model_type == "olmoe":
-        if cfg.dense_layers or cfg.moe_d_ff not in (0, cfg.d_ff) or cfg.qkv_bias:
-            raise ValueError(f"no HF family holds {cfg} (OLMoE has no dense layers nor biases)")
-        return {**out, "router_aux_loss_coef": 0.01, "clip_qkv": None}
-    out.update(
-        router_aux_loss_coef=0.001,
-        moe_intermediate_size=cfg.expert_d_ff,
-        decoder_sparse_step=1,
-        mlp_only_layers=list(cfg.dense_layers),
-        use_sliding_window=False,
-    )
-    if model_type == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=cfg.shared_expert_d_ff, qkv_bias=cfg.qkv_bias)
-    elif cfg.qkv_bias:
-        raise ValueError(f"no HF family holds {cfg} (Qwen3-MoE has no q/k/v biases)")
     return out

@@ -19,6 +19,33 @@ ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ABSENT = schemas.absent(schemas.PACKED_SFT, "model")
 
 
+#: ``to_dict`` leaves a field out at this value (``head_dim``: at ``d_model / n_heads``), so
+#: configs written before the field existed keep their recorded form
+_UNSET = {
+    "rope_scaling": {},
+    "qk_norm": False,
+    "fused_projections": False,
+    "activation": "silu",
+    "norm_plus_one": False,
+    "scale_embeddings": False,
+    "sandwich_norms": False,
+    "query_pre_attn_scalar": None,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "rope_local_theta": None,
+    "sliding_window": None,
+    "layer_types": [],
+    "n_experts": 0,
+    "experts_per_token": 0,
+    "moe_d_ff": 0,
+    "shared_expert_d_ff": 0,
+    "dense_layers": [],
+    "norm_topk": True,
+    "qk_norm_whole": False,
+    "moe_names": "mixtral",
+}
+
+
 @dataclass(frozen=True)
 class LlamaConfig(ArchitectureConfig):
     """Architecture and precision of a Llama-family model (hashable: a static jit argument)."""
@@ -162,7 +189,7 @@ class LlamaConfig(ArchitectureConfig):
                 "model.attention pallas: the fused kernel has no score soft-capping "
                 f"(attn_logit_softcapping {self.attn_softcap}); use model.attention xla"
             )
-        return errors + self._window_errors() + self._expert_errors()
+        return errors + window_errors(self) + expert_errors(self)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` has the experts in place of the dense MLP."""
@@ -172,69 +199,10 @@ class LlamaConfig(ArchitectureConfig):
     def expert_d_ff(self) -> int:
         return self.moe_d_ff or self.d_ff
 
-    def _expert_errors(self) -> list[str]:
-        n, k = self.n_experts, self.experts_per_token
-        sizes = (n, k, self.moe_d_ff, self.shared_expert_d_ff)
-        if any(type(v) is not int or v < 0 for v in sizes):
-            return [
-                "model.n_experts, experts_per_token, moe_d_ff, shared_expert_d_ff: expected "
-                f"integers >= 0, got {sizes!r}"
-            ]
-        errors = []
-        if self.moe_names not in ("mixtral", "mlp"):
-            errors.append(f"model.moe_names: expected mixtral or mlp, got {self.moe_names!r}")
-        if not all(type(i) is int and 0 <= i < self.n_layers for i in self.dense_layers):
-            errors.append(
-                f"model.dense_layers: expected layer indices below {self.n_layers}, "
-                f"got {list(self.dense_layers)}"
-            )
-        if (n, k) == (0, 0):
-            if self.dense_layers or self.moe_d_ff or self.shared_expert_d_ff:
-                errors.append("model.dense_layers, moe_d_ff, shared_expert_d_ff: only with experts")
-            return errors
-        if n < 1 or not 1 <= k <= n:
-            errors.append(
-                f"model.experts_per_token: expected 1 to n_experts={n} (both 0: no experts), "
-                f"got {k}"
-            )
-        if self.dense_layers and self.execution.scan_layers:
-            errors.append(
-                "model.scan_layers: layers with experts and with the dense MLP (dense_layers) "
-                "cannot share one scanned body; leave scan_layers false"
-            )
-        return errors
-
     @property
     def score_scale(self) -> float:
         """The factor attention scores are multiplied by before the softmax."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-    def _window_errors(self) -> list[str]:
-        window, types = self.sliding_window, self.layer_types
-        if window is None:
-            return ["model.layer_types: only with a sliding window"] if types else []
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            return [f"model.sliding_window: expected a positive integer, got {window!r}"]
-        errors = []
-        if types and (
-            len(types) != self.n_layers or not set(types) <= {families.SLIDING, families.FULL}
-        ):
-            errors.append(
-                f"model.layer_types: expected {self.n_layers} of {families.SLIDING!r}, "
-                f"{families.FULL!r}; got {list(types)}"
-            )
-        elif len(set(types)) > 1 and self.execution.scan_layers:
-            errors.append(
-                "model.scan_layers: layers with and without a sliding window (layer_types) "
-                "cannot share one scanned body; leave scan_layers false"
-            )
-        if self.execution.attention == "pallas" and window < self.max_len:
-            errors.append(
-                f"model.attention pallas: the fused kernel has no sliding window, and "
-                f"sliding_window {window} < the rows' {self.max_len} positions; use "
-                "model.attention xla"
-            )
-        return errors
 
     def to_dict(self) -> dict:
         out = {"architecture": ARCHITECTURE, **super().to_dict()}
@@ -242,31 +210,71 @@ class LlamaConfig(ArchitectureConfig):
         out["layer_types"] = list(self.layer_types)
         out["dense_layers"] = list(self.dense_layers)
         # configs without them keep their recorded form (model.json of earlier exports)
-        unset = {
-            "rope_scaling": {},
-            "head_dim": self.d_model // self.n_heads if self.d_model % self.n_heads == 0 else None,
-            "qk_norm": False,
-            "fused_projections": False,
-            "activation": "silu",
-            "norm_plus_one": False,
-            "scale_embeddings": False,
-            "sandwich_norms": False,
-            "query_pre_attn_scalar": None,
-            "attn_softcap": None,
-            "final_softcap": None,
-            "rope_local_theta": None,
-            "sliding_window": None,
-            "layer_types": [],
-            "n_experts": 0,
-            "experts_per_token": 0,
-            "moe_d_ff": 0,
-            "shared_expert_d_ff": 0,
-            "dense_layers": [],
-            "norm_topk": True,
-            "qk_norm_whole": False,
-            "moe_names": "mixtral",
-        }
+        divides = self.d_model % self.n_heads == 0
+        unset = {**_UNSET, "head_dim": self.d_model // self.n_heads if divides else None}
         for key, value in unset.items():
             if out[key] == value:
                 del out[key]
         return out
+
+
+def window_errors(cfg: LlamaConfig) -> list[str]:
+    """The sliding window's and the layer types' errors."""
+    window, types = cfg.sliding_window, cfg.layer_types
+    if window is None:
+        return ["model.layer_types: only with a sliding window"] if types else []
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return [f"model.sliding_window: expected a positive integer, got {window!r}"]
+    errors = []
+    if types and (
+        len(types) != cfg.n_layers or not set(types) <= {families.SLIDING, families.FULL}
+    ):
+        errors.append(
+            f"model.layer_types: expected {cfg.n_layers} of {families.SLIDING!r}, "
+            f"{families.FULL!r}; got {list(types)}"
+        )
+    elif len(set(types)) > 1 and cfg.execution.scan_layers:
+        errors.append(
+            "model.scan_layers: layers with and without a sliding window (layer_types) "
+            "cannot share one scanned body; leave scan_layers false"
+        )
+    if cfg.execution.attention == "pallas" and window < cfg.max_len:
+        errors.append(
+            f"model.attention pallas: the fused kernel has no sliding window, and "
+            f"sliding_window {window} < the rows' {cfg.max_len} positions; use "
+            "model.attention xla"
+        )
+    return errors
+
+
+def expert_errors(cfg: LlamaConfig) -> list[str]:
+    """The mixture-of-experts fields' errors (:mod:`.moe`)."""
+    n, k = cfg.n_experts, cfg.experts_per_token
+    sizes = (n, k, cfg.moe_d_ff, cfg.shared_expert_d_ff)
+    if any(type(v) is not int or v < 0 for v in sizes):
+        return [
+            "model.n_experts, experts_per_token, moe_d_ff, shared_expert_d_ff: expected "
+            f"integers >= 0, got {sizes!r}"
+        ]
+    errors = []
+    if cfg.moe_names not in ("mixtral", "mlp"):
+        errors.append(f"model.moe_names: expected mixtral or mlp, got {cfg.moe_names!r}")
+    if not all(type(i) is int and 0 <= i < cfg.n_layers for i in cfg.dense_layers):
+        errors.append(
+            f"model.dense_layers: expected layer indices below {cfg.n_layers}, "
+            f"got {list(cfg.dense_layers)}"
+        )
+    if (n, k) == (0, 0):
+        if cfg.dense_layers or cfg.moe_d_ff or cfg.shared_expert_d_ff:
+            errors.append("model.dense_layers, moe_d_ff, shared_expert_d_ff: only with experts")
+        return errors
+    if n < 1 or not 1 <= k <= n:
+        errors.append(
+            f"model.experts_per_token: expected 1 to n_experts={n} (both 0: no experts), got {k}"
+        )
+    if cfg.dense_layers and cfg.execution.scan_layers:
+        errors.append(
+            "model.scan_layers: layers with experts and with the dense MLP (dense_layers) "
+            "cannot share one scanned body; leave scan_layers false"
+        )
+    return errors

@@ -38,6 +38,7 @@ from ...rl import objective, rollouts
 from ..lm.program import LMProgram
 from . import prompts, rollouts_file, section
 from .evaluator import RewardEvaluator, reward_files, stop_ids
+from .reference import ReferencePolicy
 
 
 class GRPOProgram(LMProgram):
@@ -84,10 +85,9 @@ class GRPOProgram(LMProgram):
             self.lora,
             self.accum_steps,
         )
-        self._reference = None
+        self._reference = None  # rl.beta 0: none is loaded or computed
         if rl["beta"] > 0:
-            self._reference = update.make_reference(self.cfg, rl["temperature"], self.lora)
-        self._ref_params = None  # full fine-tuning: the starting weights, placed at first use
+            self._reference = ReferencePolicy(self.cfg, rl["temperature"], self.lora)
         self.reward_files = reward_files(recipe, arrays)
         self.evaluator = RewardEvaluator(
             recipe, self.cfg, self.tokenizer, self.stops, self.reward_files
@@ -191,7 +191,14 @@ class GRPOProgram(LMProgram):
         started = time.monotonic()
         ref_logps = None
         if self._reference is not None:
-            ref_logps = self._reference_logps(state, batch["tokens"])
+            ref_logps = self._reference.logps(
+                state,
+                batch["tokens"],
+                base=getattr(self, "_base", None),
+                start_params=self.base_params,
+                layout=self.layout,
+                data_parallel=self.data_parallel,
+            )
             batch["ref_logps"] = ref_logps
         times["reference_seconds"] = time.monotonic() - started
         started = time.monotonic()
@@ -216,30 +223,6 @@ class GRPOProgram(LMProgram):
         host["update_seconds"] = time.monotonic() - began
         host["loss_tokens"] = float(batch["mask"].sum())
         return new_state, lambda: host
-
-    def _reference_logps(self, state, tokens):
-        """The reference's log-probabilities of the update's rows, on the mesh when there is
-        one (the rows split over ``data``; the starting weights placed as the state's
-        parameters are: replicated, or sharded with ``shard_params``)."""
-        import jax
-
-        from ...training import data_parallel
-
-        if self.lora is not None:
-            return np.asarray(self._reference(self._base, state["params"], tokens))
-        if self._ref_params is None:
-            if self.layout is None:
-                self._ref_params = jax.device_put(self.base_params)
-            else:
-                abstract = jax.tree_util.tree_map(
-                    lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
-                    self.base_params,
-                )
-                where = self.data_parallel.state_shardings(self.layout.mesh, {"params": abstract})
-                self._ref_params = data_parallel.place_tree(self.base_params, where["params"])
-        if self.layout is not None:
-            tokens = jax.device_put(tokens, self.layout.batch)
-        return np.asarray(self._reference(self._ref_params, tokens))
 
     # -- evaluation and export -------------------------------------------------------------
     def evaluate(self, state: dict) -> dict[str, float]:
