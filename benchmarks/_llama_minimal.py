@@ -9,7 +9,8 @@ custom VJP), as ours. Attention is either the dense XLA form (``[B, H, T, T]`` s
 mask) or the fused Pallas kernel called directly (``mha(segment_ids=…, causal=True)``, its
 default tiling; Pallas's interpreter on CPU).
 
-Used by ``llama_step.py`` (CPU, d512) and ``gpu_check.py`` (125M / 350M on a GPU).
+Used by ``llama_step.py`` (CPU, d512), ``gpu_check.py`` (125M / 350M on a GPU) and, its
+:func:`logits` under a GRPO loss, ``grpo_update.py``.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def _fused_attention(compute, q, k, v, seg):
     ).astype(compute)
 
 
-def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
+def logits(params, batch, shape: Shape, compute, attention: str = "xla"):
+    """FP32 logits ``[B, T, V]`` of every slot of a packed batch."""
     dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
     tokens, seg, pos = batch["tokens"], batch["segments"], batch["positions"]
     B, T = tokens.shape
@@ -181,11 +183,16 @@ def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
         g = dot("btd,df->btf", x, p["wg"])
         u = dot("btd,df->btf", x, p["wu"])
         h = h + dot("btf,fd->btd", (jax.nn.silu(g) * u).astype(compute), p["wd"]).astype(compute)
-    logits = dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
+    return dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
+
+
+def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
+    tokens, seg = batch["tokens"], batch["segments"]
+    logits_ = logits(params, batch, shape, compute, attention)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
     weight = jnp.pad(jnp.where(counted, batch["loss_mask"][:, 1:], 0.0), ((0, 0), (0, 1)))
-    logp = jax.nn.log_softmax(logits, -1)
+    logp = jax.nn.log_softmax(logits_, -1)
     nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
     return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 

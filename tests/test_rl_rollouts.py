@@ -11,6 +11,7 @@ import pytest
 from test_generation_cache import tiny
 
 from minifield.models import model
+from minifield.models import sampling as sampling_rules
 from minifield.models.sampling import Sampling
 from minifield.rl import logprobs, rollouts
 
@@ -110,3 +111,27 @@ def test_token_logps_are_the_temperature_scaled_log_softmax_of_the_previous_slot
             p = np.exp(log_softmax[n, t - 1])
             assert entropy[n, t] == pytest.approx(-(p * log_softmax[n, t - 1]).sum(), abs=2e-4)
     assert np.all(np.asarray(logps)[:, 0] == 0)
+
+
+def test_the_draw_skips_the_sort_when_nothing_is_cut_with_the_same_bits():
+    """top_k 0 (or at least V) and top_p 1 cut nothing: the logits a token is drawn from are
+    filter_logits' bit for bit, without its sort; a NaN logit takes the sort, as do cuts."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 300)).astype(np.float32) * 5
+    x[1, :100] = -np.inf
+    x[2] = 0.0
+    x[2, ::2] = -0.0
+    x[3] = -np.inf
+    x[4, 7], x[5, 8], x[5, 9] = np.inf, np.inf, -np.inf
+    x[6, 3], x[7, ::3], x[8, 5], x[8, 6] = np.nan, np.nan, np.nan, np.inf
+    # both compiled, as generation runs them (XLA's division by the traced temperature is not
+    # op-by-op NumPy's to the last bit, the same in both)
+    filtered, reference = jax.jit(rollouts._filtered), jax.jit(sampling_rules.filter_logits)
+    for rows in (x[:6], x):  # without NaN (the cheap branch when nothing is cut), with NaN
+        for settings in [(1.0, 0, 1.0), (0.7, 300, 1.0), (1.3, 900, 1.0), (1.0, 12, 1.0)]:
+            for top_p in (1.0, 0.8):
+                s = Sampling(settings[0], settings[1], top_p)
+                want = np.asarray(reference(rows, s))
+                assert np.array_equal(
+                    np.asarray(filtered(rows, s)).view(np.uint32), want.view(np.uint32)
+                )

@@ -41,19 +41,47 @@ class Rollouts(NamedTuple):
     truncated: np.ndarray  # [N] bool: max_new tokens without a stop token
 
 
-@functools.partial(jax.jit, static_argnums=(1, 8))
-def _generate(params, cfg, buffer_BxL, lengths_B, stops_S, sampling, keys_B, max_new, greedy):
+def _scaled(logits_BxV, sampling):
+    """:func:`minifield.models.sampling.filter_logits` when neither top-k nor the nucleus cuts
+    anything (``top_k`` 0 or at least V, ``top_p`` 1) and no logit is NaN, without its sort
+    over the vocabulary: it keeps every logit at or above the least one, so all of them; the
+    same bits."""
+    return logits_BxV.astype(jnp.float32) / sampling.temperature
+
+
+def _filtered(logits_BxV, sampling):
+    """The logits a token is drawn from: the sort over the vocabulary that top-k and top-p
+    need only when one of them cuts (the recipe's defaults cut nothing). A NaN logit (a
+    diverged policy) also takes the sort, whose threshold it makes order-dependent."""
+    V = logits_BxV.shape[-1]
+    cuts = ((sampling.top_k > 0) & (sampling.top_k < V)) | (sampling.top_p < 1.0)
+    cuts = cuts | jnp.isnan(logits_BxV).any()
+    return jax.lax.cond(cuts, sampling_rules.filter_logits, _scaled, logits_BxV, sampling)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 8, 9))
+def _generate(
+    params, cfg, buffer_BxL, lengths_B, stops_S, sampling, keys_B, max_new, greedy, prefill
+):
+    """``prefill``: the slots the prompts can occupy (``L`` minus the new tokens): only those
+    run through the model before the first token; the slots after them are written one by
+    one as tokens are chosen and no query reads a slot before it is written."""
     B, L = buffer_BxL.shape
     rows_B = jnp.arange(B)
-    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    positions_BxW = jnp.broadcast_to(jnp.arange(prefill, dtype=jnp.int32), (B, prefill))
     logits_BxV, cache = llama.forward_cached(
-        params, cfg, buffer_BxL, positions_BxL, llama.empty_cache(cfg, B, L), lengths_B - 1
+        params,
+        cfg,
+        buffer_BxL[:, :prefill],
+        positions_BxW,
+        llama.empty_cache(cfg, B, L),
+        lengths_B - 1,
     )
 
     def choose(logits_BxV, i):
         if greedy:
             return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-        filtered_BxV = sampling_rules.filter_logits(logits_BxV, sampling)
+        filtered_BxV = _filtered(logits_BxV, sampling)
         step_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, i))(keys_B)
         return jax.vmap(jax.random.categorical)(step_keys_B, filtered_BxV).astype(jnp.int32)
 
@@ -115,7 +143,8 @@ def generate(
     row_sharding=None,
 ):
     """``(completion ids, truncated)`` of each row (see the module); ``sampling`` None is
-    greedy. ``length``: the buffer's slots (a fixed value keeps one compilation; default
+    greedy. ``length``: the buffer's slots (a fixed value, with a fixed ``max_new``, keeps one
+    compilation: the prompts run through the model over ``length - max_new`` slots; default
     the longest prompt plus ``max_new``, at most ``cfg.max_len``). ``row_sharding``: one that
     splits the rows over a data-parallel mesh (the rows must split evenly), for ``params``
     on that mesh: each device generates its own rows; None runs the rows where ``params``
@@ -150,6 +179,7 @@ def generate(
         keys_B,
         jnp.int32(max_new),
         sampling is None,
+        max(length - max_new, longest, 1),
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     completions, truncated = [], np.zeros(rows, bool)
