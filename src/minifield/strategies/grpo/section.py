@@ -91,9 +91,8 @@ def _training_errors(training: dict) -> list[dict]:
 def wanted_inputs(recipe: dict) -> list[str]:
     """The pinned inputs the recipe needs: the splits, the base model's files and each
     Python reward's file."""
-    files = [r["file"] for r in recipe["rl"]["rewards"] if r.get("kind") == "python"]
     names = [*SPLITS, *model_section.base_model_inputs(recipe["model"])]
-    return names + [f for f in dict.fromkeys(files) if f not in names]
+    return names + [f for f in python_reward_inputs(recipe) if f not in names]
 
 
 def python_reward_inputs(recipe: dict) -> list[str]:

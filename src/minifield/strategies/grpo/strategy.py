@@ -48,18 +48,7 @@ class GRPO(Strategy):
             return [{"path": "/rl", "message": "the grpo strategy needs it (rl.rewards at least)"}]
         errors = model_section.normalize_model_section(recipe["model"])
         errors += section.normalize_rl(recipe)
-        wanted = section.wanted_inputs(recipe)
-        names = [i["name"] for i in recipe.get("inputs", [])]
-        missing = [n for n in wanted if n not in names]
-        unknown = [n for n in names if n not in wanted]
-        if missing or unknown:
-            errors.append(
-                {
-                    "path": "/inputs",
-                    "message": f"grpo needs exactly the pinned inputs {wanted}; "
-                    f"missing {missing}, unexpected {unknown}",
-                }
-            )
+        errors += model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)
         errors += model_section.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)

@@ -163,6 +163,23 @@ def warmup_errors(recipe: dict) -> list[dict]:
     ]
 
 
+def exact_inputs_errors(strategy: str, wanted: list[str], recipe: dict) -> list[dict]:
+    """The error of a recipe whose pinned inputs are not exactly ``wanted`` (the strategy
+    accepts only the inputs it reads), or none."""
+    names = [i["name"] for i in recipe.get("inputs", [])]
+    missing = [n for n in wanted if n not in names]
+    unknown = [n for n in names if n not in wanted]
+    if not missing and not unknown:
+        return []
+    return [
+        {
+            "path": "/inputs",
+            "message": f"{strategy} needs exactly the pinned inputs {wanted}; "
+            f"missing {missing}, unexpected {unknown}",
+        }
+    ]
+
+
 def base_model_inputs(model: dict) -> list[str]:
     """Names of the pinned inputs that form the base model (empty without one)."""
     base = model.get("base")

@@ -45,18 +45,9 @@ class Preference(Strategy):
             return [{"path": "/preference", "message": "the preference strategy needs it"}]
         errors = sft_settings.normalize_model_section(recipe["model"])
         errors += section.normalize_preference(recipe)
-        wanted = section.wanted_inputs(recipe)
-        names = [i["name"] for i in recipe.get("inputs", [])]
-        missing = [n for n in wanted if n not in names]
-        unknown = [n for n in names if n not in wanted]
-        if missing or unknown:
-            errors.append(
-                {
-                    "path": "/inputs",
-                    "message": f"preference needs exactly the pinned inputs {wanted}; "
-                    f"missing {missing}, unexpected {unknown}",
-                }
-            )
+        errors += sft_settings.exact_inputs_errors(
+            "preference", section.wanted_inputs(recipe), recipe
+        )
         errors += sft_settings.normalize_export_dtype(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
