@@ -41,6 +41,36 @@ def pytest_configure(config):
         jax.config.update("jax_disable_most_optimizations", True)
 
 
+# -- how the processes the tests start compile ----------------------------------------------------
+# A worker or Snakemake job started by a test compiles its programs afresh unless the session's
+# compilation cache already holds them, and compiling is most of a small run's CPU time (a
+# tiny packed-sft attempt: 20 CPU-s without the cache, 4.5 with it). The processes the tests
+# start therefore compile with XLA's optimizations mostly off, as the fast tier does in-process
+# (`JAX_DISABLE_MOST_OPTIMIZATIONS`, which JAX reads when it starts; the worker records it in
+# the environment fingerprint, so a resume under the other setting is refused as any
+# environment change is). What those tests check (resumes to the bit, the files, the exit
+# codes, the stages) is between runs compiled the same way. The tests marked
+# `production_compile` — the README's pipeline and the demo pipelines, the runs a user makes —
+# and this pytest process itself (the full suite's in-process tests) compile as production
+# does, so every program is still checked at the optimization level users run.
+LIGHT_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+PRODUCTION_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_processes_compile_lightly():
+    import jax  # noqa: F401  (this process reads the variable now, before it is set)
+
+    os.environ.update(LIGHT_COMPILE)
+
+
+@pytest.fixture(autouse=True)
+def _production_compile(request, monkeypatch):
+    if request.node.get_closest_marker("production_compile"):
+        for name, value in PRODUCTION_COMPILE.items():
+            monkeypatch.setenv(name, value)
+
+
 class UnmarkedSubprocess(RuntimeError):
     """A test outside the slow tier started a process."""
 
@@ -468,6 +498,7 @@ def readme_pipeline_run(tmp_path_factory) -> Path:
                 **os.environ,
                 "PYTHONUNBUFFERED": "1",
                 "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF),
+                **PRODUCTION_COMPILE,  # the README's command, as a user runs it
             },
         )
         assert proc.returncode == 0, (

@@ -26,7 +26,8 @@ from conftest import REPO, run_snakemake
 from minifield.hf import loaded_model
 from minifield.pipeline import reference_logprobs
 
-pytestmark = pytest.mark.slow  # runs Snakemake
+# runs Snakemake; a demo as users run it, compiled as production does (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.production_compile]
 
 PARTS = ("llama-base", "llama-sft-demo", "grpo-demo")
 RECIPES = ("llama-sft-demo", "grpo-demo")

@@ -182,6 +182,9 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
     compiled = [e for e in events if e["type"] == "compiled"][0]
     assert compiled["compilation_cache"] == str(space["cache"])
     assert any(space["cache"].iterdir())  # executables were persisted
+    # the worker compiled as the suite's started processes do, and recorded it (conftest)
+    environment = json.loads((attempt / "attempt.json").read_text())["environment"]
+    assert environment["env"]["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
 
     export_dir = attempt / "export"
     model = json.loads((export_dir / "model.json").read_text())

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 
 from minifield.pipeline import reference_logprobs
 
-pytestmark = pytest.mark.slow  # runs Snakemake
+# runs Snakemake; a demo as users run it, compiled as production does (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.production_compile]
 
 SLICES = {"llama-sft-demo": (40, 8, 8), "preference-demo": (16, 8, 8)}
 

@@ -153,6 +153,9 @@ def test_the_first_command_makes_every_result_the_readme_lists(readme_pipeline_r
             if "<job_id>" in concrete:  # work/{cdigest}/attempts/<job_id>/<attempt_id>/
                 attempts = list((workdir / concrete.split("<job_id>")[0]).glob("*/*/events.jsonl"))
                 assert attempts, (recipe, concrete)
+                for events in attempts:  # compiled as users' runs are (tests/conftest.py)
+                    env = json.loads((events.parent / "attempt.json").read_text())
+                    assert env["environment"]["env"].get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "0"
                 continue
             assert (workdir / concrete).exists(), (recipe, concrete)
 

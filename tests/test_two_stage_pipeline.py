@@ -12,7 +12,8 @@ from conftest import REPO, run_generate, run_snakemake
 from minifield import recipe as recipes
 from minifield.digest import sha256_file
 
-pytestmark = pytest.mark.slow  # runs Snakemake
+# runs Snakemake; a demo as users run it, compiled as production does (conftest)
+pytestmark = [pytest.mark.slow, pytest.mark.production_compile]
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "d_ff": 32}
 
