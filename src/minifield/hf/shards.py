@@ -10,8 +10,8 @@ splits it (through ``huggingface_hub.split_torch_state_dict_into_shards``):
   shard of its own, placed where it comes, the current shard staying open; no reordering to
   fill shards better;
 - ``max_shard_size``: bytes, or a string ``"<number><unit>"`` with the unit TB, GB, MB or KB in
-  powers of ten (``"5GB"`` = 5·10⁹, the default; ``"1.5KB"`` = 1500), parsed as
-  ``huggingface_hub.serialization.parse_size_to_int`` does;
+  powers of ten (``"5GB"`` = 5·10⁹, huggingface_hub's default and the recipe's; ``"1.5KB"`` =
+  1500), parsed as ``huggingface_hub.serialization.parse_size_to_int`` does;
 - one shard is ``model.safetensors`` and no index; N shards are
   ``model-{i:05d}-of-{N:05d}.safetensors`` (i from 1) and the index
   ``{"metadata": {"total_parameters", "total_size"}, "weight_map": {tensor: file}}``, written
@@ -28,8 +28,6 @@ import json
 import re
 from dataclasses import dataclass
 
-#: huggingface_hub's ``MAX_SHARD_SIZE`` (what ``save_pretrained`` uses when not told)
-HF_MAX_SHARD_SIZE = "5GB"
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
