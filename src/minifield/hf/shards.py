@@ -93,12 +93,13 @@ def _order_key(name: str) -> tuple:
     if found is not None:  # each expert's matrices together, the experts in index order
         expert = int(found.group(2))
         rest = f"{found.group(1)}.{{j}}.{found.group(3)}"
-        first = next(p for p in _LAYER_ORDER if p.startswith(f"{found.group(1)}.{{j}}."))
-        return (1, int(layer.group(1)), _LAYER_ORDER.index(first), expert, _rank(rest))
+        group = f"{found.group(1)}.{{j}}."
+        first = next((p for p in _LAYER_ORDER if p.startswith(group)), None)
+        return (1, int(layer.group(1)), _rank(first), expert, _rank(rest))
     return (1, int(layer.group(1)), _rank(rest), expert, 0)
 
 
-def _rank(rest: str) -> int:
+def _rank(rest: str | None) -> int:
     return _LAYER_ORDER.index(rest) if rest in _LAYER_ORDER else len(_LAYER_ORDER)
 
 
