@@ -89,6 +89,40 @@ def test_a_sharded_base_becomes_the_exports_single_file(tmp_path):
     assert "index" not in concrete["model"]["base"]
 
 
+def test_a_sharded_export_becomes_a_sharded_base_pinned_shard_by_shard(tmp_path):
+    directory = tmp_path / "export"
+    fake_export(directory)
+    (directory / "model.safetensors").unlink()
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for index, name in enumerate(shards):
+        (directory / name).write_bytes(f"shard {index}\n".encode())
+    weight_map = {"a.weight": shards[0], "b.weight": shards[1], "c.weight": shards[1]}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 3}, "weight_map": weight_map})
+    )
+    export.write_files(directory, {"strategy": {"name": "packed-sft", "version": "12.0.0"}})
+    template = written()
+    concrete = chain_base.base_recipe(template, directory)
+    base = concrete["model"]["base"]
+    assert base["weights"] == ["base-weights", "base-weights-2"]
+    assert base["index"] == "base-weights-index"
+    pins = {item["name"]: (item["path"], item["sha256"]) for item in concrete["inputs"]}
+    files = {
+        "base-weights": shards[0],
+        "base-weights-2": shards[1],
+        "base-weights-index": "model.safetensors.index.json",
+        "base-config": "config.json",
+    }
+    for name, file in files.items():
+        assert pins[name] == (f"chain/{file}", _sha(directory / file)), name
+    assert len(concrete["inputs"]) == len(template["inputs"]) + 2
+    recipes.validate(concrete)  # packed-sft accepts the inputs its base names
+    root = tmp_path / "linked"
+    linked_root.make(concrete, REPO / "data", directory, chain_base.PRODUCT_DIR, root)
+    for item in concrete["inputs"]:
+        assert _sha(root / item["path"]) == item["sha256"], item["name"]
+
+
 def test_a_recipe_naming_a_generation_config_pins_the_exports(tmp_path):
     directory = fake_export(tmp_path / "export")
     template = written()

@@ -46,21 +46,21 @@ HF_FILES = {
 }
 
 
+#: the tiny Llama these tests export
+TINY_LLAMA = {
+    "vocab_size": tokenizers.BYTE_VOCAB_SIZE,
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "d_ff": 48,
+    "max_len": 48,
+    "rope_theta": 50000.0,
+}
+
+
 def tiny_llama(compute_dtype="float32", seed=0, **changes):
-    cfg = llama.LlamaConfig(
-        **{
-            "vocab_size": tokenizers.BYTE_VOCAB_SIZE,
-            "d_model": 32,
-            "n_layers": 2,
-            "n_heads": 4,
-            "n_kv_heads": 2,
-            "d_ff": 48,
-            "max_len": 48,
-            "rope_theta": 50000.0,
-            "compute_dtype": compute_dtype,
-            **changes,
-        }
-    )
+    cfg = llama.LlamaConfig(**{**TINY_LLAMA, "compute_dtype": compute_dtype, **changes})
     params = llama.init_params(cfg, jax.random.key(seed))
     # larger than the initialisation, so the logits are far from uniform
     return cfg, jax.tree_util.tree_map(lambda x: np.asarray(x * 3.0), params)
@@ -110,19 +110,23 @@ def test_built_in_byte_tokenizer_is_exported_as_an_equivalent_tokenizer_json():
     assert ids == [97, 258, 98, 256, 257, 259]
 
 
+LLAMA_SECTION = {"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
+GPT_SECTION = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
+
+
+def evaluation_digest(evaluation: dict, model_section=LLAMA_SECTION) -> str:
+    """The computation digest of a tiny recipe with this ``evaluation`` section."""
+    recipe = _recipe(dict(model_section))
+    recipe["evaluation"] = evaluation
+    return recipes.validate(recipe).computation_digest
+
+
 def test_export_dtype_keeps_old_digests_and_is_part_of_new_ones():
-    section = {"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
-
-    def digest(evaluation: dict, model_section=section) -> str:
-        recipe = _recipe(dict(model_section))
-        recipe["evaluation"] = evaluation
-        return recipes.validate(recipe).computation_digest
-
+    digest, gpt = evaluation_digest, GPT_SECTION
     plain = digest({})
     assert digest({"export_dtype": "float32"}) == plain
     narrowed = {dtype: digest({"export_dtype": dtype}) for dtype in ("bfloat16", "float16")}
     assert len({plain, *narrowed.values()}) == 3  # each export dtype its own computation
-    gpt = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}
     assert digest({"export_dtype": "float32"}, gpt) == digest({}, gpt)
     with pytest.raises(recipes.RecipeError, match="only for model.architecture llama"):
         digest({"export_dtype": "bfloat16"}, gpt)
@@ -130,7 +134,7 @@ def test_export_dtype_keeps_old_digests_and_is_part_of_new_ones():
         digest({"export_dtype": "int8"})
 
 
-def _write_export(directory: Path, dtype="float32"):
+def _write_export(directory: Path, dtype="float32", max_shard_size=None):
     cfg, params = tiny_llama()
     tokenizer = tokenizers.byte_tokenizer()
     dev = b'{"prompt": "a", "response": "b"}\n'
@@ -140,7 +144,17 @@ def _write_export(directory: Path, dtype="float32"):
         "tokenizer": tokenizer.config(),
         "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
     }
-    hf_directory.write(directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, dtype)
+    hf_directory.write(
+        directory,
+        cfg,
+        params,
+        tokenizer,
+        None,
+        {"dev.jsonl": dev},
+        config,
+        dtype,
+        max_shard_size=max_shard_size,
+    )
     return cfg, params
 
 

@@ -13,6 +13,7 @@ base held as stored by the same run made beside it with the base held as before
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -162,6 +163,31 @@ def test_the_export_is_byte_for_byte_the_one_before_the_frozen_base_change(train
         trained["export"],
         tmp_path,
     )
+
+
+def test_a_sharded_export_has_the_same_tensors_and_one_adapter_file(trained, tmp_path):
+    """``evaluation.export_max_shard_size``: the merged model in shards (equal tensor by
+    tensor to the single file), the PEFT adapter one file as PEFT writes it (byte for byte)."""
+    program = copy.copy(trained["program"])
+    evaluation = {**program.recipe["evaluation"], "export_max_shard_size": 6000}
+    program.recipe = {**program.recipe, "evaluation": evaluation}
+    sharded = tmp_path / "sharded"
+    program.export(trained["state"], sharded)
+    single = trained["export"]
+    shards = sorted(p.name for p in sharded.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (sharded / "model.safetensors").exists()
+    merged = {}
+    for name in shards:
+        merged.update(load_file(str(sharded / name)))
+    whole = load_file(str(single / "model.safetensors"))
+    assert merged.keys() == whole.keys()
+    for name, value in whole.items():
+        np.testing.assert_array_equal(merged[name], value, err_msg=name)
+    assert sorted(p.name for p in (sharded / "adapter").iterdir()) == sorted(
+        p.name for p in (single / "adapter").iterdir()
+    )
+    for path in (single / "adapter").iterdir():
+        assert (sharded / "adapter" / path.name).read_bytes() == path.read_bytes()
 
 
 def test_the_merged_export_is_w_plus_scaled_b_times_a_from_the_files(trained):

@@ -14,6 +14,7 @@ project's parameter paths (see :mod:`minifield.models.llama`), for every family 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from ..models.families import (
     split,
     split_stored,
 )
+from . import shards
 from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
 from .tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, read_stored, source_dtype_of
 
@@ -53,8 +55,7 @@ __all__ = [
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
     from ..models.llama import LlamaConfig
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE, INDEX_FILE = shards.SINGLE_FILE, shards.INDEX_FILE
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")
 
 # ----------------------------------------------------------------------------- reading
@@ -254,11 +255,18 @@ def write(
     params,
     dtype: str = "float32",
     base_config: dict | None = None,
+    max_shard_size: int | None = None,
+    fetch=np.asarray,
 ) -> None:
-    """Write ``params`` as a PyTorch-named ``model.safetensors`` plus ``config.json``.
+    """Write ``params`` as PyTorch-named safetensors plus ``config.json``: one
+    ``model.safetensors``, or with ``max_shard_size`` (bytes; None: one file whatever the
+    size) the shards and index Hugging Face's ``save_pretrained`` writes (:mod:`.shards`).
 
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
-    ``ml_dtypes``/numpy for ``bfloat16``/``float16``."""
+    ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``fetch``: a parameter leaf -> its host
+    array, called as each tensor is converted (a device array is fetched then, not the whole
+    tree first); the writer holds one shard's converted tensors and its serialised bytes at a
+    time."""
     from safetensors.numpy import save
 
     if dtype not in EXPORT_DTYPES:
@@ -267,23 +275,41 @@ def write(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    expected = expected_tensors(cfg)
+    elements = {name: math.prod(shape) for name, (_, _, shape) in expected.items()}
+    itemsize = np.dtype(stored_dtype).itemsize
+    # planned in the PyTorch model's state_dict order, as save_pretrained plans; one file keeps
+    # the table's order (the bytes are the same: safetensors orders its header itself)
+    sizes = {name: elements[name] * itemsize for name in shards.torch_order(expected)}
+    planned = shards.plan(sizes, max_shard_size, elements)
+    if planned.index is None:
+        planned = shards.Plan({SINGLE_FILE: list(expected)}, None)
 
     def lookup(path: str):
         node = params
         for part in path.split("/"):
             node = node[part]
-        return node
+        return np.asarray(fetch(node), dtype=np.float32)
 
-    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
-        value = np.asarray(join(internal, lookup), dtype=np.float32)
-        tensors[name] = np.ascontiguousarray(value.T if transpose else value)
-        if tensors[name].shape != shape:
-            raise ValueError(f"parameter {internal}: shape {value.shape} disagrees with the config")
-        tensors[name] = tensors[name].astype(stored_dtype)
-    # Serialised in memory and written atomically (an interrupted write leaves no half-written
-    # file; a full disk is an OSError naming the file, which save_file does not raise).
-    atomic.write_bytes(directory / SINGLE_FILE, save(tensors, metadata={"format": "pt"}))
+    for file, names in planned.files.items():
+        tensors = {}
+        for name in names:
+            internal, transpose, shape = expected[name]
+            value = join(internal, lookup)
+            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+            if tensors[name].shape != shape:
+                raise ValueError(
+                    f"parameter {internal}: shape {value.shape} disagrees with the config"
+                )
+            tensors[name] = tensors[name].astype(stored_dtype)
+            del value
+        # Serialised in memory and written atomically (an interrupted write leaves no
+        # half-written file; a full disk is an OSError naming the file, which save_file does
+        # not raise); one shard at a time, so the writer never holds the whole model converted.
+        atomic.write_bytes(directory / file, save(tensors, metadata={"format": "pt"}))
+        del tensors
+    if planned.index is not None:
+        atomic.write_bytes(directory / INDEX_FILE, shards.index_bytes(planned.index))
     config = exported_config(cfg, dtype, base_config)
     atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
 

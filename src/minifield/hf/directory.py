@@ -6,7 +6,9 @@ verify any export::
 
     config.json              a base model's own, every field kept but the dtype; from
                              scratch LlamaForCausalLM / Qwen2ForCausalLM (config_to_hf)
-    model.safetensors        PyTorch names and [out, in] layouts, in the recipe's export dtype
+    model.safetensors        PyTorch names and [out, in] layouts, in the recipe's export dtype;
+                             over the recipe's max shard size model-0000i-of-0000N.safetensors
+                             and model.safetensors.index.json instead (:mod:`.shards`)
     tokenizer.json           the run's tokenizers-library file, copied byte for byte; for the
                              built-in byte tokenizer an equivalent one built here
     tokenizer_config.json    the special tokens (strings and ids), model_max_length
@@ -122,6 +124,8 @@ def write(
     dtype: str,
     tokenizer_config_json: bytes | None = None,
     base_config: dict | None = None,
+    max_shard_size: int | None = None,
+    fetch=None,
 ) -> dict:
     """Write the HF directory and its ``model.json`` (written last: a directory without it
     is not an export). ``tokenizer_json``: the run's tokenizer file, None for the byte
@@ -131,9 +135,11 @@ def write(
     special tokens and chat template), written as given; None writes the one
     :func:`tokenizer_config` describes. ``base_config``: the base model's ``config.json``,
     carried over field by field (:func:`.checkpoint.exported_config`). ``config``: the
-    project's export config; returns the ``model.json`` content."""
+    project's export config; returns the ``model.json`` content. ``max_shard_size``,
+    ``fetch``: as :func:`.checkpoint.write`'s (None: one weights file; ``numpy.asarray``)."""
     directory.mkdir(parents=True, exist_ok=True)
-    hf_checkpoint.write(directory, cfg, params, dtype, base_config)
+    more = {} if fetch is None else {"fetch": fetch}
+    hf_checkpoint.write(directory, cfg, params, dtype, base_config, max_shard_size, **more)
     files = {
         TOKENIZER_FILE: tokenizer_json if tokenizer_json is not None else byte_tokenizer_json(),
         **extra_files,

@@ -50,6 +50,7 @@ class GRPO(Strategy):
         errors += section.normalize_rl(recipe)
         errors += model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)
         errors += model_section.normalize_export_dtype(recipe)
+        errors += model_section.normalize_export_shards(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
         errors += model_section.model_errors(recipe["model"])

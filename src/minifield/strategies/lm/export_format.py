@@ -97,8 +97,6 @@ def write(
             atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
         export.write(directory, named_arrays(params), model_json)
         return
-    import jax
-
     from ...hf import directory as hf_directory
     from ...state.arrays import to_host
 
@@ -118,7 +116,7 @@ def write(
     hf_directory.write(
         directory,
         cfg,
-        jax.tree_util.tree_map(to_host, params),  # gathered if sharded
+        params,
         tokenizer,
         tokenizer_json,
         extra,
@@ -126,6 +124,8 @@ def write(
         model_section.export_dtype(recipe),
         tokenizer_config_json,
         base_config,
+        model_section.export_max_shard_size(recipe),
+        fetch=to_host,  # tensor by tensor as each shard is written (gathered if sharded)
     )
 
 

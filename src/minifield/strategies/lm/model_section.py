@@ -1,7 +1,8 @@
 """packed-sft's recipe settings: what the ``model`` section means, and what it selects.
 
 - the strategy's identity (its name and version say what the sections mean; exports record it);
-- one spelling per computation (:func:`normalize_model_section`, :func:`normalize_export_dtype`):
+- one spelling per computation (:func:`normalize_model_section`, :func:`normalize_export_dtype`,
+  :func:`normalize_export_shards`):
   a key absent from the recipe and the same key spelled at its "absent" value are one
   computation, so the spelled default is removed or, where the schema has no default, the
   value an absent key means is filled in here (recipes written before a key existed keep
@@ -20,7 +21,7 @@ import numpy as np
 
 from ... import schemas
 from ...data import tokenizer as tokenizers
-from ...hf import pinned_base
+from ...hf import pinned_base, shards
 
 #: the held-out and training splits a language-model recipe names as inputs
 SPLITS = ("train", "dev", "test")
@@ -208,6 +209,42 @@ def normalize_export_dtype(recipe: dict) -> list[dict]:
         return [
             {
                 "path": "/evaluation/export_dtype",
+                "message": "only for model.architecture llama (the GPT export is FP32 .npy)",
+            }
+        ]
+    return []
+
+
+def export_max_shard_size(recipe: dict) -> int:
+    """The largest safetensors file of an HF export, in bytes
+    (``evaluation.export_max_shard_size``, absent: Hugging Face's 5GB)."""
+    value = recipe["evaluation"].get(
+        "export_max_shard_size", absent_values("evaluation")["export_max_shard_size"]
+    )
+    return shards.parse_size(value)
+
+
+def normalize_export_shards(recipe: dict) -> list[dict]:
+    """``evaluation.export_max_shard_size``: one spelling per size (bytes: ``"500MB"`` and
+    500000000 are one computation), the absent value (5GB) removed so recipes written before
+    it keep their digest. Another size is part of the computation digest: it changes the
+    published files. Only a Llama model has it (the GPT export is FP32 ``.npy`` files)."""
+    evaluation = recipe["evaluation"]
+    if "export_max_shard_size" not in evaluation:
+        return []
+    path = "/evaluation/export_max_shard_size"
+    try:
+        size = shards.parse_size(evaluation["export_max_shard_size"])
+    except ValueError as exc:
+        return [{"path": path, "message": str(exc)}]
+    if size == shards.parse_size(absent_values("evaluation")["export_max_shard_size"]):
+        evaluation.pop("export_max_shard_size")
+        return []
+    evaluation["export_max_shard_size"] = size
+    if recipe["model"].get("architecture") != "llama":
+        return [
+            {
+                "path": path,
                 "message": "only for model.architecture llama (the GPT export is FP32 .npy)",
             }
         ]

@@ -60,6 +60,7 @@ class PackedSFT(Strategy):
         errors += mixture.normalize(recipe)
         errors += _input_errors(recipe)
         errors += model_section.normalize_export_dtype(recipe)
+        errors += model_section.normalize_export_shards(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
         encoding.normalize_train_on(recipe["training"])

@@ -49,6 +49,7 @@ class Preference(Strategy):
             "preference", section.wanted_inputs(recipe), recipe
         )
         errors += sft_settings.normalize_export_dtype(recipe)
+        errors += sft_settings.normalize_export_shards(recipe)
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
         errors += sft_settings.model_errors(recipe["model"])

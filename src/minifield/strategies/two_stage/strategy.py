@@ -345,6 +345,8 @@ class TwoStageProgram(LMProgram):
             {dev_file: dev_bytes},
             config,
             settings.export_dtype(self.recipe),
+            # no max_shard_size: one model.safetensors whatever the size, the one weights file
+            # stage 2 pins (model.init.stage1.weights)
         )
 
 
