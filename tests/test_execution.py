@@ -145,6 +145,7 @@ def test_fused_attention_model_loss_and_gradients_match_the_xla_path_in_bf16():
     assert_leaves_within(grads_f, grads_x, 0.03)
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (6 CPU-s there); the full suite runs it; fused generation stays fast
 def test_fused_attention_sees_each_packed_example_as_if_alone():
     """Positions restart per segment and no query reads another segment: every example's
     per-token losses in a packed row equal those of the example alone in its own row."""
@@ -259,6 +260,7 @@ def _operations(text: str) -> list[str]:
     return sorted(re.findall(r"= (?:stablehlo|chlo|mhlo|func)\.[a-z_]+", text))
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (4 CPU-s there); the full suite runs it; scanned losses stay fast
 def test_the_scanned_update_program_does_not_grow_with_depth():
     """What makes its compile time independent of depth: the lowered update of a 2-layer and
     of a 5-layer model hold the same operations (only the layer axis's size differs); the

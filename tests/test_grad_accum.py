@@ -143,6 +143,7 @@ def test_mean_of_micro_batch_means_differs_measurably(setup, batches, full_batch
     assert _max_difference(full_batch["params"], pitfall["params"]) > PITFALL_MIN
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (5 CPU-s there); the full suite runs it
 def test_lora_adapters_accumulate_as_one_batch(setup, batches):
     """LoRA trains adapters over a frozen base through the same update: k = 2 micro-batches
     give the adapters one batch gives (a tiny Llama base, FP32, the tolerance above)."""

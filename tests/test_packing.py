@@ -89,6 +89,7 @@ def test_demo_packing_efficiency_is_at_least_095_and_masks_only_responses():
     assert np.all((before == tok.sep_id) | (arrays["loss_mask"][rows, cols - 1] == 1))
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (3 CPU-s there); the full suite runs it; test_model's packed = alone stays fast
 def test_packed_loss_equals_sum_of_unpacked_example_losses():
     """No attention or loss leaks across segments: packing changes nothing per example."""
     import jax

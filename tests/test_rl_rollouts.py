@@ -36,6 +36,7 @@ def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     return p / p.sum()
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (10 CPU-s there); the full suite runs it
 @pytest.mark.parametrize("settings", [(1.0, 0, 1.0), (0.7, 12, 1.0), (1.3, 0, 0.8)])
 def test_first_token_frequencies_are_within_5_sigma_of_the_filtered_softmax(settings):
     temperature, top_k, top_p = settings
@@ -61,6 +62,7 @@ def _row(prompt):
     return t, np.ones_like(t), np.arange(len(prompt), dtype=np.int32)[None]
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (7 CPU-s there); the full suite runs it
 def test_a_rows_tokens_depend_on_its_keys_alone_not_on_its_batch():
     cfg, params = tiny(seed=5)
     params = jax.tree_util.tree_map(lambda x: x / 3.0, params)
@@ -85,6 +87,7 @@ def test_a_rows_tokens_depend_on_its_keys_alone_not_on_its_batch():
     assert len({tuple(c) for c in together.completion_ids}) > 3
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (5 CPU-s there); the full suite runs it
 def test_greedy_equals_the_models_generation_and_a_stop_token_ends_and_is_kept():
     cfg, params = tiny(seed=3)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
@@ -96,6 +99,7 @@ def test_greedy_equals_the_models_generation_and_a_stop_token_ends_and_is_kept()
     assert cut[0] == mine[0][: mine[0].index(stop) + 1] and not truncated[0]
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (5 CPU-s there); the full suite runs it
 def test_token_logps_are_the_temperature_scaled_log_softmax_of_the_previous_slot():
     cfg, params = tiny(seed=2)
     tokens = np.asarray([[3, 9, 14, 2, 0, 0], [5, 5, 6, 7, 8, 1]], np.int32)
