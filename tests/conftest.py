@@ -463,13 +463,35 @@ def readme_first_command() -> list[list[str]]:
     return [part.strip()[len(prefix) :].split() for part in line.split("&&") if prefix in part]
 
 
+#: test files that read the README's run (`readme_pipeline_run`) besides its own test file.
+#: A session fixture is built once per xdist worker, so they are scheduled as one unit with
+#: tests/test_readme_commands.py on one worker (`pytest_xdist_make_scheduler` below), and the
+#: README's pipeline runs once per session.
+READS_THE_README_RUN = ("tests/test_llama_demo.py", "tests/test_grpo_demo_pipeline.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject.toml), except that the files of ``READS_THE_README_RUN``
+    go to the worker that runs tests/test_readme_commands.py, as one unit with it."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "tests/test_readme_commands.py" if path in READS_THE_README_RUN else path
+
+    return SharedRunFiles(config, log)
+
+
 @pytest.fixture(scope="session")
 def readme_pipeline_run(tmp_path_factory) -> Path:
     """The README's first command on a fresh copy of the repository's tracked files: the
     default demo recipes through the whole pipeline, report included, run once per session
-    and read by the tests that only look at what it made (tests/test_readme_commands.py: a
-    session fixture is built once per xdist worker, so its readers share one file). Nothing
-    may change it: a test that edits works on a copy."""
+    and read by the tests that only look at what it made (tests/test_readme_commands.py and
+    ``READS_THE_README_RUN``, scheduled on one worker). Nothing may change it: a test that
+    edits works on a copy (``copy_run``)."""
     import shutil
 
     tracked = (

@@ -1,7 +1,9 @@
 """The grpo demo through real Snakemake (docs/grpo-demo.md): the Llama SFT demo as shipped, then
 grpo chained after its export as shipped (config/grpo.yaml, its two recipes, the demo's data),
-in a temporary project; the recovery proof in crash mode only, as the preference demo's test
-runs it (test_proof.py covers both modes).
+in a copy of the README's run (``readme_pipeline_run``: the README's first command, which
+trained the SFT demo, then `snakemake --configfile config/grpo.yaml` as docs/grpo-demo.md
+says): the SFT demo is not trained again, the grpo computation and its recovery proof (both
+modes, as shipped) run.
 
 The demo learns by reward: DEV mean reward (greedy, the exact_match reward) rises from the SFT
 export (before) to the grpo export (after) and reaches the recipe's gate
@@ -15,13 +17,11 @@ real export, which it has to improve on."""
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from conftest import REPO, run_snakemake
+from conftest import copy_run, run_snakemake
 
 from minifield.hf import loaded_model
 from minifield.pipeline import reference_logprobs
@@ -35,19 +35,15 @@ RECIPES = ("llama-sft-demo", "grpo-demo")
 ENDS = 20
 
 
-def make_project(tmp_path: Path) -> Path:
-    for part in PARTS:
-        shutil.copytree(REPO / "data" / part, tmp_path / "data" / part)
-    (tmp_path / "config" / "recipes").mkdir(parents=True)
+def make_project(readme_run: Path, tmp_path: Path) -> Path:
+    """The README's run (its default pipeline, the Llama SFT demo included), copied: the grpo
+    demo as a user runs it after the README's first command."""
+    project = copy_run(readme_run, tmp_path / "project")
+    for part in PARTS:  # the demo's files, as shipped
+        assert (project / "data" / part).is_dir(), part
     for name in RECIPES:
-        shutil.copyfile(
-            REPO / "config" / "recipes" / f"{name}.yaml",
-            tmp_path / "config" / "recipes" / f"{name}.yaml",
-        )
-    config = yaml.safe_load((REPO / "config" / "grpo.yaml").read_text())
-    config.update(qualification={"mode": "crash"})  # test_proof.py covers both modes
-    (tmp_path / "config" / "grpo.yaml").write_text(yaml.safe_dump(config))
-    return tmp_path
+        assert (project / "config" / "recipes" / f"{name}.yaml").is_file(), name
+    return project
 
 
 def rollout_rewards(attempt: Path) -> dict[int, float]:
@@ -60,16 +56,20 @@ def rollout_rewards(attempt: Path) -> dict[int, float]:
     return out
 
 
-def test_grpo_chained_after_sft_raises_the_dev_reward(tmp_path):
-    project = make_project(tmp_path)
+def test_grpo_chained_after_sft_raises_the_dev_reward(readme_pipeline_run, tmp_path):
+    project = make_project(readme_pipeline_run, tmp_path)
     configfile = ("--configfile", "config/grpo.yaml")
     recipes = project / "config" / "recipes"
     a = reference_logprobs.validated(recipes / "llama-sft-demo.yaml").computation_digest[:16]
     b = reference_logprobs.validated(recipes / "grpo-demo.yaml").computation_digest[:16]
 
+    sft_result = project / "results" / "computations" / a / "train" / "result.json"
+    trained_sft = sft_result.read_bytes()  # the README's run trained it
     run = run_snakemake(project, *configfile, check=True, timeout=1800)
     ran = re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", run.stdout + run.stderr)
-    assert ran.count("chain_link") == 1 and ran.count("train") == 2, ran
+    # the SFT demo is the README run's, not trained again: one train, the grpo computation's
+    assert ran.count("chain_link") == 1 and ran.count("train") == 1, ran
+    assert sft_result.read_bytes() == trained_sft
     assert ran.count("rl_before_after") == 1, ran
     chained = json.loads((project / "results" / "chains" / a / b / "recipe.json").read_text())
     sft_export = project / "results" / "computations" / a / "train" / "export"

@@ -4,9 +4,9 @@ Fast tier: the shipped files are the ones the recipes pin and ``provenance.json`
 pretraining and fine-tuning data regenerate byte for byte, and transformers renders the
 base's chat template into exactly the token ids the pipeline trains on.
 
-Slow tier (one real Snakemake run of ``config/recipes/llama-sft-demo.yaml``, shared by the
-tests of this module; not the README's session run, which another xdist worker would build
-a second time): the recovery proof passed, the evaluation has DEV and TEST figures,
+Slow tier (the demo recipe's computation in the README's run, ``readme_pipeline_run``: the
+default pipeline as the README's first command runs it, scheduled on the worker that builds
+it): the recovery proof passed, the evaluation has DEV and TEST figures,
 the export is an HF directory transformers' ``FlaxLlamaForCausalLM`` loads with logits equal
 to ours, and ``minifield generate`` prints what transformers' greedy generation decodes.
 """
@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, run_generate, run_snakemake
+from conftest import REPO, run_generate
 
 import minifield
 from minifield.data import encoding
@@ -98,20 +97,12 @@ def test_transformers_renders_the_base_template_as_the_pipeline_layout():
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
-    workdir = tmp_path_factory.mktemp("llama-demo")
-    for part in ("llama-base", "llama-sft-demo"):
-        shutil.copytree(REPO / "data" / part, workdir / "data" / part)
-    (workdir / "config" / "recipes").mkdir(parents=True)
-    shutil.copy(DEMO_RECIPE, workdir / "config" / "recipes")
+def demo_run(readme_pipeline_run) -> Path:
+    """The demo recipe's computation in the README's run (read only)."""
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     assert "config/recipes/llama-sft-demo.yaml" in config["recipes"]  # in the default pipeline
-    config["recipes"] = ["config/recipes/llama-sft-demo.yaml"]
-    config["qualification"]["mode"] = "crash"  # preemption is proven elsewhere (suite time)
-    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-    run_snakemake(workdir, check=True)
     cdigest = minifield.validate(DEMO_RECIPE).computation_digest[:16]
-    return workdir / "results" / "computations" / cdigest
+    return readme_pipeline_run / "results" / "computations" / cdigest
 
 
 @pytest.mark.slow
