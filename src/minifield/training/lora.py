@@ -80,9 +80,11 @@ class LoraSettings:
         }
 
 
-def normalize_section(recipe: dict) -> list[dict]:
+def normalize_section(recipe: dict, data_parallel: bool = False) -> list[dict]:
     """Check ``model.lora`` and give it one spelling (targets in :data:`TARGETS` order, alpha a
-    float), so the same adapters are the same computation digest; returns errors."""
+    float), so the same adapters are the same computation digest; returns errors.
+    ``data_parallel``: whether the strategy runs LoRA on several devices (packed-sft's
+    program does; the others refuse ``devices`` > 1)."""
     model = recipe["model"]
     section = model.get("lora")
     if section is None:
@@ -97,7 +99,7 @@ def normalize_section(recipe: dict) -> list[dict]:
         )
     if model.get("architecture") != "llama":  # gpt (the default) has been removed by now
         errors.append({"path": "/model/lora", "message": "LoRA needs model.architecture llama"})
-    if recipe["training"]["data_parallel"]["devices"] != 1:
+    if not data_parallel and recipe["training"]["data_parallel"]["devices"] != 1:
         errors.append(
             {
                 "path": "/model/lora",

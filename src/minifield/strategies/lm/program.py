@@ -118,10 +118,17 @@ class LMProgram(Program):
         only evaluates checkpoints restores into)."""
         import jax
 
+        from ...training import data_parallel
+
         dp = self.data_parallel
-        if self.layout is not None or self.lora is not None or dp.devices == 1:
+        if self.layout is not None or dp.devices == 1:
             return
         self.layout = dp.lay_out(jax.eval_shape(self.start.on_one_device))
+        if self.lora is not None:  # the frozen base on the mesh too, as its own shardings
+            self._base_shardings = dp.state_shardings(
+                self.layout.mesh, {"params": jax.eval_shape(lambda: self._base)}
+            )["params"]
+            self._base = data_parallel.place_tree(self._base, self._base_shardings)
         self.evaluator.on_mesh(self.layout.batch, dp.devices)
         self.placement = self.layout.placement()
 
@@ -142,14 +149,17 @@ class LMProgram(Program):
         import jax
 
         abstract_state, abstract_batch = _abstract_arguments(self.start, self.batches)
-        if self.lora is not None:  # one device (checked at validation); the base an argument
-            fn = jax.jit(self._step_fn, donate_argnums=(0,))
+        self.lay_out_mesh()
+        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
+        if self.lora is not None:  # the frozen base an argument (never donated)
+            if shardings:
+                state_in, batch_in = shardings["in_shardings"]
+                shardings["in_shardings"] = (state_in, self._base_shardings, batch_in)
+            fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
             abstract_base = jax.eval_shape(lambda: self._base)
             step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
             self._compiled = lambda state, batch: step(state, self._base, batch)
             return
-        self.lay_out_mesh()
-        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
         self._compiled = fn.lower(abstract_state, abstract_batch).compile()
 
