@@ -368,18 +368,3 @@ def test_a_full_fine_tune_of_a_mixtral_base_runs_an_update(base_root, tmp_path):
     assert np.isfinite(metrics["loss"])
     after = np.asarray(state["params"]["blocks"]["00"]["moe"]["router"])
     assert np.abs(after - before).max() > 0
-
-
-def test_lora_on_a_mixtral_base_is_refused_naming_the_field(base_root):
-    from test_base_model import _prepare, base_recipe
-
-    from minifield.hf import pinned_base
-
-    lora_section = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
-    recipe = base_recipe(base_root, {"lora": lora_section, "compute_dtype": "float32"})
-    with pytest.raises(
-        pinned_base.BaseModelError,
-        match=r"config.json: model_type mixtral .*"
-        r"LoRA \(model.lora\) on a mixture of experts is not supported yet",
-    ):
-        _prepare(recipe, base_root)

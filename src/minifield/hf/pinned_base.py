@@ -23,7 +23,7 @@ import numpy as np
 from ..data import chat_template, encode_pool, encoding
 from ..data import tokenizer as tokenizers
 from ..inputs.pinned import InputError, location
-from ..models import execution
+from ..models import execution, lora_targets
 from . import checkpoint as hf_checkpoint
 from . import stored_base
 
@@ -100,6 +100,21 @@ def check_recipe_agrees(recipe_model: dict, cfg, config_path: Path) -> None:
             )
 
 
+def _check_lora_targets(section: dict, cfg, config_path: Path) -> None:
+    """Each of ``model.lora.targets`` names a module of this base (PEFT's suffix match: a
+    Mixtral's experts are ``w1``/``w3``/``w2``, a Qwen-MoE's or OLMoE's ``gate_proj``/...;
+    ``gate`` the router of a mixture)."""
+    unmatched = lora_targets.unmatched_targets(cfg, section["targets"])
+    if unmatched:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+        names = [n for n in lora_targets.TARGETS if not lora_targets.unmatched_targets(cfg, [n])]
+        raise BaseModelError(
+            f"{config_path}: model_type {model_type} has no module named "
+            f"{', '.join(unmatched)}: model.lora.targets must name its modules "
+            f"({', '.join(names)})"
+        )
+
+
 def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
     """Check and convert the base model; returns its prepared arrays and a description."""
     model = recipe["model"]
@@ -139,13 +154,8 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             f"{config_path}: model_type phi3 stores qkv_proj and gate_up_proj fused; LoRA "
             "(model.lora) on them is not supported (full fine-tuning is)"
         )
-    if "lora" in model and cfg.n_experts:
-        model_type = json.loads(config_path.read_text()).get("model_type")
-        # the experts' and the router's adapters (PEFT's names for them) are not built yet
-        raise BaseModelError(
-            f"{config_path}: model_type {model_type} ({cfg.n_experts} experts): LoRA "
-            "(model.lora) on a mixture of experts is not supported yet (full fine-tuning is)"
-        )
+    if "lora" in model:
+        _check_lora_targets(model["lora"], cfg, config_path)
     arrays = stored_base.to_arrays(params, stored_layout)
     arrays[CONFIG_ARRAY] = np.frombuffer(config_path.read_bytes(), dtype=np.uint8)
     arrays[TOKENIZER_ARRAY] = np.frombuffer(files[base["tokenizer"]].read_bytes(), dtype=np.uint8)

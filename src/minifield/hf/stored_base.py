@@ -104,9 +104,16 @@ def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:
     files, no conversion), held in ``base_dtype`` by the step."""
     import jax
 
+    return on_host(arrays, base_dtype, put=jax.device_put)
+
+
+def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: value) -> FrozenBase:
+    """The base of prepared arrays as stored, still the host's (memory-mapped) arrays: what a
+    data-parallel run places on its mesh slice by slice
+    (:func:`minifield.training.data_parallel.place_tree`); ``put`` each array first."""
     items, out_in = [], set()
     for path, value, transposed in _stored(arrays):
-        items.append((path, jax.device_put(value)))
+        items.append((path, put(value)))
         if transposed:
             out_in.add(path)
     return FrozenBase(_nest(items), frozenset(out_in), base_dtype)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from . import moe, rope_scaling
 from . import sampling as sampling_rules
 from .layers import attention, layer_stack
-from .layers.primitives import F32, einsum, rotate, scaled_normal
+from .layers.primitives import F32, einsum, linear, rotate, scaled_normal
 
 # the config's home is :mod:`.llama_config`; its names are this module's too
 from .llama_config import ARCHITECTURE as ARCHITECTURE
@@ -121,32 +121,6 @@ def init_params(cfg: LlamaConfig, key) -> dict:
 # ----------------------------------------------------------------------------- layers
 
 
-@jax.tree_util.register_pytree_node_class
-class LoraWeight:
-    """A frozen ``[in, out]`` matrix with a low-rank adapter (see :mod:`minifield.training.lora`): it multiplies
-    as ``x @ base + scale * (x @ a) @ b``. Built inside the traced step only."""
-
-    def __init__(self, base, a, b, scale: float):
-        self.base, self.a, self.b, self.scale = base, a, b, scale
-
-    def tree_flatten(self):
-        return (self.base, self.a, self.b), self.scale
-
-    @classmethod
-    def tree_unflatten(cls, scale, children):
-        return cls(*children, scale)
-
-
-def _linear(cfg: LlamaConfig, x_BxTxK, w):
-    """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
-    adapter's inner product is rounded to the compute dtype, like any activation)."""
-    if isinstance(w, LoraWeight):
-        y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
-        down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
-        return y_BxTxN + w.scale * einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
-    return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
-
-
 def _rms_norm(cfg: LlamaConfig, x_BxTxD, norm):
     """x / sqrt(mean(x^2) + eps) * scale (Gemma: * (1 + scale)), statistics in FP32."""
     x = x_BxTxD.astype(F32)
@@ -175,7 +149,7 @@ def _embed(params, cfg: LlamaConfig, tokens_BxT):
 
 def _project(cfg: LlamaConfig, x_BxTxK, w_KxN, b_N=None):
     """x @ w (+ b added to the FP32 accumulator), rounded to the compute dtype."""
-    y_BxTxN = _linear(cfg, x_BxTxK, w_KxN)
+    y_BxTxN = linear(cfg, x_BxTxK, w_KxN)
     if b_N is not None:
         y_BxTxN = y_BxTxN + b_N
     return y_BxTxN.astype(cfg.dtype)
@@ -221,8 +195,8 @@ def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT, window
 
 
 def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
-    gate_BxTxF = _linear(cfg, x_BxTxD, p["w_gate"])
-    up_BxTxF = _linear(cfg, x_BxTxD, p["w_up"])
+    gate_BxTxF = linear(cfg, x_BxTxD, p["w_gate"])
+    up_BxTxF = linear(cfg, x_BxTxD, p["w_up"])
     act_BxTxF = (_ACTIVATIONS[cfg.activation](gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
     return _project(cfg, act_BxTxF, p["w_down"])
 

@@ -31,17 +31,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .layers.primitives import F32, einsum
+from .layers.primitives import F32, LoraWeight, einsum, linear
+
+
+def _f32_product(x, w):
+    return jnp.einsum(
+        "nd,de->ne", x.astype(F32), w.astype(F32), precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def router_logits(x_NxD, router_DxE):
-    """The router's FP32 logits ``[N, E]``."""
-    return jnp.einsum(
-        "nd,de->ne",
-        x_NxD.astype(F32),
-        router_DxE.astype(F32),
-        precision=jax.lax.Precision.HIGHEST,
-    )
+    """The router's FP32 logits ``[N, E]`` (with a LoRA adapter, :class:`LoraWeight`: plus
+    ``scale * (x @ a) @ b``, FP32 too)."""
+    if isinstance(router_DxE, LoraWeight):
+        down_NxR = _f32_product(x_NxD, router_DxE.a)
+        delta_NxE = _f32_product(down_NxR, router_DxE.b)
+        return _f32_product(x_NxD, router_DxE.base) + router_DxE.scale * delta_NxE
+    return _f32_product(x_NxD, router_DxE)
 
 
 def route(cfg, x_NxD, router_DxE):
@@ -68,7 +74,10 @@ def _stacked(cfg, experts: dict, name: str):
 def moe_mlp(cfg, x_BxTxD, p):
     """The experts' weighted output ``[B, T, D]`` (compute dtype) for every token;
     ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}`` (Qwen2-MoE: and
-    ``"shared": {w_gate, w_up, w_down}``, ``"shared_gate": [D, 1]``)."""
+    ``"shared": {w_gate, w_up, w_down}``, ``"shared_gate": [D, 1]``). Under LoRA
+    (:mod:`minifield.training.lora`) the router and the shared expert's matrices may be
+    :class:`LoraWeight`, and ``"experts_lora": {w_gate|w_up|w_down: LoraWeight}`` holds the
+    experts' stacked adapters (``base`` None)."""
     B, T, D = x_BxTxD.shape
     E, K = cfg.n_experts, cfg.experts_per_token
     x_NxD = x_BxTxD.reshape(B * T, D)
@@ -79,10 +88,21 @@ def moe_mlp(cfg, x_BxTxD, p):
     group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
     xs_MxD = x_NxD[token_M].astype(cfg.dtype)
 
-    def grouped(lhs, name):
+    def ragged(lhs, rhs_ExIxO):
         return jax.lax.ragged_dot(
-            lhs, _stacked(cfg, p["experts"], name), group_sizes_E, preferred_element_type=F32
+            lhs, rhs_ExIxO.astype(cfg.dtype), group_sizes_E, preferred_element_type=F32
         )
+
+    def grouped(lhs, name):
+        out = ragged(lhs, _stacked(cfg, p["experts"], name))
+        lora = p.get("experts_lora", {}).get(name)
+        if lora is None:
+            return out
+        # LoRA (``experts_lora``: stacked a [E, in, r], b [E, r, out]): the same groups, so
+        # each row meets only its own expert's adapter; the inner product rounded to the
+        # compute dtype, as a dense layer's (primitives.linear)
+        down_MxR = ragged(lhs, lora.a).astype(cfg.dtype)
+        return out + lora.scale * ragged(down_MxR, lora.b)
 
     gate_MxF = grouped(xs_MxD, "w_gate")
     up_MxF = grouped(xs_MxD, "w_up")
@@ -99,10 +119,10 @@ def moe_mlp(cfg, x_BxTxD, p):
 def _shared(cfg, x_BxTxD, p):
     """The shared expert's output times its sigmoid gate, FP32 ``[B, T, D]``."""
     s = p["shared"]
-    gate_BxTxF = einsum(cfg, "btd,df->btf", x_BxTxD, s["w_gate"], out_dtype=F32)
-    up_BxTxF = einsum(cfg, "btd,df->btf", x_BxTxD, s["w_up"], out_dtype=F32)
+    gate_BxTxF = linear(cfg, x_BxTxD, s["w_gate"])
+    up_BxTxF = linear(cfg, x_BxTxD, s["w_up"])
     act_BxTxF = (jax.nn.silu(gate_BxTxF) * up_BxTxF).astype(cfg.dtype)
-    out_BxTxD = einsum(cfg, "btf,fd->btd", act_BxTxF, s["w_down"]).astype(F32)
+    out_BxTxD = linear(cfg, act_BxTxF, s["w_down"]).astype(cfg.dtype).astype(F32)
     gate_BxTx1 = einsum(cfg, "btd,do->bto", x_BxTxD, p["shared_gate"], out_dtype=F32)
     return jax.nn.sigmoid(gate_BxTx1) * out_BxTxD
 

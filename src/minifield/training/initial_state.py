@@ -70,7 +70,9 @@ class InitialState:
         from ..models.layers import layer_stack
         from . import data_parallel
 
-        if self.base_params is None:
+        if self.lora_run is not None:  # fresh adapters, drawn slice by slice
+            make, args = self.on_one_device, ()
+        elif self.base_params is None:
             make, args = self.random, ()
         else:
             host = self.base_params

@@ -1,4 +1,5 @@
-"""LoRA fine-tuning of a pinned base model (``model.lora``), and its PEFT-format adapter.
+"""LoRA fine-tuning of a pinned base model (``model.lora``); its PEFT-format adapter is
+:mod:`.peft_adapter`.
 
 A recipe with ``model.base`` and ``model.lora: {rank, alpha, targets, base_dtype}`` trains
 low-rank adapters instead of the model: each target projection ``W [in, out]`` (as
@@ -12,7 +13,10 @@ Initialisation (as PEFT's default ``init_lora_weights=True``): ``A`` uniform in
 ``[-1/sqrt(in), 1/sqrt(in)]`` (PEFT's ``kaiming_uniform_(a=sqrt(5))`` bound), drawn from
 ``fold_in(fold_in(fold_in(key(seed), 0), layer), target index)`` with the target index the
 position in :data:`TARGETS`, so the draw does not depend on the order the recipe lists
-targets; ``B`` zeros, so the first forward is the base model's.
+targets; ``B`` zeros, so the first forward is the base model's. A mixture's experts
+(:func:`target_paths`): expert ``j``'s ``A`` from ``fold_in(that key, j)``, Qwen2-MoE's
+shared expert's from ``fold_in(that key, E)``, held stacked ``A [E, in, rank]``,
+``B [E, rank, out]`` and applied in the experts' own groups (:mod:`minifield.models.moe`).
 
 The complete training state is::
 
@@ -26,38 +30,22 @@ digest), so the state hash (of every state array, ``frozen_base`` included) iden
 complete training state: adapters, optimizer, counters and which base they adapt.
 
 Evaluation and export use the merged weights ``W + (alpha / rank) * A @ B`` (FP32, from the
-base as held); the export adds the PEFT adapter directory (:func:`write_adapter`).
+base as held); the export adds the PEFT adapter directory
+(:func:`minifield.training.peft_adapter.write_adapter`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
 from ..digest import sha256_json
+from ..models.lora_targets import EXPERTS, TARGETS, target_paths
 
-#: PEFT target module name -> (the HF module path inside a layer, the internal parameter)
-TARGETS = {
-    "q_proj": ("self_attn.q_proj", "attn/wq"),
-    "k_proj": ("self_attn.k_proj", "attn/wk"),
-    "v_proj": ("self_attn.v_proj", "attn/wv"),
-    "o_proj": ("self_attn.o_proj", "attn/wo"),
-    "gate_proj": ("mlp.gate_proj", "mlp/w_gate"),
-    "up_proj": ("mlp.up_proj", "mlp/w_up"),
-    "down_proj": ("mlp.down_proj", "mlp/w_down"),
-}
 #: the state part that identifies the frozen base (see the module docstring)
 BASE_PART = "frozen_base"
-ADAPTER_DIR = "adapter"
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-#: the PEFT key of an adapter matrix ({i}: layer index, {module}: TARGETS' HF module path)
-PEFT_KEY = "base_model.model.model.layers.{i}.{module}.lora_{which}.weight"
 
 
 @dataclass(frozen=True)
@@ -92,9 +80,11 @@ class LoraSettings:
         }
 
 
-def normalize_section(recipe: dict) -> list[dict]:
+def normalize_section(recipe: dict, data_parallel: bool = False) -> list[dict]:
     """Check ``model.lora`` and give it one spelling (targets in :data:`TARGETS` order, alpha a
-    float), so the same adapters are the same computation digest; returns errors."""
+    float), so the same adapters are the same computation digest; returns errors.
+    ``data_parallel``: whether the strategy runs LoRA on several devices (packed-sft's
+    program does; the others refuse ``devices`` > 1)."""
     model = recipe["model"]
     section = model.get("lora")
     if section is None:
@@ -109,7 +99,7 @@ def normalize_section(recipe: dict) -> list[dict]:
         )
     if model.get("architecture") != "llama":  # gpt (the default) has been removed by now
         errors.append({"path": "/model/lora", "message": "LoRA needs model.architecture llama"})
-    if recipe["training"]["data_parallel"]["devices"] != 1:
+    if not data_parallel and recipe["training"]["data_parallel"]["devices"] != 1:
         errors.append(
             {
                 "path": "/model/lora",
@@ -137,16 +127,19 @@ def base_identity(recipe: dict, input_names: list[str]) -> np.ndarray:
 # ----------------------------------------------------------------------------- parameters
 
 
-def _target_shape(cfg, internal: str) -> tuple[int, int]:
-    from ..models.families import param_shape
-
-    return param_shape(cfg, f"blocks/00/{internal}")
-
-
 def init_adapters(cfg, settings: LoraSettings, key) -> dict:
-    """FP32 adapters ``{"blocks": {NN: {"attn"|"mlp": {leaf: {"a", "b"}}}}}`` (docstring)."""
+    """FP32 adapters ``{"blocks": {NN: {"attn"|"mlp"|"moe": {... leaf: {"a", "b"}}}}}``
+    (docstring); the experts' stacked, ``a [E, in, r]``, ``b [E, r, out]``."""
     import jax
     import jax.numpy as jnp
+
+    from ..models.families import param_shape
+
+    def draw(k, fan_in, fan_out):
+        bound = 1.0 / math.sqrt(fan_in)
+        shape = (fan_in, settings.rank)
+        a = jax.random.uniform(k, shape, jnp.float32, minval=-bound, maxval=bound)
+        return a, jnp.zeros((settings.rank, fan_out), jnp.float32)
 
     blocks: dict = {}
     for i in range(cfg.n_layers):
@@ -155,18 +148,23 @@ def init_adapters(cfg, settings: LoraSettings, key) -> dict:
         for index, name in enumerate(TARGETS):
             if name not in settings.targets:
                 continue
-            group, leaf = TARGETS[name][1].split("/")
-            fan_in, fan_out = _target_shape(cfg, TARGETS[name][1])
-            bound = 1.0 / math.sqrt(fan_in)
-            a = jax.random.uniform(
-                jax.random.fold_in(layer_key, index),
-                (fan_in, settings.rank),
-                jnp.float32,
-                minval=-bound,
-                maxval=bound,
-            )
-            b = jnp.zeros((settings.rank, fan_out), jnp.float32)
-            block.setdefault(group, {})[leaf] = {"a": a, "b": b}
+            target_key = jax.random.fold_in(layer_key, index)
+            for path in target_paths(cfg, i, name):
+                fan_in, fan_out = param_shape(cfg, f"blocks/{i:02d}/{path}")
+                if path.startswith("moe/experts/"):  # expert j: fold_in(target key, j)
+                    E = cfg.n_experts
+                    keys = [jax.random.fold_in(target_key, j) for j in range(E)]
+                    a = jnp.stack([draw(k, fan_in, fan_out)[0] for k in keys])
+                    b = jnp.zeros((E, settings.rank, fan_out), jnp.float32)
+                elif path.startswith("moe/shared/"):  # the shared expert: as expert E
+                    a, b = draw(jax.random.fold_in(target_key, cfg.n_experts), fan_in, fan_out)
+                else:
+                    a, b = draw(target_key, fan_in, fan_out)
+                *parents, leaf = path.split("/")
+                node = block
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = {"a": a, "b": b}
         blocks[f"{i:02d}"] = block
     return {"blocks": blocks}
 
@@ -196,40 +194,76 @@ def _model_params(base) -> dict:
     return base.model_params() if isinstance(base, FrozenBase) else base
 
 
-def _adapted_leaves(adapters: dict):
+def _pairs(node: dict, prefix: str = ""):
+    if set(node) == {"a", "b"}:
+        yield prefix, node
+        return
+    for key, child in node.items():
+        yield from _pairs(child, f"{prefix}/{key}" if prefix else key)
+
+
+def adapted_leaves(adapters: dict):
+    """``(layer, parents, leaf, {"a", "b"})`` of every adapter (``parents``: the internal
+    path's groups, ``("moe", "experts")`` for the experts' stacked adapters)."""
     for layer, block in adapters["blocks"].items():
-        for group, leaves in block.items():
-            for leaf, pair in leaves.items():
-                yield layer, group, leaf, pair
+        for path, pair in _pairs(block):
+            *parents, leaf = path.split("/")
+            yield layer, tuple(parents), leaf, pair
+
+
+def _node(block: dict, parents) -> dict:
+    """The dict at ``parents`` in ``block``, each dict on the way copied (the base's own
+    trees are never changed)."""
+    node = block
+    for part in parents:
+        node[part] = dict(node[part])
+        node = node[part]
+    return node
 
 
 def adapted(base: dict, adapters: dict, settings: LoraSettings) -> dict:
-    """The parameter tree :mod:`minifield.models.llama` runs: the base's, with every target matrix replaced
-    by a :class:`minifield.models.llama.LoraWeight` (base matrix, A, B, scale)."""
-    from ..models.llama import LoraWeight
+    """The parameter tree :mod:`minifield.models.llama` runs: the base's, with every target
+    matrix replaced by a :class:`minifield.models.layers.primitives.LoraWeight` (base matrix,
+    A, B, scale); the experts' stacked adapters go to ``moe/experts_lora`` (base None:
+    :mod:`minifield.models.moe` multiplies them in the experts' groups)."""
+    from ..models.layers.primitives import LoraWeight
 
     base = _model_params(base)
     params = {**base, "blocks": {k: dict(v) for k, v in base["blocks"].items()}}
-    for layer, group, leaf, pair in _adapted_leaves(adapters):
+    for layer, parents, leaf, pair in adapted_leaves(adapters):
         block = params["blocks"][layer]
-        block[group] = {**block[group]}
-        block[group][leaf] = LoraWeight(block[group][leaf], pair["a"], pair["b"], settings.scale)
+        if parents == EXPERTS:
+            node = _node(block, ("moe",))
+            node["experts_lora"] = {**node.get("experts_lora", {})}
+            node["experts_lora"][leaf] = LoraWeight(None, pair["a"], pair["b"], settings.scale)
+            continue
+        node = _node(block, parents)
+        node[leaf] = LoraWeight(node[leaf], pair["a"], pair["b"], settings.scale)
     return params
 
 
 def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     """FP32 parameters with the adapters merged: ``W + (alpha / rank) * A @ B`` per target
-    (FP32 products); every other parameter is the base's, as FP32."""
+    (each expert's own ``A[j] @ B[j]``; FP32 products); every other parameter is the base's,
+    as FP32."""
     import jax
     import jax.numpy as jnp
 
     params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), _model_params(base))
-    params["blocks"] = {k: dict(v) for k, v in params["blocks"].items()}
-    for layer, group, leaf, pair in _adapted_leaves(adapters):
-        block = params["blocks"][layer]
-        block[group] = {**block[group]}
-        delta = jnp.matmul(pair["a"], pair["b"], precision=jax.lax.Precision.HIGHEST)
-        block[group][leaf] = block[group][leaf] + settings.scale * delta
+
+    def delta(a, b):
+        return settings.scale * jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    for layer, parents, leaf, pair in adapted_leaves(adapters):
+        node = _node(params["blocks"][layer], parents)  # tree_map made fresh dicts
+        if parents == EXPERTS:
+            for j, name in enumerate(sorted(node, key=int)):
+                node[name] = {
+                    **node[name],
+                    leaf: node[name][leaf] + delta(pair["a"][j], pair["b"][j]),
+                }
+            continue
+        node[leaf] = node[leaf] + delta(pair["a"], pair["b"])
     return params
 
 
@@ -255,54 +289,3 @@ def make_train_step(
         return {**new_state, BASE_PART: state[BASE_PART]}, metrics
 
     return train_step
-
-
-# ----------------------------------------------------------------------------- PEFT adapter
-
-
-def peft_tensors(adapters: dict) -> dict[str, np.ndarray]:
-    """PEFT's names and layouts: ``lora_A.weight [rank, in]`` (A transposed) and
-    ``lora_B.weight [out, rank]`` (B transposed), as ``torch.nn.Linear`` weights; FP32."""
-    modules = {internal: module for module, internal in TARGETS.values()}
-    out = {}
-    for layer, group, leaf, pair in _adapted_leaves(adapters):
-        module = modules[f"{group}/{leaf}"]
-        for which, value in (("A", pair["a"]), ("B", pair["b"])):
-            key = PEFT_KEY.format(i=int(layer), module=module, which=which)
-            out[key] = np.ascontiguousarray(np.asarray(value, dtype=np.float32).T)
-    return out
-
-
-def adapter_config(settings: LoraSettings, base_name: str) -> dict:
-    """``adapter_config.json`` as PEFT writes it for a LoRA adapter of a causal LM."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_name,
-        "revision": None,
-        "r": settings.rank,
-        "lora_alpha": settings.alpha,
-        "lora_dropout": 0.0,
-        "target_modules": list(settings.targets),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "inference_mode": True,
-    }
-
-
-def write_adapter(directory: Path, settings: LoraSettings, adapters: dict, base_name: str):
-    """The PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``),
-    each file written under a temporary name and renamed."""
-    from safetensors.numpy import save
-
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic.write_bytes(
-        directory / ADAPTER_WEIGHTS_FILE, save(peft_tensors(adapters), {"format": "pt"})
-    )
-    text = json.dumps(adapter_config(settings, base_name), indent=2) + "\n"
-    atomic.write_bytes(directory / ADAPTER_CONFIG_FILE, text.encode())

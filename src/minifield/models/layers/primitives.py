@@ -76,6 +76,34 @@ def einsum(cfg, equation: str, a, b, out_dtype=None):
     return _bf16_einsum(equation, out_dtype, a, b)
 
 
+@jax.tree_util.register_pytree_node_class
+class LoraWeight:
+    """A frozen ``[in, out]`` matrix with a low-rank adapter (see :mod:`minifield.training.lora`):
+    it multiplies as ``x @ base + scale * (x @ a) @ b``. Built inside the traced step only.
+    The experts of a mixture hold ``base`` None: :mod:`minifield.models.moe` multiplies their
+    stacked ``a [E, in, r]``, ``b [E, r, out]`` group by group."""
+
+    def __init__(self, base, a, b, scale: float):
+        self.base, self.a, self.b, self.scale = base, a, b, scale
+
+    def tree_flatten(self):
+        return (self.base, self.a, self.b), self.scale
+
+    @classmethod
+    def tree_unflatten(cls, scale, children):
+        return cls(*children, scale)
+
+
+def linear(cfg, x_BxTxK, w):
+    """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
+    adapter's inner product is rounded to the compute dtype, like any activation)."""
+    if isinstance(w, LoraWeight):
+        y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
+        down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
+        return y_BxTxN + w.scale * einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
+    return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
+
+
 def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None, scale=1.0):
     """Rotary position embedding (rotate-half form), applied in FP32; ``inv_freq_K2``: the
     frequencies when not the plain ones of ``base`` (see :mod:`minifield.models.rope_scaling`); ``scale``: a factor

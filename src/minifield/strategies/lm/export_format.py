@@ -21,7 +21,7 @@ from ...data import tokenizer as tokenizers
 from ...digest import sha256_bytes
 from ...hf import loaded_model, pinned_base
 from ...state import export
-from ...training import lora
+from ...training import peft_adapter
 from . import model_section
 
 #: files an export carries besides its weights (so the store can re-evaluate it alone)
@@ -112,7 +112,9 @@ def write(
                 arrays[pinned_base.GENERATION_CONFIG_ARRAY]
             ).tobytes()
     if lora_run is not None:
-        model_json["lora"] = _write_adapter(directory / lora.ADAPTER_DIR, recipe, *lora_run)
+        model_json["lora"] = _write_adapter(
+            directory / peft_adapter.ADAPTER_DIR, recipe, cfg, *lora_run
+        )
     hf_directory.write(
         directory,
         cfg,
@@ -129,18 +131,18 @@ def write(
     )
 
 
-def _write_adapter(directory: Path, recipe: dict, lora_settings, adapters) -> dict:
+def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters) -> dict:
     """Write the PEFT adapter; returns what ``model.json`` records of it."""
     items = {i["name"]: i for i in recipe["inputs"]}
     config_item = items[recipe["model"]["base"]["config"]]
     # PEFT's base_model_name_or_path: where the pinned base model's config.json lives
     where = config_item.get("path") or config_item.get("url") or config_item["name"]
     base_name = where.rsplit("/", 1)[0] if "/" in where else "."
-    lora.write_adapter(directory, lora_settings, adapters, base_name)
+    peft_adapter.write_adapter(directory, lora_settings, adapters, base_name, cfg)
     names = model_section.base_model_inputs(recipe["model"])
     return {
         **lora_settings.to_dict(),
-        "adapter_dir": lora.ADAPTER_DIR,
+        "adapter_dir": peft_adapter.ADAPTER_DIR,
         "base_inputs": {name: items[name]["sha256"] for name in sorted(names)},
     }
 

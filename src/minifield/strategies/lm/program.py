@@ -78,18 +78,14 @@ class LMProgram(Program):
         return TrainBatches(arrays, self.seed, training["batch_size"])
 
     def _lora_setup(self, schedule) -> None:
-        """LoRA: the step trains the adapters against the frozen base (held on the device
-        once as its checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
+        """LoRA: the step trains the adapters against the frozen base (held once as its
+        checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
         evaluation runs on the merged weights."""
         import jax
 
-        from ...hf.stored_base import on_device
-
-        self._base = on_device(self.arrays, self.lora.base_dtype)
-        identity = lora.base_identity(
-            self.recipe, model_section.base_model_inputs(self.recipe["model"])
-        )
-        self.start.lora_run = (self.lora, identity)
+        self._base = _frozen_base(self.arrays, self.recipe["training"], self.lora.base_dtype)
+        inputs = model_section.base_model_inputs(self.recipe["model"])
+        self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
         self._step_fn = lora.make_train_step(
             self.cfg, self.lora, self.optimizer, schedule, self.accum_steps
         )
@@ -119,9 +115,11 @@ class LMProgram(Program):
         import jax
 
         dp = self.data_parallel
-        if self.layout is not None or self.lora is not None or dp.devices == 1:
+        if self.layout is not None or dp.devices == 1:
             return
         self.layout = dp.lay_out(jax.eval_shape(self.start.on_one_device))
+        if self.lora is not None:  # the frozen base on the mesh too, as its own shardings
+            self._base, self._base_shardings = _base_on_mesh(dp, self.layout.mesh, self._base)
         self.evaluator.on_mesh(self.layout.batch, dp.devices)
         self.placement = self.layout.placement()
 
@@ -142,14 +140,16 @@ class LMProgram(Program):
         import jax
 
         abstract_state, abstract_batch = _abstract_arguments(self.start, self.batches)
-        if self.lora is not None:  # one device (checked at validation); the base an argument
-            fn = jax.jit(self._step_fn, donate_argnums=(0,))
+        self.lay_out_mesh()
+        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
+        if self.lora is not None:  # the frozen base an argument (never donated)
+            if shardings:  # between the state and the batch
+                shardings["in_shardings"] = _with_base(shardings, self._base_shardings)
+            fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
             abstract_base = jax.eval_shape(lambda: self._base)
             step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
             self._compiled = lambda state, batch: step(state, self._base, batch)
             return
-        self.lay_out_mesh()
-        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
         self._compiled = fn.lower(abstract_state, abstract_batch).compile()
 
@@ -258,3 +258,30 @@ def _update_shardings(layout, data_parallel, abstract_batch: dict) -> dict:
         "in_shardings": (layout.state, batch_shardings),
         "out_shardings": (layout.state, data_parallel.replicated(layout.mesh)),
     }
+
+
+def _frozen_base(arrays: dict, training: dict, base_dtype: str):
+    """LoRA's frozen base as stored: on the device, or, for a data-parallel run, the host's
+    arrays, which ``lay_out_mesh`` places on the mesh slice by slice (never whole on one
+    device first)."""
+    from ...hf import stored_base
+    from ...training.data_parallel import DataParallel
+
+    if DataParallel.from_training(training).devices == 1:
+        return stored_base.on_device(arrays, base_dtype)
+    return stored_base.on_host(arrays, base_dtype)
+
+
+def _base_on_mesh(dp, mesh, base) -> tuple:
+    """LoRA's frozen base placed on the mesh by the state's rule (replicated, or split under
+    ``shard_params``), and its shardings."""
+    from ...training import data_parallel
+
+    shardings = dp.state_shardings(mesh, {"params": base})["params"]
+    return data_parallel.place_tree(base, shardings), shardings
+
+
+def _with_base(shardings: dict, base_shardings) -> tuple:
+    """The LoRA update's input shardings: the state's, the frozen base's, the batch's."""
+    state_in, batch_in = shardings["in_shardings"]
+    return (state_in, base_shardings, batch_in)

@@ -61,7 +61,7 @@ class PackedSFT(Strategy):
         errors += _input_errors(recipe)
         errors += model_section.normalize_export_dtype(recipe)
         errors += model_section.normalize_export_shards(recipe)
-        errors += lora.normalize_section(recipe)
+        errors += lora.normalize_section(recipe, data_parallel=True)
         errors += execution.normalize_recipe(recipe)
         encoding.normalize_train_on(recipe["training"])
         errors += model_section.model_errors(model)
