@@ -4,7 +4,9 @@ The complete state is everything that determines the future of a run:
 parameters, optimizer state, RNG key data, the step and the data cursor. It is
 kept as a pytree whose top-level keys are those parts; flattening gives stable
 names (``params/w``, ``opt_state/0/trace/w``) so a checkpoint can be checked and
-restored leaf by leaf, and a divergence can be named by the part that differs.
+restored leaf by leaf, and a divergence can be named by the part that differs. The
+complete-state hash (version 3) is computed where the arrays live, piece by piece
+(:mod:`.pieces`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def to_host(leaf: Any) -> np.ndarray:
     An array spread over several processes' devices is not fetchable as a whole:
     replicated, any local copy is the value; sharded, the pieces are gathered from
     every process (a collective: each process must make the same calls in the same
-    order, which the training loop guarantees).
+    order, which the training loop guarantees). The checkpoint commit and the export copy
+    the state this way; the state hash does not (:func:`state_digests`), except for an
+    array whose shards cut its hash pieces (:mod:`.pieces`).
     """
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         if leaf.is_fully_replicated:
