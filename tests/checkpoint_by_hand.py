@@ -3,12 +3,17 @@ from its definition in docs/training-loop.md (every array's C-order bytes at a 6
 aligned offset of ``arrays.bin``, zeros between, offsets in the manifest), format 2's
 ``.npy`` files from numpy's published format, the version-2 complete-state hash from its
 definition there (sha256 over one ``name|dtype|shape|sha256`` line per array, in name
-order, each ``sha256`` that of the array's C-order bytes)."""
+order, each ``sha256`` that of the array's C-order bytes) and the version-3 one (the same
+lines, each array's hash that of its pieces' sha256 digests: along an axis of size n,
+gcd(n, 48) equal blocks; the pieces in C order of that grid, each piece's bytes in C
+order), piece by piece with plain slicing."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +32,32 @@ def array_line(name: str, array) -> str:
     return f"{name}|{array.dtype.str}|{','.join(map(str, array.shape))}"
 
 
-def state_hash_by_hand(arrays: dict) -> str:
-    """The version-2 complete-state hash of named arrays, from their bytes in memory."""
+def pieces_digest_by_hand(array) -> str:
+    """An array's version-3 hash: sha256 of its pieces' sha256 digests, each piece cut out
+    with a slice per axis (blocks of n / gcd(n, 48) along an axis of size n); an array
+    without elements is one empty piece."""
+    array = np.asarray(array)
+    if array.size == 0:
+        return hashlib.sha256(hashlib.sha256(b"").digest()).hexdigest()
+    grid = [math.gcd(n, 48) for n in array.shape]
+    sizes = [n // g for n, g in zip(array.shape, grid, strict=True)]
+    joined = b""
+    for corner in itertools.product(*(range(g) for g in grid)):
+        piece = array[tuple(slice(k * b, (k + 1) * b) for k, b in zip(corner, sizes, strict=True))]
+        joined += hashlib.sha256(np.ascontiguousarray(piece).tobytes()).digest()
+    return hashlib.sha256(joined).hexdigest()
+
+
+def array_hash_by_hand(array, version: int) -> str:
+    if version == 2:
+        return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    return pieces_digest_by_hand(array)
+
+
+def state_hash_by_hand(arrays: dict, version: int = 3) -> str:
+    """The version-3 (or 2) complete-state hash of named arrays, from their bytes in memory."""
     lines = "".join(
-        f"{array_line(name, arrays[name])}|"
-        f"{hashlib.sha256(np.ascontiguousarray(arrays[name]).tobytes()).hexdigest()}\n"
+        f"{array_line(name, arrays[name])}|{array_hash_by_hand(arrays[name], version)}\n"
         for name in sorted(arrays)
     )
     return hashlib.sha256(lines.encode()).hexdigest()
@@ -66,10 +92,11 @@ def _arrays_v2(path: Path, manifest: dict) -> dict[str, tuple[np.ndarray, bytes]
 
 def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """(manifest, arrays) of a format-3 (or format-2) checkpoint, every array's bytes hashed
-    here against its entry and the state hash rebuilt from those hashes against the
-    manifest's."""
+    here against its entry and the state hash rebuilt against the manifest's: from those
+    hashes (version 2), or from the arrays' pieces (version 3)."""
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["state_hash_version"] == 2, path
+    version = manifest["state_hash_version"]
+    assert version in (2, 3) and (version, manifest["format"]) != (3, "minifield-checkpoint/2")
     read = {"minifield-checkpoint/3": _arrays_v3, "minifield-checkpoint/2": _arrays_v2}
     stored = read[manifest["format"]](path, manifest)
     arrays, lines = {}, []
@@ -79,7 +106,8 @@ def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         assert sha == entry["sha256"], entry["name"]
         assert array.dtype.str == entry["dtype"] and list(array.shape) == entry["shape"]
         arrays[entry["name"]] = array
-        lines.append((entry["name"], f"{array_line(entry['name'], array)}|{sha}\n"))
+        digest = sha if version == 2 else pieces_digest_by_hand(array)
+        lines.append((entry["name"], f"{array_line(entry['name'], array)}|{digest}\n"))
     text = "".join(line for _, line in sorted(lines))
     assert manifest["state_hash"] == hashlib.sha256(text.encode()).hexdigest(), path
     return manifest, arrays
@@ -88,8 +116,8 @@ def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
 def rewrite_as_format_2(path: Path) -> None:
     """Turn a format-3 checkpoint directory into the format-2 checkpoint of the same state, as
     the previous release wrote it: one ``np.save`` file per array (``arrays/00000.npy`` … in
-    the manifest's order), entries naming their ``file``, the same per-array and state hashes
-    (version 2 in both), no ``data`` field."""
+    the manifest's order), entries naming their ``file``, the same per-array hashes and the
+    version-2 state hash of those (that release's), no ``data`` field."""
     manifest, arrays = verify_checkpoint_by_hand(path)
     assert manifest["format"] == "minifield-checkpoint/3", path
     (path / "arrays").mkdir()
@@ -102,4 +130,5 @@ def rewrite_as_format_2(path: Path) -> None:
     (path / "arrays.bin").unlink()
     rest = {key: value for key, value in manifest.items() if key != "data"}
     old = {**rest, "format": "minifield-checkpoint/2", "arrays": entries}
+    old |= {"state_hash": state_hash_by_hand(arrays, 2), "state_hash_version": 2}
     (path / "manifest.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")

@@ -570,13 +570,13 @@ ALTERATIONS = [
     # -- state hashes of two versions (state.arrays.STATE_HASH_VERSION) ----------------
     Alteration(
         "crash-resumed-run-of-another-hash-version",
-        _set("resumed", "state_hash_version", 3),
-        lambda p: [_version_mix("crash", p, resumed=3), CONTRADICTION],
+        _set("resumed", "state_hash_version", 2),
+        lambda p: [_version_mix("crash", p, resumed=2), CONTRADICTION],
     ),
     Alteration(
         "preempt-restored-checkpoint-of-another-hash-version",
-        _set("preempted", "resumed", "restored", "state_hash_version", 3),
-        lambda p: [_version_mix("preempt", p, restored=3), CONTRADICTION],
+        _set("preempted", "resumed", "restored", "state_hash_version", 2),
+        lambda p: [_version_mix("preempt", p, restored=2), CONTRADICTION],
     ),
     # -- the document's own claim --------------------------------------------------------
     Alteration(

@@ -41,6 +41,9 @@ from ..state.arrays import (
     hash_named_arrays,
     hashes_of,
     named_arrays,
+    named_leaves,
+    spans_processes,
+    state_digests,
 )
 from .events import EventLog
 from .hash_cadence import HashCadence
@@ -111,37 +114,46 @@ def check_evaluation(step: int, metrics: dict) -> None:
 
 class HostSnapshot:
     """The state of one step copied to the host at most once: the update's state hash, a
-    checkpoint and the final hash of that step share the copy, and its per-array hashes
-    (a checkpoint of a hashed step hashes nothing again)."""
+    checkpoint and the final hash of that step share the copy, and its per-array digests
+    (a checkpoint of a hashed step does not hash its pieces again). A state spread over
+    several processes is hashed where it lives (no copy; only digests are exchanged)."""
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.arrays: dict | None = None
         self.digests: dict[str, str] | None = None
 
+    def _at(self, step: int) -> None:
+        if self.step != step:
+            self.step, self.arrays, self.digests = step, None, None
+
     def arrays_of(self, state, step: int) -> dict:
         """The named host arrays of ``state`` at ``step`` (a collective when sharded)."""
-        if self.step != step:
-            self.step, self.arrays, self.digests = step, named_arrays(state), None
+        self._at(step)
+        if self.arrays is None:
+            self.arrays = named_arrays(state)
         return self.arrays
 
     def _digests_of(self, state, step: int) -> dict[str, str]:
-        arrays = self.arrays_of(state, step)
+        self._at(step)
         if self.digests is None:
-            self.digests = array_digests(arrays)
+            if self.arrays is None and spans_processes(state):
+                self.digests = state_digests(state)
+            else:
+                self.digests = array_digests(self.arrays_of(state, step))
         return self.digests
 
     def hash_of(self, state, step: int) -> str:
         digests = self._digests_of(state, step)
-        return hash_named_arrays(sorted(self.arrays.items()), digests=digests)
+        return hash_named_arrays(named_leaves(state), digests=digests)
 
     def hashes_of(self, state, step: int) -> tuple[str, dict[str, str]]:
         """The complete-state hash and one per state part (the update event's)."""
         digests = self._digests_of(state, step)
-        return hashes_of(self.arrays, digests)
+        return hashes_of(dict(named_leaves(state)), digests)
 
     def known_digests(self, step: int) -> dict[str, str] | None:
-        """The per-array hashes of ``step``'s state, if it was hashed."""
+        """The per-array digests of ``step``'s state, if it was hashed."""
         return self.digests if self.step == step else None
 
     def forget(self) -> None:

@@ -4,7 +4,9 @@ The complete state is everything that determines the future of a run:
 parameters, optimizer state, RNG key data, the step and the data cursor. It is
 kept as a pytree whose top-level keys are those parts; flattening gives stable
 names (``params/w``, ``opt_state/0/trace/w``) so a checkpoint can be checked and
-restored leaf by leaf, and a divergence can be named by the part that differs.
+restored leaf by leaf, and a divergence can be named by the part that differs. The
+complete-state hash (version 3) is computed where the arrays live, piece by piece
+(:mod:`.pieces`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from . import pieces
 
 
 def _key_name(entry: Any) -> str:
@@ -30,7 +34,9 @@ def to_host(leaf: Any) -> np.ndarray:
     An array spread over several processes' devices is not fetchable as a whole:
     replicated, any local copy is the value; sharded, the pieces are gathered from
     every process (a collective: each process must make the same calls in the same
-    order, which the training loop guarantees).
+    order, which the training loop guarantees). The checkpoint commit and the export copy
+    the state this way; the state hash does not (:func:`state_digests`), except for an
+    array whose shards cut its hash pieces (:mod:`.pieces`).
     """
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         if leaf.is_fully_replicated:
@@ -91,29 +97,38 @@ def byte_view(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
-#: The complete-state hash's definition. Version 1 (checkpoints of format
-#: ``minifield-checkpoint/1``): sha256 over each array's line ``name|dtype|shape`` followed by
-#: its bytes, in name order. Version 2: sha256 over one line ``name|dtype|shape|sha256``
-#: per array in name order, ``sha256`` being that of the array's bytes (C order) — the
-#: checkpoint manifest's per-array hash, so a checkpoint hashes every byte once. The two
-#: versions give different hashes of the same state; hashes are compared only within one.
-STATE_HASH_VERSION = 2
-STATE_HASH_VERSIONS = (1, 2)
+#: The complete-state hash's definition: sha256 over one line per array, in name order.
+#: Version 1 (checkpoints of format ``minifield-checkpoint/1``): each array's line
+#: ``name|dtype|shape`` followed by its bytes. Version 2: lines ``name|dtype|shape|sha256``,
+#: ``sha256`` that of the array's bytes (C order). Version 3 (this release): lines
+#: ``name|dtype|shape|digest``, ``digest`` the sha256 of the array's canonical pieces'
+#: sha256 digests (:mod:`.pieces`): each piece hashed where it lives, so the hash needs no
+#: array gathered and is the same on any topology. The versions give different hashes of
+#: the same state; hashes are compared only within one.
+STATE_HASH_VERSION = 3
+STATE_HASH_VERSIONS = (1, 2, 3)
 #: threads hashing arrays at once (hashlib releases the GIL)
 _HASHERS = 4
 
 
-def _header(name: str, array: np.ndarray) -> str:
-    return f"{name}|{array.dtype.str}|{','.join(map(str, array.shape))}"
+def _header(name: str, array: Any) -> str:
+    # dtype and shape only: the array may be spread over processes (not readable here)
+    return f"{name}|{np.dtype(array.dtype).str}|{','.join(map(str, np.shape(array)))}"
 
 
 def array_sha256(array: np.ndarray) -> str:
-    """sha256 of one array's bytes in C order: its hash in a version-2 state hash."""
+    """sha256 of one array's bytes in C order: its hash in a version-2 state hash (and a
+    checkpoint manifest's per-array hash)."""
     return hashlib.sha256(byte_view(np.asarray(array))).hexdigest()
 
 
-def array_digests(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
-    """``{name: array_sha256}`` of named host arrays, several arrays hashed at once."""
+def array_digests(
+    arrays: Mapping[str, np.ndarray], *, version: int = STATE_HASH_VERSION
+) -> dict[str, str]:
+    """``{name: per-array hash}`` of named host arrays in ``version`` (2: ``array_sha256``,
+    3: ``pieces.array_digest``), several arrays hashed at once."""
+    if version == 3:
+        return pieces.host_digests(dict(arrays))
     from concurrent.futures import ThreadPoolExecutor
 
     names = sorted(arrays)
@@ -123,55 +138,89 @@ def array_digests(arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda n: array_sha256(arrays[n]), names), strict=True))
 
 
+def named_leaves(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` of every state array in name order, where each lives (no copy)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    return sorted(
+        (
+            "/".join(_key_name(e) for e in path),
+            leaf if isinstance(leaf, jax.Array) else np.asarray(leaf),
+        )
+        for path, leaf in leaves
+    )
+
+
+def spans_processes(state: Mapping[str, Any]) -> bool:
+    """Whether any array of ``state`` is spread over several processes' devices."""
+    return any(
+        isinstance(leaf, jax.Array) and not leaf.is_fully_addressable
+        for leaf in jax.tree_util.tree_leaves(state)
+    )
+
+
+def state_digests(state: Mapping[str, Any]) -> dict[str, str]:
+    """The version-3 per-array digests of ``state`` wherever its arrays live: each piece
+    hashed by a process holding it, only digests exchanged (a collective when the state
+    spans processes)."""
+    return pieces.state_digests(named_leaves(state), to_host)
+
+
 def hash_named_arrays(
     items, *, version: int = STATE_HASH_VERSION, digests: Mapping[str, str] | None = None
 ) -> str:
-    """The complete-state hash (``version``) of ``(name, host array)`` pairs, in the order
-    given; version 2 takes each array's sha256 from ``digests`` where given."""
+    """The complete-state hash (``version``) of ``(name, array)`` pairs, in the order given;
+    versions 2 and 3 take each array's hash from ``digests`` where given (then the arrays
+    are read for their dtype and shape only)."""
+    if version not in STATE_HASH_VERSIONS:
+        raise ValueError(f"state hash version {version!r}: expected one of {STATE_HASH_VERSIONS}")
     digest = hashlib.sha256()
     for name, array in items:
-        array = np.asarray(array)
         if version == 1:
+            array = np.asarray(array)
             digest.update(f"{_header(name, array)}\n".encode())
             digest.update(byte_view(array))
-        elif version == 2:
-            sha = digests[name] if digests is not None else array_sha256(array)
-            digest.update(f"{_header(name, array)}|{sha}\n".encode())
+            continue
+        if digests is not None:
+            sha = digests[name]
         else:
-            raise ValueError(
-                f"state hash version {version!r}: expected one of {STATE_HASH_VERSIONS}"
-            )
+            array = np.asarray(array)
+            sha = array_sha256(array) if version == 2 else pieces.array_digest(array)
+        digest.update(f"{_header(name, array)}|{sha}\n".encode())
     return digest.hexdigest()
 
 
 def state_hash(state: Mapping[str, Any], *, version: int = STATE_HASH_VERSION) -> str:
-    """The complete-state hash of every leaf (see :data:`STATE_HASH_VERSION`)."""
+    """The complete-state hash of every leaf (see :data:`STATE_HASH_VERSION`); version 3
+    where the arrays live (no array gathered), versions 1 and 2 from a host copy."""
+    if version == 3:
+        return hash_named_arrays(named_leaves(state), digests=state_digests(state))
     return hash_named_arrays(sorted(named_arrays(state).items()), version=version)
 
 
 def part_hashes(state: Mapping[str, Any]) -> dict[str, str]:
     """One hash per top-level state part, to say *which* part diverged."""
-    return part_hashes_of(named_arrays(state))
+    return hashes(state)[1]
 
 
 def hashes(state: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
-    """``(state_hash, part_hashes)`` from a single copy of the state to the host."""
-    return hashes_of(named_arrays(state))
+    """``(state_hash, part_hashes)`` from one pass over the pieces, where they live."""
+    return hashes_of(dict(named_leaves(state)), state_digests(state))
 
 
 def hashes_of(
-    arrays: Mapping[str, np.ndarray], digests: Mapping[str, str] | None = None
+    arrays: Mapping[str, Any], digests: Mapping[str, str] | None = None
 ) -> tuple[str, dict[str, str]]:
     """``(state_hash, part_hashes)`` of named host arrays from one pass over their bytes
-    (each array hashed once, on several threads; ``digests``, when given, spare even that):
-    the whole and each part are hashes of the per-array hashes."""
+    (each array hashed once, on several threads; ``digests``, when given, spare even that,
+    and ``arrays`` are then read for their dtype and shape only): the whole and each part
+    are hashes of the per-array hashes."""
     digests = array_digests(arrays) if digests is None else digests
     whole = hash_named_arrays(sorted(arrays.items()), digests=digests)
     return whole, part_hashes_of(arrays, digests)
 
 
 def part_hashes_of(
-    arrays: Mapping[str, np.ndarray], digests: Mapping[str, str] | None = None
+    arrays: Mapping[str, Any], digests: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """``part_hashes`` of a state already flattened to named host arrays."""
     digests = array_digests(arrays) if digests is None else digests

@@ -7,13 +7,14 @@ Layout of one committed checkpoint (format ``minifield-checkpoint/3``)::
         manifest.json            written last; its presence means "committed"
 
 A checkpoint is written into a temporary sibling directory: the data file is written
-sequentially, each array's bytes hashed on the chunks written (or not at all when the
-caller hashed that very state already), and fsynced; then the manifest (offsets, dtypes,
-shapes, per-array sha256, the state hash) is written and fsynced, the directory fsynced,
-renamed into place and the parent fsynced. The state hash (version 2,
-:data:`~.arrays.STATE_HASH_VERSION`) is the hash of the per-array hashes: every byte is
-hashed once. A reader maps the data file, checks the layout, each array's sha256 and the
-state hash recomputed from them against the recorded one; anything that fails is never used.
+sequentially, each array's bytes hashed on the chunks written, and fsynced; then the
+manifest (offsets, dtypes, shapes, per-array sha256, the state hash) is written and
+fsynced, the directory fsynced, renamed into place and the parent fsynced. The state hash
+(version 3, :data:`~.arrays.STATE_HASH_VERSION`) is the hash of the arrays' piece digests
+(:mod:`.pieces`), taken from a hashed update of that step or hashed from the arrays. A
+reader maps the data file, checks the layout, each array's sha256 and the state hash
+recomputed against the recorded one (a format-3 manifest of the previous release holds a
+version-2 hash, rebuilt from the per-array sha256); anything that fails is never used.
 
 Checkpoints of earlier releases are still read and verified as they were written
 (:mod:`.checkpoint_npy`): format ``minifield-checkpoint/2`` (one ``.npy`` per array, the same
@@ -35,6 +36,7 @@ from ..digest import sha256_bytes, sha256_file
 from . import checkpoint_data, checkpoint_npy
 from .arrays import (
     STATE_HASH_VERSION,
+    array_digests,
     hash_named_arrays,
     named_arrays,
     restore_like,
@@ -43,11 +45,12 @@ from .arrays import (
 from .checkpoint_data import CheckpointError
 
 FORMAT = "minifield-checkpoint/3"
-#: formats read and verified: format -> the state-hash version of its manifests
-STATE_HASH_VERSION_OF = {
-    "minifield-checkpoint/1": 1,
-    "minifield-checkpoint/2": 2,
-    FORMAT: STATE_HASH_VERSION,
+#: formats read and verified: format -> the state-hash versions its manifests may hold
+#: (format 3 was written with version 2 by the previous release, with version 3 now)
+STATE_HASH_VERSIONS_OF = {
+    "minifield-checkpoint/1": (1,),
+    "minifield-checkpoint/2": (2,),
+    FORMAT: (2, STATE_HASH_VERSION),
 }
 MANIFEST = "manifest.json"
 
@@ -110,10 +113,10 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    One pass over the bytes: each array is hashed while it is written into the one data
-    file and the complete-state hash is the hash of those per-array hashes;
-    ``known_digests`` (``{name: array_sha256}``, when the caller hashed this very state
-    already) spares even that pass. Durability: the data file fsynced, then the manifest,
+    Each array's sha256 (the manifest's, for integrity) is hashed while it is written into
+    the one data file; the complete-state hash (version 3) is the hash of the arrays'
+    piece digests, taken from ``known_digests`` (``{name: pieces.array_digest}``, when the
+    caller hashed this very state already) or hashed from the host arrays. Durability: the data file fsynced, then the manifest,
     then the directory, then the rename, then the parent.
 
     ``before_commit`` (fault injection only) is called once the data file is written, before
@@ -169,8 +172,8 @@ def _write_contents(
     """Write and fsync the data file under ``tmp``; return the manifest (and its bytes as
     ``atomic.write_json`` would write them)."""
     items = sorted(arrays.items())
-    entries = checkpoint_data.write(tmp / checkpoint_data.DATA_FILE, items, known_digests or {})
-    digests = {entry["name"]: entry["sha256"] for entry in entries}
+    entries = checkpoint_data.write(tmp / checkpoint_data.DATA_FILE, items, {})
+    digests = known_digests if known_digests is not None else array_digests(arrays)
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -216,16 +219,17 @@ def _read_manifest(path: Path, computation_digest: str | None) -> dict:
         manifest = atomic.read_json(manifest_path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({exc})") from exc
-    version = STATE_HASH_VERSION_OF.get(manifest.get("format"))
-    if version is None:
+    versions = STATE_HASH_VERSIONS_OF.get(manifest.get("format"))
+    if versions is None:
         raise CheckpointError(
             f"{manifest_path}: format {manifest.get('format')!r}, expected one of "
-            f"{sorted(STATE_HASH_VERSION_OF)}"
+            f"{sorted(STATE_HASH_VERSIONS_OF)}"
         )
-    if manifest.get("state_hash_version", 1) != version:
+    if manifest.get("state_hash_version", 1) not in versions:
+        expected = " or ".join(map(str, versions))
         raise CheckpointError(
             f"{manifest_path}: state_hash_version {manifest.get('state_hash_version')!r}, "
-            f"expected {version} for format {manifest['format']!r}"
+            f"expected {expected} for format {manifest['format']!r}"
         )
     if computation_digest is not None and manifest.get("computation_digest") != computation_digest:
         raise CheckpointError(
@@ -238,9 +242,10 @@ def _read_manifest(path: Path, computation_digest: str | None) -> dict:
 def load(path: Path, template: Any, *, computation_digest: str | None = None) -> tuple[Any, dict]:
     """Verify and restore one checkpoint directory (any format read). Raises CheckpointError on
     any mismatch. The state hash is recomputed in the manifest's own version: a version-2
-    one from the per-array hashes just verified against the bytes read."""
+    one from the per-array hashes just verified against the bytes read, a version-3 one
+    from the pieces of the arrays read."""
     manifest = _read_manifest(path, computation_digest)
-    version = STATE_HASH_VERSION_OF[manifest["format"]]
+    version = manifest.get("state_hash_version", 1)
     if manifest["format"] == FORMAT:
         arrays = checkpoint_data.read(path, path / MANIFEST, manifest)
     else:
@@ -252,6 +257,8 @@ def load(path: Path, template: Any, *, computation_digest: str | None = None) ->
         raise CheckpointError(f"{path}: {exc}") from exc
     if version == 1:
         recomputed = state_hash(state, version=1)
+    elif version == 3:
+        recomputed = hash_named_arrays(sorted(arrays.items()), digests=array_digests(arrays))
     else:
         digests = {entry["name"]: entry["sha256"] for entry in entries}
         recomputed = hash_named_arrays(sorted(arrays.items()), digests=digests)

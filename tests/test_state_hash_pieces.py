@@ -1,0 +1,118 @@
+"""State-hash version 3 (``state/pieces.py``): each array hashed in canonical pieces that any
+data-parallel shard of it holds whole, checked against an independent NumPy recomputation
+(``checkpoint_by_hand``: every piece cut with plain slices). The topology runs (4 devices,
+2 × 2 and 4 × 1 processes) are in ``test_state_hash_topology.py``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from checkpoint_by_hand import pieces_digest_by_hand, state_hash_by_hand, verify_checkpoint_by_hand
+
+from minifield.proof import verdict as verdicts
+from minifield.state import arrays, checkpoint, pieces
+
+PROOF = Path(__file__).parent / "data" / "proofs" / "linear-demo-both.json"
+SHAPES = [(), (1,), (7,), (8,), (0, 3), (24, 8), (3, 12), (2, 8, 4), (384, 5), (6, 4, 10, 2)]
+
+
+def _array(shape, dtype, seed=0):
+    values = np.random.default_rng(seed).standard_normal(shape) * 100
+    return values.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_, np.float16])
+def test_array_digests_equal_the_hand_computed_pieces(dtype):
+    for shape in SHAPES:
+        value = _array(shape, dtype)
+        assert pieces.array_digest(value) == pieces_digest_by_hand(value), shape
+    # the grid of the definition: gcd(n, 48) pieces along an axis of size n
+    assert pieces.piece_grid((384, 5, 36, 0)) == (1, 1, 1, 1)
+    assert pieces.piece_grid((384, 5, 36)) == (48, 1, 12)
+    assert pieces.piece_grid(()) == ()
+
+
+def test_a_state_hash_is_its_hand_computed_version_3_and_differs_from_2():
+    state = {
+        "params": {"w": _array((24, 8), np.float32), "b": _array((8,), np.float32, 1)},
+        "opt_state": {"mu": _array((3, 12), np.float32, 2)},
+        "step": np.int32(4),
+    }
+    flat = arrays.named_arrays(state)
+    whole, parts = arrays.hashes(state)
+    assert whole == arrays.state_hash(state) == state_hash_by_hand(flat)
+    assert parts["params"] == state_hash_by_hand({n: a for n, a in flat.items() if "params" in n})
+    assert arrays.state_hash(state, version=2) == state_hash_by_hand(flat, 2) != whole
+    assert arrays.hashes_of(flat) == (whole, parts)
+
+
+@pytest.mark.parametrize("shape", [(24, 8), (3, 12), (2, 8, 4), (8,), (384, 5)])
+def test_every_shard_a_mesh_can_make_holds_whole_pieces(shape):
+    """For every device count N dividing both an axis and 48, the N shards along that axis
+    hash their own pieces; put where their pieces are, those digests are the array's."""
+    value = _array(shape, np.float32)
+    grid = pieces.piece_grid(shape)
+    expected = pieces.block_digests(value, grid)
+    for axis, n in enumerate(shape):
+        for devices in (d for d in range(2, n + 1) if n % d == 0 and 48 % d == 0):
+            table = np.zeros((math.prod(grid), 32), np.uint8)
+            numbering = np.arange(math.prod(grid)).reshape(grid)
+            per = grid[axis] // devices
+            for k in range(devices):
+                cut = [slice(None)] * len(shape)
+                cut[axis] = slice(k * n // devices, (k + 1) * n // devices)
+                counts = list(grid)
+                counts[axis] = per
+                digests = pieces.block_digests(value[tuple(cut)], counts)
+                cut[axis] = slice(k * per, (k + 1) * per)
+                flat = numbering[tuple(cut)].reshape(-1)
+                table[flat] = np.frombuffer(digests, np.uint8).reshape(-1, 32)
+            assert table.tobytes() == expected, (axis, devices)
+
+
+def test_a_format_3_checkpoint_of_the_previous_release_is_read_and_verified(tmp_path):
+    """Format 3 as the previous release wrote it (a version-2 state hash) is still read;
+    a version it never held, or a version-3 hash in format 2, is refused."""
+    state = {"params": {"w": _array((24, 8), np.float32)}, "step": np.int32(2)}
+    committed = checkpoint.save(tmp_path, state, step=2, computation_digest="c" * 64)
+    path = Path(committed.path)
+    manifest, stored = verify_checkpoint_by_hand(path)
+    assert manifest["state_hash_version"] == 3
+    previous = {**manifest, "state_hash": state_hash_by_hand(stored, 2), "state_hash_version": 2}
+    (path / "manifest.json").write_text(json.dumps(previous))
+    restored, read = checkpoint.load(path, state, computation_digest="c" * 64)
+    assert read["state_hash"] == arrays.state_hash(restored, version=2)
+    assert arrays.state_hash(restored) == committed.state_hash
+    for fmt, version in (("minifield-checkpoint/3", 1), ("minifield-checkpoint/2", 3)):
+        (path / "manifest.json").write_text(
+            json.dumps({**manifest, "format": fmt, "state_hash_version": version})
+        )
+        with pytest.raises(checkpoint.CheckpointError, match=f"state_hash_version {version}"):
+            checkpoint.load(path, state)
+    # a version-2 hash recorded as version 3 does not verify
+    (path / "manifest.json").write_text(json.dumps({**previous, "state_hash_version": 3}))
+    with pytest.raises(checkpoint.CheckpointError, match="state hash differs"):
+        checkpoint.load(path, state)
+
+
+def test_a_proof_mixing_versions_2_and_3_is_refused():
+    proof = json.loads(PROOF.read_text())
+    for section in (proof, proof["preempted"]):
+        section["resumed"]["state_hash_version"] = 3
+        section["resumed"]["restored"]["state_hash_version"] = 3
+        section["checkpoint_used"]["state_hash_version"] = 3
+    proof["reference"]["state_hash_version"] = 3
+    assert verdicts.verdict(proof, proof["computation_digest"]) == []
+    mixed = copy.deepcopy(proof)
+    mixed["resumed"]["restored"]["state_hash_version"] = 2
+    (reason, *_rest) = verdicts.verdict(mixed, proof["computation_digest"])
+    assert reason == (
+        "crash: the state hashes are of different versions (the reference 3, the resumed run "
+        "3, its restored checkpoint 2, the checkpoint used 3): hashes of two versions never "
+        "agree, so this proof compares nothing; prove again with one minifield version"
+    )

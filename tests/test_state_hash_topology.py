@@ -1,0 +1,123 @@
+"""State-hash version 3 does not depend on the topology: the same arrays, and the same
+elementwise update of them, hash alike on one device, on 4 devices of one process
+(replicated and with ``shard_params``), on 2 processes × 2 devices and on 4 processes × 1
+device (loopback, gloo), with no array copied whole for the hash; a checkpoint of the
+sharded state holds that hash, recomputed here by hand from its raw data file.
+
+Each run is a process of ``tests/state_hash_topology.py`` (4 forced host devices in all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from checkpoint_by_hand import state_hash_by_hand, verify_checkpoint_by_hand
+
+pytestmark = pytest.mark.slow  # every test starts JAX processes
+
+SCRIPT = Path(__file__).with_name("state_hash_topology.py")
+
+
+def _env(devices: int, extra: dict | None = None) -> dict:
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **(extra or {}),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_processes(count: int, devices_each: int) -> dict:
+    """Process 0's report of ``count`` processes joined on loopback."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                devices_each,
+                {
+                    "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
+                    "MINIFIELD_NUM_PROCESSES": str(count),
+                    "MINIFIELD_PROCESS_ID": str(rank),
+                },
+            ),
+        )
+        for rank in range(count)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240))
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_out, err) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    """1 process × 4 devices (a fifth visible for the pieces-cutting case), with a
+    checkpoint of the updated sharded state."""
+    directory = tmp_path_factory.mktemp("state-hash") / "checkpoints"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--checkpoint", str(directory)],
+        capture_output=True,
+        text=True,
+        env=_env(5),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_one_process_hashes_every_placement_as_one_device_without_gathering(one_process):
+    report = one_process
+    assert report["processes"] == 1 and report["devices"] == 5
+    assert report["replicated"]["sharded"] == 0 and report["shard_params"]["sharded"] == 5
+    for moment in ("before", "after"):
+        hashes = {report[p][moment] for p in ("replicated", "shard_params", "one_device")}
+        assert len(hashes) == 1, moment
+    assert report["replicated"]["parts"] == report["shard_params"]["parts"]
+    assert report["gathered_by_hashes"] == 0
+    # shards that cut the pieces (5 devices, 10 values): still the one-device hash
+    assert report["cut"]["hash"] == report["cut"]["one_device"]
+    # the checkpoint holds that hash, recomputed by hand from its raw data file with NumPy
+    path = Path(report["checkpoint"]["path"])
+    manifest, stored = verify_checkpoint_by_hand(path)
+    assert manifest["state_hash_version"] == 3
+    assert manifest["state_hash"] == report["shard_params"]["after"]
+    assert state_hash_by_hand(stored) == report["shard_params"]["after"]
+
+
+def test_two_by_two_and_four_by_one_processes_hash_as_one_process(one_process):
+    for count, devices_each in ((2, 2), (4, 1)):
+        report = run_processes(count, devices_each)
+        assert (report["processes"], report["devices"]) == (count, 4)
+        assert report["shard_params"]["sharded"] == 5
+        for placement in ("replicated", "shard_params", "one_device"):
+            for moment in ("before", "after"):
+                assert report[placement][moment] == one_process["shard_params"][moment], (
+                    count,
+                    placement,
+                    moment,
+                )
+        assert report["shard_params"]["parts"] == one_process["shard_params"]["parts"]
+        # the hashes exchanged digests only: no array was copied whole to any process
+        assert report["gathered_by_hashes"] == 0
