@@ -133,6 +133,11 @@ def test_an_update_reports_the_router_losses_and_the_expert_load(moe_root, tmp_p
     np.testing.assert_allclose(metrics["router_loss"], AUX_COEF * aux + Z_COEF * z, rtol=1e-5)
     assert isinstance(metrics["expert_load"], list) and len(metrics["expert_load"]) == E
     np.testing.assert_allclose(metrics["expert_load"], load_recount(gates, mask, k), atol=1e-6)
+    # the export: the base's config.json written back as it was, and it reads back
+    program.export(state, tmp_path / "export")
+    written = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (written["output_router_logits"], written["router_aux_loss_coef"]) == (True, AUX_COEF)
+    assert minifield.load_model(tmp_path / "export").cfg.n_experts == E
     # the event as the loop writes it: one MLflow point per expert beside the scalars
     event = {"type": "update", "seq": 5, "time": 1.0, "step": 1, **metrics}
     points = {p.key: p.value for p in metric_points(event)}

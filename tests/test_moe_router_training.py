@@ -211,3 +211,19 @@ def test_without_the_router_terms_the_loss_is_the_language_models_alone(case):
         case["gates"][:, case["mask"].reshape(-1)],
         atol=1e-4,
     )
+
+
+def test_only_the_sparse_layers_of_a_qwen2_moe_give_router_logits():
+    from test_moe_families import QWEN2_MOE
+
+    cfg = hf_config.config_from_hf(QWEN2_MOE, max_len=32)  # layer 1 dense
+    sparse = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    assert 0 < len(sparse) < cfg.n_layers
+    params = model.init_params(cfg, jax.random.key(0))
+    tokens = jnp.asarray([ROWS[0]], jnp.int32)
+    positions = jnp.arange(12, dtype=jnp.int32)[None]
+    segments = jnp.ones_like(tokens)
+    _, logits = jax.jit(lambda p: llama.hidden(p, cfg, tokens, segments, positions, router=True))(
+        params
+    )
+    assert logits.shape == (len(sparse), 12, cfg.n_experts) and logits.dtype == jnp.float32
