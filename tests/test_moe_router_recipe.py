@@ -96,6 +96,7 @@ def test_prepare_refuses_what_the_base_cannot_train_naming_config_json(moe_root)
         _prepare(recipe, moe_root)
 
 
+@pytest.mark.slow  # prepare, compile and one update of the program (~15 CPU-s)
 def test_an_update_reports_the_router_losses_and_the_expert_load(moe_root, tmp_path):
     import jax.numpy as jnp
     from conftest import write_recipe

@@ -130,6 +130,7 @@ def test_the_training_step_reports_transformers_losses_and_the_load_with_padding
     assert abs(transformers_aux_loss(list(gates), E, k) - aux) > 1e-3
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (one more update or gradient)
 def test_a_scanned_stack_with_remat_gives_the_same_router_terms_and_gradient(case, loop_metrics):
     cfg, params, batch = case["cfg"], case["params"], case["batch"]
     scanned = dataclasses.replace(cfg, execution=Execution(scan_layers=True, remat="full"))
@@ -140,6 +141,7 @@ def test_a_scanned_stack_with_remat_gives_the_same_router_terms_and_gradient(cas
         )
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (one more update or gradient)
 def test_the_gradient_of_the_router_terms_reaches_the_router(case):
     """grad(loss with the terms) - grad(loss without) along a direction of layer 0's router
     equals the terms' central finite difference along it."""
@@ -170,6 +172,7 @@ def test_the_gradient_of_the_router_terms_reaches_the_router(case):
     np.testing.assert_allclose(analytic, finite, rtol=2e-2)
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (one more update or gradient)
 def test_micro_batches_weigh_each_forward_by_its_trained_tokens(case):
     """With two micro-batches (rows 0 and 1), the update minimises
     sum_i tokens_i (lm_i + router_i) / tokens; the reported router losses are those means."""
@@ -195,6 +198,7 @@ def test_micro_batches_weigh_each_forward_by_its_trained_tokens(case):
     )
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (one more update or gradient)
 def test_without_the_router_terms_the_loss_is_the_language_models_alone(case):
     """output_router_logits false (the default) and no z-loss: nothing changes."""
     cfg = dataclasses.replace(case["cfg"], router_aux_coef=None, router_z_coef=0.0)
@@ -213,6 +217,7 @@ def test_without_the_router_terms_the_loss_is_the_language_models_alone(case):
     )
 
 
+@pytest.mark.slow  # compile-heavy for the fast tier (one more update or gradient)
 def test_only_the_sparse_layers_of_a_qwen2_moe_give_router_logits():
     from test_moe_families import QWEN2_MOE
 
