@@ -68,6 +68,3 @@ _.digest
 # pipeline/chains: the reference link's input functions, called from workflow/rules (chains_common.smk, reference.smk)
 _.link_reference
 _.reference_input_files
-# models/moe.py: the router's load-balancing loss, tested against transformers' formula
-# (tests/test_router_loss.py); the training loss adds it in the next part of the MoE work
-_.load_balancing_loss

@@ -88,9 +88,10 @@ def write_checkpoint(directory, hf: dict, tensors: dict):
     return directory
 
 
-def reference_logits(t: dict, hf: dict, ids, routing=None) -> np.ndarray:
+def reference_logits(t: dict, hf: dict, ids, routing=None, gate_logits=None) -> np.ndarray:
     """One unpacked row, float64, from modeling_mixtral's equations; ``routing`` (a list)
-    collects each layer's top-k margin (how far the k-th router logit is from the next)."""
+    collects each layer's top-k margin (how far the k-th router logit is from the next),
+    ``gate_logits`` (a list) each layer's router logits ``[T, E]``."""
     t = {k: v.astype(np.float64) for k, v in t.items()}
     H, G = hf["num_attention_heads"], hf["num_key_value_heads"]
     D, k = hf["hidden_size"], hf["num_experts_per_tok"]
@@ -132,6 +133,8 @@ def reference_logits(t: dict, hf: dict, ids, routing=None) -> np.ndarray:
         router = np.exp(logits - logits.max(-1, keepdims=True))
         router /= router.sum(-1, keepdims=True)
         ranked = np.argsort(-router, axis=-1, kind="stable")
+        if gate_logits is not None:
+            gate_logits.append(logits)
         if routing is not None:
             ranked_logits = np.take_along_axis(logits, ranked, -1)
             routing.append(float((ranked_logits[:, k - 1] - ranked_logits[:, k]).min()))
@@ -194,7 +197,6 @@ def test_config_json_fields_are_read():
     "change, message",
     [
         ({"router_jitter_noise": 0.01}, r"config.json: router_jitter_noise 0.01 is not supported"),
-        ({"output_router_logits": True}, r"config.json: output_router_logits true is not supp"),
         ({"num_experts_per_tok": 5}, r"config.json: num_experts_per_tok 5 exceeds num_local"),
         ({"num_local_experts": 0}, r"config.json: num_local_experts must be a positive integer"),
         ({"router_aux_loss_coef": "high"}, r"config.json: router_aux_loss_coef must be a number"),
@@ -244,7 +246,8 @@ def test_the_routing_changes_the_logits(case):
     )
     # the routing itself: weights sum to one, k distinct experts per token
     x = jax.random.normal(jax.random.key(0), (50, 32))
-    weights, experts = moe.route(cfg, x, params["blocks"]["00"]["moe"]["router"])
+    router = params["blocks"]["00"]["moe"]["router"]
+    weights, experts = moe.route_logits(cfg, moe.router_logits(x, router))
     np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
     assert all(len(set(r)) == 2 for r in np.asarray(experts).tolist())
 

@@ -300,7 +300,7 @@ def test_config_json_fields_are_read():
     "hf, change, message",
     [
         (QWEN2_MOE, {"router_jitter_noise": 0.1}, r"router_jitter_noise 0.1 is not supported"),
-        (QWEN2_MOE, {"output_router_logits": True}, r"output_router_logits true is not supp"),
+        (QWEN2_MOE, {"router_aux_loss_coef": -0.1}, r"router_aux_loss_coef -0.1 is negative"),
         (QWEN2_MOE, {"use_sliding_window": True}, r"use_sliding_window true is not supported"),
         (QWEN2_MOE, {"mlp_only_layers": [3]}, r"mlp_only_layers \[3\] names layers outside"),
         (QWEN2_MOE, {"mlp_only_layers": "1"}, r"mlp_only_layers must be a list of integers"),

@@ -170,7 +170,9 @@ def load(directory: Path, config: dict):
         cfg, params = hf_checkpoint.load(directory, recorded.max_len, recorded.compute_dtype)
     except hf_checkpoint.CheckpointError as exc:
         raise export.ExportError(str(exc)) from exc
-    if cfg != recorded:
+    # the architecture (to_dict): config.json also says how the model was trained (a mixture
+    # of experts' output_router_logits), which model.json does not record
+    if cfg.to_dict() != recorded.to_dict():
         raise export.ExportError(
             f"{directory / hf_checkpoint.CONFIG_FILE}: describes {cfg}, but "
             f"{directory / export.MODEL_FILE} records {recorded}"

@@ -23,10 +23,11 @@ MOE_DEFAULTS = {
 def experts(fields, family, n_layers: int) -> dict:
     """The mixture of experts of a MoE family, ``fields`` its ``config.json`` read as
     :mod:`.config` reads it (absent fields: transformers' defaults, see
-    :data:`MOE_DEFAULTS`); what is not computed is refused naming the field: a router
-    jitter (training noise on the router's input), the router's auxiliary loss
-    (``output_router_logits`` true: this part trains without it), Qwen-MoE's sliding window,
-    OLMoE's ``clip_qkv``."""
+    :data:`MOE_DEFAULTS`); ``output_router_logits`` true turns on the router's
+    load-balancing loss in training, ``router_aux_loss_coef`` times it added to the loss
+    (``router_aux_coef``; false: None, the language-model loss alone, as transformers). What
+    is not computed is refused naming the field: a router jitter (training noise on the
+    router's input), Qwen-MoE's sliding window, OLMoE's ``clip_qkv``."""
     if not family.moe:
         return {}
     kind = family.model_type
@@ -42,13 +43,13 @@ def experts(fields, family, n_layers: int) -> dict:
             f"router_jitter_noise {jitter} is not supported (expected 0: the router's input "
             "is not perturbed)"
         )
-    fields.get("router_aux_loss_coef", "number", 0.001)  # type-checked; used with the loss
-    if fields.get("output_router_logits", "boolean", False):
-        fields.refuse(
-            "output_router_logits true is not supported yet (the router's load-balancing "
-            "loss is not computed); set it false to fine-tune on the language-model loss alone"
-        )
+    # transformers' defaults: OLMoE 0.01, the others 0.001
+    coef = fields.get("router_aux_loss_coef", "number", 0.01 if kind == "olmoe" else 0.001)
+    if coef < 0:
+        fields.refuse(f"router_aux_loss_coef {coef} is negative (expected >= 0)")
     out = {"n_experts": n, "experts_per_token": k}
+    if fields.get("output_router_logits", "boolean", False):
+        out["router_aux_coef"] = float(coef)
     if kind == "mixtral":
         return out
     out["moe_names"] = "mlp"
@@ -77,23 +78,27 @@ def experts(fields, family, n_layers: int) -> dict:
 
 def experts_to_hf(cfg: LlamaConfig, model_type: str) -> dict:
     """A MoE family's own ``config.json`` fields (what :func:`experts` reads back)."""
-    out = {"num_experts_per_tok": cfg.experts_per_token, "output_router_logits": False}
+    out = {
+        "num_experts_per_tok": cfg.experts_per_token,
+        "output_router_logits": cfg.router_aux_coef is not None,
+    }
+    coef = cfg.router_aux_coef
     if model_type == "mixtral":
         if cfg.dense_layers or not cfg.norm_topk or cfg.moe_names != "mixtral" or cfg.qkv_bias:
             raise ValueError(f"no HF family holds {cfg} (experts without Mixtral's layout)")
         return {
             **out,
             "num_local_experts": cfg.n_experts,
-            "router_aux_loss_coef": 0.001,
+            "router_aux_loss_coef": 0.001 if coef is None else coef,
             "router_jitter_noise": 0.0,
         }
     out.update(num_experts=cfg.n_experts, norm_topk_prob=cfg.norm_topk)
     if model_type == "olmoe":
         if cfg.dense_layers or cfg.moe_d_ff not in (0, cfg.d_ff) or cfg.qkv_bias:
             raise ValueError(f"no HF family holds {cfg} (OLMoE has no dense layers nor biases)")
-        return {**out, "router_aux_loss_coef": 0.01, "clip_qkv": None}
+        return {**out, "router_aux_loss_coef": 0.01 if coef is None else coef, "clip_qkv": None}
     out.update(
-        router_aux_loss_coef=0.001,
+        router_aux_loss_coef=0.001 if coef is None else coef,
         moe_intermediate_size=cfg.expert_d_ff,
         decoder_sparse_step=1,
         mlp_only_layers=list(cfg.dense_layers),

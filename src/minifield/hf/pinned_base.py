@@ -115,8 +115,12 @@ def _check_lora_targets(section: dict, cfg, config_path: Path) -> None:
         )
 
 
-def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
-    """Check and convert the base model; returns its prepared arrays and a description."""
+def load(
+    recipe: dict, files: dict[str, Path], without_router_loss: str | None = None
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Check and convert the base model; returns its prepared arrays and a description.
+    ``without_router_loss``: the name of a strategy whose loss has no router terms, which
+    refuses a base asking for them (``output_router_logits`` true)."""
     model = recipe["model"]
     base = model["base"]
     seq_len = recipe["training"]["seq_len"]
@@ -144,6 +148,7 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
             raise BaseModelError(message) from None
     config_path = files[base["config"]]
     check_recipe_agrees(model, cfg, config_path)
+    _check_router_loss(model, cfg, config_path, without_router_loss)
     try:  # what the recipe's execution options cannot run (a window in the fused kernel)
         execution.with_recipe_options(cfg, recipe)
     except ValueError as exc:
@@ -169,6 +174,22 @@ def load(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], d
     counted = (a.size for name, a in arrays.items() if name != stored_base.LAYOUT_ARRAY)
     description = {"config": cfg.to_dict(), "parameters": int(sum(counted))}
     return arrays, description
+
+
+def _check_router_loss(model: dict, cfg, config_path: Path, without: str | None) -> None:
+    """The router's training losses (docs/moe.md) need experts, and a strategy that adds
+    them."""
+    if model.get("router_z_loss_coef") and not cfg.n_experts:
+        raise BaseModelError(
+            f"{config_path}: the model has no experts, so model.router_z_loss_coef (a "
+            "router's z-loss) does not apply; leave it out"
+        )
+    if without and cfg.router_aux_coef is not None:
+        raise BaseModelError(
+            f"{config_path}: output_router_logits true asks for the router's load-balancing "
+            f"loss, which {without} does not add to its loss; set it false (packed-sft "
+            "adds it)"
+        )
 
 
 def _read_json(path: Path) -> dict:

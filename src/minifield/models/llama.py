@@ -202,10 +202,10 @@ def _swiglu(cfg: LlamaConfig, x_BxTxD, p):
 
 
 def _mlp(cfg: LlamaConfig, x_BxTxD, block):
-    """The block's MLP: the dense one, or the mixture of experts (:mod:`.moe`)."""
+    """The block's MLP (dense, or the experts: :mod:`.moe`) and its router logits or None."""
     if "moe" in block:
-        return moe.moe_mlp(cfg, x_BxTxD, block["moe"])
-    return _swiglu(cfg, x_BxTxD, block["mlp"])
+        return moe.moe_mlp(cfg, x_BxTxD, block["moe"], with_logits=True)
+    return _swiglu(cfg, x_BxTxD, block["mlp"]), None
 
 
 def head(params, cfg: LlamaConfig, h_BxTxD):
@@ -233,11 +233,10 @@ def forward(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
     return head(params, cfg, hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT))
 
 
-def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
-    """The residual stream after the last block (before the final norm, see
-    :func:`.model.hidden`); the blocks run as :mod:`minifield.models.layers.layer_stack` says."""
-    h_BxTxD = _embed(params, cfg, tokens_BxT)
-    mask = attention.packed_mask(cfg, segments_BxT)
+def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT, router=False):
+    """The residual stream after the last block, before the final norm (:func:`.model.hidden`;
+    ``router``: and the sparse layers' FP32 router logits ``[L, B*T, E]``, :mod:`.router_loss`)."""
+    h_BxTxD, mask = _embed(params, cfg, tokens_BxT), attention.packed_mask(cfg, segments_BxT)
 
     def block_fn(mask, window):
         def fn(block, h_BxTxD):
@@ -245,23 +244,26 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT):
             out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
             h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
             a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-            return _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block), block, "mlp_post_norm")
+            out_BxTxD, logits_NxE = _mlp(cfg, a_BxTxD, block)
+            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "mlp_post_norm")
+            return h_BxTxD, logits_NxE if router else None  # (run_blocks collects them)
 
         return fn
 
     names = layer_stack.layer_names(params["blocks"])
     windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
-    if len(set(windows)) == 1:  # one body for every layer (a scan needs it)
-        mask = attention.window_mask(mask, positions_BxT, positions_BxT, windows[0])
-        return layer_stack.run_blocks(
-            cfg.execution, params["blocks"], names, block_fn(mask, windows[0]), h_BxTxD
-        )
-    # layers with and without the window: each its own mask (scan_layers is refused for these)
     masks = {w: attention.window_mask(mask, positions_BxT, positions_BxT, w) for w in set(windows)}
-    for name, window in zip(names, windows, strict=True):
+    groups = [(names, windows[0])]  # one body for every layer (a scan needs it), else
+    if len(masks) > 1:  # layer by layer, each its own mask (scan_layers is refused for these)
+        groups = list(zip([[n] for n in names], windows, strict=True))
+    logits = []
+    for group, window in groups:
         fn = block_fn(masks[window], window)
-        h_BxTxD = layer_stack.run_blocks(cfg.execution, params["blocks"], [name], fn, h_BxTxD)
-    return h_BxTxD
+        h_BxTxD, more = layer_stack.run_blocks(
+            cfg.execution, params["blocks"], group, fn, h_BxTxD, collect=True
+        )
+        logits += more
+    return (h_BxTxD, jnp.concatenate(logits)) if router else h_BxTxD
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
@@ -320,7 +322,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         out_BxTxD = _mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layer_mask, block["attn"])
         h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
         a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-        h_BxTxD = _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block), block, "mlp_post_norm")
+        h_BxTxD = _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block)[0], block, "mlp_post_norm")
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
     return head(params, cfg, last_Bx1xD)[:, 0], new_cache
 

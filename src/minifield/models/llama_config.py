@@ -44,6 +44,9 @@ _UNSET = {
     "qk_norm_whole": False,
     "moe_names": "mixtral",
 }
+#: what the model is trained with, not what it computes: ``to_dict`` (an export's
+#: ``model.json``) leaves them out, as ``execution``
+_TRAINING_ONLY = ("router_aux_coef", "router_z_coef")
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,13 @@ class LlamaConfig(ArchitectureConfig):
     #: an HF checkpoint's layout, not the function: the experts' tensor names, "mixtral"
     #: (``block_sparse_moe.experts.{j}.w1``) or "mlp" (``mlp.experts.{j}.gate_proj``)
     moe_names: str = "mixtral"
+    #: the router's load-balancing loss times this is added to the training loss
+    #: (``output_router_logits`` true: ``router_aux_loss_coef``, :mod:`.router_loss`); None:
+    #: not computed (the language-model loss alone)
+    router_aux_coef: float | None = None
+    #: the router z-loss times this is added to the training loss (the recipe's
+    #: ``model.router_z_loss_coef``); 0: not computed
+    router_z_coef: float = 0.0
     #: how it computes, not architecture: ``to_dict`` leaves it out (see :mod:`.execution`)
     execution: Execution = Execution()
 
@@ -206,6 +216,8 @@ class LlamaConfig(ArchitectureConfig):
 
     def to_dict(self) -> dict:
         out = {"architecture": ARCHITECTURE, **super().to_dict()}
+        for key in _TRAINING_ONLY:
+            del out[key]
         out["rope_scaling"] = scaling.to_hf(self.rope_scaling) or {}
         out["layer_types"] = list(self.layer_types)
         out["dense_layers"] = list(self.dense_layers)
@@ -267,6 +279,8 @@ def expert_errors(cfg: LlamaConfig) -> list[str]:
     if (n, k) == (0, 0):
         if cfg.dense_layers or cfg.moe_d_ff or cfg.shared_expert_d_ff:
             errors.append("model.dense_layers, moe_d_ff, shared_expert_d_ff: only with experts")
+        if cfg.router_aux_coef is not None or cfg.router_z_coef:
+            errors.append("model.router_z_loss_coef: only for a base model with experts (a router)")
         return errors
     if n < 1 or not 1 <= k <= n:
         errors.append(

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import gpt, llama
+from . import gpt, llama, router_loss
 from . import sampling as sampling_rules
 from .execution import Execution
 from .gpt import ModelConfig
@@ -103,33 +103,51 @@ def token_losses(params, cfg: ModelConfig, batch):
     each row holds the loss against token 0 (meaningless). Multiply by
     :func:`loss_weights` before summing.
     """
+    return _token_losses(params, cfg, batch, router=False)[0]
+
+
+def _token_losses(params, cfg, batch, router: bool):
+    """:func:`token_losses` and, with ``router``, the sparse layers' router logits
+    ``[L, B * T, E]`` (else None)."""
     tokens_BxT = batch["tokens"]
+    args = (params, cfg, tokens_BxT, batch["segments"], batch["positions"])
+    h_BxTxD, logits_LxNxE = llama.hidden(*args, router=True) if router else (hidden(*args), None)
+    targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
     if cfg.execution.loss_chunk_tokens:
         from .cross_entropy import chunked_token_losses
 
-        h_BxTxD = hidden(params, cfg, tokens_BxT, batch["segments"], batch["positions"])
-        return chunked_token_losses(
+        losses_BxT = chunked_token_losses(
             functools.partial(head, params, cfg),
             h_BxTxD,
-            jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1))),
+            targets_BxT,
             cfg.execution.loss_chunk_tokens,
         )
-    logits_BxTxV = forward(params, cfg, tokens_BxT, batch["segments"], batch["positions"])
-    targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
-    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV, axis=-1)
-    return -jnp.take_along_axis(logp_BxTxV, targets_BxT[:, :, None], axis=-1)[:, :, 0]
+        return losses_BxT, logits_LxNxE
+    logp_BxTxV = jax.nn.log_softmax(head(params, cfg, h_BxTxD), axis=-1)
+    losses_BxT = -jnp.take_along_axis(logp_BxTxV, targets_BxT[:, :, None], axis=-1)[:, :, 0]
+    return losses_BxT, logits_LxNxE
 
 
 def loss_fn(params, cfg: ModelConfig, batch):
     """Mean next-token loss over the counted targets of the batch (token-weighted).
 
     Returns ``(mean_loss, {"loss_sum": ..., "tokens": ...})``; see :func:`loss_weights`
-    for which targets count. An all-padding batch has loss 0.
+    for which targets count. An all-padding batch has loss 0. A mixture of experts trained
+    with the router's losses (:func:`.router_loss.enabled`) adds ``router_loss`` to the mean
+    (``loss_sum`` stays the language model's) and returns :func:`.router_loss.terms` in the
+    dict, its mask the rows' ``segments != 0``.
     """
     w_BxT = loss_weights(batch)
-    loss_sum = jnp.sum(token_losses(params, cfg, batch) * w_BxT)
+    router = router_loss.enabled(cfg)
+    losses_BxT, logits_LxNxE = _token_losses(params, cfg, batch, router)
+    loss_sum = jnp.sum(losses_BxT * w_BxT)
     tokens = jnp.sum(w_BxT)
-    return loss_sum / jnp.maximum(tokens, 1.0), {"loss_sum": loss_sum, "tokens": tokens}
+    loss, aux = loss_sum / jnp.maximum(tokens, 1.0), {"loss_sum": loss_sum, "tokens": tokens}
+    if router:
+        mask_N = (batch["segments"] != 0).reshape(-1)
+        aux.update(router_loss.terms(cfg, logits_LxNxE, mask_N))
+        loss = loss + aux["router_loss"]
+    return loss, aux
 
 
 # ----------------------------------------------------------------------------- generation

@@ -50,14 +50,10 @@ def router_logits(x_NxD, router_DxE):
     return _f32_product(x_NxD, router_DxE)
 
 
-def route(cfg, x_NxD, router_DxE):
-    """``(weights [N, k] FP32, experts [N, k] int32)``: the softmax over every expert's FP32
-    logit, its top ``k``, renormalised to sum to one with ``norm_topk`` (Mixtral's order)."""
-    return route_logits(cfg, router_logits(x_NxD, router_DxE))
-
-
 def route_logits(cfg, logits_NxE):
-    """:func:`route` from the router's logits."""
+    """``(weights [N, k] FP32, experts [N, k] int32)`` from the router's logits: the softmax
+    over every expert's FP32 logit, its top ``k``, renormalised to sum to one with
+    ``norm_topk`` (Mixtral's order)."""
     probs_NxE = jax.nn.softmax(logits_NxE, axis=-1)
     weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, cfg.experts_per_token)
     if cfg.norm_topk:
@@ -71,17 +67,20 @@ def _stacked(cfg, experts: dict, name: str):
     return jnp.stack([experts[j][name] for j in names]).astype(cfg.dtype)
 
 
-def moe_mlp(cfg, x_BxTxD, p):
+def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
     """The experts' weighted output ``[B, T, D]`` (compute dtype) for every token;
     ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}`` (Qwen2-MoE: and
     ``"shared": {w_gate, w_up, w_down}``, ``"shared_gate": [D, 1]``). Under LoRA
     (:mod:`minifield.training.lora`) the router and the shared expert's matrices may be
     :class:`LoraWeight`, and ``"experts_lora": {w_gate|w_up|w_down: LoraWeight}`` holds the
-    experts' stacked adapters (``base`` None)."""
+    experts' stacked adapters (``base`` None). ``with_logits``: the pair (output, the
+    router's FP32 logits ``[B * T, E]``), which the router's training losses read
+    (:mod:`.router_loss`)."""
     B, T, D = x_BxTxD.shape
     E, K = cfg.n_experts, cfg.experts_per_token
     x_NxD = x_BxTxD.reshape(B * T, D)
-    weights_NxK, experts_NxK = route(cfg, x_NxD, p["router"])
+    logits_NxE = router_logits(x_NxD, p["router"])
+    weights_NxK, experts_NxK = route_logits(cfg, logits_NxE)
     flat_M = experts_NxK.reshape(-1)  # M = N * K (token, expert) pairs, token-major
     order_M = jnp.argsort(flat_M, stable=True)
     token_M = order_M // K
@@ -113,7 +112,7 @@ def moe_mlp(cfg, x_BxTxD, p):
     y_BxTxD = y_NxD.astype(cfg.dtype).reshape(B, T, D)
     if "shared" in p:  # Qwen2-MoE: every token, gated by sigmoid(x @ shared_gate)
         y_BxTxD = (y_BxTxD.astype(F32) + _shared(cfg, x_BxTxD, p)).astype(cfg.dtype)
-    return y_BxTxD
+    return (y_BxTxD, logits_NxE) if with_logits else y_BxTxD
 
 
 def _shared(cfg, x_BxTxD, p):
@@ -134,15 +133,15 @@ def load_balancing_loss(cfg, logits_LxNxE, mask_N=None):
     expert ``e``, ``P[e]``: the mean probability of ``e``; the loss is
     ``E * sum_{k, e} f[k, e] * P[e]``. ``mask_N`` (1 for a token, 0 for padding: the packed
     rows' ``segments != 0``) leaves padding out of both means, as transformers'
-    ``attention_mask``. Not yet added to the training loss (``output_router_logits`` is
-    refused)."""
+    ``attention_mask``. The training loss adds it with ``output_router_logits``
+    (:mod:`.router_loss`)."""
     L, N, E = logits_LxNxE.shape
     probs_LxNxE = jax.nn.softmax(logits_LxNxE.astype(F32), axis=-1)
     _, chosen_LxNxK = jax.lax.top_k(probs_LxNxE, cfg.experts_per_token)
     onehot_LxNxKxE = jax.nn.one_hot(chosen_LxNxK, E, dtype=F32)
     mask_LxN = jnp.ones((L, N), F32) if mask_N is None else jnp.broadcast_to(mask_N, (L, N))
     mask_LxN = mask_LxN.astype(F32)
-    count = jnp.sum(mask_LxN)
+    count = jnp.maximum(jnp.sum(mask_LxN), 1.0)  # every token masked: 0, not NaN
     f_KxE = jnp.einsum("lnke,ln->ke", onehot_LxNxKxE, mask_LxN) / count
     p_E = jnp.einsum("lne,ln->e", probs_LxNxE, mask_LxN) / count
     return E * jnp.sum(f_KxE * p_E[None, :])

@@ -77,7 +77,8 @@ def read_batch(path: Path, offset: int, max_events: int) -> Batch:
 
 def metric_points(event: dict) -> list[Point]:
     """The metric points of one event: every number of an ``update`` (loss, learning rate,
-    update seconds, examples, tokens, ...) and every number of an ``evaluation``'s metrics
+    update seconds, examples, tokens, ...; a mixture of experts' ``expert_load`` list as
+    ``expert_load/NN``, one per expert) and every number of an ``evaluation``'s metrics
     (as ``eval/<name>``), at the event's training step."""
     kind = event.get("type")
     step = event.get("step")
@@ -88,6 +89,9 @@ def metric_points(event: dict) -> list[Point]:
         values = {
             _RENAMED.get(key, key): value for key, value in event.items() if key not in _NOT_METRICS
         }
+        # a mixture of experts' per-expert shares: one metric per expert
+        for index, share in enumerate(values.pop("expert_load", None) or []):
+            values[f"expert_load/{index:02d}"] = share
     elif kind == "evaluation" and isinstance(event.get("metrics"), dict):
         values = {f"eval/{key}": value for key, value in event["metrics"].items()}
     else:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..models import router_loss
 from ..models.layers import layer_stack
 from ..models.model import ModelConfig, init_params, loss_fn
 
@@ -69,24 +70,44 @@ def accumulated_gradient(objective: Callable, params, cfg, batch: dict, k: int):
     token-weighted mean (the same update as one batch of all rows, up to FP32 rounding), not
     a mean of per-micro-batch means, which would weigh a token of a sparse micro-batch more
     than one of a full one. ``lax.scan`` holds one micro-batch's activations at a time.
+
+    The router's terms of a mixture of experts (:mod:`minifield.models.router_loss`) are
+    per forward, as transformers computes them: each micro-batch's weighs as its trained
+    tokens (its ``router_loss`` enters its sum times its tokens), so the update minimises the
+    token-weighted mean over micro-batches of (language-model loss + router terms), and one
+    micro-batch is exactly ``lm + router_loss``. The reported router losses are the same
+    weighted means; the experts' counts are summed.
     """
+    router = router_loss.enabled(cfg)
 
     def loss_sum(p, micro):
         _, aux = objective(p, cfg, micro)
+        if router:
+            return aux["loss_sum"] + aux["tokens"] * aux["router_loss"], aux
         return aux["loss_sum"], aux
 
     def one(carry, micro):
-        grads, total, tokens = carry
+        grads, total, sums = carry
         (value, aux), g = jax.value_and_grad(loss_sum, has_aux=True)(params, micro)
         grads = jax.tree_util.tree_map(jnp.add, grads, g)
-        return (grads, total + value, tokens + aux["tokens"]), None
+        added = {"loss_sum": aux["loss_sum"], "tokens": aux["tokens"]}
+        if router:
+            added |= {name: aux["tokens"] * aux[name] for name in router_loss.SCALARS}
+            added[router_loss.COUNTS] = aux[router_loss.COUNTS]
+        return (grads, total + value, jax.tree_util.tree_map(jnp.add, sums, added)), None
 
     zero = jnp.zeros((), jnp.float32)
-    start = (jax.tree_util.tree_map(jnp.zeros_like, params), zero, zero)
-    (grads, total, tokens), _ = jax.lax.scan(one, start, micro_batches(batch, k))
-    scale = 1.0 / jnp.maximum(tokens, 1.0)
+    sums = {"loss_sum": zero, "tokens": zero}
+    if router:
+        sums |= {name: zero for name in router_loss.SCALARS}
+        sums[router_loss.COUNTS] = jnp.zeros((cfg.n_experts,), jnp.float32)
+    start = (jax.tree_util.tree_map(jnp.zeros_like, params), zero, sums)
+    (grads, total, sums), _ = jax.lax.scan(one, start, micro_batches(batch, k))
+    scale = 1.0 / jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
-    return (total * scale, {"loss_sum": total, "tokens": tokens}), grads
+    if router:
+        sums |= {name: sums[name] * scale for name in router_loss.SCALARS}
+    return (total * scale, sums), grads
 
 
 def make_train_step(
@@ -100,7 +121,8 @@ def make_train_step(
 
     Metrics (device scalars, FP32): ``loss`` (mean over counted targets), ``loss_sum``,
     ``tokens`` (counted targets), ``grad_norm`` (global norm before clipping), any further
-    entry of the objective's ``aux`` and, when
+    entry of the objective's ``aux`` (a mixture of experts' router losses and
+    ``expert_load`` ``[E]``, :mod:`minifield.models.router_loss`) and, when
     ``schedule`` (see ``optimizer.make_schedule``) is given, ``learning_rate`` of this update.
     ``objective(params, cfg, batch) -> (loss, aux)`` is differentiated with respect to
     ``state["params"]`` (:mod:`.lora` passes one that adds its adapters to a frozen base).
@@ -139,6 +161,7 @@ def make_train_step(
         # an objective's further scalars (the preference losses' accuracy and margins); the
         # supervised loss has none, so its metrics are unchanged
         metrics.update({k: v for k, v in aux.items() if k not in metrics})
+        metrics = router_loss.expert_load(metrics)  # a mixture of experts' routed shares
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state["step"]), jnp.float32)
         return new_state, metrics

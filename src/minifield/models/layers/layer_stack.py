@@ -105,30 +105,43 @@ def is_stacked_leaf(path) -> bool:
     return any(getattr(key, "key", None) == STACKED for key in path)
 
 
-def run_blocks(execution, blocks: dict, names: list[str], block_fn: Callable, h):
+def run_blocks(execution, blocks: dict, names: list[str], block_fn: Callable, h, collect=False):
     """``h`` after ``block_fn(blocks[name], h)`` for every name in order; ``names`` ==
-    ``[STACKED]``: the layers of ``blocks[STACKED]`` in order (see :func:`stack_layers`)."""
-    fn = block_fn
+    ``[STACKED]``: the layers of ``blocks[STACKED]`` in order (see :func:`stack_layers`).
+
+    ``collect``: ``block_fn`` returns ``(h, y)`` with ``y`` an array of a layer (or None:
+    that layer has none), and the result is ``(h, ys)``: ``ys`` a list of arrays with a
+    leading layer axis whose concatenation holds the layers' ``y`` in order (the router
+    logits of the sparse layers, :mod:`minifield.models.router_loss`)."""
+    fn = block_fn if collect else (lambda block, h: (block_fn(block, h), None))
     if execution.remat != "none":
         # Under scan the body is traced once, so common-subexpression elimination across
         # iterations cannot undo the recomputation; outside it, keep JAX's guard.
         fn = jax.checkpoint(
-            block_fn, policy=_policy(execution.remat), prevent_cse=not execution.scan_layers
+            fn, policy=_policy(execution.remat), prevent_cse=not execution.scan_layers
         )
+    ys = []
+
+    def layer(block, h):
+        h, y = fn(block, h)
+        if y is not None:
+            ys.append(y[None])
+        return h
+
     if names == [STACKED]:
         stacked = blocks[STACKED]
         if not execution.scan_layers:
             depth = jax.tree_util.tree_leaves(stacked)[0].shape[0]
             for i in range(depth):
-                h = fn(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked), h)
-            return h
+                h = layer(jax.tree_util.tree_map(lambda leaf, i=i: leaf[i], stacked), h)
+            return (h, ys) if collect else h
     elif not execution.scan_layers:
         for name in names:
-            h = fn(blocks[name], h)
-        return h
+            h = layer(blocks[name], h)
+        return (h, ys) if collect else h
     else:
         stacked = jax.tree_util.tree_map(
             lambda *leaves: jnp.stack(leaves), *[blocks[n] for n in names]
         )
-    h, _ = jax.lax.scan(lambda carry, block: (fn(block, carry), None), h, stacked)
-    return h
+    h, y_L = jax.lax.scan(lambda carry, block: fn(block, carry), h, stacked)
+    return (h, [] if y_L is None else [y_L]) if collect else h

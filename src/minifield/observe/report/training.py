@@ -9,12 +9,13 @@ from pathlib import Path
 from ... import atomic
 from ...attempt.events import read as read_events
 from ..summarize import attempt_event_files
-from . import page
+from . import experts, page
 
 
 def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
     """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked;
-    with rollouts (grpo), each update's mean reward beside them."""
+    with rollouts (grpo), each update's mean reward beside them; a mixture of experts'
+    expert load in a panel of its own (:mod:`.experts`)."""
     plt = page.pyplot()
     result = atomic.read_json(train_result)
     metrics = atomic.read_json(metrics_json)
@@ -27,6 +28,7 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
     # reinforcement learning's updates carry the rollouts' mean reward: its curve goes beside
     # the loss, on the DEV metric's axis (grpo selects on DEV reward)
     rewards: list[tuple[str, list[int], list[float]]] = []
+    loads: list[list[float]] = []
     for path in attempt_event_files(Path(result["attempt_dir"])):
         events, _ = read_events(path)
         updates = [e for e in events if e["type"] == "update" and "loss" in e]
@@ -41,6 +43,7 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
                 label=f"train loss, attempt {label or path.parent.name}",
             )
             plotted += [e["loss"] for e in updates]
+        loads += experts.expert_loads(updates)
         rewarded = [e for e in updates if isinstance(e.get("reward"), int | float)]
         if rewarded:
             rewards.append(
@@ -120,6 +123,8 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
         more_handles, more_labels = dev_ax.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize=8, loc="upper right")
+    if loads:
+        experts.draw(fig, loads)
     page.save_png(fig, out_png)
 
 

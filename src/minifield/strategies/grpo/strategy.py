@@ -47,6 +47,7 @@ class GRPO(Strategy):
         if "rl" not in recipe:
             return [{"path": "/rl", "message": "the grpo strategy needs it (rl.rewards at least)"}]
         errors = model_section.normalize_model_section(recipe["model"])
+        errors += model_section.router_loss_errors("grpo", recipe["model"])
         errors += section.normalize_rl(recipe)
         errors += model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)
         errors += model_section.normalize_export_dtype(recipe)
@@ -79,7 +80,7 @@ class GRPO(Strategy):
         from . import prompts
         from .evaluator import REWARD_FILE_ARRAY
 
-        arrays, base_meta = pinned_base.load(recipe, files)
+        arrays, base_meta = pinned_base.load(recipe, files, without_router_loss="grpo")
         tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
         room = recipe["training"]["seq_len"] - recipe["rl"]["max_completion_length"]
         needed = reward_kinds.columns_read(recipe["rl"]["rewards"])

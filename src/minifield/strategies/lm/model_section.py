@@ -33,6 +33,8 @@ LLAMA_KEYS = ("rope_theta", "norm_eps", "qkv_bias")
 #: Llama keys added later: never filled in (recipes without them keep their digest), a value
 #: spelled at what absence means removed
 OPTIONAL_LLAMA_KEYS = ("head_dim", "qk_norm", "sliding_window")
+#: base-model keys added later: never filled in, a value spelled at what absence means removed
+OPTIONAL_BASE_KEYS = ("router_z_loss_coef",)
 
 
 def absent_values(section: str) -> dict:
@@ -50,16 +52,19 @@ def normalize_model_section(model: dict) -> list[dict]:
     filled in: the dimensions come from its ``config.json`` at prepare, and the keys the
     recipe states are kept to be checked against it there.
     """
+    absent = absent_values("model")
+    for key in OPTIONAL_BASE_KEYS:
+        if key in model and model[key] == absent[key]:
+            del model[key]
     if "base" in model:
         return _normalize_base_section(model)
     errors = [
         {"path": f"/model/{key}", "message": "only with model.base (a pinned base model)"}
-        for key in ("chat_template",)
+        for key in ("chat_template", *OPTIONAL_BASE_KEYS)
         if key in model
     ]
-    absent = absent_values("model")
     for key, value in absent.items():
-        if key not in LLAMA_KEYS + OPTIONAL_LLAMA_KEYS:
+        if key not in LLAMA_KEYS + OPTIONAL_LLAMA_KEYS + OPTIONAL_BASE_KEYS:
             model.setdefault(key, value)
     if model.get("architecture", "gpt") == "gpt":
         model.pop("architecture", None)
@@ -149,6 +154,19 @@ def model_errors(model: dict) -> list[dict]:
             }
         )
     return errors
+
+
+def router_loss_errors(strategy: str, model: dict) -> list[dict]:
+    """A strategy whose loss has no router terms refuses ``model.router_z_loss_coef``."""
+    if "router_z_loss_coef" not in model:
+        return []
+    return [
+        {
+            "path": "/model/router_z_loss_coef",
+            "message": f"{strategy} does not add the router's losses to its loss (packed-sft "
+            "does); leave it out",
+        }
+    ]
 
 
 def warmup_errors(recipe: dict) -> list[dict]:
@@ -285,5 +303,11 @@ def config_of(recipe: dict, arrays: dict[str, np.ndarray], tokenizer):
     """The model config of a prepared recipe: a base model's ``config.json``, else the
     recipe's model section over the tokenizer's vocabulary."""
     if "base" in recipe["model"]:
-        return pinned_base.config_from_arrays(recipe, arrays)
+        cfg = pinned_base.config_from_arrays(recipe, arrays)
+        if "router_z_loss_coef" not in recipe["model"]:
+            return cfg
+        import dataclasses
+
+        z_coef = float(recipe["model"]["router_z_loss_coef"])
+        return dataclasses.replace(cfg, router_z_coef=z_coef)  # checked at prepare
     return model_config(recipe, tokenizer.vocab_size)

@@ -241,9 +241,12 @@ def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:
 
 
 def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
-    """An update's metrics read back on the host (the scalars, ``tokens`` as ``loss_tokens``)
-    beside the batch's counts: what ``dispatch`` returns the caller to ask for."""
+    """An update's metrics read back on the host (the scalars, ``tokens`` as ``loss_tokens``;
+    a mixture of experts' ``expert_load`` as a list, one share per expert) beside the batch's
+    counts: what ``dispatch`` returns the caller to ask for."""
     host = {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+    if "expert_load" in metrics:
+        host["expert_load"] = [float(share) for share in np.asarray(metrics["expert_load"])]
     host["loss_tokens"] = host.pop("tokens", float("nan"))
     return {**host, **counts}
 

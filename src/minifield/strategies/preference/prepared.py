@@ -25,7 +25,7 @@ PREPARE_VERSION = 1
 def prepare_pairs(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.ndarray], dict]:
     """The base model's arrays and every split's packed pairs, with their statistics."""
     training = recipe["training"]
-    arrays, meta = pinned_base.load(recipe, files)
+    arrays, meta = pinned_base.load(recipe, files, without_router_loss="preference")
     tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
     meta = {"base_model": meta, "chat_template": template.source, "splits": {}}
     for split in SPLITS:

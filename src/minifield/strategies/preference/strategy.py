@@ -44,6 +44,7 @@ class Preference(Strategy):
         if "preference" not in recipe:
             return [{"path": "/preference", "message": "the preference strategy needs it"}]
         errors = sft_settings.normalize_model_section(recipe["model"])
+        errors += sft_settings.router_loss_errors("preference", recipe["model"])
         errors += section.normalize_preference(recipe)
         errors += sft_settings.exact_inputs_errors(
             "preference", section.wanted_inputs(recipe), recipe
