@@ -15,6 +15,7 @@ def run(args) -> int:
     from ..inputs.pinned import InputError
     from ..pipeline import reference_logprobs
     from ..recipe import RecipeError
+    from ..training.data_parallel import DeviceCountError
 
     try:
         record = reference_logprobs.compute(args.recipe, args.input_root, args.out)
@@ -25,6 +26,9 @@ def run(args) -> int:
     except (InputError, OSError) as exc:
         print(f"minifield reference-logprobs: {exc}", file=sys.stderr)
         return 2
+    except DeviceCountError as exc:  # the recipe's mesh is not here: not a bad input
+        print(f"minifield reference-logprobs: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps({k: record[k] for k in ("digest", "splits", "files")}, indent=2))
     return 0
 

@@ -268,12 +268,20 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
 
 
 def make_train_step(
-    cfg, settings: LoraSettings, optimizer, schedule=None, accum_steps=1, objective=None
+    cfg,
+    settings: LoraSettings,
+    optimizer,
+    schedule=None,
+    accum_steps=1,
+    objective=None,
+    accumulation=None,
 ):
     """``train_step(state, base, batch) -> (state, metrics)``: :mod:`.train_step`'s update with
     the loss differentiated with respect to the adapters only (``base`` is an argument, not
     donated, never updated); ``frozen_base`` is carried unchanged. ``objective(params, cfg,
-    batch)``: the loss of the adapted parameters (None: the supervised ``model.loss_fn``)."""
+    batch)``: the loss of the adapted parameters (None: the supervised ``model.loss_fn``);
+    ``accumulation``: what it is a mean over (None: trained tokens,
+    :class:`.train_step.Accumulation`)."""
     from ..models import model
     from . import train_step as full_step
 
@@ -283,7 +291,9 @@ def make_train_step(
         def loss(adapters, cfg, batch):
             return objective(adapted(base, adapters, settings), cfg, batch)
 
-        inner = full_step.make_train_step(cfg, optimizer, schedule, loss, accum_steps)
+        inner = full_step.make_train_step(
+            cfg, optimizer, schedule, loss, accum_steps, accumulation or full_step.TOKEN_MEAN
+        )
         core = {k: v for k, v in state.items() if k != BASE_PART}
         new_state, metrics = inner(core, batch)
         return {**new_state, BASE_PART: state[BASE_PART]}, metrics

@@ -22,6 +22,7 @@ accumulation too: B is the update's rows, over all its micro-batches).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +63,34 @@ def micro_batches(batch: dict, k: int) -> dict:
     }
 
 
-def accumulated_gradient(objective: Callable, params, cfg, batch: dict, k: int):
+@dataclass(frozen=True)
+class Accumulation:
+    """How an objective's micro-batch values add up to the whole batch's.
+
+    The objective's loss is its ``aux["loss_sum"]`` divided by ``aux[count]`` (the
+    supervised loss: trained tokens; the preference losses: pairs). Every other ``aux`` entry
+    adds up over micro-batches, except the ones named in ``means``: means over ``count``,
+    combined weighted by each micro-batch's count."""
+
+    count: str = "tokens"
+    means: tuple[str, ...] = ()
+
+
+TOKEN_MEAN = Accumulation()
+
+
+def accumulated_gradient(
+    objective: Callable, params, cfg, batch: dict, k: int, how: Accumulation = TOKEN_MEAN
+):
     """``(loss, aux), grads`` of the whole batch computed over ``k`` micro-batches.
 
     Each micro-batch contributes the gradient of its loss *sum*; the sum over micro-batches is
-    divided once by the trained tokens of the whole batch. That is the full batch's
-    token-weighted mean (the same update as one batch of all rows, up to FP32 rounding), not
-    a mean of per-micro-batch means, which would weigh a token of a sparse micro-batch more
-    than one of a full one. ``lax.scan`` holds one micro-batch's activations at a time.
+    divided once by the count of the whole batch (``how.count``: trained tokens unless the
+    objective says otherwise). That is the full batch's mean (the same update as one batch of
+    all rows, up to FP32 rounding) whenever each term of the loss depends on its own rows
+    only, not a mean of per-micro-batch means, which would weigh a token of a sparse
+    micro-batch more than one of a full one. ``lax.scan`` holds one micro-batch's
+    activations at a time.
 
     The router's terms of a mixture of experts (:mod:`minifield.models.router_loss`) are
     per forward, as transformers computes them: each micro-batch's weighs as its trained
@@ -79,6 +100,7 @@ def accumulated_gradient(objective: Callable, params, cfg, batch: dict, k: int):
     weighted means; the experts' counts are summed.
     """
     router = router_loss.enabled(cfg)
+    means = how.means + (tuple(router_loss.SCALARS) if router else ())
 
     def loss_sum(p, micro):
         _, aux = objective(p, cfg, micro)
@@ -89,25 +111,21 @@ def accumulated_gradient(objective: Callable, params, cfg, batch: dict, k: int):
     def one(carry, micro):
         grads, total, sums = carry
         (value, aux), g = jax.value_and_grad(loss_sum, has_aux=True)(params, micro)
-        grads = jax.tree_util.tree_map(jnp.add, grads, g)
-        added = {"loss_sum": aux["loss_sum"], "tokens": aux["tokens"]}
-        if router:
-            added |= {name: aux["tokens"] * aux[name] for name in router_loss.SCALARS}
-            added[router_loss.COUNTS] = aux[router_loss.COUNTS]
-        return (grads, total + value, jax.tree_util.tree_map(jnp.add, sums, added)), None
+        # a mean over the micro-batch's count, as a sum over it (divided once at the end)
+        aux = {name: v * aux[how.count] if name in means else v for name, v in aux.items()}
+        sums = jax.tree_util.tree_map(jnp.add, sums, aux)
+        return (jax.tree_util.tree_map(jnp.add, grads, g), total + value, sums), None
 
-    zero = jnp.zeros((), jnp.float32)
-    sums = {"loss_sum": zero, "tokens": zero}
-    if router:
-        sums |= {name: zero for name in router_loss.SCALARS}
-        sums[router_loss.COUNTS] = jnp.zeros((cfg.n_experts,), jnp.float32)
-    start = (jax.tree_util.tree_map(jnp.zeros_like, params), zero, sums)
-    (grads, total, sums), _ = jax.lax.scan(one, start, micro_batches(batch, k))
-    scale = 1.0 / jnp.maximum(sums["tokens"], 1.0)
+    micros = micro_batches(batch, k)
+    first = jax.tree_util.tree_map(lambda v: v[0], micros)
+    shapes = jax.eval_shape(lambda p, m: loss_sum(p, m)[1], params, first)
+    sums = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    start = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), sums)
+    (grads, total, aux), _ = jax.lax.scan(one, start, micros)
+    scale = 1.0 / jnp.maximum(aux[how.count], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
-    if router:
-        sums |= {name: sums[name] * scale for name in router_loss.SCALARS}
-    return (total * scale, sums), grads
+    aux = {name: v * scale if name in means else v for name, v in aux.items()}
+    return (total * scale, aux), grads
 
 
 def make_train_step(
@@ -116,6 +134,7 @@ def make_train_step(
     schedule: Callable | None = None,
     objective: Callable = loss_fn,
     accum_steps: int = 1,
+    accumulation: Accumulation = TOKEN_MEAN,
 ):
     """The pure update ``(state, batch) -> (state, metrics)``.
 
@@ -135,7 +154,8 @@ def make_train_step(
     ``accum_steps`` > 1 (``training.grad_accum_steps``) computes the gradient over that many
     micro-batches of the batch (:func:`accumulated_gradient`) inside the one update: the state
     never holds a partial sum, so checkpoints fall between whole updates only. 1 is the plain
-    update, unchanged.
+    update, unchanged. ``accumulation`` says what the objective's loss is a mean over
+    (:class:`Accumulation`; trained tokens by default).
     """
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
@@ -143,7 +163,9 @@ def make_train_step(
         if accum_steps == 1:
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, cfg, batch)
         else:
-            (loss, aux), grads = accumulated_gradient(objective, params, cfg, batch, accum_steps)
+            (loss, aux), grads = accumulated_gradient(
+                objective, params, cfg, batch, accum_steps, accumulation
+            )
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {
             "params": optax.apply_updates(params, updates),

@@ -45,10 +45,28 @@ class PairEvaluator:
 
         self.batch_size, self.settings = batch_size, settings
         self._logps = jax.jit(lambda params, batch: logprobs.answer_logps(params, cfg, batch))
+        self._rows_sharding = None  # set by on_mesh: the rows split over the data axis
+
+    def on_mesh(self, rows_sharding, devices: int) -> None:
+        """Evaluate on the data-parallel mesh: the parameters stay in the state's shardings
+        and each batch of rows is split over the devices like a training batch, padded up
+        to a multiple of ``devices`` with empty rows (no pair: nothing is read from them)."""
+        self._rows_sharding = rows_sharding
+        self.batch_size = -(-self.batch_size // devices) * devices
+
+    def _on_device(self, batch: dict):
+        if self._rows_sharding is None:
+            return batch
+        import jax
+
+        return jax.device_put(batch, self._rows_sharding)
 
     def metrics(self, params, rows: dict, n_pairs: int, reference=None, prefix="dev"):
         values = logprobs.by_pair(
-            lambda batch: self._logps(params, batch), rows, self.batch_size, n_pairs
+            lambda batch: self._logps(params, self._on_device(batch)),
+            rows,
+            self.batch_size,
+            n_pairs,
         )
         held = ~np.isnan(values["chosen"])
         picked = {k: v[held] for k, v in values.items()}

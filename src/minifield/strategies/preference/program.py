@@ -7,6 +7,16 @@ The update is :func:`minifield.training.train_step.make_train_step` (or LoRA's) 
 summed (:mod:`.logprobs`), the recipe's loss over the pairs (:mod:`.losses`). Its metrics:
 ``loss``, ``reward_accuracy``, ``margin`` (the mean reward margin), ``chosen_logps``,
 ``rejected_logps``, ``pairs`` and ``grad_norm``.
+
+Data parallelism and gradient accumulation are packed-sft's (the language-model program's
+mesh, :mod:`minifield.training.data_parallel`; :func:`minifield.training.train_step.accumulated_gradient`):
+each device and each micro-batch holds ``batch_size / (devices · grad_accum_steps)`` whole
+pairs (:mod:`.batches`). Every pair's loss reads that pair's answers only (SimPO's and ORPO's
+length normalisation and the RPO term divide by the pair's own answer lengths), so the
+update's loss ``(1/P) Σ_i ℓ_i`` over its P pairs has the gradient ``(1/P) Σ_m ∇ Σ_{i∈m} ℓ_i``:
+each micro-batch's gradient of its pairs' loss *sum*, summed, divided once by P
+(:data:`ACCUMULATION`); the metrics that are means over pairs are combined weighted by each
+micro-batch's pairs. On a mesh XLA sums the devices' partial gradients the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...training import lora
+from ...training.train_step import Accumulation
 from ..lm.program import LMProgram
 from . import logprobs, losses, section
 from .batches import PairBatches
@@ -36,6 +47,12 @@ def make_objective(loss_settings: losses.LossSettings):
     return objective
 
 
+#: the objective's loss is a mean over pairs, as are these metrics of it
+ACCUMULATION = Accumulation(
+    "pairs", ("reward_accuracy", "margin", "chosen_logps", "rejected_logps")
+)
+
+
 class PreferenceProgram(LMProgram):
     export_strategy = {"name": section.NAME, "version": section.VERSION}
 
@@ -45,19 +62,44 @@ class PreferenceProgram(LMProgram):
         super().__init__(recipe, arrays)
         training, max_steps = recipe["training"], recipe["limits"]["max_steps"]
         self.loss_settings = losses.LossSettings.of(recipe["preference"])
-        self.batches = PairBatches(arrays, training, max_steps, self.tokenizer.pad_id)
+        self.batches = PairBatches(
+            arrays,
+            training,
+            max_steps,
+            self.tokenizer.pad_id,
+            self.data_parallel.devices,
+            self.accum_steps,
+        )
         self.examples_per_step = training["batch_size"]
         self.tokens_per_step = self.batches.rows * training["seq_len"]
         objective = make_objective(self.loss_settings)
         schedule = optimizer.make_schedule(training, max_steps)
         if self.lora is None:
             self._step_fn = train_step.make_train_step(
-                self.cfg, self.optimizer, schedule, objective
+                self.cfg, self.optimizer, schedule, objective, self.accum_steps, ACCUMULATION
             )
         else:
             self._step_fn = lora.make_train_step(
-                self.cfg, self.lora, self.optimizer, schedule, objective=objective
+                self.cfg,
+                self.lora,
+                self.optimizer,
+                schedule,
+                self.accum_steps,
+                objective,
+                ACCUMULATION,
             )
         self.evaluator = PairEvaluator(
             self.cfg, recipe["evaluation"]["batch_size"], self.loss_settings
         )
+
+    def compile(self) -> None:
+        """packed-sft's compiled update, in one process: the pairs are packed on this
+        process's host for the whole mesh."""
+        import jax
+
+        if jax.process_count() > 1:
+            raise RuntimeError(
+                "preference runs in one process (its pairs are packed on that process's "
+                "host); start one process with training.data_parallel.devices of its devices"
+            )
+        super().compile()

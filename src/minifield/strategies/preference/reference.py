@@ -9,6 +9,14 @@ prepare version) and the chat template. The loss, β and everything else a sweep
 not in it, so recipes differing only in those share one product. With LoRA the reference is
 the frozen base (adapters off), which is what the recipe's base is.
 
+A recipe with ``training.data_parallel.devices`` N > 1 computes its reference on the same
+mesh as its update (:func:`compute`: each batch's rows split over the N devices, the base's
+parameters replicated or, with ``shard_params``, sharded as the training state is), so a base
+that needs the mesh to fit has its reference too. The values are one device's within FP32
+rounding, not its bits (other partial sums), so the spec, and the address, holds the recipe's
+``data_parallel`` section when N > 1: one address, one set of bits. On one device the key is
+absent, so every product computed before keeps its address.
+
 The directory holds:
 
 - ``reference.safetensors``: per split ``{split}.chosen`` and ``{split}.rejected``, the summed
@@ -80,6 +88,7 @@ def spec(data: dict) -> dict:
     model, training = data["model"], data["training"]
     pinned = {i["name"]: i["sha256"] for i in data["inputs"]}
     names = sft_settings.base_model_inputs(model)
+    data_parallel = {"devices": 1, "shard_params": False, **training.get("data_parallel", {})}
     return {
         "what": "preference reference log-probabilities",
         "version": REFERENCE_VERSION,
@@ -91,6 +100,8 @@ def spec(data: dict) -> dict:
         "pairs": {split: pinned[split] for split in SPLITS},
         "seq_len": training["seq_len"],
         "overlong": training["overlong"],
+        # on one device absent (the addresses of products computed before it existed)
+        **({"data_parallel": data_parallel} if data_parallel["devices"] > 1 else {}),
     }
 
 
@@ -118,8 +129,6 @@ def compute(recipe, input_root, out_dir) -> dict:
     :class:`minifield.recipe.Recipe` or its ``data``) into ``out_dir`` (see the module
     docstring); returns the record written as ``reference.json``. Every pinned input is verified first;
     nothing is written unless all of it is computed."""
-    import jax
-
     from ... import atomic
     from ...inputs import pinned
     from . import logprobs, prepared
@@ -133,16 +142,11 @@ def compute(recipe, input_root, out_dir) -> dict:
     for section, key in (("model", "attention"), ("training", "loss_chunk_tokens")):
         data[section].pop(key, None)
     cfg, params, _ = prepared.model_of(data, arrays)
-    forward = jax.jit(lambda p, batch: logprobs.answer_logps(p, cfg, batch))
+    forward, rows = _forward(cfg, params, data["training"])
     tensors, counts = {}, {}
     for split in SPLITS:
         n_pairs = int(arrays[f"{split}_pairs"])
-        values = logprobs.by_pair(
-            lambda batch: forward(params, batch),  # noqa: B023 (used within the iteration)
-            prepared.split_rows(arrays, split),
-            BATCH_ROWS,
-            n_pairs,
-        )
+        values = logprobs.by_pair(forward, prepared.split_rows(arrays, split), rows, n_pairs)
         tensors[f"{split}.chosen"] = values["chosen"]
         tensors[f"{split}.rejected"] = values["rejected"]
         counts[split] = {"pairs": n_pairs, "packed": meta["splits"][split]["packed"]}
@@ -162,6 +166,29 @@ def compute(recipe, input_root, out_dir) -> dict:
     atomic.write_bytes(out_dir / DATA_FILE, payload)
     atomic.write_bytes(out_dir / RECORD_FILE, (json.dumps(record, indent=2) + "\n").encode())
     return record
+
+
+def _forward(cfg, params, training: dict):
+    """``(forward(batch) -> answer_logps, rows per batch)``: on one device, or on the mesh of
+    ``training.data_parallel`` (the batch's rows split over ``data``, the parameters placed as
+    the training state's, :mod:`minifield.training.data_parallel`)."""
+    import jax
+
+    from ...training import data_parallel
+    from . import logprobs
+
+    dp = data_parallel.DataParallel.from_training(training)
+    logps = jax.jit(lambda p, batch: logprobs.answer_logps(p, cfg, batch))
+    if dp.devices == 1:
+        return (lambda batch: logps(params, batch)), BATCH_ROWS
+    mesh = dp.mesh()
+    abstract = jax.eval_shape(lambda: {"params": params})
+    placed = data_parallel.place_tree(params, dp.state_shardings(mesh, abstract)["params"])
+    rows = dp.batch_sharding(mesh)
+    return (
+        lambda batch: logps(placed, jax.device_put(batch, rows)),
+        -(-BATCH_ROWS // dp.devices) * dp.devices,
+    )
 
 
 def load(path: Path, data: dict, pair_counts: dict[str, int]) -> dict[str, np.ndarray]:

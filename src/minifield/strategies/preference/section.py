@@ -88,23 +88,31 @@ def wanted_inputs(recipe: dict) -> list[str]:
     return names
 
 
-def single_device_errors(training: dict) -> list[dict]:
-    """What this version does not run: data parallelism, gradient accumulation."""
-    errors = []
-    if training["data_parallel"]["devices"] != 1:
-        errors.append(
+def split_errors(training: dict) -> list[dict]:
+    """What an update's pairs must split into: every device of ``data_parallel`` and every
+    micro-batch of ``grad_accum_steps`` gets the same number of whole pairs, so
+    ``batch_size`` (pairs) must be a multiple of devices x grad_accum_steps (absent and 1
+    are one spelling of no accumulation)."""
+    pairs, devices = training["batch_size"], training["data_parallel"]["devices"]
+    accum = training.get("grad_accum_steps", 1)
+    if accum == 1:
+        training.pop("grad_accum_steps", None)
+    if pairs % devices:
+        return [
             {
                 "path": "/training/data_parallel/devices",
-                "message": "preference 1.0.0 runs on one device (must be 1)",
+                "message": f"must divide training.batch_size={pairs} (every device gets the same "
+                f"number of whole pairs; got {devices})",
             }
-        )
-    if training.get("grad_accum_steps", 1) != 1:
-        errors.append(
+        ]
+    if pairs % (devices * accum):
+        return [
             {
                 "path": "/training/grad_accum_steps",
-                "message": "preference 1.0.0 has no gradient accumulation (must be 1 or absent)",
+                "message": f"must divide training.batch_size={pairs} into micro-batches whose "
+                f"pairs split evenly over training.data_parallel.devices={devices}: batch_size "
+                f"must be a multiple of devices x grad_accum_steps = {devices * accum} "
+                f"(got {accum})",
             }
-        )
-    else:
-        training.pop("grad_accum_steps", None)
-    return errors
+        ]
+    return []

@@ -54,9 +54,12 @@ class Preference(Strategy):
         errors += lora.normalize_section(recipe)
         errors += execution.normalize_recipe(recipe)
         errors += sft_settings.model_errors(recipe["model"])
-        errors += section.single_device_errors(recipe["training"])
+        errors += section.split_errors(recipe["training"])
         errors += sft_settings.warmup_errors(recipe)
         return errors
+
+    def devices_required(self, recipe: dict) -> int:
+        return recipe["training"]["data_parallel"]["devices"]
 
     def data_spec(self, recipe: dict) -> dict:
         from .prepared import PREPARE_VERSION
