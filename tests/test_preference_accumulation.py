@@ -36,7 +36,11 @@ def root(tmp_path_factory):
     return make_mesh_inputs(tmp_path_factory.mktemp("accum") / "in")
 
 
-@pytest.mark.parametrize("loss", LOSSES)
+# ~10 CPU-s each in the fast tier: SimPO stays there, the others run in the full suite
+@pytest.mark.parametrize(
+    "loss",
+    [loss if loss == "simpo" else pytest.param(loss, marks=pytest.mark.slow) for loss in LOSSES],
+)
 def test_two_micro_batches_are_the_one_batch_update(root, loss):
     close_runs(loss, run(root, loss), run(root, loss, None, 2))
 
