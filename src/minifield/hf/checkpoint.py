@@ -33,7 +33,15 @@ from ..models.families import (
     split_stored,
 )
 from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
-from .tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, read_stored, source_dtype_of
+from .tensors import (
+    ACCEPTED_DTYPES,
+    Source,
+    data_offsets,
+    read_fp32,
+    read_stored,
+    reading_pool,
+    source_dtype_of,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -172,11 +180,16 @@ def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
     params: dict = {}
     for path, names in by_file.items():
         offsets = data_offsets(path)
-        with Source(path) as source:
-            for name in names:
+        with Source(path) as source, reading_pool(len(names)) as pool:
+
+            def one(name, source=source, offsets=offsets):
                 internal, transpose, shape = expected[name]
                 start, end, kind = offsets[name]
-                value = read(source, name, start, end, shape, kind, transpose)
+                return internal, read(source, name, start, end, shape, kind, transpose)
+
+            # tensors read side by side (numpy's copies and the reads release the GIL); in
+            # order, so the first bad tensor is the one named
+            for internal, value in pool.map(one, names):
                 for part_path, part in parts(cfg, internal, value):  # fused: several
                     _put(params, part_path, part)
                 del value
