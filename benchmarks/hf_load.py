@@ -30,15 +30,30 @@ in the page cache), interleaved round by round:
   arrays memory-mapped) then :func:`.stored_base.on_device`; ``verify_seconds`` is the
   sha256 part.
 
+- **load_model**, **full_start**, **export_load** (issue 33 item 8, :mod:`_hf_load_paths`):
+  ``minifield.load_model`` on the HF directory; a full fine-tune's start from the prepared
+  base (``examples.load`` with its sha256 checks, ``pinned_base.params_from_arrays``, the FP32
+  masters put on the device as the step-0 state holds them); ``ExportedModel`` on an export
+  of the directory (every listed file's sha256 checked, the weights read): each against
+  **read_<side>**, a raw read of the very files it reads, in the same round.
+
+Every side also records its process's CPU seconds (user + system), whose ratios hold whatever
+share of the cores a loaded machine gives each process. ``--before SRC`` measures every loading
+side a second time with the minifield under ``SRC`` (an older tree's ``src/``), interleaved in
+the same rounds (``<side>@before``); ``--sides`` picks sides, ``--dtype F32`` writes an F32
+file, ``--shape issue`` is issue 33's directory (d1024, 8 layers, vocabulary 32000, untied:
+623 MB as F32).
+
 Then **one LoRA update** on the stored base (rank 8 on ``q_proj``/``v_proj``, batch 1,
 ``--seq-len`` tokens, BF16 compute, base held BF16; compile excluded, median of 3), and the
 same update on a base transposed beforehand: the difference is the per-step cost of making
 ``[in, out]`` matrices from the stored ``[out, in]`` ones inside the step.
 
-Goals (issue 21, item 4): load ≤ 1.3 × read; peak added RSS ≤ 1.2 × the weights as loaded
-(the FP32 load: against its FP32 weights).
+Goals (issue 21, item 4; issue 33, item 8 for the three public loads): load ≤ 1.3 × read; peak
+added RSS ≤ 1.2 × the weights as loaded (the FP32 loads: against their FP32 weights).
 
-    uv run --locked python benchmarks/hf_load.py [--shape 1b|small] [--rounds 2] [--seq-len 32]
+    uv run --locked python benchmarks/hf_load.py [--shape 1b|small|issue] [--dtype BF16|F32]
+        [--rounds 2] [--seq-len 32] [--sides load_model,...] [--no-update] [--before SRC]
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """HuggingFace Llama-family checkpoints in and out: ``config.json`` + safetensors.
 
 Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
-``.ckpt``, ``.pth``) are refused, never unpickled. :func:`load` converts tensors one at a time to
-FP32 (F32, BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.tensors`),
-so the load holds at most one source tensor's pages beside the FP32 result;
+``.ckpt``, ``.pth``) are refused, never unpickled. :func:`load` converts tensors to FP32 (F32,
+BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.tensors`), a few side
+by side (:func:`.tensors.reading_pool`: one thread each), so the load holds at most those
+tensors' source pages beside the FP32 result;
 :func:`load_stored` reads them as stored (dtype and layout), one pass over the bytes. Every shape is checked against ``config.json`` (read by :mod:`.config`)
 before any tensor is read, and every value is checked to be finite.
 

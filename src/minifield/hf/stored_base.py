@@ -12,7 +12,8 @@ HF's layout directly), and XLA:CPU then sums in another order — FP32 logits di
 last bits (9.5e-7 on the test model) — so the step would no longer give the state hashes of
 the transposed-at-load base; behind an ``optimization_barrier`` the products are the same
 products. Its cost per step: ``benchmarks/hf_load.py``. Full fine-tuning widens and
-transposes on the host instead (:func:`host_fp32`): its FP32 masters are trained.
+transposes on the host instead (:func:`host_fp32`, with :mod:`.tensors`' block-wise widening):
+its FP32 masters are trained.
 
 The arrays: ``base.<path>`` per parameter (BF16 stored as its ``uint16`` bits: ``.npy`` has no
 BF16) and ``base_layout_json``, per path its stored dtype and whether it is ``[out, in]``.

@@ -3,10 +3,11 @@
 Two readings. :func:`read_fp32` (FP32 master parameters, what full fine-tuning trains):
 
 The file is memory-mapped (:class:`Source`); each tensor is widened to FP32 straight from the
-page cache block by block — a block of rows converted contiguously, checked for finite values
-while it is in cache, then transposed into place where a ``torch.nn.Linear`` weight's
-``[out, in]`` becomes the ``[in, out]`` that :mod:`minifield.models.llama` holds — and its mapped pages are
-dropped once it is converted. :func:`read_stored` (a frozen base, inference): the tensor in its
+page cache block by block — a block of rows checked for finite values on its stored bits while
+it is in cache, converted contiguously (an F32 block is not copied first), then transposed into
+place where a ``torch.nn.Linear`` weight's ``[out, in]`` becomes the ``[in, out]`` that
+:mod:`minifield.models.llama` holds — and its mapped pages are dropped once it is converted; an
+F32 tensor that needs no transpose is read as stored (below). :func:`read_stored` (a frozen base, inference): the tensor in its
 own dtype and HF's ``[out, in]`` layout, read straight into a 64-byte-aligned buffer that JAX
 adopts without a copy — one pass over the bytes, like reading the file, plus a finite check of
 each block while it is in cache. Reading a checkpoint's names, shapes and config is

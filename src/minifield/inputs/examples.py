@@ -2,7 +2,7 @@
 
 Recipes with equal data settings share one prepared directory
 (``results/examples/{edigest}/``); training verifies the manifest's digest and
-every array's sha256 before using them.
+every array's sha256 before using them (the files hashed side by side, one thread each).
 """
 
 from __future__ import annotations
