@@ -20,17 +20,20 @@ done(start, before)
 """
 
 #: a full fine-tune's start: the prepared examples verified (every file's sha256) and
-#: memory-mapped, the base widened and transposed to the FP32 masters, put on the device as
-#: the step-0 state holds them (``initial_state.state_from_params``'s first line)
+#: memory-mapped, the base widened and transposed to the FP32 masters, the step-0 state made
+#: from them (``initial_state.state_from_params``; plain SGD, whose optimizer state holds no
+#: array, so the figure is the weights' and not AdamW's two zero moments)
 FULL_START = """
 from pathlib import Path
+import optax
 from minifield.inputs import examples
 from minifield.hf import pinned_base
+from minifield.training.initial_state import state_from_params
 arrays, _ = examples.load(Path(sys.argv[1]).parent / "prepared")
 verified = time.perf_counter()
 host = pinned_base.params_from_arrays(arrays)
-params = jax.tree_util.tree_map(lambda a: jnp.array(a, dtype=jnp.float32), host)
-jax.block_until_ready(params)
+state = state_from_params(host, optax.sgd(0.1), 0)
+jax.block_until_ready(state)
 done(start, before, verify_seconds=verified - start)
 """
 
