@@ -115,3 +115,38 @@ def test_a_tensor_read_as_stored_past_the_files_end_is_refused(tmp_path):
         pytest.raises(CheckpointError, match=f"^{path}: ends inside a tensor's data"),
     ):
         hf_tensors.read_stored(source, 4, 24, (10,), "BF16", "model.norm.weight")
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize(
+    ("dtype", "bad"),
+    [(np.float32, [np.nan, -np.inf, np.inf]), (np.float16, [np.inf, np.nan])],
+)
+def test_fp32_and_f16_widened_bit_for_bit_and_non_finite_refused(tmp_path, transpose, dtype, bad):
+    """F32 (read or transposed as it is, no cast) and F16 into the FP32 masters: every value's
+    bits kept (-0.0, subnormals, the largest finite), a non-finite one counted and refused;
+    67 rows: the last block of rows is partial."""
+    info = np.finfo(dtype)
+    values = np.random.default_rng(0).standard_normal((67, 130)).astype(dtype)
+    values[0, :4] = [-0.0, info.smallest_subnormal, -info.max, info.max]
+    path = tmp_path / "t.bin"
+    path.write_bytes(b"pad!" + values.tobytes())
+    with hf_tensors.Source(path) as source:
+        read = hf_tensors.read_fp32(
+            source, 4, 4 + values.nbytes, values.shape, np.dtype(dtype), transpose, "model.w"
+        )
+    expected = values.astype(np.float32)  # exact: every F16 value is an FP32 value
+    expected = np.ascontiguousarray(expected.T) if transpose else expected
+    assert read.dtype == np.float32 and read.ctypes.data % 64 == 0
+    assert np.array_equal(read.view(np.uint32), expected.view(np.uint32))
+    values[66, -len(bad) :] = bad
+    path.write_bytes(b"pad!" + values.tobytes())
+    with (
+        hf_tensors.Source(path) as source,
+        pytest.raises(
+            CheckpointError, match=f"^{path}: tensor model.w holds {len(bad)} non-finite values"
+        ),
+    ):
+        hf_tensors.read_fp32(
+            source, 4, 4 + values.nbytes, values.shape, np.dtype(dtype), transpose, "model.w"
+        )

@@ -1,9 +1,10 @@
 """HuggingFace Llama-family checkpoints in and out: ``config.json`` + safetensors.
 
 Reading goes through the ``safetensors`` library only; pickle formats (``.bin``, ``.pt``,
-``.ckpt``, ``.pth``) are refused, never unpickled. :func:`load` converts tensors one at a time to
-FP32 (F32, BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.tensors`),
-so the load holds at most one source tensor's pages beside the FP32 result;
+``.ckpt``, ``.pth``) are refused, never unpickled. :func:`load` converts tensors to FP32 (F32,
+BF16 and F16 are accepted) straight from the memory-mapped file (:mod:`.tensors`), a few side
+by side (:func:`.tensors.reading_pool`: one thread each), so the load holds at most those
+tensors' source pages beside the FP32 result;
 :func:`load_stored` reads them as stored (dtype and layout), one pass over the bytes. Every shape is checked against ``config.json`` (read by :mod:`.config`)
 before any tensor is read, and every value is checked to be finite.
 
@@ -35,7 +36,15 @@ from ..models.families import (
 )
 from . import shards
 from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
-from .tensors import ACCEPTED_DTYPES, Source, data_offsets, read_fp32, read_stored, source_dtype_of
+from .tensors import (
+    ACCEPTED_DTYPES,
+    Source,
+    data_offsets,
+    read_fp32,
+    read_stored,
+    reading_pool,
+    source_dtype_of,
+)
 
 __all__ = [
     "ARCHITECTURES",
@@ -173,11 +182,16 @@ def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
     params: dict = {}
     for path, names in by_file.items():
         offsets = data_offsets(path)
-        with Source(path) as source:
-            for name in names:
+        with Source(path) as source, reading_pool(len(names)) as pool:
+
+            def one(name, source=source, offsets=offsets):
                 internal, transpose, shape = expected[name]
                 start, end, kind = offsets[name]
-                value = read(source, name, start, end, shape, kind, transpose)
+                return internal, read(source, name, start, end, shape, kind, transpose)
+
+            # tensors read side by side (numpy's copies and the reads release the GIL); in
+            # order, so the first bad tensor is the one named
+            for internal, value in pool.map(one, names):
                 for part_path, part in parts(cfg, internal, value):  # fused: several
                     _put(params, part_path, part)
                 del value

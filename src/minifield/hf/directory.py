@@ -160,16 +160,36 @@ def write(
     )
 
 
+def is_weights_file(name: str) -> bool:
+    """Whether the file ``name`` (relative to an export) holds the model's weights: the
+    safetensors files beside ``model.json`` (not the adapter's)."""
+    return "/" not in name and name.endswith(".safetensors")
+
+
 def load(directory: Path, config: dict):
     """``(cfg, FP32 params)`` of an HF export whose ``model.json`` config is ``config``; the
-    ``config.json`` architecture must be the one the export recorded."""
+    ``config.json`` architecture must be the one the export recorded.
+
+    The weights files' sha256 (:func:`is_weights_file`, against ``model.json``) is computed
+    while they are read, on a thread of its own (hashing releases the GIL), and checked before
+    anything is returned: a changed file is an :class:`~minifield.state.export.ExportError`
+    naming it, as :func:`minifield.state.export.read` names any other; the caller reads the
+    export with ``later=is_weights_file`` so no file is hashed twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from ..models.model import config_from_dict
 
     recorded = config_from_dict(config["model"])
-    try:
-        cfg, params = hf_checkpoint.load(directory, recorded.max_len, recorded.compute_dtype)
-    except hf_checkpoint.CheckpointError as exc:
-        raise export.ExportError(str(exc)) from exc
+    with ThreadPoolExecutor(1) as pool:
+        verified = pool.submit(export.verify_files, directory, is_weights_file)
+        try:
+            cfg, params = hf_checkpoint.load(directory, recorded.max_len, recorded.compute_dtype)
+        except Exception as exc:  # a damaged header is the safetensors library's error
+            verified.result()  # a file that is not the one recorded is named as such first
+            if isinstance(exc, hf_checkpoint.CheckpointError):
+                raise export.ExportError(str(exc)) from exc
+            raise
+        verified.result()
     # the architecture (to_dict): config.json also says how the model was trained (a mixture
     # of experts' output_router_logits), which model.json does not record
     if cfg.to_dict() != recorded.to_dict():

@@ -12,7 +12,8 @@ HF's layout directly), and XLA:CPU then sums in another order — FP32 logits di
 last bits (9.5e-7 on the test model) — so the step would no longer give the state hashes of
 the transposed-at-load base; behind an ``optimization_barrier`` the products are the same
 products. Its cost per step: ``benchmarks/hf_load.py``. Full fine-tuning widens and
-transposes on the host instead (:func:`host_fp32`): its FP32 masters are trained.
+transposes on the host instead (:func:`host_fp32`, with :mod:`.tensors`' block-wise widening):
+its FP32 masters are trained.
 
 The arrays: ``base.<path>`` per parameter (BF16 stored as its ``uint16`` bits: ``.npy`` has no
 BF16) and ``base_layout_json``, per path its stored dtype and whether it is ``[out, in]``.
@@ -92,11 +93,15 @@ def _stored(arrays: dict[str, np.ndarray]):
 
 def host_fp32(arrays: dict[str, np.ndarray]) -> dict:
     """The nested FP32 ``[in, out]`` parameter tree (host numpy) of prepared base arrays: the
-    stored values widened exactly, matrices transposed (full fine-tuning's masters)."""
-    return _nest(
-        (path, np.ascontiguousarray((value.T if out_in else value).astype(np.float32)))
-        for path, value, out_in in _stored(arrays)
-    )
+    stored values widened exactly, matrices transposed (full fine-tuning's masters), block by
+    block and tensors side by side (:func:`.tensors.to_fp32`); an FP32 array already in this
+    project's layout stays the prepared (memory-mapped, read-only) array."""
+    from .tensors import reading_pool, to_fp32
+
+    stored = list(_stored(arrays))
+    with reading_pool(len(stored)) as pool:
+        values = list(pool.map(lambda item: to_fp32(item[1], item[2]), stored))
+    return _nest((path, value) for (path, _, _), value in zip(stored, values, strict=True))
 
 
 def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:

@@ -3,10 +3,11 @@
 Two readings. :func:`read_fp32` (FP32 master parameters, what full fine-tuning trains):
 
 The file is memory-mapped (:class:`Source`); each tensor is widened to FP32 straight from the
-page cache block by block — a block of rows converted contiguously, checked for finite values
-while it is in cache, then transposed into place where a ``torch.nn.Linear`` weight's
-``[out, in]`` becomes the ``[in, out]`` that :mod:`minifield.models.llama` holds — and its mapped pages are
-dropped once it is converted. :func:`read_stored` (a frozen base, inference): the tensor in its
+page cache block by block — a block of rows checked for finite values on its stored bits while
+it is in cache, converted contiguously (an F32 block is not copied first), then transposed into
+place where a ``torch.nn.Linear`` weight's ``[out, in]`` becomes the ``[in, out]`` that
+:mod:`minifield.models.llama` holds — and its mapped pages are dropped once it is converted; an
+F32 tensor that needs no transpose is read as stored (below). :func:`read_stored` (a frozen base, inference): the tensor in its
 own dtype and HF's ``[out, in]`` layout, read straight into a 64-byte-aligned buffer that JAX
 adopts without a copy — one pass over the bytes, like reading the file, plus a finite check of
 each block while it is in cache. Reading a checkpoint's names, shapes and config is
@@ -124,36 +125,70 @@ def _non_finite(path: Path, name: str, value: np.ndarray) -> CheckpointError:
     )
 
 
+def _all_finite(block: np.ndarray, bits_type, mask: int, scratch: np.ndarray) -> bool:
+    """No infinity or NaN in ``block`` (stored dtype): no element's exponent bits all ones —
+    an integer pass over the block while it is in cache, no boolean array."""
+    flat = block.reshape(-1).view(bits_type)
+    return int(np.bitwise_and(flat, mask, out=scratch[: flat.size]).max(initial=0)) != mask
+
+
 def _widen(data: np.ndarray, transpose: bool) -> tuple[np.ndarray, bool]:
     """``(FP32 copy of data in this project's layout, all finite)``, block by block: each block
-    is widened contiguously (ml_dtypes' cast loop is slow on a strided view), checked for
-    finite values while in cache, then scattered into place."""
+    is checked for finite values on its stored bits, widened contiguously where it is not FP32
+    already (ml_dtypes' cast loop is slow on a strided view; an FP32 block is not copied
+    first), then put into place."""
+    bits_type, mask = _EXPONENT[_KIND_OF[data.dtype.name]]
     finite = True
     if not transpose:
         out = _aligned(data.shape)
         flat, source = out.reshape(-1), data.reshape(-1)
+        scratch = np.empty(min(_CHUNK, flat.size), bits_type)
         for first in range(0, flat.size, _CHUNK):
-            part = flat[first : first + _CHUNK]
-            np.copyto(part, source[first : first + _CHUNK], casting="unsafe")
-            finite = finite and bool(np.isfinite(part).all())
+            block = source[first : first + _CHUNK]
+            finite = finite and _all_finite(block, bits_type, mask, scratch)
+            np.copyto(flat[first : first + _CHUNK], block, casting="unsafe")
         return out, finite
     rows, cols = data.shape  # stored [out, in]; held [in, out]
     out = _aligned((cols, rows))
+    scratch = np.empty(min(_TRANSPOSE_ROWS, rows) * cols, bits_type)
     for first in range(0, rows, _TRANSPOSE_ROWS):
-        block = data[first : first + _TRANSPOSE_ROWS].astype(np.float32)
-        finite = finite and bool(np.isfinite(block).all())
+        block = data[first : first + _TRANSPOSE_ROWS]
+        finite = finite and _all_finite(block, bits_type, mask, scratch)
+        if block.dtype != np.float32:
+            block = block.astype(np.float32)
         out[:, first : first + block.shape[0]] = block.T
     return out, finite
+
+
+def to_fp32(data: np.ndarray, transpose: bool) -> np.ndarray:
+    """An FP32 array of a stored ``[out, in]`` (``transpose``) or as-laid-out tensor held in
+    memory (a prepared base's memory-mapped arrays): :func:`read_fp32`'s widening, block by
+    block; an FP32 array that needs no transpose is returned as it is (no copy)."""
+    if data.dtype == np.float32 and not transpose:
+        return data
+    return _widen(data, transpose)[0]
+
+
+def reading_pool(tasks: int):
+    """Threads for converting tensors side by side (numpy's copies, casts and ``pread``
+    release the GIL): one per CPU this process may run on, at most 8 and at most ``tasks``.
+    The values do not depend on it: each tensor is converted whole by one thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 8, tasks)))
 
 
 def read_fp32(
     source: Source, start: int, end: int, shape, dtype: np.dtype, transpose: bool, name: str
 ) -> np.ndarray:
     """One tensor as an FP32 array in this project's layout, widened straight from the
-    mapped file; raises :class:`CheckpointError` naming the file and tensor for a size that
+    mapped file (an FP32 tensor not transposed is read as stored: :func:`read_stored`, one
+    ``pread``); raises :class:`CheckpointError` naming the file and tensor for a size that
     disagrees with the shape or a non-finite value."""
     if end - start != math.prod(shape) * dtype.itemsize:
         raise CheckpointError(f"{source.path}: tensor {name}'s data size disagrees with its shape")
+    if dtype == np.float32 and not transpose:
+        return read_stored(source, start, end, shape, "F32", name)
     data = source.array(start, end, dtype, shape)
     try:
         value, finite = _widen(data, transpose)
@@ -172,6 +207,8 @@ _EXPONENT = {
     "F16": (np.uint16, 0x7C00),
     "F32": (np.uint32, 0x7F800000),
 }
+#: numpy dtype name -> safetensors dtype name
+_KIND_OF = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def read_stored(source: Source, start: int, end: int, shape, kind: str, name: str) -> np.ndarray:

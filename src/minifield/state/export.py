@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import atomic
-from ..digest import sha256_bytes
+from ..digest import sha256_bytes, sha256_file
 
 MODEL_FILE = "model.json"
 FORMAT = "minifield-export/1"
@@ -89,22 +89,41 @@ def write_files(directory: Path, config: dict[str, Any]) -> dict:
     return model
 
 
-def read(directory: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Load and verify exported weights; raises ExportError naming the bad file.
-
-    A :data:`FILES_FORMAT` export has every listed file verified and gives no arrays."""
+def _model(directory: Path) -> dict:
     model_path = directory / MODEL_FILE
     if not model_path.is_file():
         raise ExportError(f"{model_path}: missing (not an exported model directory)")
-    model = atomic.read_json(model_path)
+    return atomic.read_json(model_path)
+
+
+def verify_files(directory: Path, which: Callable[[str], bool] = lambda _: True) -> None:
+    """Every file a :data:`FILES_FORMAT` export lists (those ``which`` selects, by relative
+    name) present and of the sha256 ``model.json`` records; raises ExportError naming the
+    first that is not. Streamed: a file is never held whole in memory."""
+    model_path = directory / MODEL_FILE
+    for entry in _model(directory).get("files", []):
+        if not which(entry["file"]):
+            continue
+        file = directory / entry["file"]
+        if not file.is_file():
+            raise ExportError(f"{file}: missing (listed in {model_path})")
+        if sha256_file(file) != entry["sha256"]:
+            raise ExportError(f"{file}: sha256 mismatch with {model_path}")
+
+
+def read(
+    directory: Path, later: Callable[[str], bool] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Load and verify exported weights; raises ExportError naming the bad file.
+
+    A :data:`FILES_FORMAT` export has every listed file verified and gives no arrays; the files
+    ``later`` selects (by relative name) are left to the caller, which verifies them with
+    :func:`verify_files` (while it reads them, say) before it uses what it read."""
+    model = _model(directory)
     if model.get("format") == FILES_FORMAT:
-        for entry in model["files"]:
-            file = directory / entry["file"]
-            if not file.is_file():
-                raise ExportError(f"{file}: missing (listed in {model_path})")
-            if sha256_bytes(file.read_bytes()) != entry["sha256"]:
-                raise ExportError(f"{file}: sha256 mismatch with {model_path}")
+        verify_files(directory, lambda name: later is None or not later(name))
         return {}, model["config"]
+    model_path = directory / MODEL_FILE
     if model.get("format") != FORMAT:
         raise ExportError(f"{model_path}: format {model.get('format')!r}, expected {FORMAT!r}")
     params = {}

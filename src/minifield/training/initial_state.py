@@ -23,7 +23,15 @@ def state_from_params(params: dict, optimizer, seed: int, stacked: bool = False)
 
     from ..models.layers import layer_stack
 
-    params = jax.tree_util.tree_map(lambda a: jnp.array(a, dtype=jnp.float32), params)
+    def on_device(value):
+        if isinstance(value, np.ndarray) and value.dtype == np.float32:
+            # adopted without a copy where JAX can (an aligned host array): JAX never writes
+            # into it — a step that donates the state allocates its own outputs for it — so
+            # the host weights stay as they are, and the start writes no second copy
+            return jax.device_put(value)
+        return jnp.array(value, dtype=jnp.float32)
+
+    params = jax.tree_util.tree_map(on_device, params)
     if stacked:
         params = layer_stack.stack_layers(params)
     return {

@@ -154,11 +154,13 @@ class ExportedModel(loaded_model.LoadedModel):
     def __init__(self, directory: Path):
         import jax
 
+        from ...hf import directory as hf_directory
         from ...models import model
         from ...state.arrays import restore_like
 
         directory = Path(directory)
-        flat, self.config = export.read(directory)
+        # the weights' sha256 is checked while hf_directory.load reads them (below)
+        flat, self.config = export.read(directory, later=hf_directory.is_weights_file)
         if self.config.get("strategy", {}).get("name") not in FAMILY:
             raise export.ExportError(
                 f"{directory / export.MODEL_FILE}: not a packed-sft, two-stage, preference or grpo "
@@ -178,11 +180,10 @@ class ExportedModel(loaded_model.LoadedModel):
             tokenizer = tokenizers.from_config(self.config["tokenizer"], directory)
         hf_config = None
         if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
-            from ...hf import directory as hf_directory
-
             cfg, params = hf_directory.load(directory, self.config)
             hf_config = loaded_model.read_config(directory)
         else:
+            export.verify_files(directory, hf_directory.is_weights_file)  # any listed
             cfg = model.config_from_dict(self.config["model"])
             template_params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
             template_params = jax.tree_util.tree_map(

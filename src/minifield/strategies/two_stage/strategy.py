@@ -186,7 +186,8 @@ class TwoStage(Strategy):
         from ...hf import directory as hf_directory
 
         directory = Path(export_dir)
-        _, config = export.read(directory)
+        # the weights' sha256 is checked while hf_directory.load reads them
+        _, config = export.read(directory, later=hf_directory.is_weights_file)
         if config.get("strategy", {}).get("name") != self.name:
             raise export.ExportError(f"{directory / export.MODEL_FILE}: not a two-stage export")
         dev_path = directory / config["dev"]["file"]
