@@ -12,18 +12,19 @@ segments and padding need nothing here.
 
 Compute: grouped, dropless. The ``N * k`` (token, expert) pairs are sorted by expert (stable,
 so ties keep token order), the tokens gathered in that order, and each of the three
-projections is one ``jax.lax.ragged_dot`` of the ``[N * k, in]`` rows against the stacked
-``[E, in, out]`` expert matrices with per-expert group sizes: every expert multiplies only
-the rows routed to it, and no token is dropped (no capacity factor, so the result does not
-depend on what else is in the batch). The outputs are weighted and scattered back onto their
-tokens with an add. ``ragged_dot`` exists in the pinned JAX, runs on CPU and differentiates
-(``jax.grad``: its transpose is a ragged dot again), so no per-expert dense fallback is kept.
+projections is one grouped product (:func:`.layers.grouped.matmul`) of the ``[N * k, in]``
+rows against the stacked ``[E, in, out]`` expert matrices with per-expert group sizes: every
+expert multiplies only the rows routed to it, tile by tile, and no token is dropped (no
+capacity factor, so the result does not depend on what else is in the batch). The outputs are
+weighted and scattered back onto their tokens with an add. ``jax.lax.ragged_dot`` computes the
+same, but on CPU the pinned JAX lowers it to every expert times every row under a mask (see
+:mod:`.layers.grouped`).
 
 The experts are held one matrix per expert (``moe/experts/JJ/w_gate`` ``[D, F]``, as the
 checkpoint stores them, :mod:`.families`) and stacked to ``[E, D, F]`` inside the traced
-computation (a copy of the expert weights per step, and of their gradients; holding them
-stacked is a later step). Matrix inputs are rounded to the compute dtype and accumulated in
-FP32, as :func:`minifield.models.layers.primitives.einsum`.
+computation (a copy of the expert weights per step, and of their gradients). Matrix inputs
+are rounded to the compute dtype and accumulated in FP32, forward and backward, as
+:func:`minifield.models.layers.primitives.einsum`; the experts' gradients stay FP32.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .layers import grouped
 from .layers.primitives import F32, LoraWeight, einsum, linear
 
 
@@ -61,10 +63,11 @@ def route_logits(cfg, logits_NxE):
     return weights_NxK, experts_NxK.astype(jnp.int32)
 
 
-def _stacked(cfg, experts: dict, name: str):
-    """One projection of every expert, ``[E, in, out]`` in the compute dtype."""
+def _stacked(experts: dict, name: str):
+    """One projection of every expert, ``[E, in, out]`` in the parameters' dtype (the grouped
+    product rounds it to the compute dtype, and its gradient stays in this one)."""
     names = sorted(experts, key=int)
-    return jnp.stack([experts[j][name] for j in names]).astype(cfg.dtype)
+    return jnp.stack([experts[j][name] for j in names])
 
 
 def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
@@ -87,26 +90,24 @@ def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
     group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
     xs_MxD = x_NxD[token_M].astype(cfg.dtype)
 
-    def ragged(lhs, rhs_ExIxO):
-        return jax.lax.ragged_dot(
-            lhs, rhs_ExIxO.astype(cfg.dtype), group_sizes_E, preferred_element_type=F32
-        )
+    def product(lhs, rhs_ExIxO):
+        return grouped.matmul(cfg, lhs, rhs_ExIxO, group_sizes_E)
 
-    def grouped(lhs, name):
-        out = ragged(lhs, _stacked(cfg, p["experts"], name))
+    def experts(lhs, name):
+        out = product(lhs, _stacked(p["experts"], name))
         lora = p.get("experts_lora", {}).get(name)
         if lora is None:
             return out
         # LoRA (``experts_lora``: stacked a [E, in, r], b [E, r, out]): the same groups, so
         # each row meets only its own expert's adapter; the inner product rounded to the
         # compute dtype, as a dense layer's (primitives.linear)
-        down_MxR = ragged(lhs, lora.a).astype(cfg.dtype)
-        return out + lora.scale * ragged(down_MxR, lora.b)
+        down_MxR = product(lhs, lora.a).astype(cfg.dtype)
+        return out + lora.scale * product(down_MxR, lora.b)
 
-    gate_MxF = grouped(xs_MxD, "w_gate")
-    up_MxF = grouped(xs_MxD, "w_up")
+    gate_MxF = experts(xs_MxD, "w_gate")
+    up_MxF = experts(xs_MxD, "w_up")
     act_MxF = (jax.nn.silu(gate_MxF) * up_MxF).astype(cfg.dtype)
-    out_MxD = grouped(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
+    out_MxD = experts(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
     weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
     y_NxD = jnp.zeros((B * T, D), F32).at[token_M].add(weighted_MxD)
     y_BxTxD = y_NxD.astype(cfg.dtype).reshape(B, T, D)

@@ -1,0 +1,87 @@
+"""The experts' grouped matrix product (``models/layers/grouped.py``) against a float64 NumPy
+loop over the groups (each group's rows times its own matrix), values and gradients: empty
+groups, groups longer than a tile and with a tail, rows past the groups, BF16 rounding."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from minifield.models.layers import grouped
+
+K, N = 8, 12
+#: an empty group first and in the middle, one of exactly a tile, one of a tile and a tail of
+#: one row, one shorter than a tail; 5 rows after the last group belong to none
+SIZES = [0, grouped.TILE, 3, 0, grouped.TILE + 1, grouped.TAIL + 5]
+EXTRA = 5
+
+
+def reference(x, w, dy, sizes):
+    """``y``, ``dL/dx``, ``dL/dw`` of ``L = sum(y * dy)`` in float64, group by group."""
+    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+    y, dx, dw = np.zeros_like(dy), np.zeros_like(x), np.zeros_like(w)
+    start = 0
+    for g, n in enumerate(sizes):
+        rows = slice(start, start + n)
+        y[rows] = x[rows] @ w[g]
+        dx[rows] = dy[rows] @ w[g].T
+        dw[g] = x[rows].T @ dy[rows]
+        start += n
+    return y, dx, dw
+
+
+def arrays(seed=0):
+    rng = np.random.default_rng(seed)
+    M = sum(SIZES) + EXTRA
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((len(SIZES), K, N)).astype(np.float32)
+    dy = rng.standard_normal((M, N)).astype(np.float32)
+    return x, w, dy
+
+
+def ours(dtype, x, w, dy):
+    cfg = SimpleNamespace(compute_dtype=dtype)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+
+    def loss(x, w):
+        y = grouped.matmul(cfg, x, w, sizes)
+        return jnp.sum(y * dy), y
+
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+    return y, dx, dw
+
+
+def bf16(a):
+    return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_fp32_values_and_gradients_equal_the_group_loop():
+    x, w, dy = arrays()
+    y, dx, dw = ours("float32", jnp.asarray(x), jnp.asarray(w), dy)
+    for got, expected in zip((y, dx, dw), reference(x, w, dy, SIZES), strict=True):
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+    assert not np.asarray(y)[sum(SIZES) :].any()  # rows of no group are 0
+    assert not np.asarray(dw)[0].any() and not np.asarray(dw)[3].any()  # empty groups
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype):
+    """BF16 x BF16 products with FP32 sums, forward and backward (the output gradient rounded
+    to BF16 too); the matrices' gradient in their own dtype (FP32 masters: unrounded)."""
+    x, w, dy = arrays(1)
+    y, dx, dw = ours("bfloat16", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, w_dtype), dy)
+    expected = reference(bf16(x), bf16(w), bf16(dy), SIZES)
+    assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, w_dtype)
+    np.testing.assert_allclose(np.asarray(y), expected[0], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), bf16(expected[1]), rtol=1e-2, atol=2e-2)
+    if w_dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(dw), expected[2], rtol=1e-5, atol=1e-4)
+    else:
+        np.testing.assert_allclose(
+            np.asarray(dw, np.float32), bf16(expected[2]), rtol=1e-2, atol=5e-2
+        )
