@@ -147,8 +147,16 @@ def _fused_attention(compute, q, k, v, seg):
     ).astype(compute)
 
 
-def logits(params, batch, shape: Shape, compute, attention: str = "xla"):
-    """FP32 logits ``[B, T, V]`` of every slot of a packed batch."""
+def swiglu(p, x, dot, compute):
+    """The dense MLP ``wd(silu(wg x) * wu x)``, FP32 (each product through ``dot``)."""
+    g = dot("btd,df->btf", x, p["wg"])
+    u = dot("btd,df->btf", x, p["wu"])
+    return dot("btf,fd->btd", (jax.nn.silu(g) * u).astype(compute), p["wd"])
+
+
+def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu):
+    """FP32 logits ``[B, T, V]`` of every slot of a packed batch; ``mlp(p, x, dot, compute)``:
+    each layer's MLP on its normed input (``moe_update.py`` passes mixtures of experts)."""
     dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
     tokens, seg, pos = batch["tokens"], batch["segments"], batch["positions"]
     B, T = tokens.shape
@@ -179,16 +187,13 @@ def logits(params, batch, shape: Shape, compute, attention: str = "xla"):
         else:
             o = _dense_attention(dot, compute, q, k, v, seg)
         h = h + dot("btn,nd->btd", o.reshape(B, T, H * K), p["wo"]).astype(compute)
-        x = rms(h, p["ln2"])
-        g = dot("btd,df->btf", x, p["wg"])
-        u = dot("btd,df->btf", x, p["wu"])
-        h = h + dot("btf,fd->btd", (jax.nn.silu(g) * u).astype(compute), p["wd"]).astype(compute)
+        h = h + mlp(p, rms(h, p["ln2"]), dot, compute).astype(compute)
     return dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
 
 
-def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
+def loss(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu):
     tokens, seg = batch["tokens"], batch["segments"]
-    logits_ = logits(params, batch, shape, compute, attention)
+    logits_ = logits(params, batch, shape, compute, attention, mlp)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
     weight = jnp.pad(jnp.where(counted, batch["loss_mask"][:, 1:], 0.0), ((0, 0), (0, 1)))
@@ -197,15 +202,14 @@ def loss(params, batch, shape: Shape, compute, attention: str = "xla"):
     return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
 
 
-def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
-    """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
-    loss)`` jit-compiled with params and optimizer state donated; the optimizer has the
-    project's default settings (the recipe schema's, ``optimizer.defaults()``)."""
+def make_optimizer(max_steps: int):
+    """``optax.chain(clip_by_global_norm, adamw(warmup + cosine))`` with the project's default
+    settings (the recipe schema's, ``optimizer.defaults()``), weight decay on matrices."""
     defaults = project_optimizer.defaults()
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, defaults["learning_rate"], defaults["warmup_steps"], max_steps
     )
-    optimizer = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(defaults["grad_clip_norm"]),
         optax.adamw(
             schedule,
@@ -216,6 +220,13 @@ def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
             mask=lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params),
         ),
     )
+
+
+def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
+    """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
+    loss)`` jit-compiled with params and optimizer state donated; the optimizer is
+    :func:`make_optimizer`'s."""
+    optimizer = make_optimizer(max_steps)
 
     def step(params, opt_state, batch):
         value, grads = jax.value_and_grad(loss)(params, batch, shape, compute, attention)
