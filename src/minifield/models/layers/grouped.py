@@ -10,9 +10,9 @@ grouped work: with top-2 routing, twice the work of running every expert on ever
 rows per group are multiplied and then dropped; one loop over the tiles of every group, whose
 trip count is the number of tiles, reads the group's matrix by a dynamic index (so the
 program's size does not grow with the number of groups). The backward pass is written out (a
-custom VJP: JAX cannot differentiate a loop whose trip count depends on the data): the rows'
-gradient is the same loop against the transposed matrices, each group's matrix gradient the
-sum over its tiles of ``x_tile^T @ dy_tile`` (rows of other groups masked to zero).
+custom VJP: JAX cannot differentiate a loop whose trip count depends on the data), one loop
+over the same tiles: the rows' gradient against the transposed matrices, each group's matrix
+gradient the sum over its tiles of ``x_tile^T @ dy_tile`` (rows of other groups masked to zero).
 
 Precision as :func:`.primitives.einsum`: with BF16 compute the operands are rounded to BF16 and
 every product, forward and backward, is BF16 x BF16 accumulated in FP32; the gradients leave
@@ -70,38 +70,42 @@ def _tiles(sizes_G, fn, carry):
     return _each(tail_G, tail, carry)
 
 
-def _rows(x_PxK, w_GxKxN, sizes_G, transposed: bool):
-    """Every group's rows times its matrix (``transposed``: its transpose), ``[P, N]`` FP32;
-    rows no group holds stay 0."""
-    contract = 2 if transposed else 1
-    out = w_GxKxN.shape[3 - contract]
+def _rows(x_PxK, w_GxKxN, sizes_G):
+    """Every group's rows times its matrix, ``[P, N]`` FP32; rows no group holds stay 0."""
 
     def fn(g, start, rows, keep, y_PxN):
-        w = jax.lax.dynamic_index_in_dim(w_GxKxN, g, keepdims=False)
-        dims = (((1,), (contract - 1,)), ((), ()))
-        y_RxN = jax.lax.dot_general(_DS(x_PxK, start, rows), w, dims, preferred_element_type=F32)
+        w_KxN = jax.lax.dynamic_index_in_dim(w_GxKxN, g, keepdims=False)
+        y_RxN = jnp.dot(_DS(x_PxK, start, rows), w_KxN, preferred_element_type=F32)
         if keep is not None:  # rows of the next group keep what their own tile wrote
             y_RxN = jnp.where(keep[:, None], y_RxN, _DS(y_PxN, start, rows))
         return _DUS(y_PxN, y_RxN, start, 0)
 
-    return _tiles(sizes_G, fn, jnp.zeros((x_PxK.shape[0], out), F32))
+    return _tiles(sizes_G, fn, jnp.zeros((x_PxK.shape[0], w_GxKxN.shape[2]), F32))
 
 
-def _matrix_grads(x_PxK, dy_PxN, sizes_G, shape):
-    """Each group's ``sum over its tiles of x^T @ dy``, ``[G, K, N]`` FP32."""
+def _grads(x_PxK, w_GxKxN, dy_PxN, sizes_G):
+    """``(dx [P, K], dw [G, K, N])`` FP32, in one loop over the tiles: each row's ``dy @ w^T``
+    of its group's matrix, and each group's sum over its tiles of ``x^T @ dy`` (rows of other
+    groups masked to zero)."""
 
-    def fn(g, start, rows, keep, dw_GxKxN):
-        x_RxK = _DS(x_PxK, start, rows)
+    def fn(g, start, rows, keep, carry):
+        dx_PxK, dw_GxKxN = carry
+        w_KxN = jax.lax.dynamic_index_in_dim(w_GxKxN, g, keepdims=False)
+        x_RxK, dy_RxN = _DS(x_PxK, start, rows), _DS(dy_PxN, start, rows)
+        dx_RxK = jax.lax.dot_general(
+            dy_RxN, w_KxN, (((1,), (1,)), ((), ())), preferred_element_type=F32
+        )
         if keep is not None:
+            dx_RxK = jnp.where(keep[:, None], dx_RxK, _DS(dx_PxK, start, rows))
             x_RxK = jnp.where(keep[:, None], x_RxK, jnp.zeros((), x_RxK.dtype))
-        dims = (((0,), (0,)), ((), ()))
         dw_KxN = jax.lax.dot_general(
-            x_RxK, _DS(dy_PxN, start, rows), dims, preferred_element_type=F32
+            x_RxK, dy_RxN, (((0,), (0,)), ((), ())), preferred_element_type=F32
         )
         dw_1xKxN = _DS(dw_GxKxN, g, 1) + dw_KxN[None]
-        return _DUS(dw_GxKxN, dw_1xKxN, g, 0)
+        return _DUS(dx_PxK, dx_RxK, start, 0), _DUS(dw_GxKxN, dw_1xKxN, g, 0)
 
-    return _tiles(sizes_G, fn, jnp.zeros(shape, F32))
+    zeros = (jnp.zeros(x_PxK.shape, F32), jnp.zeros(w_GxKxN.shape, F32))
+    return _tiles(sizes_G, fn, zeros)
 
 
 def _padded(a_MxK, dtype):
@@ -118,7 +122,7 @@ def _matmul(compute_dtype: str, x_MxK, w_GxKxN, sizes_G):
 def _matmul_fwd(compute_dtype, x_MxK, w_GxKxN, sizes_G):
     x_PxK = _padded(x_MxK, compute_dtype)
     w_c = w_GxKxN.astype(compute_dtype)
-    y_MxN = _rows(x_PxK, w_c, sizes_G, transposed=False)[: x_MxK.shape[0]]
+    y_MxN = _rows(x_PxK, w_c, sizes_G)[: x_MxK.shape[0]]
     # the operands' dtypes ride along as zero-size arrays (residuals must be arrays)
     protos = (jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_GxKxN.dtype))
     return y_MxN, (x_PxK, w_c, sizes_G, *protos)
@@ -127,8 +131,8 @@ def _matmul_fwd(compute_dtype, x_MxK, w_GxKxN, sizes_G):
 def _matmul_bwd(compute_dtype, residuals, dy_MxN):
     x_PxK, w_c, sizes_G, x_proto, w_proto = residuals
     dy_PxN = _padded(dy_MxN, compute_dtype)
-    dx_MxK = _rows(dy_PxN, w_c, sizes_G, transposed=True)[: dy_MxN.shape[0]]
-    dw_GxKxN = _matrix_grads(x_PxK, dy_PxN, sizes_G, w_c.shape)
+    dx_PxK, dw_GxKxN = _grads(x_PxK, w_c, dy_PxN, sizes_G)
+    dx_MxK = dx_PxK[: dy_MxN.shape[0]]
     return dx_MxK.astype(x_proto.dtype), dw_GxKxN.astype(w_proto.dtype), None
 
 
