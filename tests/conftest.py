@@ -49,7 +49,8 @@ def pytest_configure(config):
 # (`JAX_DISABLE_MOST_OPTIMIZATIONS`, which JAX reads when it starts; the worker records it in
 # the environment fingerprint, so a resume under the other setting is refused as any
 # environment change is). What those tests check (resumes to the bit, the files, the exit
-# codes, the stages) is between runs compiled the same way. The tests marked
+# codes, the stages) is between runs compiled the same way; a test comparing a run in this
+# process with a started one to the bit starts it with `compiled_as_this_process()`. The tests marked
 # `production_compile` — the README's pipeline and the demo pipelines, the runs a user makes —
 # and this pytest process itself (the full suite's in-process tests) compile as production
 # does, so every program is still checked at the optimization level users run.
@@ -62,6 +63,18 @@ def started_processes_compile_lightly():
     import jax  # noqa: F401  (this process reads the variable now, before it is set)
 
     os.environ.update(LIGHT_COMPILE)
+
+
+def compiled_as_this_process() -> dict:
+    """The environment that makes a started process compile as this pytest process does: for
+    a test comparing an in-process run with a worker's to the bit (the API against the CLI)."""
+    import jax
+
+    return {
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": str(
+            int(jax.config.read("jax_disable_most_optimizations"))
+        )
+    }
 
 
 @pytest.fixture(autouse=True)
