@@ -147,6 +147,35 @@ def _fused_attention(compute, q, k, v, seg):
     ).astype(compute)
 
 
+#: this module's MLP weights and minifield's names for them
+MLP_NAMES = {"wg": "w_gate", "wu": "w_up", "wd": "w_down"}
+
+
+def dense_mlp(block: dict) -> dict:
+    """A minifield block's dense MLP weights (copies) in this module's names."""
+    return {k: jnp.array(block["mlp"][name]) for k, name in MLP_NAMES.items()}
+
+
+def from_minifield(params: dict, mlp=dense_mlp) -> dict:
+    """minifield's parameters (copies) in this module's tree; ``mlp(block)`` gives a block's
+    MLP entries (a dense MLP's by default)."""
+    copy = jnp.array
+    return {
+        "emb": copy(params["embed"]["tokens"]),
+        "layers": [
+            {
+                "ln1": copy(b["attn_norm"]["scale"]),
+                "ln2": copy(b["mlp_norm"]["scale"]),
+                **{k: copy(b["attn"][k]) for k in ("wq", "wk", "wv", "wo")},
+                **mlp(b),
+            }
+            for _, b in sorted(params["blocks"].items())
+        ],
+        "norm": copy(params["final_norm"]["scale"]),
+        "head": copy(params["head"]["w"]),
+    }
+
+
 def swiglu(p, x, dot, compute):
     """The dense MLP ``wd(silu(wg x) * wu x)``, FP32 (each product through ``dot``)."""
     g = dot("btd,df->btf", x, p["wg"])

@@ -89,27 +89,6 @@ def make_batch(args, rng) -> dict:
     }
 
 
-def minimal_layout(params: dict) -> dict:
-    """minifield's parameters (copies) in ``_llama_minimal``'s tree."""
-    copy = jnp.array
-    return {
-        "emb": copy(params["embed"]["tokens"]),
-        "layers": [
-            {
-                "ln1": copy(b["attn_norm"]["scale"]),
-                "ln2": copy(b["mlp_norm"]["scale"]),
-                **{k: copy(b["attn"][k]) for k in ("wq", "wk", "wv", "wo")},
-                "wg": copy(b["mlp"]["w_gate"]),
-                "wu": copy(b["mlp"]["w_up"]),
-                "wd": copy(b["mlp"]["w_down"]),
-            }
-            for _, b in sorted(params["blocks"].items())
-        ],
-        "norm": copy(params["final_norm"]["scale"]),
-        "head": copy(params["head"]["w"]),
-    }
-
-
 def make_minimal(cfg, compute):
     """``(step, optimizer)``: one GRPO update (mu 1, dapo, beta 0) of the minimal model."""
     shape = minimal.Shape(
@@ -168,7 +147,7 @@ def compare(args, cfg, batch) -> None:
     state = init_train_state(cfg, opt, 0)
     compute = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     step, minimal_opt = make_minimal(cfg, compute)
-    params = minimal_layout(state["params"])
+    params = minimal.from_minifield(state["params"])
     held = {"minifield": state, "minimal": (params, minimal_opt.init(params))}
     started = time.perf_counter()
     ours = jax.jit(update, donate_argnums=(0,)).lower(state, batch).compile()

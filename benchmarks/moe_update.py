@@ -66,30 +66,13 @@ def config(args, experts: int, dtype: str) -> LlamaConfig:
     )  # fmt: skip
 
 
-def minimal_layout(params: dict) -> dict:
-    """minifield's parameters (copies) in ``_llama_minimal``'s tree, experts stacked."""
-    copy = jnp.array
-
-    def stacked(b, name):
-        experts = b["moe"]["experts"]
-        return jnp.stack([experts[j][name] for j in sorted(experts, key=int)])
-
+def stacked_mlp(block: dict) -> dict:
+    """A minifield block's router and experts in ``_llama_minimal``'s names, experts stacked."""
+    experts = block["moe"]["experts"]
+    order = sorted(experts, key=int)
     return {
-        "emb": copy(params["embed"]["tokens"]),
-        "layers": [
-            {
-                "ln1": copy(b["attn_norm"]["scale"]),
-                "ln2": copy(b["mlp_norm"]["scale"]),
-                **{k: copy(b["attn"][k]) for k in ("wq", "wk", "wv", "wo")},
-                "router": copy(b["moe"]["router"]),
-                "wg": stacked(b, "w_gate"),
-                "wu": stacked(b, "w_up"),
-                "wd": stacked(b, "w_down"),
-            }
-            for _, b in sorted(params["blocks"].items())
-        ],
-        "norm": copy(params["final_norm"]["scale"]),
-        "head": copy(params["head"]["w"]),
+        "router": jnp.array(block["moe"]["router"]),
+        **{k: jnp.stack([experts[j][n] for j in order]) for k, n in minimal.MLP_NAMES.items()},
     }
 
 
@@ -173,7 +156,7 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     cfg32 = config(args, experts, "float32")
     opt = make_optimizer({}, MAX_STEPS)
     state = init_train_state(cfg, opt, 0)
-    first_params = minimal_layout(state["params"])
+    first_params = minimal.from_minifield(state["params"], stacked_mlp)
     out = {}
     if "minifield" in names:
         fp32 = jax.jit(project_model.loss_fn, static_argnums=1)(state["params"], cfg32, batch)
