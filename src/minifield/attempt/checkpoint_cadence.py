@@ -1,8 +1,11 @@
 """When and by whom an attempt commits checkpoints: the commit cadence (``state/checkpoint.py`` is
 the checkpoint format, ``checkpoint_writer.py`` the thread that writes one in the background).
 
-Every process brings the state to the host (a collective when the state is sharded over
-processes); process 0 alone writes and commits it; all leave once it is committed. A
+The state of one process is brought to the host and written whole (format 3). A state
+spread over several processes (replicated, or sharded with ``shard_params``) is never
+gathered: each process writes the blocks its devices hold, a replicated array by one of
+them, and process 0 commits once every part is durable (format 4,
+:mod:`minifield.state.checkpoint_parts`). All processes leave once it is committed. A
 checkpoint is committed on the recipe's cadence, at the last update, and whenever the
 attempt stops early (preemption, a limit), unless one of that very step is committed
 already: :meth:`CheckpointCadence.ensure` is that one rule.
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..state import checkpoint
-from ..state.arrays import STATE_HASH_VERSION
+from ..state.arrays import STATE_HASH_VERSION, spans_processes
 from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
 from .checkpoint_writer import BackgroundWriter, CheckpointWriteError, Done, Write
@@ -90,10 +93,39 @@ class CheckpointCadence:
             **timing,
         )
 
+    def _save_parts(self, state, step: int, compute_used: float) -> CheckpointRecord:
+        """A state spread over the processes: each writes its own blocks (format 4)."""
+        kill = self.faults.before_commit(step, self.events)
+        return checkpoint.save_parts(
+            self.directory,
+            state,
+            step=step,
+            computation_digest=self.computation_digest,
+            group=self.group,
+            digests=self.snapshot.digests_of(state, step),  # hashed where they live
+            extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
+            keep=self.keep,
+            fault=(lambda phase: kill() if phase == "before_commit" else None) if kill else None,
+        )
+
     def commit(self, state, step: int, compute_used: float) -> CheckpointRecord:
         """Commit ``state`` as checkpoint ``step`` now (a collective over the processes)."""
         self.wait()
         started = time.monotonic()
+        if spans_processes(state):
+            try:
+                committed = self._save_parts(state, step, compute_used)
+            except (OSError, checkpoint.CheckpointError) as exc:
+                raise CheckpointWriteError(
+                    f"checkpoint of step {step} was not committed: {type(exc).__name__}: {exc}"
+                ) from exc
+            self.newest = committed
+            if self.group.is_writer:
+                seconds = time.monotonic() - started
+                self._report(
+                    committed, seconds=seconds, blocking_seconds=seconds, asynchronous=False
+                )
+            return self.newest
         arrays = self.snapshot.arrays_of(state, step)
         if not self.group.is_writer:
             self.newest = CheckpointRecord(step, None, None)

@@ -52,6 +52,8 @@ class Completed:
 class Restored:
     state: Any
     checkpoint: CheckpointRecord
+    #: read by slices (a state laid out over devices): its hash is checked once placed
+    sliced: bool = False
 
 
 def check(
@@ -139,7 +141,8 @@ def restore(
             state_hash=manifest["state_hash"],
             state_hash_version=manifest.get("state_hash_version", 1),
         )
-        return Restored(state, CheckpointRecord(step, str(path), sha, manifest["state_hash"]))
+        record = CheckpointRecord(step, str(path), sha, manifest["state_hash"])
+        return Restored(state, record, sliced=bool(manifest.get("sliced")))
     events.emit(
         "restore_fallback",
         reason="no valid committed checkpoint in the attempt chain; starting from step 0",

@@ -71,6 +71,9 @@ class ReadyToTrain:
     step: int
     restored: CheckpointRecord | None
     compute_before: float
+    #: the restored state was read by slices: its hash is checked once placed
+    #: (``checkpoint.verify_placed``)
+    restored_sliced: bool = False
 
 
 SetUp = SetUpFailed | AdoptCompleted | ReadyToTrain
@@ -243,7 +246,12 @@ def set_up(context: SetUpContext) -> SetUp:
         step = int(state["step"])
         progress.steps_completed = step
         return ReadyToTrain(
-            program, state, step, restored.checkpoint if restored else None, compute_before
+            program,
+            state,
+            step,
+            restored.checkpoint if restored else None,
+            compute_before,
+            restored_sliced=bool(restored and restored.sliced),
         )
     except ResumeRefused as exc:
         return SetUpFailed(AttemptError("resume", str(exc)), EXIT_INVALID)

@@ -213,7 +213,12 @@ class Attempt:
         )
         # restored arrays come from host files: put them where the compiled update wants
         # them (over several processes a collective, hence only once all agreed to start)
-        end = loop.run(program.place(ready.state), ready.step, ready.compute_before)
+        state = program.place(ready.state)
+        if ready.restored_sliced:  # each process read only its own slices: hash them placed
+            from ..state import checkpoint
+
+            checkpoint.verify_placed(state, ready.restored.path, ready.restored.state_hash)
+        end = loop.run(state, ready.step, ready.compute_before)
         committed = self.checkpoints.ensure(end.state, end.step, end.compute_used)
         if isinstance(end, Stopped) and isinstance(end.stop, Preempt):
             self.events.emit(

@@ -134,7 +134,7 @@ class HostSnapshot:
             self.arrays = named_arrays(state)
         return self.arrays
 
-    def _digests_of(self, state, step: int) -> dict[str, str]:
+    def digests_of(self, state, step: int) -> dict[str, str]:
         self._at(step)
         if self.digests is None:
             if self.arrays is None and spans_processes(state):
@@ -144,12 +144,12 @@ class HostSnapshot:
         return self.digests
 
     def hash_of(self, state, step: int) -> str:
-        digests = self._digests_of(state, step)
+        digests = self.digests_of(state, step)
         return hash_named_arrays(named_leaves(state), digests=digests)
 
     def hashes_of(self, state, step: int) -> tuple[str, dict[str, str]]:
         """The complete-state hash and one per state part (the update event's)."""
-        digests = self._digests_of(state, step)
+        digests = self.digests_of(state, step)
         return hashes_of(dict(named_leaves(state)), digests)
 
     def known_digests(self, step: int) -> dict[str, str] | None:

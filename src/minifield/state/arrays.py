@@ -83,7 +83,8 @@ def restore_like(template: Any, arrays: Mapping[str, np.ndarray]) -> Any:
                 f"state array {name!r} is {value.dtype}{list(value.shape)}, "
                 f"expected {expected[0]}{list(expected[1])}"
             )
-        spread = isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
+        sharding = getattr(leaf, "sharding", None)  # an array's, or an abstract template's
+        spread = sharding is not None and len(sharding.device_set) > 1
         wanted.append(value if spread else jax.numpy.asarray(value))
     extra = set(arrays) - {"/".join(_key_name(e) for e in p) for p, _ in leaves}
     if extra:
@@ -139,12 +140,13 @@ def array_digests(
 
 
 def named_leaves(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """``(name, leaf)`` of every state array in name order, where each lives (no copy)."""
+    """``(name, leaf)`` of every state array in name order, where each lives (no copy; an
+    abstract template's ``ShapeDtypeStruct`` as it is)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(state)
     return sorted(
         (
             "/".join(_key_name(e) for e in path),
-            leaf if isinstance(leaf, jax.Array) else np.asarray(leaf),
+            leaf if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else np.asarray(leaf),
         )
         for path, leaf in leaves
     )

@@ -33,28 +33,43 @@ from typing import Any
 
 from .. import atomic
 from ..digest import sha256_bytes, sha256_file
-from . import checkpoint_data, checkpoint_npy
+from . import checkpoint_data, checkpoint_npy, checkpoint_parts, regions
 from .arrays import (
     STATE_HASH_VERSION,
     array_digests,
     hash_named_arrays,
     named_arrays,
+    named_leaves,
     restore_like,
     state_hash,
 )
 from .checkpoint_data import CheckpointError
 
+#: written by one process (the whole state in one data file)
 FORMAT = "minifield-checkpoint/3"
+#: written by several processes, each its own part (:mod:`.checkpoint_parts`)
+FORMAT_PARTS = checkpoint_parts.FORMAT
 #: formats read and verified: format -> the state-hash versions its manifests may hold
 #: (format 3 was written with version 2 by the previous release, with version 3 now)
 STATE_HASH_VERSIONS_OF = {
     "minifield-checkpoint/1": (1,),
     "minifield-checkpoint/2": (2,),
     FORMAT: (2, STATE_HASH_VERSION),
+    FORMAT_PARTS: (STATE_HASH_VERSION,),
 }
 MANIFEST = "manifest.json"
 
-__all__ = ["CheckpointError", "CheckpointRecord", "FORMAT", "MANIFEST", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointRecord",
+    "FORMAT",
+    "FORMAT_PARTS",
+    "MANIFEST",
+    "load",
+    "save",
+    "save_parts",
+    "verify_placed",
+]
 
 
 @dataclass(frozen=True)
@@ -123,13 +138,7 @@ def save(
     the manifest and the rename that commit the checkpoint. On any error the temporary
     directory is removed (best effort) and the previous checkpoints are untouched.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    existing = committed_steps(directory)
-    if existing and step <= existing[-1]:
-        raise CheckpointError(
-            f"checkpoint step {step} is not greater than the last committed step {existing[-1]} "
-            f"in {directory}"
-        )
+    _check_step(directory, step)
     final = directory / step_dir_name(step)
     tmp = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
@@ -141,13 +150,7 @@ def save(
         )
         if before_commit is not None:
             before_commit()
-        with atomic.naming(tmp / MANIFEST), open(tmp / MANIFEST, "wb") as handle:
-            handle.write(manifest_bytes)
-            handle.flush()
-            os.fsync(handle.fileno())
-        atomic.fsync_dir(tmp)
-        os.rename(tmp, final)
-        atomic.fsync_dir(directory)
+        _commit(tmp, final, manifest_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -159,6 +162,86 @@ def save(
         sha256=sha256_bytes(manifest_bytes),
         state_hash=manifest["state_hash"],
     )
+
+
+def _check_step(directory: Path, step: int) -> None:
+    """Create ``directory``; refuse a step not above its newest committed checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    existing = committed_steps(directory)
+    if existing and step <= existing[-1]:
+        raise CheckpointError(
+            f"checkpoint step {step} is not greater than the last committed step {existing[-1]} "
+            f"in {directory}"
+        )
+
+
+def _commit(tmp: Path, final: Path, manifest_bytes: bytes) -> None:
+    """Commit the written directory ``tmp`` as ``final``: the manifest fsynced, then the
+    directory, the rename, the parent."""
+    with atomic.naming(tmp / MANIFEST), open(tmp / MANIFEST, "wb") as handle:
+        handle.write(manifest_bytes)
+        handle.flush()
+        os.fsync(handle.fileno())
+    atomic.fsync_dir(tmp)
+    os.rename(tmp, final)
+    atomic.fsync_dir(final.parent)
+
+
+def save_parts(
+    directory: Path,
+    state: Any,
+    *,
+    step: int,
+    computation_digest: str,
+    group,
+    digests: dict[str, str],
+    extra: dict | None = None,
+    keep: int | None = None,
+    fault=None,
+) -> CheckpointRecord:
+    """Commit ``state``, spread over the processes of ``group``, as checkpoint ``step`` in
+    format 4 (a collective): each process writes the blocks its devices hold, process 0
+    commits once every part is durable (:mod:`.checkpoint_parts`). ``digests`` are the
+    state's version-3 per-array digests (``arrays.state_digests``: hashed where the arrays
+    live). Nothing is gathered. Returns the record on every process (path and manifest
+    sha256 on process 0 only); raises :class:`CheckpointError` on every process if any part
+    or the commit failed, the previous checkpoints untouched."""
+    leaves = named_leaves(state)
+    final = directory / step_dir_name(step)
+    tmp = directory / f".tmp-{step_dir_name(step)}-parts"
+    state_hash_value = hash_named_arrays(leaves, digests=digests)
+    committed: dict[str, str] = {}
+
+    def open_directory() -> None:
+        _check_step(directory, step)
+        if tmp.exists():  # a killed attempt's, never committed
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+
+    def commit(descriptions: list[dict]) -> None:
+        head = {
+            "step": step,
+            "computation_digest": computation_digest,
+            "state_hash": state_hash_value,
+            "state_hash_version": STATE_HASH_VERSION,
+            "extra": extra or {},
+        }
+        manifest_bytes = _manifest_bytes(
+            checkpoint_parts.manifest(leaves, descriptions, digests, head)
+        )
+        for rank in range(len(descriptions)):  # the manifest holds what they said
+            (tmp / checkpoint_parts.part_description(rank)).unlink()
+        _commit(tmp, final, manifest_bytes)
+        committed["sha256"] = sha256_bytes(manifest_bytes)
+
+    checkpoint_parts.save(
+        tmp, leaves, group, open_directory=open_directory, commit=commit, fault=fault
+    )
+    if group.rank != 0:
+        return CheckpointRecord(step, None, None, state_hash_value)
+    if keep is not None:
+        prune(directory, keep)
+    return CheckpointRecord(step, str(final), committed["sha256"], state_hash_value)
 
 
 def _write_contents(
@@ -243,10 +326,29 @@ def load(path: Path, template: Any, *, computation_digest: str | None = None) ->
     """Verify and restore one checkpoint directory (any format read). Raises CheckpointError on
     any mismatch. The state hash is recomputed in the manifest's own version: a version-2
     one from the per-array hashes just verified against the bytes read, a version-3 one
-    from the pieces of the arrays read."""
+    from the pieces of the arrays read.
+
+    A template leaf sharded over several devices (a state created in its sharding, or an
+    abstract ``ShapeDtypeStruct`` with a sharding) is read only for the regions this
+    process's devices hold and put on them (a version-3 checkpoint of either format, written
+    by any number of processes: :func:`.checkpoint_parts.read_arrays`). Each stored block
+    read whole is checked against its sha256 here; the complete state hash of such a state
+    needs every process's pieces: the caller checks it with :func:`verify_placed` once every
+    process restored (``manifest["sliced"]``)."""
     manifest = _read_manifest(path, computation_digest)
     version = manifest.get("state_hash_version", 1)
-    if manifest["format"] == FORMAT:
+    leaves = dict(named_leaves(template)) if version == STATE_HASH_VERSION else {}
+    sliced = any(regions.needed(leaf) is not None for leaf in leaves.values())
+    digests = None
+    if manifest["format"] == FORMAT_PARTS or (manifest["format"] == FORMAT and sliced):
+        if manifest["format"] == FORMAT_PARTS:
+            stored = checkpoint_parts.layout(path / MANIFEST, manifest)
+            sizes = {part["file"]: part["size"] for part in manifest["parts"]}
+        else:
+            stored = checkpoint_data.blocks(path / MANIFEST, manifest)
+            sizes = {checkpoint_data.DATA_FILE: manifest["data"]["size"]}
+        arrays, digests = checkpoint_parts.read_arrays(path, stored, sizes, leaves)
+    elif manifest["format"] == FORMAT:
         arrays = checkpoint_data.read(path, path / MANIFEST, manifest)
     else:
         arrays = checkpoint_npy.read(path, manifest, version)
@@ -255,16 +357,30 @@ def load(path: Path, template: Any, *, computation_digest: str | None = None) ->
         state = restore_like(template, arrays)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
+    if sliced:
+        # the hash needs every piece: each process hashes its own once the state is placed
+        return state, {**manifest, "sliced": True}
     if version == 1:
         recomputed = state_hash(state, version=1)
     elif version == 3:
-        recomputed = hash_named_arrays(sorted(arrays.items()), digests=array_digests(arrays))
+        digests = digests if digests is not None else array_digests(arrays)
+        recomputed = hash_named_arrays(sorted(arrays.items()), digests=digests)
     else:
         digests = {entry["name"]: entry["sha256"] for entry in entries}
         recomputed = hash_named_arrays(sorted(arrays.items()), digests=digests)
     if recomputed != manifest.get("state_hash"):
         raise CheckpointError(f"{path}: restored state hash differs from the manifest")
     return state, manifest
+
+
+def verify_placed(state: Any, path: str | None, expected: str) -> None:
+    """The state restored by slices, once placed, must hash to its manifest's state hash (a
+    collective over the processes: each hashes the pieces it holds, only digests exchanged)."""
+    if state_hash(state) != expected:
+        raise CheckpointError(
+            f"{path or 'the restored checkpoint'}: the placed state's hash differs from the "
+            f"manifest's {expected} (a part holds other values than were written)"
+        )
 
 
 def manifest_sha256(path: Path) -> str:

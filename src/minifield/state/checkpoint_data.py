@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
+from . import regions
 from .arrays import array_sha256, byte_view
 
 #: the data file's name inside a checkpoint directory
@@ -106,7 +107,7 @@ def description(entries: list[dict]) -> dict:
     return {"file": DATA_FILE, "size": size, "alignment": ALIGNMENT}
 
 
-def _layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, int]]:
+def layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, int]]:
     """``(entry, dtype, nbytes)`` of each array, after checking that the entries tile the data
     file as the format says (aligned, in order, not overlapping, sizes agreeing with the
     shapes, the last one ending at the file's size)."""
@@ -115,7 +116,7 @@ def _layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, i
         raise CheckpointError(f"{manifest_path}: field data.file must be {DATA_FILE!r}")
     if data.get("alignment") != ALIGNMENT:
         raise CheckpointError(f"{manifest_path}: field data.alignment must be {ALIGNMENT}")
-    layout, end = [], 0
+    out, end = [], 0
     for index, entry in enumerate(manifest.get("arrays", [])):
         where = f"{manifest_path}: arrays[{index}]"
         try:
@@ -144,14 +145,27 @@ def _layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, i
                 f"{where} ({entry.get('name')!r}): offset {offset!r} must be a multiple of "
                 f"{ALIGNMENT} at or after the previous array's end ({end})"
             )
-        layout.append((entry, dtype, nbytes))
+        out.append((entry, dtype, nbytes))
         end = offset + nbytes
     if data.get("size") != end:
         raise CheckpointError(
             f"{manifest_path}: field data.size {data.get('size')!r} is not where the last "
             f"array ends ({end})"
         )
-    return layout
+    return out
+
+
+def blocks(manifest_path: Path, manifest: dict) -> dict:
+    """The data file as stored blocks, one per array (the whole array), for a restore that
+    reads regions of them (``checkpoint_parts.read_arrays``)."""
+    out = {}
+    for entry, dtype, nbytes in layout(manifest_path, manifest):
+        shape = tuple(entry["shape"])
+        block = regions.Stored(
+            regions.whole(shape), DATA_FILE, entry["offset"], nbytes, entry["sha256"]
+        )
+        out[entry["name"]] = (dtype, shape, [block])
+    return out
 
 
 def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarray]:
@@ -159,7 +173,7 @@ def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarra
     data file: each copied out and its sha256 checked against the manifest's (the copy is
     what is hashed, so the bytes verified are the bytes used); the bytes between arrays must
     be zero and the file exactly the recorded size."""
-    layout = _layout(manifest_path, manifest)
+    entries = layout(manifest_path, manifest)
     file = path / DATA_FILE
     arrays: dict[str, np.ndarray] = {}
     try:
@@ -173,7 +187,7 @@ def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarra
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
             try:
                 end = 0
-                for entry, dtype, nbytes in layout:
+                for entry, dtype, nbytes in entries:
                     # sliced as bytes (a copy of < ALIGNMENT bytes): no view of the mapping
                     # outlives this statement, so an error below can still close it
                     if mapped[end : entry["offset"]].strip(b"\0"):
