@@ -12,4 +12,6 @@ evaluation.evaluate(
     Path(snakemake.output.metrics),
     Path(snakemake.output.selected_export),
     Path(snakemake.params.input_root),
+    processes=snakemake.config["evaluate"]["processes"],  # operational: not a rerun trigger
+    log=Path(snakemake.log[0]),
 )
