@@ -310,7 +310,7 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     """`train.processes: 2`: the recovery proof and the training each run as one attempt of
     two processes (minifield.supervision.launch, local processes here; srun inside a SLURM allocation),
     gated and evaluated like any other computation, with the same bits as one process over
-    two devices."""
+    two devices; `evaluate.processes: 2`: the evaluate job over those two processes too."""
     project = tmp_path / "project"
     (project / "config").mkdir(parents=True)
     shutil.copytree(space["input_root"], project / "data")
@@ -330,6 +330,8 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
         "train": {"retries": 0, "processes": 2},
         # the crash proof alone: preemption proofs are tested in test_proof.py
         "qualification": {"mode": "crash"},
+        # the evaluate job over the same two processes' mesh (its figures: the test below)
+        "evaluate": {"processes": 2},
     }
     (project / "config" / "config.yaml").write_text(json.dumps(config))
     cdigest = recipes.load(recipe_path).computation_digest
@@ -362,6 +364,14 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     metrics = json.loads((base / "eval" / "metrics.json").read_text())
     assert metrics["checkpoints"][-1]["step"] == MAX_STEPS
     assert metrics["checkpoints"][-1]["state_hash"] == result["final_state_hash"]
+    log = (project / "logs" / "evaluate" / f"{cdigest[:16]}.log").read_text()
+    assert "-m minifield.supervision.launch --processes 2 --" in log, log[-3000:]
+    assert "evaluation_processes[1]: scored 3 checkpoint(s)" in log
+    assert sorted(p.name for p in (base / "eval").iterdir()) == ["metrics.json", "selected-export"]
+    # the final checkpoint's DEV figures: the training's own final evaluation, on the same mesh
+    assert metrics["checkpoints"][-1]["dev"] == {
+        k: v for k, v in result["metrics"].items() if k.startswith("dev_")
+    }
 
 
 def test_evaluate_stage_over_two_processes_gives_the_one_process_figures(

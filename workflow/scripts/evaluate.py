@@ -4,7 +4,10 @@ from pathlib import Path
 
 from minifield.pipeline import evaluation
 
-sys.stderr = open(snakemake.log[0], "w")
+# emptied, then appended to: the evaluation processes append their output to the same log,
+# and a handle that is not in append mode would write over it
+open(snakemake.log[0], "w").close()
+sys.stderr = open(snakemake.log[0], "a")
 evaluation.evaluate(
     Path(snakemake.input.recipe),
     Path(snakemake.input.result),
