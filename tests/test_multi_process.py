@@ -433,3 +433,31 @@ def test_evaluate_stage_over_two_processes_gives_the_one_process_figures(
         assert (exports[0] / relative).read_bytes() == (exports[1] / relative).read_bytes(), (
             relative
         )
+
+
+def test_evaluation_processes_that_do_not_hold_the_mesh_are_refused(space, tmp_path, monkeypatch):
+    """Two processes with two devices each hold four devices, the recipe's mesh two: every
+    process refuses (exit 2) before reading anything, naming both counts; nothing written."""
+    from minifield.pipeline import evaluation, preparation
+    from minifield.pipeline.errors import StageError
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    recipe_json = tmp_path / "recipe.json"
+    preparation.validate(mp_recipe(space, "refused"), recipe_json, tmp_path / "v.json")
+    log = tmp_path / "evaluate.log"
+    with pytest.raises(
+        StageError, match=r"2 evaluation processes .* refused the evaluation \(exit 2\)"
+    ):
+        evaluation.evaluate(
+            recipe_json, tmp_path / "absent-result.json", tmp_path / "absent-examples",
+            tmp_path / "eval" / "metrics.json", tmp_path / "eval" / "selected-export",
+            processes=2, log=log,
+        )  # fmt: skip
+    said = log.read_text()
+    for rank in (0, 1):
+        assert (
+            f"evaluation_processes[{rank}]: 2 processes hold 4 devices in all, but the recipe's "
+            "training.data_parallel.devices is 2"
+        ) in said, said[-3000:]
+    assert list((tmp_path / "eval").iterdir()) == []
