@@ -40,6 +40,7 @@ _.input_paths
 _.fetched_roots
 _.for_examples
 _.for_source
+_.require_valid
 # used from workflow/rules/two_stage_common.smk
 _.load_links
 _.register_stage2

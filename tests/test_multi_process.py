@@ -310,7 +310,7 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     """`train.processes: 2`: the recovery proof and the training each run as one attempt of
     two processes (minifield.supervision.launch, local processes here; srun inside a SLURM allocation),
     gated and evaluated like any other computation, with the same bits as one process over
-    two devices."""
+    two devices; `evaluate.processes: 2`: the evaluate job over those two processes too."""
     project = tmp_path / "project"
     (project / "config").mkdir(parents=True)
     shutil.copytree(space["input_root"], project / "data")
@@ -330,6 +330,8 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
         "train": {"retries": 0, "processes": 2},
         # the crash proof alone: preemption proofs are tested in test_proof.py
         "qualification": {"mode": "crash"},
+        # the evaluate job over the same two processes' mesh (its figures: the test below)
+        "evaluate": {"processes": 2},
     }
     (project / "config" / "config.yaml").write_text(json.dumps(config))
     cdigest = recipes.load(recipe_path).computation_digest
@@ -362,3 +364,100 @@ def test_pipeline_trains_over_two_processes(space, reference, tmp_path):
     metrics = json.loads((base / "eval" / "metrics.json").read_text())
     assert metrics["checkpoints"][-1]["step"] == MAX_STEPS
     assert metrics["checkpoints"][-1]["state_hash"] == result["final_state_hash"]
+    log = (project / "logs" / "evaluate" / f"{cdigest[:16]}.log").read_text()
+    assert "-m minifield.supervision.launch --processes 2 --" in log, log[-3000:]
+    assert "evaluation_processes[1]: scored 3 checkpoint(s)" in log
+    assert sorted(p.name for p in (base / "eval").iterdir()) == ["metrics.json", "selected-export"]
+    # the final checkpoint's DEV figures: the training's own final evaluation, on the same mesh
+    assert metrics["checkpoints"][-1]["dev"] == {
+        k: v for k, v in result["metrics"].items() if k.startswith("dev_")
+    }
+
+
+def test_evaluate_stage_over_two_processes_gives_the_one_process_figures(
+    space, reference, tmp_path, monkeypatch
+):
+    """`evaluate.processes: 2`: the reference attempt's checkpoints (written by one process
+    over two devices) restored by two processes into the recipe's sharding and scored on the
+    two-device mesh. The same figures, bit for bit, as the training's own final evaluation on
+    that mesh (one process over two devices); against the one-process stage, which scores on
+    one device, the same selection, exact-match and export, and losses equal to FP32
+    rounding (the mesh sums each device's rows first, then adds the two sums)."""
+    from minifield.pipeline import evaluation, preparation
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device per process: two in all
+    recipe_json = tmp_path / "recipe.json"
+    preparation.validate(space["root"] / "reference.json", recipe_json, tmp_path / "v.json")
+    preparation.prepare(recipe_json, space["input_root"], tmp_path / "examples")
+    train_result = tmp_path / "train-result.json"
+    train_result.write_text(json.dumps({**result(reference), "attempt_dir": str(reference)}))
+
+    def stage(name: str, processes: int) -> dict:
+        out = tmp_path / name
+        return evaluation.evaluate(
+            recipe_json, train_result, tmp_path / "examples", out / "metrics.json",
+            out / "selected-export", processes=processes, log=tmp_path / f"{name}.log",
+        )  # fmt: skip
+
+    two = stage("two", 2)
+    log = (tmp_path / "two.log").read_text()
+    assert "-m minifield.supervision.launch --processes 2 --" in log and "--distributed" in log
+    assert [p.name for p in (tmp_path / "two").iterdir()] == ["metrics.json", "selected-export"]
+    steps = [row["step"] for row in two["checkpoints"]]
+    assert steps == list(range(EVERY, MAX_STEPS + 1, EVERY))
+    # the final checkpoint's DEV figures: those the training computed on the same mesh
+    final = [e for e in read_events(reference / "events.jsonl") if e["type"] == "evaluation"]
+    assert final[-1]["final"] and final[-1]["step"] == MAX_STEPS
+    assert two["checkpoints"][-1]["dev"] == final[-1]["metrics"]
+
+    one = stage("one", 1)
+    assert two["selection"] == one["selection"] and two["acceptance"] == one["acceptance"]
+    for mesh, single in zip(two["checkpoints"], one["checkpoints"], strict=True):
+        assert mesh["state_hash"] == single["state_hash"] and mesh["sha256"] == single["sha256"]
+        for split, figures in (("dev", mesh["dev"]), ("test", two["test"])):
+            other = single["dev"] if split == "dev" else one["test"]
+            assert figures.keys() == other.keys()
+            for name, value in figures.items():
+                if name.endswith(("_loss", "_perplexity")):
+                    assert value == pytest.approx(other[name], rel=2e-6), (split, name)
+                else:  # counts and shares of exact matches
+                    assert value == other[name], (split, name)
+    # the selected export: the same files, byte for byte, whichever processes wrote it
+    exports = [tmp_path / name / "selected-export" for name in ("two", "one")]
+    files = [
+        sorted(p.relative_to(d) for d in [d] for p in d.rglob("*") if p.is_file()) for d in exports
+    ]
+    assert files[0] == files[1] and files[0]
+    for relative in files[0]:
+        assert (exports[0] / relative).read_bytes() == (exports[1] / relative).read_bytes(), (
+            relative
+        )
+
+
+def test_evaluation_processes_that_do_not_hold_the_mesh_are_refused(space, tmp_path, monkeypatch):
+    """Two processes with two devices each hold four devices, the recipe's mesh two: every
+    process refuses (exit 2) before reading anything, naming both counts; nothing written."""
+    from minifield.pipeline import evaluation, preparation
+    from minifield.pipeline.errors import StageError
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    recipe_json = tmp_path / "recipe.json"
+    preparation.validate(mp_recipe(space, "refused"), recipe_json, tmp_path / "v.json")
+    log = tmp_path / "evaluate.log"
+    with pytest.raises(
+        StageError, match=r"2 evaluation processes .* refused the evaluation \(exit 2\)"
+    ):
+        evaluation.evaluate(
+            recipe_json, tmp_path / "absent-result.json", tmp_path / "absent-examples",
+            tmp_path / "eval" / "metrics.json", tmp_path / "eval" / "selected-export",
+            processes=2, log=log,
+        )  # fmt: skip
+    said = log.read_text()
+    for rank in (0, 1):
+        assert (
+            f"evaluation_processes[{rank}]: 2 processes hold 4 devices in all, but the recipe's "
+            "training.data_parallel.devices is 2"
+        ) in said, said[-3000:]
+    assert list((tmp_path / "eval").iterdir()) == []

@@ -90,8 +90,9 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
     """Without a cluster: Snakemake accepts every profile key (both profiles layered), groups
     the bookkeeping rules, and gives train the GPU request and its own runtime/memory; with
     `train.processes: 2`, qualify and train ask for 2 tasks as an `mpi` job (the executor
-    submits --ntasks=2 and does not wrap the job in a one-task srun), nothing else does."""
-    workdir = _workspace(tmp_path, gpus=1, processes=2)
+    submits --ntasks=2 and does not wrap the job in a one-task srun), with
+    `evaluate.processes: 2` evaluate too, nothing else does."""
+    workdir = _workspace(tmp_path, gpus=1, processes=2, evaluate_processes=2)
     profile = ("--profile", str(REPO / "profiles" / "slurm"))
     proc = _snakemake(workdir, *profile, "-n", _target(), cluster=False)
     output = _finish(proc, workdir, "dry-run")
@@ -108,7 +109,7 @@ def test_slurm_profile_dry_run_requests_gpu_for_train_only(tmp_path):
             continue
         items = dict(kv.split("=", 1) for kv in resources.group(1).split(", "))
         multi_process = (items.get("tasks"), items.get("mpi")) == ("2", "srun")
-        assert multi_process == (rule in ("qualify", "train")), f"{rule}: {items}"
+        assert multi_process == (rule in ("qualify", "train", "evaluate")), f"{rule}: {items}"
         if rule == "train":
             assert (items["gpu"], items["mem_mb"], items["runtime"]) == ("1", "4000", "120")
         elif rule == "qualify":
@@ -191,7 +192,7 @@ def _target() -> str:
     return f"results/computations/{cdigest[:16]}/eval/metrics.json"
 
 
-def _workspace(root: Path, gpus: int, processes: int = 1) -> Path:
+def _workspace(root: Path, gpus: int, processes: int = 1, evaluate_processes: int = 1) -> Path:
     """A fresh working directory with the demo recipe, its pinned data and a small config."""
     (root / "config" / "recipes").mkdir(parents=True)
     shutil.copytree(REPO / "data" / "linear", root / "data" / "linear")
@@ -204,6 +205,7 @@ def _workspace(root: Path, gpus: int, processes: int = 1) -> Path:
         "train": {"retries": 0, "request_gpus": gpus, "processes": processes},
         # the crash proof alone: preemption proofs are tested in test_proof.py
         "qualification": {"mode": "crash"},
+        "evaluate": {"processes": evaluate_processes},
     }
     (root / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return root

@@ -1,7 +1,9 @@
 # Helpers: config validation, the computations table, input functions.
-from minifield.pipeline import computations
+from minifield.pipeline import computations, workflow_config
 from snakemake.utils import validate
 
+# the file, the field and the expectation, exit 2 (Snakemake's validate: a schema dump, exit 1)
+workflow_config.require_valid(config, workflow.configfiles)
 validate(config, schema="../schemas/config.schema.json")
 
 COMPUTATIONS = computations.load_computations(config)
@@ -105,6 +107,13 @@ def training_resources():
     if train["processes"] > 1:
         resources.update(tasks=train["processes"], mpi="srun")
     return resources
+
+
+def evaluation_resources():
+    """Resources of the evaluate job: for an evaluation over several processes, the tasks
+    to run them in (as for training, see training_resources)."""
+    processes = config["evaluate"]["processes"]
+    return {"tasks": processes, "mpi": "srun"} if processes > 1 else {}
 
 
 def proof_required():

@@ -1,3 +1,5 @@
+# evaluate.processes is read from the config by the script (operational: the figures are
+# the same over any number of processes, so changing it does not re-trigger an evaluation).
 rule evaluate:
     input:
         recipe="results/computations/{cdigest}/recipe.json",
@@ -14,6 +16,8 @@ rule evaluate:
         "results/benchmarks/evaluate/{cdigest}.tsv"
     conda:
         "../../envs/minifield.yaml"
+    resources:
+        **evaluation_resources(),
     params:
         input_root=computation_input_root,
     script:

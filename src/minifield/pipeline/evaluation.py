@@ -1,38 +1,18 @@
 """The evaluate stage: every retained checkpoint scored on DEV, one selected on DEV, TEST
-assessed for it only.
-
-The checkpoint format imports JAX: it is imported inside the functions that need it.
+assessed for it only (:mod:`.checkpoint_scores`), in this process or over several
+(``evaluate.processes``, :mod:`.evaluation_processes`); then the acceptance checks and a
+recipe's lm-eval harness tasks, here, on the selected export.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..attempt.chain import committed_checkpoints
 from ..harness import tasks as harness_tasks
-from ..inputs import examples
+from . import checkpoint_scores, evaluation_processes
 from .errors import StageError
-
-
-def _retained_checkpoints(attempt_dir: Path) -> list[Path]:
-    """Committed checkpoints along the attempt chain, one per step (the newest attempt's wins)."""
-    by_step: dict[int, Path] = {}
-    for step, path in committed_checkpoints(attempt_dir):
-        by_step.setdefault(step, path)
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _load_selected(path: Path, sha256: str, program, computation_digest: str):
-    """The selected checkpoint's state, verified again, and still the one DEV scored."""
-    from ..state import checkpoint
-
-    state, _ = checkpoint.load(path, program.init_state(), computation_digest=computation_digest)
-    if checkpoint.manifest_sha256(path) != sha256:
-        raise StageError(f"{path} changed while it was being evaluated (manifest sha256)")
-    return state
 
 
 def _harness_tasks(recipe: dict, input_root: Path | None) -> list[dict] | None:
@@ -54,61 +34,34 @@ def evaluate(
     out_metrics: Path,
     out_selected_export: Path | None = None,
     input_root: Path | None = None,
+    *,
+    processes: int = 1,
+    log: Path | None = None,
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
-    One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
-    loaded again for TEST. With ``out_selected_export``, the selected checkpoint's weights
-    are exported there (the train stage exports the final ones). A recipe's
-    ``evaluation.harness`` tasks (read from ``input_root``, checked before anything is
-    evaluated) run on that export; their results and threshold checks join the metrics.
+    With ``out_selected_export``, the selected checkpoint's weights are exported there (the
+    train stage exports the final ones). With ``processes`` above 1 the figures are computed
+    by that many processes on the recipe's mesh (their output appended to ``log``). A
+    recipe's ``evaluation.harness`` tasks (read from ``input_root``, checked before anything
+    is evaluated) run here, once, on that export; their results and threshold checks join
+    the metrics.
     """
-    from ..state import checkpoint
-
     recipe = recipes.load(recipe_json)
     harness = _harness_tasks(recipe.data, input_root)
-    result = atomic.read_json(train_result)
-    arrays, _ = examples.load(examples_dir, recipe.examples_digest)
-    program = recipe.strategy.build(recipe.data, arrays)
-    rows = []
-    for path in _retained_checkpoints(Path(result["attempt_dir"])):
-        try:
-            state, manifest = checkpoint.load(
-                path, program.init_state(), computation_digest=recipe.computation_digest
-            )
-        except checkpoint.CheckpointError as exc:
-            rows.append({"step": None, "path": str(path), "rejected": str(exc)})
-            continue
-        rows.append(
-            {
-                "step": manifest["step"],
-                "path": str(path),
-                "sha256": checkpoint.manifest_sha256(path),
-                "state_hash": manifest["state_hash"],
-                "dev": program.evaluate(state),
-            }
-        )
-        del state  # before the next checkpoint is loaded
-    scored = [r for r in rows if "dev" in r]
-    if not scored:
-        raise StageError(f"no verifiable checkpoint to evaluate for {result['attempt_dir']}")
-    metric, mode = recipe.strategy.selection_metric
-    sign = 1.0 if mode == "min" else -1.0
-    # Best DEV score wins; among equals the later step (more training) wins.
-    selected = min(scored, key=lambda r: (sign * r["dev"][metric], -r["step"]))
-    state = _load_selected(
-        Path(selected["path"]), selected["sha256"], program, recipe.computation_digest
-    )
-    test = program.evaluate_test(state)
-    if out_selected_export is not None:
-        if out_selected_export.exists():
-            shutil.rmtree(out_selected_export)
-        program.export(state, out_selected_export)
-    acceptance = recipe.strategy.acceptance(recipe.data, {**selected["dev"], **test})
+    if harness is not None and out_selected_export is None:
+        raise StageError("evaluation.harness runs on the selected export: give its directory")
+    if processes == 1:
+        scores = checkpoint_scores.score(recipe, train_result, examples_dir, out_selected_export)
+    else:
+        scores = evaluation_processes.run(
+            recipe, recipe_json, train_result, examples_dir, out_selected_export, processes,
+            scratch=out_metrics.parent, log=log,
+        )  # fmt: skip
+    dev, test = scores["selected_dev"], scores["test"]
+    acceptance = recipe.strategy.acceptance(recipe.data, {**dev, **test})
     harness_record = None
     if harness is not None:
-        if out_selected_export is None:
-            raise StageError("evaluation.harness runs on the selected export: give its directory")
         from ..harness import run as harness_run  # lm-eval: only for a recipe with harness tasks
 
         harness_record = harness_run.record(recipe.data, harness, out_selected_export)
@@ -116,17 +69,8 @@ def evaluate(
         acceptance = {"passed": all(c["passed"] for c in checks), "checks": checks}
     metrics = {
         "computation_digest": recipe.computation_digest,
-        "final_state_hash": result["final_state_hash"],
-        "checkpoints": rows,
-        "selection": {
-            "split": "dev",
-            "metric": metric,
-            "mode": mode,
-            "step": selected["step"],
-            "sha256": selected["sha256"],
-        },
-        "selected_dev": selected["dev"],
-        "test": test,
+        "final_state_hash": atomic.read_json(train_result)["final_state_hash"],
+        **scores,
         "acceptance": acceptance,
     }
     if harness_record is not None:
