@@ -4,8 +4,9 @@ TEST assessed for it only, its weights exported.
 What every process of the stage runs. In one process a checkpoint is restored onto one
 device, as ever. In a group of processes (``evaluate.processes``) the program's mesh is laid
 out over the devices of all of them first, so the state template is created in the recipe's
-sharding: ``checkpoint.load`` then leaves host arrays that :meth:`Program.place` puts on the
-mesh, each device receiving only its slices, and DEV and TEST are computed on the mesh (the
+sharding: ``checkpoint.load`` reads in each process only the slices its devices hold and
+puts them there (the state hash then checked over the placed pieces), :meth:`Program.place`
+puts what it read whole on the mesh, and DEV and TEST are computed on the mesh (the
 evaluator reads the replicated sums locally). Every decision is taken together (a checkpoint
 one process cannot verify is rejected by all), so no process waits in a collective for a
 peer that skipped it. The checkpoint format imports JAX: it is imported inside the functions.
@@ -39,7 +40,7 @@ class _Restorer:
     def __init__(self, program, recipe: Recipe, group: distributed.Group):
         self.program, self.recipe, self.group = program, recipe, group
         if group.size > 1:
-            # the template in the recipe's sharding: restore_like leaves host arrays for place
+            # the template in the recipe's sharding: each process reads only its own slices
             program.lay_out_mesh()
 
     def load(self, path: Path) -> tuple[Any, dict]:
@@ -63,6 +64,10 @@ class _Restorer:
             raise checkpoint.CheckpointError(f"{text}{by}")
         if self.group.size > 1:
             state = self.program.place(state)
+        if manifest.get("sliced"):
+            # each process read only its own slices: the state hash over the placed pieces
+            # (a collective; every process reaches it, so every process refuses alike)
+            checkpoint.verify_placed(state, str(path), manifest["state_hash"])
         return state, manifest
 
 
