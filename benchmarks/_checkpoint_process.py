@@ -95,7 +95,7 @@ def save(args, group, abstract_make, rss: PeakRSS) -> dict:
     """Create the state, then save it; the baseline is the RSS with the state resident."""
     import jax
 
-    from minifield.state import arrays, checkpoint
+    from minifield.state import arrays, checkpoint, checkpoint_spread
 
     make, _abstract = abstract_make
     state = make()
@@ -111,7 +111,7 @@ def save(args, group, abstract_make, rss: PeakRSS) -> dict:
     started = time.monotonic()
     if args.writer == "minifield":
         if group.size > 1:
-            checkpoint.save_parts(
+            checkpoint_spread.save(
                 directory, state, step=1, computation_digest="c" * 64, group=group,
                 digests=digests,
             )  # fmt: skip

@@ -4,10 +4,12 @@ Joins the processes named by ``MINIFIELD_COORDINATOR`` / ``MINIFIELD_NUM_PROCESS
 ``MINIFIELD_PROCESS_ID`` (none: one process) over 4 devices in all, places a seeded state
 on the mesh (``--shard``: ``shard_params``, else replicated) and runs updates 1..``--steps``
 of an elementwise update (the same arithmetic on every topology), committing a checkpoint
-after each update in ``--save`` (multi-process: format 4 through ``checkpoint.save_parts``;
+after each update in ``--save`` (multi-process: format 4 through ``checkpoint_spread.save``;
 one process: format 3 through ``checkpoint.save``). With ``--kill PHASE --kill-rank R
 --kill-step S``, process R SIGKILLs itself at that phase of checkpoint S's write
-(``opened``, ``part_written``, ``before_commit``).
+(``opened``, ``part_written``, ``before_commit``). ``--background``: each checkpoint written
+as an attempt's cadence does (``checkpoint_spread.BackgroundPart`` on a thread while the next
+update runs, no collective off the main thread).
 
 ``--restore DIR`` instead restores the newest committed checkpoint of DIR into the state's
 layout on this topology (each process reading its own slices), verifies the placed hash and
@@ -24,6 +26,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +63,7 @@ def main() -> int:
     parser.add_argument("--shard", action="store_true")
     parser.add_argument("--save")
     parser.add_argument("--restore")
+    parser.add_argument("--background", action="store_true")
     parser.add_argument("--kill")
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-step", type=int, default=0)
@@ -67,7 +72,7 @@ def main() -> int:
     group = distributed.Group(topology)
     import jax
 
-    from minifield.state import arrays, checkpoint
+    from minifield.state import arrays, checkpoint, checkpoint_spread
     from minifield.training.data_parallel import DataParallel, place_tree
 
     gathers = []
@@ -118,8 +123,28 @@ def main() -> int:
             if (phase, step, group.rank) == (args.kill, args.kill_step, args.kill_rank):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        if jax.process_count() > 1:
-            committed = checkpoint.save_parts(
+        if args.background:
+            # as the attempt's cadence does: the part taken now, written on a thread while
+            # the next update runs; the outcome exchanged on the main thread afterwards
+            digests = arrays.state_digests(state)
+            tag = group.broadcast_text(uuid.uuid4().hex[:12])  # new for every write
+            part = checkpoint_spread.BackgroundPart(
+                Path(args.save), step, rank=group.rank, count=group.size, tag=tag
+            ).take(state)
+            done: dict = {}
+
+            def write(part=part, digests=digests, fault=fault, done=done) -> None:
+                done["record"] = part(computation_digest="c" * 64, digests=digests, fault=fault)
+
+            thread = threading.Thread(target=write)
+            thread.start()
+            following = update(state)  # the next update, beside the write
+            thread.join()
+            assert group.gather_texts("ok" if "record" in done else "failed") == ["ok"] * 2
+            assert jax.tree_util.tree_leaves(following)  # computed while written
+            committed = done["record"]
+        elif jax.process_count() > 1:
+            committed = checkpoint_spread.save(
                 Path(args.save),
                 state,
                 step=step,

@@ -10,7 +10,7 @@ checkpoint is committed on the recipe's cadence, at the last update, and wheneve
 attempt stops early (preemption, a limit), unless one of that very step is committed
 already: :meth:`CheckpointCadence.ensure` is that one rule.
 
-**Asynchronous commits** (one process): a cadence checkpoint only takes the host copy at
+**Asynchronous commits**: a cadence checkpoint only takes the host copy at
 the step boundary; a :class:`~minifield.attempt.checkpoint_writer.BackgroundWriter` writes and
 commits it while training goes on. Its ``checkpoint_committed`` event is emitted (and
 ``newest`` advanced) only once the commit is durable, by the loop's next
@@ -18,15 +18,20 @@ commits it while training goes on. Its ``checkpoint_committed`` event is emitted
 :meth:`ensure` (the end of training, a preemption, a limit) waits for the write in flight
 first. A failed background write fails the attempt
 (:class:`~minifield.attempt.checkpoint_writer.CheckpointWriteError`, naming the path). Over
-several processes commits stay synchronous: every process waits at the commit's barrier.
+several processes each writes its own part on its thread and process 0's thread commits once
+the others' parts are durable, with no collective off the main thread; the processes learn
+each other's outcome at the next commit point (:meth:`CheckpointCadence.wait`, on the main
+thread of every process), where a failure anywhere fails every process alike. The final and
+the stopping commits are synchronous.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
-from ..state import checkpoint
+from ..state import checkpoint, checkpoint_spread
 from ..state.arrays import STATE_HASH_VERSION, spans_processes
 from ..state.checkpoint import CheckpointRecord
 from ..supervision import distributed
@@ -65,7 +70,7 @@ class CheckpointCadence:
         self.faults = faults
         self.snapshot = snapshot or HostSnapshot()
         #: the background writer (None: every commit is synchronous)
-        self.writer = BackgroundWriter() if asynchronous and group.size == 1 else None
+        self.writer = BackgroundWriter() if asynchronous else None
         #: the newest committed checkpoint (a restored one until this attempt commits)
         self.newest: CheckpointRecord | None = None
 
@@ -93,19 +98,26 @@ class CheckpointCadence:
             **timing,
         )
 
+    def fault(self, step: int):
+        """The injected kill of checkpoint ``step`` (process 0, before its commit), if any."""
+        kill = self.faults.before_commit(step, self.events)
+        return (lambda phase: kill() if phase == "before_commit" else None) if kill else None
+
+    def extra(self, compute_used: float) -> dict:
+        return {"attempt_id": self.attempt_id, "compute_seconds": compute_used}
+
     def _save_parts(self, state, step: int, compute_used: float) -> CheckpointRecord:
         """A state spread over the processes: each writes its own blocks (format 4)."""
-        kill = self.faults.before_commit(step, self.events)
-        return checkpoint.save_parts(
+        return checkpoint_spread.save(
             self.directory,
             state,
             step=step,
             computation_digest=self.computation_digest,
             group=self.group,
             digests=self.snapshot.digests_of(state, step),  # hashed where they live
-            extra={"attempt_id": self.attempt_id, "compute_seconds": compute_used},
+            extra=self.extra(compute_used),
             keep=self.keep,
-            fault=(lambda phase: kill() if phase == "before_commit" else None) if kill else None,
+            fault=self.fault(step),
         )
 
     def commit(self, state, step: int, compute_used: float) -> CheckpointRecord:
@@ -144,12 +156,18 @@ class CheckpointCadence:
         return self.newest
 
     def commit_in_background(self, state, step: int, compute_used: float) -> None:
-        """Take the host copy of ``state`` now; write and commit it on the writer's thread."""
+        """Take the host copy of ``state`` now; write and commit it on the writer's thread.
+        Over several processes: once every process's previous write is over, each takes the
+        blocks it writes (:func:`_spread_write`)."""
         started = time.monotonic()
-        self.collect()
-        arrays = self.snapshot.arrays_of(state, step)
-        known = self.snapshot.known_digests(step)
-        write = Write(step, lambda: self._save(arrays, step, compute_used, known))
+        if self.group.size > 1:
+            self.wait()
+            write = _spread_write(self, state, step, compute_used)
+        else:
+            self.collect()
+            arrays = self.snapshot.arrays_of(state, step)
+            known = self.snapshot.known_digests(step)
+            write = Write(step, lambda: self._save(arrays, step, compute_used, known))
         self.writer.submit(write)  # waits for a write still in flight
         write.blocking_seconds = time.monotonic() - started
 
@@ -159,7 +177,7 @@ class CheckpointCadence:
             # write before its event is tried, so an event the events file refuses (full, at
             # its size limit) loses no commit
             self.newest = done[-1].committed
-        for item in done:
+        for item in done if self.group.is_writer else ():
             self._report(
                 item.committed,
                 seconds=item.seconds,
@@ -169,14 +187,31 @@ class CheckpointCadence:
 
     def collect(self) -> None:
         """Report the background commits that became durable (never waits); raise a failed
-        one's error. The update loop calls this after every update."""
+        one's error (over several processes at the next :meth:`wait` instead, where every
+        process learns it). The update loop calls this after every update."""
         if self.writer is not None:
-            self._emit_done(self.writer.finished())
+            self._emit_done(self.writer.finished(raise_error=self.group.size == 1))
 
-    def wait(self) -> None:
-        """Wait for the write in flight and report it (the end of training, a stop, a crash)."""
-        if self.writer is not None:
+    def wait(self, *, together: bool = True) -> None:
+        """Wait for the write in flight and report it (the end of training, a stop, a crash).
+
+        Over several processes, ``together`` (every process at the same point) exchanges
+        whether each one's write succeeded and raises a failure in every process alike;
+        ``together=False`` (a failure in this process alone) waits for this process's own."""
+        if self.writer is None:
+            return
+        if self.group.size == 1 or not together:
             self._emit_done(self.writer.wait())
+            return
+        error, done = "", []
+        try:
+            done = self.writer.wait()
+        except CheckpointWriteError as exc:
+            error = str(exc)
+        self._emit_done(done)
+        failed = [(r, text) for r, text in enumerate(self.group.gather_texts(error)) if text]
+        if failed:
+            raise CheckpointWriteError("; ".join(f"process {r}: {text}" for r, text in failed))
 
     def ensure(self, state, step: int, compute_used: float) -> CheckpointRecord:
         """A committed checkpoint of ``step``: the one there is (once durable), or a new one."""
@@ -206,6 +241,30 @@ class CheckpointCadence:
             Hook(self.on_cadence, due=self.due),
             Hook(lambda state, step, compute_used: self.collect(), waits=False),
         )
+
+
+def _spread_write(cadence: CheckpointCadence, state, step: int, compute_used: float) -> Write:
+    """One process's share of a background checkpoint of a state spread over processes (a
+    collective: every process at the same step, after :meth:`CheckpointCadence.wait`)."""
+    digests = cadence.snapshot.digests_of(state, step)  # hashed where they live
+    # one name per write, chosen by process 0: a killed write's leftover (its parts, its
+    # descriptions) can never be taken for this one's
+    group = cadence.group
+    tag = group.broadcast_text(secrets.token_hex(8))
+    part = checkpoint_spread.BackgroundPart(
+        cadence.directory, step, rank=group.rank, count=group.size, tag=tag
+    ).take(state)
+    extra, fault = cadence.extra(compute_used), cadence.fault(step)
+    return Write(
+        step,
+        lambda: part(
+            computation_digest=cadence.computation_digest,
+            digests=digests,
+            extra=extra,
+            keep=cadence.keep,
+            fault=fault,
+        ),
+    )
 
 
 def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:

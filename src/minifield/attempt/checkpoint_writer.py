@@ -100,11 +100,12 @@ class BackgroundWriter:
             done, self._done = self._done, []
         return done
 
-    def finished(self) -> list[Done]:
+    def finished(self, *, raise_error: bool = True) -> list[Done]:
         """The writes committed since the last call, in step order (never waits); raises the
-        error of a failed one."""
+        error of a failed one (unless ``raise_error`` is false: it is then kept for
+        :meth:`wait`)."""
         done = self._take_done()
-        if not done:
+        if not done and raise_error:
             self._raise_error()
         return done
 

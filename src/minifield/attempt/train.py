@@ -180,7 +180,7 @@ class Attempt:
         commit still counts (``newest``, hence result.json, names it; a resume finds it on
         disk); what was not written is said on stderr."""
         try:
-            self.checkpoints.wait()
+            self.checkpoints.wait(together=False)  # the failure may be this process's alone
         except CheckpointWriteError as exc:
             self.say(str(exc))
         except Exception as exc:  # noqa: BLE001 - the failure being handled ends the attempt

@@ -67,7 +67,6 @@ __all__ = [
     "MANIFEST",
     "load",
     "save",
-    "save_parts",
     "verify_placed",
 ]
 
@@ -138,7 +137,7 @@ def save(
     the manifest and the rename that commit the checkpoint. On any error the temporary
     directory is removed (best effort) and the previous checkpoints are untouched.
     """
-    _check_step(directory, step)
+    check_step(directory, step)
     final = directory / step_dir_name(step)
     tmp = directory / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
@@ -150,7 +149,7 @@ def save(
         )
         if before_commit is not None:
             before_commit()
-        _commit(tmp, final, manifest_bytes)
+        commit_directory(tmp, final, manifest_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -164,7 +163,7 @@ def save(
     )
 
 
-def _check_step(directory: Path, step: int) -> None:
+def check_step(directory: Path, step: int) -> None:
     """Create ``directory``; refuse a step not above its newest committed checkpoint."""
     directory.mkdir(parents=True, exist_ok=True)
     existing = committed_steps(directory)
@@ -175,7 +174,7 @@ def _check_step(directory: Path, step: int) -> None:
         )
 
 
-def _commit(tmp: Path, final: Path, manifest_bytes: bytes) -> None:
+def commit_directory(tmp: Path, final: Path, manifest_bytes: bytes) -> None:
     """Commit the written directory ``tmp`` as ``final``: the manifest fsynced, then the
     directory, the rename, the parent."""
     with atomic.naming(tmp / MANIFEST), open(tmp / MANIFEST, "wb") as handle:
@@ -185,63 +184,6 @@ def _commit(tmp: Path, final: Path, manifest_bytes: bytes) -> None:
     atomic.fsync_dir(tmp)
     os.rename(tmp, final)
     atomic.fsync_dir(final.parent)
-
-
-def save_parts(
-    directory: Path,
-    state: Any,
-    *,
-    step: int,
-    computation_digest: str,
-    group,
-    digests: dict[str, str],
-    extra: dict | None = None,
-    keep: int | None = None,
-    fault=None,
-) -> CheckpointRecord:
-    """Commit ``state``, spread over the processes of ``group``, as checkpoint ``step`` in
-    format 4 (a collective): each process writes the blocks its devices hold, process 0
-    commits once every part is durable (:mod:`.checkpoint_parts`). ``digests`` are the
-    state's version-3 per-array digests (``arrays.state_digests``: hashed where the arrays
-    live). Nothing is gathered. Returns the record on every process (path and manifest
-    sha256 on process 0 only); raises :class:`CheckpointError` on every process if any part
-    or the commit failed, the previous checkpoints untouched."""
-    leaves = named_leaves(state)
-    final = directory / step_dir_name(step)
-    tmp = directory / f".tmp-{step_dir_name(step)}-parts"
-    state_hash_value = hash_named_arrays(leaves, digests=digests)
-    committed: dict[str, str] = {}
-
-    def open_directory() -> None:
-        _check_step(directory, step)
-        if tmp.exists():  # a killed attempt's, never committed
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-
-    def commit(descriptions: list[dict]) -> None:
-        head = {
-            "step": step,
-            "computation_digest": computation_digest,
-            "state_hash": state_hash_value,
-            "state_hash_version": STATE_HASH_VERSION,
-            "extra": extra or {},
-        }
-        manifest_bytes = _manifest_bytes(
-            checkpoint_parts.manifest(leaves, descriptions, digests, head)
-        )
-        for rank in range(len(descriptions)):  # the manifest holds what they said
-            (tmp / checkpoint_parts.part_description(rank)).unlink()
-        _commit(tmp, final, manifest_bytes)
-        committed["sha256"] = sha256_bytes(manifest_bytes)
-
-    checkpoint_parts.save(
-        tmp, leaves, group, open_directory=open_directory, commit=commit, fault=fault
-    )
-    if group.rank != 0:
-        return CheckpointRecord(step, None, None, state_hash_value)
-    if keep is not None:
-        prune(directory, keep)
-    return CheckpointRecord(step, str(final), committed["sha256"], state_hash_value)
 
 
 def _write_contents(
@@ -267,10 +209,10 @@ def _write_contents(
         "arrays": entries,
         "extra": extra or {},
     }
-    return manifest, _manifest_bytes(manifest)
+    return manifest, encode_manifest(manifest)
 
 
-def _manifest_bytes(manifest: dict) -> bytes:
+def encode_manifest(manifest: dict) -> bytes:
     """The manifest as JSON, one line per array entry: as readable as an indented file, and
     written by json's C encoder (an indented dump of 161 entries took more CPU than writing
     the data file of a 39 MB state)."""

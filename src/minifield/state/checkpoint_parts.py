@@ -62,10 +62,16 @@ def _host(data: Any) -> np.ndarray:
     return np.asarray(jax.device_get(data))
 
 
-def write_part(tmp: Path, rank: int, count: int, leaves: Sequence[tuple[str, Any]]) -> dict:
-    """Write this process's blocks of ``leaves`` (``(name, array)`` in name order) into its
-    part file under ``tmp`` and fsync it; write its description, fsynced. Returns it."""
-    blocks = [(name, region, _host(data)) for name, region, data in regions.owned(leaves, rank)]
+def blocks_of(leaves: Sequence[tuple[str, Any]], rank: int) -> list[tuple[str, tuple, Any]]:
+    """``(name, region, host array)`` of the blocks process ``rank`` writes of ``leaves``
+    (``(name, array)`` in name order): on the CPU backend views of the device buffers (no
+    copy), on an accelerator a copy of this process's blocks only."""
+    return [(name, region, _host(data)) for name, region, data in regions.owned(leaves, rank)]
+
+
+def write_part(tmp: Path, rank: int, count: int, blocks: Sequence[tuple[str, tuple, Any]]) -> dict:
+    """Write this process's ``blocks`` (:func:`blocks_of`) into its part file under ``tmp``
+    and fsync it. Returns its description (for :func:`announce`)."""
     file = part_file(rank, count)
     entries = checkpoint_data.write(
         tmp / file, [(str(i), data) for i, (_n, _r, data) in enumerate(blocks)], {}
@@ -81,9 +87,13 @@ def write_part(tmp: Path, rank: int, count: int, leaves: Sequence[tuple[str, Any
         for (name, region, _data), entry in zip(blocks, entries, strict=True)
     ]
     size = checkpoint_data.description(entries)["size"]
-    description = {"part": rank, "file": file, "size": size, "blocks": slices}
-    atomic.write_json(tmp / part_description(rank), description)
-    return description
+    return {"part": rank, "file": file, "size": size, "blocks": slices}
+
+
+def announce(tmp: Path, description: dict) -> None:
+    """Say that a part is durable: its description, fsynced and renamed into place (what
+    process 0 reads to build the manifest)."""
+    atomic.write_json(tmp / part_description(description["part"]), description)
 
 
 def manifest(
@@ -125,8 +135,8 @@ def save(
     """The collective write of one checkpoint into ``tmp`` (see the module's docstring):
     ``open_directory`` runs on process 0 first, ``commit(descriptions)`` on process 0 once
     every part is durable. ``fault(phase)`` (fault injection only) runs at ``"opened"``
-    (before any part), ``"part_written"`` (this process's part durable) and, on process 0,
-    ``"before_commit"``. An error anywhere raises :class:`CheckpointError` in every
+    (before any part), ``"part_written"`` (this process's part durable, not yet announced)
+    and, on process 0, ``"before_commit"``. An error anywhere raises :class:`CheckpointError` in every
     process, naming the process that failed; the temporary directory is then removed."""
     rank, count = group.rank, group.size
 
@@ -150,11 +160,12 @@ def save(
         fault("opened")
     description, error = None, ""
     try:
-        description = write_part(tmp, rank, count, leaves)
+        description = write_part(tmp, rank, count, blocks_of(leaves, rank))
+        if fault is not None:
+            fault("part_written")
+        announce(tmp, description)
     except (OSError, CheckpointError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-    if fault is not None and not error:
-        fault("part_written")
     agreed(error, f"writing the parts of {tmp}")
     error = ""
     if rank == 0:
@@ -169,6 +180,46 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"{type(exc).__name__}: {exc}"
     agreed(error, f"committing {tmp}")
+
+
+def failed_marker(rank: int) -> str:
+    return f"part-{rank:05d}.failed"
+
+
+def mark_failed(tmp: Path, rank: int, error: str) -> None:
+    """Say in ``tmp`` that this process's part will not come (best effort: process 0 then
+    gives up at once instead of at its time limit)."""
+    try:
+        atomic.write_bytes(tmp / failed_marker(rank), error.encode())
+    except OSError:
+        pass
+
+
+def await_parts(tmp: Path, count: int, timeout: float, poll: float = 0.01) -> list[dict]:
+    """Process 0's wait, off the collectives, for the descriptions of parts 1..count-1 (each
+    written, fsynced and renamed into place only once its part is durable); raises
+    :class:`CheckpointError` naming a process that failed, or all missing at ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    found: dict[int, dict] = {}
+    while True:
+        for rank in range(1, count):
+            if rank in found:
+                continue
+            if (tmp / failed_marker(rank)).exists():
+                said = (tmp / failed_marker(rank)).read_text(errors="replace")
+                raise CheckpointError(f"process {rank}'s part failed: {said}")
+            if (tmp / part_description(rank)).exists():
+                found[rank] = atomic.read_json(tmp / part_description(rank))
+        if len(found) == count - 1:
+            return [found[rank] for rank in range(1, count)]
+        if time.monotonic() > deadline:
+            missing = [rank for rank in range(1, count) if rank not in found]
+            raise CheckpointError(
+                f"the parts of processes {missing} did not come in {timeout:.0f} s"
+            )
+        time.sleep(poll)
 
 
 # -- reading ------------------------------------------------------------------------------------
