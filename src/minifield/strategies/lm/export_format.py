@@ -73,6 +73,7 @@ def write(
     lora_run=None,
     strategy=None,
     extra_files: dict[str, bytes] | None = None,
+    group=None,
 ):
     """Write the export of ``params`` (per layer, FP32) into ``directory`` (``strategy``: as
     :func:`config`; ``extra_files``: further files the export carries, name → bytes, listed
@@ -81,6 +82,12 @@ def write(
     ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
     store's gate and ``minifield generate`` load without the base).
+
+    ``group``: the processes of a state spread over several, every one calling this (a
+    collective): each writes the slices of the weights and adapters its devices hold
+    (:mod:`minifield.hf.parallel_files`, no tensor gathered), process 0 everything else. The
+    GPT model's ``.npy`` export is still a host copy (gathered on every process), written by
+    process 0.
     """
     from ...state.arrays import named_arrays
 
@@ -92,10 +99,13 @@ def write(
     tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
     model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes, strategy)
     if cfg.architecture != "llama":  # the GPT model keeps the .npy format
+        flat = named_arrays(params)  # a collective where the params span processes
+        if group is not None and group.rank != 0:
+            return
         atomic.write_bytes(directory / DEV_FILE, dev_bytes)
         if tokenizer_json is not None:
             atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
-        export.write(directory, named_arrays(params), model_json)
+        export.write(directory, flat, model_json)
         return
     from ...hf import directory as hf_directory
     from ...state.arrays import to_host
@@ -113,7 +123,7 @@ def write(
             ).tobytes()
     if lora_run is not None:
         model_json["lora"] = _write_adapter(
-            directory / peft_adapter.ADAPTER_DIR, recipe, cfg, *lora_run
+            directory / peft_adapter.ADAPTER_DIR, recipe, cfg, *lora_run, group=group
         )
     hf_directory.write(
         directory,
@@ -127,18 +137,19 @@ def write(
         tokenizer_config_json,
         base_config,
         model_section.export_max_shard_size(recipe),
-        fetch=to_host,  # tensor by tensor as each shard is written (gathered if sharded)
+        fetch=to_host,  # tensor by tensor as each shard is written, one process
+        group=group,
     )
 
 
-def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters) -> dict:
+def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters, group=None) -> dict:
     """Write the PEFT adapter; returns what ``model.json`` records of it."""
     items = {i["name"]: i for i in recipe["inputs"]}
     config_item = items[recipe["model"]["base"]["config"]]
     # PEFT's base_model_name_or_path: where the pinned base model's config.json lives
     where = config_item.get("path") or config_item.get("url") or config_item["name"]
     base_name = where.rsplit("/", 1)[0] if "/" in where else "."
-    peft_adapter.write_adapter(directory, lora_settings, adapters, base_name, cfg)
+    peft_adapter.write_adapter(directory, lora_settings, adapters, base_name, cfg, group)
     names = model_section.base_model_inputs(recipe["model"])
     return {
         **lora_settings.to_dict(),

@@ -27,9 +27,9 @@ from . import export_format, model_section
 
 
 class LMProgram(Program):
-    #: the strategy identity an export records (None: packed-sft's; a strategy built on
-    #: this program names itself)
+    #: the strategy identity an export records (None: packed-sft's; one built on this its own)
     export_strategy: dict | None = None
+    exports_where_held = True
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from ...models import execution
@@ -202,7 +202,8 @@ class LMProgram(Program):
     def evaluate_test(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
 
-    def export(self, state: dict, directory: Path) -> None:
+    def export(self, state: dict, directory: Path, group=None) -> None:
+        """:func:`export_format.write` (``group``: the processes writing it together)."""
         from ...models.layers import layer_stack
 
         params = layer_stack.per_layer(state["params"])  # scanned runs hold them stacked
@@ -219,6 +220,7 @@ class LMProgram(Program):
             lora_run,
             self.export_strategy,
             self.export_files(),
+            group,
         )
 
     def export_files(self) -> dict[str, bytes]:
