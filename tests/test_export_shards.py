@@ -126,3 +126,48 @@ def test_one_process_of_four_devices_writes_the_whole_tensors_export(tmp_path, r
 def test_processes_write_their_slices_into_the_same_files(tmp_path, reference, count, devices_each):
     report = run_probe(tmp_path, count, devices_each)
     _check(report, reference, count)
+
+
+def test_a_two_process_attempt_exports_what_one_process_does(tmp_path):
+    """The worker's end: a Llama attempt with ``shard_params`` over 2 processes writes its
+    export (BF16, in shards) together, the same files as one process over 2 devices."""
+    from conftest import read_events, run_worker, small_sft_inputs, small_sft_recipe, write_recipe
+    from test_multi_process import describe, start_processes, wait_all
+
+    space = small_sft_inputs(tmp_path)
+    recipe = small_sft_recipe(
+        space["pins"],
+        "export-test",
+        2,
+        model={"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+        training={"data_parallel": {"devices": 2, "shard_params": True}, "warmup_steps": 1},
+        limits={"max_steps": 2},
+        checkpoint={"every_steps": 2, "keep": 1},
+        evaluation={
+            "eval_every": 0,
+            "batch_size": 8,
+            "max_generate_examples": 1,
+            "export_dtype": "bfloat16",
+            "export_max_shard_size": 12_000,
+        },
+    )
+    job = write_recipe(tmp_path / "recipe.json", recipe)
+    run_worker(
+        job=job,
+        input_root=space["input_root"],
+        output_root=tmp_path / "one",
+        check_codes=(0,),
+        env=loopback.cpu_env(2),
+    )
+    procs = start_processes(
+        tmp_path / "two", job=job, input_root=space["input_root"], output_root=tmp_path / "two"
+    )
+    assert wait_all(procs) == [0, 0], describe(procs)
+    (one,) = (tmp_path / "one" / "export-test").iterdir()
+    (two,) = [p for p in (tmp_path / "two" / "export-test").iterdir() if p.is_dir()]
+    compiled = next(e for e in read_events(two / "events.jsonl") if e["type"] == "compiled")
+    assert compiled["placement"]["sharded_arrays"] > 0
+    written = _files(two / "export")
+    assert sum(name.startswith("model-0") for name in written) > 2  # in shards
+    assert written == _files(one / "export")
+    assert not list((tmp_path / "two" / "export-test").glob("*/.export.partial"))
