@@ -9,6 +9,8 @@ adapters (the experts' adapters stacked) — places them on a 4-device mesh with
 ``--max-shard-size`` bytes, the Mixtral weights (replicated) in FP32 and its PEFT adapter. Prints process
 0's JSON: the export's path, the topology, how many arrays were copied whole to a host
 (``arrays.to_host``) and the sizes of everything ``process_allgather`` exchanged.
+With ``--full-disk-in K`` process K's writes fail as on a full disk; each process prints how
+its export failed.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-shard-size", type=int, required=True)
+    parser.add_argument("--full-disk-in", type=int, help="this process's writes fail (ENOSPC)")
     args = parser.parse_args()
     topology = distributed.initialize()
     group = distributed.Group(topology)
@@ -120,8 +123,23 @@ def main() -> int:
         adapter_dir = directory / "mixtral" / peft_adapter.ADAPTER_DIR
         peft_adapter.write_adapter(adapter_dir, settings, adapters, "base", mixtral_cfg, group)
 
+    if args.full_disk_in == topology.process_id:
+        import errno
+        import os
+
+        def full(*_):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        os.pwrite = full
     final = Path(args.out) / "export"
-    export.write_whole(final, write, group)
+    try:
+        export.write_whole(final, write, group)
+        failure = None
+    except export.ExportWriteError as exc:
+        from minifield import atomic
+
+        failure = {"message": str(exc), "io_failure": atomic.is_io_failure(exc)}
+    print(json.dumps({"process": topology.process_id, "failure": failure}))
     if topology.process_id == 0:
         report = {
             "export": str(final),
@@ -131,6 +149,7 @@ def main() -> int:
             "arrays": len(leaves),
             "gathered": gathered,
             "exchanged": exchanged,
+            "failure": failure,
         }
         print(json.dumps(report))
     return 0

@@ -30,6 +30,11 @@ def free_port() -> int:
 def run_processes(argv: list[str], count: int, devices_each: int, timeout: int = 240) -> dict:
     """Process 0's report (its last stdout line, JSON) of ``count`` processes of the Python
     script ``argv`` joined on loopback; each must exit 0."""
+    return json.loads(run_all(argv, count, devices_each, timeout)[0].strip().splitlines()[-1])
+
+
+def run_all(argv: list[str], count: int, devices_each: int, timeout: int = 240) -> list[str]:
+    """Each process's stdout, by process id (see :func:`run_processes`)."""
     port = free_port()
     procs = [
         subprocess.Popen(
@@ -57,4 +62,4 @@ def run_processes(argv: list[str], count: int, devices_each: int, timeout: int =
             proc.kill()
     for proc, (_out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err[-3000:]
-    return json.loads(outputs[0][0].strip().splitlines()[-1])
+    return [out for out, _err in outputs]

@@ -128,6 +128,23 @@ def test_processes_write_their_slices_into_the_same_files(tmp_path, reference, c
     _check(report, reference, count)
 
 
+def test_a_full_disk_in_one_process_fails_the_export_in_every_process(tmp_path):
+    argv = [str(SCRIPT), "--out", str(tmp_path), "--max-shard-size", str(MAX_SHARD_SIZE)]
+    outputs = loopback.run_all([*argv, "--full-disk-in", "1"], 2, 2)
+    for out in outputs:
+        said = next(json.loads(line) for line in out.splitlines() if '"process"' in line)
+        failure = said["failure"]
+        assert failure is not None, said
+        assert f"export {tmp_path / 'export'} was not written" in failure["message"]
+        assert "failed in process(es) [1]" in failure["message"]
+        # the failing process names its error and keeps it an I/O failure (exit 5)
+        assert failure["io_failure"] == (said["process"] == 1), said
+        if said["process"] == 1:
+            assert "No space left on device" in failure["message"]
+            assert "model" in failure["message"]  # the file it was writing
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
+
+
 def test_a_two_process_attempt_exports_what_one_process_does(tmp_path):
     """The worker's end: a Llama attempt with ``shard_params`` over 2 processes writes its
     export (BF16, in shards) together, the same files as one process over 2 devices."""

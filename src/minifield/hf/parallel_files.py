@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import atomic
+
 #: safetensors' names of the stored dtypes
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -194,6 +196,7 @@ def write(
                 with open(directory / file, "wb") as out:
                     out.write(head)
                     out.truncate(size)
+            atomic.fsync_dir(directory)  # the files' names durable (each is fsynced below)
         except OSError as exc:
             failure = exc
     agree(group, failure, f"laying out the safetensors files of {directory}")
