@@ -145,46 +145,40 @@ def test_a_full_disk_in_one_process_fails_the_export_in_every_process(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
 
 
-def test_a_two_process_attempt_exports_what_one_process_does(tmp_path):
-    """The worker's end: a Llama attempt with ``shard_params`` over 2 processes writes its
-    export (BF16, in shards) together, the same files as one process over 2 devices."""
-    from conftest import read_events, run_worker, small_sft_inputs, small_sft_recipe, write_recipe
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_two_process_attempt_exports_what_one_process_does(tmp_path, lora):
+    """The worker's end: a fine-tune of a pinned base with ``shard_params`` over 2 processes
+    (full: the FP32 masters converted slice by slice; LoRA: the merged weights and the
+    adapter) writes its export (BF16, in shards) together, the same files, ``model.json``
+    included, as one process over 2 devices."""
+    from conftest import read_events, run_worker, write_recipe
+    from test_base_model import make_inputs
+    from test_lora import lora_recipe
     from test_multi_process import describe, start_processes, wait_all
 
-    space = small_sft_inputs(tmp_path)
-    recipe = small_sft_recipe(
-        space["pins"],
-        "export-test",
-        2,
-        model={"architecture": "llama", "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
-        training={"data_parallel": {"devices": 2, "shard_params": True}, "warmup_steps": 1},
-        limits={"max_steps": 2},
-        checkpoint={"every_steps": 2, "keep": 1},
-        evaluation={
-            "eval_every": 0,
-            "batch_size": 8,
-            "max_generate_examples": 1,
-            "export_dtype": "bfloat16",
-            "export_max_shard_size": 12_000,
-        },
-    )
+    root = tmp_path / "in"
+    recipe = make_inputs(root)
+    if lora:
+        recipe = lora_recipe(root)
+    recipe["training"]["data_parallel"] = {"devices": 2, "shard_params": True}
+    recipe["limits"]["max_steps"] = 2
+    recipe["evaluation"].update(export_dtype="bfloat16", export_max_shard_size=12_000)
     job = write_recipe(tmp_path / "recipe.json", recipe)
     run_worker(
-        job=job,
-        input_root=space["input_root"],
-        output_root=tmp_path / "one",
-        check_codes=(0,),
+        job=job, input_root=root, output_root=tmp_path / "one", check_codes=(0,),
         env=loopback.cpu_env(2),
-    )
+    )  # fmt: skip
     procs = start_processes(
-        tmp_path / "two", job=job, input_root=space["input_root"], output_root=tmp_path / "two"
+        tmp_path / "two", job=job, input_root=root, output_root=tmp_path / "two"
     )
     assert wait_all(procs) == [0, 0], describe(procs)
-    (one,) = (tmp_path / "one" / "export-test").iterdir()
-    (two,) = [p for p in (tmp_path / "two" / "export-test").iterdir() if p.is_dir()]
+    job_id = recipe["job_id"]
+    (one,) = (tmp_path / "one" / job_id).iterdir()
+    (two,) = [p for p in (tmp_path / "two" / job_id).iterdir() if p.is_dir()]
     compiled = next(e for e in read_events(two / "events.jsonl") if e["type"] == "compiled")
     assert compiled["placement"]["sharded_arrays"] > 0
     written = _files(two / "export")
     assert sum(name.startswith("model-0") for name in written) > 2  # in shards
+    assert ("adapter/adapter_model.safetensors" in written) == lora
     assert written == _files(one / "export")
-    assert not list((tmp_path / "two" / "export-test").glob("*/.export.partial"))
+    assert not list((tmp_path / "two" / job_id).glob("*/.export.partial"))
