@@ -113,3 +113,15 @@ def test_a_file_that_cannot_be_laid_out_is_named(tmp_path):
     }
     with pytest.raises(OSError, match="model.safetensors"):
         parallel_files.write(tmp_path, files, "float32", {"format": "pt"}, Group())
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_an_npy_layout_is_what_numpy_save_writes(tmp_path, dtype):
+    rng = np.random.default_rng(3)
+    for shape in [(3, 5), (7,), (2, 3, 4), (1, 1)]:
+        value = rng.standard_normal(shape).astype(DTYPES[dtype])
+        np.save(tmp_path / "reference.npy", value, allow_pickle=False)
+        expected = (tmp_path / "reference.npy").read_bytes()
+        head, offsets, size = parallel_files.npy_layout(shape, dtype)
+        assert size == len(expected) and offsets == {"": len(head)}
+        assert expected == head + value.tobytes(), shape

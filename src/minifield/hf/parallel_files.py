@@ -1,5 +1,6 @@
 """Safetensors files written by the processes that hold the tensors: an export of a state
-sharded over several processes, with no tensor gathered into one process.
+sharded over several processes, with no tensor gathered into one process (``.npy`` files
+likewise, :func:`npy_layout`).
 
 The files are byte for byte the ones the ``safetensors`` library writes from the whole tensors
 (:func:`header` lays them out as it does: ``__metadata__`` first, the tensors sorted by name,
@@ -184,11 +185,33 @@ def write(
     ``directory``, which process 0 created, the tensors stored as ``dtype``: a collective of
     ``group``'s processes (see the module's text); returns once every process's part is
     durable."""
-    rank, processes = (0, 1) if group is None else (group.rank, group.size)
     layouts = {
         file: header({n: t.shape for n, t in tensors.items()}, dtype, metadata)
         for file, tensors in files.items()
     }
+    write_laid_out(directory, files, layouts, dtype, group)
+
+
+def npy_layout(shape: Sequence[int], dtype: str):
+    """The layout of one array in a ``.npy`` file as ``numpy.save`` writes it (format 1.0,
+    C order): ``(header bytes, {"": data offset}, file size)``, the array named ``""``."""
+    import io
+
+    from numpy.lib import format as npy_format
+
+    stored = np.dtype(stored_type(dtype))
+    out = io.BytesIO()
+    described = npy_format.dtype_to_descr(stored)
+    info = {"descr": described, "fortran_order": False, "shape": tuple(int(n) for n in shape)}
+    npy_format.write_array_header_1_0(out, info)
+    head = out.getvalue()
+    return head, {"": len(head)}, len(head) + math.prod(shape) * stored.itemsize
+
+
+def write_laid_out(directory: Path, files: dict, layouts: dict, dtype: str, group) -> None:
+    """:func:`write` into files of any layout: ``layouts`` gives each file's ``(header bytes,
+    {tensor name: data offset}, file size)`` (:func:`header`, :func:`npy_layout`)."""
+    rank, processes = (0, 1) if group is None else (group.rank, group.size)
     failure = None
     if rank == 0:
         try:

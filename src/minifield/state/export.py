@@ -103,7 +103,7 @@ def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]
         buffer = io.BytesIO()
         np.save(buffer, np.asarray(np.asarray(array, order="C")), allow_pickle=False)
         data = buffer.getvalue()
-        file = f"weights/{index:05d}.npy"
+        file = weight_file(index)
         atomic.write_bytes(directory / file, data)
         entries.append(
             {
@@ -115,6 +115,30 @@ def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]
             }
         )
     model = {"format": FORMAT, "config": config, "weights": entries}
+    atomic.write_json(directory / MODEL_FILE, model)
+    return model
+
+
+def weight_file(number: int) -> str:
+    """The file of the ``number``-th array (in name order) of a :data:`FORMAT` export."""
+    return f"weights/{number:05d}.npy"
+
+
+def write_record(directory: Path, entries, config: dict[str, Any]) -> dict:
+    """``model.json`` of a :data:`FORMAT` export whose ``.npy`` files are already written
+    (by several processes, each its slices): ``entries`` ``(name, file, dtype str, shape)``
+    in name order, each file's sha256 read back."""
+    weights = [
+        {
+            "name": name,
+            "file": file,
+            "dtype": dtype,
+            "shape": list(shape),
+            "sha256": sha256_file(directory / file),
+        }
+        for name, file, dtype, shape in entries
+    ]
+    model = {"format": FORMAT, "config": config, "weights": weights}
     atomic.write_json(directory / MODEL_FILE, model)
     return model
 

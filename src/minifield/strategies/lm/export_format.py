@@ -85,9 +85,8 @@ def write(
 
     ``group``: the processes of a state spread over several, every one calling this (a
     collective): each writes the slices of the weights and adapters its devices hold
-    (:mod:`minifield.hf.parallel_files`, no tensor gathered), process 0 everything else. The
-    GPT model's ``.npy`` export is still a host copy (gathered on every process), written by
-    process 0.
+    (:mod:`minifield.hf.parallel_files`, no tensor gathered; the GPT model's ``.npy`` files
+    too), process 0 everything else.
     """
     from ...state.arrays import named_arrays
 
@@ -99,13 +98,15 @@ def write(
     tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
     model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes, strategy)
     if cfg.architecture != "llama":  # the GPT model keeps the .npy format
-        flat = named_arrays(params)  # a collective where the params span processes
-        if group is not None and group.rank != 0:
-            return
-        atomic.write_bytes(directory / DEV_FILE, dev_bytes)
+        files = {DEV_FILE: dev_bytes}
         if tokenizer_json is not None:
-            atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
-        export.write(directory, flat, model_json)
+            files[TOKENIZER_FILE] = tokenizer_json
+        if group is not None:
+            _write_npy_together(directory, params, model_json, files, group)
+            return
+        for name, data in files.items():
+            atomic.write_bytes(directory / name, data)
+        export.write(directory, named_arrays(params), model_json)
         return
     from ...hf import directory as hf_directory
     from ...state.arrays import to_host
@@ -140,6 +141,32 @@ def write(
         fetch=to_host,  # tensor by tensor as each shard is written, one process
         group=group,
     )
+
+
+def _write_npy_together(directory: Path, params, model_json: dict, files: dict, group) -> None:
+    """The GPT model's ``.npy`` export (:func:`minifield.state.export.write`'s files, byte for
+    byte) written by the processes that hold its arrays, nothing gathered; process 0 writes
+    ``files`` and ``model.json``."""
+    from ...hf import parallel_files
+    from ...state.arrays import named_leaves
+
+    (directory / "weights").mkdir(parents=True, exist_ok=True)
+    tensors, layouts, entries = {}, {}, []
+    for number, (name, leaf) in enumerate(named_leaves(params)):  # export.write's order
+        if np.dtype(leaf.dtype) != np.float32:
+            raise ValueError(f"parameter {name}: {leaf.dtype}, the export writes FP32 arrays")
+        file = export.weight_file(number)
+        tensors[file] = {
+            "": parallel_files.Tensor(tuple(leaf.shape), (parallel_files.Source(leaf),))
+        }
+        layouts[file] = parallel_files.npy_layout(leaf.shape, "float32")
+        entries.append((name, file, np.dtype(np.float32).str, tuple(leaf.shape)))
+    parallel_files.write_laid_out(directory, tensors, layouts, "float32", group)
+    if group.rank != 0:
+        return
+    for name, data in files.items():
+        atomic.write_bytes(directory / name, data)
+    export.write_record(directory, entries, model_json)
 
 
 def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters, group=None) -> dict:
