@@ -9,6 +9,10 @@ of what the writer allocates beyond the parameters it is given (numpy and the se
 bytes are traced), as a ratio to the FP32 model; time: the whole write, as a ratio to the
 single file's in the same round (median over the rounds).
 
+``--by-slices``: each shard size also through the writer a multi-process attempt uses
+(``group=`` one process's ``Group``: ``hf.parallel_files``, each tensor converted by itself and
+``pwrite`` into files laid out first), measured the same way beside the whole-tensor writer.
+
     uv run python benchmarks/export_shards.py --shape small --shard 1000000 150000
 """
 
@@ -46,12 +50,12 @@ def parameters(shape: str):
     return cfg, params
 
 
-def measure(directory: Path, cfg, params, size) -> tuple[float, int, int]:
+def measure(directory: Path, cfg, params, size, group=None) -> tuple[float, int, int]:
     """``(seconds, peak bytes traced, safetensors files)`` of one write."""
     tracemalloc.start()
     started = time.perf_counter()
     try:
-        hf_checkpoint.write(directory, cfg, params, max_shard_size=size)
+        hf_checkpoint.write(directory, cfg, params, max_shard_size=size, group=group)
         seconds = time.perf_counter() - started
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -64,18 +68,27 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--shard", type=int, nargs="+", default=[1_000_000, 150_000])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--by-slices", action="store_true")
     args = parser.parse_args()
     cfg, params = parameters(args.shape)
     model_bytes = 4 * sum(v.size for v in _leaves(params))
     sizes = [None, *args.shard]
+    if args.by_slices:
+        sizes += [("slices", size) for size in args.shard]
     seconds: dict = {s: [] for s in sizes}
     peaks: dict = {s: [] for s in sizes}
     files: dict = {}
     with tempfile.TemporaryDirectory(prefix="minifield-shards-") as tmp:
         for round_ in range(args.rounds):
             for size in sizes:
-                directory = Path(tmp) / f"{round_}-{size}"
-                spent, peak, count = measure(directory, cfg, params, size)
+                if isinstance(size, tuple):
+                    directory = Path(tmp) / f"{round_}-{size[1]}-slices"
+                    from minifield.supervision.distributed import Group
+
+                    spent, peak, count = measure(directory, cfg, params, size[1], Group())
+                else:
+                    directory = Path(tmp) / f"{round_}-{size}"
+                    spent, peak, count = measure(directory, cfg, params, size)
                 seconds[size].append(spent)
                 peaks[size].append(peak)
                 files[size] = count
@@ -83,6 +96,8 @@ def main() -> None:
     print(f"shape {args.shape}: FP32 model {model_bytes / 1e6:.2f} MB, {args.rounds} rounds")
     for size in sizes:
         label = "one file" if size is None else f"shards of {size} B"
+        if isinstance(size, tuple):
+            label = f"by slices, {size[1]} B"
         peak = max(peaks[size])
         ratio = statistics.median(seconds[size]) / base_time
         print(

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from export_shards_probe import random_params
 from family_reference import BASE, GEMMA2, PHI3, QWEN2, QWEN3
 from safetensors.numpy import load_file
 from test_hf_export import GPT_SECTION, TINY_LLAMA, _write_export, evaluation_digest
@@ -33,7 +34,6 @@ from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import config as hf_config
 from minifield.hf import shards
 from minifield.models import llama
-from minifield.models.families import param_shape
 from minifield.state import export
 from minifield.strategies.lm.export_format import ExportedModel
 
@@ -61,16 +61,7 @@ def numpy_params(seed=0, **changes):
     """A tiny Llama's config and random FP32 parameters made with numpy from the tensor
     table's shapes (no JAX initialisation: these tests only write and read files)."""
     cfg = llama.LlamaConfig(**{**TINY_LLAMA, **changes})
-    rng = np.random.default_rng(seed)
-    params: dict = {"blocks": {}}
-    for internal, _, _ in hf_checkpoint.expected_tensors(cfg).values():
-        for path in (internal,) if isinstance(internal, str) else internal:
-            node = params
-            *parents, leaf = path.split("/")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = rng.standard_normal(param_shape(cfg, path)).astype(np.float32)
-    return cfg, params
+    return cfg, random_params(cfg, seed)
 
 
 def _written(directory: Path) -> dict[str, np.ndarray]:

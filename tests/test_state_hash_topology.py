@@ -10,12 +10,11 @@ Each run is a process of ``tests/state_hash_topology.py`` (4 forced host devices
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import loopback
 import pytest
 from checkpoint_by_hand import state_hash_by_hand, verify_checkpoint_by_hand
 
@@ -24,51 +23,9 @@ pytestmark = pytest.mark.slow  # every test starts JAX processes
 SCRIPT = Path(__file__).with_name("state_hash_topology.py")
 
 
-def _env(devices: int, extra: dict | None = None) -> dict:
-    return {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-        **(extra or {}),
-    }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_processes(count: int, devices_each: int) -> dict:
     """Process 0's report of ``count`` processes joined on loopback."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(
-                devices_each,
-                {
-                    "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
-                    "MINIFIELD_NUM_PROCESSES": str(count),
-                    "MINIFIELD_PROCESS_ID": str(rank),
-                },
-            ),
-        )
-        for rank in range(count)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240))
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (_out, err) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
-    return json.loads(outputs[0][0].strip().splitlines()[-1])
+    return loopback.run_processes([str(SCRIPT)], count, devices_each)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +37,7 @@ def one_process(tmp_path_factory) -> dict:
         [sys.executable, str(SCRIPT), "--checkpoint", str(directory)],
         capture_output=True,
         text=True,
-        env=_env(5),
+        env=loopback.cpu_env(5),
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]

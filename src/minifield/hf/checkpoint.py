@@ -30,11 +30,12 @@ from ..models.families import (
     expected_tensors,
     fp32_bytes,
     join,
+    param_shape,
     shape_fields,
     split,
     split_stored,
 )
-from . import shards
+from . import parallel_files, shards
 from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
 from .tensors import (
     ACCEPTED_DTYPES,
@@ -253,12 +254,6 @@ def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype
 # ----------------------------------------------------------------------------- writing
 
 
-def _export_dtypes() -> dict:
-    import ml_dtypes
-
-    return {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
 #: tensor dtypes :func:`write` can store (the ``torch_dtype`` written in ``config.json``)
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -271,6 +266,7 @@ def write(
     base_config: dict | None = None,
     max_shard_size: int | None = None,
     fetch=np.asarray,
+    group=None,
 ) -> None:
     """Write ``params`` as PyTorch-named safetensors plus ``config.json``: one
     ``model.safetensors``, or with ``max_shard_size`` (bytes; None: one file whatever the
@@ -280,12 +276,15 @@ def write(
     ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``fetch``: a parameter leaf -> its host
     array, called as each tensor is converted (a device array is fetched then, not the whole
     tree first); the writer holds one shard's converted tensors and its serialised bytes at a
-    time."""
-    from safetensors.numpy import save
+    time.
 
+    ``group``: the processes of a state spread over several (a collective: every process
+    calls it): each writes the slices its devices hold into the files process 0 laid out
+    (:mod:`.parallel_files`; no tensor gathered, ``fetch`` unused), and process 0 alone
+    writes the index and ``config.json`` once every part is durable."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r}: expected one of {EXPORT_DTYPES}")
-    stored_dtype = _export_dtypes()[dtype]
+    stored_dtype = parallel_files.stored_type(dtype)
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -299,17 +298,40 @@ def write(
     if planned.index is None:
         planned = shards.Plan({SINGLE_FILE: list(expected)}, None)
 
-    def lookup(path: str):
+    def leaf(path: str):
         node = params
         for part in path.split("/"):
             node = node[part]
-        return np.asarray(fetch(node), dtype=np.float32)
+        return node
+
+    def lookup(path: str):
+        return np.asarray(fetch(leaf(path)), dtype=np.float32)
+
+    if group is not None:
+        files = {
+            file: {name: _spread_tensor(cfg, expected[name], leaf) for name in names}
+            for file, names in planned.files.items()
+        }
+        parallel_files.write(directory, files, dtype, {"format": "pt"}, group)
+        if group.rank != 0:
+            return
+    else:
+        _write_files(directory, planned, expected, lambda path: join(path, lookup), stored_dtype)
+    if planned.index is not None:
+        atomic.write_bytes(directory / INDEX_FILE, shards.index_bytes(planned.index))
+    config = exported_config(cfg, dtype, base_config)
+    atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def _write_files(directory: Path, planned, expected, value_of, stored_dtype) -> None:
+    """Each planned file from the whole tensors (``value_of(internal path)``: ``[in, out]``)."""
+    from safetensors.numpy import save
 
     for file, names in planned.files.items():
         tensors = {}
         for name in names:
             internal, transpose, shape = expected[name]
-            value = join(internal, lookup)
+            value = value_of(internal)
             tensors[name] = np.ascontiguousarray(value.T if transpose else value)
             if tensors[name].shape != shape:
                 raise ValueError(
@@ -322,10 +344,20 @@ def write(
         # not raise); one shard at a time, so the writer never holds the whole model converted.
         atomic.write_bytes(directory / file, save(tensors, metadata={"format": "pt"}))
         del tensors
-    if planned.index is not None:
-        atomic.write_bytes(directory / INDEX_FILE, shards.index_bytes(planned.index))
-    config = exported_config(cfg, dtype, base_config)
-    atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def _spread_tensor(cfg, entry, leaf) -> parallel_files.Tensor:
+    """The :class:`.parallel_files.Tensor` of one HF tensor (``entry``: its
+    :func:`expected_tensors` entry): its parameter, or a fused matrix's parts side by side."""
+    internal, transpose, shape = entry
+    sources, column = [], 0
+    for path in (internal,) if isinstance(internal, str) else internal:
+        value = leaf(path)
+        if tuple(value.shape) != param_shape(cfg, path):
+            raise ValueError(f"parameter {path}: shape {value.shape} disagrees with the config")
+        sources.append(parallel_files.Source(value, None, column, transpose))
+        column += value.shape[-1] if len(value.shape) > 1 else 0
+    return parallel_files.Tensor(tuple(shape), tuple(sources))
 
 
 def exported_config(cfg: LlamaConfig, dtype: str, base_config: dict | None = None) -> dict:

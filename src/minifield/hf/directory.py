@@ -126,7 +126,8 @@ def write(
     base_config: dict | None = None,
     max_shard_size: int | None = None,
     fetch=None,
-) -> dict:
+    group=None,
+) -> dict | None:
     """Write the HF directory and its ``model.json`` (written last: a directory without it
     is not an export). ``tokenizer_json``: the run's tokenizer file, None for the byte
     tokenizer. ``extra_files``: written byte for byte (a base model's
@@ -136,10 +137,16 @@ def write(
     :func:`tokenizer_config` describes. ``base_config``: the base model's ``config.json``,
     carried over field by field (:func:`.checkpoint.exported_config`). ``config``: the
     project's export config; returns the ``model.json`` content. ``max_shard_size``,
-    ``fetch``: as :func:`.checkpoint.write`'s (None: one weights file; ``numpy.asarray``)."""
+    ``fetch``, ``group``: as :func:`.checkpoint.write`'s (None: one weights file;
+    ``numpy.asarray``; one process); with a ``group``, every process writes its slices of the
+    weights and process 0 alone the rest (the others return None)."""
     directory.mkdir(parents=True, exist_ok=True)
     more = {} if fetch is None else {"fetch": fetch}
-    hf_checkpoint.write(directory, cfg, params, dtype, base_config, max_shard_size, **more)
+    hf_checkpoint.write(
+        directory, cfg, params, dtype, base_config, max_shard_size, group=group, **more
+    )
+    if group is not None and group.rank != 0:
+        return None
     files = {
         TOKENIZER_FILE: tokenizer_json if tokenizer_json is not None else byte_tokenizer_json(),
         **extra_files,

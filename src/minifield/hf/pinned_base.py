@@ -202,10 +202,10 @@ def _read_json(path: Path) -> dict:
     return value
 
 
-def params_from_arrays(arrays: dict[str, np.ndarray]) -> dict:
+def params_from_arrays(arrays: dict[str, np.ndarray], by_slices: bool = False) -> dict:
     """The nested FP32 parameter tree the prepared ``base.*`` arrays hold (host numpy, this
-    project's layout: :func:`.stored_base.host_fp32`)."""
-    return stored_base.host_fp32(arrays)
+    project's layout: :func:`.stored_base.host_fp32`; ``by_slices``: converted as placed)."""
+    return stored_base.host_fp32(arrays, by_slices)
 
 
 def base_config(arrays: dict[str, np.ndarray]) -> dict:

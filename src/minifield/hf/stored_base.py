@@ -91,14 +91,47 @@ def _stored(arrays: dict[str, np.ndarray]):
         yield path, value, entry["out_in"]
 
 
-def host_fp32(arrays: dict[str, np.ndarray]) -> dict:
+class FP32Slices:
+    """A stored base tensor seen as this project's FP32 ``[in, out]`` array, widened slice by
+    slice where it is read: ``value[index]`` converts only the stored bytes of that slice (what
+    :func:`minifield.training.data_parallel.place` asks for each device), ``numpy.asarray`` the
+    whole. The values are :func:`.tensors.to_fp32`'s (widening and transposing are exact, so a
+    slice's values are those of the whole array's slice)."""
+
+    def __init__(self, data: np.ndarray, transpose: bool):
+        self.data, self.transpose = data, transpose
+        self.shape = tuple(data.shape[::-1] if transpose else data.shape)
+        self.dtype = np.dtype(np.float32)
+
+    def __getitem__(self, index) -> np.ndarray:
+        from .tensors import to_fp32
+
+        index = index if isinstance(index, tuple) else (index,)
+        stored = self.data[index[::-1]] if self.transpose else self.data[index]
+        return to_fp32(np.ascontiguousarray(stored), self.transpose)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        from .tensors import to_fp32
+
+        value = to_fp32(self.data, self.transpose)
+        return value if dtype is None else value.astype(dtype)
+
+
+def host_fp32(arrays: dict[str, np.ndarray], by_slices: bool = False) -> dict:
     """The nested FP32 ``[in, out]`` parameter tree (host numpy) of prepared base arrays: the
     stored values widened exactly, matrices transposed (full fine-tuning's masters), block by
     block and tensors side by side (:func:`.tensors.to_fp32`); an FP32 array already in this
-    project's layout stays the prepared (memory-mapped, read-only) array."""
+    project's layout stays the prepared (memory-mapped, read-only) array. ``by_slices``: each
+    tensor left stored, an :class:`FP32Slices` converted slice by slice as it is placed (a
+    sharded mesh: a process converts only its devices' slices, never the whole model)."""
     from .tensors import reading_pool, to_fp32
 
     stored = list(_stored(arrays))
+    if by_slices:
+        return _nest(
+            (path, value if value.dtype == np.float32 and not out_in else FP32Slices(value, out_in))
+            for path, value, out_in in stored
+        )
     with reading_pool(len(stored)) as pool:
         values = list(pool.map(lambda item: to_fp32(item[1], item[2]), stored))
     return _nest((path, value) for (path, _, _), value in zip(stored, values, strict=True))

@@ -72,12 +72,23 @@ class _Restorer:
 
 
 def _selected_export(program, state, directory: Path, group: distributed.Group) -> None:
-    """The selected checkpoint's weights exported into ``directory`` by process 0.
+    """The selected checkpoint's weights exported into ``directory`` (replacing any).
 
-    Over several processes the parameters are first copied whole to every host (a
-    collective), as the end of a multi-process training attempt does, since the export
-    format is written by one process; the optimizer state is never gathered.
+    Over several processes a program that ``exports_where_held`` (every language-model one)
+    writes it with them all, each process the slices its devices hold (nothing gathered, as
+    the end of a multi-process training attempt does; process 0 commits it by rename);
+    another's parameters are first copied whole to every host (a collective) and process 0
+    writes it. The optimizer state is never gathered.
     """
+    if group.size > 1 and program.exports_where_held:
+        from ..state import export
+
+        if group.is_writer and directory.exists():
+            shutil.rmtree(directory)  # before write_whole's first agreement: none writes yet
+        export.write_whole(
+            directory, lambda partial: program.export(state, partial, group=group), group
+        )
+        return
     if group.size > 1:
         import jax
 

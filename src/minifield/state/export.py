@@ -33,21 +33,66 @@ class ExportWriteError(Exception):
     """An export could not be written (its partial directory was removed)."""
 
 
-def write_whole(final: Path, write: Callable[[Path], object]) -> None:
+def write_whole(final: Path, write: Callable[[Path], object], group=None) -> None:
     """``final`` whole or not at all: ``write`` fills a temporary sibling, renamed into place
     once complete; a failed write is removed and raised as :class:`ExportWriteError` naming
-    ``final`` and the error (which names the file, for a full disk)."""
+    ``final`` and the error (which names the file, for a full disk).
+
+    ``group``: the processes that write it together (a collective; ``final`` on a file
+    system they all see): process 0 makes the temporary directory afresh, every process
+    calls ``write``, and process 0 renames it once every process's ``write`` returned (a
+    failure in any is raised in all, and the directory removed)."""
     partial = final.parent / f".{final.name}.partial"
-    try:
-        write(partial)
+    if group is None or group.size == 1:
+        try:
+            write(partial)
+            _commit(partial, final, True)
+        except Exception as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise _not_written(final, exc) from exc
+        return
+    failure = None
+    if group.rank == 0:
+        try:  # a partial directory a killed attempt left is not written into
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            failure = exc
+    failure = _together(group, failure, lambda: write(partial))
+    if failure is None:  # the commit, process 0's, known to all
+        failure = _together(group, None, lambda: _commit(partial, final, group.rank == 0))
+    if failure is not None:
+        if group.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise _not_written(final, failure) from failure
+
+
+def _commit(partial: Path, final: Path, writer: bool) -> None:
+    if writer:
         os.rename(partial, final)
         atomic.fsync_dir(final.parent)
-    except Exception as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise ExportWriteError(
-            f"export {final} was not written (the partial one was removed): "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+
+
+def _together(group, failure: Exception | None, write: Callable[[], object]):
+    """``write`` in every process once all agree that what came before succeeded; the first
+    failure seen here (any process's made known by ``group.gather_ints``), or None."""
+    failed = [rank for rank, bad in enumerate(group.gather_ints(failure is not None)) if bad]
+    if failed:
+        return failure or RuntimeError(f"process(es) {failed} failed")
+    try:
+        write()
+    except Exception as exc:  # every process must reach the agreement below
+        failure = exc
+    failed = [rank for rank, bad in enumerate(group.gather_ints(failure is not None)) if bad]
+    if failed:
+        return failure or RuntimeError(f"process(es) {failed} failed writing it")
+    return None
+
+
+def _not_written(final: Path, exc: BaseException) -> ExportWriteError:
+    return ExportWriteError(
+        f"export {final} was not written (the partial one was removed): {type(exc).__name__}: {exc}"
+    )
 
 
 def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]) -> dict:
@@ -58,7 +103,7 @@ def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]
         buffer = io.BytesIO()
         np.save(buffer, np.asarray(np.asarray(array, order="C")), allow_pickle=False)
         data = buffer.getvalue()
-        file = f"weights/{index:05d}.npy"
+        file = weight_file(index)
         atomic.write_bytes(directory / file, data)
         entries.append(
             {
@@ -74,6 +119,30 @@ def write(directory: Path, params: dict[str, np.ndarray], config: dict[str, Any]
     return model
 
 
+def weight_file(number: int) -> str:
+    """The file of the ``number``-th array (in name order) of a :data:`FORMAT` export."""
+    return f"weights/{number:05d}.npy"
+
+
+def write_record(directory: Path, entries, config: dict[str, Any]) -> dict:
+    """``model.json`` of a :data:`FORMAT` export whose ``.npy`` files are already written
+    (by several processes, each its slices): ``entries`` ``(name, file, dtype str, shape)``
+    in name order, each file's sha256 read back."""
+    weights = [
+        {
+            "name": name,
+            "file": file,
+            "dtype": dtype,
+            "shape": list(shape),
+            "sha256": sha256_file(directory / file),
+        }
+        for name, file, dtype, shape in entries
+    ]
+    model = {"format": FORMAT, "config": config, "weights": weights}
+    atomic.write_json(directory / MODEL_FILE, model)
+    return model
+
+
 def write_files(directory: Path, config: dict[str, Any]) -> dict:
     """``model.json`` for a directory whose files are already written: each file (every file
     under ``directory`` but ``model.json``) with its size and sha256, plus ``config``."""
@@ -82,8 +151,8 @@ def write_files(directory: Path, config: dict[str, Any]) -> dict:
         rel = path.relative_to(directory).as_posix()
         if rel == MODEL_FILE or path.name.startswith("."):
             continue
-        data = path.read_bytes()
-        files.append({"file": rel, "size": len(data), "sha256": sha256_bytes(data)})
+        # streamed: a weights shard is never held whole in memory
+        files.append({"file": rel, "size": path.stat().st_size, "sha256": sha256_file(path)})
     model = {"format": FILES_FORMAT, "config": config, "files": files}
     atomic.write_json(directory / MODEL_FILE, model)
     return model

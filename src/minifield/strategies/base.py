@@ -118,6 +118,11 @@ class Program(ABC):
         """Metrics on the TEST data; assessed only for the DEV-selected checkpoint."""
         return {}
 
+    #: whether :meth:`export` takes a ``group`` and a state spread over several processes as
+    #: it lives (every process calls it, each writes what its devices hold); else a
+    #: multi-process attempt copies the state to every host and process 0 exports it
+    exports_where_held: bool = False
+
     @abstractmethod
     def export(self, state: dict, directory: Path) -> None:
         """Write loadable final weights and the config needed to use them."""

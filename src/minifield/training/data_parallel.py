@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..hf.stored_base import FP32Slices
 from ..models.layers import layer_stack
 
 AXIS = "data"
@@ -153,7 +154,9 @@ def place(value, sharding):
     """
     if isinstance(value, jax.Array):
         return jax.device_put(value, sharding)
-    host = np.asarray(value)
+    # a base tensor converted slice by slice (stored_base.FP32Slices) stays so: each slice
+    # is converted as its device asks for it
+    host = value if isinstance(value, FP32Slices) else np.asarray(value)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..hf.stored_base import FP32Slices
 from . import lora
 
 
@@ -24,6 +25,8 @@ def state_from_params(params: dict, optimizer, seed: int, stacked: bool = False)
     from ..models.layers import layer_stack
 
     def on_device(value):
+        if isinstance(value, FP32Slices):  # on one device: converted whole
+            value = np.asarray(value)
         if isinstance(value, np.ndarray) and value.dtype == np.float32:
             # adopted without a copy where JAX can (an aligned host array): JAX never writes
             # into it — a step that donates the state allocates its own outputs for it — so
@@ -69,6 +72,23 @@ class InitialState:
             return self.random()
         stacked = layer_stack.holds_stacked(self.cfg)
         return state_from_params(self.base_params, self.optimizer, self.seed, stacked)
+
+    def abstract(self) -> dict:
+        """The step-0 state's shapes and dtypes (what the update is compiled for), from the
+        base weights' shapes alone where there are some (none converted for it)."""
+        import jax
+
+        from ..models.layers import layer_stack
+
+        if self.lora_run is not None or self.base_params is None:
+            return jax.eval_shape(self.on_one_device)
+        shapes = jax.tree_util.tree_map(
+            lambda v: jax.ShapeDtypeStruct(tuple(v.shape), np.float32), self.base_params
+        )
+        stacked = layer_stack.holds_stacked(self.cfg)
+        return jax.eval_shape(
+            lambda params: state_from_params(params, self.optimizer, self.seed, stacked), shapes
+        )
 
     def on_mesh(self, shardings: dict) -> dict:
         """The step-0 state created in ``shardings`` (never whole on one device): random

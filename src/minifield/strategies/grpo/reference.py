@@ -36,7 +36,8 @@ class ReferencePolicy:
                 self._params = jax.device_put(start_params)
             else:
                 abstract = jax.tree_util.tree_map(
-                    lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                    # shapes and dtypes only: a base converted slice by slice stays so
+                    lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype),
                     start_params,
                 )
                 where = data_parallel.state_shardings(layout.mesh, {"params": abstract})

@@ -73,6 +73,7 @@ def write(
     lora_run=None,
     strategy=None,
     extra_files: dict[str, bytes] | None = None,
+    group=None,
 ):
     """Write the export of ``params`` (per layer, FP32) into ``directory`` (``strategy``: as
     :func:`config`; ``extra_files``: further files the export carries, name → bytes, listed
@@ -81,6 +82,11 @@ def write(
     ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
     store's gate and ``minifield generate`` load without the base).
+
+    ``group``: the processes of a state spread over several, every one calling this (a
+    collective): each writes the slices of the weights and adapters its devices hold
+    (:mod:`minifield.hf.parallel_files`, no tensor gathered; the GPT model's ``.npy`` files
+    too), process 0 everything else.
     """
     from ...state.arrays import named_arrays
 
@@ -92,9 +98,14 @@ def write(
     tokenizer_file = TOKENIZER_FILE if tokenizer_json is not None else None
     model_json = config(recipe, cfg, tokenizer, tokenizer_file, dev_bytes, strategy)
     if cfg.architecture != "llama":  # the GPT model keeps the .npy format
-        atomic.write_bytes(directory / DEV_FILE, dev_bytes)
+        files = {DEV_FILE: dev_bytes}
         if tokenizer_json is not None:
-            atomic.write_bytes(directory / TOKENIZER_FILE, tokenizer_json)
+            files[TOKENIZER_FILE] = tokenizer_json
+        if group is not None:
+            _write_npy_together(directory, params, model_json, files, group)
+            return
+        for name, data in files.items():
+            atomic.write_bytes(directory / name, data)
         export.write(directory, named_arrays(params), model_json)
         return
     from ...hf import directory as hf_directory
@@ -113,7 +124,7 @@ def write(
             ).tobytes()
     if lora_run is not None:
         model_json["lora"] = _write_adapter(
-            directory / peft_adapter.ADAPTER_DIR, recipe, cfg, *lora_run
+            directory / peft_adapter.ADAPTER_DIR, recipe, cfg, *lora_run, group=group
         )
     hf_directory.write(
         directory,
@@ -127,18 +138,45 @@ def write(
         tokenizer_config_json,
         base_config,
         model_section.export_max_shard_size(recipe),
-        fetch=to_host,  # tensor by tensor as each shard is written (gathered if sharded)
+        fetch=to_host,  # tensor by tensor as each shard is written, one process
+        group=group,
     )
 
 
-def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters) -> dict:
+def _write_npy_together(directory: Path, params, model_json: dict, files: dict, group) -> None:
+    """The GPT model's ``.npy`` export (:func:`minifield.state.export.write`'s files, byte for
+    byte) written by the processes that hold its arrays, nothing gathered; process 0 writes
+    ``files`` and ``model.json``."""
+    from ...hf import parallel_files
+    from ...state.arrays import named_leaves
+
+    (directory / "weights").mkdir(parents=True, exist_ok=True)
+    tensors, layouts, entries = {}, {}, []
+    for number, (name, leaf) in enumerate(named_leaves(params)):  # export.write's order
+        if np.dtype(leaf.dtype) != np.float32:
+            raise ValueError(f"parameter {name}: {leaf.dtype}, the export writes FP32 arrays")
+        file = export.weight_file(number)
+        tensors[file] = {
+            "": parallel_files.Tensor(tuple(leaf.shape), (parallel_files.Source(leaf),))
+        }
+        layouts[file] = parallel_files.npy_layout(leaf.shape, "float32")
+        entries.append((name, file, np.dtype(np.float32).str, tuple(leaf.shape)))
+    parallel_files.write_laid_out(directory, tensors, layouts, "float32", group)
+    if group.rank != 0:
+        return
+    for name, data in files.items():
+        atomic.write_bytes(directory / name, data)
+    export.write_record(directory, entries, model_json)
+
+
+def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters, group=None) -> dict:
     """Write the PEFT adapter; returns what ``model.json`` records of it."""
     items = {i["name"]: i for i in recipe["inputs"]}
     config_item = items[recipe["model"]["base"]["config"]]
     # PEFT's base_model_name_or_path: where the pinned base model's config.json lives
     where = config_item.get("path") or config_item.get("url") or config_item["name"]
     base_name = where.rsplit("/", 1)[0] if "/" in where else "."
-    peft_adapter.write_adapter(directory, lora_settings, adapters, base_name, cfg)
+    peft_adapter.write_adapter(directory, lora_settings, adapters, base_name, cfg, group)
     names = model_section.base_model_inputs(recipe["model"])
     return {
         **lora_settings.to_dict(),

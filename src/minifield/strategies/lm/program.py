@@ -27,9 +27,9 @@ from . import export_format, model_section
 
 
 class LMProgram(Program):
-    #: the strategy identity an export records (None: packed-sft's; a strategy built on
-    #: this program names itself)
+    #: the strategy identity an export records (None: packed-sft's; one built on this its own)
     export_strategy: dict | None = None
+    exports_where_held = True
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from ...models import execution
@@ -57,7 +57,7 @@ class LMProgram(Program):
         )
         self.start = InitialState(self.cfg, self.optimizer, self.seed)
         if "base" in recipe["model"] and self.lora is None:
-            self.base_params = pinned_base.params_from_arrays(arrays)
+            self.base_params = pinned_base.params_from_arrays(arrays, _base_by_slices(training))
         if self.lora is not None:
             self._lora_setup(schedule)
         self._compiled = None
@@ -112,12 +112,10 @@ class LMProgram(Program):
         twice). From then on ``init_state`` creates the state in its shardings and
         evaluation runs on the mesh; before, a one-device state (the template a process that
         only evaluates checkpoints restores into)."""
-        import jax
-
         dp = self.data_parallel
         if self.layout is not None or dp.devices == 1:
             return
-        self.layout = dp.lay_out(jax.eval_shape(self.start.on_one_device))
+        self.layout = dp.lay_out(self.start.abstract())
         if self.lora is not None:  # the frozen base on the mesh too, as its own shardings
             self._base, self._base_shardings = _base_on_mesh(dp, self.layout.mesh, self._base)
         self.evaluator.on_mesh(self.layout.batch, dp.devices)
@@ -202,7 +200,8 @@ class LMProgram(Program):
     def evaluate_test(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
 
-    def export(self, state: dict, directory: Path) -> None:
+    def export(self, state: dict, directory: Path, group=None) -> None:
+        """:func:`export_format.write` (``group``: the processes writing it together)."""
         from ...models.layers import layer_stack
 
         params = layer_stack.per_layer(state["params"])  # scanned runs hold them stacked
@@ -219,11 +218,21 @@ class LMProgram(Program):
             lora_run,
             self.export_strategy,
             self.export_files(),
+            group,
         )
 
     def export_files(self) -> dict[str, bytes]:
         """Files the export carries besides the model and its DEV copy (none here)."""
         return {}
+
+
+def _base_by_slices(training: dict) -> bool:
+    """Whether a base's FP32 masters are converted slice by slice as they are placed: on a
+    mesh that shards them (each process converts only its devices' slices)."""
+    from ...training import data_parallel
+
+    dp = data_parallel.DataParallel.from_training(training)
+    return dp.devices > 1 and dp.shard_params
 
 
 def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:
@@ -233,7 +242,7 @@ def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:
 
     abstract_state = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-        jax.eval_shape(start.on_one_device),
+        start.abstract(),
     )
     batch = batches.batch(0)
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}

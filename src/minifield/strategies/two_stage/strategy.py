@@ -295,9 +295,10 @@ class TwoStageProgram(LMProgram):
             return super().evaluate_test(state)
         return lm_metrics(self.evaluator, self._eval_params(state), self.arrays, "test")
 
-    def export(self, state: dict, directory: Path) -> None:
+    def export(self, state: dict, directory: Path, group=None) -> None:
         """An HF directory (:mod:`minifield.hf.directory`) whose ``model.json`` records the stage, the computation
-        digest and, for stage 2, the stage-1 computation it started from."""
+        digest and, for stage 2, the stage-1 computation it started from (``group``: as
+        :meth:`LMProgram.export`'s)."""
         import jax
 
         from ...hf import directory as hf_directory
@@ -336,11 +337,14 @@ class TwoStageProgram(LMProgram):
                 "computation_digest": stage1["computation_digest"],
                 "record_sha256": pins[stage1["record"]]["sha256"],
             }
+        # per layer: a scanned run holds its blocks stacked (packed_sft.layer_stack)
+        params = layer_stack.per_layer(state["params"])
+        if group is None:  # one process: a host copy; else each process writes its slices
+            params = jax.tree_util.tree_map(to_host, params)
         hf_directory.write(
             directory,
             self.cfg,
-            # per layer: a scanned run holds its blocks stacked (packed_sft.layer_stack)
-            jax.tree_util.tree_map(to_host, layer_stack.per_layer(state["params"])),
+            params,
             self.tokenizer,
             tokenizer_json,
             {dev_file: dev_bytes},
@@ -348,6 +352,7 @@ class TwoStageProgram(LMProgram):
             settings.export_dtype(self.recipe),
             # no max_shard_size: one model.safetensors whatever the size, the one weights file
             # stage 2 pins (model.init.stage1.weights)
+            group=group,
         )
 
 
