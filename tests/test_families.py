@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,10 +30,14 @@ from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import config as hf_config
 from minifield.models import model
 
+# one compiled program per config and row length; run op by op, the forward compiled each
+# primitive, and each layer's scan afresh, in every test
+forward = jax.jit(model.forward, static_argnums=1)
+
 
 def packed_logits(cfg, params, tokens, segments, positions) -> np.ndarray:
     arrays = (jnp.asarray([x], jnp.int32) for x in (tokens, segments, positions))
-    return np.asarray(model.forward(params, cfg, *arrays))[0]
+    return np.asarray(forward(params, cfg, *arrays))[0]
 
 
 def our_logits(cfg, params, row) -> np.ndarray:

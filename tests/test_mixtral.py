@@ -158,9 +158,14 @@ def case(tmp_path_factory):
     return {"tensors": tensors, "dir": directory, "cfg": cfg, "params": params}
 
 
+# one compiled program per config and row length; run op by op, the forward compiled each
+# primitive, and each layer's scan afresh, in every test
+forward = jax.jit(model.forward, static_argnums=1)
+
+
 def packed_logits(cfg, params, tokens, segments, positions) -> np.ndarray:
     arrays = (jnp.asarray([x], jnp.int32) for x in (tokens, segments, positions))
-    return np.asarray(model.forward(params, cfg, *arrays))[0]
+    return np.asarray(forward(params, cfg, *arrays))[0]
 
 
 def our_logits(cfg, params, row) -> np.ndarray:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -253,9 +254,14 @@ def case(request, tmp_path_factory):
     return {"hf": hf, "tensors": tensors, "dir": directory, "cfg": cfg, "params": params}
 
 
+# one compiled program per config and row length; run op by op, the forward compiled each
+# primitive, and each layer's scan afresh, in every test
+forward = jax.jit(model.forward, static_argnums=1)
+
+
 def our_logits(cfg, params, row) -> np.ndarray:
     arrays = (jnp.asarray([x], jnp.int32) for x in (row, [1] * len(row), list(range(len(row)))))
-    return np.asarray(model.forward(params, cfg, *arrays))[0]
+    return np.asarray(forward(params, cfg, *arrays))[0]
 
 
 # -- config.json -----------------------------------------------------------------------------------
