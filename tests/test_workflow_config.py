@@ -26,6 +26,18 @@ def test_a_bad_evaluate_processes_is_named_by_file_field_and_expectation():
         assert found == [f"config/config.yaml: evaluate.processes: {expectation}"]
 
 
+def test_config_files_are_named_as_snakemake_gives_them_paths_included():
+    """``workflow.configfiles`` holds paths for the ``--configfile`` ones."""
+    from pathlib import Path
+
+    sources = ["config/config.yaml", Path("config/mine.yaml")]
+    assert workflow_config.problems({"recipes": ["r.yaml"]}, sources) == []
+    found = workflow_config.problems({"recipes": ["r.yaml"], "evaluate": {"processes": 0}}, sources)
+    assert found == [
+        "config/config.yaml, config/mine.yaml: evaluate.processes: 0 is less than the minimum of 1"
+    ]
+
+
 def test_a_misspelt_key_and_a_missing_one_are_named():
     found = workflow_config.problems({"evaluate": {"procesess": 2}}, SOURCE)
     assert found == [

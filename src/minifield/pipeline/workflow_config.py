@@ -33,7 +33,7 @@ def problems(config: dict, sources: Sequence[str]) -> list[str]:
     """One line per value ``config`` (read from ``sources``) has against the schema, each
     naming the file(s), the field and the expectation; empty when it is valid."""
     validator = jsonschema.Draft202012Validator(schemas.load(SCHEMA), registry=schemas.registry())
-    where = ", ".join(sources) or "the workflow config (--config)"
+    where = ", ".join(map(str, sources)) or "the workflow config (--config)"
     lines = []
     for error in validator.iter_errors(config):
         message = error.message
