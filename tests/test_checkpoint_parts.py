@@ -13,12 +13,12 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import loopback
 import numpy as np
 import pytest
 from checkpoint_by_hand import state_hash_by_hand, verify_checkpoint_by_hand
@@ -30,17 +30,11 @@ PROBE = Path(__file__).with_name("checkpoint_parts_probe.py")
 DIGEST = "c" * 64
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_probe(count: int, *args: str, killed: int | None = None) -> dict | None:
     """Process 0's report of ``count`` processes (4 devices in all) running the probe. With
     ``killed``, that process must die of SIGKILL; the others (stuck in a collective) are
     then killed, as the launcher would, and None is returned."""
-    port = _free_port()
+    port = loopback.free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(PROBE), *args],
@@ -309,29 +303,11 @@ def test_each_process_holds_about_its_share_during_a_save_and_a_restore(tmp_path
     0.00 and 1.13–1.26): small states carry fixed costs."""
     script = Path(__file__).parents[1] / "benchmarks" / "_checkpoint_process.py"
     for phase, bound in (("save", 0.5), ("restore", 2.0)):
-        port = _free_port()
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(script), phase, "--dir", str(tmp_path), "--mb", "64"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={
-                    **os.environ,
-                    "JAX_PLATFORMS": "cpu",
-                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-                    "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
-                    "MINIFIELD_NUM_PROCESSES": "4",
-                    "MINIFIELD_PROCESS_ID": str(rank),
-                },
-            )
-            for rank in range(4)
+        argv = [str(script), phase, "--dir", str(tmp_path), "--mb", "64"]
+        outputs = loopback.run_all(argv, 4, 1)
+        reports = [
+            json.loads([x for x in o.splitlines() if x.startswith("{")][-1]) for o in outputs
         ]
-        reports = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            assert proc.returncode == 0, err[-3000:]
-            reports.append(json.loads([x for x in out.splitlines() if x.startswith("{")][-1]))
         for report in reports:
             assert abs(report["share_bytes"] - (16 << 20)) <= 4  # + the replicated scalar
             assert report["peak"] - report["baseline"] <= bound * report["share_bytes"], report
