@@ -45,8 +45,37 @@ def pytest_configure(config):
 
         jax.config.update("jax_disable_most_optimizations", True)
         flags = os.environ.get("XLA_FLAGS", "").split()
-        if FAST_TIER_XLA_FLAG not in flags:  # read when the CPU backend starts, after this
+        # read when the CPU backend starts, after this
+        if FAST_TIER_XLA_FLAG not in flags and _xla_knows(FAST_TIER_XLA_FLAG):
             os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_TIER_XLA_FLAG])
+
+
+_XLA_FLAG_PROBE = "MINIFIELD_TEST_XLA_FLAG_KNOWN"
+
+
+def _xla_knows(flag: str) -> bool:
+    """Whether this jaxlib's XLA accepts ``flag`` in ``XLA_FLAGS``: an unknown one is fatal
+    when the backend starts, and XLA drops flags between releases (the elemental emitters'
+    switch is gone from the jaxlib that Python 3.12 resolves to). Asked of a fresh interpreter
+    (about 1 s), once per session: the answer reaches the xdist workers through the
+    environment they inherit."""
+    known = os.environ.get(_XLA_FLAG_PROBE)
+    if known is None:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import jax; jax.devices()"],
+            env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+        )
+        known = os.environ[_XLA_FLAG_PROBE] = str(int(probe.returncode == 0))
+    return known == "1"
+
+
+def fusion_emitters_turned_off() -> bool:
+    """Whether this process compiles with XLA:CPU's elemental emitters (the fast tier, where
+    this jaxlib still has them): a test that needs the fusion emitters' bits asks for them
+    with ``compiler_options={"xla_cpu_use_fusion_emitters": True}`` only then, since a jaxlib
+    without the switch refuses the option and has only the fusion emitters."""
+    return FAST_TIER_XLA_FLAG in os.environ.get("XLA_FLAGS", "").split()
 
 
 # -- how the processes the tests start compile ----------------------------------------------------
