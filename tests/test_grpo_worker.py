@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,11 +97,22 @@ def _loss_by_hand(lines: list[dict], rl: dict, G: int) -> float:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case):
+    # One set of worker runs serves every check: the recovery proof's (both modes). Its
+    # reference is the recipe's whole computation (the proof's length is max_steps here: 4
+    # updates, export and result included), its crash part a crash after update 3 resumed
+    # from the step-2 checkpoint, its preempt part a SIGTERM after update 3 resumed from the
+    # checkpoint it made. The test checks each run itself (the proof only compares state
+    # hashes): the reference's rewards and losses by hand, the resumed chains' hashes and
+    # rollouts files against the reference's, the evaluate stage and the gate on its export.
     root = make_inputs(tmp_path / "in")
     raw = _recipe(root, case)
     path = write_recipe(tmp_path / "recipe.json", raw)
-    run_attempt(path, root, tmp_path / "out")
-    (attempt,) = attempts_of(tmp_path / "out", "grpo-test")
+    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
+    assert proof["passed"], proof["diagnosis"]
+    assert proof["settings"]["steps"] == raw["limits"]["max_steps"] == 4
+    assert proof["settings"]["fail_after_step"] == proof["settings"]["preempt_after_step"] == 3
+    attempt = Path(proof["reference"]["attempt_dir"])
+    assert json.loads((attempt / "result.json").read_text())["status"] == "completed"
     updates = [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
     assert [e["step"] for e in updates] == [1, 2, 3, 4]
     for key in ("rollout_seconds", "reward_seconds", "reference_seconds", "policy_seconds"):
@@ -126,22 +138,20 @@ def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case)
             )
         assert event["loss"] == pytest.approx(_loss_by_hand(lines, raw["rl"], G), abs=2e-6)
     assert any(e["reward_std"] > 0 for e in updates)  # the advantages were not all 0
-    # a crash after update 3, resumed from the step-2 checkpoint: the same states, rollouts
-    run_attempt(path, root, tmp_path / "crash", "--fail-after-step", "3", codes=(1,))
-    (crashed,) = attempts_of(tmp_path / "crash", "grpo-test")
-    run_attempt(path, root, tmp_path / "crash", "--resume-from", crashed)
-    resumed = attempts_of(tmp_path / "crash", "grpo-test")
-    assert update_hashes(resumed) == update_hashes([attempt])
-    assert rollout_files(resumed) == rollout_files([attempt])
+    # a crash after update 3, resumed from the step-2 checkpoint: the same states, rollouts;
+    # so after the preemption
+    crashed = [Path(proof[run]["attempt_dir"]) for run in ("faulted", "resumed")]
+    preempted = [Path(proof["preempted"][run]["attempt_dir"]) for run in ("run", "resumed")]
+    assert proof["checkpoint_used"]["step"] == 2
+    for resumed in (crashed, preempted):
+        assert update_hashes(resumed) == update_hashes([attempt])
+        assert rollout_files(resumed) == rollout_files([attempt])
     # the summary's rollouts block over the resumed chain, against the uninterrupted run's events
-    rollouts = summarize([a / "events.jsonl" for a in resumed])["rollouts"]
+    rollouts = summarize([a / "events.jsonl" for a in crashed])["rollouts"]
     assert rollouts["updates_count"] == 4
     assert rollouts["reward_first_update"] == updates[0]["reward"]
     assert rollouts["reward_last_update"] == updates[-1]["reward"]
     assert rollouts["reward_mean"] == pytest.approx(np.mean([e["reward"] for e in updates]))
-    # the recovery proof, both modes
-    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
-    assert proof["passed"], proof["diagnosis"]
     # the evaluate stage (DEV selection, TEST) and the gate from the export alone
     result = json.loads((attempt / "result.json").read_text())
     recipe_json = tmp_path / "validated.json"
