@@ -4,7 +4,9 @@ of one device.
 
 Three runs of one recipe (full fine-tuning, a reference and its k3 KL, μ = 2, the demo base):
 one device; two devices (the state replicated); two devices with the parameters sharded and
-two micro-batches per optimizer step. On the mesh the rollouts are generated with each device
+two micro-batches per optimizer step, this one crashed after update 3 and resumed (its two
+attempts are the run the first two checks read: one worker run serves the crash check and
+the comparison with one device). On the mesh the rollouts are generated with each device
 decoding its own rows, the reference's log-probabilities and the update run with the rows
 split over ``data``; rewards and advantages are computed on the host over the whole update.
 
@@ -24,6 +26,7 @@ Bad inputs are refused at validation, naming the field.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,32 +88,57 @@ def space(tmp_path_factory):
     return {"top": top, "root": make_inputs(top / "in"), "cache": top / "jax-cache"}
 
 
+#: the run that is crashed after update 3 and resumed (as one chain of attempts, it serves the
+#: comparison with one device too: each run is one worker process fewer)
+CRASHED = "two-sharded-accum"
+
+
 @pytest.fixture(scope="module")
 def runs(space) -> dict:
+    """Each run's chain of attempts (oldest first) and recipe. :data:`CRASHED` is run as a
+    crash after update 3 (sharded parameters, two micro-batches, two devices) and its resume
+    from the step-2 checkpoint, placed on the mesh again; the others run uninterrupted."""
     out = {}
     for name, settings in RUNS.items():
         path = write_recipe(space["top"] / f"{name}.json", dp_recipe(space["root"], **settings))
-        run_attempt(
-            path, space["root"], space["top"] / name, cache=space["cache"],
-            env=devices_env(settings["devices"]),
-        )  # fmt: skip
-        (attempt,) = attempts_of(space["top"] / name, "grpo-test")
-        out[name] = attempt
+        env = devices_env(settings["devices"])
+        if name == CRASHED:
+            run_attempt(path, space["root"], space["top"] / name, "--fail-after-step", "3",
+                        codes=(1,), env=env, cache=space["cache"])  # fmt: skip
+            (crashed,) = attempts_of(space["top"] / name, "grpo-test")
+            run_attempt(path, space["root"], space["top"] / name, "--resume-from", crashed,
+                        env=env, cache=space["cache"])  # fmt: skip
+        else:
+            run_attempt(path, space["root"], space["top"] / name, env=env, cache=space["cache"])
+        out[name] = attempts_of(space["top"] / name, "grpo-test")
+        assert len(out[name]) == (2 if name == CRASHED else 1)
         out[f"{name}-recipe"] = path
     return out
 
 
-def _updates(attempt) -> list[dict]:
-    return [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
+def _updates(chain) -> list[dict]:
+    """The update events over a chain of attempts (a later attempt's update replaces one an
+    interrupted attempt made), in step order."""
+    found = {}
+    for attempt in chain:
+        for event in read_events(attempt / "events.jsonl"):
+            if event["type"] == "update":
+                found[event["step"]] = event
+    return [found[step] for step in sorted(found)]
 
 
-def _rollouts(attempt, update: int) -> list[dict]:
-    path = attempt / "rollouts" / f"update-{update:08d}.jsonl"
+def _rollouts(chain, update: int) -> list[dict]:
+    """One update's rollouts file, from the last attempt of ``chain`` that wrote it."""
+    path = next(
+        attempt / "rollouts" / f"update-{update:08d}.jsonl"
+        for attempt in reversed(chain)
+        if (attempt / "rollouts" / f"update-{update:08d}.jsonl").is_file()
+    )
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _params(attempt) -> dict[str, np.ndarray]:
-    return load_file(str(attempt / "export" / "model.safetensors"))
+def _params(chain) -> dict[str, np.ndarray]:
+    return load_file(str(chain[-1] / "export" / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -146,15 +174,15 @@ def test_two_devices_are_the_mathematics_of_one(runs, name):
     scale = max(float(np.abs(v).max()) for v in pa.values())
     difference = max(float(np.abs(pa[k] - pb[k]).max()) for k in pa)
     assert difference <= PARAM_RTOL * scale, difference / scale
-    base = load_file(str(runs["one"].parent.parent.parent / "in" / "base" / "model.safetensors"))
+    base = load_file(str(runs["one"][0].parent.parent.parent / "in" / "base" / "model.safetensors"))
     moved = max(float(np.abs(pa[k] - base[k]).max()) for k in pa if k in base)
     assert moved > 100 * PARAM_RTOL * scale
     # another computation: another digest, other bits; on the mesh it says where it ran
-    result_a = json.loads((one / "result.json").read_text())
-    result_b = json.loads((other / "result.json").read_text())
+    result_a = json.loads((one[-1] / "result.json").read_text())
+    result_b = json.loads((other[-1] / "result.json").read_text())
     assert result_a["computation_digest"] != result_b["computation_digest"]
     assert result_a["final_state_hash"] != result_b["final_state_hash"]
-    events = read_events(other / "events.jsonl")
+    events = read_events(other[-1] / "events.jsonl")  # where the last attempt ran
     device = next(e for e in events if e["type"] == "device")
     assert device["data_parallel_devices"] == 2 and device["device_count"] == 2
     placement = next(e for e in events if e["type"] == "compiled")["placement"]
@@ -213,20 +241,18 @@ def test_lora_on_a_mesh_is_refused_as_packed_sft_refuses_it(space):
 
 
 @pytest.mark.slow
-def test_a_crash_on_the_mesh_resumes_to_the_same_bits(space, runs):
+def test_a_crash_on_the_mesh_resumes_to_the_same_bits(runs):
     """Sharded parameters and two micro-batches on two devices: a crash after update 3,
     resumed from the step-2 checkpoint (placed on the mesh again), recomputes update 3 to the
-    uninterrupted run's state hash and rollouts file."""
-    env, out = devices_env(2), space["top"] / "crash"
-    path = runs["two-sharded-accum-recipe"]
-    run_attempt(path, space["root"], out, "--fail-after-step", "3", codes=(1,), env=env,
-                cache=space["cache"])  # fmt: skip
-    (crashed,) = attempts_of(out, "grpo-test")
-    run_attempt(path, space["root"], out, "--resume-from", crashed, env=env, cache=space["cache"])
-    resumed = attempts_of(out, "grpo-test")
-    whole = runs["two-sharded-accum"]
-    assert update_hashes(resumed) == update_hashes([whole])
+    state hash and rollouts file the crashed attempt made of it uninterrupted (updates 1 to 3
+    in one process, then the crash)."""
+    crashed, resumed = runs[CRASHED]
+    info = json.loads((resumed / "attempt.json").read_text())
+    assert Path(info["resumed_from"]) == crashed.resolve()
+    (restored,) = [e for e in read_events(resumed / "events.jsonl") if e["type"] == "restored"]
+    assert restored["step"] == 2  # the checkpoint before the crash
+    hashes = {a: update_hashes([a]) for a in (crashed, resumed)}
+    assert sorted(hashes[crashed]) == [1, 2, 3] and sorted(hashes[resumed]) == [3]
+    assert hashes[resumed][3] == hashes[crashed][3]
     name = "update-00000003.jsonl"
-    assert (resumed[-1] / "rollouts" / name).read_bytes() == (
-        whole / "rollouts" / name
-    ).read_bytes()
+    assert (resumed / "rollouts" / name).read_bytes() == (crashed / "rollouts" / name).read_bytes()
