@@ -56,21 +56,25 @@ def prompts(seed=0, lengths=(1, 4, 9, 17)):
 @pytest.mark.parametrize("name", list(CASES))
 def test_cached_tokens_equal_uncached_tokens(name):
     cfg, params = tiny(**CASES[name])
-    batch = prompts()
+    # Four prompts and a fifth that nearly fills max_len, in one batch: each generation
+    # program (cached and uncached) is compiled once, for five rows, and serves the runs
+    # without and with a stop token (its ids are traced values).
+    batch = prompts() + prompts(1, (36,))
     cached = model.greedy_generate_batch(params, cfg, batch, 18, None, cache=True)
     plain = model.greedy_generate_batch(params, cfg, batch, 18, None, cache=False)
     for row, (a, b) in enumerate(zip(cached, plain, strict=True)):
         assert a == b, f"row {row}: first difference at token " + str(
             next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
         )
-    assert [len(x) for x in cached] == [18] * 4
+    # 18 new tokens each, but the long prompt stops where it fills max_len
+    assert [len(x) for x in cached] == [18] * 4 + [40 - 36]
     # a stop token that occurs ends each row at the same place; one prompt fills max_len
     stop = cached[2][5]
-    batch.append(prompts(1, (36,))[0])
     assert model.greedy_generate_batch(
         params, cfg, batch, 18, stop, cache=True
     ) == model.greedy_generate_batch(params, cfg, batch, 18, stop, cache=False)
-    assert len(model.greedy_generate(params, cfg, batch[-1], 18, None)) == 40 - 36
+    alone = model.greedy_generate(params, cfg, batch[-1], 18, None)
+    assert len(alone) == 40 - 36 and alone == cached[-1]
 
 
 def test_each_cached_step_gives_the_full_forward_logits_at_that_position():
@@ -81,7 +85,9 @@ def test_each_cached_step_gives_the_full_forward_logits_at_that_position():
     L = cfg.max_len
     tokens = jnp.asarray([sequence + [0] * (L - len(sequence))], jnp.int32)
     positions = jnp.arange(L, dtype=jnp.int32)[None]
-    full = np.asarray(model.forward(params, cfg, tokens, jnp.ones_like(tokens), positions))[0]
+    # one compiled forward, not the model op by op (each primitive compiled on its own)
+    forward = jax.jit(model.forward, static_argnums=1)
+    full = np.asarray(forward(params, cfg, tokens, jnp.ones_like(tokens), positions))[0]
 
     step = jax.jit(llama.forward_cached, static_argnums=1)
     logits, cache = step(
@@ -103,9 +109,14 @@ def test_cached_generation_equals_transformers_flax_greedy(checkpoints, flax_rop
     flax_rope_theta(case["hf"]["rope_theta"])
     reference = _flax_model(case["dir"], case["hf"])
     cfg, params = hf_checkpoint.load(case["dir"], max_len=64, compute_dtype="float32")
+    # transformers' generate compiled as one program per prompt length (their documented
+    # `jax.jit(model.generate)`), not dispatched op by op: the same greedy tokens
+    generate = jax.jit(
+        lambda ids: (
+            reference.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0).sequences
+        )
+    )
     for prompt in (test_llama.ROWS[0][:5], test_llama.ROWS[1]):
-        generated = reference.generate(
-            np.asarray([prompt], np.int32), max_new_tokens=16, do_sample=False, pad_token_id=0
-        ).sequences
+        generated = generate(np.asarray([prompt], np.int32))
         expected = np.asarray(generated)[0, len(prompt) :].tolist()
         assert model.greedy_generate(params, cfg, prompt, 16, None, cache=True) == expected

@@ -99,16 +99,20 @@ def _max_difference(a, b) -> float:
     return max(float(jnp.max(x)) for x in leaves)
 
 
+# compiled (op by op, every primitive and loop is compiled on its own), the full batch's once
+# for both values of k
+_full_gradient = jax.jit(jax.value_and_grad(model.loss_fn, has_aux=True), static_argnums=1)
+_accumulated_gradient = jax.jit(train_step.accumulated_gradient, static_argnums=(0, 2, 4))
+
+
 # 25-40 s of compiling on this machine: in the slow tier, so the fast tier stays a quick loop
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
     cfg, _, state = setup
     batch = {key: jnp.asarray(v) for key, v in batches[0].items()}
-    (loss, aux), full = jax.value_and_grad(model.loss_fn, has_aux=True)(state["params"], cfg, batch)
-    (acc_loss, acc_aux), acc = train_step.accumulated_gradient(
-        model.loss_fn, state["params"], cfg, batch, k
-    )
+    (loss, aux), full = _full_gradient(state["params"], cfg, batch)
+    (acc_loss, acc_aux), acc = _accumulated_gradient(model.loss_fn, state["params"], cfg, batch, k)
     assert float(acc_aux["tokens"]) == float(model.loss_weights(batch).sum())
     np.testing.assert_allclose(float(acc_loss), float(loss), rtol=1e-6)
     norm = float(optax.tree.norm(full))

@@ -19,24 +19,34 @@ def result_of(out, attempt, job="linear-test"):
     return json.loads((run_dir(out, job, attempt) / "result.json").read_text())
 
 
-@pytest.fixture
-def job(tmp_path):
-    (tmp_path / "in").mkdir()
-    return write_recipe(tmp_path / "job.json", linear_recipe(limits={"max_steps": 12}))
+# One uninterrupted run of the 12-update job serves every test that compares with it or
+# resumes from it (module-scoped: it was made once per test). Those tests only read it, and
+# each one that writes beside it (a refused or resumed attempt in its output root) uses an
+# attempt id of its own; the job's input root (the linear recipe reads no files) is shared.
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    root = tmp_path_factory.mktemp("worker-cli")
+    (root / "in").mkdir()
+    return root
 
 
-@pytest.fixture
-def reference(tmp_path, job):
-    """An uninterrupted run of the 12-update job."""
+@pytest.fixture(scope="module")
+def job(space):
+    return write_recipe(space / "job.json", linear_recipe(limits={"max_steps": 12}))
+
+
+@pytest.fixture(scope="module")
+def reference(space, job):
+    """An uninterrupted run of the 12-update job (attempt ``ref`` under ``space/ref``)."""
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
-        output_root=tmp_path / "ref",
+        input_root=space / "in",
+        output_root=space / "ref",
         attempt_id="ref",
         record_state_hashes=True,
         check_codes=[0],
     )
-    return result_of(tmp_path / "ref", "ref")
+    return result_of(space / "ref", "ref")
 
 
 def test_list_strategies_names_linear_momentum():
@@ -70,8 +80,8 @@ def test_validate_only_valid_recipe_reports_digest_and_strategy(job):
     assert verdict["strategy"] == {"name": "linear-momentum", "version": "1.0.0"}
 
 
-def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, reference):
-    attempt = run_dir(tmp_path / "ref", attempt="ref")
+def test_completed_run_writes_result_events_checkpoints_and_export(space, reference):
+    attempt = run_dir(space / "ref", attempt="ref")
     assert reference["status"] == "completed" and reference["steps_completed"] == 12
     assert reference["checkpoint"]["step"] == 12 and reference["error"] is None
     assert reference["metrics"]["heldout_mse"] <= 1.0
@@ -97,10 +107,10 @@ def test_completed_run_writes_result_events_checkpoints_and_export(tmp_path, ref
     assert reference["checkpoint"]["sha256"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
 
 
-def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None, stall_s=60):
+def _start_stalled(space, job, out, attempt, stall_after, resume_from=None, stall_s=60):
     command = worker_command(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id=attempt,
         stall_after_step=stall_after,
@@ -116,16 +126,18 @@ def _start_stalled(tmp_path, job, out, attempt, stall_after, resume_from=None, s
 
 
 @pytest.mark.parametrize("kill_after", [1, 5, 12])
-def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference, kill_after):
+def test_sigkill_then_resume_reaches_the_reference_hash(
+    tmp_path, space, job, reference, kill_after
+):
     """Killed after update K (before that step's checkpoint, so step 1 means no checkpoint at all)."""
     out = tmp_path / "out"
-    proc = _start_stalled(tmp_path, job, out, "killed", kill_after)
+    proc = _start_stalled(space, job, out, "killed", kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert not (run_dir(out, attempt="killed") / "result.json").exists()
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="resumed",
         resume_from=run_dir(out, attempt="killed"),
@@ -145,10 +157,12 @@ def test_sigkill_then_resume_reaches_the_reference_hash(tmp_path, job, reference
     assert first_update["step"] == expected_step + 1
 
 
-def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, job, reference):
+def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(
+    tmp_path, space, job, reference
+):
     out = tmp_path / "out"
     # A short stall: the signal arrives during it, and the preemption follows right after.
-    proc = _start_stalled(tmp_path, job, out, "term", 3, stall_s=3)
+    proc = _start_stalled(space, job, out, "term", 3, stall_s=3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 3
     preempted = result_of(out, "term")
@@ -160,7 +174,7 @@ def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, 
     )
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="after",
         resume_from=run_dir(out, attempt="term"),
@@ -169,11 +183,11 @@ def test_sigterm_commits_a_checkpoint_and_exits_3_then_resume_matches(tmp_path, 
     assert result_of(out, "after")["final_state_hash"] == reference["final_state_hash"]
 
 
-def test_resuming_a_completed_attempt_trains_nothing(tmp_path, job, reference):
-    out = tmp_path / "ref"
+def test_resuming_a_completed_attempt_trains_nothing(space, job, reference):
+    out = space / "ref"
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="again",
         resume_from=run_dir(out, attempt="ref"),
@@ -196,26 +210,28 @@ def test_resuming_a_completed_attempt_trains_nothing(tmp_path, job, reference):
     ]
 
 
-def test_resume_with_a_recipe_of_another_digest_is_refused(tmp_path, job, reference):
+def test_resume_with_a_recipe_of_another_digest_is_refused(tmp_path, space, job, reference):
     other = write_recipe(
         tmp_path / "other.json",
         linear_recipe(limits={"max_steps": 12}, training={"learning_rate": 0.05}),
     )
     proc = run_worker(
         job=other,
-        input_root=tmp_path / "in",
-        output_root=tmp_path / "ref",
+        input_root=space / "in",
+        output_root=space / "ref",
         attempt_id="x",
-        resume_from=run_dir(tmp_path / "ref", attempt="ref"),
+        resume_from=run_dir(space / "ref", attempt="ref"),
         check_codes=[2],
     )
     assert "refusing to resume" in proc.stderr and "computation" in proc.stderr
-    assert result_of(tmp_path / "ref", "x")["error"]["phase"] == "resume"
+    assert result_of(space / "ref", "x")["error"]["phase"] == "resume"
 
 
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path, job, reference):
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(
+    tmp_path, space, job, reference
+):
     out = tmp_path / "out"
-    proc = _start_stalled(tmp_path, job, out, "k", 7)
+    proc = _start_stalled(space, job, out, "k", 7)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     newest = run_dir(out, attempt="k") / "checkpoints" / "step-00000006"
@@ -227,7 +243,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(tmp_path,
     target.write_bytes(bytes(data))
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="r",
         resume_from=run_dir(out, attempt="k"),
@@ -263,17 +279,17 @@ def test_missing_or_mismatching_input_exits_2_before_training(tmp_path):
     assert "recipe pins" in proc.stderr
 
 
-def test_reused_attempt_id_is_refused_without_touching_the_old_attempt(tmp_path, job, reference):
-    before = (run_dir(tmp_path / "ref", attempt="ref") / "result.json").read_bytes()
+def test_reused_attempt_id_is_refused_without_touching_the_old_attempt(space, job, reference):
+    before = (run_dir(space / "ref", attempt="ref") / "result.json").read_bytes()
     proc = run_worker(
         job=job,
-        input_root=tmp_path / "in",
-        output_root=tmp_path / "ref",
+        input_root=space / "in",
+        output_root=space / "ref",
         attempt_id="ref",
         check_codes=[2],
     )
     assert "fresh attempt_id" in proc.stderr
-    assert (run_dir(tmp_path / "ref", attempt="ref") / "result.json").read_bytes() == before
+    assert (run_dir(space / "ref", attempt="ref") / "result.json").read_bytes() == before
 
 
 def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
@@ -305,15 +321,15 @@ def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
     assert not [e for e in events if e["type"] == "update"]
 
 
-def test_environment_change_is_refused_unless_allowed(tmp_path, job):
+def test_environment_change_is_refused_unless_allowed(tmp_path, space, job):
     out = tmp_path / "out"
-    proc = _start_stalled(tmp_path, job, out, "k", 3)
+    proc = _start_stalled(space, job, out, "k", 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     changed = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
     refused = run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="r1",
         resume_from=out / "linear-test" / "k",
@@ -323,7 +339,7 @@ def test_environment_change_is_refused_unless_allowed(tmp_path, job):
     assert "environment changed" in refused.stderr and "xla_flags" in refused.stderr
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="r2",
         resume_from=out / "linear-test" / "k",
@@ -336,28 +352,28 @@ def test_environment_change_is_refused_unless_allowed(tmp_path, job):
     )
 
 
-@pytest.fixture
-def sparse_job(tmp_path):
-    """The 12-update job with a checkpoint every 5 updates, and its uninterrupted result."""
-    (tmp_path / "in").mkdir(exist_ok=True)
+@pytest.fixture(scope="module")
+def sparse_job(space):
+    """The 12-update job with a checkpoint every 5 updates, and its uninterrupted result (made
+    once: the tests below resume their own attempts and compare with it)."""
     job = write_recipe(
-        tmp_path / "sparse.json",
+        space / "sparse.json",
         linear_recipe(limits={"max_steps": 12}, checkpoint={"every_steps": 5, "keep": 3}),
     )
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
-        output_root=tmp_path / "ref",
+        input_root=space / "in",
+        output_root=space / "sparse-ref",
         attempt_id="sparse-ref",
         check_codes=[0],
     )
-    return job, result_of(tmp_path / "ref", "sparse-ref")
+    return job, result_of(space / "sparse-ref", "sparse-ref")
 
 
-def _resume_to_the_end(tmp_path, job, out, previous: str) -> dict:
+def _resume_to_the_end(space, job, out, previous: str) -> dict:
     run_worker(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id=f"after-{previous}",
         resume_from=run_dir(out, attempt=previous),
@@ -368,7 +384,7 @@ def _resume_to_the_end(tmp_path, job, out, previous: str) -> dict:
 
 @pytest.mark.parametrize("closed", ["stdout", "stdout-and-stderr"])
 def test_a_closed_stdout_preempts_with_a_checkpoint_and_resume_matches(
-    tmp_path, sparse_job, closed
+    tmp_path, space, sparse_job, closed
 ):
     """The reader of the event stream goes away mid-run (a pipe's reader ended; a supervisor
     died, taking stderr's reader too): the worker stops echoing, commits the updates made
@@ -378,7 +394,7 @@ def test_a_closed_stdout_preempts_with_a_checkpoint_and_resume_matches(
     stderr_log = tmp_path / "stderr.log"
     command = worker_command(
         job=job,
-        input_root=tmp_path / "in",
+        input_root=space / "in",
         output_root=out,
         attempt_id="closed",
         stall_after_step=2,
@@ -424,18 +440,18 @@ def test_a_closed_stdout_preempts_with_a_checkpoint_and_resume_matches(
         stderr = stderr_log.read_text()
         assert "stdout closed" in stderr
         assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
-    resumed = _resume_to_the_end(tmp_path, job, out, "closed")
+    resumed = _resume_to_the_end(space, job, out, "closed")
     assert resumed["final_state_hash"] == reference["final_state_hash"]
     resumed_events = read_events(run_dir(out, attempt="after-closed") / "events.jsonl")
     assert next(e for e in resumed_events if e["type"] == "restored")["step"] == stopped_at
 
 
-def test_worker_piped_into_head_exits_3_with_a_result(tmp_path, sparse_job):
+def test_worker_piped_into_head_exits_3_with_a_result(tmp_path, space, sparse_job):
     """``minifield-worker ... | head -3``, as a user types it."""
     job, reference = sparse_job
     out = tmp_path / "out"
     command = shlex.join(
-        worker_command(job=job, input_root=tmp_path / "in", output_root=out, attempt_id="head")
+        worker_command(job=job, input_root=space / "in", output_root=out, attempt_id="head")
     )
     proc = subprocess.run(
         ["bash", "-c", f'{command} | head -3; echo "worker exit ${{PIPESTATUS[0]}}" >&2'],
@@ -450,5 +466,5 @@ def test_worker_piped_into_head_exits_3_with_a_result(tmp_path, sparse_job):
     result = result_of(out, "head")
     assert result["status"] == "preempted"
     assert result["checkpoint"]["step"] == result["steps_completed"]
-    resumed = _resume_to_the_end(tmp_path, job, out, "head")
+    resumed = _resume_to_the_end(space, job, out, "head")
     assert resumed["final_state_hash"] == reference["final_state_hash"]

@@ -11,6 +11,7 @@ the loss and rewards), from the export's weights and its copy of the DEV pairs.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -36,15 +37,25 @@ def reference_by_pair(arrays: dict, split: str, n_pairs: int) -> dict[str, np.nd
     return out
 
 
+@functools.cache
+def _compiled_logps():
+    """One jitted :func:`.logprobs.answer_logps` for every evaluator, the model config a
+    static argument: evaluators of the same model (the programs of two recipes that differ
+    in training settings only, the gate after training) share its compiled programs instead
+    of each compiling its own closure."""
+    import jax
+
+    return jax.jit(logprobs.answer_logps, static_argnums=1)
+
+
 class PairEvaluator:
     """The per-pair log-probabilities of a split's packed rows under given parameters, and
     the metrics of the module docstring."""
 
     def __init__(self, cfg, batch_size: int, settings: losses.LossSettings):
-        import jax
-
         self.batch_size, self.settings = batch_size, settings
-        self._logps = jax.jit(lambda params, batch: logprobs.answer_logps(params, cfg, batch))
+        compiled = _compiled_logps()
+        self._logps = lambda params, batch: compiled(params, cfg, batch)
         self._rows_sharding = None  # set by on_mesh: the rows split over the data axis
 
     def on_mesh(self, rows_sharding, devices: int) -> None:
