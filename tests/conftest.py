@@ -40,6 +40,7 @@ def pytest_configure(config):
     the same way in the same process, or against NumPy within a tolerance. The full suite (what
     CI runs) compiles as production does, so the same tests also run with the optimizations
     the workers use."""
+    _xla_knows(FAST_TIER_XLA_FLAG)  # asked here once: xdist's workers inherit the answer
     if (config.option.markexpr or "").strip() == FAST_TIER:
         import jax
 
@@ -75,7 +76,7 @@ def fusion_emitters_turned_off() -> bool:
     this jaxlib still has them): a test that needs the fusion emitters' bits asks for them
     with ``compiler_options={"xla_cpu_use_fusion_emitters": True}`` only then, since a jaxlib
     without the switch refuses the option and has only the fusion emitters."""
-    return FAST_TIER_XLA_FLAG in os.environ.get("XLA_FLAGS", "").split()
+    return FAST_TIER_XLA_FLAG in own_xla_flags()
 
 
 # -- how the processes the tests start compile ----------------------------------------------------
@@ -93,13 +94,44 @@ def fusion_emitters_turned_off() -> bool:
 # does, so every program is still checked at the optimization level users run.
 LIGHT_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
 PRODUCTION_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
+#: They also compile with XLA:CPU's elemental emitters where the jaxlib has them (as the fast
+#: tier does in-process): a worker's step, evaluation and generation programs that miss the
+#: session's compilation cache in about 15 % less CPU (docs/development.md). It reaches them
+#: through ``XLA_FLAGS``, which the worker records in the environment fingerprint like the
+#: variable above; a test that sets ``XLA_FLAGS`` for a process (forced devices) keeps it with
+#: :func:`started_xla_flags`.
+LIGHT_XLA_FLAGS = [FAST_TIER_XLA_FLAG]
+#: ``XLA_FLAGS`` as this pytest process started its own backend (production's emitters in the
+#: full suite), before the session fixture below added the light ones for the started processes
+_own_xla_flags: list[str] | None = None
 
 
 @pytest.fixture(scope="session", autouse=True)
 def started_processes_compile_lightly():
-    import jax  # noqa: F401  (this process reads the variable now, before it is set)
+    import jax
 
+    # this process reads both settings now, before they are set: JAX_DISABLE_MOST_OPTIMIZATIONS
+    # when JAX is imported, XLA_FLAGS when its CPU backend starts
+    global _own_xla_flags
+    jax.devices()
+    _own_xla_flags = own_xla_flags()
     os.environ.update(LIGHT_COMPILE)
+    os.environ["XLA_FLAGS"] = started_xla_flags(*_own_xla_flags)
+
+
+def own_xla_flags() -> list[str]:
+    """The ``XLA_FLAGS`` this process's JAX backend started with (set before the session's
+    first test; read from the environment until then, as the backend will)."""
+    if _own_xla_flags is None:
+        return os.environ.get("XLA_FLAGS", "").split()
+    return list(_own_xla_flags)
+
+
+def started_xla_flags(*flags: str) -> str:
+    """``XLA_FLAGS`` for a process a test starts: ``flags`` and the light ones (those this
+    jaxlib knows), each once."""
+    light = [f for f in LIGHT_XLA_FLAGS if _xla_knows(f)]
+    return " ".join(dict.fromkeys([*flags, *light]))
 
 
 def compiled_as_this_process() -> dict:
@@ -110,7 +142,8 @@ def compiled_as_this_process() -> dict:
     return {
         "JAX_DISABLE_MOST_OPTIMIZATIONS": str(
             int(jax.config.read("jax_disable_most_optimizations"))
-        )
+        ),
+        "XLA_FLAGS": " ".join(own_xla_flags()),
     }
 
 
@@ -119,6 +152,8 @@ def _production_compile(request, monkeypatch):
     if request.node.get_closest_marker("production_compile"):
         for name, value in PRODUCTION_COMPILE.items():
             monkeypatch.setenv(name, value)
+        production = [f for f in own_xla_flags() if f not in LIGHT_XLA_FLAGS]
+        monkeypatch.setenv("XLA_FLAGS", " ".join(production))
 
 
 class UnmarkedSubprocess(RuntimeError):

@@ -12,11 +12,14 @@ import sys
 
 
 def cpu_env(devices: int, extra: dict | None = None) -> dict:
-    """This environment on the CPU backend with ``devices`` forced host devices."""
+    """This environment on the CPU backend with ``devices`` forced host devices (and the other
+    flags the session gives the processes it starts: tests/conftest.py)."""
+    count = "--xla_force_host_platform_device_count"
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(count)]
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": " ".join([f"{count}={devices}", *kept]),
         **(extra or {}),
     }
 
