@@ -19,6 +19,7 @@ import numpy as np
 
 from minifield import recipe as recipes
 from minifield.data.packing import ROW_FIELDS
+from minifield.state import checkpoint
 from minifield.state.arrays import named_arrays, restore_like, state_hash
 from minifield.training.train_step import init_train_state
 
@@ -94,6 +95,28 @@ def main(recipe_path: str) -> None:
     placed = mesh.place(restored)
     report["restored"] = leaf_report(placed)
     report["restored_hash"] = state_hash(placed)
+
+    # what a resume restores into (the worker, the evaluate stage, the proof): the template
+    # holds no array, only the shapes, dtypes and shardings of the state it creates
+    template = mesh.state_template()
+    report["template_abstract"] = all(
+        isinstance(leaf, jax.ShapeDtypeStruct) and not isinstance(leaf, jax.Array)
+        for leaf in jax.tree_util.tree_leaves(template)
+    )
+    report["template_matches_fresh"] = all(
+        (t.shape, t.dtype, t.sharding) == (f.shape, f.dtype, f.sharding)
+        for t, f in zip(
+            jax.tree_util.tree_leaves(template), jax.tree_util.tree_leaves(fresh), strict=True
+        )
+    )
+    saved = checkpoint.save(
+        Path(recipe_path).parent / "ckpt", fresh, step=0, computation_digest="c" * 64
+    )
+    loaded, manifest = checkpoint.load(Path(saved.path), template, computation_digest="c" * 64)
+    placed = mesh.place(loaded)
+    checkpoint.verify_placed(placed, saved.path, manifest["state_hash"])
+    report["template_restored"] = leaf_report(placed)
+    report["template_restored_hash"] = state_hash(placed)
 
     # a base model's weights (host FP32 arrays): placed, then the state built around them
     base = jax.tree_util.tree_map(lambda a: np.asarray(a) * np.float32(1.5), host_params(host))

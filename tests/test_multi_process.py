@@ -30,6 +30,7 @@ from conftest import (
     run_worker,
     small_sft_inputs,
     small_sft_recipe,
+    started_xla_flags,
     worker_command,
     write_recipe,
 )
@@ -76,7 +77,7 @@ def start_processes(out: Path, *, count: int = 2, per_process=None, **options) -
     for rank in range(count):
         env = {
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "",
+            "XLA_FLAGS": started_xla_flags(),  # one CPU device each
             "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
             "MINIFIELD_NUM_PROCESSES": str(count),
             "MINIFIELD_PROCESS_ID": str(rank),
@@ -140,7 +141,10 @@ def reference(space) -> Path:
         output_root=out,
         record_state_hashes=True,
         check_codes=(0,),
-        env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": started_xla_flags("--xla_force_host_platform_device_count=2"),
+        },
     )
     (attempt,) = attempts(out)
     return attempt
@@ -386,7 +390,8 @@ def test_evaluate_stage_over_two_processes_gives_the_one_process_figures(
     from minifield.pipeline import evaluation, preparation
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device per process: two in all
+    # one CPU device per process: two in all
+    monkeypatch.setenv("XLA_FLAGS", started_xla_flags())
     recipe_json = tmp_path / "recipe.json"
     preparation.validate(space["root"] / "reference.json", recipe_json, tmp_path / "v.json")
     preparation.prepare(recipe_json, space["input_root"], tmp_path / "examples")
@@ -442,7 +447,7 @@ def test_evaluation_processes_that_do_not_hold_the_mesh_are_refused(space, tmp_p
     from minifield.pipeline.errors import StageError
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("XLA_FLAGS", started_xla_flags("--xla_force_host_platform_device_count=2"))
     recipe_json = tmp_path / "recipe.json"
     preparation.validate(mp_recipe(space, "refused"), recipe_json, tmp_path / "v.json")
     log = tmp_path / "evaluate.log"

@@ -7,7 +7,9 @@ checked as properties of the placement, in one process that sees 4 forced host d
   largest array is a slice, its outputs plus temporaries are less than one copy of the state);
 - its complete-state hash equals the hash of the plain one-device initialisation;
 - a restored checkpoint stays on the host until placed slice by slice, a base model's host
-  weights likewise, both with the one-device hash;
+  weights likewise, both with the one-device hash; a checkpoint written and read back into
+  the program's abstract template (what a resume restores into: shapes and shardings, no
+  array) is placed the same way, with the same hash;
 - (in process) the scaled normal draw compiled into a program gives the op-by-op bits: what
   lets the sharded state keep the one-device hash;
 - evaluation runs with the parameters still sharded, its DEV loss within 1e-6 relative of
@@ -97,6 +99,16 @@ def test_restored_and_base_model_states_are_placed_slice_by_slice(report):
     assert report["restored_hash"] == report["one_device_hash"]
     _assert_sliced(report["base"])
     assert report["base_hash"] == report["base_one_device_hash"] != report["one_device_hash"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_into_an_abstract_template_slice_by_slice(report):
+    """The template a resume restores into (``Program.state_template``) holds no array: a
+    restore holds the restored state alone, never a fresh one beside it."""
+    assert report["template_abstract"]
+    assert report["template_matches_fresh"]
+    _assert_sliced(report["template_restored"])
+    assert report["template_restored_hash"] == report["one_device_hash"]
 
 
 @pytest.mark.slow

@@ -237,7 +237,7 @@ def set_up(context: SetUpContext) -> SetUp:
         if previous is not None:
             restored = resume.restore(
                 previous.directory,
-                program.init_state(),
+                program.state_template(),
                 computation_digest=recipe.computation_digest,
                 events=events,
                 say=context.say,

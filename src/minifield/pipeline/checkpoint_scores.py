@@ -50,9 +50,11 @@ class _Restorer:
 
         failure, state, manifest = "", None, None
         try:
-            # a template per load, dropped with it: no second state beside the one scored
+            # shapes and shardings only: no second state beside the one scored
             state, manifest = checkpoint.load(
-                path, self.program.init_state(), computation_digest=self.recipe.computation_digest
+                path,
+                self.program.state_template(),
+                computation_digest=self.recipe.computation_digest,
             )
         except checkpoint.CheckpointError as exc:
             failure = str(exc)

@@ -268,7 +268,7 @@ def verify_checkpoint(runs: Runs, record: dict) -> None:
     try:
         _, manifest = checkpoint.load(
             Path(record["path"]),
-            runs.program().init_state(),
+            runs.program().state_template(),
             computation_digest=runs.recipe.computation_digest,
         )
     except checkpoint.CheckpointError as exc:

@@ -68,6 +68,14 @@ class Program(ABC):
     def init_state(self) -> dict:
         """Fresh complete state (params, opt_state, rng, step, cursor) for step 0."""
 
+    def state_template(self) -> Any:
+        """What a checkpoint is restored into (``state.checkpoint.load``): the state's structure,
+        shapes, dtypes and where each array will live. The default is a fresh state (cheap for
+        a small program); a program whose state is large answers with abstract arrays
+        (``jax.ShapeDtypeStruct``, with the sharding it will have), so a restore holds the
+        restored state alone, never a second one beside it."""
+        return self.init_state()
+
     def attach(self, attempt_dir: Path) -> None:
         """The attempt's directory, for a program that keeps files of its own there (grpo's
         rollouts); called on the writing process only, before ``compile``. The default keeps

@@ -106,6 +106,23 @@ class LMProgram(Program):
             return self.start.on_mesh(self.layout.state)
         return self.start.on_one_device()
 
+    def state_template(self) -> dict:
+        """The step-0 state as shapes and dtypes (``InitialState.abstract``: nothing computed,
+        no base weight converted), each leaf with its sharding once the mesh is laid out: a
+        restore reads only this process's regions and holds no template state beside them."""
+        import jax
+
+        abstract = self.start.abstract()
+        if self.layout is None:
+            return jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract
+            )
+        return jax.tree_util.tree_map(
+            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+            abstract,
+            self.layout.state,
+        )
+
     def lay_out_mesh(self) -> None:
         """The data-parallel mesh and the shardings of the state and the batch, without
         compiling the update (``compile`` starts with it; a no-op on one device or done
