@@ -555,17 +555,84 @@ def readme_first_command() -> list[list[str]]:
 READS_THE_README_RUN = ("tests/test_llama_demo.py", "tests/test_grpo_demo_pipeline.py")
 
 
+#: Most pytest-xdist workers ``-n auto`` starts (each holds JAX and a test's models: about 2 GB).
+MAX_AUTO_WORKERS = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject.toml): one worker per core for the fast tier, whose tests compile
+    and compute in the worker itself; one more for the full suite, whose tests also wait — on the
+    processes they start, on servers, on a SLURM cluster's scheduling — while a core would idle.
+    On this 2-core machine, 3 workers ran the waiting-heavy files (SLURM, tracking server, worker
+    CLI, pipelines: 250 tests) in 285 s against 2 workers' 332 s, the same CPU (425 vs 437 s),
+    idle CPU time 52 s against 129 s (docs/performance.md). ``PYTEST_XDIST_AUTO_NUM_WORKERS``
+    still decides where it is set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    fast = (config.option.markexpr or "").strip() == FAST_TIER
+    return max(1, min((cores or 1) + (0 if fast else 1), MAX_AUTO_WORKERS))
+
+
+#: Units of work (a file, or the README run's files together) that took longest in a whole run
+#: (seconds of one worker, 2 workers: docs/performance.md), longest first. xdist hands out
+#: the files with the most tests first, which left these — one or a few long tests each,
+#: mostly whole pipelines — for the end, where one ran alone while the other workers were
+#: done; handed out first, the last minutes run the many short files instead.
+LONGEST_FIRST = (
+    "tests/test_readme_commands.py",  # with READS_THE_README_RUN: 255 s
+    "tests/test_slurm_profile.py",  # 164 s, most of it waiting on the cluster
+    "tests/test_multi_process.py",
+    "tests/test_preference_demo_pipeline.py",
+    "tests/test_two_stage_pipeline.py",
+    "tests/test_tracking_server.py",
+    "tests/test_grpo_worker.py",
+    "tests/test_chains_pipeline.py",
+    "tests/test_harness_pipeline.py",
+    "tests/test_moe_lora.py",
+    "tests/test_checkpoint_parts.py",
+    "tests/test_preference_data_parallel.py",
+    "tests/test_preference_worker.py",
+    "tests/test_mixture_pipeline.py",
+)
+
+
+def work_unit(path: str) -> str:
+    """The unit a test file is scheduled in: its own, or the README run's."""
+    return "tests/test_readme_commands.py" if path in READS_THE_README_RUN else path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the units in the order they are handed out: ``LONGEST_FIRST``, then by
+    number of tests (xdist's own order); each file's tests keep their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        unit = work_unit(item.nodeid.split("::")[0])
+        counts[unit] = counts.get(unit, 0) + 1
+
+    def rank(item) -> tuple:
+        unit = work_unit(item.nodeid.split("::")[0])
+        first = LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (first, -counts[unit], unit)
+
+    items.sort(key=rank)  # stable: within a unit, collection order
+
+
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (pyproject.toml), except that the files of ``READS_THE_README_RUN``
-    go to the worker that runs tests/test_readme_commands.py, as one unit with it."""
+    go to the worker that runs tests/test_readme_commands.py, as one unit with it, and units
+    are handed out in the collection's order (``pytest_collection_modifyitems`` above)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    config.option.loadscopereorder = False
+
     class SharedRunFiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "tests/test_readme_commands.py" if path in READS_THE_README_RUN else path
+            return work_unit(super()._split_scope(nodeid))
 
     return SharedRunFiles(config, log)
 
