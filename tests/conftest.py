@@ -553,6 +553,15 @@ def readme_first_command() -> list[list[str]]:
 #: tests/test_readme_commands.py on one worker (`pytest_xdist_make_scheduler` below), and the
 #: README's pipeline runs once per session.
 READS_THE_README_RUN = ("tests/test_llama_demo.py", "tests/test_grpo_demo_pipeline.py")
+#: test files that read the linear demo's run (`linear_demo_run`, about 25 CPU-s to build),
+#: scheduled with tests/test_proof_verdict.py as one unit for the same reason.
+READS_THE_LINEAR_DEMO_RUN = (
+    "tests/test_pipeline.py",
+    "tests/test_proof.py",
+    "tests/test_publish_pipeline.py",
+    "tests/test_report_pipeline.py",
+    "tests/test_tracking_server.py",
+)
 
 
 #: Most pytest-xdist workers ``-n auto`` starts (each holds JAX and a test's models: about 2 GB).
@@ -585,7 +594,7 @@ LONGEST_FIRST = (
     "tests/test_multi_process.py",
     "tests/test_preference_demo_pipeline.py",
     "tests/test_two_stage_pipeline.py",
-    "tests/test_tracking_server.py",
+    "tests/test_proof_verdict.py",  # with READS_THE_LINEAR_DEMO_RUN: about 150 s
     "tests/test_grpo_worker.py",
     "tests/test_chains_pipeline.py",
     "tests/test_harness_pipeline.py",
@@ -598,8 +607,12 @@ LONGEST_FIRST = (
 
 
 def work_unit(path: str) -> str:
-    """The unit a test file is scheduled in: its own, or the README run's."""
-    return "tests/test_readme_commands.py" if path in READS_THE_README_RUN else path
+    """The unit a test file is scheduled in: its own, or that of the session run it reads."""
+    if path in READS_THE_README_RUN:
+        return "tests/test_readme_commands.py"
+    if path in READS_THE_LINEAR_DEMO_RUN:
+        return "tests/test_proof_verdict.py"
+    return path
 
 
 def pytest_collection_modifyitems(config, items):
@@ -621,9 +634,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile` (pyproject.toml), except that the files of ``READS_THE_README_RUN``
-    go to the worker that runs tests/test_readme_commands.py, as one unit with it, and units
-    are handed out in the collection's order (``pytest_collection_modifyitems`` above)."""
+    """`--dist loadfile` (pyproject.toml), except that the files reading a session run go to
+    one worker as one unit (``work_unit``), and units are handed out in the collection's order
+    (``pytest_collection_modifyitems`` above)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
