@@ -18,6 +18,8 @@ import yaml
 from conftest import run_snakemake
 from harness_by_hand import mc_accuracy
 
+from minifield import recipe as recipes
+
 pytestmark = pytest.mark.slow
 
 LIMIT = 8
@@ -52,14 +54,23 @@ def _project(tmp_path: Path, repo: Path, task_yaml: str | None = None) -> Path:
     config = yaml.safe_load((repo / "config" / "config.yaml").read_text())
     config["recipes"] = ["config/recipes/harness.yaml"]
     config["store"] = {**config["store"], "dir": "store"}
+    # the crash proof alone: this test reads no proof (test_proof.py covers both modes)
+    config["qualification"] = {**config["qualification"], "mode": "crash"}
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return workdir
 
 
 def test_harness_task_runs_in_the_pipeline_and_is_published(tmp_path, repo):
     workdir = _project(tmp_path, repo)
-    run_snakemake(workdir, check=True, timeout=1800)
+    recipe = recipes.load(workdir / "config" / "recipes" / "harness.yaml")
+    base = f"results/computations/{recipe.computation_digest[:16]}"
+    # what this test reads: the evaluation, the publication, the evaluation's report page
+    # (capacity and the other report pages are the pipeline tests' and the report tests')
+    targets = [f"{base}/eval/metrics.json", f"{base}/publication.json"]
+    targets.append(f"{base}/report/evaluation.html")
+    run_snakemake(workdir, *targets, check=True, timeout=1800)
     (computation,) = (workdir / "results" / "computations").iterdir()
+    assert computation.name == recipe.computation_digest[:16]
     metrics = json.loads((computation / "eval" / "metrics.json").read_text())
     harness = metrics["harness"]
     assert harness["samples"] == {"minifield_reverse_mc": LIMIT}
