@@ -16,7 +16,9 @@ layout on this topology (each process reading its own slices), verifies the plac
 runs the remaining updates. Process 0 prints one JSON line: the state hash after every
 update run here, the restored step, how many arrays were copied whole to the host
 (``arrays.to_host``), the bytes this process read from the parts (``rchar``) and the state's
-size.
+size. ``--resume-each DIR`` (repeatable): ``--restore DIR --save DIR`` for each DIR in turn,
+in the same processes (one process start for several resumes); the report is then
+``{"runs": [each DIR's report]}``.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main() -> int:
     parser.add_argument("--kill")
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--resume-each", action="append", default=[])
     args = parser.parse_args()
     topology = distributed.initialize()
     group = distributed.Group(topology)
@@ -94,12 +97,18 @@ def main() -> int:
     abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), host)
     dp = DataParallel(4, args.shard)
     shardings = dp.state_shardings(dp.mesh(), abstract)
-    out: dict = {"processes": jax.process_count(), "hashes": {}}
 
-    if args.restore:
+    def run(restore: str | None, save: str | None) -> dict:
+        gathers.clear()
+        out: dict = {"processes": jax.process_count(), "hashes": {}}
+        if restore:
+            return steps(out, *restored(out, restore), save)
+        return steps(out, place_tree(host, shardings), 0, save)
+
+    def restored(out: dict, restore: str):
         template = place_tree(host, shardings)  # the layout to restore into
-        newest = checkpoint.committed_steps(Path(args.restore))[-1]
-        path = Path(args.restore) / checkpoint.step_dir_name(newest)
+        newest = checkpoint.committed_steps(Path(restore))[-1]
+        path = Path(restore) / checkpoint.step_dir_name(newest)
         before = _rchar()
         restored, manifest = checkpoint.load(path, template)
         # bytes read by system calls, less the manifest's (read once, whole)
@@ -110,15 +119,18 @@ def main() -> int:
             checkpoint.verify_placed(state, str(path), manifest["state_hash"])
         out.update(restored_step=newest, sliced=bool(manifest.get("sliced")))
         out["restored_hash"] = arrays.state_hash(state)
-    else:
-        state = place_tree(host, shardings)
-        newest = 0
-    for step in range(newest + 1, args.steps + 1):
-        state = update(state)
-        out["hashes"][step] = arrays.state_hash(state)
-        if not args.save:
-            continue
+        return state, newest
 
+    def steps(out: dict, state, newest: int, save: str | None) -> dict:
+        for step in range(newest + 1, args.steps + 1):
+            state = update(state)
+            out["hashes"][step] = arrays.state_hash(state)
+            if save:
+                commit(state, step, Path(save), out)
+        out["gathered"] = len(gathers)
+        return out
+
+    def commit(state, step: int, save: Path, out: dict) -> None:
         def fault(phase: str, step=step) -> None:
             if (phase, step, group.rank) == (args.kill, args.kill_step, args.kill_rank):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -129,7 +141,7 @@ def main() -> int:
             digests = arrays.state_digests(state)
             tag = group.broadcast_text(uuid.uuid4().hex[:12])  # new for every write
             part = checkpoint_spread.BackgroundPart(
-                Path(args.save), step, rank=group.rank, count=group.size, tag=tag
+                save, step, rank=group.rank, count=group.size, tag=tag
             ).take(state)
             done: dict = {}
 
@@ -145,7 +157,7 @@ def main() -> int:
             committed = done["record"]
         elif jax.process_count() > 1:
             committed = checkpoint_spread.save(
-                Path(args.save),
+                save,
                 state,
                 step=step,
                 computation_digest="c" * 64,
@@ -154,13 +166,15 @@ def main() -> int:
                 fault=fault,
             )
         else:
-            committed = checkpoint.save(
-                Path(args.save), state, step=step, computation_digest="c" * 64
-            )
+            committed = checkpoint.save(save, state, step=step, computation_digest="c" * 64)
         assert committed.state_hash == out["hashes"][step]
-    out["gathered"] = len(gathers)
+
+    if args.resume_each:  # one process per rank resumes each directory in turn
+        report = {"runs": [run(directory, directory) for directory in args.resume_each]}
+    else:
+        report = run(args.restore, args.save)
     if topology.is_writer:
-        print(json.dumps(out, sort_keys=True), flush=True)
+        print(json.dumps(report, sort_keys=True), flush=True)
     if topology.is_multi_process:
         jax.distributed.shutdown()
     return 0

@@ -2,9 +2,10 @@
 program on the demo base (tests/preference_cases.py), their metrics and final parameters.
 
 Run as a script (``python tests/preference_mesh_cases.py ROOT OUT``, with
-``XLA_FLAGS=--xla_force_host_platform_device_count=2``) it makes the two-device runs of
+``XLA_FLAGS=--xla_force_host_platform_device_count=2``) it makes the runs of
 tests/test_preference_data_parallel.py: the reference log-probabilities on the mesh
-(replicated and sharded) and every loss's runs on two devices, written under ``OUT``.
+(replicated and sharded) and on one device, every loss's runs on two devices and on one,
+written under ``OUT``.
 """
 
 from __future__ import annotations
@@ -148,13 +149,21 @@ def close_runs(loss: str, one, other) -> None:
 
 
 def main(root: Path, out: Path) -> None:
-    """The two-device runs and references under ``out`` (``runs.json``, ``{name}.npz``)."""
+    """The two-device runs and references under ``out`` (``runs.json``, ``{name}.npz``), and
+    every loss's one-device run (``runs.json``'s ``one``, ``one-{loss}.npz``; the one-device
+    reference file into ``root``): the same ``run`` with ``data_parallel`` None, in this
+    process so that the test's own process compiles none of them."""
     import jax
     from safetensors.numpy import load_file
 
     assert len(jax.devices()) >= 2, jax.devices()
     out.mkdir(parents=True, exist_ok=True)
-    record = {"reference": {}, "runs": {}}
+    record = {"reference": {}, "runs": {}, "one": {}}
+    reference_file(root)
+    for loss in LOSSES:
+        metrics, dev, params = run(root, loss)
+        record["one"][loss] = {"metrics": metrics, "dev": dev}
+        np.savez(out / f"one-{loss}.npz", **params)
     for name, (data_parallel, _) in MESH_RUNS.items():
         path = reference_file(root, data_parallel)
         np.savez(out / f"reference-{name}.npz", **load_file(root / path))

@@ -41,20 +41,18 @@ def run_probe(count: int, *args: str, killed: int | None = None) -> dict | None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={
-                **os.environ,
-                "JAX_PLATFORMS": "cpu",
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // count}",
-                **(
-                    {
-                        "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
-                        "MINIFIELD_NUM_PROCESSES": str(count),
-                        "MINIFIELD_PROCESS_ID": str(rank),
-                    }
-                    if count > 1
-                    else {}
-                ),
-            },
+            # the session's light compile flags too (loopback.cpu_env): every run whose
+            # hashes these tests compare is started here, so all compile alike
+            env=loopback.cpu_env(
+                4 // count,
+                {
+                    "MINIFIELD_COORDINATOR": f"127.0.0.1:{port}",
+                    "MINIFIELD_NUM_PROCESSES": str(count),
+                    "MINIFIELD_PROCESS_ID": str(rank),
+                }
+                if count > 1
+                else {},
+            ),
         )
         for rank in range(count)
     ]
@@ -144,36 +142,65 @@ def test_a_one_process_checkpoint_restores_on_two_processes(tmp_path, uninterrup
     assert report["hashes"] == {"3": uninterrupted["3"], "4": uninterrupted["4"]}
 
 
+KILLS = [
+    ("opened", 1, "--collective"),
+    ("part_written", 1, "--collective"),
+    ("before_commit", 0, "--collective"),
+    ("part_written", 1, "--background"),
+    ("before_commit", 0, "--background"),
+]
+
+
+def _write_args(directory: Path, mode: str) -> list[str]:
+    return ["--shard", "--save", str(directory), "--steps", "3"] + (
+        ["--background"] if mode == "--background" else []
+    )
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory) -> dict:
+    """Each of :data:`KILLS`: a 2-process write SIGKILLed there (the steps committed right
+    after it), then resumed in the same directory. The resumes of one mode share 2 processes
+    (``--resume-each``: each directory restored and run on in turn), which start once."""
+    cases: dict = {}
+    for phase, rank, mode in KILLS:
+        directory = tmp_path_factory.mktemp(f"kill-{phase}-{mode[2:]}")
+        args = _write_args(directory, mode)
+        kill = ["--kill", phase, "--kill-rank", str(rank), "--kill-step", "2"]
+        run_probe(2, *args, *kill, killed=rank)
+        cases[phase, rank, mode] = {
+            "dir": directory,
+            "committed_after_kill": checkpoint.committed_steps(directory),
+        }
+    for mode in ("--collective", "--background"):
+        keys = [key for key in KILLS if key[2] == mode]
+        each = [arg for key in keys for arg in ("--resume-each", str(cases[key]["dir"]))]
+        extra = ["--background"] if mode == "--background" else []
+        report = run_probe(2, "--shard", "--steps", "3", *extra, *each)
+        for key, run in zip(keys, report["runs"], strict=True):
+            cases[key]["report"] = run
+    return cases
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("phase", "rank", "mode"),
-    [
-        ("opened", 1, "--collective"),
-        ("part_written", 1, "--collective"),
-        ("before_commit", 0, "--collective"),
-        ("part_written", 1, "--background"),
-        ("before_commit", 0, "--background"),
-    ],
-)
+@pytest.mark.parametrize(("phase", "rank", "mode"), KILLS)
 def test_a_kill_during_a_write_leaves_the_previous_checkpoint(
-    tmp_path, uninterrupted, phase, rank, mode
+    killed_and_resumed, uninterrupted, phase, rank, mode
 ):
     """SIGKILL before any part is written, between the parts (process 1's durable, process
     0's racing), and before the commit, in the collective commit and in the background one
     (written on a thread while the next update runs): checkpoint 2 is never adopted, 1
     resumes, and the resumed run (writing into the same directory) reaches the
     uninterrupted hashes."""
-    args = ["--shard", "--save", str(tmp_path), "--steps", "3"]
-    args += ["--background"] if mode == "--background" else []
-    run_probe(2, *args, "--kill", phase, "--kill-rank", str(rank), "--kill-step", "2", killed=rank)
-    assert checkpoint.committed_steps(tmp_path) == [1]
-    report = run_probe(2, *args, "--restore", str(tmp_path))
+    case = killed_and_resumed[phase, rank, mode]
+    directory, report = case["dir"], case["report"]
+    assert case["committed_after_kill"] == [1]
     assert report["restored_step"] == 1 and report["restored_hash"] == uninterrupted["1"]
     assert report["hashes"] == {"2": uninterrupted["2"], "3": uninterrupted["3"]}
-    assert checkpoint.committed_steps(tmp_path) == [1, 2, 3]
+    assert checkpoint.committed_steps(directory) == [1, 2, 3]
     if mode == "--collective":  # the background commit's leftover goes at the next prune
-        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    _, arrays = verify_checkpoint_by_hand(tmp_path / "step-00000003")
+        assert not [p for p in directory.iterdir() if p.name.startswith(".tmp-")]
+    _, arrays = verify_checkpoint_by_hand(directory / "step-00000003")
     assert state_hash_by_hand(arrays) == uninterrupted["3"]
 
 

@@ -31,6 +31,7 @@ from conftest import (
     run_attempt,
     small_sft_inputs,
     small_sft_recipe,
+    started_xla_flags,
     write_recipe,
 )
 
@@ -44,9 +45,11 @@ CURVE_RTOL = 1e-3
 
 
 def devices_env(count: int) -> dict:
-    """CPU only, with ``count`` host devices (an empty XLA_FLAGS for one device)."""
-    flags = f"--xla_force_host_platform_device_count={count}" if count > 1 else ""
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    """CPU only, with ``count`` host devices (no forced count for one device), compiled with
+    the session's light flags like every process the suite starts: every run these tests
+    compare to the bit is started through here, so all compile alike."""
+    forced = [f"--xla_force_host_platform_device_count={count}"] if count > 1 else []
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": started_xla_flags(*forced)}
 
 
 @pytest.fixture(scope="module")

@@ -123,7 +123,13 @@ def test_each_segment_of_a_packed_row_equals_the_example_alone(checkpoints, name
     positions = list(range(7)) + list(range(9)) + list(range(5)) + [0, 1]
     packed = packed_logits(cfg, params, tokens, segments, positions)
     for example, start in ((a, 0), (b, 7), (c, 16)):
-        alone = our_logits(cfg, params, example)
+        # alone in a row as long as the packed one, padding (segment 0) after it, as
+        # test_mixtral's: one compiled forward serves every call instead of one per length
+        pad = len(tokens) - len(example)
+        alone = packed_logits(
+            cfg, params, example + [0] * pad, [1] * len(example) + [0] * pad,
+            list(range(len(example))) + [0] * pad,
+        )[: len(example)]  # fmt: skip
         np.testing.assert_allclose(packed[start : start + len(example)], alone, atol=1e-5)
 
 
@@ -189,18 +195,40 @@ def test_gemma_logits_and_greedy_tokens_equal_transformers_flax(checkpoints, mon
     import test_llama
     import transformers
 
-    monkeypatch.setattr(test_llama, "_flax_class", lambda hf: transformers.FlaxGemmaForCausalLM)
+    class Gemma(transformers.FlaxGemmaForCausalLM):
+        """transformers' Flax Gemma whose throw-away initial parameters are zeros of their
+        shapes instead of a random init run op by op (~4 CPU-s of compiling): from_pretrained
+        replaces every one with the file's tensor, and _flax_model checks that it did (a zero
+        left in place fails that check as a random value would)."""
+
+        def init_weights(self, rng, input_shape, params=None):
+            assert params is None  # from_pretrained's initialisation only
+            init = super().init_weights
+            shapes = jax.eval_shape(lambda key: init(key, input_shape), rng)
+            return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+
+    monkeypatch.setattr(test_llama, "_flax_class", lambda hf: Gemma)
     case = checkpoints["gemma"]
     assert case["hf"]["rope_theta"] == 10000.0
     reference = test_llama._flax_model(case["dir"], {**case["hf"], "tie_word_embeddings": True})
     cfg, params = hf_checkpoint.load(case["dir"], max_len=32, compute_dtype="float32")
-    theirs = np.asarray(reference(np.asarray(ROWS, np.int32)).logits)
-    for row, logits in zip(ROWS, theirs, strict=True):
+    # their forward and generation each compiled as one program: called plainly, Flax runs
+    # them op by op, compiling every primitive of every layer (about 370 small programs,
+    # most of this test's time); the same functions of the same parameters either way
+    theirs = jax.jit(lambda p, ids: reference(ids, params=p).logits)(
+        reference.params, np.asarray(ROWS, np.int32)
+    )
+    for row, logits in zip(ROWS, np.asarray(theirs), strict=True):
         np.testing.assert_allclose(our_logits(cfg, params, row), logits, atol=1e-4)
     prompt = ROWS[0][:6]
-    generated = reference.generate(
-        np.asarray([prompt], np.int32), max_new_tokens=6, do_sample=False, pad_token_id=0
-    ).sequences
+
+    @jax.jit
+    def generate(p, ids):
+        return reference.generate(
+            ids, params=p, max_new_tokens=6, do_sample=False, pad_token_id=0
+        ).sequences
+
+    generated = generate(reference.params, np.asarray([prompt], np.int32))
     assert (
         model.greedy_generate(params, cfg, prompt, 6, None)
         == np.asarray(generated)[0, len(prompt) :].tolist()

@@ -227,7 +227,7 @@ def test_a_section_out_of_time_is_recorded_and_the_check_goes_on(tmp_path):
     assert doc["summary"]["goals"]["ours_over_minimal_125m"]["met"] is None
 
 
-@pytest.mark.slow  # two JAX compilations
+@pytest.mark.slow  # three JAX compilations
 def test_minimal_loop_is_the_same_model_as_ours():
     """Same parameters, same packed batch: the minimal loop's loss (written from the equations)
     equals our Llama's (FP32, so the two differ only by summation order)."""
@@ -247,7 +247,8 @@ def test_minimal_loop_is_the_same_model_as_ours():
         vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_len=64,
         compute_dtype="float32",
     )  # fmt: skip
-    ours = llama.init_params(cfg, jax.random.key(3))
+    # jitted: op by op, every primitive of the initialisation would be compiled afresh
+    ours = jax.jit(llama.init_params, static_argnums=0)(cfg, jax.random.key(3))
     blocks = [ours["blocks"][name] for name in sorted(ours["blocks"], key=int)]
     # norm scales other than the initial ones, each its own: a scale the minimal loop left
     # out, or applied at the other norm, changes the loss

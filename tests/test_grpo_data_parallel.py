@@ -30,7 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import attempts_of, read_events, run_attempt, update_hashes, write_recipe
+from conftest import (
+    attempts_of,
+    read_events,
+    run_attempt,
+    started_xla_flags,
+    update_hashes,
+    write_recipe,
+)
 from grpo_cases import make_inputs, recipe
 from safetensors.numpy import load_file
 
@@ -59,9 +66,11 @@ RUNS = {
 
 
 def devices_env(count: int) -> dict:
-    """CPU only, with ``count`` host devices (an empty XLA_FLAGS for one device)."""
-    flags = f"--xla_force_host_platform_device_count={count}" if count > 1 else ""
-    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    """CPU only, with ``count`` host devices (no forced count for one device), compiled with
+    the session's light flags like every process the suite starts: every run these tests
+    compare to the bit is started through here, so all compile alike."""
+    forced = [f"--xla_force_host_platform_device_count={count}"] if count > 1 else []
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": started_xla_flags(*forced)}
 
 
 def dp_recipe(root, devices: int = 1, shard_params: bool = False, grad_accum_steps: int = 1):

@@ -18,23 +18,35 @@ import yaml
 from conftest import run_snakemake
 from harness_by_hand import mc_accuracy
 
+from minifield import recipe as recipes
+
 pytestmark = pytest.mark.slow
 
 LIMIT = 8
+#: lines of the demo's train, dev and test files the recipe trains and evaluates on
+SLICE = {"train": 64, "dev": 16, "test": 16}
 
 
 def _project(tmp_path: Path, repo: Path, task_yaml: str | None = None) -> Path:
-    """A user's project: the demo data, the shipped tasks, one small recipe with the MC task."""
+    """A user's project: a slice of the demo data, the shipped tasks, one small recipe with the
+    MC task."""
     workdir = tmp_path / "project"
-    for name in ("sft-demo", "harness"):
-        shutil.copytree(repo / "data" / name, workdir / "data" / name)
+    shutil.copytree(repo / "data" / "harness", workdir / "data" / "harness")
+    # a slice of the demo's examples: what trains the model the harness task is run on is
+    # not what this test is about, and every evaluation decodes all of DEV
+    for split, lines in SLICE.items():
+        source = repo / "data" / "sft-demo" / f"{split}.jsonl"
+        target = workdir / "data" / "sft-demo" / f"{split}.jsonl"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("".join(source.read_text().splitlines(True)[:lines]))
     if task_yaml is not None:
         (workdir / "data" / "harness" / "reverse_mc.yaml").write_text(task_yaml)
     recipe = yaml.safe_load((repo / "config" / "recipes" / "sft-demo.yaml").read_text())
     recipe["job_id"] = "harness-pipeline"
     for name, path in (("mc", "harness/reverse_mc.yaml"), ("mc-data", "harness/reverse_mc.jsonl")):
-        digest = hashlib.sha256((workdir / "data" / path).read_bytes()).hexdigest()
-        recipe["inputs"].append({"name": name, "path": path, "sha256": digest})
+        recipe["inputs"].append({"name": name, "path": path})
+    for item in recipe["inputs"]:
+        item["sha256"] = hashlib.sha256((workdir / "data" / item["path"]).read_bytes()).hexdigest()
     recipe["limits"]["max_steps"] = 12
     recipe["training"]["warmup_steps"] = 2
     recipe["checkpoint"]["every_steps"] = 6
@@ -52,14 +64,23 @@ def _project(tmp_path: Path, repo: Path, task_yaml: str | None = None) -> Path:
     config = yaml.safe_load((repo / "config" / "config.yaml").read_text())
     config["recipes"] = ["config/recipes/harness.yaml"]
     config["store"] = {**config["store"], "dir": "store"}
+    # the crash proof alone: this test reads no proof (test_proof.py covers both modes)
+    config["qualification"] = {**config["qualification"], "mode": "crash"}
     (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
     return workdir
 
 
 def test_harness_task_runs_in_the_pipeline_and_is_published(tmp_path, repo):
     workdir = _project(tmp_path, repo)
-    run_snakemake(workdir, check=True, timeout=1800)
+    recipe = recipes.load(workdir / "config" / "recipes" / "harness.yaml")
+    base = f"results/computations/{recipe.computation_digest[:16]}"
+    # what this test reads: the evaluation, the publication, the evaluation's report page
+    # (capacity and the other report pages are the pipeline tests' and the report tests')
+    targets = [f"{base}/eval/metrics.json", f"{base}/publication.json"]
+    targets.append(f"{base}/report/evaluation.html")
+    run_snakemake(workdir, *targets, check=True, timeout=1800)
     (computation,) = (workdir / "results" / "computations").iterdir()
+    assert computation.name == recipe.computation_digest[:16]
     metrics = json.loads((computation / "eval" / "metrics.json").read_text())
     harness = metrics["harness"]
     assert harness["samples"] == {"minifield_reverse_mc": LIMIT}

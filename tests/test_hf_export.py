@@ -307,7 +307,8 @@ def test_worker_export_loads_in_transformers_with_equal_logits_and_tokens(
         ids = np.asarray([prompt], np.int32)
         theirs = np.asarray(reference(ids).logits)[0]
         tokens = jax.numpy.asarray(ids)
-        ours = model.forward(
+        # jitted (test_llama.forward): op by op, every primitive would be compiled afresh
+        ours = test_llama.forward(
             params, cfg, tokens, jax.numpy.ones_like(tokens), jax.numpy.arange(len(prompt))[None]
         )
         np.testing.assert_allclose(np.asarray(ours)[0], theirs, atol=1e-4)

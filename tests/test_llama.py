@@ -451,9 +451,55 @@ def flax_rope_theta(monkeypatch):
     return use
 
 
+class _JittedFlax:
+    """transformers' Flax model with its forward and greedy ``generate`` each compiled as one
+    program (per input shape and generate settings). Dispatched op by op, as transformers runs
+    them outside ``jax.jit``, every primitive compiled afresh: most of a reference's cost on 2
+    cores. The same functions of the same parameters; anything else is the model's own."""
+
+    def __init__(self, flax_model):
+        self._model = flax_model
+        self._forward = jax.jit(lambda params, ids: flax_model(ids, params=params))
+        self._generate = {}
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids, params=None, **kwargs):
+        params = self._model.params if params is None else params
+        if kwargs:  # not asked for by any test: transformers' own call, as it is
+            return self._model(input_ids, params=params, **kwargs)
+        return self._forward(params, input_ids)
+
+    def generate(self, input_ids, params=None, **settings):
+        params = self._model.params if params is None else params
+        key = tuple(sorted(settings.items()))
+        if key not in self._generate:
+            self._generate[key] = jax.jit(
+                lambda params, ids: self._model.generate(ids, params=params, **settings)
+            )
+        return self._generate[key](params, input_ids)
+
+
+def _zeros_init(flax_class):
+    """``init_weights`` giving zeros of the shapes the real one gives: from_pretrained builds
+    (op by op) a random model before it puts every tensor of the file in its place, and a
+    parameter the file lacks would stay a zero one, whose name the check below refuses."""
+    random_init = flax_class.init_weights
+
+    def init_weights(self, rng, input_shape, params=None):
+        shapes = jax.eval_shape(lambda rng: random_init(self, rng, input_shape, params), rng)
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    return init_weights
+
+
 def _flax_model(directory: Path, hf: dict):
     """transformers' model from the directory; every one of its parameters must be the file's
-    tensor (from_pretrained would silently randomise a weight it did not find)."""
+    tensor (from_pretrained would silently fill in a weight it did not find). Its forward and
+    ``generate`` are jitted (:class:`_JittedFlax`)."""
+    from unittest import mock
+
     from flax.traverse_util import flatten_dict
     from safetensors.numpy import load_file
 
@@ -464,7 +510,9 @@ def _flax_model(directory: Path, hf: dict):
         directory = directory.parent / f"{directory.name}-flax-untied"
         stored["lm_head.weight"] = stored["model.embed_tokens.weight"]
         write_checkpoint(directory, {**hf, "tie_word_embeddings": False}, stored)
-    flax_model = _flax_class(hf).from_pretrained(directory, from_pt=True, dtype=jnp.float32)
+    flax_class = _flax_class(hf)
+    with mock.patch.object(flax_class, "init_weights", _zeros_init(flax_class)):
+        flax_model = flax_class.from_pretrained(directory, from_pt=True, dtype=jnp.float32)
     seen = set()
     for name, value in flatten_dict(flax_model.params, sep=".").items():
         # Flax Dense kernels are [in, out], embeddings ".embedding" (the reference script's map)
@@ -475,7 +523,7 @@ def _flax_model(directory: Path, hf: dict):
         np.testing.assert_array_equal(np.asarray(value), stored[name], err_msg=name)
         seen.add(name)
     assert seen == set(stored)
-    return flax_model
+    return _JittedFlax(flax_model)
 
 
 FLAX_CASES = ["llama-gqa-untied", "llama-mqa-tied-theta", "mistral-gqa"]

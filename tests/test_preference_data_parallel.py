@@ -6,7 +6,9 @@ One process with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (the dev
 fixed when JAX starts, so it cannot be this one: tests/preference_mesh_cases.py, run as a
 script) computes the reference on the mesh (parameters replicated, and sharded) and runs two
 updates of every loss on two devices (replicated) and on two devices with the parameters
-sharded and two micro-batches; this process runs the same recipes on one device. Each
+sharded and two micro-batches, and the same recipes on one device (the one-device
+reference and runs too: a second process would cost another start; its compiles are as
+light as the mesh's); this process compares them. Each
 device and micro-batch holds whole pairs (the program's batches); partial sums formed per
 device and per micro-batch are another order of FP32 additions, nothing else, so:
 
@@ -28,14 +30,13 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, started_xla_flags
 from preference_mesh_cases import (
     LOSSES,
     MESH_RUNS,
     close_runs,
     make_mesh_inputs,
     reference_file,
-    run,
 )
 from safetensors.numpy import load_file
 
@@ -53,7 +54,9 @@ def mesh_runs(tmp_path_factory):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # the session's light compile flags beside the forced count (nothing here is
+        # compared to the bit with a run started otherwise: tolerances against this process)
+        "XLA_FLAGS": started_xla_flags("--xla_force_host_platform_device_count=2"),
     }
     script = REPO / "tests" / "preference_mesh_cases.py"
     done = subprocess.run(
@@ -84,13 +87,14 @@ def test_the_reference_on_the_mesh_is_one_devices(mesh_runs, mesh):
 
 @pytest.fixture(scope="module")
 def one_device(mesh_runs):
-    """Each loss's one-device run, made once."""
-    root, made = mesh_runs[0], {}
+    """Each loss's one-device run (``run`` without ``data_parallel``), made by the script
+    beside the mesh runs: one process start, and its compiles light (this process's own
+    would be production's)."""
+    _root, out, record = mesh_runs
 
     def of(loss):
-        if loss not in made:
-            made[loss] = run(root, loss)
-        return made[loss]
+        one = record["one"][loss]
+        return one["metrics"], one["dev"], dict(np.load(out / f"one-{loss}.npz"))
 
     return of
 
