@@ -335,6 +335,15 @@ def small_sft_recipe(pins: dict, job_id: str, devices: int, **sections) -> dict:
     return packed_sft_recipe(pins, job_id, **{**merged(TINY_SFT, training=training), **sections})
 
 
+def copy_demo_heads(source: Path, target: Path, lines: dict[str, int]) -> None:
+    """The first ``lines[split]`` lines of ``source/{split}.jsonl`` written to
+    ``target/{split}.jsonl``: a demo dataset cut to what a pipeline test needs."""
+    target.mkdir(parents=True, exist_ok=True)
+    for split, count in lines.items():
+        text = (source / f"{split}.jsonl").read_text()
+        (target / f"{split}.jsonl").write_text("".join(text.splitlines(True)[:count]))
+
+
 def write_recipe(path: Path, recipe: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(recipe, indent=2))

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO, copy_demo_heads, run_snakemake
 from safetensors.numpy import load_file
 
 from minifield import recipe as recipes
@@ -46,11 +46,11 @@ def _tiny(recipe: dict, root, **training) -> dict:
 
 def make_project(tmp_path):
     shutil.copytree(REPO / "data" / "llama-base", tmp_path / "data" / "llama-base")
-    for split, lines in (("train", 40), ("dev", 8), ("test", 8)):
-        source = REPO / "data" / "llama-sft-demo" / f"{split}.jsonl"
-        target = tmp_path / "data" / "llama-sft-demo" / f"{split}.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("".join(source.read_text().splitlines(True)[:lines]))
+    copy_demo_heads(
+        REPO / "data" / "llama-sft-demo",
+        tmp_path / "data" / "llama-sft-demo",
+        {"train": 40, "dev": 8, "test": 8},
+    )
     demo = yaml.safe_load((REPO / "config" / "recipes" / "llama-sft-demo.yaml").read_text())
     recipes_dir = tmp_path / "config" / "recipes"
     recipes_dir.mkdir(parents=True)

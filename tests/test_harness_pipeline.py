@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_snakemake
+from conftest import copy_demo_heads, run_snakemake
 from harness_by_hand import mc_accuracy
 
 from minifield import recipe as recipes
@@ -34,11 +34,7 @@ def _project(tmp_path: Path, repo: Path, task_yaml: str | None = None) -> Path:
     shutil.copytree(repo / "data" / "harness", workdir / "data" / "harness")
     # a slice of the demo's examples: what trains the model the harness task is run on is
     # not what this test is about, and every evaluation decodes all of DEV
-    for split, lines in SLICE.items():
-        source = repo / "data" / "sft-demo" / f"{split}.jsonl"
-        target = workdir / "data" / "sft-demo" / f"{split}.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("".join(source.read_text().splitlines(True)[:lines]))
+    copy_demo_heads(repo / "data" / "sft-demo", workdir / "data" / "sft-demo", SLICE)
     if task_yaml is not None:
         (workdir / "data" / "harness" / "reverse_mc.yaml").write_text(task_yaml)
     recipe = yaml.safe_load((repo / "config" / "recipes" / "sft-demo.yaml").read_text())

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO, copy_demo_heads, run_snakemake
 from family_reference import reference_logits
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
@@ -50,11 +50,8 @@ def _tiny(path, project, **evaluation):
 def make_project(tmp_path):
     shutil.copytree(REPO / "data" / "llama-base", tmp_path / "data" / "llama-base")
     for part, sizes in SLICES.items():
-        for split, lines in zip(("train", "dev", "test"), sizes, strict=True):
-            source = REPO / "data" / part / f"{split}.jsonl"
-            target = tmp_path / "data" / part / f"{split}.jsonl"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text("".join(source.read_text().splitlines(True)[:lines]))
+        lines = dict(zip(("train", "dev", "test"), sizes, strict=True))
+        copy_demo_heads(REPO / "data" / part, tmp_path / "data" / part, lines)
     (tmp_path / "config" / "recipes").mkdir(parents=True)
     for name, evaluation in (
         ("llama-sft-demo", {}),

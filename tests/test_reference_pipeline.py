@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO, copy_demo_heads, run_snakemake
 
 from minifield.pipeline import reference_logprobs
 
@@ -26,11 +26,7 @@ def _sha(path) -> str:
 
 def make_project(tmp_path):
     shutil.copytree(REPO / "data" / "llama-base", tmp_path / "data" / "llama-base")
-    for split, lines in SIZES.items():
-        source = REPO / "data" / "preference-demo" / f"{split}.jsonl"
-        target = tmp_path / "data" / "preference-demo" / f"{split}.jsonl"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text("".join(source.read_text().splitlines(True)[:lines]))
+    copy_demo_heads(REPO / "data" / "preference-demo", tmp_path / "data" / "preference-demo", SIZES)
     demo = yaml.safe_load((REPO / "config" / "recipes" / "preference-demo.yaml").read_text())
     demo["limits"] = {"max_steps": 2}
     demo["training"]["warmup_steps"] = 1
