@@ -232,7 +232,9 @@ def test_a_failed_export_is_removed_named_and_resumed(tmp_path):
     make_inputs(tmp_path / "in")
     recipe = lora_recipe(tmp_path / "in")
     recipe["limits"]["max_steps"] = 2
-    recipe["evaluation"].update({"max_generate_examples": 1, "export_dtype": "float32"})
+    # no greedy generation in the evaluation: the export is the point (three workers each
+    # compiled or loaded a generation program for one example)
+    recipe["evaluation"].update({"max_generate_examples": 0, "export_dtype": "float32"})
     recipe["job_id"] = "llama-io"
     job = write_recipe(tmp_path / "recipe.json", recipe)
     common = {"job": job, "input_root": tmp_path / "in", "record_state_hashes": True}
@@ -312,11 +314,13 @@ def test_a_disk_filled_during_training_ends_io_failed_and_resumes(tmp_path, smal
     worker = subprocess.Popen(
         worker_command(
             job=job, input_root=tmp_path, output_root=out, record_state_hashes=True,
-            stall_after_step=60, stall_seconds=15,
+            stall_after_step=60, stall_seconds=3,
         ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    for line in worker.stdout:  # the worker waits 15 s after update 60: fill the disk then
+    # The worker waits 3 s after update 60 (slept out: wall time): fill the disk then. The
+    # fill starts on that update's event and writes 8 MiB to memory, far within the wait.
+    for line in worker.stdout:
         event = json.loads(line)
         if event["type"] == "update" and event["step"] == 60:
             filler = _fill(small_disk)

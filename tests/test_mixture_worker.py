@@ -16,9 +16,15 @@ import json
 
 import numpy as np
 import pytest
-from conftest import attempts_of, read_events, run_attempt, worker_command, write_recipe
+from conftest import (
+    attempts_of,
+    read_events,
+    run_attempt,
+    started_xla_flags,
+    worker_command,
+    write_recipe,
+)
 from recovery_cases import attempt_options, run_and_kill, update_hashes
-from test_data_parallel import devices_env
 from test_mixtures import mixed_recipe, mixture_inputs
 
 from minifield.data import encoding, packing
@@ -28,6 +34,13 @@ from minifield.observe import summarize
 pytestmark = pytest.mark.slow
 
 STEPS, EVERY, KILL_AT = 6, 2, 4  # SIGKILL once the checkpoint of update 4 is durable
+
+
+def two_devices() -> dict:
+    """Two forced host devices, compiled with the session's light flags as every started
+    process is (the two runs compared are both started so)."""
+    flags = started_xla_flags("--xla_force_host_platform_device_count=2")
+    return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +53,7 @@ def space(tmp_path_factory) -> dict:
 def recipe_path(space):
     recipe = mixed_recipe(space, grad_accum_steps=2)
     recipe["limits"], recipe["checkpoint"] = {"max_steps": STEPS}, {"every_steps": EVERY, "keep": 3}
+    recipe["evaluation"]["max_generate_examples"] = 0  # no greedy generation: not the point
     return write_recipe(space["root"] / "mix.json", recipe)
 
 
@@ -92,9 +106,10 @@ def test_accumulation_under_data_parallelism_matches_the_plain_update(space):
     for accum in (1, 2):
         recipe = mixed_recipe(space, devices=2, grad_accum_steps=accum)
         recipe["model"]["compute_dtype"] = "float32"
+        recipe["evaluation"]["max_generate_examples"] = 0
         path = write_recipe(space["root"] / f"dp-{accum}.json", recipe)
         out = space["root"] / f"dp-{accum}"
-        run_attempt(path, space["input_root"], out, cache=space["cache"], env=devices_env(2))
+        run_attempt(path, space["input_root"], out, cache=space["cache"], env=two_devices())
         (attempt,) = attempts_of(out, "mix")
         events = read_events(attempt / "events.jsonl")
         compiled = next(e for e in events if e["type"] == "compiled")

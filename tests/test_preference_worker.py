@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import attempts_of, read_events, run_attempt, update_hashes, write_recipe
+from conftest import read_events, run_attempt, update_hashes, write_recipe
 from family_reference import reference_logits
 from preference_cases import make_inputs, recipe, with_reference
 from safetensors.numpy import load_file
@@ -72,16 +72,20 @@ def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(t
     raw["training"]["learning_rate"] = 0.01
     raw["evaluation"]["min_dev_preference_accuracy"] = 0.5
     path = write_recipe(tmp_path / "recipe.json", raw)
-    # an uninterrupted run
-    run_attempt(path, root, tmp_path / "out")
-    (attempt,) = attempts_of(tmp_path / "out", "pref-test")
+    # the recovery proof, both modes, as the qualification rule runs it
+    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
+    assert proof["passed"], proof["diagnosis"]
+    # An uninterrupted run: the proof's reference, which is the recipe's whole computation
+    # here (its length is max_steps: 4 updates, export and result included), a real worker
+    # recording every update's state hash, as the run this test once started itself (one
+    # worker process fewer a case, as tests/test_grpo_worker.py reads its proof's reference).
+    assert proof["settings"]["steps"] == raw["limits"]["max_steps"] == 4
+    attempt = Path(proof["reference"]["attempt_dir"])
     updates = [e for e in read_events(attempt / "events.jsonl") if e["type"] == "update"]
     assert [e["step"] for e in updates] == [1, 2, 3, 4]
     assert all(np.isfinite(e[m]) for e in updates for m in METRICS)
     result = json.loads((attempt / "result.json").read_text())
-    # the recovery proof, both modes, as the qualification rule runs it
-    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
-    assert proof["passed"], proof["diagnosis"]
+    assert result["status"] == "completed" and result["steps_completed"] == 4
     # A crash after update 3 resumed from the step-2 checkpoint reaches the uninterrupted
     # run's state hashes. The proof's crash part is that very crash (every_steps 2 and
     # max_steps 4: fail_after_step 3, 4 steps), so its faulted and resumed attempts serve;
@@ -95,6 +99,9 @@ def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(t
     assert crash_updates == [1, 2, 3] and not (crashed / "result.json").exists()
     resumed = [crashed, proof_attempts / "resumed"]
     assert update_hashes(resumed) == update_hashes([attempt])
+    # so does the chain its preempt part made (SIGTERM after update 3, resumed)
+    preempted = [Path(proof["preempted"][run]["attempt_dir"]) for run in ("run", "resumed")]
+    assert update_hashes(preempted) == update_hashes([attempt])
     # the evaluate stage: DEV selection, TEST, the selected export
     recipe_json = tmp_path / "validated.json"
     preparation.validate(path, recipe_json, tmp_path / "validation.json")

@@ -2,8 +2,10 @@
 
 import json
 import shlex
+import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import linear_recipe, read_events, run_worker, worker_command, write_recipe
@@ -125,22 +127,40 @@ def _start_stalled(space, job, out, attempt, stall_after, resume_from=None, stal
     return proc
 
 
+@pytest.fixture(scope="module")
+def killed(space, job):
+    """``killed(K)``: an attempt of the 12-update job SIGKILLed after update K, made once per K
+    (under ``space/killed-K``): the test of that K resumes it, and the corrupt-checkpoint test
+    works on a copy of the one killed after update 12 (a worker process fewer). A resume only
+    reads the attempt it resumes (test_resuming_a_completed_attempt_trains_nothing)."""
+    made = {}
+
+    def kill(after: int) -> Path:
+        if after not in made:
+            out = space / f"killed-{after}"
+            proc = _start_stalled(space, job, out, "killed", after)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+            made[after] = run_dir(out, attempt="killed")
+        return made[after]
+
+    return kill
+
+
 @pytest.mark.parametrize("kill_after", [1, 5, 12])
 def test_sigkill_then_resume_reaches_the_reference_hash(
-    tmp_path, space, job, reference, kill_after
+    tmp_path, space, job, reference, killed, kill_after
 ):
     """Killed after update K (before that step's checkpoint, so step 1 means no checkpoint at all)."""
     out = tmp_path / "out"
-    proc = _start_stalled(space, job, out, "killed", kill_after)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert not (run_dir(out, attempt="killed") / "result.json").exists()
+    attempt = killed(kill_after)
+    assert not (attempt / "result.json").exists()
     run_worker(
         job=job,
         input_root=space / "in",
         output_root=out,
         attempt_id="resumed",
-        resume_from=run_dir(out, attempt="killed"),
+        resume_from=attempt,
         check_codes=[0],
     )
     resumed = result_of(out, "resumed")
@@ -228,13 +248,14 @@ def test_resume_with_a_recipe_of_another_digest_is_refused(tmp_path, space, job,
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(
-    tmp_path, space, job, reference
+    tmp_path, space, job, reference, killed
 ):
+    # killed after update 12, before its checkpoint: 6, 8 and 10 kept (keep 3), 10 the newest
     out = tmp_path / "out"
-    proc = _start_stalled(space, job, out, "k", 7)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    newest = run_dir(out, attempt="k") / "checkpoints" / "step-00000006"
+    shutil.copytree(killed(12), run_dir(out, attempt="k"))
+    kept = {p.name for p in (run_dir(out, attempt="k") / "checkpoints").glob("step-*")}
+    assert {"step-00000008", "step-00000010"} <= kept and "step-00000012" not in kept
+    newest = run_dir(out, attempt="k") / "checkpoints" / "step-00000010"
     manifest = json.loads((newest / "manifest.json").read_text())
     last = manifest["arrays"][-1]  # its bytes end the data file
     target = newest / "arrays.bin"
@@ -251,9 +272,9 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(
     )
     events = read_events(run_dir(out, attempt="r") / "events.jsonl")
     rejected = [e for e in events if e["type"] == "checkpoint_rejected"]
-    assert rejected and rejected[0]["step"] == 6
+    assert rejected and rejected[0]["step"] == 10
     assert f"sha256 mismatch for state array {last['name']!r}" in rejected[0]["reason"]
-    assert next(e for e in events if e["type"] == "restored")["step"] == 4
+    assert next(e for e in events if e["type"] == "restored")["step"] == 8
     assert result_of(out, "r")["final_state_hash"] == reference["final_state_hash"]
 
 
@@ -292,64 +313,11 @@ def test_reused_attempt_id_is_refused_without_touching_the_old_attempt(space, jo
     assert (run_dir(space / "ref", attempt="ref") / "result.json").read_bytes() == before
 
 
-def test_compute_budget_ends_with_limit_reached_and_survives_restart(tmp_path):
-    (tmp_path / "in").mkdir()
-    job = write_recipe(
-        tmp_path / "j.json", linear_recipe(limits={"max_steps": 12, "max_compute_seconds": 1e-9})
-    )
-    out = tmp_path / "out"
-    run_worker(
-        job=job,
-        input_root=tmp_path / "in",
-        output_root=out,
-        attempt_id="a",
-        check_codes=[4],
-    )
-    first = result_of(out, "a")
-    assert first["status"] == "limit_reached" and first["steps_completed"] == 1
-    assert first["checkpoint"]["step"] == 1
-    # A restart does not renew the budget: no further update is made.
-    run_worker(
-        job=job,
-        input_root=tmp_path / "in",
-        output_root=out,
-        attempt_id="b",
-        resume_from=out / "linear-test" / "a",
-        check_codes=[4],
-    )
-    events = read_events(out / "linear-test" / "b" / "events.jsonl")
-    assert not [e for e in events if e["type"] == "update"]
-
-
-def test_environment_change_is_refused_unless_allowed(tmp_path, space, job):
-    out = tmp_path / "out"
-    proc = _start_stalled(space, job, out, "k", 3)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    changed = {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}
-    refused = run_worker(
-        job=job,
-        input_root=space / "in",
-        output_root=out,
-        attempt_id="r1",
-        resume_from=out / "linear-test" / "k",
-        env=changed,
-        check_codes=[2],
-    )
-    assert "environment changed" in refused.stderr and "xla_flags" in refused.stderr
-    run_worker(
-        job=job,
-        input_root=space / "in",
-        output_root=out,
-        attempt_id="r2",
-        resume_from=out / "linear-test" / "k",
-        allow_environment_change=True,
-        env=changed,
-        check_codes=[0],
-    )
-    assert (
-        result_of(out, "r2")["environment_override"]["xla_flags"]["current"] == changed["XLA_FLAGS"]
-    )
+# A compute budget that a restart does not renew, and an environment change refused unless
+# allowed (then recorded), were also tested here on the same linear job: they are now only in
+# tests/test_recovery_worker.py (test_compute_budget_is_not_renewed_by_a_restart and the C/D
+# parts of test_sigterm_preempts_forwarding_and_fingerprint), which check all this did (five
+# worker processes fewer).
 
 
 @pytest.fixture(scope="module")
