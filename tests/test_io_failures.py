@@ -314,13 +314,11 @@ def test_a_disk_filled_during_training_ends_io_failed_and_resumes(tmp_path, smal
     worker = subprocess.Popen(
         worker_command(
             job=job, input_root=tmp_path, output_root=out, record_state_hashes=True,
-            stall_after_step=60, stall_seconds=3,
+            stall_after_step=60, stall_seconds=15,
         ),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    # The worker waits 3 s after update 60 (slept out: wall time): fill the disk then. The
-    # fill starts on that update's event and writes 8 MiB to memory, far within the wait.
-    for line in worker.stdout:
+    for line in worker.stdout:  # the worker waits 15 s after update 60: fill the disk then
         event = json.loads(line)
         if event["type"] == "update" and event["step"] == 60:
             filler = _fill(small_disk)

@@ -218,12 +218,10 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     recipe, root, job = reference["recipe"], reference["input_root"], reference["job"]
     out = tmp_path / "out"
 
-    # A: SIGTERM (twice) straight to the worker while it is inside update 3's aftermath (its
-    # hold after update 3 only has to outlast the signal's delivery, sent on that update's
-    # event: 3 s, as the recovery proof holds; the worker sleeps it out, so it is wall time)
+    # A: SIGTERM (twice) straight to the worker while it is inside update 3's aftermath
     a = subprocess.Popen(
         worker_command(
-            **attempt_options(recipe, root, out, "A"), stall_after_step=3, stall_seconds=3
+            **attempt_options(recipe, root, out, "A"), stall_after_step=3, stall_seconds=5
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -254,7 +252,7 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
             **attempt_options(recipe, root, out, "B"),
             resume_from=a_dir,
             stall_after_step=5,
-            stall_seconds=3,
+            stall_seconds=5,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
