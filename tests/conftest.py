@@ -41,6 +41,8 @@ def pytest_configure(config):
     CI runs) compiles as production does, so the same tests also run with the optimizations
     the workers use."""
     _xla_knows(FAST_TIER_XLA_FLAG)  # asked here once: xdist's workers inherit the answer
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        byte_compile_the_sources()
     if (config.option.markexpr or "").strip() == FAST_TIER:
         import jax
 
@@ -49,6 +51,20 @@ def pytest_configure(config):
         # read when the CPU backend starts, after this
         if FAST_TIER_XLA_FLAG not in flags and _xla_knows(FAST_TIER_XLA_FLAG):
             os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_TIER_XLA_FLAG])
+
+
+def byte_compile_the_sources() -> None:
+    """Write the bytecode of ``src/`` and ``tests/`` once, before any process starts: the
+    processes the suite starts (workers, Snakemake jobs, probes) import them, and where
+    ``PYTHONDONTWRITEBYTECODE`` is set (CI) no process writes it, so each one compiled every
+    module it imported afresh. ``uv sync --compile-bytecode`` (the README's command) does this
+    for the installed packages, not for the project's own editable source. The bytecode files
+    are Python's usual cache (checked against each source file's time stamp), so nothing they
+    run changes. Called once, by the process that starts the xdist workers."""
+    import compileall
+
+    for folder in ("src", "tests"):
+        compileall.compile_dir(REPO / folder, quiet=1, workers=1)
 
 
 _XLA_FLAG_PROBE = "MINIFIELD_TEST_XLA_FLAG_KNOWN"
