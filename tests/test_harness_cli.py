@@ -74,7 +74,6 @@ def _lm_eval_here(monkeypatch, *args, cwd) -> subprocess.CompletedProcess:
     logger = logging.getLogger("lm_eval")
     monkeypatch.setattr(logger, "handlers", [])
     monkeypatch.setattr(logger, "propagate", logger.propagate)
-    monkeypatch.setattr(logger, "level", logger.level)
     monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", False)
     monkeypatch.setattr(sys, "argv", sys.argv)  # main sets it for lm-eval's parser
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # set by lm-eval: put back after
@@ -82,11 +81,14 @@ def _lm_eval_here(monkeypatch, *args, cwd) -> subprocess.CompletedProcess:
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(cwd)
     out, err = io.StringIO(), io.StringIO()
+    level = logger.level
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = cli.main(list(map(str, args)))
         except SystemExit as stop:
             code = stop.code
+        finally:
+            logger.setLevel(level)  # setLevel, not the attribute: it clears logging's cache
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
