@@ -17,6 +17,8 @@ import yaml
 from conftest import run_snakemake
 from remote_server import AssetServer, make_certificate
 
+from minifield import recipe as recipes
+from minifield.digest import short
 from minifield.inputs import fetch
 from minifield.pipeline import preparation
 
@@ -76,7 +78,13 @@ def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
 
         config["remote_inputs"]["allowed_origins"].append(server.origin)
         config_path.write_text(yaml.safe_dump(config))
-        proc = run_snakemake(tmp_path)
+        # Every stage that reads the fetched input root or the credentials (fetch, inputs,
+        # prepare, qualify, train, evaluate) and the publication, not the capacity and report
+        # stages (a process each): those read only files of the stages above, which the leak
+        # check below reads too, and the config, which names the credentials file alone.
+        loaded = recipes.load(tmp_path / "config" / "recipes" / "remote.yaml")
+        base = f"results/computations/{short(loaded.computation_digest)}"
+        proc = run_snakemake(tmp_path, f"{base}/eval/metrics.json", f"{base}/publication.json")
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert server.requests == [
             {"path": "/a/examples.jsonl", "authorization": f"Bearer {TOKEN}"}
@@ -102,6 +110,8 @@ def test_all_remote_recipe_runs_through_the_pipeline(tmp_path):
     assert result["inputs"][0]["sha256"] == sha
     metrics = json.loads((computation / "eval" / "metrics.json").read_text())
     assert metrics["acceptance"]["passed"] is True
+    publication = json.loads((computation / "publication.json").read_text())
+    assert (tmp_path / "results" / "store" / "artifacts" / publication["content_id"]).is_dir()
 
     # The token is in the credentials file only: no result, log, work file or Snakemake log.
     leaked = [

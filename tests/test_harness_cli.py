@@ -1,5 +1,6 @@
 """``minifield-lm-eval``: lm-eval's command line with the ``minifield`` model registered, run
-as a real process on a tiny export and the shipped generate-until task.
+as a real process on a tiny export and the shipped generate-until task; its two refusals are
+run through the same ``main`` in this process.
 
 Reference: ``generate_until`` of the same export called in this process (tests/test_harness.py
 checks that against transformers' greedy decoding); exact match by hand. Processes: slow tier.
@@ -7,7 +8,11 @@ checks that against transformers' greedy decoding); exact match by hand. Process
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,8 +33,68 @@ def _lm_eval(*args, cwd) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def test_a_missing_export_exits_2_with_one_line(tmp_path, repo):
-    proc = _lm_eval(
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """One tiny export every test here only reads."""
+    directory = tmp_path_factory.mktemp("harness-cli") / "export"
+    _write_export(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def index_once():
+    """lm-eval indexes all its ~14,000 built-in task YAMLs on every command (about 10 CPU-s,
+    most of a refusal's cost); the refusals here read the same unchanged directories, so the
+    first one's index is handed (as a copy) to the next. The real command below indexes for
+    itself."""
+    from lm_eval.tasks._index import TaskIndex
+
+    build, built = TaskIndex.build, {}
+
+    def build_once(paths, **options):
+        paths = list(paths)
+        key = (tuple(str(p.resolve()) for p in paths), tuple(sorted(options.items())))
+        if key not in built:
+            built[key] = build(paths, **options)
+        return copy.deepcopy(built[key])
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TaskIndex, "build", staticmethod(build_once))
+        yield
+
+
+def _lm_eval_here(monkeypatch, *args, cwd) -> subprocess.CompletedProcess:
+    """``minifield-lm-eval ARGS`` through :func:`minifield.harness.cli.main` in this process
+    (the process path is the real command's, below): exit code, stdout and stderr. lm-eval's
+    logging is set up afresh, onto the stderr read here, and put back afterwards."""
+    import lm_eval.utils
+
+    from minifield.harness import cli
+
+    logger = logging.getLogger("lm_eval")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", False)
+    monkeypatch.setattr(sys, "argv", sys.argv)  # main sets it for lm-eval's parser
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # set by lm-eval: put back after
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    level = logger.level
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(map(str, args)))
+        except SystemExit as stop:
+            code = stop.code
+        finally:
+            logger.setLevel(level)  # setLevel, not the attribute: it clears logging's cache
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def test_a_missing_export_exits_2_with_one_line(tmp_path, repo, index_once, monkeypatch):
+    proc = _lm_eval_here(
+        monkeypatch,
         "--model", "minifield", "--model_args", f"path={tmp_path / 'nope'}",
         "--tasks", "minifield_reverse_gen", "--include_path", ".",
         cwd=repo / "data" / "harness",
@@ -40,10 +105,10 @@ def test_a_missing_export_exits_2_with_one_line(tmp_path, repo):
     assert "Traceback" not in proc.stderr
 
 
-def test_a_misspelt_model_argument_exits_2_naming_it(tmp_path, repo):
-    _write_export(tmp_path / "export")
-    proc = _lm_eval(
-        "--model", "minifield", "--model_args", f"path={tmp_path / 'export'},dtpye=float32",
+def test_a_misspelt_model_argument_exits_2_naming_it(export, repo, index_once, monkeypatch):
+    proc = _lm_eval_here(
+        monkeypatch,
+        "--model", "minifield", "--model_args", f"path={export},dtpye=float32",
         "--tasks", "minifield_reverse_gen", "--include_path", ".",
         cwd=repo / "data" / "harness",
     )  # fmt: skip
@@ -55,14 +120,13 @@ def test_a_misspelt_model_argument_exits_2_naming_it(tmp_path, repo):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_command_line_runs_the_shipped_generate_task_on_our_model(tmp_path, repo):
+def test_the_command_line_runs_the_shipped_generate_task_on_our_model(tmp_path, export, repo):
     from lm_eval.api.instance import Instance
 
     from minifield.harness.model import MinifieldLM
 
-    _write_export(tmp_path / "export")
     proc = _lm_eval(
-        "--model", "minifield", "--model_args", f"path={tmp_path / 'export'}",
+        "--model", "minifield", "--model_args", f"path={export}",
         "--batch_size", "4", "--tasks", "minifield_reverse_gen", "--include_path", ".",
         "--limit", "4", "--log_samples", "--output_path", str(tmp_path / "out"),
         cwd=repo / "data" / "harness",
@@ -73,7 +137,7 @@ def test_the_command_line_runs_the_shipped_generate_task_on_our_model(tmp_path, 
     docs = [
         json.loads(x) for x in (repo / "data/harness/reverse_gen.jsonl").read_text().splitlines()
     ]
-    lm = MinifieldLM(path=str(tmp_path / "export"))
+    lm = MinifieldLM(path=str(export))
     settings = {"until": ["\n"], "max_gen_toks": 16}
     requests = [
         Instance("generate_until", {}, (f"reverse: {d['prompt']} ->", settings), i)

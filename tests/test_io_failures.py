@@ -9,7 +9,9 @@ update by update.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import json
 import os
 import resource
@@ -360,13 +362,25 @@ def _store(store: Path, *args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def _store_here(store: Path, *args: str) -> subprocess.CompletedProcess:
+    """``minifield store`` through :func:`minifield.cli.main` in this process, for what the
+    test sets up and reads (the refusal under test is the real command, ``_store``)."""
+    from minifield import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["store", "--store", str(store), *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 @pytest.mark.slow
 def test_a_store_on_a_full_disk_exits_5_and_stays_as_it_was(small_disk, linear_job):
     _, reference = linear_job
     store = small_disk / "store"
-    first = _store(store, "publish", str(reference / "export"), "--no-proof", "first")
+    first = _store_here(store, "publish", str(reference / "export"), "--no-proof", "first")
     assert first.returncode == 0, first.stderr
-    listed = _store(store, "list").stdout
+    listed = _store_here(store, "list").stdout
+    assert len(json.loads(listed)) == 1  # the listing read back below holds the publication
     files = sorted(p.relative_to(store) for p in store.rglob("*"))
     filler = _fill(small_disk)
 
@@ -377,4 +391,4 @@ def test_a_store_on_a_full_disk_exits_5_and_stays_as_it_was(small_disk, linear_j
     assert str(store / "artifacts") in line and line.endswith("; nothing published")
     assert sorted(p.relative_to(store) for p in store.rglob("*")) == files
     filler.unlink()
-    assert _store(store, "list").stdout == listed
+    assert _store_here(store, "list").stdout == listed

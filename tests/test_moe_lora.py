@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import test_mixtral
 import test_moe_families
-from conftest import LIGHT_COMPILE, update_hashes, write_recipe
+from conftest import LIGHT_COMPILE, started_xla_flags, update_hashes, write_recipe
 from safetensors.numpy import load_file
 from test_base_model import _prepare, _run, base_recipe, make_inputs
 
@@ -295,7 +295,8 @@ def test_one_and_two_devices_train_a_mixtral_base_alike_full_and_lora(tmp_path):
     env = {
         **LIGHT_COMPILE,  # as every process the suite starts: both sides compiled alike
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # the session's light flags too (the elemental emitters): both sides in that process
+        "XLA_FLAGS": started_xla_flags("--xla_force_host_platform_device_count=2"),
         "PATH": "/usr/bin:/bin",
     }
     probe = Path(__file__).with_name("moe_data_parallel_probe.py")
