@@ -78,9 +78,12 @@ def test_cached_tokens_equal_uncached_tokens(name):
 
 
 def test_each_cached_step_gives_the_full_forward_logits_at_that_position():
-    cfg, params = tiny(n_kv_heads=2, qkv_bias=True, compute_dtype="float32")
+    cfg, params = tiny(**CASES["gqa-bias-untied-f32"])
     prompt = prompts(lengths=(5,))[0]
-    new = model.greedy_generate(params, cfg, prompt, 10, None)
+    # 28 new tokens: a buffer of max_len (5 + 28 rounds up past it), one row, so the program is
+    # the one the first case's single-prompt run compiled (the same config and shapes)
+    new = model.greedy_generate(params, cfg, prompt, 28, None)
+    assert len(new) == 28
     sequence = prompt + new
     L = cfg.max_len
     tokens = jnp.asarray([sequence + [0] * (L - len(sequence))], jnp.int32)
