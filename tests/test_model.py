@@ -68,17 +68,19 @@ jit_forward = jax.jit(forward, static_argnums=(1,))
 jit_loss = jax.jit(loss_fn, static_argnums=(1,))
 
 
-def alone_loss_sum(params, cfg, tokens, mask):
-    """Sum of -log p(next response token) for ONE example run alone, unpadded (numpy CE)."""
+def alone_loss_sum(params, cfg, tokens, mask, T=32):
+    """Sum of -log p(next response token) for ONE example run alone (numpy CE): the example
+    at the start of its own row, the rest of the row padding. Attention is causal, so no
+    token of the example reads the padding after it: its logits are those of the example
+    unpadded. One row length for every example: one compiled forward per config (shared
+    with the segment test below), not one per example length."""
     n = len(tokens)
-    logits = jit_forward(
-        params,
-        cfg,
-        jnp.asarray(tokens)[None],
-        jnp.ones((1, n), jnp.int32),
-        jnp.arange(n, dtype=jnp.int32)[None],
-    )
-    logits = np.asarray(logits[0], np.float64)
+    row = np.zeros((1, T), np.int32)
+    row[0, :n] = tokens
+    segments = (np.arange(T) < n).astype(np.int32)[None]
+    positions = np.where(np.arange(T) < n, np.arange(T), 0).astype(np.int32)[None]
+    logits = jit_forward(params, cfg, row, segments, positions)
+    logits = np.asarray(logits[0, :n], np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     return sum(-logp[t, tokens[t + 1]] for t in range(n - 1) if mask[t + 1] == 1)
@@ -113,9 +115,18 @@ def test_packed_loss_equals_sum_of_examples_run_alone(overrides):
     np.testing.assert_allclose(float(packed_mean), expected_sum / expected_tokens, rtol=1e-5)
 
 
-@pytest.mark.parametrize("positions", ["learned", "rotary"])
-def test_changing_one_segment_leaves_the_others_untouched(positions):
-    cfg = tiny(compute_dtype="float32", positions=positions)
+# the configs of the packed-loss test above: the forwards of one row of 32 compiled there serve
+# here too (tying the output projection or not is no part of segment isolation)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(positions="learned", tie_embeddings=True),
+        dict(positions="rotary", tie_embeddings=False),
+    ],
+    ids=["learned", "rotary"],
+)
+def test_changing_one_segment_leaves_the_others_untouched(overrides):
+    cfg = tiny(compute_dtype="float32", **overrides)
     params = init_params(cfg, jax.random.key(2))
     exs = examples()
     batch = pack([exs], 32)
@@ -164,11 +175,16 @@ def _dot_dtypes_hlo(text):
     return dots
 
 
+#: the optimizer of every step test: warmup, then cosine to a floor (the learning-rate test
+#: checks the logged rate against it by hand)
+TRAINING, MAX_STEPS = {"learning_rate": 3e-3, "warmup_steps": 3, "min_learning_rate_ratio": 0.2}, 8
+
+
 @functools.cache
 def _compiled_step(cfg):
     """One jitted update per config for the module: the tests that train ``cfg`` on batches
     of one shape share its compiled program (each compile of the BF16 step costs ~7 CPU-s)."""
-    tx = make_optimizer({"learning_rate": 1e-3, "warmup_steps": 2}, 10)
+    tx = make_optimizer(TRAINING, MAX_STEPS)
     return jax.jit(make_train_step(cfg, tx), donate_argnums=(0,)), tx
 
 
@@ -259,22 +275,19 @@ def hand_schedule(peak, warmup, max_steps, ratio, s):
     return floor + (peak - floor) * (1 + math.cos(math.pi * progress)) / 2
 
 
-@pytest.mark.slow  # JAX compiles two steps for ~20 s: kept out of the fast tier
+@pytest.mark.slow  # JAX compiles the logged step for ~10 s: kept out of the fast tier
 def test_logged_learning_rate_is_the_schedule_and_leaves_the_state_alone():
-    cfg = tiny(n_layers=1, compute_dtype="float32")
-    training = {"learning_rate": 3e-3, "warmup_steps": 3, "min_learning_rate_ratio": 0.2}
-    max_steps = 8
-    tx = make_optimizer(training, max_steps)
-    batch = pack([examples(seed) for seed in range(2)], 32)
-    logged = jax.jit(make_train_step(cfg, tx, make_schedule(training, max_steps)))
-    plain = jax.jit(make_train_step(cfg, tx))
-    with_rate = without_rate = init_train_state(cfg, tx, seed=0)
-    for s in range(max_steps + 2):  # past max_steps the rate stays at the floor
+    # the plain step is the BF16 update the tests above compiled, on their batch shape
+    cfg = tiny()
+    plain, state, batch, tx = _step_and_inputs(cfg)
+    logged = jax.jit(make_train_step(cfg, tx, make_schedule(TRAINING, MAX_STEPS)))
+    with_rate, without_rate = init_train_state(cfg, tx, seed=0), state  # `plain` donates
+    for s in range(MAX_STEPS + 2):  # past max_steps the rate stays at the floor
         with_rate, metrics = logged(with_rate, batch)
         without_rate, plain_metrics = plain(without_rate, batch)
         assert "learning_rate" not in plain_metrics
         assert float(metrics["learning_rate"]) == pytest.approx(
-            hand_schedule(3e-3, 3, max_steps, 0.2, s), rel=1e-6
+            hand_schedule(3e-3, 3, MAX_STEPS, 0.2, s), rel=1e-6
         )
     # reporting the rate changes no bit of the state
     assert state_hash(with_rate) == state_hash(without_rate)
