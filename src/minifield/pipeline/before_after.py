@@ -28,6 +28,9 @@ import numpy as np
 from .. import atomic
 from ..hf import loaded_model
 
+#: answers are scored in rows padded to a multiple of this many positions (fewer compilations)
+ROW_QUANTUM = 32
+
 
 def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
     """The summed log-probability of the assistant turn ``answer`` after ``prompt``."""
@@ -38,7 +41,13 @@ def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
     ids = model.tokenizer.backend.encode(text, add_special_tokens=False).ids
     if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(f"{model.where}: the chat template renders the prompt differently alone")
-    logits = np.asarray(model.logits(ids), np.float64)
+    # right-padded to a multiple of ROW_QUANTUM positions (the forward is causal: a slot's
+    # logits see only the slots up to it), so a few compiled forwards serve every pair
+    # instead of one per answer length
+    width = min(-(-len(ids) // ROW_QUANTUM) * ROW_QUANTUM, model.cfg.max_len)
+    padded = np.zeros(max(width, len(ids)), np.int32)
+    padded[: len(ids)] = ids
+    logits = np.asarray(model.logits(padded)[: len(ids)], np.float64)
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     start = len(prompt_ids)
