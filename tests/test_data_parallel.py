@@ -314,13 +314,11 @@ def test_a_data_parallel_checkpoint_evaluates_without_the_mesh(four):
             {i["name"]: four["recipe"].parent / "in" / i["path"] for i in recipe.data["inputs"]},
         )[0],
     )
-    import jax
-
     state, manifest = checkpoint.load(
         Path(four["result"]["checkpoint"]["path"]),
-        # the template's shapes and dtypes are all a load reads of it: an abstract state (the
-        # initial one made op by op cost more CPU than the evaluation)
-        jax.eval_shape(program.init_state),
+        # the template the evaluate stage restores into (shapes and dtypes, nothing computed:
+        # an initial state made op by op cost more CPU than the evaluation)
+        program.state_template(),
         computation_digest=recipe.computation_digest,
     )
     assert manifest["state_hash"] == four["result"]["final_state_hash"]
