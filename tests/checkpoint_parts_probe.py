@@ -18,7 +18,10 @@ update run here, the restored step, how many arrays were copied whole to the hos
 (``arrays.to_host``), the bytes this process read from the parts (``rchar``) and the state's
 size. ``--resume-each DIR`` (repeatable): ``--restore DIR --save DIR`` for each DIR in turn,
 in the same processes (one process start for several resumes); the report is then
-``{"runs": [each DIR's report]}``.
+``{"runs": [each DIR's report]}``. ``--also JSON`` (repeatable): after that, another run in
+the same processes, ``{"steps": N, "restore": DIR or null, "save": DIR or null}`` (each from
+the seeded state or DIR's newest checkpoint, as above); their reports are the report's
+``"also"`` list, in order.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def main() -> int:
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--kill-step", type=int, default=0)
     parser.add_argument("--resume-each", action="append", default=[])
+    parser.add_argument("--also", action="append", default=[], type=json.loads)
     args = parser.parse_args()
     topology = distributed.initialize()
     group = distributed.Group(topology)
@@ -98,12 +102,12 @@ def main() -> int:
     dp = DataParallel(4, args.shard)
     shardings = dp.state_shardings(dp.mesh(), abstract)
 
-    def run(restore: str | None, save: str | None) -> dict:
+    def run(restore: str | None, save: str | None, last: int = args.steps) -> dict:
         gathers.clear()
         out: dict = {"processes": jax.process_count(), "hashes": {}}
         if restore:
-            return steps(out, *restored(out, restore), save)
-        return steps(out, place_tree(host, shardings), 0, save)
+            return steps(out, *restored(out, restore), save, last)
+        return steps(out, place_tree(host, shardings), 0, save, last)
 
     def restored(out: dict, restore: str):
         template = place_tree(host, shardings)  # the layout to restore into
@@ -121,8 +125,8 @@ def main() -> int:
         out["restored_hash"] = arrays.state_hash(state)
         return state, newest
 
-    def steps(out: dict, state, newest: int, save: str | None) -> dict:
-        for step in range(newest + 1, args.steps + 1):
+    def steps(out: dict, state, newest: int, save: str | None, last: int) -> dict:
+        for step in range(newest + 1, last + 1):
             state = update(state)
             out["hashes"][step] = arrays.state_hash(state)
             if save:
@@ -173,6 +177,8 @@ def main() -> int:
         report = {"runs": [run(directory, directory) for directory in args.resume_each]}
     else:
         report = run(args.restore, args.save)
+    if args.also:  # further runs in these processes: a process start saved for each
+        report["also"] = [run(a["restore"], a["save"], a["steps"]) for a in args.also]
     if topology.is_writer:
         print(json.dumps(report, sort_keys=True), flush=True)
     if topology.is_multi_process:

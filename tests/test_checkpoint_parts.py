@@ -71,19 +71,85 @@ def run_probe(count: int, *args: str, killed: int | None = None) -> dict | None:
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
+def also(steps: int, restore: Path | None = None, save: Path | None = None) -> list[str]:
+    """The probe's ``--also``: one more run in the processes already started."""
+    spec = {"steps": steps, "restore": restore and str(restore), "save": save and str(save)}
+    return ["--also", json.dumps(spec)]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted() -> dict:
+def one_process(tmp_path_factory) -> dict:
+    """One process over 4 devices, parameters sharded. Its first run: the state hash after
+    each of 5 updates, no checkpoint (the reference, :func:`uninterrupted`); then, in the same
+    process (a start fewer), checkpoints of updates 1..2 written by it alone (format 3)."""
+    directory = tmp_path_factory.mktemp("one-part") / "checkpoints"
+    report = run_probe(1, "--shard", "--steps", "5", *also(2, save=directory))
+    return {"hashes": report["hashes"], "format3": directory, "saved": report["also"][0]}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(one_process) -> dict:
     """The state hash after each of 5 updates, one process over 4 devices, no checkpoint."""
-    return run_probe(1, "--shard", "--steps", "5")["hashes"]
+    return one_process["hashes"]
+
+
+KILLS = [
+    ("opened", 1, "--collective"),
+    ("part_written", 1, "--collective"),
+    ("before_commit", 0, "--collective"),
+    ("part_written", 1, "--background"),
+    ("before_commit", 0, "--background"),
+]
+
+
+def _write_args(directory: Path, mode: str) -> list[str]:
+    return ["--shard", "--save", str(directory), "--steps", "3"] + (
+        ["--background"] if mode == "--background" else []
+    )
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory) -> Path:
-    """Checkpoints of updates 1..3 written by 2 processes × 2 devices, parameters sharded."""
-    directory = tmp_path_factory.mktemp("parts") / "checkpoints"
-    report = run_probe(2, "--shard", "--save", str(directory), "--steps", "3")
+def killed_and_resumed(tmp_path_factory, one_process) -> dict:
+    """Each of :data:`KILLS`: a 2-process write SIGKILLed there (the steps committed right
+    after it), then resumed in the same directory. The resumes of one mode share 2 processes
+    (each directory restored and run on in turn), which start once. The collective mode's
+    two (2 × 2 devices, parameters sharded, no background write) first write
+    ``cases["written"]`` (:func:`written`) and last restore the one-process checkpoint
+    (``cases["format3"]``): two process starts fewer for each."""
+    cases: dict = {}
+    for phase, rank, mode in KILLS:
+        directory = tmp_path_factory.mktemp(f"kill-{phase}-{mode[2:]}")
+        args = _write_args(directory, mode)
+        kill = ["--kill", phase, "--kill-rank", str(rank), "--kill-step", "2"]
+        run_probe(2, *args, *kill, killed=rank)
+        cases[phase, rank, mode] = {
+            "dir": directory,
+            "committed_after_kill": checkpoint.committed_steps(directory),
+        }
+    written = tmp_path_factory.mktemp("parts") / "checkpoints"
+    for mode in ("--collective", "--background"):
+        keys = [key for key in KILLS if key[2] == mode]
+        if mode == "--collective":
+            resumes = [x for key in keys for x in also(3, cases[key]["dir"], cases[key]["dir"])]
+            format3 = also(4, restore=one_process["format3"])
+            report = run_probe(2, *_write_args(written, mode), *resumes, *format3)
+            *runs, cases["format3"] = report.pop("also")
+            cases["written"] = {"dir": written, "report": report}
+        else:
+            each = [arg for key in keys for arg in ("--resume-each", str(cases[key]["dir"]))]
+            runs = run_probe(2, "--shard", "--steps", "3", "--background", *each)["runs"]
+        for key, run in zip(keys, runs, strict=True):
+            cases[key]["report"] = run
+    return cases
+
+
+@pytest.fixture(scope="module")
+def written(killed_and_resumed) -> Path:
+    """Checkpoints of updates 1..3 written by 2 processes × 2 devices, parameters sharded
+    (the first run of the processes that then resume the collective kills)."""
+    report = killed_and_resumed["written"]["report"]
     assert report["gathered"] == 0  # nothing copied whole across processes
-    return directory
+    return killed_and_resumed["written"]["dir"]
 
 
 @pytest.mark.slow
@@ -132,54 +198,21 @@ def test_another_topology_restores_reading_its_own_slices(written, uninterrupted
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_restores_on_two_processes(tmp_path, uninterrupted):
-    run_probe(1, "--shard", "--save", str(tmp_path), "--steps", "2")
-    assert json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())["format"] == (
+def test_a_one_process_checkpoint_restores_on_two_processes(one_process, killed_and_resumed):
+    """Written by the one process (after its uninterrupted run), restored by two processes
+    (in the collective resumes' processes, after those)."""
+    uninterrupted = one_process["hashes"]
+    # the saving run computed what the uninterrupted one did
+    assert one_process["saved"]["hashes"] == {"1": uninterrupted["1"], "2": uninterrupted["2"]}
+    directory = one_process["format3"]
+    assert checkpoint.committed_steps(directory) == [1, 2]
+    assert json.loads((directory / "step-00000002" / "manifest.json").read_text())["format"] == (
         "minifield-checkpoint/3"
     )
-    report = run_probe(2, "--shard", "--restore", str(tmp_path), "--steps", "4")
+    report = killed_and_resumed["format3"]
+    assert report["processes"] == 2 and report["restored_step"] == 2
     assert report["sliced"] and report["restored_hash"] == uninterrupted["2"]
     assert report["hashes"] == {"3": uninterrupted["3"], "4": uninterrupted["4"]}
-
-
-KILLS = [
-    ("opened", 1, "--collective"),
-    ("part_written", 1, "--collective"),
-    ("before_commit", 0, "--collective"),
-    ("part_written", 1, "--background"),
-    ("before_commit", 0, "--background"),
-]
-
-
-def _write_args(directory: Path, mode: str) -> list[str]:
-    return ["--shard", "--save", str(directory), "--steps", "3"] + (
-        ["--background"] if mode == "--background" else []
-    )
-
-
-@pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory) -> dict:
-    """Each of :data:`KILLS`: a 2-process write SIGKILLed there (the steps committed right
-    after it), then resumed in the same directory. The resumes of one mode share 2 processes
-    (``--resume-each``: each directory restored and run on in turn), which start once."""
-    cases: dict = {}
-    for phase, rank, mode in KILLS:
-        directory = tmp_path_factory.mktemp(f"kill-{phase}-{mode[2:]}")
-        args = _write_args(directory, mode)
-        kill = ["--kill", phase, "--kill-rank", str(rank), "--kill-step", "2"]
-        run_probe(2, *args, *kill, killed=rank)
-        cases[phase, rank, mode] = {
-            "dir": directory,
-            "committed_after_kill": checkpoint.committed_steps(directory),
-        }
-    for mode in ("--collective", "--background"):
-        keys = [key for key in KILLS if key[2] == mode]
-        each = [arg for key in keys for arg in ("--resume-each", str(cases[key]["dir"]))]
-        extra = ["--background"] if mode == "--background" else []
-        report = run_probe(2, "--shard", "--steps", "3", *extra, *each)
-        for key, run in zip(keys, report["runs"], strict=True):
-            cases[key]["report"] = run
-    return cases
 
 
 @pytest.mark.slow

@@ -39,9 +39,12 @@ from minifield import recipe as recipes
 
 pytestmark = pytest.mark.slow  # every test starts worker processes
 
-MAX_STEPS = 12
-EVERY = 4
-STALL_STEP = 5  # the preemption test holds both processes after this update
+# Short runs: every update of a two-process run is an all-reduce over loopback, paid by both
+# processes; 3 checkpoints still (every one kept), and the proof's defaults (steps
+# 2*EVERY+2 = MAX_STEPS, the crash one update after the first checkpoint) still cross one
+MAX_STEPS = 6
+EVERY = 2
+STALL_STEP = 3  # the preemption test holds both processes after this update (off the cadence)
 
 
 @pytest.fixture(scope="module")
