@@ -299,10 +299,14 @@ def test_worker_export_loads_in_transformers_with_equal_logits_and_tokens(
     flax_rope_theta(hf["rope_theta"])
     reference = _flax_model(directory, hf)
     cfg, params = hf_checkpoint.load(directory, compute_dtype="float32")
-    prompts = [
+    dev = [
         encoding.encode(encoding.Example(row["prompt"], "x"), tokenizers.byte_tokenizer()).prompt
-        for row in map(json.loads, (directory / "dev.jsonl").read_text().splitlines()[:2])
+        for row in map(json.loads, (directory / "dev.jsonl").read_text().splitlines())
     ]
+    # two DEV prompts of one length (the first and the next as long): each jitted forward and
+    # generate program (theirs and ours) is compiled once, not once per prompt length
+    prompts = [dev[0], next(p for p in dev[1:] if len(p) == len(dev[0]))]
+    assert prompts[0] != prompts[1]
     for prompt in prompts:
         ids = np.asarray([prompt], np.int32)
         theirs = np.asarray(reference(ids).logits)[0]
