@@ -250,10 +250,11 @@ def test_delivering_again_sends_nothing_new(delivered_pipeline, client, tmp_path
         r.info.run_id: _held(client, r.info.run_id, r.data.metrics)
         for r in _runs(client, "pipeline", "attempt")
     }
-    # The command in process (the deliver rule ran it as a process of its own), from the run's
-    # directory as that rule does: its default config and work directory are relative to it.
-    with contextlib.chdir(workdir):
-        proc = _cli_in_process(["deliver", str(computation)])
+    # The command in a forked process (the deliver rule ran it as a process of its own), from
+    # the run's directory as that rule does: its default config and work directory are
+    # relative to it. Forked, not in this process: the client connections a delivery pools
+    # here would be inherited by the kill test's forked deliveries, one socket for them all.
+    proc = _cli_forked(["deliver", str(computation)], workdir, tmp_path)
     assert proc.returncode == 0, proc.stderr
     (again,) = json.loads(proc.stdout)
     assert again["run_id"] == run.info.run_id and again["evaluation_points_sent"] == 0
@@ -302,6 +303,26 @@ def _cli_in_process(argv: list[str]) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(environment)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def _cli_forked(argv: list[str], cwd: Path, logs: Path) -> subprocess.CompletedProcess:
+    """``minifield ARGV`` in a forked child (no interpreter start-up to pay) run from ``cwd``,
+    its output through files under ``logs``."""
+    import multiprocessing
+
+    out, err = logs / "forked.out", logs / "forked.err"
+
+    def command() -> None:
+        os.chdir(cwd)
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = cli.main(argv)
+        os._exit(code)
+
+    process = multiprocessing.get_context("fork").Process(target=command)
+    process.start()
+    process.join(timeout=300)
+    return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(), err.read_text())
 
 
 def _deliver_in_process(config: Path, attempt: Path) -> subprocess.CompletedProcess:
