@@ -250,10 +250,11 @@ def test_delivering_again_sends_nothing_new(delivered_pipeline, client, tmp_path
         r.info.run_id: _held(client, r.info.run_id, r.data.metrics)
         for r in _runs(client, "pipeline", "attempt")
     }
-    proc = subprocess.run(
-        [sys.executable, "-m", "minifield.cli", "deliver", str(computation)],
-        cwd=workdir, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    # The command in a forked process (the deliver rule ran it as a process of its own), from
+    # the run's directory as that rule does: its default config and work directory are
+    # relative to it. Forked, not in this process: the client connections a delivery pools
+    # here would be inherited by the kill test's forked deliveries, one socket for them all.
+    proc = _cli_forked(["deliver", str(computation)], workdir, tmp_path)
     assert proc.returncode == 0, proc.stderr
     (again,) = json.loads(proc.stdout)
     assert again["run_id"] == run.info.run_id and again["evaluation_points_sent"] == 0
@@ -286,6 +287,48 @@ def _premade_attempt(root: Path, updates: int) -> Path:
                   "final_state_hash": "f" * 64, "steps": updates})  # fmt: skip
     (attempt / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     return attempt
+
+
+def _cli_in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """``minifield ARGV`` in this process (MLflow is already imported here: no interpreter
+    start-up to pay), its exit code and output as a finished process would give them. The
+    client settings a delivery puts in the environment are undone, as a process's end would
+    (they would reach this worker's later tests and every process they start)."""
+    out, err = io.StringIO(), io.StringIO()
+    environment = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def _cli_forked(argv: list[str], cwd: Path, logs: Path) -> subprocess.CompletedProcess:
+    """``minifield ARGV`` in a forked child (no interpreter start-up to pay) run from ``cwd``,
+    its output through files under ``logs``."""
+    import multiprocessing
+
+    out, err = logs / "forked.out", logs / "forked.err"
+
+    def command() -> None:
+        os.chdir(cwd)
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = cli.main(argv)
+        os._exit(code)
+
+    process = multiprocessing.get_context("fork").Process(target=command)
+    process.start()
+    process.join(timeout=300)
+    return subprocess.CompletedProcess(argv, process.exitcode, out.read_text(), err.read_text())
+
+
+def _deliver_in_process(config: Path, attempt: Path) -> subprocess.CompletedProcess:
+    """The same command as ``_deliver_attempt``, in this process."""
+    argv = ["deliver", "--config", str(config), "--attempt-dir", str(attempt)]
+    return _cli_in_process([*argv, "--batch-events", "8"])
 
 
 def _deliver_attempt(config: Path, attempt: Path, *extra) -> subprocess.Popen:
@@ -380,10 +423,9 @@ def test_a_refused_request_is_a_clear_failure_not_a_retry(tmp_path, server):
         "\n".join([events[0], json.dumps(bad), *events[2:]]) + "\n"
     )
     config = _config(tmp_path / "config.yaml", server, "refused", tmp_path / "state")
-    process = _deliver_attempt(config, attempt)
-    out, err = process.communicate(timeout=300)
-    assert process.returncode == 2, (out, err)
-    assert "refused log metrics (HTTP 400)" in err
+    process = _deliver_in_process(config, attempt)
+    assert process.returncode == 2, (process.stdout, process.stderr)
+    assert "refused log metrics (HTTP 400)" in process.stderr
     cursor = json.loads(_cursor_path(tmp_path / "state", server, "refused").read_text())
     assert cursor["delivered_seq"] == -1 and cursor["inflight"] is not None  # not advanced
 
@@ -504,9 +546,8 @@ def test_server_gone_mid_training_changes_nothing_and_delivery_catches_up(
     expected = _expected_points(read_events(attempt_dir / "events.jsonl"))
     assert _held(client, run.info.run_id, ["loss"])["loss"] != expected["loss"]  # it lagged
     proxy.start()  # the server is back: delivery resumes from the cursor
-    process = _deliver_attempt(config, attempt_dir)
-    out, err = process.communicate(timeout=300)
-    assert process.returncode == 0, err
+    process = _deliver_in_process(config, attempt_dir)
+    assert process.returncode == 0, process.stderr
     assert _held(client, run.info.run_id, expected) == expected
     proxy.stop()
 
@@ -548,11 +589,9 @@ def _cmdline(path: Path) -> list[str]:
 
 
 def _store_cli(config: Path, store: Path, *args) -> subprocess.CompletedProcess:
-    argv = ["store", "--store", str(store), "--config", str(config), *map(str, args)]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(argv)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return _cli_in_process(
+        ["store", "--store", str(store), "--config", str(config), *map(str, args)]
+    )
 
 
 def _altered_export(source: Path, destination: Path, scale: float) -> Path:
