@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama import LlamaConfig
+    from ..models.llama_config import LlamaConfig
 
 SINGLE_FILE, INDEX_FILE = shards.SINGLE_FILE, shards.INDEX_FILE
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")

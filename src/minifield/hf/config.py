@@ -25,7 +25,7 @@ from ..models.families import (
 from . import moe_config
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama import LlamaConfig
+    from ..models.llama_config import LlamaConfig
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` -> the HF causal-LM class of that type (``architectures`` entry)
@@ -205,7 +205,7 @@ def config_from_hf(
     hf, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
 ) -> LlamaConfig:
     """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
-    from ..models.llama import LlamaConfig
+    from ..models.llama_config import LlamaConfig
 
     fields = _Fields(hf, source)
     arch = _architecture(fields)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama import LlamaConfig
+    from ..models.llama_config import LlamaConfig
 
 
 #: per MoE ``model_type``: transformers' config defaults of the expert count, top-k,

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from .execution import Execution
 from .layers import attention, layer_stack
-from .layers.primitives import F32, ArchitectureConfig, einsum, rotate, scaled_normal
+from .layers.architecture import ArchitectureConfig
+from .layers.primitives import F32, einsum, rotate, scaled_normal
 
 POSITION_KINDS = ("learned", "rotary")
 LN_EPS = 1e-5

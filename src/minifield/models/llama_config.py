@@ -10,7 +10,7 @@ from .. import schemas
 from . import families
 from . import rope_scaling as scaling
 from .execution import Execution
-from .layers.primitives import ArchitectureConfig
+from .layers.architecture import ArchitectureConfig
 
 ARCHITECTURE = "llama"
 #: what an absent ``rope_theta``, ``norm_eps``, ``qkv_bias`` mean: the recipe schema says

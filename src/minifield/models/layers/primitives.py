@@ -1,6 +1,6 @@
 """What both model families (:mod:`minifield.models.gpt`, :mod:`minifield.models.llama`) and :mod:`.attention` share: the
-compute dtypes, the one matrix-product primitive, rotary positions, the initialisation draw,
-and the checks every model config makes.
+compute dtypes, the one matrix-product primitive, rotary positions and the initialisation draw
+(the checks every model config makes: :mod:`.architecture`, which needs no JAX).
 
 Precision: parameters are FP32 ("master" weights). With ``compute_dtype="bfloat16"`` every
 matrix product is a BF16 x BF16 dot accumulating in FP32 (``preferred_element_type``),
@@ -12,9 +12,7 @@ BF16 rounding.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,6 @@ import jax.numpy as jnp
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
-COMPUTE_DTYPES = ("bfloat16", "float32")
 ROTARY_BASE = 10000.0
 
 
@@ -119,69 +116,3 @@ def rotate(x_BxTxHxK, positions_BxT, base: float = ROTARY_BASE, inv_freq_K2=None
     x1, x2 = x[..., :half], x[..., half:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxTxHxK.dtype)
-
-
-class ArchitectureConfig:
-    """What every model config (a frozen dataclass deriving from this) has: its checks, its
-    head width and compute dtype, and its ``to_dict`` / ``from_dict`` form.
-
-    A subclass names its positive-integer and true-or-false fields and adds the checks of its
-    own architecture (:meth:`architecture_errors`); errors are reported together, named by
-    their recipe field, in one ``ValueError``.
-    """
-
-    architecture: ClassVar[str]
-    #: fields that must be positive integers, and fields that must be true or false
-    INTEGER_FIELDS: ClassVar[tuple[str, ...]]
-    FLAG_FIELDS: ClassVar[tuple[str, ...]]
-
-    def __post_init__(self):
-        errors = []
-        for name in self.INTEGER_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                errors.append(f"model.{name}: expected a positive integer, got {value!r}")
-        errors += self.architecture_errors(sizes_valid=not errors)
-        for name in self.FLAG_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                errors.append(f"model.{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            errors.append(
-                f"model.compute_dtype: expected one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
-            )
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def architecture_errors(self, sizes_valid: bool) -> list[str]:
-        """The architecture's own checks (``sizes_valid``: every integer field is valid)."""
-        return []
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def dtype(self):
-        return BF16 if self.compute_dtype == "bfloat16" else F32
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        """Build from :meth:`to_dict`'s form; unknown or missing keys are an error (named)."""
-        d = {k: v for k, v in d.items() if not (k == "architecture" and v == cls.architecture)}
-        fields = dataclasses.fields(cls)
-        known = {f.name for f in fields}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"model: unknown keys {unknown}; expected a subset of {sorted(known)}")
-        missing = sorted(
-            f.name for f in fields if f.default is dataclasses.MISSING and f.name not in d
-        )
-        if missing:
-            raise ValueError(f"model: missing required keys {missing}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        """The architecture's fields (not how it computes: ``execution`` is left out)."""
-        out = dataclasses.asdict(self)
-        del out["execution"]
-        return out

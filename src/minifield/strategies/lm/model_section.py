@@ -276,7 +276,7 @@ def model_config(recipe: dict, vocab_size: int):
         raise ValueError("a base model's config comes from its config.json (base_model_config)")
     keys = ["d_model", "n_layers", "n_heads", "d_ff", "tie_embeddings", "compute_dtype"]
     if section.get("architecture") == "llama":
-        from ...models.llama import LlamaConfig as Config
+        from ...models.llama_config import LlamaConfig as Config
 
         keys += ["n_kv_heads", *LLAMA_KEYS]
         keys += [key for key in OPTIONAL_LLAMA_KEYS if key in section]
