@@ -22,10 +22,8 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from ..models.model import padded_length
 from . import loading
-
-#: rows are padded to a multiple of this many positions (fewer compilations)
-ROW_QUANTUM = 32
 
 
 class HarnessModelError(ValueError):
@@ -174,7 +172,7 @@ class MinifieldLM(TemplateLM):
         for start in range(0, len(order), self.batch_size):
             chosen = order[start : start + self.batch_size]
             longest = len(rows[chosen[0]][0]) - 1
-            T = min(self.max_length, -(-longest // ROW_QUANTUM) * ROW_QUANTUM)
+            T = padded_length(longest, self.max_length)
             inputs = np.zeros((self.batch_size, T), np.int32)
             targets = np.zeros((self.batch_size, T), np.int32)
             for b, i in enumerate(chosen):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from ..models.families import (
     split,
     split_stored,
 )
+from ..models.llama_config import LlamaConfig
 from . import parallel_files, shards
 from .config import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf
 from .tensors import (
@@ -61,9 +61,6 @@ __all__ = [
     "load_stored",
     "write",
 ]
-
-if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama_config import LlamaConfig
 
 SINGLE_FILE, INDEX_FILE = shards.SINGLE_FILE, shards.INDEX_FILE
 PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth", ".pkl")

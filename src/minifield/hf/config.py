@@ -11,8 +11,6 @@ is read by its ``architectures`` entry.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..models import rope_scaling
 from ..models.families import (
     ARCHITECTURES,
@@ -22,10 +20,8 @@ from ..models.families import (
     SLIDING,
     family_of,
 )
+from ..models.llama_config import LlamaConfig
 from . import moe_config
-
-if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama_config import LlamaConfig
 
 CONFIG_FILE = "config.json"
 #: ``model_type`` -> the HF causal-LM class of that type (``architectures`` entry)
@@ -205,8 +201,6 @@ def config_from_hf(
     hf, source: str = CONFIG_FILE, max_len: int | None = None, compute_dtype="bfloat16"
 ) -> LlamaConfig:
     """The :class:`LlamaConfig` an HF ``config.json`` describes; refuses what we do not run."""
-    from ..models.llama_config import LlamaConfig
-
     fields = _Fields(hf, source)
     arch = _architecture(fields)
     family = FAMILIES[ARCHITECTURES[arch]]

@@ -4,11 +4,7 @@ fields and written back: :mod:`.config` reads and writes the rest."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # llama imports JAX; validating a recipe must not
-    from ..models.llama_config import LlamaConfig
-
+from ..models.llama_config import LlamaConfig
 
 #: per MoE ``model_type``: transformers' config defaults of the expert count, top-k,
 #: ``norm_topk_prob`` (Mixtral: always renormalised, no such field)

@@ -192,6 +192,16 @@ def _generate_rows(
     return buf_BxL, len_B
 
 
+#: buffers and scored rows are padded to a multiple of this many positions, so that calls of
+#: nearby lengths share one compiled program
+ROW_QUANTUM = 32
+
+
+def padded_length(length: int, max_len: int) -> int:
+    """``length`` rounded up to a multiple of :data:`ROW_QUANTUM`, at most ``max_len``."""
+    return min(max_len, -(-length // ROW_QUANTUM) * ROW_QUANTUM)
+
+
 def generate_batch(
     params,
     cfg: ModelConfig,
@@ -234,7 +244,7 @@ def generate_batch(
     # Generation runs buffers of any length through the XLA attention (the fused kernel wants
     # whole blocks) and needs no remat or loss chunks; a scanned stack stays scanned.
     cfg = dataclasses.replace(cfg, execution=Execution(scan_layers=cfg.execution.scan_layers))
-    length = min(cfg.max_len, -(-(longest + max_new_tokens) // 32) * 32)
+    length = padded_length(longest + max_new_tokens, cfg.max_len)
     buffer = np.zeros((len(prompts), length), np.int32)
     for row, prompt in enumerate(prompts):
         buffer[row, : len(prompt)] = prompt

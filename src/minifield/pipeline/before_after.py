@@ -27,9 +27,7 @@ import numpy as np
 
 from .. import atomic
 from ..hf import loaded_model
-
-#: answers are scored in rows padded to a multiple of this many positions (fewer compilations)
-ROW_QUANTUM = 32
+from ..models.model import padded_length
 
 
 def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
@@ -41,10 +39,10 @@ def _answer_logp(model, prompt, prompt_ids: list[int], answer: str) -> float:
     ids = model.tokenizer.backend.encode(text, add_special_tokens=False).ids
     if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError(f"{model.where}: the chat template renders the prompt differently alone")
-    # right-padded to a multiple of ROW_QUANTUM positions (the forward is causal: a slot's
-    # logits see only the slots up to it), so a few compiled forwards serve every pair
-    # instead of one per answer length
-    width = min(-(-len(ids) // ROW_QUANTUM) * ROW_QUANTUM, model.cfg.max_len)
+    # right-padded as generation pads its buffer (the forward is causal: a slot's logits see
+    # only the slots up to it), so a few compiled forwards serve every pair instead of one per
+    # answer length
+    width = padded_length(len(ids), model.cfg.max_len)
     padded = np.zeros(max(width, len(ids)), np.int32)
     padded[: len(ids)] = ids
     logits = np.asarray(model.logits(padded)[: len(ids)], np.float64)
