@@ -9,9 +9,7 @@ update by update.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import json
 import os
 import resource
@@ -23,6 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import (
     linear_recipe,
+    minifield_in_process,
     read_events,
     run_worker,
     worker_command,
@@ -363,14 +362,9 @@ def _store(store: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _store_here(store: Path, *args: str) -> subprocess.CompletedProcess:
-    """``minifield store`` through :func:`minifield.cli.main` in this process, for what the
-    test sets up and reads (the refusal under test is the real command, ``_store``)."""
-    from minifield import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli.main(["store", "--store", str(store), *args])
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    """``minifield store`` in this process, for what the test sets up and reads (the refusal
+    under test is the real command, ``_store``)."""
+    return minifield_in_process("store", "--store", store, *args)
 
 
 @pytest.mark.slow

@@ -17,8 +17,6 @@ post-processor that adds ``<|begin_of_text|>``, a Llama 3 chat template, and a
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
@@ -29,6 +27,7 @@ import jax
 import numpy as np
 import pytest
 import test_llama
+from conftest import minifield_in_process
 from test_chat_template import LLAMA3, make_tokenizer
 
 import minifield
@@ -346,20 +345,6 @@ def _minifield(*args) -> subprocess.CompletedProcess:
     )
 
 
-def _minifield_in_process(*args) -> subprocess.CompletedProcess:
-    """``minifield ARGS`` through :func:`minifield.cli.main` here: exit code (argparse's
-    SystemExit included), stdout and stderr."""
-    from minifield import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(map(str, args)))
-        except SystemExit as stop:
-            code = stop.code
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
 @pytest.mark.slow
 def test_logits_greedy_text_and_the_command_equal_transformers_flax(tmp_path):
     directory = tmp_path / "model"
@@ -439,7 +424,7 @@ def test_bad_flags_and_a_bad_generation_config_exit_2_with_one_line(hf_dir, tmp_
                                        ("--top-k", "x"), ("--seed", "-3"),
                                        ("--temperature", "nan"))):  # fmt: skip
         args = ("generate", "--model", directory, "--prompt", "a", flag, value)
-        proc = _minifield(*args) if n == 0 else _minifield_in_process(*args)
+        proc = _minifield(*args) if n == 0 else minifield_in_process(*args)
         assert proc.returncode == 2 and proc.stdout == ""
         lines = proc.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"minifield generate: argument {flag}:")

@@ -4,9 +4,7 @@ resume, must end in the same final state hash as the uninterrupted run."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import math
 import os
@@ -22,6 +20,7 @@ from conftest import (
     TINY_SFT,
     attempts_of,
     merged,
+    minifield_in_process,
     packed_sft_recipe,
     read_events,
     run_attempt,
@@ -249,15 +248,9 @@ def test_generate_cli_on_the_exported_model(reference):
     assert all(len(line.encode()) <= 5 for line in lines[:2])
     # the refusal through the same command's main in this process (a process start costs
     # more than the refusal itself; the process path is the run above)
-    from minifield import cli
-
-    err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(["generate", "--model", str(export_dir.parent), "--prompt", "x"])
-        except SystemExit as stop:
-            code = stop.code
-    assert code == 2 and "neither a minifield export (model.json missing)" in err.getvalue()
+    refused = minifield_in_process("generate", "--model", export_dir.parent, "--prompt", "x")
+    assert refused.returncode == 2
+    assert "neither a minifield export (model.json missing)" in refused.stderr
 
 
 # -- recovery -----------------------------------------------------------------------------------

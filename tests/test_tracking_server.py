@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import copy_run, read_events, run_snakemake
+from conftest import copy_run, minifield_in_process, read_events, run_snakemake
 from recovery_cases import events_of
 
 from minifield import cli
@@ -289,22 +289,6 @@ def _premade_attempt(root: Path, updates: int) -> Path:
     return attempt
 
 
-def _cli_in_process(argv: list[str]) -> subprocess.CompletedProcess:
-    """``minifield ARGV`` in this process (MLflow is already imported here: no interpreter
-    start-up to pay), its exit code and output as a finished process would give them. The
-    client settings a delivery puts in the environment are undone, as a process's end would
-    (they would reach this worker's later tests and every process they start)."""
-    out, err = io.StringIO(), io.StringIO()
-    environment = dict(os.environ)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(argv)
-    finally:
-        os.environ.clear()
-        os.environ.update(environment)
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
-
-
 def _cli_forked(argv: list[str], cwd: Path, logs: Path) -> subprocess.CompletedProcess:
     """``minifield ARGV`` in a forked child (no interpreter start-up to pay) run from ``cwd``,
     its output through files under ``logs``."""
@@ -327,8 +311,9 @@ def _cli_forked(argv: list[str], cwd: Path, logs: Path) -> subprocess.CompletedP
 
 def _deliver_in_process(config: Path, attempt: Path) -> subprocess.CompletedProcess:
     """The same command as ``_deliver_attempt``, in this process."""
-    argv = ["deliver", "--config", str(config), "--attempt-dir", str(attempt)]
-    return _cli_in_process([*argv, "--batch-events", "8"])
+    return minifield_in_process(
+        "deliver", "--config", config, "--attempt-dir", attempt, "--batch-events", "8"
+    )
 
 
 def _deliver_attempt(config: Path, attempt: Path, *extra) -> subprocess.Popen:
@@ -589,9 +574,7 @@ def _cmdline(path: Path) -> list[str]:
 
 
 def _store_cli(config: Path, store: Path, *args) -> subprocess.CompletedProcess:
-    return _cli_in_process(
-        ["store", "--store", str(store), "--config", str(config), *map(str, args)]
-    )
+    return minifield_in_process("store", "--store", store, "--config", config, *args)
 
 
 def _altered_export(source: Path, destination: Path, scale: float) -> Path:
