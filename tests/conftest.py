@@ -399,22 +399,28 @@ def run_generate(model_dir: Path, prompt: str, max_new_tokens: int) -> subproces
 
 
 def minifield_in_process(*args) -> subprocess.CompletedProcess:
-    """``minifield ARGS`` through :func:`minifield.cli.main` in this process (no interpreter
-    start-up to pay), its exit code (argparse's ``SystemExit`` included), stdout and stderr as
-    a finished process would give them. What the command puts in the environment (a
-    delivery's client settings) is undone, as a process's end would undo it; a test that
-    checks the process path itself still runs the real command."""
+    """``minifield ARGS`` through :func:`minifield.cli.main` in this process: see
+    :func:`main_in_process`."""
+    from minifield import cli
+
+    return main_in_process(cli.main, *args)
+
+
+def main_in_process(main, *args) -> subprocess.CompletedProcess:
+    """A command line's ``main(argv)`` run in this process (no interpreter start-up to pay):
+    its exit code (argparse's ``SystemExit`` included), stdout and stderr as a finished process
+    would give them. What the command puts in the environment (a delivery's client settings)
+    is undone, as a process's end would undo it; a test that checks the process path itself
+    still runs the real command."""
     import contextlib
     import io
-
-    from minifield import cli
 
     out, err = io.StringIO(), io.StringIO()
     environment = dict(os.environ)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                code = cli.main(list(map(str, args)))
+                code = main(list(map(str, args)))
             except SystemExit as stop:
                 code = stop.code
     finally:

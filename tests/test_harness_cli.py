@@ -8,9 +8,7 @@ checks that against transformers' greedy decoding); exact match by hand. Process
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 import logging
 import os
@@ -18,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import main_in_process
 from test_hf_export import _write_export
 
 pytestmark = pytest.mark.slow
@@ -80,16 +79,11 @@ def _lm_eval_here(monkeypatch, *args, cwd) -> subprocess.CompletedProcess:
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(cwd)
-    out, err = io.StringIO(), io.StringIO()
     level = logger.level
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(list(map(str, args)))
-        except SystemExit as stop:
-            code = stop.code
-        finally:
-            logger.setLevel(level)  # setLevel, not the attribute: it clears logging's cache
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    try:
+        return main_in_process(cli.main, *args)
+    finally:
+        logger.setLevel(level)  # setLevel, not the attribute: it clears logging's cache
 
 
 def test_a_missing_export_exits_2_with_one_line(tmp_path, repo, index_once, monkeypatch):
