@@ -32,10 +32,25 @@ from minifield.state.arrays import array_digests, named_arrays  # noqa: E402
 del TRAINING  # imported for the same settings as checkpoint_commit (its _state uses them)
 
 
-def _timed(function) -> tuple[float, float]:
+def _timed(function, repeat: int = 1) -> tuple[float, float]:
+    """Process CPU and wall seconds of one call of ``function`` (the mean of ``repeat``)."""
     cpu, wall = time.process_time(), time.perf_counter()
-    function()
-    return time.process_time() - cpu, time.perf_counter() - wall
+    for _ in range(repeat):
+        function()
+    return (time.process_time() - cpu) / repeat, (time.perf_counter() - wall) / repeat
+
+
+def report(baseline: tuple[str, list], other: tuple[str, list], indent: str = "") -> None:
+    """The median CPU and wall of each ``(name, rounds)`` and ``other`` ÷ ``baseline``."""
+    for name, rounds in (baseline, other):
+        cpu = statistics.median(r[0] for r in rounds)
+        wall = statistics.median(r[1] for r in rounds)
+        print(f"{indent}{name:12s} CPU {cpu * 1e3:7.2f} ms  wall {wall * 1e3:7.2f} ms")
+    ratio = [
+        statistics.median(r[i] for r in other[1]) / statistics.median(r[i] for r in baseline[1])
+        for i in (0, 1)
+    ]
+    print(f"{indent}{other[0]} / {baseline[0]}: CPU {ratio[0]:.2f}  wall {ratio[1]:.2f}")
 
 
 def main() -> None:
@@ -51,13 +66,7 @@ def main() -> None:
         v2.append(_timed(lambda: array_digests(arrays, version=2)))
         v3.append(_timed(lambda: array_digests(arrays)))
     print(f"state: {size / 1e6:.1f} MB, {len(arrays)} arrays, {count} pieces")
-    for name, rounds in (("version 2", v2), ("version 3", v3)):
-        cpu = statistics.median(r[0] for r in rounds)
-        wall = statistics.median(r[1] for r in rounds)
-        print(f"{name}: CPU {cpu * 1e3:7.1f} ms  wall {wall * 1e3:7.1f} ms")
-    ratio_cpu = statistics.median(r[0] for r in v3) / statistics.median(r[0] for r in v2)
-    ratio_wall = statistics.median(r[1] for r in v3) / statistics.median(r[1] for r in v2)
-    print(f"version 3 / version 2: CPU {ratio_cpu:.2f}  wall {ratio_wall:.2f}")
+    report(("version 2", v2), ("version 3", v3))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ data-parallel shard of it holds whole, checked against an independent NumPy reco
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -35,6 +36,46 @@ def test_array_digests_equal_the_hand_computed_pieces(dtype):
     assert pieces.piece_grid((384, 5, 36, 0)) == (1, 1, 1, 1)
     assert pieces.piece_grid((384, 5, 36)) == (48, 1, 12)
     assert pieces.piece_grid(()) == ()
+
+
+def test_each_way_of_cutting_and_each_thread_give_the_hand_computed_digests():
+    """Small pieces reordered by one copy (a block up to ``WHOLE_COPY``) or a row of pieces at
+    a time (larger), pieces of at least ``LARGE_PIECE`` one at a time; arrays whose pieces
+    hashlib hashes without the GIL on the hashing threads while this thread hashes the
+    others (two of each kind, so both run): every digest is the hand-computed one, for the
+    state hash and for version 2."""
+    shapes = {
+        "whole_copy": (24, 8),  # 192 pieces of 4 bytes, one copy
+        "rows": (768, 384),  # 1.2 MB > WHOLE_COPY: 48 rows of 48 pieces of 512 bytes
+        "large": (48 * 16384,),  # 3.1 MB: 48 pieces of 64 KB, one at a time, without the GIL
+        "threaded": (5, 7, 100),  # 14 KB: 4 pieces of 3,500 bytes, without the GIL
+        "small": (7,),
+    }
+    flat = {
+        name: _array(shape, np.float32, seed) for seed, (name, shape) in enumerate(shapes.items())
+    }
+    ways = {
+        name: (
+            value.nbytes > pieces.WHOLE_COPY,
+            value.nbytes // math.prod(pieces.piece_grid(value.shape)),
+        )
+        for name, value in flat.items()
+    }
+    assert ways["whole_copy"][0] is False and ways["rows"] == (True, 512)
+    assert (
+        ways["large"][1] == pieces.LARGE_PIECE
+        and ways["threaded"][1] == 3500
+        and ways["small"][1] == 28
+    )
+    gil_free = [n for n, (_, piece) in ways.items() if piece >= pieces.GIL_FREE_BYTES]
+    assert sorted(gil_free) == ["large", "threaded"]
+    digests = pieces.host_digests(flat)
+    assert digests == {name: pieces_digest_by_hand(value) for name, value in flat.items()}
+    assert arrays.hashes_of(flat)[0] == state_hash_by_hand(flat)
+    assert arrays.state_hash(flat) == state_hash_by_hand(flat)  # state_digests' jobs
+    assert arrays.array_digests(flat, version=2) == {
+        name: hashlib.sha256(value.tobytes()).hexdigest() for name, value in flat.items()
+    }
 
 
 def test_a_state_hash_is_its_hand_computed_version_3_and_differs_from_2():

@@ -108,8 +108,6 @@ def byte_view(array: np.ndarray) -> np.ndarray:
 #: the same state; hashes are compared only within one.
 STATE_HASH_VERSION = 3
 STATE_HASH_VERSIONS = (1, 2, 3)
-#: threads hashing arrays at once (hashlib releases the GIL)
-_HASHERS = 4
 
 
 def _header(name: str, array: Any) -> str:
@@ -127,16 +125,16 @@ def array_digests(
     arrays: Mapping[str, np.ndarray], *, version: int = STATE_HASH_VERSION
 ) -> dict[str, str]:
     """``{name: per-array hash}`` of named host arrays in ``version`` (2: ``array_sha256``,
-    3: ``pieces.array_digest``), several arrays hashed at once."""
+    3: ``pieces.array_digest``), large arrays hashed at once (``pieces.on_threads``)."""
     if version == 3:
         return pieces.host_digests(dict(arrays))
-    from concurrent.futures import ThreadPoolExecutor
-
     names = sorted(arrays)
-    if len(names) < 2:
-        return {name: array_sha256(arrays[name]) for name in names}
-    with ThreadPoolExecutor(max_workers=min(_HASHERS, len(names))) as pool:
-        return dict(zip(names, pool.map(lambda n: array_sha256(arrays[n]), names), strict=True))
+    digests = pieces.on_threads(
+        names,
+        lambda name: array_sha256(arrays[name]),
+        lambda name: pieces.gil_free_pieces(np.asarray(arrays[name]).nbytes, 1),
+    )
+    return dict(zip(names, digests, strict=True))
 
 
 def named_leaves(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
