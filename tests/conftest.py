@@ -163,13 +163,18 @@ def compiled_as_this_process() -> dict:
     }
 
 
+def production_environment() -> dict[str, str]:
+    """The compile settings of a process a user starts (this pytest process's own, less the
+    light ones the session gave the processes tests start)."""
+    production = [f for f in own_xla_flags() if f not in LIGHT_XLA_FLAGS]
+    return {**PRODUCTION_COMPILE, "XLA_FLAGS": " ".join(production)}
+
+
 @pytest.fixture(autouse=True)
 def _production_compile(request, monkeypatch):
     if request.node.get_closest_marker("production_compile"):
-        for name, value in PRODUCTION_COMPILE.items():
+        for name, value in production_environment().items():
             monkeypatch.setenv(name, value)
-        production = [f for f in own_xla_flags() if f not in LIGHT_XLA_FLAGS]
-        monkeypatch.setenv("XLA_FLAGS", " ".join(production))
 
 
 class UnmarkedSubprocess(RuntimeError):
@@ -741,7 +746,9 @@ def readme_pipeline_run(tmp_path_factory) -> Path:
                 **os.environ,
                 "PYTHONUNBUFFERED": "1",
                 "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF),
-                **PRODUCTION_COMPILE,  # the README's command, as a user runs it
+                # the README's command as a user runs it: a session fixture is set up before
+                # a test's own (``_production_compile``), so it sets both settings itself
+                **production_environment(),
             },
         )
         assert proc.returncode == 0, (

@@ -10,9 +10,10 @@ export (before) to the grpo export (after) and reaches the recipe's gate
 (``evaluation.min_dev_reward``), and the policy's sampled success on its training prompts (the
 mean reward of its rollouts, temperature 1) is higher in the last updates than in the first.
 Every figure is read from the pipeline's outputs: before and after from the chain's
-``rl_before_after`` record (after: the grpo computation's own evaluation too; before checked by
-hand, the SFT export's greedy answers compared with the answers), the rollout rewards from the
-attempt's rollouts files (checked against its ``update`` events). The SFT stage is not shortened: the grpo recipe is tuned on its
+``rl_before_after`` record (after: the grpo computation's own evaluation of its final
+checkpoint, the export's state, too; before checked by hand, the SFT export's greedy answers
+compared with the answers), the rollout rewards from the attempt's rollouts files (checked
+against its ``update`` events). The SFT stage is not shortened: the grpo recipe is tuned on its
 real export, which it has to improve on."""
 
 import json
@@ -86,13 +87,16 @@ def test_grpo_chained_after_sft_raises_the_dev_reward(readme_pipeline_run, tmp_p
     assert (cdir / "publication.json").is_file()
 
     # DEV mean reward, greedy: the chain's before/after record (the SFT export and the grpo
-    # export on the same prompts), its "after" the grpo computation's own evaluation
+    # export on the same prompts), its "after" the grpo computation's own evaluation of the
+    # checkpoint the export holds (the final state; the DEV-selected one may be another)
     metrics = json.loads((cdir / "eval" / "metrics.json").read_text())
     record = json.loads(
         (project / "results" / "chains" / a / b / "rl-before-after.json").read_text()
     )
     before, after = record["before"]["dev"]["reward"], record["after"]["dev"]["reward"]
-    assert after == metrics["selected_dev"]["dev_reward"]
+    (final,) = [c for c in metrics["checkpoints"] if c["state_hash"] == metrics["final_state_hash"]]
+    assert final["step"] == recipe["limits"]["max_steps"]
+    assert after == final["dev"]["dev_reward"]
     assert [c["passed"] for c in record["checks"]] == [True]  # max_dev_reward_drop
     # the before figure by hand: the SFT export's greedy answers compared with each answer
     model = loaded_model.from_hf_directory(sft_export)

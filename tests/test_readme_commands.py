@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import LIGHT_XLA_FLAGS, REPO
 
 README = REPO / "README.md"
 
@@ -155,7 +155,10 @@ def test_the_first_command_makes_every_result_the_readme_lists(readme_pipeline_r
                 assert attempts, (recipe, concrete)
                 for events in attempts:  # compiled as users' runs are (tests/conftest.py)
                     env = json.loads((events.parent / "attempt.json").read_text())
-                    assert env["environment"]["env"].get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "0"
+                    env = env["environment"]["env"]
+                    assert env.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "0", (events, env)
+                    light = set(env.get("XLA_FLAGS", "").split()) & set(LIGHT_XLA_FLAGS)
+                    assert not light, (events, env)
                 continue
             assert (workdir / concrete).exists(), (recipe, concrete)
 
