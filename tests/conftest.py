@@ -630,18 +630,17 @@ MAX_AUTO_WORKERS = 8
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject.toml): one worker per core for the fast tier, whose tests compile
-    and compute in the worker itself; one more for the full suite, whose tests also wait — on the
-    processes they start, on servers, on a SLURM cluster's scheduling — while a core would idle.
-    On this 2-core machine, 3 workers ran the waiting-heavy files (SLURM, tracking server, worker
-    CLI, pipelines: 250 tests) in 285 s against 2 workers' 332 s, the same CPU (425 vs 437 s),
-    idle CPU time 52 s against 129 s (docs/performance.md). ``PYTEST_XDIST_AUTO_NUM_WORKERS``
-    still decides where it is set."""
+    """``-n auto`` (pyproject.toml): one worker per core. A third worker on this 2-core machine
+    filled the minutes the full suite's tests wait (on the processes they start, servers, a
+    SLURM cluster: 285 s against 332 s for the 250 most waiting tests alone), but over the
+    whole suite three JAX processes compiling and computing at once on two cores cost more CPU
+    than that idle time: back to back from one fresh clone, 2 workers took 17 min 46 s and
+    1,884 CPU-s (161 s idle), 3 workers 18 min 38 s and 2,132 CPU-s (18 s idle)
+    (docs/performance.md). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    fast = (config.option.markexpr or "").strip() == FAST_TIER
-    return max(1, min((cores or 1) + (0 if fast else 1), MAX_AUTO_WORKERS))
+    return max(1, min(cores or 1, MAX_AUTO_WORKERS))
 
 
 #: Units of work (a file, or the README run's files together) that took longest in a whole run
