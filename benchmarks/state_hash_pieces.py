@@ -32,7 +32,7 @@ from minifield.state.arrays import array_digests, named_arrays  # noqa: E402
 del TRAINING  # imported for the same settings as checkpoint_commit (its _state uses them)
 
 
-def _timed(function, repeat: int = 1) -> tuple[float, float]:
+def timed(function, repeat: int = 1) -> tuple[float, float]:
     """Process CPU and wall seconds of one call of ``function`` (the mean of ``repeat``)."""
     cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(repeat):
@@ -63,8 +63,8 @@ def main() -> None:
     count = sum(math.prod(pieces.piece_grid(a.shape)) for a in arrays.values())
     v2, v3 = [], []
     for _ in range(args.rounds):
-        v2.append(_timed(lambda: array_digests(arrays, version=2)))
-        v3.append(_timed(lambda: array_digests(arrays)))
+        v2.append(timed(lambda: array_digests(arrays, version=2)))
+        v3.append(timed(lambda: array_digests(arrays)))
     print(f"state: {size / 1e6:.1f} MB, {len(arrays)} arrays, {count} pieces")
     report(("version 2", v2), ("version 3", v3))
 

@@ -5,10 +5,10 @@ hashlib releases the GIL only for calls of at least 2,048 bytes, so an array who
 are smaller is hashed holding it, and threads hashing such arrays take turns at the GIL.
 ``pieces.host_digests`` now gives the threads only arrays of large pieces
 (``pieces.on_threads``) and reorders a block of small pieces up to ``pieces.WHOLE_COPY`` by one
-copy (it copied a row of pieces at a time, whatever the size). For the complete training state (parameters + AdamW moments + RNG,
-step, cursor) of packed-sft models of three sizes — d_model 64 × 2 layers (the default
-demo's size, 1.3 MB), 128 × 2, and 256 × 4 (the 39 MB state of docs/training-loop.md) — on the
-host, round by round and interleaved:
+copy (it copied a row of pieces at a time, whatever the size). For the complete training
+state (parameters + AdamW moments + RNG, step, cursor) of packed-sft models of three sizes —
+d_model 64 × 2 layers (the default demo's size, 1.5 MB), 128 × 2, and 256 × 4 (the 39 MB
+state of docs/training-loop.md) — on the host, round by round and interleaved:
 
 - **before**: every array given to the threads, blocks reordered a row at a time
   (``WHOLE_COPY`` 0);
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoint_commit import _state  # noqa: E402
-from state_hash_pieces import _timed, report  # noqa: E402
+from state_hash_pieces import report, timed  # noqa: E402
 
 from minifield.state import pieces  # noqa: E402
 from minifield.state.arrays import named_arrays  # noqa: E402
@@ -59,8 +59,8 @@ def main() -> None:
         repeat = max(1, int(2e6 // count))
         old, new = [], []
         for _ in range(args.rounds):
-            old.append(_timed(lambda a=arrays: before(a), repeat))
-            new.append(_timed(lambda a=arrays: pieces.host_digests(a), repeat))
+            old.append(timed(lambda a=arrays: before(a), repeat))
+            new.append(timed(lambda a=arrays: pieces.host_digests(a), repeat))
         print(
             f"d_model {d_model} x {layers} layers: {size / 1e6:.1f} MB, "
             f"{len(arrays)} arrays, {count} pieces"

@@ -102,9 +102,8 @@ def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], gil_free: Callabl
     to ``_HASHERS`` threads while this thread runs the others.
 
     A job of small pieces holds the GIL from one sha256 call to the next, so threads only
-    take turns at it (on 2 cores, the per-update hash of a 1.2 MB state of 20,502 pieces
-    took 1.5 times the CPU on 4 threads as on one: docs/performance.md); large pieces (and
-    numpy's copies) leave it free, and there threads add cores.
+    take turns at it and add their switching (``benchmarks/state_hash_threads.py``); large
+    pieces (and numpy's copies) leave it free, and there threads add cores.
     """
     pooled = [i for i, job in enumerate(jobs) if gil_free(job)]
     if len(pooled) < 2:
