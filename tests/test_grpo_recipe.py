@@ -122,7 +122,12 @@ def test_a_pinned_python_reward_scores_and_its_failure_ends_the_attempt(tmp_path
     )
     raw["inputs"].append(pin(root, "reward", "reward.py"))
     raw["limits"]["max_steps"] = 2
-    run_attempt(write_recipe(tmp_path / "ok.json", raw), root, tmp_path / "ok")
+    # the worker's temporary files go here: nothing of them may outlive it
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {"TMPDIR": str(temporary)}
+    run_attempt(write_recipe(tmp_path / "ok.json", raw), root, tmp_path / "ok", env=env)
+    assert list(temporary.iterdir()) == []
     (attempt,) = attempts_of(tmp_path / "ok", "grpo-test")
     answers = [
         json.loads(line)["answer"]
@@ -136,7 +141,9 @@ def test_a_pinned_python_reward_scores_and_its_failure_ends_the_attempt(tmp_path
     # the export carries the reward file, so the gate re-evaluates from it alone
     assert (attempt / "export" / "reward-reward").read_text() == REWARD_FILE
     raw["rl"]["rewards"][0]["function"] = "broken"
-    run = run_attempt(write_recipe(tmp_path / "bad.json", raw), root, tmp_path / "bad", codes=(1,))
+    bad = write_recipe(tmp_path / "bad.json", raw)
+    run = run_attempt(bad, root, tmp_path / "bad", codes=(1,), env=env)
+    assert list(temporary.iterdir()) == []
     assert "broken" in run.stderr and "no score for you" in run.stderr
     assert "update 1" in run.stderr and "Traceback" not in run.stderr
     (failed,) = attempts_of(tmp_path / "bad", "grpo-test")

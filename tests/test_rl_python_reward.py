@@ -59,6 +59,16 @@ def _failure(tmp_path: Path, source: str, update: int = 7, **settings) -> str:
     return message
 
 
+def test_nothing_is_written_beside_the_file(tmp_path):
+    # the file may be a published export's copy, which the store's gate checks file by file
+    # (its manifest lists every one): importing it must not leave its bytecode there
+    values = _run(
+        tmp_path, "def score(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    assert values.tolist() == [1.0, 1.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reward.py"]
+
+
 def test_the_function_receives_what_trl_passes_and_its_values_come_back(tmp_path):
     received = tmp_path / "received.json"
     values = _run(

@@ -62,8 +62,10 @@ def _kill_group(pid: int) -> None:
 def _run_runner(directory: str, timeout: float, memory_mb: int) -> tuple[bool, int]:
     """(timed out, return code) of the runner on ``directory``; nothing of it outlives this."""
     process = subprocess.Popen(
-        # -s -P and the environment below: isolated mode (-I) but for the hash seed
-        [sys.executable, "-s", "-P", str(RUNNER), directory, str(memory_mb << 20)],
+        # -s -P and the environment below: isolated mode (-I) but for the hash seed; -B: the
+        # file's bytecode is not written beside it (a published export's directory holds it,
+        # and the store's gate finds any file the manifest does not list)
+        [sys.executable, "-s", "-P", "-B", str(RUNNER), directory, str(memory_mb << 20)],
         cwd=directory,
         env=_environment(),
         stdin=subprocess.DEVNULL,

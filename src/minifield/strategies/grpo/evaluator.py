@@ -12,6 +12,8 @@ total reaches ``evaluation.pass_reward``), ``exact_match`` (the mean of the firs
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +59,12 @@ def stop_ids(tokenizer) -> tuple[int, ...]:
 
 def reward_files(recipe: dict, arrays: dict) -> dict[str, Path]:
     """Each Python reward's pinned file, from the prepared arrays, as a file of its own (in a
-    directory of this process's, named by the input)."""
+    directory of this process's, named by the input, removed when the process ends)."""
     names = python_reward_inputs(recipe)
     if not names:
         return {}
     directory = Path(tempfile.mkdtemp(prefix="minifield-rewards-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     out = {}
     for name in names:
         out[name] = directory / name
