@@ -117,14 +117,25 @@ def _generate(
 
 def row_keys(seed: int, update: int, prompt_index: np.ndarray, completion_index: np.ndarray):
     """The base key of each row (see the module): ``[N]`` typed keys."""
+    # fold_in takes its data as uint32 whether it is a Python int or an array: the same bits
+    return _row_keys(
+        jax.random.key(seed),
+        jnp.uint32(update),
+        jnp.asarray(prompt_index, jnp.uint32),
+        jnp.asarray(completion_index, jnp.uint32),
+    )
+
+
+@jax.jit
+def _row_keys(seed_key, update, prompt_index, completion_index):
+    # compiled once per batch size: run op by op, the vmap was traced anew at every update
+    # (64 rows: 1.7 ms of CPU a call, 0.27 ms compiled)
+    key = jax.random.fold_in(seed_key, update)
 
     def one(p, c):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), update), p)
-        return jax.random.fold_in(key, c)
+        return jax.random.fold_in(jax.random.fold_in(key, p), c)
 
-    return jax.vmap(one)(
-        jnp.asarray(prompt_index, jnp.uint32), jnp.asarray(completion_index, jnp.uint32)
-    )
+    return jax.vmap(one)(prompt_index, completion_index)
 
 
 def generate(
