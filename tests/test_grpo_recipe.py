@@ -11,6 +11,7 @@ from conftest import attempts_of, run_attempt, run_worker, write_recipe
 from grpo_cases import make_inputs, pin, recipe
 
 import minifield
+from minifield import recipe as recipes
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +139,15 @@ def test_a_pinned_python_reward_scores_and_its_failure_ends_the_attempt(tmp_path
         by_hand = float(row["completion"].strip() == answers[row["prompt_index"]])
         by_hand += 0.25 * (len(row["completion_ids"]) <= 8)
         assert row["rewards"]["python"] == by_hand
-    # the export carries the reward file, so the gate re-evaluates from it alone
-    assert (attempt / "export" / "reward-reward").read_text() == REWARD_FILE
+    # the export carries the reward file, so the gate re-evaluates from it alone, and writes
+    # nothing into it (a published copy must keep exactly the files its manifest lists)
+    export = attempt / "export"
+    assert (export / "reward-reward").read_text() == REWARD_FILE
+    files = sorted(path.name for path in export.iterdir())
+    loaded = recipes.load(tmp_path / "ok.json")
+    gate = loaded.strategy.evaluate_export(loaded.data, export)
+    assert sorted(path.name for path in export.iterdir()) == files
+    assert 0.0 <= gate["dev_reward"] <= 1.25  # exact match 0 or 1, plus 0.25 when short
     raw["rl"]["rewards"][0]["function"] = "broken"
     bad = write_recipe(tmp_path / "bad.json", raw)
     run = run_attempt(bad, root, tmp_path / "bad", codes=(1,), env=env)
