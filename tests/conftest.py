@@ -613,7 +613,11 @@ def readme_first_command() -> list[list[str]]:
 #: A session fixture is built once per xdist worker, so they are scheduled as one unit with
 #: tests/test_readme_commands.py on one worker (`pytest_xdist_make_scheduler` below), and the
 #: README's pipeline runs once per session.
-READS_THE_README_RUN = ("tests/test_llama_demo.py", "tests/test_grpo_demo_pipeline.py")
+READS_THE_README_RUN = (
+    "tests/test_llama_demo.py",
+    "tests/test_grpo_demo_pipeline.py",
+    "tests/test_before_after.py",
+)
 #: test files that read the linear demo's run (`linear_demo_run`, about 25 CPU-s to build),
 #: scheduled with tests/test_proof_verdict.py as one unit for the same reason.
 READS_THE_LINEAR_DEMO_RUN = (
@@ -630,17 +634,32 @@ MAX_AUTO_WORKERS = 8
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject.toml): one worker per core. A third worker on this 2-core machine
-    filled the minutes the full suite's tests wait (on the processes they start, servers, a
-    SLURM cluster: 285 s against 332 s for the 250 most waiting tests alone), but over the
-    whole suite three JAX processes compiling and computing at once on two cores cost more CPU
-    than that idle time: back to back from one fresh clone, 2 workers took 17 min 46 s and
-    1,884 CPU-s (161 s idle), 3 workers 18 min 38 s and 2,132 CPU-s (18 s idle)
-    (docs/performance.md). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
+    """``-n auto`` (pyproject.toml): one worker per core, and one more that runs only the
+    files whose tests mostly wait (``WAITING``; ``pytest_xdist_make_scheduler``). A third
+    worker for every file on this 2-core machine cost more CPU than the idle time it filled:
+    three JAX processes compiling and computing at once on two cores (back to back from one
+    fresh clone, 2 workers 17 min 46 s and 1,884 CPU-s with 161 s idle, 3 workers 18 min 38 s
+    and 2,132 CPU-s with 18 s idle; docs/performance.md). The waiting files sleep through
+    most of their time (a SLURM cluster's status checks, stall and deadline timers, a tracking
+    server coming back): on a worker of their own the two others keep both cores busy.
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, MAX_AUTO_WORKERS))
+    # the fast tier starts no process (tests/test_fast_tier.py): nothing of it waits
+    waiting = (config.option.markexpr or "").strip() != FAST_TIER
+    return max(1, min(cores or 1, MAX_AUTO_WORKERS)) + waiting
+
+
+#: Files whose tests spend most of their time waiting, not computing (wall against CPU
+#: seconds of one whole run, 2 workers: docs/performance.md): run on a worker of their own.
+#: (tests/test_tracking_server.py waits too, 48 s for 23 CPU-s, but reads the linear demo's
+#: run, which the worker of that unit builds.)
+WAITING = (
+    "tests/test_slurm_profile.py",  # 157 s, 16 CPU-s: the cluster's status checks
+    "tests/test_io_failures.py",  # 38 s, 20 CPU-s: a worker stalled on a full disk
+    "tests/test_supervise.py",  # 26 s, 2 CPU-s: stall and deadline timers
+)
 
 
 #: Units of work (a file, or the README run's files together) that took longest in a whole run
@@ -695,8 +714,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` (pyproject.toml), except that the files reading a session run go to
-    one worker as one unit (``work_unit``), and units are handed out in the collection's order
-    (``pytest_collection_modifyitems`` above)."""
+    one worker as one unit (``work_unit``), units are handed out in the collection's order
+    (``pytest_collection_modifyitems`` above), and with three workers or more the last one
+    runs the ``WAITING`` files alone while the others run the rest (``pytest_xdist_auto_num_workers``).
+    A worker left without its kind of unit takes the other kind rather than stand idle,
+    except the waiting one, which ends: two computing workers are what the cores hold."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -706,6 +728,20 @@ def pytest_xdist_make_scheduler(config, log):
     class SharedRunFiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(super()._split_scope(nodeid))
+
+        def _waits(self, node) -> bool:
+            """Whether ``node`` is the worker of the waiting files."""
+            return self.numnodes > 2 and node.gateway.id == f"gw{self.numnodes - 1}"
+
+        def _assign_work_unit(self, node) -> None:
+            waits = self._waits(node)
+            mine = [scope for scope in self.workqueue if (scope in WAITING) == waits]
+            if not mine and waits:
+                node.shutdown()  # runs what it holds, then ends
+                return
+            scope = (mine or list(self.workqueue))[0]
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return SharedRunFiles(config, log)
 

@@ -1,5 +1,6 @@
 """The preference demo's before/after check (docs/preference.md "The demo"), on the demo's
-data through real workers: the Llama SFT demo trained as shipped, then DPO chained on its
+data through real workers: the Llama SFT demo as shipped, trained by the README's run
+(``readme_pipeline_run``: the pipeline's export of it, copied), then DPO chained on its
 export (the reference computed from it), once with the demo recipe as shipped, which keeps
 DEV exact-match within its tolerance (the check passes), and once with a destructive
 learning rate, which the check refuses naming both numbers. The exact-match the check reads is
@@ -43,12 +44,13 @@ def _trained(recipe_path, input_root, output_root):
 
 
 @pytest.fixture(scope="module")
-def chained(tmp_path_factory):
+def chained(readme_pipeline_run, tmp_path_factory):
     """The SFT demo's export and the DPO demo recipe chained on it (reference pinned)."""
     root = tmp_path_factory.mktemp("before-after")
-    for part in ("llama-base", "llama-sft-demo", "preference-demo"):
-        shutil.copytree(REPO / "data" / part, root / "data" / part)
-    sft_export = _trained(RECIPES / "llama-sft-demo.yaml", root / "data", root / "sft")
+    shutil.copytree(REPO / "data" / "preference-demo", root / "data" / "preference-demo")
+    sft = reference_logprobs.validated(RECIPES / "llama-sft-demo.yaml").computation_digest[:16]
+    trained = readme_pipeline_run / "results" / "computations" / sft / "train" / "export"
+    sft_export = shutil.copytree(trained, root / "sft" / "export")
     inputs = root / "inputs"
     shutil.copytree(root / "data" / "preference-demo", inputs / "preference-demo")
     shutil.copytree(sft_export, inputs / chain_base.PRODUCT_DIR)
