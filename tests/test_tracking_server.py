@@ -489,8 +489,9 @@ def test_server_gone_mid_training_changes_nothing_and_delivery_catches_up(
         "--job", computation / "recipe.json", "--input-root", linear_demo_run / "data",
         "--output-root", tmp_path / "out", "--examples", examples, "--attempt-id", "a-live",
         "--record-state-hashes",
-        # holds still after update 4 (no change to the computation): time to watch it live
-        "--stall-after-step", "4", "--stall-seconds", "20",
+        # holds still after update 4 (no change to the computation): time to watch it live;
+        # the test holds it (SIGSTOP) within about 0.1 s, and the rest of the 5 s runs after
+        "--stall-after-step", "4", "--stall-seconds", "5",
     )  # fmt: skip
     outcome: dict = {}
     worker = threading.Thread(
