@@ -646,9 +646,11 @@ def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # the fast tier starts no process (tests/test_fast_tier.py): nothing of it waits
-    waiting = (config.option.markexpr or "").strip() != FAST_TIER
-    return max(1, min(cores or 1, MAX_AUTO_WORKERS)) + waiting
+    computing = max(1, min(cores or 1, MAX_AUTO_WORKERS))
+    # the fast tier starts no process (tests/test_fast_tier.py): nothing of it waits; and the
+    # waiting worker is the last of three or more (one core keeps one worker)
+    waiting = computing > 1 and (config.option.markexpr or "").strip() != FAST_TIER
+    return computing + waiting
 
 
 #: Files whose tests spend most of their time waiting, not computing (wall against CPU
