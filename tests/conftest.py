@@ -640,8 +640,8 @@ def pytest_xdist_auto_num_workers(config):
     three JAX processes compiling and computing at once on two cores (back to back from one
     fresh clone, 2 workers 17 min 46 s and 1,884 CPU-s with 161 s idle, 3 workers 18 min 38 s
     and 2,132 CPU-s with 18 s idle; docs/performance.md). The waiting files sleep through
-    most of their time (a SLURM cluster's status checks, stall and deadline timers, a tracking
-    server coming back): on a worker of their own the two others keep both cores busy.
+    most of their time (a SLURM cluster's status checks, stall and deadline timers, a full
+    disk): on a worker of their own the others keep every core busy.
     ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
@@ -719,8 +719,9 @@ def pytest_xdist_make_scheduler(config, log):
     one worker as one unit (``work_unit``), units are handed out in the collection's order
     (``pytest_collection_modifyitems`` above), and with three workers or more the last one
     runs the ``WAITING`` files alone while the others run the rest (``pytest_xdist_auto_num_workers``).
-    A worker left without its kind of unit takes the other kind rather than stand idle,
-    except the waiting one, which ends: two computing workers are what the cores hold."""
+    A computing worker left without its kind of unit takes a waiting one rather than stand
+    idle; the waiting worker, left without, ends (one computing worker per core is what the
+    cores hold)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
