@@ -742,7 +742,7 @@ def pytest_xdist_make_scheduler(config, log):
             if not mine and waits:
                 node.shutdown()  # runs what it holds, then ends
                 return
-            scope = (mine or list(self.workqueue))[0]
+            scope = mine[0] if mine else next(iter(self.workqueue))
             self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 

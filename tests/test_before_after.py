@@ -47,13 +47,12 @@ def _trained(recipe_path, input_root, output_root):
 def chained(readme_pipeline_run, tmp_path_factory):
     """The SFT demo's export and the DPO demo recipe chained on it (reference pinned)."""
     root = tmp_path_factory.mktemp("before-after")
-    shutil.copytree(REPO / "data" / "preference-demo", root / "data" / "preference-demo")
+    inputs = root / "inputs"
+    shutil.copytree(REPO / "data" / "preference-demo", inputs / "preference-demo")
     sft = reference_logprobs.validated(RECIPES / "llama-sft-demo.yaml").computation_digest[:16]
     trained = readme_pipeline_run / "results" / "computations" / sft / "train" / "export"
-    sft_export = shutil.copytree(trained, root / "sft" / "export")
-    inputs = root / "inputs"
-    shutil.copytree(root / "data" / "preference-demo", inputs / "preference-demo")
-    shutil.copytree(sft_export, inputs / chain_base.PRODUCT_DIR)
+    # copied where the chained recipe pins it; the README run's files stay as they are
+    sft_export = shutil.copytree(trained, inputs / chain_base.PRODUCT_DIR)
     written = yaml.safe_load((RECIPES / "preference-demo.yaml").read_text())
     linked = write_recipe(root / "chained.json", chain_base.base_recipe(written, sft_export))
     reference_dir = inputs / reference_link.PRODUCT_DIR
