@@ -47,3 +47,8 @@ rule all:
     input:
         final_targets(),
         *chain_targets(),
+
+
+# A stage that refused its input ended with one line in its log; the run's last lines repeat it.
+onerror:
+    print_refusals(log)

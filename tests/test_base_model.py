@@ -338,7 +338,7 @@ def test_bad_base_models_are_refused_naming_the_file(root, file, change, message
 
 def test_a_failing_chat_template_names_the_data_file(root):
     template = "{{ raise_exception('no system messages') if messages[0]['role'] == 'system' }}"
-    with pytest.raises(pinned_base.BaseModelError, match=r"train.jsonl \(example 1\).*no system"):
+    with pytest.raises(pinned_base.BaseModelError, match=r"train.jsonl:1: .*no system"):
         _prepare(base_recipe(root, {"chat_template": template}), root)
 
 

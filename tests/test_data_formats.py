@@ -297,7 +297,7 @@ def test_the_worker_exits_2_on_a_bad_conversation_and_trains_nothing(tmp_path):
 def test_everything_is_refused_for_a_conversation_with_a_tool_result(tmp_path):
     path = _jsonl(tmp_path / "tool.jsonl", [{"messages": MESSAGES}, {"messages": WITH_TOOL}])
     examples = data_formats.read(path).examples
-    with pytest.raises(data_formats.DataError, match=rf"^{path} \(example 2\): .*tool's output"):
+    with pytest.raises(data_formats.DataError, match=rf"^{path}:2: .*tool's output"):
         encoding.encode_examples(examples, tk.byte_tokenizer(), "everything", path)
     # every assistant turn, the tool call's text included; the tool's output is context
     encoded = encoding.encode_examples(examples, tk.byte_tokenizer(), "all_assistant", path)[1]

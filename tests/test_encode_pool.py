@@ -157,7 +157,7 @@ def test_a_bad_row_in_the_second_chunk_names_the_file_and_row(tmp_path):
     # an InputError: the worker exits 2 on it, the prepare rule fails naming it
     assert error["input_error"]
     assert "\n" not in error["message"]
-    assert error["message"].startswith(f"{train} (example {BAD_ROW}): ")
+    assert error["message"].startswith(f"{train}:{_line(BAD_ROW)}: ")
     assert "only user and assistant turns are supported" in error["message"]
     assert not (tmp_path / "examples").exists()
 

@@ -1,5 +1,6 @@
 """Real Snakemake runs of the pipeline on the small linear workload."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,6 +12,9 @@ from conftest import REPO, copy_run, run_snakemake, run_worker
 from minifield import api
 
 pytestmark = pytest.mark.slow  # every test runs Snakemake or the worker
+
+#: what Snakemake itself prints after a failed run's own last line
+SNAKEMAKE_CLOSING = ("Complete log(s):", "Elapsed time:", "WorkflowError:", "At least one job")
 
 
 def make_project(tmp_path, recipe_edit=None):
@@ -149,6 +153,35 @@ def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "/training/momentum" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_a_refused_row_ends_the_run_with_one_line_naming_file_line_and_field(tmp_path):
+    """A packed-sft recipe whose train file has an empty answer on line 3: the prepare stage
+    refuses it, exit 2, no traceback, and the run's last workflow line repeats the refusal."""
+    shutil.copytree(REPO / "data" / "sft-demo", tmp_path / "data" / "sft-demo")
+    train = tmp_path / "data" / "sft-demo" / "train.jsonl"
+    rows = train.read_text().splitlines()
+    rows[2] = json.dumps({**json.loads(rows[2]), "response": ""})
+    train.write_text("\n".join(rows) + "\n")
+    recipe = yaml.safe_load((REPO / "config" / "recipes" / "sft-demo.yaml").read_text())
+    pin = next(item for item in recipe["inputs"] if item["name"] == "train")
+    pin["sha256"] = hashlib.sha256(train.read_bytes()).hexdigest()
+    (tmp_path / "config" / "recipes").mkdir(parents=True)
+    (tmp_path / "config" / "recipes" / "sft.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "config" / "config.yaml").write_text(
+        yaml.safe_dump({"recipes": ["config/recipes/sft.yaml"], "input_root": "data"})
+    )
+    proc = run_snakemake(tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "Traceback" not in output, output[-3000:]
+    assert "returned non-zero exit status 2" in output  # the stage's own exit: a refusal
+    refusal = f"minifield refused (prepare): {train}:3: 'response' is empty"
+    workflow_lines = [
+        line for line in proc.stderr.splitlines() if not line.startswith(SNAKEMAKE_CLOSING)
+    ]
+    assert workflow_lines[-1].startswith(refusal), workflow_lines[-5:]
+    assert not list(tmp_path.glob("results/examples/*/manifest.json"))
 
 
 def test_workflow_lints_clean(tmp_path):

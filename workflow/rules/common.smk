@@ -1,4 +1,6 @@
 # Helpers: config validation, the computations table, input functions.
+import sys
+
 from minifield.pipeline import computations, workflow_config
 from snakemake.utils import validate
 
@@ -243,3 +245,11 @@ def deliver_inputs(wildcards):
     if rules.has("publish"):
         inputs["publication"] = f"{base}/publication.json"
     return inputs
+
+
+def print_refusals(run_log):
+    """The refusals of the run's failed stages, one line each, on stderr (the onerror handler)."""
+    from minifield.pipeline.errors import refusal_lines
+
+    for line in refusal_lines(run_log):
+        print(line, file=sys.stderr)

@@ -3,18 +3,20 @@ import sys
 from pathlib import Path
 
 from minifield.pipeline import evaluation
+from minifield.pipeline.errors import refusals
 
 # emptied, then appended to: the evaluation processes append their output to the same log,
 # and a handle that is not in append mode would write over it
 open(snakemake.log[0], "w").close()
 sys.stderr = open(snakemake.log[0], "a")
-evaluation.evaluate(
-    Path(snakemake.input.recipe),
-    Path(snakemake.input.result),
-    Path(snakemake.input.examples).parent,
-    Path(snakemake.output.metrics),
-    Path(snakemake.output.selected_export),
-    Path(snakemake.params.input_root),
-    processes=snakemake.config["evaluate"]["processes"],  # operational: not a rerun trigger
-    log=Path(snakemake.log[0]),
-)
+with refusals("evaluate"):
+    evaluation.evaluate(
+        Path(snakemake.input.recipe),
+        Path(snakemake.input.result),
+        Path(snakemake.input.examples).parent,
+        Path(snakemake.output.metrics),
+        Path(snakemake.output.selected_export),
+        Path(snakemake.params.input_root),
+        processes=snakemake.config["evaluate"]["processes"],  # operational: not a rerun trigger
+        log=Path(snakemake.log[0]),
+    )

@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 from minifield import store
+from minifield.pipeline.errors import refusals
 
 sys.stderr = open(snakemake.log[0], "w")
 mirror = None
@@ -11,15 +12,16 @@ if (snakemake.config.get("tracking") or {}).get("enabled"):
 
     mirror = registry.RegistryMirror(settings.from_config(snakemake.config))
 inputs = snakemake.input
-store.publish_computation(
-    Path(snakemake.params.store_dir),
-    Path(inputs.export),
-    Path(inputs.recipe),
-    Path(inputs.result),
-    Path(inputs.metrics),
-    Path(inputs.proof) if "proof" in inputs.keys() else None,
-    Path(snakemake.output[0]),
-    no_proof=snakemake.params.no_proof or None,
-    lock_timeout=snakemake.params.lock_timeout_s,
-    mirror=mirror,
-)
+with refusals("publish"):
+    store.publish_computation(
+        Path(snakemake.params.store_dir),
+        Path(inputs.export),
+        Path(inputs.recipe),
+        Path(inputs.result),
+        Path(inputs.metrics),
+        Path(inputs.proof) if "proof" in inputs.keys() else None,
+        Path(snakemake.output[0]),
+        no_proof=snakemake.params.no_proof or None,
+        lock_timeout=snakemake.params.lock_timeout_s,
+        mirror=mirror,
+    )

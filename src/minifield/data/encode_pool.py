@@ -136,7 +136,7 @@ def encode_examples(
             out[index] = Encoded(ids[:1], ids[1:])
         else:
             tools = None if example.tools is None else list(example.tools)
-            where = f"{job.path} (example {first + index + 1})"
+            where = example.where or f"{job.path} (example {first + index + 1})"
             # the checked messages as read (the sandbox cannot change them): no copy
             messages = list(example.messages or ()) or example.conversation()
             chats.append(assistant_turns.Conversation(messages, where, tools))

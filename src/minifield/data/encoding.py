@@ -134,8 +134,9 @@ def encode_examples(
     for index, example in enumerate(examples, start=1):
         if train_on == "everything" and any(m["role"] == "tool" for m in example.messages or ()):
             raise DataError(
-                f"{path} (example {index}): training.train_on=everything would train a tool's "
-                "output; use all_assistant or last_assistant for conversations with tool messages"
+                f"{example.where or f'{path} (example {index})'}: training.train_on=everything "
+                "would train a tool's output; use all_assistant or last_assistant for "
+                "conversations with tool messages"
             )
         out.append(encode(example, tokenizer, train_on))
     return out

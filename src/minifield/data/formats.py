@@ -26,7 +26,7 @@ stops the read with a :class:`DataError` naming the file, the row and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -63,6 +63,8 @@ class Example:
     tools: tuple | None = field(default=None, compare=False)
     #: a ``text`` row: raw text trained whole (``response``), no prompt
     text: bool = False
+    #: where the row is, ``file:line`` (Parquet: ``file (row N)``): what a failure names
+    where: str | None = field(default=None, compare=False)
 
     def conversation(self) -> list[dict]:
         """The example as chat messages: a prompt/response row is one user and one assistant turn."""
@@ -317,7 +319,7 @@ def row_example(row, where: str, fmt: str | None, source: Source, first: bool):
             )
             + ("" if source.format or first else "; a file holds one shape")
         )
-    return example(row, fmt, where, source), fmt
+    return replace(example(row, fmt, where, source), where=where), fmt
 
 
 def read(path: Path, source: Source | None = None) -> Read:

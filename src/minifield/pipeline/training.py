@@ -133,11 +133,36 @@ def qualify(
         handle.write(f"proof: passed={proof['passed']}: {proof['diagnosis']}\n")
         handle.write(f"proof directory (runs, logs, checkpoints): {proof['proof_dir']}\n")
     if not proof["passed"]:
+        evidence = Path(proof["proof_dir"]) / PROOF_FILE
+        failure = worker_failure(proof)
+        if failure:
+            raise StageError(
+                f"recovery proof of {recipe_json} failed: {failure}; training is blocked. "
+                f"Evidence: {evidence}"
+            )
         raise StageError(
             f"recovery proof of {recipe_json} failed; training is blocked. {proof['diagnosis']} "
-            f"Evidence: {Path(proof['proof_dir']) / PROOF_FILE}"
+            f"Evidence: {evidence}"
         )
     return proof
+
+
+def worker_failure(proof: dict) -> str | None:
+    """What the first of the proof's runs that should have completed said when its worker
+    recorded an error (a reward that raised, a row it refused), as one clause; None when none
+    did (the proof failed on its own terms: a divergence, a checkpoint). The faulted and the
+    preempted runs end with an error by design and are not read."""
+    preempted = proof.get("preempted") or {}
+    sections = (
+        ("reference", proof.get("reference")),
+        ("resumed", proof.get("resumed")),
+        ("resumed after preemption", preempted.get("resumed")),
+    )
+    for name, run in sections:
+        error = run.get("error") if isinstance(run, dict) else None
+        if error:
+            return f"the {name} run's worker failed ({error.get('phase')}): {error.get('message')}"
+    return None
 
 
 def train_attempt(
