@@ -41,6 +41,7 @@ _.fetched_roots
 _.for_examples
 _.for_source
 _.require_valid
+_.refusal_lines
 # used from workflow/rules/two_stage_common.smk
 _.load_links
 _.register_stage2
