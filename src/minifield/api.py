@@ -46,6 +46,7 @@ __all__ = ["RunResult", "Validation", "load_model", "run", "run_problems", "vali
 
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
 EXIT_IO = 5
+EXIT_DEVICE_BUSY = 6
 #: status of a worker process that is not process 0 (which alone writes result.json), or of
 #: an attempt whose result.json the disk did not take
 _STATUS_OF_CODE = {
@@ -55,6 +56,7 @@ _STATUS_OF_CODE = {
     EXIT_PREEMPTED: "preempted",
     EXIT_LIMIT: "limit_reached",
     EXIT_IO: "io_failed",
+    EXIT_DEVICE_BUSY: "device_busy",
 }
 
 RecipeLike = str | os.PathLike | Mapping[str, Any]
@@ -104,7 +106,8 @@ class RunResult:
     """What one attempt ended with: its ``result.json`` plus the worker's exit code."""
 
     #: completed, failed, preempted, limit_reached, io_failed (the output could not be written:
-    #: ``attempt_dir`` resumes once there is room); ``invalid`` when refused before an attempt
+    #: ``attempt_dir`` resumes once there is room), device_busy (another process held the
+    #: accelerator: nothing trained); ``invalid`` when refused before an attempt
     status: str
     #: the code ``minifield-worker`` exits with for this outcome
     exit_code: int

@@ -2,7 +2,8 @@
 
 Exit codes: 0 completed, 1 failed, 2 invalid job or inputs, 3 preempted
 (checkpoint committed), 4 limit reached (deadline or compute budget), 5 I/O failure (the
-output could not be written: a full disk, a quota, a file-size limit; resumable).
+output could not be written: a full disk, a quota, a file-size limit; resumable), 6 device
+busy (another process held the accelerator for all the time there was to wait).
 
 A thin layer over the Python API (:mod:`minifield.api`): this module parses
 arguments, starts the processes of a multi-process attempt and prints; what is

@@ -91,5 +91,5 @@ def _emit(ending: Ending, events: EventLog, progress: Progress) -> None:
         )
     elif ending.status == "failed":
         events.emit("failed", durable=True, **ending.error.as_dict())
-    elif ending.status == "io_failed":
-        events.emit("failed", durable=True, status="io_failed", **ending.error.as_dict())
+    elif ending.status in ("io_failed", "device_busy"):
+        events.emit("failed", durable=True, status=ending.status, **ending.error.as_dict())

@@ -160,10 +160,12 @@ def add_gpu_determinism_flags(environ=os.environ) -> list[str]:
     return added
 
 
-def fingerprint() -> dict:
+def fingerprint(*, devices: bool = True) -> dict:
+    """The fingerprint of this process; ``devices=False`` when the backend could not be
+    started (the accelerator was busy): the device fields are then None."""
     import jax
 
-    devices = jax.devices()
+    found = jax.devices() if devices else None
     extra = cuda_plugins()  # only where installed: CPU fingerprints unchanged
     return {
         "python": platform.python_version(),
@@ -172,10 +174,10 @@ def fingerprint() -> dict:
         "jaxlib": _version("jaxlib"),
         "optax": _version("optax"),
         "numpy": _version("numpy"),
-        "backend": jax.default_backend(),
-        "device_kind": sorted({d.device_kind for d in devices}),
-        "device_count": len(devices),
-        "process_count": jax.process_count(),
+        "backend": jax.default_backend() if devices else None,
+        "device_kind": sorted({d.device_kind for d in found}) if devices else None,
+        "device_count": len(found) if devices else None,
+        "process_count": jax.process_count() if devices else None,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "threads": {k: os.environ[k] for k in RELEVANT_ENV if "THREADS" in k and k in os.environ},
         "env": {k: os.environ[k] for k in RELEVANT_ENV if k in os.environ},

@@ -5,7 +5,8 @@ Every attempt that got its directory ends in exactly one :class:`Ending` and one
 its inputs or the resume were refused), preempted (3: a checkpoint is committed), a
 limit reached (4: likewise) or an I/O failure (5: the output could not be written — a full
 disk, a quota, a file-size limit, a read-only or failing device; the committed checkpoints
-stay valid, so the attempt is resumed once there is room).
+stay valid, so the attempt is resumed once there is room) or the accelerator busy (6:
+another process held it for all the time there was to wait; nothing was trained).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # an annotation only: importing the checkpoint code would sta
 EXIT_COMPLETED, EXIT_FAILED, EXIT_INVALID, EXIT_PREEMPTED, EXIT_LIMIT = 0, 1, 2, 3, 4
 #: the output could not be written (:func:`minifield.atomic.is_io_failure`); resumable
 EXIT_IO = 5
+#: the accelerator stayed held by another process (:mod:`~minifield.attempt.device_claim`)
+EXIT_DEVICE_BUSY = 6
 
 
 def now_iso() -> str:
@@ -44,7 +47,8 @@ class AttemptError:
 
 @dataclass(frozen=True)
 class Ending:
-    status: str  # "completed" | "failed" | "preempted" | "limit_reached" | "io_failed"
+    #: "completed" | "failed" | "preempted" | "limit_reached" | "io_failed" | "device_busy"
+    status: str
     code: int
     error: AttemptError | None = None
 
@@ -67,6 +71,10 @@ class Ending:
     @classmethod
     def io_failed(cls, error: AttemptError) -> Ending:
         return cls("io_failed", EXIT_IO, error)
+
+    @classmethod
+    def device_busy(cls, message: str) -> Ending:
+        return cls("device_busy", EXIT_DEVICE_BUSY, AttemptError("device", message))
 
 
 @dataclass

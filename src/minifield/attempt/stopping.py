@@ -69,6 +69,11 @@ class Preemption:
             signal.signal(sig, handler)
 
 
+def _deadline(limits: dict) -> dt.datetime:
+    deadline = dt.datetime.fromisoformat(limits["deadline"].replace("Z", "+00:00"))
+    return deadline if deadline.tzinfo else deadline.replace(tzinfo=dt.UTC)
+
+
 def limit_reason(
     limits: dict,
     *,
@@ -80,12 +85,8 @@ def limit_reason(
     """Why the attempt must stop now for a limit, or None."""
     if stop_after_step is not None and step >= stop_after_step:
         return f"stop_after_step={stop_after_step} reached (operational step limit)"
-    if limits.get("deadline"):
-        deadline = dt.datetime.fromisoformat(limits["deadline"].replace("Z", "+00:00"))
-        if deadline.tzinfo is None:
-            deadline = deadline.replace(tzinfo=dt.UTC)
-        if dt.datetime.now(dt.UTC) >= deadline:
-            return f"deadline {limits['deadline']} reached"
+    if limits.get("deadline") and dt.datetime.now(dt.UTC) >= _deadline(limits):
+        return f"deadline {limits['deadline']} reached"
     if (
         limits.get("max_wall_seconds")
         and time.monotonic() - started_mono >= limits["max_wall_seconds"]
@@ -115,6 +116,16 @@ class Stopping:
         self.group = group
         self.started_mono = started_mono
         self.preemption = Preemption()
+
+    def seconds_left(self) -> float:
+        """Wall-clock seconds until the deadline or ``max_wall_seconds`` (inf: no such limit)."""
+        left = float("inf")
+        if self.limits.get("deadline"):
+            left = (_deadline(self.limits) - dt.datetime.now(dt.UTC)).total_seconds()
+        if self.limits.get("max_wall_seconds"):
+            used = time.monotonic() - self.started_mono
+            left = min(left, self.limits["max_wall_seconds"] - used)
+        return max(left, 0.0)
 
     def _own_vote(self, step: int, compute_used: float) -> tuple[int, str]:
         if self.preemption.signal is not None:

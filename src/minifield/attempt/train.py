@@ -28,7 +28,7 @@ from typing import NamedTuple
 from .. import atomic
 from ..recipe import Recipe
 from ..state import export
-from . import completion, endings, environment, resume
+from . import completion, device_claim, endings, environment, resume
 from . import result as attempt_result
 from . import setup as attempt_setup
 from .checkpoint_cadence import CheckpointCadence, fault_hook
@@ -80,7 +80,8 @@ class Attempt:
     def __init__(self, recipe: Recipe, options: Options):
         self.recipe = recipe
         self.options = options
-        self.env = environment.fingerprint()
+        #: the environment fingerprint, taken once the backend is started (:meth:`run`)
+        self.env: dict = {}
         self.started = attempt_result.now_iso()
         self.progress = Progress()
         self.stopping = Stopping(
@@ -140,6 +141,9 @@ class Attempt:
 
     def run(self) -> int:
         self.stopping.preemption.install()
+        busy = self._claim_device()
+        if busy is not None:
+            return self._finish(busy)
         outcome = attempt_setup.agree(
             attempt_setup.set_up(_setup_context(self)), self.options.group
         )
@@ -168,6 +172,42 @@ class Attempt:
             self._settle_checkpoints()
             ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
         return self._finish(ending)
+
+    def _claim_device(self) -> Ending | None:
+        """Start the backend, waiting while another process still holds the accelerator
+        (:mod:`~minifield.attempt.device_claim`); then take the environment's fingerprint.
+        Returns the ``device_busy`` ending when the accelerator was not got."""
+        runtime = self.recipe.data.get("runtime", {})
+        wait_s = min(
+            runtime.get("device_wait_seconds", device_claim.default_wait_s()),
+            self.stopping.seconds_left(),
+        )
+        open_backend, reset = device_claim.jax_backend()
+
+        def waiting(wait: device_claim.Wait) -> None:
+            self.events.emit(
+                "device_wait",
+                tries=wait.tries,
+                pause_s=wait.pause_s,
+                holders=wait.holders,
+                error=wait.error[:1000],
+            )
+
+        def signalled() -> str | None:
+            number = self.stopping.preemption.signal
+            return None if number is None else f"signal {number}"
+
+        try:
+            claimed = device_claim.claim(
+                open_backend, reset, wait_s=wait_s, on_wait=waiting, should_stop=signalled
+            )
+        except device_claim.DeviceBusy as exc:
+            self.env = environment.fingerprint(devices=False)
+            return Ending.device_busy(str(exc))
+        if claimed.tries > 1:
+            self.events.emit("device_claimed", tries=claimed.tries, waited_s=claimed.waited_s)
+        self.env = environment.fingerprint()
+        return None
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the

@@ -19,7 +19,7 @@ from .. import atomic
 from .. import recipe as recipes
 from ..attempt.layout import ATTEMPT_JSON, EXPORT, RESULT, new_attempt_id
 from ..attempt.options import computation_cache
-from ..attempt.result import EXIT_INVALID, EXIT_IO
+from ..attempt.result import EXIT_DEVICE_BUSY, EXIT_INVALID, EXIT_IO
 from ..proof.document import DEFAULT_MODE, PROOF_FILE
 from ..proof.prove import prove
 from ..proof.verdict import verdict
@@ -280,6 +280,8 @@ def train_attempt(
             "environment first",
             EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
             "last committed checkpoint",
+            EXIT_DEVICE_BUSY: "the accelerator was held by the process named: let it end; "
+            "the next run resumes from the last committed checkpoint",
         }.get(code, "the next run resumes from its last committed checkpoint")
         if error.get("phase") == "diverged":
             # the computation is deterministic: resumed, it diverges at the same update

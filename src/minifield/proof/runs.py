@@ -60,6 +60,16 @@ def _run_record(outcome: dict, attempt_dir: Path) -> dict:
     }
 
 
+def require_device(record: dict, name: str) -> None:
+    """A run that never got the accelerator (``device_busy``) is said as such, before any
+    reading of what it trained (nothing) could blame the recovery."""
+    if record["status"] == "device_busy":
+        raise ProofProblem(
+            f"The {name} run could not get the accelerator, so the recovery was not tested: "
+            f"{(record['error'] or {}).get('message')}; see {record['stderr_log']}"
+        )
+
+
 class Runs:
     """Starts the proof's worker runs, each under the supervisor, in one proof directory."""
 
@@ -131,6 +141,7 @@ def run_reference(runs: Runs, proof: dict) -> dict[int, dict]:
     """The uninterrupted reference; returns its update events by step."""
     outcome, attempt_dir, events = runs.launch("reference")
     record = proof["reference"] = _run_record(outcome, attempt_dir)
+    require_device(record, "uninterrupted reference")
     updates = _updates(events)
     _record_hashes(record, updates)
     steps = runs.steps
@@ -147,6 +158,7 @@ def run_faulted(runs: Runs, proof: dict, k: int) -> Path:
     """The same computation crashing hard right after update ``k``; returns its attempt dir."""
     outcome, attempt_dir, events = runs.launch("faulted", "--fail-after-step", str(k))
     record = proof["faulted"] = _run_record(outcome, attempt_dir)
+    require_device(record, "faulted")
     # The supervisor reaped the child itself (exit_code is its wait status): that, not a
     # later look at the pid (which another process may have taken by then), shows it ended.
     record["exited"] = outcome["exit_code"] is not None
@@ -197,6 +209,7 @@ def run_preempted(runs: Runs, section: dict, k: int) -> Path:
         preempt_after_step=k,
     )
     record = section["run"] = _run_record(outcome, attempt_dir)
+    require_device(record, "preempted")
     record["termination_by"] = (outcome.get("termination") or {}).get("by")
     updates = _updates(events)
     record["last_update_step"] = max(updates, default=0)
@@ -289,6 +302,7 @@ def run_resumed(
     """
     outcome, attempt_dir, events = runs.launch(name, "--resume-from", from_dir)
     record = section["resumed"] = _run_record(outcome, attempt_dir)
+    require_device(record, "resumed")
     info_path = attempt_dir / ATTEMPT_JSON
     info = atomic.read_json(info_path) if info_path.is_file() else {}
     record["resumed_from"] = info.get("resumed_from")

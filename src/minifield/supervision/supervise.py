@@ -49,7 +49,7 @@ EXIT_CODES = {
     "cancelled": 6,
 }
 #: child exit codes the worker defines
-WORKER_PREEMPTED, WORKER_LIMIT, WORKER_IO = 3, 4, 5
+WORKER_PREEMPTED, WORKER_LIMIT, WORKER_IO, WORKER_DEVICE_BUSY = 3, 4, 5, 6
 #: signals that mean "someone stopped this run" rather than "it crashed"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL, signal.SIGHUP)
 _POLL_S = 0.05
@@ -147,6 +147,11 @@ def classify(
             "failed",
             "the worker could not write its output (I/O failure: a full disk, a quota); "
             "its committed checkpoints are kept and a resume continues once there is room",
+        )
+    if exit_code == WORKER_DEVICE_BUSY:
+        return (
+            "failed",
+            "the accelerator stayed held by another process (device_busy); nothing was trained",
         )
     if exit_code is not None and exit_code < 0:
         sig = signal.Signals(-exit_code)
