@@ -52,3 +52,8 @@ rule all:
 # A stage that refused its input ended with one line in its log; the run's last lines repeat it.
 onerror:
     print_refusals(log)
+
+
+# What the run did, per computation: an acceptance that fails still ends at exit 0.
+onsuccess:
+    print_closing_summary()

@@ -1,5 +1,6 @@
 # Helpers: config validation, the computations table, input functions.
 import sys
+from pathlib import Path
 
 from minifield.pipeline import computations, workflow_config
 from snakemake.utils import validate
@@ -210,7 +211,7 @@ REPORT_ITEMS += ["evaluation.html", "publication.html"]
 
 def report_targets():
     """Every file the report shows; `snakemake --report` aborts if one is missing."""
-    targets = ["results/report/capacity.html"]
+    targets = ["results/report/outcome.html", "results/report/capacity.html"]
     for cdigest in sorted(COMPUTATIONS):
         targets.append(f"results/computations/{cdigest}/summary.json")
         targets += [
@@ -253,3 +254,29 @@ def print_refusals(run_log):
 
     for line in refusal_lines(run_log):
         print(line, file=sys.stderr)
+
+
+def print_closing_summary():
+    """What the run did, one line per computation, on stderr (the onsuccess handler)."""
+    from minifield.observe.report import outcome
+
+    cdigests = [computation.cdigest for computation in COMPUTATIONS.every()]
+    lines = outcome.closing_summary(cdigests, Path("results/computations"), Path(STORE_DIR))
+    if lines:
+        print("minifield: what this run did, per computation:", file=sys.stderr)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+
+
+def outcome_inputs(wildcards):
+    """What the closing summary's report item reads: each configured computation's
+    evaluation, publication and activation (the chained ones' through chain_targets)."""
+    inputs = []
+    for cdigest in sorted(COMPUTATIONS):
+        base = f"results/computations/{cdigest}"
+        inputs.append(f"{base}/eval/metrics.json")
+        if rules.has("publish"):
+            inputs.append(f"{base}/publication.json")
+        if config["store"]["activate"]:
+            inputs.append(f"{base}/activation.json")
+    return inputs

@@ -133,3 +133,25 @@ rule report_capacity:
         "../../envs/minifield.yaml"
     script:
         "../scripts/report_capacity.py"
+
+
+# The report's first item: what the run did per computation (the run's closing summary).
+rule report_outcome:
+    input:
+        outcome_inputs,
+        *chain_targets(),
+    output:
+        report(
+            "results/report/outcome.html",
+            caption="../report/outcome.rst",
+            category="0. What the run did",
+            labels={"table": "closing summary"},
+        ),
+    log:
+        "logs/report_outcome/all.log",
+    conda:
+        "../../envs/minifield.yaml"
+    params:
+        store_dir=STORE_DIR,
+    script:
+        "../scripts/report_outcome.py"
