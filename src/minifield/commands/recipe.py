@@ -168,6 +168,31 @@ def _command(args) -> str:
     return shlex.join([*words, "-o", str(args.output)])
 
 
+def _data_warnings(checked: recipes.Recipe, root: Path, output: Path) -> list[str]:
+    """What the prepare stage will refuse of the new recipe's data (text its tokenizer cannot
+    spell, a bad row), or count (:meth:`Strategy.unknown_tokens`): the recipe is written
+    all the same, to be fixed by editing the data (then repin) or the recipe."""
+    from ..data.tokenizer import TokenizerError
+    from ..inputs import pinned
+
+    try:
+        counts = checked.strategy.unknown_tokens(
+            checked.data, pinned.files_by_name(checked.data, root)
+        )
+    except (pinned.InputError, TokenizerError) as exc:
+        return [
+            f"{exc}. The prepare stage refuses the data as it is; after editing it, re-pin: "
+            f"uv run --locked minifield recipe repin {output}"
+        ]
+    return [
+        f"input {name}: {count['rows']} rows hold text the tokenizer cannot spell "
+        f"({', '.join(map(repr, count['characters']))}): trained as the unknown token "
+        "(training.allow_unknown_tokens), counted in the prepared examples' manifest"
+        for name, count in counts.items()
+        if count["rows"]
+    ]
+
+
 def run_new(args) -> int:
     output = args.output
     if not own_recipe.is_yaml(output) and output.suffix.lower() != ".json":
@@ -182,26 +207,39 @@ def run_new(args) -> int:
     lines = (
         f"Written by `{_command(args)}`.",
         f"Every input is pinned by sha256 under the input root {root} ({root_source}).",
-        f"After changing an input file, re-pin: minifield recipe repin {output}",
+        f"After changing an input file, re-pin: uv run --locked minifield recipe repin {output}",
     )
     header = "".join(f"# {_CONTROL.sub('?', line)}\n" for line in lines)
     _write(output, own_recipe.dump(document, output, header))
     width = max(len(row["name"]) for row in rows) if rows else 0
-    print(
-        f"wrote {output}: job_id {document['job_id']}, computation "
-        f"{checked.computation_digest[:16]}, like {args.like}"
-    )
+    # no digest here: the edits a new recipe is written for change it (validate prints it)
+    print(f"wrote {output}: job_id {document['job_id']}, like {args.like}")
     print(f"input root: {root} ({root_source}); every path below is relative to it")
     for row in rows:
         print(f"  {row['name']:<{width}}  {row['sha256']}  {row['path']}")
     for note in notes:
         print(f"note: {note}")
+    for warning in _data_warnings(checked, root, output):
+        print(f"minifield recipe new: warning: {warning}", file=sys.stderr)
+    config = config_file_for(output)
     print(
-        "next: list it in a config file and run the pipeline, e.g.\n"
-        f"  printf 'recipes:\\n  - {output}\\n' > config/mine.yaml\n"
-        "  uv run --locked snakemake --cores 2 --configfile config/mine.yaml"
+        f"next: edit it, then `uv run --locked minifield validate {output}` prints its "
+        "computation digest (the <cdigest> of results/computations/<cdigest>/); list it in a "
+        "config file and run the pipeline, e.g.\n"
+        f"  printf 'recipes:\\n  - {output}\\n' > {config}\n"
+        f"  uv run --locked snakemake --cores 2 --configfile {config}"
     )
     return 0
+
+
+def config_file_for(output: Path) -> Path:
+    """The config file the next steps suggest for the recipe ``output``: named after it, so a
+    second recipe's does not overwrite the first's (``config/mine.yaml`` for
+    ``config/recipes/mine.yaml``), never the recipe itself."""
+    config = CONFIG_FILE.parent / f"{output.stem}.yaml"
+    if config in (output, CONFIG_FILE):
+        config = CONFIG_FILE.parent / f"{output.stem}-run.yaml"
+    return config
 
 
 # ----------------------------------------------------------------------------- repin

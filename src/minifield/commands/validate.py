@@ -1,6 +1,8 @@
 """``minifield validate RECIPE [--input-root DIR]``: validate a recipe and print its digests;
-with an input root, also verify its pinned inputs and read its harness task files (what the
-pipeline's hash_inputs stage refuses before any training)."""
+with an input root, also verify its pinned inputs, read its harness task files (what the
+pipeline's hash_inputs stage refuses before any training) and read its data files as the
+prepare stage does, for text the tokenizer cannot spell (refused, or counted where the recipe
+allows it: :mod:`minifield.data.unknown_text`)."""
 
 from __future__ import annotations
 
@@ -17,22 +19,31 @@ def run(args) -> int:
     except recipes.RecipeError as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    checked = {}
     if args.input_root is not None:
+        from ..data.tokenizer import TokenizerError
         from ..harness import tasks as harness_tasks
         from ..inputs import pinned
 
+        # bad rows, text the tokenizer cannot spell, a base model that cannot encode them:
+        # InputErrors as the pinned files' own problems
         try:
             pinned.verify(recipe.data, args.input_root)
             harness_tasks.resolve_pinned(recipe.data, args.input_root)
-        except (pinned.InputError, harness_tasks.HarnessTaskError) as exc:
+            files = pinned.files_by_name(recipe.data, args.input_root)
+            unknown = recipe.strategy.unknown_tokens(recipe.data, files)
+        except (pinned.InputError, harness_tasks.HarnessTaskError, TokenizerError) as exc:
             print(f"minifield validate: {exc}", file=sys.stderr)
             return 2
+        if unknown:  # only a recipe that allows them has counts (the others are refused)
+            checked["unknown_tokens"] = unknown
     print(
         json.dumps(
             {
                 "valid": True,
                 "computation_digest": recipe.computation_digest,
                 "examples_digest": recipe.examples_digest,
+                **checked,
             },
             indent=2,
         )
@@ -46,6 +57,7 @@ def register(sub) -> None:
     parser.add_argument(
         "--input-root",
         type=Path,
-        help="also verify the pinned inputs under this root and read the harness task files",
+        help="also verify the pinned inputs under this root, read the harness task files and "
+        "read the data files as prepare does (text the tokenizer cannot spell is refused)",
     )
     parser.set_defaults(func=run)

@@ -6,7 +6,7 @@ turn is found by rendering the conversation up to it with ``add_generation_promp
 text must be a prefix of the whole conversation rendered, and the turn's trained tokens run
 from the end of that prefix up to and including its end-of-turn token, the first special token
 after it (``<|eot_id|>``, ``<|im_end|>``, ``<end_of_turn>``, ``</s>``, ``<|end|>``: whatever
-the template closes the turn with; :func:`end_of_turn_ids`). System, user and tool turns are
+the template closes the turn with; :func:`end_of_turn_ids`; never ``<unk>``). System, user and tool turns are
 context; anything the template writes after the last trained turn is not part of the example.
 
 ``train_on`` (:data:`TRAIN_ON`, the recipe's ``training.train_on``) chooses what is trained:
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .chat_template import CLOSE_MARK, OPEN_MARK, ChatTemplate, ChatTemplateError
 from .encoding import Encoded
+from .tokenizer import unknown_id
 
 TRAIN_ON = ("all_assistant", "last_assistant", "everything")
 
@@ -150,10 +151,17 @@ def token_spans(rendered: Rendered, ids, encoding, end_ids) -> list[tuple[int, i
     return spans
 
 
-def end_of_turn_ids(backend, eos_id: int) -> frozenset[int]:
-    """The ids that may close an assistant turn: the eos and every special added token."""
+def special_ids(backend, eos_id: int) -> frozenset[int]:
+    """The eos and every special added token."""
     added = backend.get_added_tokens_decoder()
     return frozenset({eos_id, *(i for i, token in added.items() if token.special)})
+
+
+def end_of_turn_ids(backend, eos_id: int) -> frozenset[int]:
+    """The ids that may close an assistant turn: :func:`special_ids` but the unknown token
+    (``<unk>`` stands for text the tokenizer cannot spell, inside the turn:
+    :mod:`.unknown_text`)."""
+    return (special_ids(backend, eos_id) - {unknown_id(backend)}) | {eos_id}
 
 
 def _encoded(ids: list[int], spans, conversation: Conversation, train_on: str) -> Encoded:

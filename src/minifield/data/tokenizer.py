@@ -18,6 +18,7 @@ example layout ``<bos> prompt <sep> response <eos>`` is fixed by
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,18 @@ class Tokenizer:
             "vocab_size": self.vocab_size,
             "special_tokens": dict(self.special_tokens or {}),
         }
+
+
+def unknown_id(backend) -> int | None:
+    """The id ``backend`` (a ``tokenizers.Tokenizer``) maps text it cannot spell to (its model's
+    unknown token, ``<unk>``), or None where it has none (a byte-level BPE spells every text)."""
+    model = backend.model
+    token = getattr(model, "unk_token", None)  # BPE, WordPiece, WordLevel
+    if token is not None:
+        return backend.token_to_id(token)
+    if type(model).__name__ == "Unigram":  # names its unknown token by id, in its state only
+        return json.loads(model.__getstate__()).get("unk_id")
+    return None
 
 
 def byte_tokenizer() -> Tokenizer:

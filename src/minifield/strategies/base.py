@@ -184,6 +184,13 @@ class Strategy(ABC):
         """Prepare one of :meth:`training_sources` on its own: arrays plus metadata."""
         raise NotImplementedError(f"{self.name} prepares no training source on its own")
 
+    def unknown_tokens(self, recipe: dict, files: dict[str, Path]) -> dict[str, dict]:
+        """The recipe's data files (verified inputs by name) read and encoded as :meth:`prepare`
+        does, for what it refuses of text the tokenizer cannot spell (``DataError``,
+        :mod:`minifield.data.unknown_text`), or else counts: input name → its count. Empty
+        (the default): nothing of the kind to check."""
+        return {}
+
     @abstractmethod
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
         """Bind the recipe to prepared examples."""

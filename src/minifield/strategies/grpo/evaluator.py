@@ -50,11 +50,13 @@ class Scored:
 
 
 def stop_ids(tokenizer) -> tuple[int, ...]:
-    """The ids a completion ends with: the end-of-turn ids supervised training ends an
-    assistant turn with (the eos and every special added token)."""
+    """The ids a completion ends with: the eos and every special added token — the end-of-turn
+    ids supervised training ends an assistant turn with, and the unknown token where it is a
+    special one: a completion that writes it stops there, so text the tokenizer cannot spell
+    is never rewarded as if it were not there (decoding drops it)."""
     from ...data import assistant_turns
 
-    return tuple(sorted(assistant_turns.end_of_turn_ids(tokenizer.backend, tokenizer.eos_id)))
+    return tuple(sorted(assistant_turns.special_ids(tokenizer.backend, tokenizer.eos_id)))
 
 
 def reward_files(recipe: dict, arrays: dict) -> dict[str, Path]:

@@ -57,8 +57,8 @@ def normalize_rl(recipe: dict) -> list[dict]:
 
 def _training_errors(training: dict) -> list[dict]:
     """What the update's rows must split into: the devices of ``data_parallel`` and the
-    micro-batches of ``grad_accum_steps`` (absent and 1 are one spelling); ``train_on`` and
-    ``mixture`` are not read."""
+    micro-batches of ``grad_accum_steps`` (absent and 1 are one spelling); ``train_on``,
+    ``mixture`` and ``allow_unknown_tokens`` are not read."""
     errors = []
     rows, devices = training["batch_size"], training["data_parallel"]["devices"]
     accum = training.get("grad_accum_steps", 1)
@@ -82,7 +82,7 @@ def _training_errors(training: dict) -> list[dict]:
                 f"{devices * accum} (got {accum})",
             }
         )
-    for key in ("train_on", "mixture"):
+    for key in ("train_on", "mixture", "allow_unknown_tokens"):
         if key in training:
             errors.append({"path": f"/training/{key}", "message": "not read by grpo"})
     return errors

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ...data import encode_pool, encoding, formats, mixture, packing
+from ...data import encode_pool, encoding, formats, mixture, packing, unknown_text
 from ...data import tokenizer as tokenizers
 from ...hf import pinned_base
 from ...models import execution
@@ -64,6 +64,7 @@ class PackedSFT(Strategy):
         errors += lora.normalize_section(recipe, data_parallel=True)
         errors += execution.normalize_recipe(recipe)
         encoding.normalize_train_on(recipe["training"])
+        unknown_text.normalize(recipe["training"])
         errors += model_section.model_errors(model)
         evaluation = recipe["evaluation"]
         if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
@@ -106,6 +107,8 @@ class PackedSFT(Strategy):
             spec["reading"] = reading
         if "train_on" in training:
             spec["train_on"] = training["train_on"]
+        if unknown_text.KEY in training:  # only when true (check drops false)
+            spec[unknown_text.KEY] = training[unknown_text.KEY]
         if "mixture" in training:
             # the sources in order, not their weights: recipes that only weigh the same
             # sources differently share the prepared examples
@@ -129,6 +132,7 @@ class PackedSFT(Strategy):
         pinned = {i["name"]: i for i in pinned_inputs(recipe)}
         spec = self.data_spec(recipe)
         kept = ("strategy", "prepare_version", "tokenizer", "seq_len", "overlong", "train_on")
+        kept += (unknown_text.KEY,)  # refused or counted: part of what a source's rows are
         common = {key: spec[key] for key in (*kept, "base", "chat_template") if key in spec}
         common["part"] = "training source"
         model_inputs = model_section.base_model_inputs(recipe["model"])
@@ -188,6 +192,17 @@ class PackedSFT(Strategy):
         if "base_model" in meta:  # the weights, after every split is encoded (see _reading)
             meta["base_model"] = load_base()
         return arrays, meta
+
+    def unknown_tokens(self, recipe: dict, files: dict[str, Path]) -> dict[str, dict]:
+        _, _, tokenizer, encoded, _ = _reading(recipe, files)
+        if tokenizer.backend is None:  # the byte tokenizer spells every text
+            return {}
+        counts = {}
+        for name in [*mixture.input_names(recipe["training"]), *SPLITS[1:]]:
+            record = encoded(name)[1]
+            if "unknown_tokens" in record:
+                counts[name] = record["unknown_tokens"]
+        return counts
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
         return LMProgram(recipe, examples)
@@ -302,23 +317,33 @@ def _reading(recipe: dict, files: dict[str, Path]):
             tokenizer, template = pinned_base.tokenizer_from_arrays(recipe, arrays, files)
         meta["chat_template"] = template.source
         processes = encode_pool.workers()  # operational: the same examples for any number
+        tokenizer_input = recipe["model"]["base"]["tokenizer"]
 
-        def encoded(name):
-            source, train_on = encoding.recipe_reading(recipe, name)
+        def read_and_encode(name, source, train_on):
             return pinned_base.read_and_encode_chat(
                 files[name], source, tokenizer, template, train_on, processes
             )
     else:
         tokenizer = tokenizers.from_settings(recipe["model"]["tokenizer"], files)
+        tokenizer_input = recipe["model"]["tokenizer"].get("input", "tokenizer")
 
-        def encoded(name):
-            source, train_on = encoding.recipe_reading(recipe, name)
+        def read_and_encode(name, source, train_on):
             read = formats.read(files[name], source)
             return encoding.encode_examples(read.examples, tokenizer, train_on, files[name]), (
                 read.record()
             )
 
     meta["tokenizer"] = tokenizer.config()
+    allow = unknown_text.allowed(recipe["training"])
+
+    def encoded(name):
+        """The input's examples encoded and its format decision, with its unknown tokens
+        counted where allowed (refused otherwise: :mod:`minifield.data.unknown_text`)."""
+        source, train_on = encoding.recipe_reading(recipe, name)
+        examples, record = read_and_encode(name, source, train_on)
+        where = str(files.get(tokenizer_input, tokenizer_input))
+        counted = unknown_text.check(examples, tokenizer, files[name], source, allow, where)
+        return examples, record if counted is None else {**record, "unknown_tokens": counted}
 
     return arrays, meta, tokenizer, encoded, load_base
 

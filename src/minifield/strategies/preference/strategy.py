@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ...data import unknown_text
 from ...models import execution
 from ...training import lora
 from ..base import Program, Strategy, pinned_inputs
@@ -55,6 +56,8 @@ class Preference(Strategy):
         errors += execution.normalize_recipe(recipe)
         errors += sft_settings.model_errors(recipe["model"])
         errors += section.split_errors(recipe["training"])
+        unknown_text.normalize(recipe["training"])
+        errors += unknown_text.not_read(recipe["training"], "preference")
         errors += sft_settings.warmup_errors(recipe)
         return errors
 

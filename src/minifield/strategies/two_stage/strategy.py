@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...data import encoding, packing
+from ...data import encoding, packing, unknown_text
 from ...data import tokenizer as tokenizers
 from ...data.packing import ROW_FIELDS
 from ...digest import sha256_bytes
@@ -110,6 +110,8 @@ class TwoStage(Strategy):
                     "its documents)",
                 }
             )
+        if stage == "pretrain":
+            errors += unknown_text.not_read(recipe["training"], "training.stage pretrain")
         for key in SFT_ONLY if stage == "pretrain" else PRETRAIN_ONLY:
             evaluation.pop(key, None)
         if stage == "pretrain":
@@ -160,6 +162,11 @@ class TwoStage(Strategy):
             arrays.update(params)
         meta["stage"] = recipe["training"]["stage"]
         return arrays, meta
+
+    def unknown_tokens(self, recipe: dict, files: dict[str, Path]) -> dict[str, dict]:
+        if recipe["training"]["stage"] != "sft":
+            return {}
+        return _packed_sft().unknown_tokens(_sft_view(recipe), files)
 
     def build(self, recipe: dict, examples: dict[str, np.ndarray]) -> Program:
         return TwoStageProgram(recipe, examples)
