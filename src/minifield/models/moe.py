@@ -33,13 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from .layers import grouped
-from .layers.primitives import F32, LoraWeight, einsum, linear
+from .layers.primitives import F32, LoraWeight, einsum, full_precision, linear
 
 
 def _f32_product(x, w):
-    return jnp.einsum(
-        "nd,de->ne", x.astype(F32), w.astype(F32), precision=jax.lax.Precision.HIGHEST
-    )
+    return jnp.einsum("nd,de->ne", x.astype(F32), w.astype(F32), precision=full_precision(F32))
 
 
 def router_logits(x_NxD, router_DxE):
@@ -144,5 +142,5 @@ def load_balancing_loss(cfg, logits_LxNxE, mask_N=None):
     mask_LxN = mask_LxN.astype(F32)
     count = jnp.maximum(jnp.sum(mask_LxN), 1.0)  # every token masked: 0, not NaN
     f_KxE = jnp.einsum("lnke,ln->ke", onehot_LxNxKxE, mask_LxN) / count
-    p_E = jnp.einsum("lne,ln->e", probs_LxNxE, mask_LxN) / count
+    p_E = jnp.einsum("lne,ln->e", probs_LxNxE, mask_LxN, precision=full_precision(F32)) / count
     return E * jnp.sum(f_KxE * p_E[None, :])

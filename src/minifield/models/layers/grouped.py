@@ -14,7 +14,7 @@ custom VJP: JAX cannot differentiate a loop whose trip count depends on the data
 over the same tiles: the rows' gradient against the transposed matrices, each group's matrix
 gradient the sum over its tiles of ``x_tile^T @ dy_tile`` (rows of other groups masked to zero).
 
-Precision as :func:`.primitives.einsum`: with BF16 compute the operands are rounded to BF16 and
+Precision as :func:`.primitives.einsum` (FP32 products at ``HIGHEST``): with BF16 compute the operands are rounded to BF16 and
 every product, forward and backward, is BF16 x BF16 accumulated in FP32; the gradients leave
 in the operands' own dtypes (FP32 master matrices: FP32, without a BF16 rounding). Rows past
 ``sum(sizes)`` give zeros, as ``ragged_dot``'s.
@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .primitives import F32
+from .primitives import F32, full_precision
 
 #: rows per tile (the matrix products' height), and per tile of a group's last rows
 TILE, TAIL = 64, 16
@@ -75,7 +75,12 @@ def _rows(x_PxK, w_GxKxN, sizes_G):
 
     def fn(g, start, rows, keep, y_PxN):
         w_KxN = jax.lax.dynamic_index_in_dim(w_GxKxN, g, keepdims=False)
-        y_RxN = jnp.dot(_DS(x_PxK, start, rows), w_KxN, preferred_element_type=F32)
+        y_RxN = jnp.dot(
+            _DS(x_PxK, start, rows),
+            w_KxN,
+            precision=full_precision(x_PxK.dtype),
+            preferred_element_type=F32,
+        )
         if keep is not None:  # rows of the next group keep what their own tile wrote
             y_RxN = jnp.where(keep[:, None], y_RxN, _DS(y_PxN, start, rows))
         return _DUS(y_PxN, y_RxN, start, 0)
@@ -87,19 +92,20 @@ def _grads(x_PxK, w_GxKxN, dy_PxN, sizes_G):
     """``(dx [P, K], dw [G, K, N])`` FP32, in one loop over the tiles: each row's ``dy @ w^T``
     of its group's matrix, and each group's sum over its tiles of ``x^T @ dy`` (rows of other
     groups masked to zero)."""
+    precision = full_precision(x_PxK.dtype)
 
     def fn(g, start, rows, keep, carry):
         dx_PxK, dw_GxKxN = carry
         w_KxN = jax.lax.dynamic_index_in_dim(w_GxKxN, g, keepdims=False)
         x_RxK, dy_RxN = _DS(x_PxK, start, rows), _DS(dy_PxN, start, rows)
         dx_RxK = jax.lax.dot_general(
-            dy_RxN, w_KxN, (((1,), (1,)), ((), ())), preferred_element_type=F32
+            dy_RxN, w_KxN, (((1,), (1,)), ((), ())), precision, preferred_element_type=F32
         )
         if keep is not None:
             dx_RxK = jnp.where(keep[:, None], dx_RxK, _DS(dx_PxK, start, rows))
             x_RxK = jnp.where(keep[:, None], x_RxK, jnp.zeros((), x_RxK.dtype))
         dw_KxN = jax.lax.dot_general(
-            x_RxK, dy_RxN, (((0,), (0,)), ((), ())), preferred_element_type=F32
+            x_RxK, dy_RxN, (((0,), (0,)), ((), ())), precision, preferred_element_type=F32
         )
         dw_1xKxN = _DS(dw_GxKxN, g, 1) + dw_KxN[None]
         return _DUS(dx_PxK, dx_RxK, start, 0), _DUS(dw_GxKxN, dw_1xKxN, g, 0)

@@ -7,7 +7,12 @@ matrix product is a BF16 x BF16 dot accumulating in FP32 (``preferred_element_ty
 through a custom VJP whose backward dots are BF16 x BF16 -> FP32 as well: autodiff of such a
 dot would otherwise produce FP32 backward dots, and XLA:CPU only runs the BF16 x BF16 -> FP32
 form on its fast (AMX-BF16) path. Weight gradients leave the custom VJP in FP32 without a
-BF16 rounding.
+BF16 rounding. With ``compute_dtype="float32"`` every product asks for
+``Precision.HIGHEST`` (:func:`full_precision`): JAX's default on a TPU is one BF16 pass over
+FP32 operands, on a recent GPU TF32; the CPU computes FP32 products in FP32 either way (the
+same bits, checked by hand: docs/tpu.md). It is asked per product, not as the process's
+default precision, so the model computes the same wherever it is called from (a worker, the
+evaluation, a test, a user's script).
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 ROTARY_BASE = 10000.0
+
+
+def full_precision(dtype):
+    """The ``precision`` of a product of ``dtype`` operands: ``HIGHEST`` for FP32 (FP32 means
+    FP32 on every backend), None (the backend's only one) for BF16, which accumulates in FP32
+    by ``preferred_element_type``."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == F32 else None
 
 
 def scaled_normal(key, shape, std: float):
@@ -69,7 +81,7 @@ def einsum(cfg, equation: str, a, b, out_dtype=None):
     """The models' one matrix-product primitive (precision per ``cfg.compute_dtype``)."""
     out_dtype = cfg.dtype if out_dtype is None else out_dtype
     if cfg.compute_dtype == "float32":
-        return jnp.einsum(equation, a, b).astype(out_dtype)
+        return jnp.einsum(equation, a, b, precision=full_precision(F32)).astype(out_dtype)
     return _bf16_einsum(equation, out_dtype, a, b)
 
 
