@@ -17,7 +17,6 @@ from conftest import fusion_emitters_turned_off
 
 from minifield import recipe as recipes
 from minifield.models import model
-from minifield.models.cross_entropy import chunked_token_losses
 from minifield.models.execution import Execution
 from minifield.models.layers import attention, layer_stack
 from minifield.models.llama import LlamaConfig
@@ -290,25 +289,6 @@ def test_the_scanned_update_program_does_not_grow_with_depth():
 
 
 # ----------------------------------------------------------------------------- chunked loss
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 12, 100])
-def test_chunked_cross_entropy_by_hand(chunk):
-    """A linear head on given states: -log softmax(h W)[target] computed in float64 numpy."""
-    rng = np.random.default_rng(0)
-    B, T, D = 2, 6, 3
-    h = rng.normal(size=(B, T, D)).astype(np.float32)
-    w = rng.normal(size=(D, 7)).astype(np.float32)
-    targets = rng.integers(0, 7, (B, T)).astype(np.int32)
-    losses = chunked_token_losses(
-        lambda h_1xCxD: jnp.einsum("bcd,dv->bcv", h_1xCxD, w), h, targets, chunk
-    )
-    logits = h.astype(np.float64) @ w.astype(np.float64)
-    expected = (
-        np.log(np.exp(logits).sum(-1)) - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
-    )
-    assert losses.shape == (B, T)
-    np.testing.assert_allclose(np.asarray(losses), expected, rtol=1e-5, atol=1e-6)
 
 
 # gpt as for the scanned layers above: in the slow tier; the fast tier keeps llama

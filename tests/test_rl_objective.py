@@ -20,7 +20,7 @@ import pytest
 
 from minifield.rl import advantages as adv_module
 from minifield.rl.advantages import advantages, token_weights
-from minifield.rl.objective import LossSettings, entropy, objective_value, per_token_loss
+from minifield.rl.objective import LossSettings, objective_value, per_token_loss
 
 N, G, T, MAX_LEN = 6, 3, 5, 6
 EPS, EPS_HIGH = 0.2, 0.28
@@ -370,20 +370,6 @@ def test_padding_values_are_never_read():
         value, grad = VALUE_AND_GRAD(s, dirty, dirty_old, REF, ADV, MASK, weights)
         assert float(value) == float(clean[0])
         np.testing.assert_array_equal(np.asarray(grad), np.asarray(clean[1]))
-
-
-def test_entropy():
-    """Uniform over V: log V; a −inf logit adds nothing; the mean is over active tokens only."""
-    logits = RNG.normal(0.0, 2.0, (N, T, 7)).astype(np.float32)
-    logits[0, 0] = 0.0  # uniform
-    logits[1, 0, 3] = -np.inf
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    per_token = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0).sum(-1)
-    assert per_token[0, 0] == pytest.approx(math.log(7))
-    expect = (per_token * MASK).sum() / MASK.sum()
-    assert float(entropy(jnp.asarray(logits), MASK)) == pytest.approx(expect, rel=1e-6)
-    assert float(entropy(jnp.asarray(logits), np.zeros_like(MASK))) == 0.0
 
 
 def test_unknown_ratio_level_is_refused():

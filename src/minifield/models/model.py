@@ -33,6 +33,7 @@ import numpy as np
 
 from . import gpt, llama, router_loss
 from . import sampling as sampling_rules
+from .cross_entropy import target_logps
 from .execution import Execution
 from .gpt import ModelConfig
 from .layers.primitives import F32
@@ -113,19 +114,10 @@ def _token_losses(params, cfg, batch, router: bool):
     args = (params, cfg, tokens_BxT, batch["segments"], batch["positions"])
     h_BxTxD, logits_LxNxE = llama.hidden(*args, router=True) if router else (hidden(*args), None)
     targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
-    if cfg.execution.loss_chunk_tokens:
-        from .cross_entropy import chunked_token_losses
-
-        losses_BxT = chunked_token_losses(
-            functools.partial(head, params, cfg),
-            h_BxTxD,
-            targets_BxT,
-            cfg.execution.loss_chunk_tokens,
-        )
-        return losses_BxT, logits_LxNxE
-    logp_BxTxV = jax.nn.log_softmax(head(params, cfg, h_BxTxD), axis=-1)
-    losses_BxT = -jnp.take_along_axis(logp_BxTxV, targets_BxT[:, :, None], axis=-1)[:, :, 0]
-    return losses_BxT, logits_LxNxE
+    logp_BxT, _ = target_logps(
+        functools.partial(head, params, cfg), h_BxTxD, targets_BxT, cfg.execution.loss_chunk_tokens
+    )
+    return -logp_BxT, logits_LxNxE
 
 
 def loss_fn(params, cfg: ModelConfig, batch):

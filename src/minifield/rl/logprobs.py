@@ -5,15 +5,17 @@ after the completion). The log-probability of the token in slot ``t`` is read fr
 of slot ``t - 1`` divided by the sampling temperature, over the **whole** vocabulary: the
 policy being trained is the temperature-scaled softmax, whatever top-k or top-p cut off when
 sampling (docs/grpo.md says what that means for the ratio). Slot 0 has none (0). The
-token's entropy (of that same distribution) is returned beside it for the metrics.
+token's entropy (of that same distribution) is returned beside it for the metrics. Both come
+from :func:`minifield.models.cross_entropy.target_logps`, in chunks of
+``training.loss_chunk_tokens`` tokens when the recipe sets it.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..models import model
+from ..models.cross_entropy import target_logps
 
 
 def token_logps(params, cfg, tokens_NxS, temperature: float):
@@ -22,10 +24,17 @@ def token_logps(params, cfg, tokens_NxS, temperature: float):
     segments_NxS = jnp.ones((N, S), jnp.int32)
     positions_NxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (N, S))
     h_NxSxD = model.hidden(params, cfg, tokens_NxS, segments_NxS, positions_NxS)
-    logits_NxSxV = model.head(params, cfg, h_NxSxD[:, :-1]).astype(jnp.float32) / temperature
-    logp_NxSxV = jax.nn.log_softmax(logits_NxSxV, axis=-1)
-    picked_NxS = jnp.take_along_axis(logp_NxSxV, tokens_NxS[:, 1:, None], axis=-1)[..., 0]
-    entropy_NxS = -jnp.sum(jnp.exp(logp_NxSxV) * logp_NxSxV, axis=-1)
+
+    def scaled_head(h_BxTxD):
+        return model.head(params, cfg, h_BxTxD).astype(jnp.float32) / temperature
+
+    picked_NxS, entropy_NxS = target_logps(
+        scaled_head,
+        h_NxSxD[:, :-1],
+        tokens_NxS[:, 1:],
+        cfg.execution.loss_chunk_tokens,
+        entropy=True,
+    )
     zeros_Nx1 = jnp.zeros((N, 1), jnp.float32)
     return (
         jnp.concatenate([zeros_Nx1, picked_NxS], axis=1),

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "LossSettings",
-    "entropy",
     "objective_value",
     "per_token_loss",
 ]
@@ -170,15 +169,3 @@ def objective_value(
     metrics["clip_ratio/low_min"] = jnp.where(jnp.isinf(least), jnp.nan, least)
     metrics["clip_ratio/high_max"] = jnp.where(jnp.isinf(most), jnp.nan, most)
     return loss, metrics
-
-
-def entropy(logits_NxTxV_scaled, mask_NxT):
-    """The active tokens' mean entropy of the next-token distribution, float32 (the ``entropy``
-    metric; ``logits`` already divided by the sampling temperature, as TRL's)."""
-    log_probs_NxTxV = jax.nn.log_softmax(jnp.asarray(logits_NxTxV_scaled, jnp.float32), axis=-1)
-    probs_NxTxV = jnp.exp(log_probs_NxTxV)
-    # a token of probability 0 (a logit of −inf) adds 0, not 0·(−inf)
-    entropy_NxT = -jnp.where(probs_NxTxV > 0, probs_NxTxV * log_probs_NxTxV, 0.0).sum(axis=-1)
-    active_NxT = jnp.asarray(mask_NxT) > 0
-    mask_NxT = active_NxT.astype(jnp.float32)
-    return _masked_mean(jnp.where(active_NxT, entropy_NxT, 0.0), mask_NxT)
