@@ -329,3 +329,76 @@ def test_the_proof_compares_a_format_2_and_a_format_3_checkpoint_part_by_part(tm
     other = checkpoint.save(tmp_path / "b", moved, step=3, computation_digest="c" * 64)
     assert _manifest_part_diff(STORED_V2, Path(same.path)) == []
     assert _manifest_part_diff(STORED_V2, Path(other.path)) == ["params"]
+
+
+def _every_hashing_path():
+    """Arrays that take each way a commit hashes (checkpoint_data.write): hashed on threads
+    (at least POOLED_BYTES, pieces of at least 2 KiB), one piece on threads (its version-3
+    digest derived from its sha256), small ones on the writing thread, with many pieces and
+    with one, a scalar, an empty array, a 2-byte dtype."""
+    rng = np.random.default_rng(7)
+    return {
+        "params": {
+            "big": jnp.asarray(rng.standard_normal((512, 768), np.float32)),
+            "one_piece": jnp.asarray(rng.standard_normal((262147,), np.float32)),
+            "small": jnp.asarray(rng.standard_normal((96, 130), np.float32)),
+            "odd": jnp.asarray(rng.standard_normal((7,), np.float32)),
+            "half": jnp.asarray(rng.standard_normal((48, 48, 4)).astype(np.float16)),
+            "empty": jnp.zeros((0, 5), jnp.float32),
+        },
+        "step": jnp.asarray(3, jnp.int32),
+    }
+
+
+def test_a_commit_hashing_on_threads_writes_what_the_definitions_give(tmp_path):
+    """Each array's sha256 and version-3 digest, hashed on threads while the data file is
+    written, match the definitions recomputed by hand from the raw file; the device state,
+    its host copy and a commit given the update's digests write the same bytes."""
+    from minifield.state.arrays import array_digests, named_arrays
+
+    state = _every_hashing_path()
+    host = named_arrays(state)
+    assert host["params/big"].nbytes >= checkpoint.checkpoint_data.POOLED_BYTES
+    assert host["params/one_piece"].nbytes >= checkpoint.checkpoint_data.POOLED_BYTES
+    commits = {
+        "device": checkpoint.save(tmp_path / "a", state, step=3, computation_digest="c" * 64),
+        "host": checkpoint.save(tmp_path / "b", host, step=3, computation_digest="c" * 64),
+        "known": checkpoint.save(
+            tmp_path / "c", host, step=3, computation_digest="c" * 64,
+            known_digests=array_digests(host),
+        ),
+    }  # fmt: skip
+    manifest, _ = verify_checkpoint_by_hand(Path(commits["device"].path))
+    assert (
+        manifest["state_hash"] == state_hash_by_hand(_flat(state)) == commits["device"].state_hash
+    )
+    files = {
+        name: [(Path(c.path) / f).read_bytes() for f in ("arrays.bin", "manifest.json")]
+        for name, c in commits.items()
+    }
+    assert files["device"] == files["host"] == files["known"]
+
+
+def test_a_write_that_fails_while_arrays_are_hashed_on_threads_leaves_no_trace(
+    tmp_path, monkeypatch
+):
+    """The gathered write fails (a full disk) after the large arrays were handed to the
+    hashing threads: the error names the data file, the temporary directory is removed, the
+    previous checkpoint is the newest and no hashing thread is left running."""
+    import threading
+
+    from minifield.state import checkpoint_data
+
+    state = _every_hashing_path()
+    previous = checkpoint.save(tmp_path, state, step=1, computation_digest="c" * 64)
+
+    def failing(fd, buffers):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_data, "_write_all", failing)
+    threads = threading.active_count()
+    with pytest.raises(OSError, match=r"arrays\.bin.*No space left|No space left.*arrays\.bin"):
+        checkpoint.save(tmp_path, state, step=2, computation_digest="c" * 64)
+    assert threading.active_count() == threads
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(previous.path).name]
+    assert checkpoint.committed_steps(tmp_path) == [1]

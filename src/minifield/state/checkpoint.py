@@ -7,7 +7,7 @@ Layout of one committed checkpoint (format ``minifield-checkpoint/3``)::
         manifest.json            written last; its presence means "committed"
 
 A checkpoint is written into a temporary sibling directory: the data file is written
-sequentially, each array's bytes hashed on the chunks written, and fsynced; then the
+sequentially, each array's bytes hashed on threads from the same memory, and fsynced; then the
 manifest (offsets, dtypes, shapes, per-array sha256, the state hash) is written and
 fsynced, the directory fsynced, renamed into place and the parent fsynced. The state hash
 (version 3, :data:`~.arrays.STATE_HASH_VERSION`) is the hash of the arrays' piece digests
@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+
 from .. import atomic
 from ..digest import sha256_bytes, sha256_file
 from . import checkpoint_data, checkpoint_npy, checkpoint_parts, regions
@@ -38,10 +41,10 @@ from .arrays import (
     STATE_HASH_VERSION,
     array_digests,
     hash_named_arrays,
-    named_arrays,
     named_leaves,
     restore_like,
     state_hash,
+    to_host,
 )
 from .checkpoint_data import CheckpointError
 
@@ -127,11 +130,12 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    Each array's sha256 (the manifest's, for integrity) is hashed while it is written into
-    the one data file; the complete-state hash (version 3) is the hash of the arrays'
-    piece digests, taken from ``known_digests`` (``{name: pieces.array_digest}``, when the
-    caller hashed this very state already) or hashed from the host arrays. Durability: the data file fsynced, then the manifest,
-    then the directory, then the rename, then the parent.
+    Array by array, as each reaches the host: its sha256 (the manifest's, for integrity) is
+    hashed on threads while the arrays after it are written into the one data file; the
+    complete-state hash (version 3) is the hash of the arrays' piece digests, taken from
+    ``known_digests`` (``{name: pieces.array_digest}``, when the caller hashed this very
+    state already) or hashed on those threads from the same memory. Durability: the data
+    file fsynced, then the manifest, then the directory, then the rename, then the parent.
 
     ``before_commit`` (fault injection only) is called once the data file is written, before
     the manifest and the rename that commit the checkpoint. On any error the temporary
@@ -145,7 +149,7 @@ def save(
     try:
         tmp.mkdir()
         manifest, manifest_bytes = _write_contents(
-            tmp, named_arrays(state), step, computation_digest, extra, known_digests
+            tmp, state, step, computation_digest, extra, known_digests
         )
         if before_commit is not None:
             before_commit()
@@ -188,7 +192,7 @@ def commit_directory(tmp: Path, final: Path, manifest_bytes: bytes) -> None:
 
 def _write_contents(
     tmp: Path,
-    arrays: dict[str, Any],
+    state: Any,
     step: int,
     computation_digest: str,
     extra: dict | None,
@@ -196,20 +200,35 @@ def _write_contents(
 ) -> tuple[dict, bytes]:
     """Write and fsync the data file under ``tmp``; return the manifest (and its bytes as
     ``atomic.write_json`` would write them)."""
-    items = sorted(arrays.items())
-    entries = checkpoint_data.write(tmp / checkpoint_data.DATA_FILE, items, {})
-    digests = known_digests if known_digests is not None else array_digests(arrays)
+    leaves = named_leaves(state)
+    entries, digests = checkpoint_data.write(
+        tmp / checkpoint_data.DATA_FILE, host_copies(leaves), digests=known_digests is None
+    )
     manifest = {
         "format": FORMAT,
         "step": step,
         "computation_digest": computation_digest,
-        "state_hash": hash_named_arrays(items, digests=digests),
+        "state_hash": hash_named_arrays(
+            leaves, digests=digests if known_digests is None else known_digests
+        ),
         "state_hash_version": STATE_HASH_VERSION,
         "data": checkpoint_data.description(entries),
         "arrays": entries,
         "extra": extra or {},
     }
     return manifest, encode_manifest(manifest)
+
+
+def host_copies(leaves: list[tuple[str, Any]]):
+    """``(name, host array)`` of ``leaves`` one at a time, every device array's copy to the
+    host started first: on an accelerator the later arrays are still on their way while the
+    earlier ones are hashed and written (on the CPU backend a host copy is a view). An array
+    spread over processes is gathered (``to_host``) in turn, on this thread."""
+    for _name, leaf in leaves:
+        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+            leaf.copy_to_host_async()
+    for name, leaf in leaves:
+        yield name, leaf if isinstance(leaf, np.ndarray) else to_host(leaf)
 
 
 def encode_manifest(manifest: dict) -> bytes:

@@ -10,7 +10,7 @@ manifest, which is written (and fsynced) after the data file.
 
 One file instead of one ``.npy`` per array: creating, writing and fsyncing 161 small files
 cost a 39 MB state 6.8x the CPU of one raw write+fsync of its bytes; one file, written
-sequentially and hashed on the same chunks, is one create and one fsync.
+sequentially while threads hash the arrays already written, is one create and one fsync.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ import hashlib
 import math
 import mmap
 import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .. import atomic
-from . import regions
+from . import pieces, regions
 from .arrays import array_sha256, byte_view
 
 #: the data file's name inside a checkpoint directory
@@ -32,7 +35,10 @@ DATA_FILE = "arrays.bin"
 #: every array starts at a multiple of this many bytes (a cache line; any dtype's alignment,
 #: so an array can be viewed in place in a mapping of the file)
 ALIGNMENT = 64
-#: bytes hashed and written at a time (a chunk stays in cache between the two)
+#: arrays of at least this many bytes are hashed on the threads, smaller ones on the
+#: writing thread (a job handed to a thread costs more CPU than hashing a small array)
+POOLED_BYTES = 1 << 20
+#: bytes of one gathered write
 _CHUNK = 4 << 20
 #: buffers one ``writev`` takes at most (Linux's IOV_MAX)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -43,27 +49,63 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be trusted (missing, corrupt, or of another computation)."""
 
 
-def _write_all(fd: int, pieces: list) -> None:
-    """Write ``pieces`` (buffers) at the file's position with as few system calls as the
-    kernel allows (``writev``: up to ``IOV_MAX`` pieces each), finishing partial writes."""
-    while pieces:
-        done = os.writev(fd, pieces[:_IOV_MAX])
-        while pieces and done >= len(pieces[0]):
-            done -= len(pieces[0])
-            pieces = pieces[1:]
+def _write_all(fd: int, buffers: list) -> None:
+    """Write ``buffers`` at the file's position with as few system calls as the kernel
+    allows (``writev``: up to ``IOV_MAX`` buffers each), finishing partial writes."""
+    while buffers:
+        done = os.writev(fd, buffers[:_IOV_MAX])
+        while buffers and done >= len(buffers[0]):
+            done -= len(buffers[0])
+            buffers = buffers[1:]
         if done:
-            pieces = [memoryview(pieces[0])[done:], *pieces[1:]]
+            buffers = [memoryview(buffers[0])[done:], *buffers[1:]]
 
 
-def write(path: Path, items: list[tuple[str, np.ndarray]], known: dict[str, str]) -> list[dict]:
-    """Write ``items`` (``(name, host array)`` in name order) as one data file at ``path`` and
-    fsync it; each array's bytes are hashed unless ``known`` has its sha256, each chunk just
-    before it is written (so it is still in cache). Returns the manifest entries. An error
-    names the file.
+def _single_piece(array: np.ndarray) -> bool:
+    """Whether ``array`` is one hash piece: its version-3 digest is then the sha256 of its
+    bytes' sha256 (``pieces.block_digests``), so one pass gives both."""
+    return array.size == 0 or math.prod(pieces.piece_grid(array.shape)) == 1
 
-    The bytes go out in gathered writes of about :data:`_CHUNK` (many small arrays in one
-    system call, a large one in several), straight from the arrays' memory."""
+
+class _Hashing:
+    """Hashes of arrays handed over one at a time: a large array's on up to
+    ``pieces.HASHERS`` threads when hashlib hashes it without the GIL
+    (:func:`pieces.gil_free_pieces`), so that the caller writes it and the arrays after it
+    meanwhile; a small one's at once on the calling thread."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
+        self.jobs: dict[tuple[str, str], Any] = {}
+
+    def submit(self, key: tuple[str, str], work, array: np.ndarray, count: int) -> None:
+        if array.nbytes >= POOLED_BYTES and pieces.gil_free_pieces(array.nbytes, count):
+            self.jobs[key] = self.pool.submit(work, array)
+        else:
+            self.jobs[key] = work(array)
+
+    def results(self) -> dict[tuple[str, str], str]:
+        return {
+            key: job if isinstance(job, str) else job.result() for key, job in self.jobs.items()
+        }
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write(
+    path: Path, items: Iterable[tuple[str, np.ndarray]], *, digests: bool = False
+) -> tuple[list[dict], dict[str, str]]:
+    """Write ``items`` (``(name, host array)`` in name order, each taken only when its turn
+    comes: a caller may still be copying the later ones to the host) as one data file at
+    ``path`` and fsync it. Returns the manifest entries and, with ``digests``, each array's
+    version-3 digest (:func:`pieces.array_digest`). An error names the file.
+
+    Each large array's sha256 (and digest) is hashed on threads from the array's own memory
+    while this thread writes it and the arrays after it and fsyncs the file. The bytes go out in gathered
+    writes of about :data:`_CHUNK` (many small arrays in one system call, a large one in
+    several)."""
     entries, position, batch, batched = [], 0, [], 0
+    hashing = _Hashing()
     with atomic.naming(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -73,11 +115,12 @@ def write(path: Path, items: list[tuple[str, np.ndarray]], known: dict[str, str]
                 if padding:
                     batch.append(_ZEROS[:padding])
                     position += padding
-                digest = None if name in known else hashlib.sha256()
+                hashing.submit((name, "sha256"), array_sha256, array, 1)
+                if digests and not _single_piece(array):
+                    count = math.prod(pieces.piece_grid(array.shape))
+                    hashing.submit((name, "digest"), pieces.array_digest, array, count)
                 for start in range(0, data.size, _CHUNK):
                     chunk = data[start : start + _CHUNK]
-                    if digest is not None:
-                        digest.update(chunk)
                     batch.append(chunk)
                     batched += chunk.size
                     if batched >= _CHUNK:
@@ -90,15 +133,27 @@ def write(path: Path, items: list[tuple[str, np.ndarray]], known: dict[str, str]
                         "shape": list(array.shape),
                         "offset": position,
                         "nbytes": data.size,
-                        "sha256": known[name] if digest is None else digest.hexdigest(),
                     }
                 )
                 position += data.size
             _write_all(fd, batch)
             os.fsync(fd)
+            hashed = hashing.results()
         finally:
+            hashing.close()
             os.close(fd)
-    return entries
+    out: dict[str, str] = {}
+    for entry in entries:
+        name = entry["name"]
+        entry["sha256"] = hashed[(name, "sha256")]
+        if digests:
+            single = (name, "digest") not in hashed
+            out[name] = (
+                hashlib.sha256(bytes.fromhex(entry["sha256"])).hexdigest()
+                if single
+                else hashed[(name, "digest")]
+            )
+    return entries, out
 
 
 def description(entries: list[dict]) -> dict:

@@ -73,8 +73,8 @@ def write_part(tmp: Path, rank: int, count: int, blocks: Sequence[tuple[str, tup
     """Write this process's ``blocks`` (:func:`blocks_of`) into its part file under ``tmp``
     and fsync it. Returns its description (for :func:`announce`)."""
     file = part_file(rank, count)
-    entries = checkpoint_data.write(
-        tmp / file, [(str(i), data) for i, (_n, _r, data) in enumerate(blocks)], {}
+    entries, _ = checkpoint_data.write(
+        tmp / file, [(str(i), data) for i, (_n, _r, data) in enumerate(blocks)]
     )
     slices = [
         {

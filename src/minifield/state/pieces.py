@@ -41,7 +41,7 @@ WHOLE_COPY = 1 << 20
 #: bytes of one piece digest (sha256)
 DIGEST_BYTES = 32
 #: threads hashing arrays at once (hashlib and numpy's copies release the GIL)
-_HASHERS = 4
+HASHERS = 4
 #: hashlib releases the GIL only while it hashes at least this many bytes in one call
 #: (CPython's ``HASHLIB_GIL_MINSIZE``): smaller pieces are hashed holding it
 GIL_FREE_BYTES = 2048
@@ -99,7 +99,7 @@ def array_digest(array: np.ndarray) -> str:
 
 def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], gil_free: Callable[[Any], bool]):
     """``[run(job) for job in jobs]``, the jobs ``gil_free`` says hash without the GIL on up
-    to ``_HASHERS`` threads while this thread runs the others.
+    to ``HASHERS`` threads while this thread runs the others.
 
     A job of small pieces holds the GIL from one sha256 call to the next, so threads only
     take turns at it and add their switching (``benchmarks/state_hash_threads.py``); large
@@ -109,7 +109,7 @@ def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], gil_free: Callabl
     if len(pooled) < 2:
         return [run(job) for job in jobs]
     results: list[Any] = [None] * len(jobs)
-    with ThreadPoolExecutor(max_workers=min(_HASHERS, len(pooled))) as pool:
+    with ThreadPoolExecutor(max_workers=min(HASHERS, len(pooled))) as pool:
         futures = {i: pool.submit(run, jobs[i]) for i in pooled}
         for i, job in enumerate(jobs):
             if i not in futures:
