@@ -59,6 +59,10 @@ def _score(reward: dict, completions: list[str], column=None, lengths=None, upda
         ("\\boxed{\\boxed{5}}", "\\boxed{5}"),
         # escaped braces are literal braces, not nesting
         ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+        # ... even unbalanced: an escaped closing brace does not close, an escaped opening
+        # one does not open
+        ("\\boxed{a\\}b} c", "a\\}b"),
+        ("\\boxed{\\{} c", "\\{"),
         # an unclosed \boxed (cut at the token limit) is skipped
         ("\\boxed{1} then \\boxed{2", "1"),
         # an unclosed answer tag does not count; \boxed is next
@@ -138,11 +142,20 @@ def test_a_column_the_rows_lack_names_the_reward_and_the_update():
         ("pages 3-5", 5, 1.0),
         # commas between single digits are a list, not thousands
         ("1,2,3", 3, 1.0),
+        # a comma before four digits is not a thousands comma: 1 and 2345, never 1234
+        ("1,2345", 2345, 1.0),
+        ("1,2345", 1234, 0.0),
+        # digits after a second decimal point continue no number: 1.2.3 is 1.2, never 3
+        ("1.2.3", 1.2, 1.0),
+        ("1.2.3", 3, 0.0),
         # \boxed wins over the last number
         ("first 7, then \\boxed{12} and 99 more", 12, 1.0),
         ("\\boxed{ -1,000 }", "-1,000", 1.0),
         # a \boxed that is not one number scores 0, even where a number follows
         ("\\boxed{x+1} so 5", 5, 0.0),
+        # ... an equation too: the boxed content is the number alone (docs/grpo-rewards.md)
+        ("\\boxed{x = 5}", 5, 0.0),
+        ("\\boxed{ 5 }", 5, 1.0),
         ("no idea", 3, 0.0),
         ("", 0, 0.0),
         # 0.1 + 0.2 is not 0.3 in binary, within the default tolerance 1e-6 it is
@@ -230,6 +243,18 @@ def test_total_refuses_a_sum_that_is_not_finite():
     values = {"a": np.array([1.0, 1e308]), "b": np.array([0.0, 1e308])}
     with pytest.raises(RewardError, match="not finite for completion 1"):
         rewards.total(entries, values)
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_total_refuses_an_infinite_or_nan_value(bad):
+    """Either infinity (a python reward may return −inf as a "never") and NaN."""
+    entries = [{"name": "a", "weight": 1.0}, {"name": "b", "weight": 0.5}]
+    values = {"a": np.array([1.0, 0.0, 2.0]), "b": np.array([0.0, 0.0, bad])}
+    with pytest.raises(RewardError, match="not finite for completion 2"):
+        rewards.total(entries, values)
+    # the overflow of a sum of finite values, to −inf
+    with pytest.raises(RewardError, match="not finite for completion 0"):
+        rewards.total(entries, {"a": np.array([-1e308]), "b": np.array([-1.8e308])})
 
 
 # -- normalize ------------------------------------------------------------------------------------

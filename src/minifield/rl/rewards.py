@@ -28,7 +28,7 @@ SCHEMA_FILE = "rl-reward.schema.json"
 WITH_COLUMN = ("exact_match", "numeric")
 #: a number in text: an optional minus not glued to a word (``3-5`` is 3 and 5), digits with
 #: optional thousands commas (``1,234``), an optional fraction and an optional exponent; not
-#: inside a word or right after a decimal point (``x2``, ``v1.2.3`` past its first number)
+#: inside a word or right after a decimal point (``x2``; ``1.2.3`` is 1.2, its ``.3`` no number)
 NUMBER = re.compile(
     r"(?<![\w.])-?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
 )
