@@ -30,6 +30,10 @@ On a GPU host (the ``cuda`` extra installs ``jax[cuda12]``)::
     benchmarks/gpu_check.sh [OUT.json]
     uv run --locked --extra cuda python benchmarks/gpu_check.py --out gpu_check.json
 
+On a TPU host, ``--backend tpu``: XLA attention (the fused kernel is GPU-only) and the memory
+options a recipe naming the TPU gets (remat of every block, the loss over 1024-token chunks);
+each step section records the device's peak bytes in use. See docs/tpu.md.
+
 On CPU, ``--tiny`` runs every section end to end with tiny models in well under a minute
 (the test suite does, so the check cannot rot). See docs/gpu-check.md.
 """
@@ -147,7 +151,21 @@ def batch_rows(args, size: str) -> int:
 def execution(args):
     from minifield.models.execution import Execution
 
-    return Execution(attention=args.attention, scan_layers=args.scan_layers, remat=args.remat)
+    return Execution(
+        attention=args.attention,
+        scan_layers=args.scan_layers,
+        remat=args.remat,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )
+
+
+def memory_defaults(backend: str) -> tuple[str, int]:
+    """``(remat, loss_chunk_tokens)`` a recipe naming ``backend`` gets where it leaves them out
+    (the TPU's are its accelerator defaults: ``models.execution.ACCELERATOR_DEFAULTS``)."""
+    from minifield.models.execution import defaults_for
+
+    found = defaults_for(backend)
+    return found[("training", "remat")], found[("training", "loss_chunk_tokens")]
 
 
 def llama_config(shape, seq: int, exec_options):
@@ -193,6 +211,7 @@ def recovery_recipe(args) -> dict:
         batch_size=4 if args.tiny else 16,
         warmup_steps=2,
         remat=args.remat,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )
     recipe["limits"] = {"max_steps": 1000}
     recipe["checkpoint"] = {"every_steps": 2 if args.tiny else 3, "keep": 2}
@@ -340,6 +359,7 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
             "attention": cfg.execution.attention,
             "scan_layers": cfg.execution.scan_layers,
             "remat": cfg.execution.remat,
+            "loss_chunk_tokens": cfg.execution.loss_chunk_tokens,
         },
         "seq_len": seq,
         "batch_rows": rows,
@@ -381,6 +401,10 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
         return metrics["loss"]
 
     implementations["ours"] = run_ours
+    first_loss = {"ours": float(run_ours())}  # the warm-up step, before another model exists
+    # the device's own count (None where it keeps none, the CPU): what this step needs
+    stats = jax.devices()[0].memory_stats() or {}
+    out["ours"]["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     report(out)
     if not args.ours_only:
         step, params, opt_state = minimal.make_step(
@@ -398,8 +422,8 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
             return loss
 
         implementations["minimal"] = run_minimal
+        first_loss["minimal"] = float(run_minimal())
         report(out)
-    first_loss = {name: float(run()) for name, run in implementations.items()}  # warm-up step
     seconds = _time_rounds(
         implementations, args.rounds, args.steps_per_round, args.deadline, report, out
     )
@@ -823,6 +847,7 @@ def run_parent(args) -> int:
             "attention": args.attention,
             "scan_layers": args.scan_layers,
             "remat": args.remat,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
             "rounds": args.rounds,
             "steps_per_round": args.steps_per_round,
             "proof_mode": args.proof_mode,
@@ -922,9 +947,14 @@ def parse_args(argv=None):
                         "check requires (default gpu; cpu with --tiny)")  # fmt: skip
     parser.add_argument("--attention", choices=("pallas", "xla"), help="the attention kernel of "
                         "every section (default pallas, the fused kernel; xla with --tiny: "
-                        "Pallas's CPU interpreter is slow)")  # fmt: skip
+                        "Pallas's CPU interpreter is slow; xla on a TPU: the kernel is "
+                        "GPU-only)")  # fmt: skip
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none")
+    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), help="default: "
+                        "what a recipe naming the backend gets (full on a TPU, else none)")  # fmt: skip
+    parser.add_argument("--loss-chunk-tokens", type=int, help="the loss over chunks of this "
+                        "many tokens; default: what a recipe naming the backend gets (1024 on "
+                        "a TPU, else 0: all at once)")  # fmt: skip
     parser.add_argument("--batch", type=int, help="rows per step for both sizes (default: "
                         f"{BATCH}; tiny {TINY_BATCH})")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; tiny 2)")
@@ -950,7 +980,11 @@ def parse_args(argv=None):
                          f"{', '.join(SECTIONS)}, got {item!r}")  # fmt: skip
         limits[name] = float(seconds)
     args.section_limit = limits
-    args.attention = args.attention or ("xla" if args.tiny else "pallas")
+    backend = expected_backend(args)
+    args.attention = args.attention or ("pallas" if backend == "gpu" and not args.tiny else "xla")
+    remat, chunk = memory_defaults(backend)
+    args.remat = args.remat or remat
+    args.loss_chunk_tokens = chunk if args.loss_chunk_tokens is None else args.loss_chunk_tokens
     args.rounds = args.rounds or (2 if args.tiny else 5)
     args.steps_per_round = args.steps_per_round or (2 if args.tiny else 10)
     args.checkpoint_rounds = args.checkpoint_rounds or (1 if args.tiny else 2)
@@ -961,6 +995,7 @@ def parse_args(argv=None):
         "--attention", args.attention,
         "--scan-layers" if args.scan_layers else "--no-scan-layers",
         "--remat", args.remat,
+        "--loss-chunk-tokens", str(args.loss_chunk_tokens),
         *(["--batch", str(args.batch)] if args.batch else []),
         "--rounds", str(args.rounds),
         "--steps-per-round", str(args.steps_per_round),

@@ -104,7 +104,9 @@ def fusion_emitters_turned_off() -> bool:
 # the environment fingerprint, so a resume under the other setting is refused as any
 # environment change is). What those tests check (resumes to the bit, the files, the exit
 # codes, the stages) is between runs compiled the same way; a test comparing a run in this
-# process with a started one to the bit starts it with `compiled_as_this_process()`. The tests marked
+# process with a started one to the bit starts it with `compiled_as_this_process()`, and one
+# comparing a worker's figures (a DEV loss) with the same figures computed again computes them
+# in a started process too (`in_a_started_process`), not in this one. The tests marked
 # `production_compile` — the README's pipeline and the demo pipelines, the runs a user makes —
 # and this pytest process itself (the full suite's in-process tests) compile as production
 # does, so every program is still checked at the optimization level users run.
@@ -163,6 +165,36 @@ def compiled_as_this_process() -> dict:
     }
 
 
+def in_a_started_process(code: str, *args, timeout: int = 300):
+    """Run the Python ``code`` (``args`` as ``sys.argv[1:]``) in a process started as the suite
+    starts a worker — this process's environment, which holds the light compile settings once
+    the session has begun — and return the JSON value it printed last. For a test comparing a
+    worker's figures with the same figures computed again: like with like (this pytest process
+    compiles as production does, and its figures differ from a started one's by more than
+    FP32 rounding of one program)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def export_evaluated_as_started(recipe: Path, export: Path) -> dict:
+    """The store's re-evaluation of ``export`` (``Strategy.evaluate_export``) for the recipe
+    file ``recipe``, computed in a process started as the workers are (:func:`in_a_started_process`)."""
+    code = (
+        "import json, sys\n"
+        "from minifield import recipe\n"
+        "loaded = recipe.load(sys.argv[1])\n"
+        "print(json.dumps(loaded.strategy.evaluate_export(loaded.data, sys.argv[2])))\n"
+    )
+    return in_a_started_process(code, recipe, export)
+
+
 def production_environment() -> dict[str, str]:
     """The compile settings of a process a user starts (this pytest process's own, less the
     light ones the session gave the processes tests start)."""
@@ -198,13 +230,27 @@ def _program(args) -> str:
     return Path(os.fsdecode(first)).name if first else ""
 
 
+def holds_the_chip() -> bool:
+    """Whether this pytest process has started JAX on a TPU. It then holds the chip (libtpu
+    lets one process hold it), so a process a test starts could not get it: such a test
+    needs the host (docs/tpu.md). Never starts JAX itself."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None or not bridge.backends_are_initialized():
+        return False
+    return bridge.get_backend().platform == "tpu"
+
+
 def _guarded_popen_init(self, args, *rest, **options):
-    if _fast_test is not None and _program(args) not in _INCIDENTAL_PROBES:
-        _fast_test.stash[_started_key] = args
-        raise UnmarkedSubprocess(
-            f"{_fast_test.nodeid} starts a process ({args!r}) but is not marked slow: "
-            "add @pytest.mark.slow (or the module's pytestmark)"
-        )
+    if _program(args) not in _INCIDENTAL_PROBES:
+        if _fast_test is not None:
+            _fast_test.stash[_started_key] = args
+            raise UnmarkedSubprocess(
+                f"{_fast_test.nodeid} starts a process ({args!r}) but is not marked slow: "
+                "add @pytest.mark.slow (or the module's pytestmark)"
+            )
+        if _running_test is not None and holds_the_chip():
+            pytest.skip(f"needs_host: starts a process ({_program(args)}) while this pytest "
+                        "process holds the TPU chip")  # fmt: skip
     _original_popen_init(self, args, *rest, **options)
 
 
@@ -212,13 +258,17 @@ _started_key = pytest.StashKey[object]()
 subprocess.Popen.__init__ = _guarded_popen_init
 
 
+_running_test: pytest.Item | None = None  # the item being run, slow or not
+
+
 def _guard(item: pytest.Item):
-    global _fast_test
+    global _fast_test, _running_test
     _fast_test = None if item.get_closest_marker("slow") else item
+    _running_test = item
     try:
         yield
     finally:
-        _fast_test = None
+        _fast_test = _running_test = None
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -697,8 +747,13 @@ def work_unit(path: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under xdist, the units in the order they are handed out: ``LONGEST_FIRST``, then by
-    number of tests (xdist's own order); each file's tests keep their order."""
+    """A SLURM cluster's tests need the host (``needs_host``: not on an accelerator's own
+    machine, docs/tpu.md). Under xdist, the units in the order they are handed out:
+    ``LONGEST_FIRST``, then by number of tests (xdist's own order); each file's tests keep
+    their order."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.needs_host)
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     counts: dict[str, int] = {}

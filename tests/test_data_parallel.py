@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from conftest import (
     attempts_of,
+    in_a_started_process,
     read_events,
     run_attempt,
     small_sft_inputs,
@@ -303,24 +304,32 @@ def test_fewer_visible_devices_than_requested_fails_in_phase_device(space, four)
 def test_a_data_parallel_checkpoint_evaluates_without_the_mesh(four):
     """The evaluate stage and the store load checkpoints in a plain process (one device is
     enough): only an update needs the mesh. The worker evaluated on the 4-device mesh
-    (rows split over the devices, another grouping of the FP32 sums): within 1e-6 relative."""
-    from minifield.state import checkpoint
+    (rows split over the devices, another grouping of the FP32 sums): within 1e-6 relative.
+    The plain process is started as the worker was (its compile settings: like with like)."""
+    recipe, checkpoint = four["recipe"], four["result"]["checkpoint"]["path"]
+    evaluated = in_a_started_process(EVALUATE_WITHOUT_THE_MESH, recipe, checkpoint)
+    assert evaluated["state_hash"] == four["result"]["final_state_hash"]
+    dev_loss = evaluated["metrics"]["dev_loss"]
+    assert dev_loss == pytest.approx(four["result"]["metrics"]["dev_loss"], rel=1e-6)
 
-    recipe = recipes.load(four["recipe"])
-    program = recipe.strategy.build(
-        recipe.data,
-        recipe.strategy.prepare(
-            recipe.data,
-            {i["name"]: four["recipe"].parent / "in" / i["path"] for i in recipe.data["inputs"]},
-        )[0],
-    )
-    state, manifest = checkpoint.load(
-        Path(four["result"]["checkpoint"]["path"]),
-        # the template the evaluate stage restores into (shapes and dtypes, nothing computed:
-        # an initial state made op by op cost more CPU than the evaluation)
-        program.state_template(),
-        computation_digest=recipe.computation_digest,
-    )
-    assert manifest["state_hash"] == four["result"]["final_state_hash"]
-    metrics = program.evaluate(state)
-    assert metrics["dev_loss"] == pytest.approx(four["result"]["metrics"]["dev_loss"], rel=1e-6)
+
+#: a checkpoint (argv 2) of the recipe (argv 1, its inputs under ``in/`` beside it) restored
+#: into the template the evaluate stage restores into (shapes and dtypes, nothing computed: an
+#: initial state made op by op cost more CPU than the evaluation) and evaluated, on one device
+EVALUATE_WITHOUT_THE_MESH = """
+import json, sys
+from pathlib import Path
+from minifield import recipe as recipes
+from minifield.inputs import pinned
+from minifield.state import checkpoint
+
+path = Path(sys.argv[1])
+recipe = recipes.load(path)
+files = pinned.files_by_name(recipe.data, path.parent / "in")
+program = recipe.strategy.build(recipe.data, recipe.strategy.prepare(recipe.data, files)[0])
+state, manifest = checkpoint.load(
+    Path(sys.argv[2]), program.state_template(), computation_digest=recipe.computation_digest
+)
+metrics = program.evaluate(state)
+print(json.dumps({"state_hash": manifest["state_hash"], "metrics": metrics}, default=float))
+"""

@@ -145,7 +145,7 @@ def _fake_backend(monkeypatch, free_after: int) -> None:
             raise RuntimeError(LOCKFILE_ERROR)
         return jax.devices()
 
-    monkeypatch.setattr(device_claim, "jax_backend", lambda: (open_backend, lambda: None))
+    monkeypatch.setattr(device_claim, "jax_backend", lambda backend: (open_backend, lambda: None))
     monkeypatch.setattr(device_claim, "FIRST_PAUSE_S", 0.01)
     monkeypatch.setattr(device_claim, "lock_holders", lambda: ["pid 4242 (python worker)"])
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    in_a_started_process,
     read_events,
     run_snakemake,
     run_worker,
@@ -419,7 +420,18 @@ def test_evaluate_stage_over_two_processes_gives_the_one_process_figures(
     assert final[-1]["final"] and final[-1]["step"] == MAX_STEPS
     assert two["checkpoints"][-1]["dev"] == final[-1]["metrics"]
 
-    one = stage("one", 1)
+    # the one-process stage in a process of its own, compiled as the two are: like with like
+    one = in_a_started_process(
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from minifield.pipeline import evaluation\n"
+        "recipe, result, examples, out = map(Path, sys.argv[1:])\n"
+        "metrics = evaluation.evaluate(\n"
+        "    recipe, result, examples, out / 'metrics.json', out / 'selected-export'\n"
+        ")\n"
+        "print(json.dumps(metrics))\n",
+        recipe_json, train_result, tmp_path / "examples", tmp_path / "one",
+    )  # fmt: skip
     assert two["selection"] == one["selection"] and two["acceptance"] == one["acceptance"]
     for mesh, single in zip(two["checkpoints"], one["checkpoints"], strict=True):
         assert mesh["state_hash"] == single["state_hash"] and mesh["sha256"] == single["sha256"]

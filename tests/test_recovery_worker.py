@@ -427,14 +427,17 @@ def test_compute_budget_is_not_renewed_by_a_restart(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_impossible_runtime_requirement_fails_fast(reference, tmp_path, backend):
+    """A recipe that names a backend this host lacks is refused, never run on the CPU (a
+    tpu one: JAX is told to start the TPU alone, so it cannot fall back)."""
     import jax
 
-    if jax.default_backend() == "gpu":
-        pytest.skip("a GPU is present: a gpu requirement is possible here")
+    if jax.default_backend() == backend:
+        pytest.skip(f"a {backend} is present: the requirement is possible here")
     from minifield.supervision import supervise
 
-    recipe = write_case_recipe(tmp_path, reference["case"], runtime={"backend": "gpu"})
+    recipe = write_case_recipe(tmp_path, reference["case"], runtime={"backend": backend})
     outcome = supervise.supervise(
         worker_command(
             **attempt_options(recipe, reference["input_root"], tmp_path / "out", "gpu-please")
@@ -448,8 +451,8 @@ def test_impossible_runtime_requirement_fails_fast(reference, tmp_path):
         (tmp_path / "out" / reference["job"] / "gpu-please" / "result.json").read_text()
     )
     assert result["error"]["phase"] == "device"
-    assert "runtime.backend='gpu'" in result["error"]["message"]
-    assert "runtime.backend='gpu'" in outcome["stderr_tail"]
+    assert f"runtime.backend='{backend}'" in result["error"]["message"]
+    assert f"runtime.backend='{backend}'" in outcome["stderr_tail"]
     assert not [e for e in outcome["events"] if e["type"] == "update"]
 
 

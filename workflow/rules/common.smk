@@ -106,17 +106,26 @@ def training_resources():
     tells its job step to run the job as it is, not inside a one-task `srun`, because the
     job starts its own `srun` of that many tasks (minifield.supervision.launch)."""
     train = config["train"]
-    resources = {"gpu": train["request_gpus"]}
+    resources = {"gpu": train["request_gpus"], **chip_resources()}
     if train["processes"] > 1:
         resources.update(tasks=train["processes"], mpi="srun")
     return resources
 
 
 def evaluation_resources():
-    """Resources of the evaluate job: for an evaluation over several processes, the tasks
-    to run them in (as for training, see training_resources)."""
+    """Resources of the evaluate job: the TPU chip, and for an evaluation over several
+    processes the tasks to run them in (as for training, see training_resources)."""
     processes = config["evaluate"]["processes"]
-    return {"tasks": processes, "mpi": "srun"} if processes > 1 else {}
+    tasks = {"tasks": processes, "mpi": "srun"} if processes > 1 else {}
+    return {**tasks, **chip_resources()}
+
+
+def chip_resources():
+    """The TPU chip as one Snakemake resource (config `tpu`): each job that opens the
+    accelerator requests it, so with the global limit tpu=1 (profiles/default) they run one
+    at a time; libtpu lets one process hold the chip. Nothing when the config says no TPU.
+    """
+    return {"tpu": 1} if config["tpu"] else {}
 
 
 def proof_required():

@@ -17,6 +17,8 @@ rule reference:
         "logs/reference/{r}.log",
     conda:
         "../../envs/minifield.yaml"
+    resources:
+        **chip_resources(),
     params:
         input_root=lambda wildcards: REFERENCES[wildcards.r].input_root,
     script:
@@ -38,5 +40,7 @@ rule before_after:
         "logs/before_after/{a}-{b}.log",
     conda:
         "../../envs/minifield.yaml"
+    resources:
+        **chip_resources(),
     script:
         "../scripts/before_after.py"

@@ -151,10 +151,21 @@ def claim(
         pause = min(pause * 2, MAX_PAUSE_S)
 
 
-def jax_backend() -> tuple[Callable[[], object], Callable[[], None]]:
+#: JAX's platform for a recipe's ``runtime.backend`` that must not fall back to the CPU
+_PLATFORMS = {"tpu": "tpu"}
+
+
+def jax_backend(backend: str) -> tuple[Callable[[], object], Callable[[], None]]:
     """``(open_backend, reset)`` for JAX: look at the devices (what starts the backends), and
-    forget what a failed start left behind."""
+    forget what a failed start left behind.
+
+    For a recipe that names the TPU (``runtime.backend: tpu``) JAX is told to start that
+    platform alone, unless ``JAX_PLATFORMS`` says otherwise: left to choose, JAX logs a TPU
+    that fails to start (a busy one included) and goes on with the CPU."""
     import jax
     from jax._src import xla_bridge  # the one way to make JAX start its backends again
 
+    platform = _PLATFORMS.get(backend)
+    if platform and not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", platform)
     return jax.devices, xla_bridge._clear_backends

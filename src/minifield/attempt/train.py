@@ -182,7 +182,8 @@ class Attempt:
             runtime.get("device_wait_seconds", device_claim.default_wait_s()),
             self.stopping.seconds_left(),
         )
-        open_backend, reset = device_claim.jax_backend()
+        backend = runtime.get("backend", "any")
+        open_backend, reset = device_claim.jax_backend(backend)
 
         def waiting(wait: device_claim.Wait) -> None:
             self.events.emit(
@@ -204,6 +205,15 @@ class Attempt:
         except device_claim.DeviceBusy as exc:
             self.env = environment.fingerprint(devices=False)
             return Ending.device_busy(str(exc))
+        except Exception as exc:  # noqa: BLE001 - no backend: said in result.json, not a crash
+            self.env = environment.fingerprint(devices=False)
+            message = f"{type(exc).__name__}: {exc}"
+            if backend != "any":
+                message = (
+                    f"recipe runtime.backend={backend!r} but that backend does not start here "
+                    f"({message}); run on a {backend} host or set runtime.backend"
+                )
+            return Ending.failed(AttemptError("device", message))
         if claimed.tries > 1:
             self.events.emit("device_claimed", tries=claimed.tries, waited_s=claimed.waited_s)
         self.env = environment.fingerprint()

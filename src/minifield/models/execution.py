@@ -14,6 +14,12 @@ part of the computation digest. A value equal to the default is removed from the
 is checked (:func:`normalize_recipe`), so recipes written before these fields, and recipes that
 spell the defaults out, keep their computation digest.
 
+A recipe that names the TPU (``runtime.backend: tpu``) gets the memory options of
+:data:`ACCELERATOR_DEFAULTS` where it leaves them out: on a 16 GB chip a useful step does not
+fit without them. They are filled in when the recipe is checked, so they are written in the
+validated recipe and enter its digest like any spelled-out value: the run is reproducible from
+its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its digest.
+
 The options ride on the model config (``cfg.execution``) because the config is what every
 forward, loss and jit already receives; they are not part of the architecture, so ``to_dict``
 (exports, base-model descriptions) leaves them out and an exported model computes with the
@@ -45,6 +51,21 @@ DEFAULTS = {
         ("training", "loss_chunk_tokens"),
     )
 }
+
+
+#: the execution options a recipe naming a backend gets where it leaves them out: remat of
+#: every block (only each block's input is kept for the backward pass) and the loss over
+#: chunks of 1024 tokens (``[1024, vocab]`` FP32 logits at a time: 0.6 GB at a 152k
+#: vocabulary). Not the GPU: recipes naming it ran before this table, and their digests stay.
+ACCELERATOR_DEFAULTS = {
+    "tpu": {("training", "remat"): "full", ("training", "loss_chunk_tokens"): 1024},
+}
+
+
+def defaults_for(backend: str) -> dict:
+    """``{(section, key): value}`` of the execution options on ``backend`` (a recipe's
+    ``runtime.backend``) where a recipe leaves them out."""
+    return {**DEFAULTS, **ACCELERATOR_DEFAULTS.get(backend, {})}
 
 
 @dataclass(frozen=True)
@@ -105,7 +126,12 @@ def pallas_seq_len_problem(seq_len: int) -> str | None:
 
 
 def normalize_recipe(recipe: dict) -> list[dict]:
-    """Remove execution options equal to their defaults (digest stability); returns errors."""
+    """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`),
+    then remove execution options equal to their defaults (digest stability); returns
+    errors."""
+    backend = recipe.get("runtime", {}).get("backend", "any")
+    for (section, key), value in ACCELERATOR_DEFAULTS.get(backend, {}).items():
+        recipe[section].setdefault(key, value)
     for (section, key), default in DEFAULTS.items():
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]

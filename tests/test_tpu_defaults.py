@@ -1,0 +1,61 @@
+"""Memory defaults on the TPU: a recipe that names it (``runtime.backend: tpu``) gets remat of
+every block and the loss over token chunks where it leaves them out, written into the
+validated recipe and so into its digest; a recipe that does not name it keeps its digest."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from minifield import recipe as recipes
+
+REPO = Path(__file__).resolve().parents[1]
+#: the shipped recipes with a transformer's execution options (the strategies that read them)
+LM_RECIPES = ["sft-demo", "llama-sft-demo", "grpo-demo", "preference-demo"]
+
+
+def shipped(name: str) -> dict:
+    return recipes.read_document(REPO / "config" / "recipes" / f"{name}.yaml")
+
+
+def with_runtime(document: dict, **runtime) -> dict:
+    changed = copy.deepcopy(document)
+    changed["runtime"] = {**changed.get("runtime", {}), **runtime}
+    return changed
+
+
+@pytest.mark.parametrize("name", LM_RECIPES)
+def test_a_tpu_recipe_computes_as_if_it_spelled_the_memory_options_out(name):
+    document = shipped(name)
+    if name == "preference-demo":  # its reference input is a pipeline product: pin any file
+        document["inputs"].append({"name": "reference", "path": "x", "sha256": "0" * 64})
+    on_tpu = recipes.validate(with_runtime(document, backend="tpu"))
+    assert on_tpu.data["training"]["remat"] == "full"
+    assert on_tpu.data["training"]["loss_chunk_tokens"] == 1024
+    spelled = copy.deepcopy(document)
+    spelled["training"].update(remat="full", loss_chunk_tokens=1024)
+    # runtime is not in the digest: the same computation as the CPU recipe that spells them
+    assert on_tpu.computation_digest == recipes.validate(spelled).computation_digest
+    assert on_tpu.computation_digest != recipes.validate(document).computation_digest
+
+
+def test_options_a_tpu_recipe_spells_are_its_own():
+    document = shipped("sft-demo")
+    document["training"].update(remat="none", loss_chunk_tokens=4096)
+    on_tpu = recipes.validate(with_runtime(document, backend="tpu"))
+    assert "remat" not in on_tpu.data["training"]  # none: the default, removed as always
+    assert on_tpu.data["training"]["loss_chunk_tokens"] == 4096
+    document["training"]["remat"] = "none"
+    assert on_tpu.computation_digest == recipes.validate(document).computation_digest
+
+
+@pytest.mark.parametrize("backend", [None, "any", "cpu", "gpu"])
+@pytest.mark.parametrize("name", LM_RECIPES[:3])
+def test_other_backends_keep_the_recipe_as_written(name, backend):
+    document = shipped(name)
+    checked = recipes.validate(with_runtime(document, backend=backend) if backend else document)
+    assert "remat" not in checked.data["training"]
+    assert "loss_chunk_tokens" not in checked.data["training"]
+    assert checked.computation_digest == recipes.validate(document).computation_digest
