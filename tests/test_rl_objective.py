@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import pytest
 from minifield.rl import advantages as adv_module
 from minifield.rl.advantages import advantages, token_weights
 from minifield.rl.objective import LossSettings, objective_value, per_token_loss
+from minifield.strategies.grpo import rollouts_file
 
 N, G, T, MAX_LEN = 6, 3, 5, 6
 EPS, EPS_HIGH = 0.2, 0.28
@@ -59,6 +61,14 @@ LOGPS = RNG.uniform(-3.0, -0.1, (N, T)).astype(np.float32)
 OLD = (LOGPS - LOG_RATIO).astype(np.float32)
 REF = (LOGPS + RNG.normal(0.0, 0.3, (N, T))).astype(np.float32)
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+
+
+class _Made(NamedTuple):
+    """The rollouts' fields :func:`rollouts_file.batch_of` reads."""
+
+    prompt_ids: list
+    completion_ids: list
+    truncated: list
 
 
 def settings(beta=0.0, level="token"):
@@ -175,8 +185,9 @@ def test_advantages_edges_and_errors():
         advantages(REWARDS, G, "std")
     with pytest.raises(ValueError, match="num_generations"):
         advantages(REWARDS, 4, "group")
-    with pytest.raises(ValueError, match="infinite"):
-        advantages(np.array([1.0, np.inf, 0.0]), 3, "group")
+    for infinite in (np.inf, -np.inf):  # either sign: a −inf "never" reward is no advantage
+        with pytest.raises(ValueError, match=r"infinite reward at rows \[1\]"):
+            advantages(np.array([1.0, infinite, 0.0]), 3, "group")
 
 
 # -- token weights -------------------------------------------------------------------------------
@@ -223,6 +234,41 @@ def test_token_weights_errors():
         token_weights("bnpo", MASK, MAX_LEN, micro_batches=4)
     with pytest.raises(ValueError, match="max_completion_length"):
         token_weights("dr_grpo", MASK, 4)
+
+
+def test_dr_grpo_takes_a_completion_of_exactly_max_completion_length():
+    """The longest completion MASK holds has 5 tokens: L = 5 is its limit, 4 is refused."""
+    np.testing.assert_allclose(token_weights("dr_grpo", MASK, 5), MASK / (N * 5), rtol=1e-7)
+    with pytest.raises(ValueError, match=r"longest completion \(5 tokens\), got 4"):
+        token_weights("dr_grpo", MASK, 4)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_an_update_without_active_tokens_has_zero_weights_and_loss(loss_type):
+    """Every completion truncated under ``mask_truncated_completions: true``: the mask the
+    strategy builds for them is all 0, so are the weights (TRL's ``clamp(min=1.0)``, never
+    0/0), the loss and its gradient, at either ratio level; the clip shares of no tokens
+    are 0, their per-completion extremes NaN (nothing to take them over)."""
+    made = _Made([[1, 2], [3], [4, 5], [6]], [[7, 8, 9], [7, 8], [9, 9, 9], [8]], [True] * 4)
+    rl = {"mask_truncated_completions": True, "loss_type": loss_type, "max_completion_length": 3}
+    batch = rollouts_file.batch_of(made, np.array([1.0, -1.0, 0.5, -0.5]), rl, 8, 2)
+    assert not batch["mask"].any()
+    assert batch["weights"].dtype == np.float32 and np.all(batch["weights"] == 0)
+    logps = np.full((4, 8), -1.0, np.float32)
+    for level in ("token", "sequence"):
+        args = (logps, logps + 0.3, None, batch["advantages"], batch["mask"], batch["weights"])
+        value, grad = VALUE_AND_GRAD(settings(0.0, level), *args)
+        assert float(value) == 0.0 and np.all(np.asarray(grad) == 0)
+        _, metrics = objective_value(settings(0.0, level), *args)
+        assert float(metrics["tokens"]) == 0.0
+        assert float(metrics["clip_ratio/region_mean"]) == 0.0
+    # without the option the same completions count
+    kept = rollouts_file.batch_of(
+        made, batch["advantages"], {**rl, "mask_truncated_completions": False}, 8, 2
+    )
+    assert (
+        kept["mask"].sum() == 9 and np.isfinite(kept["weights"]).all() and kept["weights"].sum() > 0
+    )
 
 
 def test_the_host_side_imports_no_jax():
@@ -343,6 +389,43 @@ def test_clip_metrics_by_hand():
     assert float(seq["clip_ratio/region_mean"]) == pytest.approx(2 / 6)
     assert float(seq["clip_ratio/low_min"]) == 0.0
     assert float(seq["clip_ratio/high_max"]) == 1.0
+
+
+def test_ratios_between_one_plus_epsilon_and_one_plus_epsilon_high_are_not_clipped():
+    """DAPO's clip-higher (TRL: ``coef_1 > 1 + epsilon_high``): with ε = 0.2 and ε_high = 0.28
+    a ratio of 1.25 and A > 0 is unclipped (surrogate −1.25·A, gradient −1.25·A·w), 1.3 is
+    clipped (−1.28·A, no gradient); with A < 0, 0.85 is free and 0.75 clipped low (−0.8·A).
+    Hand values: token shares high 1/4, low 1/4, region 2/4."""
+    ratios = np.array([[1.25, 1.3], [0.85, 0.75]])
+    adv = np.array([2.0, -1.0], np.float32)
+    mask = np.ones((2, 2), np.float32)
+    weights = token_weights("dapo", mask, 2)  # 1/4 each
+    old = np.full((2, 2), -1.0, np.float32)
+    logps = (old + np.log(ratios)).astype(np.float32)
+    value, grad = VALUE_AND_GRAD(settings(0.0), logps, old, None, adv, mask, weights)
+    expect = (-1.25 * 2.0 - 1.28 * 2.0 + 0.85 * 1.0 + 0.8 * 1.0) / 4
+    assert float(value) == pytest.approx(expect, rel=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(grad), [[-1.25 * 2.0 / 4, 0.0], [0.85 / 4, 0.0]], rtol=1e-5, atol=1e-9
+    )
+    _, metrics = objective_value(settings(0.0), logps, old, None, adv, mask, weights)
+    assert float(metrics["clip_ratio/high_mean"]) == pytest.approx(1 / 4)
+    assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(1 / 4)
+    assert float(metrics["clip_ratio/region_mean"]) == pytest.approx(2 / 4)
+    assert float(metrics["clip_ratio/high_max"]) == pytest.approx(1 / 2)
+
+
+def test_low_min_leaves_empty_completions_out():
+    """Every non-empty completion has half its tokens clipped low; an empty one (share 0/0,
+    TRL's NaN, left out by its nanmin) must not make the least share 0."""
+    mask = np.array([[1, 1], [1, 1], [0, 0]], np.float32)
+    old = np.full((3, 2), -1.0, np.float32)
+    logps = (old + np.log([[0.5, 1.0], [1.0, 0.5], [1.0, 1.0]])).astype(np.float32)
+    adv = np.array([-1.0, -1.0, -1.0], np.float32)
+    weights = token_weights("grpo", mask, 2)
+    _, metrics = objective_value(settings(0.0), logps, old, None, adv, mask, weights)
+    assert float(metrics["clip_ratio/low_min"]) == 0.5
+    assert float(metrics["clip_ratio/low_mean"]) == pytest.approx(2 / 4)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
