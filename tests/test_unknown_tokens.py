@@ -94,6 +94,22 @@ def test_the_base_tokenizer_cannot_spell_capitals_digits_or_punctuation():
     assert set("abcdefghijklmnopqrstuvwxyz :") <= set(VOCAB)
 
 
+def test_unk_ends_no_trained_turn_but_still_stops_a_grpo_completion():
+    from minifield.data import assistant_turns
+    from minifield.data import tokenizer as tokenizers
+    from minifield.strategies.grpo.evaluator import stop_ids
+
+    tokenizer = tokenizers.from_file(BASE / "tokenizer.json")
+    added = json.loads((BASE / "tokenizer.json").read_text())["added_tokens"]
+    specials = {t["id"] for t in added if t["special"]}
+    assert UNK in specials
+    backend = tokenizer.backend
+    assert assistant_turns.end_of_turn_ids(backend, EOS) == specials - {UNK}
+    # a rollout that writes <unk> stops there, as before: its reward never sees the text
+    # without what the tokenizer could not spell
+    assert stop_ids(tokenizer) == tuple(sorted(specials))
+
+
 def test_prepare_refuses_naming_the_first_rows_line_the_characters_and_the_rows(root):
     checked = recipes.validate(recipe(root))
     with pytest.raises(DataError) as caught:
