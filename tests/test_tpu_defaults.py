@@ -59,3 +59,12 @@ def test_other_backends_keep_the_recipe_as_written(name, backend):
     assert "remat" not in checked.data["training"]
     assert "loss_chunk_tokens" not in checked.data["training"]
     assert checked.computation_digest == recipes.validate(document).computation_digest
+
+
+def test_a_tpu_recipe_with_the_gpu_kernel_is_refused_naming_the_field():
+    document = shipped("sft-demo")
+    document["model"]["attention"] = "pallas"
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(with_runtime(document, backend="tpu"))
+    assert [e["path"] for e in caught.value.errors] == ["/model/attention"]
+    assert "GPU kernel" in caught.value.errors[0]["message"]

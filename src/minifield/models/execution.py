@@ -136,6 +136,14 @@ def normalize_recipe(recipe: dict) -> list[dict]:
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]
     errors = []
+    if recipe["model"].get("attention") == "pallas" and backend == "tpu":
+        errors.append(
+            {
+                "path": "/model/attention",
+                "message": "the fused kernel (model.attention pallas) is a GPU kernel; a recipe "
+                "with runtime.backend tpu needs model.attention xla",
+            }
+        )
     if recipe["model"].get("attention") == "pallas":
         problem = pallas_seq_len_problem(recipe["training"]["seq_len"])
         if problem:
