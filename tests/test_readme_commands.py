@@ -45,19 +45,19 @@ RUN_BY = {
     r"uv run --locked snakemake --cores 2 --configfile config/mine.yaml": [
         "tests/test_recipe_new.py::test_own_base_and_data_through_the_pipeline_to_a_trained_export"
     ],
-    r"uv run minifield generate ": [
+    r"uv run --locked minifield generate ": [
         "tests/test_readme_commands.py::test_the_generate_lines_run_as_written"
     ],
-    r"uv run snakemake --cores 2 ": [
+    r"uv run --locked snakemake --cores 2 +#": [
         "tests/test_readme_commands.py::test_the_first_command_makes_every_result_the_readme_lists"
     ],
     # a GPU workstation: the run itself needs a GPU (CI has none; docs/gpu-check.md is the
     # prepared device check); here, the GPU request of the workflow and the worker's GPU flags
-    r"uv sync --extra cuda && uv run snakemake": [
+    r"uv sync --locked --extra cuda && uv run --locked snakemake": [
         "tests/test_slurm_profile.py::test_slurm_profile_dry_run_requests_gpu_for_train_only",
         "tests/test_gpu_determinism.py::test_a_gpu_run_gets_the_determinism_flags_after_the_users_own",
     ],
-    r"uv run snakemake --profile profiles/slurm": [
+    r"uv run --locked snakemake --profile profiles/slurm": [
         "tests/test_slurm_profile.py::test_slurm_profile_runs_pipeline_like_local"
     ],
     r"minifield-worker --job JOB --input-root IN --output-root OUT": [
@@ -164,13 +164,16 @@ def test_the_first_command_makes_every_result_the_readme_lists(readme_pipeline_r
 
 
 def _generate_lines() -> list[str]:
-    return [c for c in readme_command_lines() if c.startswith("uv run minifield generate ")]
+    return [
+        c for c in readme_command_lines() if c.startswith("uv run --locked minifield generate ")
+    ]
 
 
 @pytest.mark.slow
 def test_the_generate_lines_run_as_written(readme_pipeline_run):
     """Each line with ``<cdigest>`` filled in for the demo it names (the Llama demo's when its
-    comment says so, else the default ``sft-demo``), ``uv run`` being this environment."""
+    comment says so, else the default ``sft-demo``), ``uv run --locked`` being this
+    environment."""
     computations = _computations(readme_pipeline_run)
     digests = {
         "llama": computations["config/recipes/llama-sft-demo.yaml"].name,
@@ -183,9 +186,9 @@ def test_the_generate_lines_run_as_written(readme_pipeline_run):
         command, _, comment = line.partition("#")
         demo = "llama" if "Llama demo" in comment else "sft"
         argv = shlex.split(command.replace("<cdigest>", digests[demo]))
-        assert argv[:3] == ["uv", "run", "minifield"], argv
+        assert argv[:4] == ["uv", "run", "--locked", "minifield"], argv
         proc = subprocess.run(
-            [str(minifield_cli), *argv[3:], "--max-new-tokens", "8"],
+            [str(minifield_cli), *argv[4:], "--max-new-tokens", "8"],
             cwd=readme_pipeline_run,
             capture_output=True,
             text=True,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_snakemake
+from conftest import REPO
 from safetensors.numpy import load_file, save_file
 
 from minifield import cli
@@ -118,6 +118,7 @@ def test_new_pins_every_base_file_and_data_file_and_keeps_the_rest(project, caps
     path = project / "config" / "recipes" / "mine.yaml"
     written = yaml.safe_load(path.read_text())
     like = yaml.safe_load(LIKE.read_text())
+    like_product = like["product"]["name"]
 
     # every input under the input root (data), pinned by its own bytes
     inputs = {item["name"]: item for item in written["inputs"]}
@@ -149,7 +150,13 @@ def test_new_pins_every_base_file_and_data_file_and_keeps_the_rest(project, caps
     # valid for the library and for the worker's own check (the Snakefile validates the same)
     checked = recipes.load(path)
     assert checked.computation_digest != recipes.load(LIKE).computation_digest
-    assert f"computation {checked.computation_digest[:16]}" in out
+    # no digest: the edits a new recipe is written for change it; validate prints it
+    assert checked.computation_digest[:16] not in out
+    assert "minifield validate config/recipes/mine.yaml" in out
+    # the next steps' config file is named after the recipe (a second one's is its own)
+    assert "printf 'recipes:\\n  - config/recipes/mine.yaml\\n' > config/mine.yaml\n" in out
+    assert "--configfile config/mine.yaml" in out
+    assert f"product {like_product!r}" in out  # kept from --like, and said
     assert "'messages'" in out  # the detected format of the data, said
     assert path.read_text().startswith("# Written by `minifield recipe new --like ")
 
@@ -398,16 +405,26 @@ def test_repin_follows_an_edited_path_and_fills_a_missing_pin(written, capsys):
     document = yaml.safe_load(written.read_text())
     document["inputs"][0]["path"] = "mine/v2.jsonl"
     del document["inputs"][1]["sha256"]  # a pin left out by hand
-    written.write_text("# by hand\n" + yaml.safe_dump(document, sort_keys=False))
+    document["inputs"][2]["sha256"] = None  # and one left to be filled
+    before = "# by hand\n" + yaml.safe_dump(document, sort_keys=False)
+    written.write_text(before)
 
     code, out, err = minifield(capsys, "recipe", "repin", str(written))
     assert code == 0, err
-    assert f"input train (mine/v2.jsonl): sha256 {document['inputs'][0]['sha256']} -> " in out
-    assert (
-        f"input dev (mine/dev.jsonl): sha256 (none) -> {sha(project / 'data/mine/dev.jsonl')}"
-        in (out)
+    old_train = document["inputs"][0]["sha256"]
+    v2, dev, test = (
+        sha(project / "data" / "mine" / f) for f in ("v2.jsonl", "dev.jsonl", "test.jsonl")
     )
-    assert "rewritten whole" in out and "comments dropped" in out
+    assert f"input train (mine/v2.jsonl): sha256 {old_train} -> {v2}" in out
+    assert f"input dev (mine/dev.jsonl): sha256 (none) -> {dev}" in out
+    assert f"input test (mine/test.jsonl): sha256 (none) -> {test}" in out
+    # the pins written into the text as it was: its comment and every other line kept
+    assert "rewritten whole" not in out
+    assert written.read_text() == (
+        before.replace(old_train, v2)
+        .replace("  path: mine/dev.jsonl\n", f"  path: mine/dev.jsonl\n  sha256: {dev}\n")
+        .replace("  sha256: null\n", f"  sha256: {test}\n")
+    )
     for item in yaml.safe_load(written.read_text())["inputs"]:
         assert item["sha256"] == sha(project / "data" / item["path"])
     recipes.load(written)
@@ -451,23 +468,135 @@ def test_repin_refuses_naming_the_file_and_writes_nothing(written, capsys, case)
         assert written.read_bytes() == before
 
 
+def _prompts(project: Path, rows: list[dict]) -> None:
+    for split in ("train", "dev", "test"):
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        (project / "data" / "mine" / f"{split}.jsonl").write_text(text)
+
+
+def test_new_like_the_grpo_demo_refuses_prompts_without_the_reward_column(project, capsys):
+    """The grpo demo's exact_match reward reads the column `answer`: a prompt row without it
+    is refused at `recipe new` (and at `validate --input-root`), naming file:line and reward,
+    as the prepare stage would refuse it later."""
+    _prompts(project, [{"prompt": "mirror: ab", "answer": "abba"}, {"prompt": "mirror: cd"}])
+    args = new_args()
+    args[args.index("--like") + 1] = str(REPO / "config" / "recipes" / "grpo-demo.yaml")
+    code, _, err = minifield(capsys, *args)
+    refused(code, err, "data/mine/train.jsonl:2: no column 'answer'", "rl.rewards[0]")
+    assert not (project / "config" / "recipes" / "mine.yaml").exists()
+
+    _prompts(project, [{"prompt": "mirror: ab", "answer": "abba"}])
+    code, out, err = minifield(capsys, *args)
+    assert code == 0, err
+    assert "product 'string-mirror-rl'" in out  # the demo's product name, said to be its
+    (project / "data" / "mine" / "dev.jsonl").write_text('{"prompt": "mirror: cd"}\n')
+    code, _, err = minifield(capsys, "recipe", "repin", "config/recipes/mine.yaml")
+    assert code == 0, err
+    written = "config/recipes/mine.yaml"
+    code, _, err = minifield(capsys, "validate", written, "--input-root", "data")
+    assert code == 2 and "Traceback" not in err, err
+    assert "data/mine/dev.jsonl:1: no column 'answer'" in err
+
+
+def test_validate_prints_the_digests_paths_are_named_by(written, capsys):
+    code, out, err = minifield(capsys, "validate", str(written))
+    assert code == 0, err
+    printed = json.loads(out)
+    checked = recipes.load(written)
+    assert printed["cdigest"] == checked.computation_digest[:16]
+    assert printed["edigest"] == checked.examples_digest[:16]
+
+
+def test_the_suggested_config_file_is_named_after_the_recipe():
+    from minifield.commands.recipe import config_file_for
+
+    assert config_file_for(Path("config/recipes/mine.yaml")) == Path("config/mine.yaml")
+    assert config_file_for(Path("theirs.json")) == Path("config/theirs.yaml")
+    # never the recipe itself, nor the pipeline's own config
+    assert config_file_for(Path("config/x.yaml")) == Path("config/x-run.yaml")
+    assert config_file_for(Path("config/config.yaml")) == Path("config/config-run.yaml")
+
+
 # ----------------------------------------------------------------------------- end to end
+
+
+OWN_DATA = REPO / "docs" / "own-data.md"
+
+
+def own_data_commands() -> list[str]:
+    """Every command of docs/own-data.md's code blocks, in page order, continuation lines
+    joined; usage synopses (``[--flag ...]``) are not commands."""
+    commands, pending = [], ""
+    for raw in OWN_DATA.read_text(encoding="utf-8").splitlines():
+        if not raw.startswith("    ") or raw.strip().startswith("#"):
+            continue
+        text = raw.strip()
+        pending = f"{pending} {text}".strip() if pending else text
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip()
+            continue
+        if "[--" not in pending and re.match(r"(uv|cp|mkdir|printf|minifield) ", pending):
+            commands.append(pending)
+        pending = ""
+    return commands
+
+
+def as_run_here(command: str, cdigest: str | None = None) -> str:
+    """A command of the page for this environment: ``uv run --locked`` is this interpreter's
+    environment (its scripts; Snakemake on the repository's Snakefile, the project being a
+    fresh directory), ``<cdigest>`` the computation's."""
+    bin_dir = Path(sys.executable).parent
+    command = command.replace(
+        "uv run --locked snakemake ",
+        f"{sys.executable} -m snakemake --snakefile {REPO / 'Snakefile'} ",
+    ).replace("uv run --locked ", f"{bin_dir}/")
+    return command.replace("<cdigest>", cdigest) if cdigest else command
+
+
+def crash_proof_only(project: Path) -> None:
+    with (project / "config" / "mine.yaml").open("a") as handle:
+        handle.write("qualification:\n  mode: crash\n")
 
 
 @pytest.mark.slow  # starts the installed `minifield` and Snakemake
 def test_own_base_and_data_through_the_pipeline_to_a_trained_export(tmp_path):
-    """docs/own-data.md as a newcomer follows it: a fresh project (the pipeline's config, an
-    HF base model, a few dozen chat rows), `minifield recipe new`, a few settings edited,
-    `recipe repin --check`, a config file listing the recipe, `snakemake`."""
+    """docs/own-data.md as a newcomer follows it, every command of the page as written: a
+    fresh project (the pipeline's config and the --like recipe, as in a clone), an HF base
+    model and a few dozen chat rows in ``~``, `minifield recipe new`, a few settings edited,
+    `recipe repin --check`, the config file, `snakemake`, `minifield generate`, the report."""
     started = time.monotonic()
-    project = make_project(tmp_path / "project")
-    (project / "config").mkdir()
+    made, home = make_project(tmp_path / "made"), tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (made / "data" / "my-base").rename(home / "models" / "my-base")
+    (made / "data" / "mine").rename(home / "my-data")
+    project = tmp_path / "project"
+    (project / "config" / "recipes").mkdir(parents=True)
+    (project / "data").mkdir()
     shutil.copy(REPO / "config" / "config.yaml", project / "config" / "config.yaml")
-    command = Path(sys.executable).parent / "minifield"
-    made = subprocess.run(
-        [command, *new_args()], cwd=project, capture_output=True, text=True, timeout=300
-    )
-    assert made.returncode == 0, made.stderr
+    shutil.copy(LIKE, project / "config" / "recipes" / LIKE.name)
+    commands = own_data_commands()
+    env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env["SLURM_CONF"] = str(REPO / "tests" / "slurm" / "no-controller.conf")
+    ran: list[str] = []
+
+    def run(command: str, cdigest: str | None = None) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            ["bash", "-c", as_run_here(command, cdigest)],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, (command, proc.stderr)
+        ran.append(command)
+        return proc
+
+    # the files in place, the recipe written from the page's own commands
+    for command in commands[:3]:
+        made = run(command)
+    assert commands[2].startswith("uv run --locked minifield recipe new "), commands
+    assert "printf 'recipes:\\n  - config/recipes/mine.yaml\\n' > config/mine.yaml" in made.stdout
     recipe_path = project / "config" / "recipes" / "mine.yaml"
     worker = Path(sys.executable).parent / "minifield-worker"
     checked = subprocess.run(
@@ -484,23 +613,19 @@ def test_own_base_and_data_through_the_pipeline_to_a_trained_export(tmp_path):
     document["training"].update(batch_size=4, warmup_steps=1)
     document["limits"] = {"max_steps": 4}
     document["checkpoint"] = {"every_steps": 2, "keep": 2}
-    document["evaluation"] = {"eval_every": 2}  # four updates cannot reach the demo's 0.5
+    # a threshold four updates cannot reach: the model is published, not activated, and the
+    # run's end says so
+    document["evaluation"] = {"eval_every": 2, "min_dev_exact_match": 1.0}
     header = "".join(line for line in text.splitlines(True) if line.startswith("#"))
     recipe_path.write_text(header + yaml.safe_dump(document, sort_keys=False))
-    check = subprocess.run(
-        [command, "recipe", "repin", "config/recipes/mine.yaml", "--check"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert check.returncode == 0 and "0 stale pin(s)" in check.stdout, check.stdout
-    # the documented config file; the short recovery proof only (test_proof.py covers both)
-    (project / "config" / "mine.yaml").write_text(
-        "recipes:\n  - config/recipes/mine.yaml\nqualification:\n  mode: crash\n"
-    )
+    check = run("uv run --locked minifield recipe repin config/recipes/mine.yaml --check")
+    assert "0 stale pin(s)" in check.stdout, check.stdout
+    # the page's config file, then (only here) the short recovery proof: test_proof.py
+    # covers both kinds
+    run(commands[3])
+    crash_proof_only(project)
     before_pipeline = time.monotonic()
-    run_snakemake(project, "--configfile", "config/mine.yaml", check=True)
+    pipeline = run(commands[4])
     pipeline_seconds = time.monotonic() - before_pipeline
 
     digest = recipes.load(recipe_path).computation_digest
@@ -523,7 +648,53 @@ def test_own_base_and_data_through_the_pipeline_to_a_trained_export(tmp_path):
     for entry in listed:
         assert entry["sha256"] == sha(export / entry["file"])
     assert (cdir / "eval" / "metrics.json").is_file() and (cdir / "publication.json").is_file()
+    # the run's end says what it did: the acceptance missed, so published, not activated
+    metrics = json.loads((cdir / "eval" / "metrics.json").read_text())
+    (check,) = [c for c in metrics["acceptance"]["checks"] if c["name"] == "dev_exact_match"]
+    assert metrics["acceptance"]["passed"] is False and check["value"] < 1.0
+    content_id = json.loads((cdir / "publication.json").read_text())["content_id"]
+    closing = pipeline.stderr.split("minifield: what this run did, per computation:\n")[1]
+    assert closing.splitlines()[0] == (
+        f"  mine ({cdir.name}): trained (4 updates); recovery proof passed; acceptance FAILED: "
+        f"dev_exact_match {check['value']:.6g} (threshold 1); published {content_id[:16]}, "
+        "not activated (activation refuses a model that fails acceptance)"
+    )
+
+    # the rest of the page: the model tried, the config file and run again (nothing to do),
+    # the report (its first item: the same line)
+    for command in commands[5:]:
+        proc = run(command, cdir.name)
+        if command.startswith("printf "):
+            crash_proof_only(project)  # as the run before: nothing to do
+        if command.startswith("uv run --locked minifield generate "):
+            assert proc.stdout.strip(), command
+        if command == commands[4]:  # run again: nothing to do
+            assert "Nothing to be done" in proc.stderr, proc.stderr[-2000:]
+    assert set(commands) <= set(ran), set(commands) - set(ran)
+    report = (project / "results" / "report-mine.html").read_text(errors="replace")
+    assert "0. What the run did" in report
     print(
         f"own-data end to end: {time.monotonic() - started:.0f} s in all, "
         f"snakemake {pipeline_seconds:.0f} s (load average {os.getloadavg()[0]:.1f})"
     )
+
+
+def test_the_own_data_page_commands_are_those_the_end_to_end_test_runs():
+    """The commands the slow test finds on the page, in order: a command added to the page
+    is run by it (or this fails, naming the command)."""
+    commands = own_data_commands()
+    starts = [
+        "cp -r ~/models/my-base data/my-base",
+        "mkdir -p data/mine && cp ~/my-data/{train,dev,test}.jsonl data/mine/",
+        "uv run --locked minifield recipe new --like config/recipes/llama-sft-demo.yaml",
+        "printf 'recipes:\\n  - config/recipes/mine.yaml\\n' > config/mine.yaml",
+        "uv run --locked snakemake --cores 2 --configfile config/mine.yaml",
+        "uv run --locked minifield generate --model results/computations/<cdigest>/train/",
+        "printf 'recipes:\\n  - config/recipes/mine.yaml\\n' > config/mine.yaml",
+        "uv run --locked snakemake --cores 2 --configfile config/mine.yaml",
+        "uv run --locked snakemake --configfile config/mine.yaml --report results/report-mine",
+    ]
+    assert len(commands) == len(starts), commands
+    for command, start in zip(commands, starts, strict=True):
+        assert command.startswith(start), (command, start)
+    assert "\\" not in commands[2] and commands[2].endswith("-o config/recipes/mine.yaml")

@@ -66,6 +66,38 @@ def repinned_text(
     return dump(updated, path), False
 
 
+def reward_columns(recipe: dict) -> dict[str, str]:
+    """Column -> the first reward that reads it (``rl.rewards[i] (kind)``), of a validated grpo
+    recipe; empty for another strategy."""
+    if (recipe.get("strategy") or {}).get("name") != "grpo":
+        return {}
+    needed: dict[str, str] = {}
+    for index, reward in enumerate((recipe.get("rl") or {}).get("rewards") or []):
+        if isinstance(reward, dict) and isinstance(reward.get("column"), str):
+            needed.setdefault(reward["column"], f"rl.rewards[{index}] ({reward.get('kind')})")
+    return needed
+
+
+def check_reward_columns(recipe: dict, files: dict[str, Path], advice: str) -> None:
+    """Every row of a grpo recipe's prompt files (``files``: input name -> path) holds each
+    column its rewards read, which the prepare stage refuses otherwise: an
+    :class:`OwnRecipeError` naming ``file:line``, the column and the reward, then ``advice``."""
+    needed = reward_columns(recipe)
+    for name in DATA_FLAGS:
+        if not needed or name not in files:
+            continue
+        try:
+            for row, where in data_formats.rows(files[name], data_formats.Source()):
+                missing = [c for c in needed if not isinstance(row, dict) or c not in row]
+                if missing:
+                    raise OwnRecipeError(
+                        f"{where}: no column {missing[0]!r}, which {needed[missing[0]]} reads "
+                        f"(input {name}); {advice}"
+                    )
+        except data_formats.DataError as exc:
+            raise OwnRecipeError(str(exc)) from None
+
+
 def input_names(like: dict) -> set:
     """The names of the recipe's inputs."""
     return {item.get("name") for item in like.get("inputs", []) if isinstance(item, dict)}
@@ -229,6 +261,12 @@ def derive(
         inputs.append(item)
     document["inputs"] = inputs
     rows = repin.pin(document, root, like_path)
+    product = document.get("product")
+    if isinstance(product, dict) and product.get("name"):
+        notes.append(
+            f"product {product.get('name')!r} {product.get('version')!r} is the --like "
+            "recipe's: the store and MLflow register the model under it; edit product for yours"
+        )
     document["job_id"] = job_id
     document.pop("attempt_id", None)  # an execution's identity, never reused
     return _ordered(document, like), rows, notes

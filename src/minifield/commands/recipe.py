@@ -204,6 +204,12 @@ def run_new(args) -> int:
     root, root_source = _input_root(args)
     document, rows, notes = build(args, root)
     checked = _validated(document, str(output))
+    own_recipe.check_reward_columns(
+        checked.data,
+        {row["name"]: root / row["path"] for row in rows},
+        f"give every row that column, or copy --like {args.like} and edit its rl.rewards; "
+        "nothing written",
+    )
     lines = (
         f"Written by `{_command(args)}`.",
         f"Every input is pinned by sha256 under the input root {root} ({root_source}).",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 
 def run(args) -> int:
+    from .. import own_recipe
     from .. import recipe as recipes
 
     try:
@@ -35,12 +36,25 @@ def run(args) -> int:
         except (pinned.InputError, harness_tasks.HarnessTaskError, TokenizerError) as exc:
             print(f"minifield validate: {exc}", file=sys.stderr)
             return 2
+        try:
+            own_recipe.check_reward_columns(
+                recipe.data,
+                pinned.files_by_name(recipe.data, args.input_root),
+                "the prepare stage refuses a prompt row without it",
+            )
+        except own_recipe.OwnRecipeError as exc:
+            print(f"minifield validate: {exc}", file=sys.stderr)
+            return 2
         if unknown:  # only a recipe that allows them has counts (the others are refused)
             checked["unknown_tokens"] = unknown
     print(
         json.dumps(
             {
                 "valid": True,
+                # the 16 characters results/computations/<cdigest>/ and results/examples/
+                # <edigest>/ are named by; the full digests below are those the files record
+                "cdigest": recipe.computation_digest[:16],
+                "edigest": recipe.examples_digest[:16],
                 "computation_digest": recipe.computation_digest,
                 "examples_digest": recipe.examples_digest,
                 **checked,

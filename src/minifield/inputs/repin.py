@@ -135,19 +135,54 @@ def changed_pins(
     ]
 
 
+def _path_line(text: str, cursor: int, path: str) -> re.Match | None:
+    """The next block-style YAML line ``path: PATH`` (quoted or not, a list item's first key
+    or not) from ``cursor``."""
+    pattern = re.compile(
+        r"^(?P<indent>[ \t]*)(?P<dash>-[ \t]+)?path:[ \t]*(?P<q>['\"]?)"
+        + re.escape(path)
+        + r"(?P=q)[ \t]*(?:#.*)?$",
+        re.M,
+    )
+    return pattern.search(text, cursor)
+
+
+def _missing_pin(text: str, cursor: int, item: dict, new: str) -> tuple[str, int] | None:
+    """The text from ``cursor`` up to and including the pin of ``item`` (an input whose
+    ``sha256`` is absent or not a hash: ``null``, ``""``), written after its ``path:``
+    line or in place of its ``sha256:`` line's value; the cursor after it. None where the
+    input is not written in block style."""
+    found = _path_line(text, cursor, str(item.get("path")))
+    if found is None:
+        return None
+    column = len(found["indent"]) + len(found["dash"] or "")
+    if "sha256" in item:  # a placeholder value on a line of its own
+        line = re.compile(r"^[ \t]*(?:-[ \t]+)?sha256:[ \t]*[^\n#]*?[ \t]*(?=#|$)", re.M)
+        value = line.search(text, cursor)
+        if value is None:
+            return None
+        key = value[0].index("sha256:") + len("sha256:")
+        return text[cursor : value.start()] + value[0][:key] + f" {new}", value.end()
+    return text[cursor : found.end()] + "\n" + " " * column + f"sha256: {new}", found.end()
+
+
 def replaced_pins(text: str, document: dict, local: list[tuple[int, dict]]) -> str | None:
     """The recipe ``text`` (``document`` as read) with each local input's pin replaced by the
-    one in :func:`rehash`'s ``local``, found in order; None where a pin is not found as
-    written."""
-    old = [document["inputs"][i].get("sha256") for i, _ in local]
-    new = [item["sha256"] for _, item in local]
+    one in :func:`rehash`'s ``local``, found in order (a missing pin written after the input's
+    ``path:`` line); None where a pin is not found as written."""
     out, cursor = [], 0
-    for before, after in zip(old, new, strict=True):
-        if not isinstance(before, str) or not _HEX64.match(before):
+    for i, item in local:
+        before, after = document["inputs"][i].get("sha256"), item["sha256"]
+        if isinstance(before, str) and _HEX64.match(before):
+            at = text.find(before, cursor)
+            if at < 0:
+                return None
+            out += [text[cursor:at], after]
+            cursor = at + len(before)
+            continue
+        written = _missing_pin(text, cursor, document["inputs"][i], after)
+        if written is None:
             return None
-        at = text.find(before, cursor)
-        if at < 0:
-            return None
-        out += [text[cursor:at], after]
-        cursor = at + len(before)
+        out.append(written[0])
+        cursor = written[1]
     return "".join(out) + text[cursor:]
