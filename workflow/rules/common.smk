@@ -270,7 +270,9 @@ def print_closing_summary():
     from minifield.observe.report import outcome
 
     cdigests = [computation.cdigest for computation in COMPUTATIONS.every()]
-    lines = outcome.closing_summary(cdigests, Path("results/computations"), Path(STORE_DIR))
+    lines = outcome.closing_summary(
+        cdigests, Path("results/computations"), Path(STORE_DIR)
+    )
     if lines:
         print("minifield: what this run did, per computation:", file=sys.stderr)
     for line in lines:
