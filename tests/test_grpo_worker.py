@@ -34,11 +34,23 @@ REWARDS = [
     {"kind": "length", "target": 4, "weight": 0.5},
 ]
 CASES = {
-    # full fine-tuning, the per-sequence mean, a reference (k3 KL) and two iterations a batch
-    "full-grpo-kl-mu2": ({"loss_type": "grpo", "beta": 0.04, "num_iterations": 2}, {}),
-    # LoRA, the token sum over the update, no reference, GSPO's sequence ratio
+    # full fine-tuning, the per-sequence mean, a reference (k3 KL), two iterations a batch,
+    # the update's reward std, and completions cut at 5 tokens left out of the loss
+    "full-grpo-kl-mu2": (
+        {
+            "loss_type": "grpo",
+            "beta": 0.04,
+            "num_iterations": 2,
+            "scale_rewards": "batch",
+            "max_completion_length": 5,
+            "mask_truncated_completions": True,
+        },
+        {},
+    ),
+    # LoRA, the token sum over the update, no reference, GSPO's sequence ratio, unscaled
+    # advantages
     "lora-dapo-gspo": (
-        {"loss_type": "dapo", "importance_sampling_level": "sequence"},
+        {"loss_type": "dapo", "importance_sampling_level": "sequence", "scale_rewards": "none"},
         {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]}},
     ),
 }
@@ -70,18 +82,26 @@ def _rewards_by_hand(line: dict, answers: dict) -> dict:
 
 
 def _loss_by_hand(lines: list[dict], rl: dict, G: int) -> float:
-    """Iteration 1's loss (ratio 1) from a rollouts file, with TRL's definitions."""
+    """Iteration 1's loss (ratio 1) from a rollouts file, with TRL's definitions: the
+    advantage divided by the group's or the whole update's Bessel std (+ 1e-4) or by nothing;
+    a truncated completion's tokens left out under ``mask_truncated_completions`` (it still
+    counts among the sequences of grpo's mean)."""
     totals = np.asarray([line["total"] for line in lines])
     groups = totals.reshape(-1, G)
-    std = groups.std(axis=1, ddof=1) if rl.get("scale_rewards", "group") == "group" else None
-    adv = ((groups - groups.mean(axis=1, keepdims=True)) / (std[:, None] + 1e-4)).ravel()
+    scale = {
+        "group": lambda: groups.std(axis=1, ddof=1)[:, None] + 1e-4,
+        "batch": lambda: totals.std(ddof=1) + 1e-4,
+        "none": lambda: 1.0,
+    }[rl.get("scale_rewards", "group")]()
+    adv = ((groups - groups.mean(axis=1, keepdims=True)) / scale).ravel()
     for line, a in zip(lines, adv, strict=True):
         assert line["advantage"] == pytest.approx(a, rel=1e-5, abs=1e-6)
     beta = rl.get("beta", 0.0)
     per_sequence, tokens = [], 0
     for line, a in zip(lines, adv, strict=True):
         terms = []
-        for t, logp in enumerate(line["logps"]):
+        masked = rl.get("mask_truncated_completions", False) and line["truncated"]
+        for t, logp in enumerate([] if masked else line["logps"]):
             kl = 0.0
             if beta:
                 d = line["ref_logps"][t] - logp
@@ -90,7 +110,7 @@ def _loss_by_hand(lines: list[dict], rl: dict, G: int) -> float:
         per_sequence.append(terms)
         tokens += len(terms)
     if rl["loss_type"] == "grpo":
-        return float(np.mean([np.mean(t) for t in per_sequence]))
+        return float(np.mean([np.mean(t) if t else 0.0 for t in per_sequence]))
     assert rl["loss_type"] == "dapo"
     return float(sum(sum(t) for t in per_sequence) / tokens)
 
@@ -138,6 +158,10 @@ def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case)
             )
         assert event["loss"] == pytest.approx(_loss_by_hand(lines, raw["rl"], G), abs=2e-6)
     assert any(e["reward_std"] > 0 for e in updates)  # the advantages were not all 0
+    if raw["rl"].get("mask_truncated_completions"):  # some completions were cut and left out
+        cut = [json.loads(x)["truncated"] for p in (attempt / "rollouts").glob("*.jsonl")
+               for x in p.read_text().splitlines()]  # fmt: skip
+        assert 0 < sum(cut) < len(cut)
     # a crash after update 3, resumed from the step-2 checkpoint: the same states, rollouts;
     # so after the preemption
     crashed = [Path(proof[run]["attempt_dir"]) for run in ("faulted", "resumed")]
