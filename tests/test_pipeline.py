@@ -155,33 +155,81 @@ def test_invalid_recipe_in_config_stops_before_any_job(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_a_refused_row_ends_the_run_with_one_line_naming_file_line_and_field(tmp_path):
-    """A packed-sft recipe whose train file has an empty answer on line 3: the prepare stage
-    refuses it, exit 2, no traceback, and the run's last workflow line repeats the refusal."""
-    shutil.copytree(REPO / "data" / "sft-demo", tmp_path / "data" / "sft-demo")
-    train = tmp_path / "data" / "sft-demo" / "train.jsonl"
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _bad_row_recipe(root) -> dict:
+    """The sft demo with an empty answer on line 3 of its train file."""
+    shutil.copytree(REPO / "data" / "sft-demo", root / "sft-demo")
+    train = root / "sft-demo" / "train.jsonl"
     rows = train.read_text().splitlines()
     rows[2] = json.dumps({**json.loads(rows[2]), "response": ""})
     train.write_text("\n".join(rows) + "\n")
     recipe = yaml.safe_load((REPO / "config" / "recipes" / "sft-demo.yaml").read_text())
-    pin = next(item for item in recipe["inputs"] if item["name"] == "train")
-    pin["sha256"] = hashlib.sha256(train.read_bytes()).hexdigest()
-    (tmp_path / "config" / "recipes").mkdir(parents=True)
-    (tmp_path / "config" / "recipes" / "sft.yaml").write_text(yaml.safe_dump(recipe))
-    (tmp_path / "config" / "config.yaml").write_text(
-        yaml.safe_dump({"recipes": ["config/recipes/sft.yaml"], "input_root": "data"})
+    next(item for item in recipe["inputs"] if item["name"] == "train")["sha256"] = _sha256(train)
+    return recipe
+
+
+def _raising_reward_recipe(root) -> dict:
+    """A short grpo recipe from the shipped base whose python reward raises (as TRL-style
+    reward code does on data it does not expect)."""
+    shutil.copytree(REPO / "data" / "llama-base", root / "llama-base")
+    (root / "mine").mkdir()
+    prompts = (REPO / "data" / "grpo-demo" / "train.jsonl").read_text().splitlines(True)
+    for split in ("train", "dev", "test"):
+        (root / "mine" / f"{split}.jsonl").write_text("".join(prompts[:16]))
+    reward = root / "mine" / "reward.py"
+    reward.write_text('def score(completions, **kwargs):\n    raise ValueError("no column x")\n')
+    recipe = yaml.safe_load((REPO / "config" / "recipes" / "grpo-demo.yaml").read_text())
+    for item in recipe["inputs"]:
+        if item["name"] in ("train", "dev", "test"):
+            item["path"] = f"mine/{item['name']}.jsonl"
+            item["sha256"] = _sha256(root / item["path"])
+    recipe["inputs"].append(
+        {"name": "reward.py", "path": "mine/reward.py", "sha256": _sha256(reward)}
     )
-    proc = run_snakemake(tmp_path)
+    recipe["rl"]["rewards"] = [{"kind": "python", "file": "reward.py", "function": "score"}]
+    recipe["training"]["batch_size"] = 16
+    recipe["limits"]["max_steps"] = 4
+    recipe["checkpoint"]["every_steps"] = 2
+    del recipe["evaluation"]["max_dev_reward_drop"]  # read in a chain only
+    return recipe
+
+
+def test_each_refusal_ends_the_run_with_one_line_naming_file_line_and_field(tmp_path):
+    """Two recipes, each refused by a stage: a packed-sft train file with an empty answer on
+    line 3 (prepare), a grpo reward that raises (qualify: the recovery proof's reference run).
+    Each stage exits 2 with one line, no traceback; the run's last workflow lines repeat both."""
+    root = tmp_path / "data"
+    recipes = {"sft.yaml": _bad_row_recipe(root), "rl.yaml": _raising_reward_recipe(root)}
+    (tmp_path / "config" / "recipes").mkdir(parents=True)
+    for name, recipe in recipes.items():
+        (tmp_path / "config" / "recipes" / name).write_text(yaml.safe_dump(recipe))
+    config = {
+        "recipes": [f"config/recipes/{name}" for name in recipes],
+        "input_root": "data",
+        "qualification": {"mode": "crash"},
+    }
+    (tmp_path / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = run_snakemake(tmp_path, "--keep-going")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "Traceback" not in output, output[-3000:]
-    assert "returned non-zero exit status 2" in output  # the stage's own exit: a refusal
-    refusal = f"minifield refused (prepare): {train}:3: 'response' is empty"
+    assert output.count("returned non-zero exit status 2") == 2  # each stage's own exit
     workflow_lines = [
         line for line in proc.stderr.splitlines() if not line.startswith(SNAKEMAKE_CLOSING)
     ]
-    assert workflow_lines[-1].startswith(refusal), workflow_lines[-5:]
-    assert not list(tmp_path.glob("results/examples/*/manifest.json"))
+    last = sorted(workflow_lines[-2:])
+    assert last[0].startswith(
+        f"minifield refused (prepare): {root / 'sft-demo' / 'train.jsonl'}:3: 'response' is empty"
+    ), workflow_lines[-5:]
+    assert last[1].startswith("minifield refused (qualify): recovery proof of "), last
+    assert (
+        "the reference run's worker failed (train): RewardError: reward python (function score "
+        "of pinned input reward.py) at update 1: the function raised ValueError: no column x"
+    ) in last[1]
+    assert not list(tmp_path.glob("results/computations/*/train/result.json"))
 
 
 def test_workflow_lints_clean(tmp_path):

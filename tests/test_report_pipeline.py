@@ -75,6 +75,7 @@ def test_report_embeds_every_item(pipeline):
         for name, mime in REPORT_ITEMS.items()
     }
     expected["results/report/capacity.html"] = "text/html"
+    expected["results/report/outcome.html"] = "text/html"
     assert {path: entry["mime_type"] for path, entry in results.items()} == expected
     for path, entry in results.items():
         payload = base64.b64decode(entry["data_uri"].split("base64,", 1)[1])
@@ -95,6 +96,10 @@ def test_report_embeds_every_item(pipeline):
         assert record["content_id"] in publication
     else:
         assert "has no <code>publish</code> rule" in publication
+    # the first item: what the run did, the computation's line as the run printed it
+    outcome = (pipeline / "results" / "report" / "outcome.html").read_text()
+    assert f"linear-demo ({computation.name}): trained (8 updates); " in outcome
+    assert "acceptance passed" in outcome
     capacity = (pipeline / "results" / "report" / "capacity.html").read_text()
     if (pipeline / "results" / "capacity.csv").exists():
         assert f"{computation.name}" in capacity and "<th>seconds_per_job</th>" in capacity
