@@ -37,9 +37,10 @@ def by_hand():
     return np.take_along_axis(logp, TARGETS[..., None], -1)[..., 0], entropy
 
 
-@pytest.mark.parametrize("chunk", [0, 1, 5, 12, 100])
+@pytest.mark.parametrize("chunk", [0, 5, 100])
 def test_target_logps_and_entropy_by_hand(chunk):
-    """Whole (0) and in chunks that divide B·T = 12 or not (5: the last chunk padded)."""
+    """Whole (0) and in chunks: 5 leaves the last of B·T = 12 tokens' chunks padded, 100 is
+    one chunk of all 12."""
     want_logp, want_entropy = by_hand()
     logp, entropy = target_logps(head, H, TARGETS, chunk, entropy=True)
     assert logp.shape == entropy.shape == (B, T) and logp.dtype == jnp.float32

@@ -254,14 +254,14 @@ def test_draws_over_many_seeds_follow_the_filtered_softmax():
     expected = np.array([0.4, 0.3, 0.15, 0, 0]) / 0.85
     n = 6000
     logits = jax.numpy.asarray(LOGITS[None])
-    draw = jax.jit(jax.vmap(lambda seed: sampling_rules.choose(logits, sampling, seed, 0)[0]))
+    draw = jax.jit(jax.vmap(lambda seed: sampling_rules.choice(sampling, seed)(logits, 0)[0]))
     tokens = np.asarray(draw(jax.numpy.arange(n, dtype=jax.numpy.uint32)))
     counts = np.bincount(tokens, minlength=5)
     assert counts[3] == counts[4] == 0  # outside the nucleus: never drawn
     sigma = np.sqrt(n * expected * (1 - expected))
     assert (np.abs(counts - n * expected) <= 5 * sigma + 1e-9).all(), (counts, n * expected)
     # greedy is the argmax; the same seed draws the same token, another seed may not
-    assert int(sampling_rules.choose(logits, None, 0, 0)[0]) == 0
+    assert int(sampling_rules.choice(None, 0)(logits, 0)[0]) == 0
     again = np.asarray(draw(jax.numpy.arange(n, dtype=jax.numpy.uint32)))
     np.testing.assert_array_equal(again, tokens)
 

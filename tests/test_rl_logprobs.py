@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_generation_cache import tiny
 
+from minifield.models import llama
 from minifield.models.execution import Execution
 from minifield.rl import logprobs
 
@@ -48,8 +49,10 @@ def test_chunked_log_probabilities_are_the_whole_batchs():
 
 def test_chunked_log_probabilities_never_form_the_whole_batch_of_logits():
     """Lowered, not compiled: the vocabulary is 67, the scored slots 3 × 6."""
-    cfg, _ = tiny(seed=2)
-    params = jax.eval_shape(lambda: tiny(seed=2)[1])
+    cfg = llama.LlamaConfig(
+        vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_len=40
+    )
+    params = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
 
     def lowered(c):
         return jax.jit(value_and_grad(c)).lower(params).as_text()

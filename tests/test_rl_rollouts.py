@@ -1,7 +1,8 @@
 """Rollouts (minifield.rl.rollouts): draws from the filtered softmax at the right frequencies,
-each row's tokens a function of (seed, update, prompt, completion) alone, greedy decoding as
-the model's own generation, and the per-token log-probabilities the objective reads against
-a NumPy log-softmax of the model's logits."""
+each row's tokens a function of (seed, update, prompt, completion) alone, greedy decoding
+(the rollouts' and the model's generation, one decode loop) against a naive full-forward
+decode, and the per-token log-probabilities the objective reads against a NumPy log-softmax
+of the model's logits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import pytest
 from test_generation_cache import tiny
 
 from minifield.models import model
-from minifield.models import sampling as sampling_rules
 from minifield.models.sampling import Sampling
 from minifield.rl import logprobs, rollouts
 
@@ -105,16 +105,44 @@ def test_a_rows_tokens_depend_on_its_keys_alone_not_on_its_batch():
     assert len({tuple(c) for c in together.completion_ids}) > 3
 
 
+def _naive_greedy(params, cfg, prompt, n, stops):
+    """Reference: the full forward over the sequence so far (no cache; the slots after it
+    padding, segment 0), its argmax at the last slot, until a stop token (kept) or n tokens."""
+    sequence = list(prompt)
+    while len(sequence) < len(prompt) + n:
+        row = np.zeros((1, cfg.max_len), np.int32)
+        row[0, : len(sequence)] = sequence
+        segments = (np.arange(cfg.max_len) < len(sequence)).astype(np.int32)[None]
+        positions = np.arange(cfg.max_len, dtype=np.int32)[None]
+        logits = np.asarray(_forward(params, cfg, row, segments, positions))
+        sequence.append(int(np.argmax(logits[0, len(sequence) - 1])))
+        if sequence[-1] in stops:
+            break
+    return sequence[len(prompt) :]
+
+
 @pytest.mark.slow  # compile-heavy for the fast tier (5 CPU-s there); the full suite runs it
-def test_greedy_equals_the_models_generation_and_a_stop_token_ends_and_is_kept():
-    cfg, params = tiny(seed=3)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+def test_both_callers_of_the_decode_loop_give_the_naive_decodes_greedy_tokens():
+    cfg, params = tiny(seed=3, compute_dtype="float32")
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]  # [9]: one token, the shortest prompt
+    expected = [_naive_greedy(params, cfg, p, 10, ()) for p in prompts]
     mine, truncated = rollouts.generate(params, cfg, prompts, 10, (), length=24)
-    theirs = model.greedy_generate_batch(params, cfg, prompts, 10, None)
-    assert mine == theirs and truncated.all()
-    stop = mine[0][3]  # the 4th token of the first row: that row ends there, stop kept
+    assert mine == expected and truncated.all()
+    # the model's generation (Llama: the cache; the GPT model's full forward: test_model.py)
+    assert model.greedy_generate_batch(params, cfg, prompts, 10, None) == expected
+    # a stop token ends a row where the reference stops: kept by the rollouts, dropped by
+    # the model's generation
+    stop = expected[0][3]
+    stopped = [_naive_greedy(params, cfg, p, 10, (stop,)) for p in prompts]
     cut, truncated = rollouts.generate(params, cfg, prompts, 10, (stop,), length=24)
-    assert cut[0] == mine[0][: mine[0].index(stop) + 1] and not truncated[0]
+    assert cut == stopped and cut[0][-1] == stop and not truncated[0]
+    theirs = model.greedy_generate_batch(params, cfg, prompts, 10, stop)
+    assert theirs == [row[:-1] if row[-1:] == [stop] else row for row in stopped]
+    # an empty prompt has no logits to choose its first token from: refused by both
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        rollouts.generate(params, cfg, [[1, 2], []], 10, (), length=24)
+    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+        model.greedy_generate_batch(params, cfg, [[1, 2], []], 10, None)
 
 
 @pytest.mark.slow  # compile-heavy for the fast tier (5 CPU-s there); the full suite runs it
@@ -133,27 +161,3 @@ def test_token_logps_are_the_temperature_scaled_log_softmax_of_the_previous_slot
             p = np.exp(log_softmax[n, t - 1])
             assert entropy[n, t] == pytest.approx(-(p * log_softmax[n, t - 1]).sum(), abs=2e-4)
     assert np.all(np.asarray(logps)[:, 0] == 0)
-
-
-def test_the_draw_skips_the_sort_when_nothing_is_cut_with_the_same_bits():
-    """top_k 0 (or at least V) and top_p 1 cut nothing: the logits a token is drawn from are
-    filter_logits' bit for bit, without its sort; a NaN logit takes the sort, as do cuts."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((9, 300)).astype(np.float32) * 5
-    x[1, :100] = -np.inf
-    x[2] = 0.0
-    x[2, ::2] = -0.0
-    x[3] = -np.inf
-    x[4, 7], x[5, 8], x[5, 9] = np.inf, np.inf, -np.inf
-    x[6, 3], x[7, ::3], x[8, 5], x[8, 6] = np.nan, np.nan, np.nan, np.inf
-    # both compiled, as generation runs them (XLA's division by the traced temperature is not
-    # op-by-op NumPy's to the last bit, the same in both)
-    filtered, reference = jax.jit(rollouts._filtered), jax.jit(sampling_rules.filter_logits)
-    for rows in (x[:6], x):  # without NaN (the cheap branch when nothing is cut), with NaN
-        for settings in [(1.0, 0, 1.0), (0.7, 300, 1.0), (1.3, 900, 1.0), (1.0, 12, 1.0)]:
-            for top_p in (1.0, 0.8):
-                s = Sampling(settings[0], settings[1], top_p)
-                want = np.asarray(reference(rows, s))
-                assert np.array_equal(
-                    np.asarray(filtered(rows, s)).view(np.uint32), want.view(np.uint32)
-                )

@@ -181,6 +181,31 @@ def test_top_p_one_and_top_k_zero_cut_nothing(temperature):
     assert ((p < 6e-8).any(axis=1)).sum() > 1000
 
 
+def test_the_draw_skips_the_sort_when_nothing_is_cut_with_the_same_bits():
+    """top_k 0 (or at least V) and top_p 1 cut nothing: the logits a token is drawn from are
+    filter_logits' bit for bit, without its sort; a NaN logit takes the sort, as do cuts."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((9, 300)).astype(np.float32) * 5
+    x[1, :100] = -np.inf
+    x[2] = 0.0
+    x[2, ::2] = -0.0
+    x[3] = -np.inf
+    x[4, 7], x[5, 8], x[5, 9] = np.inf, np.inf, -np.inf
+    x[6, 3], x[7, ::3], x[8, 5], x[8, 6] = np.nan, np.nan, np.nan, np.inf
+    # both compiled, as generation runs them (XLA's division by the traced temperature is not
+    # op-by-op NumPy's to the last bit, the same in both)
+    filtered = jax.jit(sampling_rules.sampled_logits)
+    reference = jax.jit(sampling_rules.filter_logits)
+    for rows in (x[:6], x):  # without NaN (the cheap branch when nothing is cut), with NaN
+        for settings in [(1.0, 0, 1.0), (0.7, 300, 1.0), (1.3, 900, 1.0), (1.0, 12, 1.0)]:
+            for top_p in (1.0, 0.8):
+                s = Sampling(settings[0], settings[1], top_p)
+                want = np.asarray(reference(rows, s))
+                assert np.array_equal(
+                    np.asarray(filtered(rows, s)).view(np.uint32), want.view(np.uint32)
+                )
+
+
 def test_each_row_draws_with_its_own_key():
     """Row ``b`` at step ``i`` draws with ``fold_in(fold_in(key(seed), i), b)``: identical
     flat rows draw different tokens, each (checked for four rows) the draw of its own key, and
@@ -188,7 +213,8 @@ def test_each_row_draws_with_its_own_key():
     B, V, seed, step = 2000, 64, 12345, 3
     flat = jnp.zeros((B, V), jnp.float32)
     sampling = Sampling(1.0, 0, 1.0)
-    choose = jax.jit(sampling_rules.choose)  # as generation runs it: one compilation
+    # as generation runs it: one compilation
+    choose = jax.jit(lambda logits, s, seed, i: sampling_rules.choice(s, seed)(logits, i))
     tokens = np.asarray(choose(flat, sampling, seed, step))
     assert len(set(tokens.tolist())) == V  # 2,000 independent uniform draws cover all 64
     step_key = jax.random.fold_in(jax.random.key(seed), step)

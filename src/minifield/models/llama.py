@@ -35,7 +35,6 @@ table mapping them to HF names)::
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -43,7 +42,6 @@ import jax
 import jax.numpy as jnp
 
 from . import moe, rope_scaling
-from . import sampling as sampling_rules
 from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, linear, rotate, scaled_normal
 
@@ -325,50 +323,3 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
         h_BxTxD = _add(cfg, h_BxTxD, _mlp(cfg, a_BxTxD, block)[0], block, "mlp_post_norm")
     last_Bx1xD = h_BxTxD[jnp.arange(B), last_B][:, None, :]
     return head(params, cfg, last_Bx1xD)[:, 0], new_cache
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def generate_rows_cached(
-    params, cfg: LlamaConfig, buffer_BxL, max_new, lengths_B, stops_S, sampling, seed
-):
-    """:func:`.model._generate_rows` with a key/value cache: the prompt buffer runs through
-    the model once, then each new token costs one single-position step instead of a full
-    forward over the buffer. The same loop, stopping rules and outputs."""
-    B, L = buffer_BxL.shape
-    rows_B = jnp.arange(B)
-    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    logits_BxV, cache = forward_cached(
-        params,
-        cfg,
-        buffer_BxL,
-        positions_BxL,
-        empty_cache(cfg, B, L),
-        jnp.maximum(lengths_B - 1, 0),
-    )
-
-    def cond(carry):
-        i, _, _, done_B, _, _ = carry
-        return (i < max_new) & ~jnp.all(done_B)
-
-    def body(carry):
-        i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
-        next_B = sampling_rules.choose(logits_BxV, sampling, seed, i)
-        write_B = ~done_B
-        slot_B = jnp.minimum(len_B, L - 1)
-        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
-            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
-        )
-        len_B = len_B + write_B.astype(jnp.int32)
-        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
-        # The token just written (a finished row rewrites its last slot with the same values).
-        last_B = jnp.minimum(len_B - 1, L - 1)
-        token_Bx1 = buf_BxL[rows_B, last_B][:, None]
-        logits_BxV, cache = forward_cached(
-            params, cfg, token_Bx1, last_B[:, None], cache, jnp.zeros((B,), jnp.int32)
-        )
-        return i + 1, buf_BxL, len_B, done_B, logits_BxV, cache
-
-    done0_B = lengths_B >= L
-    carry = (jnp.int32(0), buffer_BxL, lengths_B, done0_B, logits_BxV, cache)
-    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
-    return buf_BxL, len_B

@@ -145,43 +145,85 @@ def loss_fn(params, cfg: ModelConfig, batch):
 # ----------------------------------------------------------------------------- generation
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _generate_rows(
-    params, cfg: ModelConfig, buffer_BxL, max_new, lengths_B, stops_S, sampling, seed
-):
-    """Continuation of each row's prompt ``buffer[b, :lengths[b]]`` in place, each token
-    chosen by :func:`.sampling.choose` (greedy when ``sampling`` is None).
+@functools.partial(jax.jit, static_argnums=(1, 7))
+def decode(params, cfg, buffer_BxL, lengths_B, stops_S, max_new, choice, prefill=None):
+    """Each row's prompt ``buffer[b, :lengths[b]]`` continued in place: the one decode loop.
 
-    Each step runs the full forward over the fixed buffer (causality makes the slots
-    after a row's end irrelevant to its next token) and writes one token per
-    unfinished row; a row ends on any id of ``stops_S`` (``-1`` entries stop nothing).
+    Each step writes one token to every unfinished row, ``choice(logits_BxV, step)``'s (a
+    token choice of :mod:`.sampling`: greedy or a draw); a row ends with its first stop
+    token (written; ``-1`` entries of ``stops_S`` stop nothing), when it fills the buffer (a
+    prompt that fills it takes no token), or after ``max_new`` steps. Returns the buffer and
+    each row's length. Every prompt has at least one token (:func:`prompt_buffer` refuses an
+    empty one): the logits at its last slot choose the first new token.
+
+    ``prefill`` None runs the full forward over the buffer for every token (any family;
+    causality makes the slots after a row's end irrelevant to its next token). An int is
+    Llama's key/value cache: the first ``prefill`` slots (at least the longest prompt) run
+    through the model once, then each token costs one single-position step; the width
+    changes no token (no query reads a slot before its token is written), only the shapes
+    compiled.
     """
     B, L = buffer_BxL.shape
-    segments_BxL = jnp.ones((B, L), jnp.int32)
-    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     rows_B = jnp.arange(B)
+    if prefill is None:
+        segments_BxL = jnp.ones((B, L), jnp.int32)
+        positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+
+        def logits_after(state, buf_BxL, last_B):
+            logits_BxLxV = forward(params, cfg, buf_BxL, segments_BxL, positions_BxL)
+            return logits_BxLxV[rows_B, last_B], state
+
+        logits_BxV, state = logits_after(None, buffer_BxL, lengths_B - 1)
+    else:
+        positions_BxW = jnp.broadcast_to(jnp.arange(prefill, dtype=jnp.int32), (B, prefill))
+        logits_BxV, state = llama.forward_cached(
+            params,
+            cfg,
+            buffer_BxL[:, :prefill],
+            positions_BxW,
+            llama.empty_cache(cfg, B, L),
+            lengths_B - 1,
+        )
+
+        def logits_after(cache, buf_BxL, last_B):
+            # the token just written (a finished row rewrites its last slot with the same values)
+            token_Bx1 = buf_BxL[rows_B, last_B][:, None]
+            return llama.forward_cached(
+                params, cfg, token_Bx1, last_B[:, None], cache, jnp.zeros((B,), jnp.int32)
+            )
 
     def cond(carry):
-        i, _, _, done_B = carry
+        i, _, _, done_B, _, _ = carry
         return (i < max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        i, buf_BxL, len_B, done_B = carry
-        logits_BxLxV = forward(params, cfg, buf_BxL, segments_BxL, positions_BxL)
-        next_B = sampling_rules.choose(logits_BxLxV[rows_B, len_B - 1], sampling, seed, i)
+        i, buf_BxL, len_B, done_B, logits_BxV, state = carry
+        next_B = choice(logits_BxV, i)
         write_B = ~done_B
-        buf_BxL = buf_BxL.at[rows_B, jnp.minimum(len_B, L - 1)].set(
-            jnp.where(write_B, next_B, buf_BxL[rows_B, jnp.minimum(len_B, L - 1)])
+        slot_B = jnp.minimum(len_B, L - 1)
+        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
+            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
         )
         len_B = len_B + write_B.astype(jnp.int32)
         done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
-        return i + 1, buf_BxL, len_B, done_B
+        logits_BxV, state = logits_after(state, buf_BxL, jnp.minimum(len_B - 1, L - 1))
+        return i + 1, buf_BxL, len_B, done_B, logits_BxV, state
 
-    done0_B = lengths_B >= L
-    _, buf_BxL, len_B, _ = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), buffer_BxL, lengths_B, done0_B)
-    )
+    carry = (jnp.int32(0), buffer_BxL, lengths_B, lengths_B >= L, logits_BxV, state)
+    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return buf_BxL, len_B
+
+
+def prompt_buffer(prompts: list[list[int]], length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``[B, length]`` int32 buffer :func:`decode` continues (each prompt from slot 0, 0
+    after it) and the prompts' lengths; an empty prompt is refused (no logits choose its
+    first token: the model has no start of its own)."""
+    if any(len(prompt) < 1 for prompt in prompts):
+        raise ValueError("every prompt needs at least one token")
+    buffer = np.zeros((len(prompts), length), np.int32)
+    for row, prompt in enumerate(prompts):
+        buffer[row, : len(prompt)] = prompt
+    return buffer, np.asarray([len(prompt) for prompt in prompts], np.int32)
 
 
 #: buffers and scored rows are padded to a multiple of this many positions, so that calls of
@@ -211,9 +253,9 @@ def generate_batch(
     continuation fill ``cfg.max_len``. ``sampling`` None is greedy (argmax, ties to the
     lowest id); otherwise each token is drawn as :mod:`.sampling` says, from ``seed``.
 
-    ``cache``: a Llama model generates with a key/value cache (one single-position step per
-    new token, :func:`.llama.generate_rows_cached`); ``False`` (or the GPT model) runs the
-    full forward over the buffer for every token. Both give the same greedy tokens.
+    ``cache``: a Llama model generates with :func:`decode`'s key/value cache (one
+    single-position step per new token); ``False`` (or the GPT model) runs the full forward
+    over the buffer for every token. Both give the same greedy tokens.
 
     The buffer length is rounded up to a multiple of 32 (at most ``cfg.max_len``) so
     that similar calls share one compilation (the token budget, stop tokens, sampling values
@@ -224,36 +266,26 @@ def generate_batch(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     longest = max(len(p) for p in prompts)
-    if longest < 1:
-        raise ValueError("every prompt needs at least one token")
     if longest > cfg.max_len:
         raise ValueError(f"a prompt has {longest} tokens, more than model.max_len={cfg.max_len}")
-    for prompt in prompts:
-        if len(prompt) < 1:
-            raise ValueError("every prompt needs at least one token")
+    length = padded_length(longest + max_new_tokens, cfg.max_len)
+    buffer, lengths = prompt_buffer(prompts, length)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
     # Generation runs buffers of any length through the XLA attention (the fused kernel wants
     # whole blocks) and needs no remat or loss chunks; a scanned stack stays scanned.
     cfg = dataclasses.replace(cfg, execution=Execution(scan_layers=cfg.execution.scan_layers))
-    length = padded_length(longest + max_new_tokens, cfg.max_len)
-    buffer = np.zeros((len(prompts), length), np.int32)
-    for row, prompt in enumerate(prompts):
-        buffer[row, : len(prompt)] = prompt
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
     stops = sampling_rules.stop_ids(stop_tokens)
-    generate_rows = _generate_rows
-    if cache and cfg.architecture == llama.ARCHITECTURE:
-        generate_rows = llama.generate_rows_cached
-    out, out_lengths = generate_rows(
+    cached = cache and cfg.architecture == llama.ARCHITECTURE
+    out, out_lengths = decode(
         params,
         cfg,
         jnp.asarray(buffer),
-        jnp.int32(max_new_tokens),
         jnp.asarray(lengths),
         jnp.asarray(stops or (-1,), jnp.int32),
-        sampling,
-        jnp.uint32(seed),
+        jnp.int32(max_new_tokens),
+        sampling_rules.choice(sampling, jnp.uint32(seed)),
+        length if cached else None,
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     results = []

@@ -134,20 +134,85 @@ def filter_logits(logits_BxV, sampling: Sampling):
     return jnp.where(scaled_BxV >= threshold_Bx1, scaled_BxV, -jnp.inf)
 
 
-def choose(logits_BxV, sampling: Sampling | None, seed, step):
-    """The next token of each row ``[B]`` int32: the argmax (lowest id among ties) when
-    ``sampling`` is None, else a draw from :func:`filter_logits`' softmax."""
+def sampled_logits(logits_BxV, sampling: Sampling):
+    """:func:`filter_logits`, without its sort over the vocabulary when neither top-k nor the
+    nucleus cuts anything (``top_k`` 0 or at least V and ``top_p`` 1: a grpo recipe's
+    defaults) and no logit is NaN: then the filter keeps every logit (each is at or above the
+    least one), so the scaled logits are its result, the same bits. A NaN logit (a diverged
+    policy) takes the sort, whose threshold it makes order-dependent."""
     import jax
     import jax.numpy as jnp
 
-    if sampling is None:
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-    filtered_BxV = filter_logits(logits_BxV, sampling)
-    step_key = jax.random.fold_in(jax.random.key(seed), step)
-    keys_B = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(
-        jnp.arange(logits_BxV.shape[0])
-    )
+    V = logits_BxV.shape[-1]
+    cuts = ((sampling.top_k > 0) & (sampling.top_k < V)) | (sampling.top_p < 1.0)
+    cuts = cuts | jnp.isnan(logits_BxV).any()
+    return jax.lax.cond(cuts, filter_logits, _scaled, logits_BxV, sampling)
+
+
+def _scaled(logits_BxV, sampling: Sampling):
+    import jax.numpy as jnp
+
+    return logits_BxV.astype(jnp.float32) / sampling.temperature
+
+
+def draw(logits_BxV, sampling: Sampling, keys_B):
+    """Row ``b``'s token drawn with ``keys_B[b]`` from the softmax of :func:`sampled_logits`."""
+    import jax
+    import jax.numpy as jnp
+
+    filtered_BxV = sampled_logits(logits_BxV, sampling)
     return jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
+
+
+# The token choices a decode loop takes (:func:`minifield.models.model.decode`): called as
+# ``choice(logits_BxV, step)`` for the next token of each row ``[B]`` int32. Each is a
+# pytree (its settings and keys traced), so one compiled loop serves every value.
+
+
+class Greedy(NamedTuple):
+    """The argmax of each row (the lowest id among ties)."""
+
+    def __call__(self, logits_BxV, step):
+        import jax.numpy as jnp
+
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+
+class SeededDraw(NamedTuple):
+    """A draw (:func:`draw`) with row ``b``'s key at step ``i``
+    ``fold_in(fold_in(key(seed), i), b)`` (see the module)."""
+
+    sampling: Sampling
+    seed: object  # a uint32 scalar
+
+    def __call__(self, logits_BxV, step):
+        import jax
+        import jax.numpy as jnp
+
+        step_key = jax.random.fold_in(jax.random.key(self.seed), step)
+        keys_B = jax.vmap(lambda row: jax.random.fold_in(step_key, row))(
+            jnp.arange(logits_BxV.shape[0])
+        )
+        return draw(logits_BxV, self.sampling, keys_B)
+
+
+class KeyedDraw(NamedTuple):
+    """A draw (:func:`draw`) with row ``b``'s key at step ``i`` ``fold_in(keys_B[b], i)``:
+    a row's tokens depend on its own key alone, not on its place in the batch."""
+
+    sampling: Sampling
+    keys_B: object  # [B] typed keys
+
+    def __call__(self, logits_BxV, step):
+        import jax
+
+        step_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, step))(self.keys_B)
+        return draw(logits_BxV, self.sampling, step_keys_B)
+
+
+def choice(sampling: Sampling | None, seed) -> Greedy | SeededDraw:
+    """Greedy when ``sampling`` is None, else a draw from ``seed`` (see the module)."""
+    return Greedy() if sampling is None else SeededDraw(sampling, seed)
 
 
 def is_stop(tokens_B, stops_S):

@@ -12,21 +12,20 @@ rollouts of the update it resumes at, whatever the batch's composition or placem
 
 A completion ends with its first stop token (kept: the policy is trained to emit it) or after
 ``max_new`` tokens without one (truncated). The prompt occupies slots ``0 .. len - 1`` of a
-row, the completion the slots after it. Only the Llama family generates with a cache: a
-grpo recipe always has a base model, which is one.
+row, the completion the slots after it; every prompt has at least one token. Only the Llama
+family generates with a cache: a grpo recipe always has a base model, which is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..models import llama
+from ..models import model
 from ..models import sampling as sampling_rules
 from ..models.execution import Execution
 
@@ -39,80 +38,6 @@ class Rollouts(NamedTuple):
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]  # the stop token included when there is one
     truncated: np.ndarray  # [N] bool: max_new tokens without a stop token
-
-
-def _scaled(logits_BxV, sampling):
-    """:func:`minifield.models.sampling.filter_logits` when neither top-k nor the nucleus cuts
-    anything (``top_k`` 0 or at least V, ``top_p`` 1) and no logit is NaN, without its sort
-    over the vocabulary: it keeps every logit at or above the least one, so all of them; the
-    same bits."""
-    return logits_BxV.astype(jnp.float32) / sampling.temperature
-
-
-def _filtered(logits_BxV, sampling):
-    """The logits a token is drawn from: the sort over the vocabulary that top-k and top-p
-    need only when one of them cuts (the recipe's defaults cut nothing). A NaN logit (a
-    diverged policy) also takes the sort, whose threshold it makes order-dependent."""
-    V = logits_BxV.shape[-1]
-    cuts = ((sampling.top_k > 0) & (sampling.top_k < V)) | (sampling.top_p < 1.0)
-    cuts = cuts | jnp.isnan(logits_BxV).any()
-    return jax.lax.cond(cuts, sampling_rules.filter_logits, _scaled, logits_BxV, sampling)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 8, 9))
-def _generate(
-    params, cfg, buffer_BxL, lengths_B, stops_S, sampling, keys_B, max_new, greedy, prefill
-):
-    """``prefill``: the slots the prompts can occupy (``L`` minus the new tokens): only those
-    run through the model before the first token; the slots after them are written one by
-    one as tokens are chosen and no query reads a slot before it is written."""
-    B, L = buffer_BxL.shape
-    rows_B = jnp.arange(B)
-    positions_BxW = jnp.broadcast_to(jnp.arange(prefill, dtype=jnp.int32), (B, prefill))
-    logits_BxV, cache = llama.forward_cached(
-        params,
-        cfg,
-        buffer_BxL[:, :prefill],
-        positions_BxW,
-        llama.empty_cache(cfg, B, L),
-        lengths_B - 1,
-    )
-
-    def choose(logits_BxV, i):
-        if greedy:
-            return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-        filtered_BxV = _filtered(logits_BxV, sampling)
-        step_keys_B = jax.vmap(lambda key: jax.random.fold_in(key, i))(keys_B)
-        return jax.vmap(jax.random.categorical)(step_keys_B, filtered_BxV).astype(jnp.int32)
-
-    def cond(carry):
-        i, _, _, done_B, _, _ = carry
-        return (i < max_new) & ~jnp.all(done_B)
-
-    def body(carry):
-        i, buf_BxL, len_B, done_B, logits_BxV, cache = carry
-        next_B = choose(logits_BxV, i)
-        write_B = ~done_B
-        slot_B = jnp.minimum(len_B, L - 1)
-        buf_BxL = buf_BxL.at[rows_B, slot_B].set(
-            jnp.where(write_B, next_B, buf_BxL[rows_B, slot_B])
-        )
-        len_B = len_B + write_B.astype(jnp.int32)
-        done_B = done_B | (write_B & sampling_rules.is_stop(next_B, stops_S)) | (len_B >= L)
-        last_B = jnp.minimum(len_B - 1, L - 1)
-        logits_BxV, cache = llama.forward_cached(
-            params,
-            cfg,
-            buf_BxL[rows_B, last_B][:, None],
-            last_B[:, None],
-            cache,
-            jnp.zeros((B,), jnp.int32),
-        )
-        return i + 1, buf_BxL, len_B, done_B, logits_BxV, cache
-
-    carry = (jnp.int32(0), buffer_BxL, lengths_B, jnp.zeros((B,), bool), logits_BxV, cache)
-    _, buf_BxL, len_B, _, _, _ = jax.lax.while_loop(cond, body, carry)
-    return buf_BxL, len_B
 
 
 def row_keys(seed: int, update: int, prompt_index: np.ndarray, completion_index: np.ndarray):
@@ -128,8 +53,7 @@ def row_keys(seed: int, update: int, prompt_index: np.ndarray, completion_index:
 
 @jax.jit
 def _row_keys(seed_key, update, prompt_index, completion_index):
-    # compiled once per batch size: run op by op, the vmap was traced anew at every update
-    # (64 rows: 1.7 ms of CPU a call, 0.27 ms compiled)
+    # compiled once per batch size: run op by op, the vmap would be traced anew every update
     key = jax.random.fold_in(seed_key, update)
 
     def one(p, c):
@@ -169,28 +93,26 @@ def generate(
     length = length or min(cfg.max_len, longest + max_new)
     if longest + max_new > length:
         raise ValueError(f"a prompt of {longest} tokens and {max_new} new ones exceed {length}")
+    buffer, lengths = model.prompt_buffer(prompt_ids, length)
     # generation runs the XLA attention over buffers of any length; no remat or loss chunks
     cfg = dataclasses.replace(cfg, execution=Execution())
-    buffer = np.zeros((rows, length), np.int32)
-    for row, prompt in enumerate(prompt_ids):
-        buffer[row, : len(prompt)] = prompt
-    lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     keys = row_keys(seed, update, prompt_index, completion_index)
     per_row = (jnp.asarray(buffer), jnp.asarray(lengths), keys)
     if row_sharding is not None:
         per_row = jax.device_put(per_row, row_sharding)
     buffer_BxL, lengths_B, keys_B = per_row
-    out, out_lengths = _generate(
+    choice = sampling_rules.Greedy()
+    if sampling is not None:
+        choice = sampling_rules.KeyedDraw(sampling, keys_B)
+    out, out_lengths = model.decode(
         params,
         cfg,
         buffer_BxL,
         lengths_B,
         jnp.asarray(stops or (-1,), jnp.int32),
-        sampling,
-        keys_B,
         jnp.int32(max_new),
-        sampling is None,
-        max(length - max_new, longest, 1),
+        choice,
+        length - max_new,
     )
     out, out_lengths = np.asarray(out), np.asarray(out_lengths)
     completions, truncated = [], np.zeros(rows, bool)
