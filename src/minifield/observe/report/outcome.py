@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import page
 
-#: the store's pointer file (:mod:`minifield.store.pointer`)
+#: the store's pointer file (:mod:`minifield.store.pointer`; observe does not import store)
 ACTIVE_FILE = "active.json"
 TITLE = "What the run did"
 _IN_COMPUTATION = re.compile(r"(?:^|/)results/computations/([0-9a-f]{16})/")
@@ -29,10 +29,6 @@ def _read(path: Path) -> dict | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _number(value) -> str:
-    return page.fmt(value)
 
 
 def _trained(result: dict | None) -> str:
@@ -60,7 +56,7 @@ def _acceptance(metrics: dict | None) -> tuple[str, bool | None]:
         return "acceptance passed", True
     failed = [c for c in checks if not c.get("passed")] or checks
     said = ", ".join(
-        f"{c.get('name')} {_number(c.get('value'))} (threshold {_number(c.get('threshold'))})"
+        f"{c.get('name')} {page.fmt(c.get('value'))} (threshold {page.fmt(c.get('threshold'))})"
         for c in failed
     )
     return f"acceptance FAILED: {said or 'no check recorded'}", False
