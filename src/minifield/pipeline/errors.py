@@ -29,7 +29,10 @@ def _refusal_types() -> tuple[type[BaseException], ...]:
     from ..data.chat_template import ChatTemplateError
     from ..data.tokenizer import TokenizerError
     from ..harness.tasks import HarnessTaskError
+    from ..inputs.credentials import CredentialsError
     from ..inputs.examples import ExamplesError
+    from ..inputs.fetch import FetchError
+    from ..inputs.origins import OriginError
     from ..inputs.pinned import InputError
     from ..recipe import RecipeError
     from ..rl.python_reward import RewardError
@@ -40,6 +43,9 @@ def _refusal_types() -> tuple[type[BaseException], ...]:
         RecipeError,
         InputError,
         ExamplesError,
+        FetchError,
+        OriginError,
+        CredentialsError,
         ChatTemplateError,
         TokenizerError,
         HarnessTaskError,
