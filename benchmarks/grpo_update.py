@@ -221,7 +221,7 @@ def split(args, cfg) -> None:
         started = time.monotonic()
         made = rollouts.sample_groups(
             state["params"], cfg, prompts, np.arange(args.prompts), args.G,
-            max_new=args.new, stops=(), sampling=Sampling(1.0, 0, 1.0), seed=0, update=r,
+            max_new=args.new, stops=(), sampling=Sampling(1.0, 0, 1.0), seed=0, update=r + 1,
             length=seq_len,
         )  # fmt: skip
         t["rollout"] = time.monotonic() - started

@@ -23,9 +23,14 @@ from conftest import attempts_of, read_events, run_attempt, update_hashes, worke
 from grpo_cases import make_inputs, recipe
 
 from minifield import recipe as recipes
+from minifield.data.batches import rows_for_step
+from minifield.hf import loaded_model
+from minifield.models.sampling import Sampling
 from minifield.observe.summarize import summarize
 from minifield.pipeline import evaluation, preparation
 from minifield.proof.prove import prove
+from minifield.rl import rollouts as rl_rollouts
+from minifield.strategies.grpo.evaluator import stop_ids
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +120,31 @@ def _loss_by_hand(lines: list[dict], rl: dict, G: int) -> float:
     return float(sum(sum(t) for t in per_sequence) / tokens)
 
 
+def _redrawn_from_name(path: Path, recipe: dict, root: Path) -> list[dict]:
+    """The rollouts of the update a file's name numbers (``update-{n:08d}.jsonl``, from 1),
+    drawn anew as docs/grpo.md says: prompts ``rows_for_step(seed, n - 1)``, keys with
+    ``n - 1`` folded in, the policy after ``n - 1`` updates (for ``n`` 1 the base itself)."""
+    n = int(path.stem.removeprefix("update-"))
+    assert n == 1  # the base is the policy; later updates would need their checkpoint
+    base = loaded_model.from_hf_directory(root / "base", compute_dtype="float32")
+    rl, training = recipe["rl"], recipe["training"]
+    G = rl["num_generations"]
+    train = [
+        json.loads(line) for line in (root / "prompts" / "train.jsonl").read_text().splitlines()
+    ]
+    index = rows_for_step(training["seed"], n - 1, training["batch_size"] // G, len(train))
+    prompt_ids = [base.prompt_ids(train[i].get("messages") or train[i]["prompt"]) for i in index]
+    made = rl_rollouts.sample_groups(
+        base.params, base.cfg, prompt_ids, index, G, max_new=rl["max_completion_length"],
+        stops=stop_ids(base.tokenizer), seed=training["seed"], update=n,
+        sampling=Sampling(rl["temperature"], rl["top_k"], rl["top_p"]), length=training["seq_len"],
+    )  # fmt: skip
+    return [
+        {"prompt_index": int(p), "prompt_ids": a, "completion_ids": c}
+        for p, a, c in zip(made.prompt_index, made.prompt_ids, made.completion_ids, strict=True)
+    ]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case):
     # One set of worker runs serves every check: the recovery proof's (both modes). Its
@@ -197,6 +227,13 @@ def test_trains_resumes_to_the_same_rollouts_proves_and_is_gated(tmp_path, case)
     assert verdict["passed"] and verdict["checks"][0]["name"] == "dev_reward"
     raised = {**loaded.data, "evaluation": {**loaded.data["evaluation"], "min_dev_reward": 9.0}}
     assert not loaded.strategy.acceptance(raised, gate)["passed"]
+    # update 1's file redrawn from its name alone: the same prompts and tokens
+    first = attempt / "rollouts" / "update-00000001.jsonl"
+    recorded = [json.loads(line) for line in first.read_text().splitlines()]
+    fields = ("prompt_index", "prompt_ids", "completion_ids")
+    assert _redrawn_from_name(first, loaded.data, root) == [
+        {name: line[name] for name in fields} for line in recorded
+    ]
 
 
 def _events_count(path) -> int:

@@ -68,16 +68,18 @@ def _row(prompt):
 
 
 def test_each_rows_key_is_the_documented_chain_of_fold_ins():
-    # the module's rule, one row at a time with Python ints: key(seed), then the update, the
-    # prompt and the completion folded in, in that order
+    # the module's rule, one row at a time with Python ints: key(seed), then the updates
+    # before this one (update 9: 8), the prompt and the completion folded in, in that order
     prompt_index, completion_index = np.asarray([10, 10, 3, 7]), np.asarray([0, 1, 1, 5])
     keys = rollouts.row_keys(41, 9, prompt_index, completion_index)
     pairs = zip(prompt_index.tolist(), completion_index.tolist(), strict=True)
     for n, (p, c) in enumerate(pairs):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(41), 9), p)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(41), 8), p)
         by_hand = jax.random.key_data(jax.random.fold_in(key, c))
         assert np.array_equal(jax.random.key_data(keys[n]), by_hand)
     assert len({tuple(np.asarray(jax.random.key_data(k)).tolist()) for k in keys}) == 4
+    with pytest.raises(ValueError, match="numbered from 1, got update 0"):
+        rollouts.row_keys(41, 0, prompt_index, completion_index)
 
 
 @pytest.mark.slow  # compile-heavy for the fast tier (7 CPU-s there); the full suite runs it

@@ -1,14 +1,18 @@
 """Rollouts: G sampled completions of each prompt from the policy's key/value-cache generation,
 every draw a pure function of (seed, update, prompt index, completion index).
 
-Row ``n`` of an update's batch is completion ``c`` of prompt ``p`` (the prompt's index in its
-split); its token at generation step ``i`` is drawn with the key
-``fold_in(fold_in(fold_in(fold_in(fold_in(key(seed), update), p), c), i)`` from the
-temperature-scaled logits filtered by top-k and top-p exactly as
-:func:`minifield.models.sampling.filter_logits` filters them (transformers' order). The draw
-never depends on which other rows share the batch, so a resumed attempt regenerates the
-rollouts of the update it resumes at, whatever the batch's composition or placement. Greedy
-(``sampling`` None) takes the argmax (ties to the lowest id), for evaluation.
+Updates are numbered from 1, as everywhere a user sees them (the ``update`` event's ``step``,
+the rollouts file ``update-{u:08d}.jsonl``, the checkpoint ``step-{u:08d}`` after it): update
+``u`` draws with the policy after ``u - 1`` updates. Row ``r`` of an update's batch is
+completion ``c`` of prompt ``p`` (the prompt's index in its split); its token at generation
+step ``i`` of update ``u`` is drawn with the key
+``fold_in(fold_in(fold_in(fold_in(fold_in(key(seed), u - 1), p), c), i)`` (``u - 1``: the
+updates before it, so the runs recorded so far keep their draws) from the temperature-scaled
+logits filtered by top-k and top-p exactly as :func:`minifield.models.sampling.filter_logits`
+filters them (transformers' order). The draw never depends on which other rows share the
+batch, so a resumed attempt regenerates the rollouts of the update it resumes at, whatever the
+batch's composition or placement. Greedy (``sampling`` None) takes the argmax (ties to the
+lowest id), for evaluation.
 
 A completion ends with its first stop token (kept: the policy is trained to emit it) or after
 ``max_new`` tokens without one (truncated). The prompt occupies slots ``0 .. len - 1`` of a
@@ -41,20 +45,23 @@ class Rollouts(NamedTuple):
 
 
 def row_keys(seed: int, update: int, prompt_index: np.ndarray, completion_index: np.ndarray):
-    """The base key of each row (see the module): ``[N]`` typed keys."""
+    """The base key of each row of update ``update`` (1 for the first; see the module):
+    ``[N]`` typed keys."""
+    if update < 1:
+        raise ValueError(f"updates are numbered from 1, got update {update}")
     # fold_in takes its data as uint32 whether it is a Python int or an array: the same bits
     return _row_keys(
         jax.random.key(seed),
-        jnp.uint32(update),
+        jnp.uint32(update - 1),
         jnp.asarray(prompt_index, jnp.uint32),
         jnp.asarray(completion_index, jnp.uint32),
     )
 
 
 @jax.jit
-def _row_keys(seed_key, update, prompt_index, completion_index):
+def _row_keys(seed_key, before, prompt_index, completion_index):
     # compiled once per batch size: run op by op, the vmap would be traced anew every update
-    key = jax.random.fold_in(seed_key, update)
+    key = jax.random.fold_in(seed_key, before)
 
     def one(p, c):
         return jax.random.fold_in(jax.random.fold_in(key, p), c)
@@ -71,7 +78,7 @@ def generate(
     *,
     sampling=None,
     seed: int = 0,
-    update: int = 0,
+    update: int = 1,
     prompt_index=None,
     completion_index=None,
     length: int | None = None,

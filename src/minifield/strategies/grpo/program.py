@@ -167,6 +167,7 @@ class GRPOProgram(LMProgram):
             self.compile()
         times = {}
         began = started = time.monotonic()
+        update = step + 1  # updates are numbered from 1 (rollouts, rewards, files, events)
         index = rows_for_step(self.seed, step, self.N // self.G, len(self.train_ids))
         made = rollouts.sample_groups(
             self._policy_params(state),
@@ -178,13 +179,13 @@ class GRPOProgram(LMProgram):
             stops=self.stops,
             sampling=self.sampling,
             seed=self.seed,
-            update=step,
+            update=update,
             length=self.seq_len,
             row_sharding=self._rows(),
         )
         times["rollout_seconds"] = time.monotonic() - started
         started = time.monotonic()
-        scored = self.evaluator.score(made, self.train_rows, update=step + 1)
+        scored = self.evaluator.score(made, self.train_rows, update=update)
         advantages = group_advantages.advantages(scored.total, self.G, self.rl["scale_rewards"])
         batch = rollouts_file.batch_of(made, advantages, self.rl, self.seq_len, self.accum_steps)
         times["reward_seconds"] = time.monotonic() - started
@@ -209,7 +210,7 @@ class GRPOProgram(LMProgram):
         if self.rollouts_dir is not None:
             rollouts_file.write(
                 self.rollouts_dir,
-                step + 1,
+                update,
                 made,
                 scored,
                 advantages,
