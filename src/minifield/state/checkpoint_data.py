@@ -10,7 +10,7 @@ manifest, which is written (and fsynced) after the data file.
 
 One file instead of one ``.npy`` per array: creating, writing and fsyncing 161 small files
 cost a 39 MB state 6.8x the CPU of one raw write+fsync of its bytes; one file, written
-sequentially while threads hash the arrays already written, is one create and one fsync.
+sequentially and hashed on the same chunks, is one create and one fsync.
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ DATA_FILE = "arrays.bin"
 #: every array starts at a multiple of this many bytes (a cache line; any dtype's alignment,
 #: so an array can be viewed in place in a mapping of the file)
 ALIGNMENT = 64
-#: arrays of at least this many bytes are hashed on the threads, smaller ones on the
-#: writing thread (a job handed to a thread costs more CPU than hashing a small array)
-POOLED_BYTES = 1 << 20
-#: bytes of one gathered write
+#: bytes hashed and written at a time (a chunk stays in cache between the two)
 _CHUNK = 4 << 20
 #: buffers one ``writev`` takes at most (Linux's IOV_MAX)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -67,26 +64,32 @@ def _single_piece(array: np.ndarray) -> bool:
     return array.size == 0 or math.prod(pieces.piece_grid(array.shape)) == 1
 
 
-class _Hashing:
-    """Hashes of arrays handed over one at a time: a large array's on up to
-    ``pieces.HASHERS`` threads when hashlib hashes it without the GIL
-    (:func:`pieces.gil_free_pieces`), so that the caller writes it and the arrays after it
-    meanwhile; a small one's at once on the calling thread."""
+class _Digests:
+    """The version-3 digests of an unhashed commit's arrays (byte streams other than the
+    manifest's sha256), each taken as the array is written: on up to ``pieces.HASHERS``
+    threads where hashlib hashes its pieces without the GIL, else on the writing thread."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
-        self.jobs: dict[tuple[str, str], Any] = {}
+        self.jobs: dict[str, Any] = {}
 
-    def submit(self, key: tuple[str, str], work, array: np.ndarray, count: int) -> None:
-        if array.nbytes >= POOLED_BYTES and pieces.gil_free_pieces(array.nbytes, count):
-            self.jobs[key] = self.pool.submit(work, array)
+    def start(self, name: str, array: np.ndarray) -> None:
+        if _single_piece(array):
+            return  # from its sha256 (:meth:`results`)
+        if pieces.gil_free_pieces(array.nbytes, math.prod(pieces.piece_grid(array.shape))):
+            self.jobs[name] = self.pool.submit(pieces.array_digest, array)
         else:
-            self.jobs[key] = work(array)
+            self.jobs[name] = pieces.array_digest(array)
 
-    def results(self) -> dict[tuple[str, str], str]:
-        return {
-            key: job if isinstance(job, str) else job.result() for key, job in self.jobs.items()
-        }
+    def results(self, entries: list[dict]) -> dict[str, str]:
+        out = {}
+        for entry in entries:
+            job = self.jobs.get(entry["name"])
+            if job is None:
+                out[entry["name"]] = hashlib.sha256(bytes.fromhex(entry["sha256"])).hexdigest()
+            else:
+                out[entry["name"]] = job if isinstance(job, str) else job.result()
+        return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -98,14 +101,14 @@ def write(
     """Write ``items`` (``(name, host array)`` in name order, each taken only when its turn
     comes: a caller may still be copying the later ones to the host) as one data file at
     ``path`` and fsync it. Returns the manifest entries and, with ``digests``, each array's
-    version-3 digest (:func:`pieces.array_digest`). An error names the file.
+    version-3 digest (:func:`pieces.array_digest`), hashed meanwhile (:class:`_Digests`).
+    An error names the file.
 
-    Each large array's sha256 (and digest) is hashed on threads from the array's own memory
-    while this thread writes it and the arrays after it and fsyncs the file. The bytes go out in gathered
-    writes of about :data:`_CHUNK` (many small arrays in one system call, a large one in
-    several)."""
+    The bytes go out in gathered writes of about :data:`_CHUNK` (many small arrays in one
+    system call, a large one in several) from the arrays' own memory, each chunk hashed for
+    its array's sha256 just before it is written (still in cache)."""
     entries, position, batch, batched = [], 0, [], 0
-    hashing = _Hashing()
+    pending = _Digests() if digests else None
     with atomic.naming(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -115,12 +118,12 @@ def write(
                 if padding:
                     batch.append(_ZEROS[:padding])
                     position += padding
-                hashing.submit((name, "sha256"), array_sha256, array, 1)
-                if digests and not _single_piece(array):
-                    count = math.prod(pieces.piece_grid(array.shape))
-                    hashing.submit((name, "digest"), pieces.array_digest, array, count)
+                if pending is not None:
+                    pending.start(name, array)
+                digest = hashlib.sha256()
                 for start in range(0, data.size, _CHUNK):
                     chunk = data[start : start + _CHUNK]
+                    digest.update(chunk)
                     batch.append(chunk)
                     batched += chunk.size
                     if batched >= _CHUNK:
@@ -133,26 +136,17 @@ def write(
                         "shape": list(array.shape),
                         "offset": position,
                         "nbytes": data.size,
+                        "sha256": digest.hexdigest(),
                     }
                 )
                 position += data.size
             _write_all(fd, batch)
             os.fsync(fd)
-            hashed = hashing.results()
+            out = pending.results(entries) if pending is not None else {}
         finally:
-            hashing.close()
+            if pending is not None:
+                pending.close()
             os.close(fd)
-    out: dict[str, str] = {}
-    for entry in entries:
-        name = entry["name"]
-        entry["sha256"] = hashed[(name, "sha256")]
-        if digests:
-            single = (name, "digest") not in hashed
-            out[name] = (
-                hashlib.sha256(bytes.fromhex(entry["sha256"])).hexdigest()
-                if single
-                else hashed[(name, "digest")]
-            )
     return entries, out
 
 
