@@ -26,17 +26,25 @@ computed for its ``update`` event anyway), the two-pass work, and a raw write in
 background. Printed: each cost ÷ one raw write+fsync of those bytes (goal ≤ 1.5 for the
 commit).
 
+**Each commit alone** (``commit_cpu``, the ``LOOP_SIZE`` state; ``--cpu-only`` runs only this):
+its CPU and wall time, interleaved round by round with the raw write+fsync and with the floor
+of a format-3 commit at a hashed update (``raw_and_sha256``: the raw write plus one sha256
+pass over the same bytes, the manifest's per-array hashes, which the version-3 digests the
+update computed do not give).
+
 Then the per-update state-hashing cost at two model sizes (what ``train.state_hash_every: 1``
 adds to an update: the host copy, the per-array hashes, the whole and part hashes) next to
 that model's update time.
 
-Usage: uv run python benchmarks/checkpoint_commit.py [--rounds 5] [--dir DIR] [--json OUT]
+Usage: uv run python benchmarks/checkpoint_commit.py [--rounds 5] [--cpu-only] [--dir DIR]
+[--json OUT]
 (``--dir`` must be on the disk checkpoints go to; the default is under ``work/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -247,10 +255,21 @@ def loop_costs(directory: Path, rounds: int) -> dict:
     }
 
 
+def raw_and_sha256(directory: Path, data: bytes) -> None:
+    """The floor of a commit that must hash its bytes once (a format-3 manifest's per-array
+    sha256, which a hashed update's version-3 digests do not give): one raw write+fsync and
+    one sha256 pass over the same bytes."""
+    raw_commit(directory, data)
+    hashlib.sha256(data).digest()
+
+
 def commit_cpu(directory: Path, rounds: int) -> dict:
-    """CPU seconds (this process, all threads) of each commit of the ``LOOP_SIZE`` state done
-    alone: what it takes from a loop that keeps every core busy, and far less sensitive to
-    other load on the machine than the wall-clock difference ``loop_costs`` measures."""
+    """CPU seconds (this process, all threads) and wall seconds of each commit of the
+    ``LOOP_SIZE`` state done alone, interleaved round by round: the CPU is what it takes from a
+    loop that keeps every core busy (the issue's "what a checkpoint costs training"), and far
+    less sensitive to other load on the machine than the wall-clock difference
+    ``loop_costs`` measures; each ratio is to the raw write+fsync of the same round's
+    medians."""
     _, _, state = _state(*LOOP_SIZE)
     jax.block_until_ready(state)
     arrays = named_arrays(state)
@@ -258,6 +277,7 @@ def commit_cpu(directory: Path, rounds: int) -> dict:
     known = array_digests(arrays)
     variants = {
         "raw": lambda k: raw_commit(directory, data),
+        "raw_and_sha256": lambda k: raw_and_sha256(directory, data),
         "two_pass": lambda k: two_pass_commit(directory / "cpu-two", arrays, k),
         "commit": lambda k: checkpoint.save(
             directory / "cpu-commit", arrays, step=k, computation_digest="bench", keep=1
@@ -268,15 +288,21 @@ def commit_cpu(directory: Path, rounds: int) -> dict:
         ),
     }  # fmt: skip
     cpu = {name: [] for name in variants}
+    wall = {name: [] for name in variants}
     for k in range(1, rounds + 1):
         for name, commit in variants.items():
-            started = time.process_time()
+            started, started_wall = time.process_time(), time.perf_counter()
             commit(k)
             cpu[name].append(time.process_time() - started)
+            wall[name].append(time.perf_counter() - started_wall)
     med = {name: statistics.median(v) for name, v in cpu.items()}
+    med_wall = {name: statistics.median(v) for name, v in wall.items()}
     return {
+        "state_mb": len(data) / 1e6,
         "cpu_ms": {name: v * 1e3 for name, v in med.items()},
         "over_raw": {name: v / med["raw"] for name, v in med.items()},
+        "wall_ms": {name: v * 1e3 for name, v in med_wall.items()},
+        "wall_over_raw": {name: v / med_wall["raw"] for name, v in med_wall.items()},
     }
 
 
@@ -387,14 +413,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.dir))
     try:
         cpu = commit_cpu(work, args.rounds)
-        print(
-            f"CPU per commit of the {LOOP_SIZE} state: "
-            + ", ".join(
-                f"{name} {ms:.1f} ms ({cpu['over_raw'][name]:.2f}x raw)"
-                for name, ms in cpu["cpu_ms"].items()
+        print(f"each commit of the {LOOP_SIZE} state ({cpu['state_mb']:.1f} MB) alone:")
+        for name, ms in cpu["cpu_ms"].items():
+            print(
+                f"  {name:18s} CPU {ms:6.1f} ms ({cpu['over_raw'][name]:.2f}x raw), "
+                f"wall {cpu['wall_ms'][name]:6.1f} ms ({cpu['wall_over_raw'][name]:.2f}x raw)"
             )
-        )
         if args.cpu_only:
+            if args.json:
+                args.json.write_text(json.dumps({"commit_cpu": cpu}, indent=2) + "\n")
             return
         result = {
             "commit_cpu": cpu,
