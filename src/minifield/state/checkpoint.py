@@ -7,7 +7,7 @@ Layout of one committed checkpoint (format ``minifield-checkpoint/3``)::
         manifest.json            written last; its presence means "committed"
 
 A checkpoint is written into a temporary sibling directory: the data file is written
-sequentially, each array's bytes hashed on threads from the same memory, and fsynced; then the
+sequentially, each array's bytes hashed on the chunks written, and fsynced; then the
 manifest (offsets, dtypes, shapes, per-array sha256, the state hash) is written and
 fsynced, the directory fsynced, renamed into place and the parent fsynced. The state hash
 (version 3, :data:`~.arrays.STATE_HASH_VERSION`) is the hash of the arrays' piece digests
@@ -130,11 +130,11 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    Array by array, as each reaches the host: its sha256 (the manifest's, for integrity) is
-    hashed on threads while the arrays after it are written into the one data file; the
+    Array by array, as each reaches the host (:func:`host_copies`): its sha256 (the
+    manifest's, for integrity) is hashed on the chunks written into the one data file; the
     complete-state hash (version 3) is the hash of the arrays' piece digests, taken from
     ``known_digests`` (``{name: pieces.array_digest}``, when the caller hashed this very
-    state already) or hashed on those threads from the same memory. Durability: the data
+    state already) or hashed on threads while the file is written. Durability: the data
     file fsynced, then the manifest, then the directory, then the rename, then the parent.
 
     ``before_commit`` (fault injection only) is called once the data file is written, before
