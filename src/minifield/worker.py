@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
         "limit_reached (exit 4); the computation (and its digest) is unchanged, so a later "
         "attempt can resume it (used by the recovery-proof qualification)",
     )
+    _add_multi_process_arguments(parser)
+    _add_fault_arguments(parser)
+    return parser
+
+
+def _add_multi_process_arguments(parser: argparse.ArgumentParser) -> None:
     multi = parser.add_argument_group(
         "multi-process training (one process per host; only process 0 writes)"
     )
@@ -122,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
         help="end when the other processes have not all joined within S seconds (JAX's "
         "runtime aborts the process, exit 134; default 300)",
     )
+
+
+def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
     faults.add_argument(
         "--fail-after-step", type=_STEP, metavar="K", help="hard exit right after update K"
@@ -142,7 +151,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="length of the stall",
     )
-    return parser
 
 
 def _validate_only(job: Path) -> int:

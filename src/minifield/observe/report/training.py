@@ -4,6 +4,7 @@ the summary)."""
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import atomic
@@ -12,56 +13,59 @@ from ..summarize import attempt_event_files
 from . import experts, page
 
 
-def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
-    """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked;
-    with rollouts (grpo), each update's mean reward beside them; a mixture of experts'
-    expert load in a panel of its own (:mod:`.experts`)."""
-    plt = page.pyplot()
-    result = atomic.read_json(train_result)
-    metrics = atomic.read_json(metrics_json)
-    selection = metrics.get("selection", {})
-    metric = selection.get("metric", "loss")
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    committed: set[int] = set()
-    plotted: list[float] = []  # every value on the loss axis, to choose its scale
-    evaluations: list[tuple[int, float]] = []
+@dataclass
+class _AttemptCurves:
+    """What every attempt's events give the loss figure, attempt by attempt in order."""
+
+    losses: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
     # reinforcement learning's updates carry the rollouts' mean reward: its curve goes beside
     # the loss, on the DEV metric's axis (grpo selects on DEV reward)
-    rewards: list[tuple[str, list[int], list[float]]] = []
-    loads: list[list[float]] = []
-    for path in attempt_event_files(Path(result["attempt_dir"])):
+    rewards: list[tuple[str, list[int], list[float]]] = field(default_factory=list)
+    committed: set[int] = field(default_factory=set)
+    evaluations: list[tuple[int, float]] = field(default_factory=list)
+    loads: list[list[float]] = field(default_factory=list)
+
+
+def _read_attempt_curves(attempt_dir: Path, metric: str) -> _AttemptCurves:
+    curves = _AttemptCurves()
+    for path in attempt_event_files(attempt_dir):
         events, _ = read_events(path)
         updates = [e for e in events if e["type"] == "update" and "loss" in e]
-        label = next((e.get("attempt_id") for e in events if e["type"] == "attempt_started"), None)
+        started = next(
+            (e.get("attempt_id") for e in events if e["type"] == "attempt_started"), None
+        )
+        name = started or path.parent.name
         if updates:
-            ax.plot(
-                [e["step"] for e in updates],
-                [e["loss"] for e in updates],
-                marker=".",
-                markersize=3 if len(updates) > 60 else 6,
-                linewidth=1.2,
-                label=f"train loss, attempt {label or path.parent.name}",
-            )
-            plotted += [e["loss"] for e in updates]
-        loads += experts.expert_loads(updates)
+            curves.losses.append((name, [e["step"] for e in updates], [e["loss"] for e in updates]))
+        curves.loads += experts.expert_loads(updates)
         rewarded = [e for e in updates if isinstance(e.get("reward"), int | float)]
         if rewarded:
-            rewards.append(
-                (
-                    label or path.parent.name,
-                    [e["step"] for e in rewarded],
-                    [e["reward"] for e in rewarded],
-                )
+            curves.rewards.append(
+                (name, [e["step"] for e in rewarded], [e["reward"] for e in rewarded])
             )
-        committed |= {int(e["step"]) for e in events if e["type"] == "checkpoint_committed"}
-        evaluations += [
+        curves.committed |= {int(e["step"]) for e in events if e["type"] == "checkpoint_committed"}
+        curves.evaluations += [
             (int(e["step"]), float(e["metrics"][metric]))
             for e in events
             if e["type"] == "evaluation"
             and isinstance(e.get("metrics"), dict)
             and isinstance(e["metrics"].get(metric), int | float)
         ]
-    for index, step in enumerate(sorted(committed)):
+    return curves
+
+
+def _draw_training(ax, curves: _AttemptCurves) -> None:
+    """The train loss of each attempt and a line at each committed checkpoint."""
+    for name, steps, losses in curves.losses:
+        ax.plot(
+            steps,
+            losses,
+            marker=".",
+            markersize=3 if len(steps) > 60 else 6,
+            linewidth=1.2,
+            label=f"train loss, attempt {name}",
+        )
+    for index, step in enumerate(sorted(curves.committed)):
         ax.axvline(
             step,
             color="0.6",
@@ -69,11 +73,15 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
             linewidth=1,
             label="committed checkpoint" if index == 0 else None,
         )
-    dev_ax = ax.twinx() if selection.get("mode") == "max" else ax
-    for label, steps, values in rewards:
+
+
+def _draw_dev(dev_ax, curves: _AttemptCurves, metrics: dict, metric: str) -> list[float]:
+    """The rollouts' mean reward, DEV per retained checkpoint, evaluation events and the
+    DEV-selected checkpoint; returns the DEV values drawn."""
+    for name, steps, values in curves.rewards:
         dev_ax.plot(
             steps, values, linestyle="--", linewidth=1.2, color="tab:green",
-            label=f"train mean reward (rollouts), attempt {label}",
+            label=f"train mean reward (rollouts), attempt {name}",
         )  # fmt: skip
     scored = [r for r in metrics.get("checkpoints", []) if isinstance(r.get("dev"), dict)]
     if scored:
@@ -85,16 +93,17 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
             linewidth=1.4,
             label=f"DEV {metric} per retained checkpoint",
         )
-    if evaluations:
+    if curves.evaluations:
         dev_ax.scatter(
-            [s for s, _ in evaluations],
-            [v for _, v in evaluations],
+            [s for s, _ in curves.evaluations],
+            [v for _, v in curves.evaluations],
             marker="x",
             color="tab:purple",
             zorder=5,
             label=f"{metric} from evaluation events",
         )
-    chosen = next((r for r in scored if r["step"] == selection.get("step")), None)
+    selected = metrics.get("selection", {}).get("step")
+    chosen = next((r for r in scored if r["step"] == selected), None)
     if chosen is not None:
         dev_ax.scatter(
             [chosen["step"]],
@@ -106,25 +115,47 @@ def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
             zorder=6,
             label=f"DEV-selected checkpoint (step {chosen['step']})",
         )
-    if dev_ax is ax:
-        plotted += [r["dev"][metric] for r in scored] + [v for _, v in evaluations]
-    # (not for a policy-gradient loss, which hovers around 0 with either sign)
-    if not rewards and plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
-        ax.set_yscale("log")  # a loss falling by orders of magnitude: keep its tail readable
+    return [r["dev"][metric] for r in scored] + [v for _, v in curves.evaluations]
+
+
+def _label_axes(ax, dev_ax, metric: str, rewarded: bool) -> None:
     ax.set_xlabel("update step")
     ax.set_ylabel("train loss" if dev_ax is not ax else f"train loss / DEV {metric}")
     if dev_ax is not ax:
-        reward = " / train mean reward" if rewards else ""
+        reward = " / train mean reward" if rewarded else ""
         dev_ax.set_ylabel(f"DEV {metric}{reward} (higher is better)")
-    ax.set_title(f"Loss curves — computation {str(result.get('computation_digest'))[:16]}")
     ax.grid(True, alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if dev_ax is not ax:
         more_handles, more_labels = dev_ax.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
     ax.legend(handles, labels, fontsize=8, loc="upper right")
-    if loads:
-        experts.draw(fig, loads)
+
+
+def plot_loss(train_result: Path, metrics_json: Path, out_png: Path) -> None:
+    """Train loss per update (every attempt), DEV metric per checkpoint, checkpoints marked;
+    with rollouts (grpo), each update's mean reward beside them; a mixture of experts'
+    expert load in a panel of its own (:mod:`.experts`)."""
+    plt = page.pyplot()
+    result = atomic.read_json(train_result)
+    metrics = atomic.read_json(metrics_json)
+    metric = metrics.get("selection", {}).get("metric", "loss")
+    curves = _read_attempt_curves(Path(result["attempt_dir"]), metric)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    _draw_training(ax, curves)
+    dev_ax = ax.twinx() if metrics.get("selection", {}).get("mode") == "max" else ax
+    dev_values = _draw_dev(dev_ax, curves, metrics, metric)
+    # every value on the loss axis chooses its scale
+    plotted = [loss for _, _, losses in curves.losses for loss in losses]
+    if dev_ax is ax:
+        plotted += dev_values
+    # (not for a policy-gradient loss, which hovers around 0 with either sign)
+    if not curves.rewards and plotted and min(plotted) > 0 and max(plotted) / min(plotted) > 50:
+        ax.set_yscale("log")  # a loss falling by orders of magnitude: keep its tail readable
+    ax.set_title(f"Loss curves — computation {str(result.get('computation_digest'))[:16]}")
+    _label_axes(ax, dev_ax, metric, bool(curves.rewards))
+    if curves.loads:
+        experts.draw(fig, curves.loads)
     page.save_png(fig, out_png)
 
 
