@@ -103,45 +103,47 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def summarize(event_files: list[Path]) -> dict[str, Any]:
-    """The summary of one job from its attempts' event files, oldest attempt first."""
-    if not event_files:
-        raise SummaryError("no events files given")
-    high_water = 0  # highest update step ever completed, in any attempt
-    durable = 0  # step of the newest committed checkpoint: where a restart resumes
-    position = 0  # step of the in-memory state of the current attempt
-    totals = {
-        "updates": 0,
-        "examples": 0,
-        "tokens": 0,
-        "loss_tokens": 0,
-        "update_s": 0.0,
-        "redone_updates": 0,
-        "redone_examples": 0,
-        "redone_tokens": 0,
-        "redone_update_s": 0.0,
-        "compile_s": 0.0,
-        "resumed_compile_s": 0.0,
-        "checkpoint_s": 0.0,
-        "checkpoints": 0,
-        "evaluation_s": 0.0,
-        "lost_uncheckpointed": 0,
-        "malformed": 0,
-    }
-    attempts = []
-    by_step: dict[int, dict] = {}  # a mixture's per-source figures of each update (latest)
-    rewarded: dict[int, dict] = {}  # a reinforcement-learning update's event, by step (latest)
-    between_s = 0.0
-    previous_last_time = None
-    for index, path in enumerate(map(Path, event_files)):
+class _Progress:
+    """The job's course through its attempts, oldest first: where its state stands and what
+    each attempt's events add to the totals."""
+
+    def __init__(self) -> None:
+        self.high_water = 0  # highest update step ever completed, in any attempt
+        self.durable = 0  # step of the newest committed checkpoint: where a restart resumes
+        self.position = 0  # step of the in-memory state of the current attempt
+        self.totals = {
+            "updates": 0,
+            "examples": 0,
+            "tokens": 0,
+            "loss_tokens": 0,
+            "update_s": 0.0,
+            "redone_updates": 0,
+            "redone_examples": 0,
+            "redone_tokens": 0,
+            "redone_update_s": 0.0,
+            "compile_s": 0.0,
+            "resumed_compile_s": 0.0,
+            "checkpoint_s": 0.0,
+            "checkpoints": 0,
+            "evaluation_s": 0.0,
+            "lost_uncheckpointed": 0,
+            "malformed": 0,
+        }
+        self.by_step: dict[int, dict] = {}  # a mixture's per-source figures of each update
+        self.rewarded: dict[int, dict] = {}  # a reinforcement-learning update's event, by step
+        self.between_s = 0.0
+        self.previous_last_time = None
+
+    def attempt(self, index: int, path: Path) -> dict:
+        """The figures of attempt ``index`` (from 0) from its events file."""
         events, malformed = load_attempt(path)
-        totals["malformed"] += malformed
+        self.totals["malformed"] += malformed
         if index > 0:
             # The previous process is gone: its updates after the newest commit are lost.
-            totals["lost_uncheckpointed"] += position - durable
-            position = durable
-            between_s += max(0.0, events[0]["time"] - previous_last_time)
-        previous_last_time = events[-1]["time"]
+            self.totals["lost_uncheckpointed"] += self.position - self.durable
+            self.position = self.durable
+            self.between_s += max(0.0, events[0]["time"] - self.previous_last_time)
+        self.previous_last_time = events[-1]["time"]
         attempt = {
             "events_file": str(path),
             "attempt_id": None,
@@ -161,67 +163,81 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
             "uncheckpointed_updates_count": None,
         }
         for event in events:
-            kind = event["type"]
-            if kind == "attempt_started":
-                attempt["attempt_id"] = event.get("attempt_id")
-            elif kind == "update":
-                step = int(event["step"])
-                redone = step <= high_water
-                seconds = float(event["seconds"])
-                totals["updates"] += 1
-                totals["examples"] += int(event["examples"])
-                totals["tokens"] += int(event["tokens"])
-                totals["loss_tokens"] += int(event.get("loss_tokens", 0))
-                totals["update_s"] += seconds
-                attempt["updates_count"] += 1
-                attempt["update_s"] += seconds
-                if attempt["first_update_step_count"] is None:
-                    attempt["first_update_step_count"] = step
-                if redone:
-                    totals["redone_updates"] += 1
-                    totals["redone_examples"] += int(event["examples"])
-                    totals["redone_tokens"] += int(event["tokens"])
-                    totals["redone_update_s"] += seconds
-                    attempt["redone_updates_count"] += 1
-                    attempt["redone_update_s"] += seconds
-                if "sources" in event:  # a mixture's update: its rows per source
-                    by_step[step] = _sources_of(path, event)
-                if isinstance(event.get("reward"), int | float):  # rollouts (grpo)
-                    rewarded[step] = event
-                position = step
-                high_water = max(high_water, step)
-            elif kind == "checkpoint_committed":
-                durable = int(event["step"])
-                # the time the loop spent on it: a background commit's ``seconds`` overlap
-                # the updates, only its ``blocking_seconds`` held training up
-                held = float(event.get("blocking_seconds", event["seconds"]))
-                totals["checkpoints"] += 1
-                totals["checkpoint_s"] += held
-                attempt["checkpoint_s"] += held
-                attempt["checkpoints_count"] += 1
-            elif kind == "restored":
-                # A rejected newer checkpoint makes the restore point older than ``durable``.
-                totals["lost_uncheckpointed"] += max(0, durable - int(event["step"]))
-                position = durable = int(event["step"])
-                attempt["restored_step_count"] = position
-            elif kind == "restore_fallback":
-                totals["lost_uncheckpointed"] += durable
-                position = durable = 0
-                attempt["restored_step_count"] = 0
-            elif kind == "compiled":
-                totals["compile_s"] += float(event["seconds"])
-                attempt["compile_s"] += float(event["seconds"])
-                if index > 0:
-                    totals["resumed_compile_s"] += float(event["seconds"])
-            elif kind == "evaluation":
-                totals["evaluation_s"] += float(event["seconds"])
-                attempt["evaluation_s"] += float(event["seconds"])
-            elif kind in TERMINAL:
-                attempt["status"] = TERMINAL[kind]
-        attempt["completed_steps_count"] = position
-        attempt["uncheckpointed_updates_count"] = max(0, position - durable)
-        attempts.append(attempt)
+            self._count(event, attempt, index, path)
+        attempt["completed_steps_count"] = self.position
+        attempt["uncheckpointed_updates_count"] = max(0, self.position - self.durable)
+        return attempt
 
+    def _count(self, event: dict, attempt: dict, index: int, path: Path) -> None:
+        totals, kind = self.totals, event["type"]
+        if kind == "attempt_started":
+            attempt["attempt_id"] = event.get("attempt_id")
+        elif kind == "update":
+            self._update(event, attempt, path)
+        elif kind == "checkpoint_committed":
+            self.durable = int(event["step"])
+            # the time the loop spent on it: a background commit's ``seconds`` overlap
+            # the updates, only its ``blocking_seconds`` held training up
+            held = float(event.get("blocking_seconds", event["seconds"]))
+            totals["checkpoints"] += 1
+            totals["checkpoint_s"] += held
+            attempt["checkpoint_s"] += held
+            attempt["checkpoints_count"] += 1
+        elif kind == "restored":
+            # A rejected newer checkpoint makes the restore point older than ``durable``.
+            totals["lost_uncheckpointed"] += max(0, self.durable - int(event["step"]))
+            self.position = self.durable = int(event["step"])
+            attempt["restored_step_count"] = self.position
+        elif kind == "restore_fallback":
+            totals["lost_uncheckpointed"] += self.durable
+            self.position = self.durable = 0
+            attempt["restored_step_count"] = 0
+        elif kind == "compiled":
+            totals["compile_s"] += float(event["seconds"])
+            attempt["compile_s"] += float(event["seconds"])
+            if index > 0:
+                totals["resumed_compile_s"] += float(event["seconds"])
+        elif kind == "evaluation":
+            totals["evaluation_s"] += float(event["seconds"])
+            attempt["evaluation_s"] += float(event["seconds"])
+        elif kind in TERMINAL:
+            attempt["status"] = TERMINAL[kind]
+
+    def _update(self, event: dict, attempt: dict, path: Path) -> None:
+        totals, step = self.totals, int(event["step"])
+        seconds = float(event["seconds"])
+        totals["updates"] += 1
+        totals["examples"] += int(event["examples"])
+        totals["tokens"] += int(event["tokens"])
+        totals["loss_tokens"] += int(event.get("loss_tokens", 0))
+        totals["update_s"] += seconds
+        attempt["updates_count"] += 1
+        attempt["update_s"] += seconds
+        if attempt["first_update_step_count"] is None:
+            attempt["first_update_step_count"] = step
+        if step <= self.high_water:  # redone after a restart
+            totals["redone_updates"] += 1
+            totals["redone_examples"] += int(event["examples"])
+            totals["redone_tokens"] += int(event["tokens"])
+            totals["redone_update_s"] += seconds
+            attempt["redone_updates_count"] += 1
+            attempt["redone_update_s"] += seconds
+        if "sources" in event:  # a mixture's update: its rows per source
+            self.by_step[step] = _sources_of(path, event)
+        if isinstance(event.get("reward"), int | float):  # rollouts (grpo)
+            self.rewarded[step] = event
+        self.position = step
+        self.high_water = max(self.high_water, step)
+
+
+def summarize(event_files: list[Path]) -> dict[str, Any]:
+    """The summary of one job from its attempts' event files, oldest attempt first."""
+    if not event_files:
+        raise SummaryError("no events files given")
+    progress = _Progress()
+    attempts = [progress.attempt(index, path) for index, path in enumerate(map(Path, event_files))]
+    totals, between_s = progress.totals, progress.between_s
+    position, durable = progress.position, progress.durable
     attempts_wall_s = sum(a["wall_s"] for a in attempts)
     wall_s = attempts_wall_s + between_s
     update_s = totals["update_s"]
@@ -230,9 +246,9 @@ def summarize(event_files: list[Path]) -> dict[str, Any]:
     other_s = wall_s - (
         update_s + totals["compile_s"] + totals["checkpoint_s"] + totals["evaluation_s"] + between_s
     )
-    extra = {"sources": trained_by_source(by_step, position)} if by_step else {}
-    if rewarded:
-        extra["rollouts"] = rollout_summary(rewarded)
+    extra = {"sources": trained_by_source(progress.by_step, position)} if progress.by_step else {}
+    if progress.rewarded:
+        extra["rollouts"] = rollout_summary(progress.rewarded)
     productive_examples = totals["examples"] - totals["redone_examples"]
     productive_tokens = totals["tokens"] - totals["redone_tokens"]
     return {
