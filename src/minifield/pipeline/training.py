@@ -198,8 +198,76 @@ def train_attempt(
     if proof is not None:
         check_proof(proof, recipe)
     job_dir = work_dir / "attempts" / recipe.job_id
-    previous = latest_attempt(job_dir)
     attempt_id = new_attempt_id()
+    args = _worker_args(
+        recipe_json,
+        input_root,
+        examples_dir,
+        work_dir,
+        attempt_id,
+        previous=latest_attempt(job_dir),
+        record_state_hashes=record_state_hashes,
+        allow_environment_change=allow_environment_change,
+    )
+    command = supervise.worker_command(*args, processes=processes)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as handle:
+        handle.write(f"$ {' '.join(command)}\n")
+    lock_fd = _lock_computation(work_dir, attempt_id)
+    slots = _lease_gpus(recipe, gpus)
+    try:
+        with leases.lease(
+            lease_dir or work_dir / "gpu-leases",
+            slots,
+            gpus_per_job,
+            wait_s=lease_wait_s,
+            holder={"job": recipe.job_id, "attempt_id": attempt_id, "stage": "train"},
+        ) as held:
+            outcome = supervise.supervise(
+                command,
+                work_dir / "runs" / attempt_id,
+                dataclasses.replace(
+                    supervision,
+                    env=_worker_env(recipe, held, supervision.env),
+                    pass_fds=(*supervision.pass_fds, *held.fds, lock_fd),
+                ),
+                companion=live_delivery(job_dir / attempt_id) if live_delivery else None,
+            )
+    finally:
+        os.close(lock_fd)
+    _append_run_to_log(log, outcome)
+    attempt_dir = job_dir / attempt_id
+    result = _completed_result(attempt_dir, outcome, log)
+    if out_export.exists():
+        shutil.rmtree(out_export)
+    shutil.copytree(attempt_dir / EXPORT, out_export)
+    atomic.write_json(
+        out_result,
+        {
+            **result,
+            "attempt_dir": str(attempt_dir),
+            "supervision": {
+                "run_json": str(Path(outcome["run_dir"]) / supervise.RUN_FILE),
+                "classification": outcome["classification"],
+                "gpus": held.gpus,
+            },
+        },
+    )
+    return result
+
+
+def _worker_args(
+    recipe_json: Path,
+    input_root: Path,
+    examples_dir: Path,
+    work_dir: Path,
+    attempt_id: str,
+    *,
+    previous: Path | None,
+    record_state_hashes: bool | int | str,
+    allow_environment_change: bool,
+) -> list:
+    """The worker's command-line arguments for this attempt."""
     args = [
         "--job",
         recipe_json,
@@ -224,10 +292,11 @@ def train_attempt(
         args += ["--state-hash-every", str(record_state_hashes)]
     if allow_environment_change:
         args.append("--allow-environment-change")
-    command = supervise.worker_command(*args, processes=processes)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a", encoding="utf-8") as handle:
-        handle.write(f"$ {' '.join(command)}\n")
+    return args
+
+
+def _lock_computation(work_dir: Path, attempt_id: str) -> int:
+    """The descriptor of the computation's training lock, taken for ``attempt_id``."""
     # One attempt of a computation at a time: a worker orphaned by a killed supervisor keeps
     # this lock (inherited descriptor) until it ends, so a new attempt cannot race it.
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -240,30 +309,13 @@ def train_attempt(
             f"held by {holder or 'an unknown process'}); wait for it to end or stop it"
         )
     os.set_inheritable(lock_fd, True)
-    slots = _lease_gpus(recipe, gpus)
-    try:
-        with leases.lease(
-            lease_dir or work_dir / "gpu-leases",
-            slots,
-            gpus_per_job,
-            wait_s=lease_wait_s,
-            holder={"job": recipe.job_id, "attempt_id": attempt_id, "stage": "train"},
-        ) as held:
-            outcome = supervise.supervise(
-                command,
-                work_dir / "runs" / attempt_id,
-                dataclasses.replace(
-                    supervision,
-                    env=_worker_env(recipe, held, supervision.env),
-                    pass_fds=(*supervision.pass_fds, *held.fds, lock_fd),
-                ),
-                companion=live_delivery(job_dir / attempt_id) if live_delivery else None,
-            )
-    finally:
-        os.close(lock_fd)
-    _append_run_to_log(log, outcome)
+    return lock_fd
+
+
+def _completed_result(attempt_dir: Path, outcome: dict, log: Path) -> dict:
+    """The attempt's result when it completed; otherwise a StageError that says what ended it
+    and whether a retry can help."""
     code = outcome["exit_code"]
-    attempt_dir = job_dir / attempt_id
     result_path = attempt_dir / RESULT
     if not result_path.is_file():
         raise StageError(
@@ -278,8 +330,8 @@ def train_attempt(
         advice = {
             EXIT_INVALID: "a retry cannot fix this: correct the recipe, inputs or "
             "environment first",
-            EXIT_IO: f"free space on the disk of {job_dir}; the next run resumes from its "
-            "last committed checkpoint",
+            EXIT_IO: f"free space on the disk of {attempt_dir.parent}; the next run resumes "
+            "from its last committed checkpoint",
             EXIT_DEVICE_BUSY: "the accelerator was held by the process named: let it end; "
             "the next run resumes from the last committed checkpoint",
         }.get(code, "the next run resumes from its last committed checkpoint")
@@ -290,19 +342,4 @@ def train_attempt(
             f"training attempt {attempt_dir} ended {result['status']} "
             f"(supervisor: {outcome['classification']}, exit {code}){detail}; {advice}. Log: {log}"
         )
-    if out_export.exists():
-        shutil.rmtree(out_export)
-    shutil.copytree(attempt_dir / EXPORT, out_export)
-    atomic.write_json(
-        out_result,
-        {
-            **result,
-            "attempt_dir": str(attempt_dir),
-            "supervision": {
-                "run_json": str(Path(outcome["run_dir"]) / supervise.RUN_FILE),
-                "classification": outcome["classification"],
-                "gpus": held.gpus,
-            },
-        },
-    )
     return result
