@@ -61,10 +61,15 @@ def test_other_backends_keep_the_recipe_as_written(name, backend):
     assert checked.computation_digest == recipes.validate(document).computation_digest
 
 
-def test_a_tpu_recipe_with_the_gpu_kernel_is_refused_naming_the_field():
+def test_a_tpu_recipe_with_the_fused_kernel_needs_rows_of_whole_lanes():
+    """``model.attention: pallas`` on a TPU is splash attention (tests/test_tpu_attention.py):
+    rows of a multiple of 128 tokens; another length is refused naming the field."""
     document = shipped("sft-demo")
     document["model"]["attention"] = "pallas"
     with pytest.raises(recipes.RecipeError) as caught:
-        recipes.validate(with_runtime(document, backend="tpu"))
+        recipes.validate(with_runtime(document, backend="tpu"))  # seq_len 64
     assert [e["path"] for e in caught.value.errors] == ["/model/attention"]
-    assert "GPU kernel" in caught.value.errors[0]["message"]
+    assert "multiple of 128 (got 64)" in caught.value.errors[0]["message"]
+    document["training"]["seq_len"] = 256
+    checked = recipes.validate(with_runtime(document, backend="tpu"))
+    assert checked.data["model"]["attention"] == "pallas"

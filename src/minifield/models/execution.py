@@ -20,6 +20,11 @@ fit without them. They are filled in when the recipe is checked, so they are wri
 validated recipe and enter its digest like any spelled-out value: the run is reproducible from
 its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its digest.
 
+``model.attention: pallas`` means the backend's fused kernel (:func:`fused_kernel`): splash
+attention on a TPU (a recipe with ``runtime.backend: tpu``), the GPU flash-attention kernel
+elsewhere. Each has its own rules for a row's length, windows and soft-capping, checked here
+against the backend the recipe names, so a recipe is refused before anything runs.
+
 The options ride on the model config (``cfg.execution``) because the config is what every
 forward, loss and jit already receives; they are not part of the architecture, so ``to_dict``
 (exports, base-model descriptions) leaves them out and an exported model computes with the
@@ -35,10 +40,29 @@ from .. import schemas
 ATTENTION_KINDS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 
-#: block sizes of the fused (Pallas) attention kernel: forward query/key blocks, and the
+#: the backends a recipe can name (``runtime.backend``)
+BACKENDS = ("cpu", "gpu", "tpu", "any")
+
+#: block sizes of the GPU fused (Pallas) attention kernel: forward query/key blocks, and the
 #: backward pass's blocks; each is capped at the row length, which it must divide
 PALLAS_FORWARD_BLOCK = 128
 PALLAS_BACKWARD_BLOCK = 32
+
+#: splash attention's block sizes (the fields of its ``BlockSizes``): splash's own defaults
+#: (``BlockSizes.get_default()``) until the chip measures better ones (``docs/tpu.md``,
+#: ``benchmarks/splash_blocks.py``); :func:`splash_blocks` fits them to a row
+SPLASH_BLOCKS = {
+    "block_q": 128,
+    "block_kv": 128,
+    "block_kv_compute": 128,
+    "block_q_dkv": 128,
+    "block_kv_dkv": 128,
+    "block_kv_dkv_compute": 128,
+    "block_q_dq": 128,
+    "block_kv_dq": 128,
+}
+#: splash tiles keys in multiples of the TPU's 128 lanes (its blocks must be multiples of it)
+SPLASH_LANES = 128
 
 #: recipe fields (section, key) of the execution options with the value an absent key means
 #: (the schema's ``x-absent``: absent and spelled at that value are one computation)
@@ -76,9 +100,13 @@ class Execution:
     scan_layers: bool = DEFAULTS[("model", "scan_layers")]
     remat: str = DEFAULTS[("training", "remat")]
     loss_chunk_tokens: int = DEFAULTS[("training", "loss_chunk_tokens")]  # 0: whole batch
+    #: the backend the recipe names (``runtime.backend``): which fused kernel ``pallas`` is
+    backend: str = "any"
 
     def __post_init__(self):
         errors = []
+        if self.backend not in BACKENDS:
+            errors.append(f"runtime.backend: expected one of {BACKENDS}, got {self.backend!r}")
         if self.attention not in ATTENTION_KINDS:
             errors.append(
                 f"model.attention: expected one of {ATTENTION_KINDS}, got {self.attention!r}"
@@ -99,7 +127,7 @@ class Execution:
         values = {
             key: recipe[section].get(key, default) for (section, key), default in DEFAULTS.items()
         }
-        return cls(**values)
+        return cls(**values, backend=recipe.get("runtime", {}).get("backend", "any"))
 
 
 def with_recipe_options(cfg, recipe: dict):
@@ -109,11 +137,50 @@ def with_recipe_options(cfg, recipe: dict):
     return dataclasses.replace(cfg, execution=Execution.from_recipe(recipe))
 
 
-def pallas_seq_len_problem(seq_len: int) -> str | None:
-    """Why the fused kernel cannot run rows of ``seq_len`` tokens (None: it can).
+def fused_kernel(backend: str) -> str:
+    """The fused kernel ``model.attention: pallas`` runs on ``backend`` (a recipe's
+    ``runtime.backend``): ``splash`` (splash attention, a TPU kernel) on a TPU; ``mha`` (the
+    GPU flash-attention kernel: native on a GPU, Pallas's interpreter on CPU) elsewhere."""
+    return "splash" if backend == "tpu" else "mha"
 
-    The kernel tiles a row into blocks of ``min(block, seq_len)`` tokens and needs whole
-    blocks, forward and backward."""
+
+def splash_blocks(seq_len: int, blocks: dict | None = None) -> dict:
+    """Splash's block sizes for rows of ``seq_len`` tokens (a multiple of
+    :data:`SPLASH_LANES`): each of ``blocks`` (absent: :data:`SPLASH_BLOCKS`) lowered to the
+    largest multiple of the lanes that divides the row (a compute block: its block)."""
+    sizes = {**SPLASH_BLOCKS, **(blocks or {})}
+
+    def fit(size: int, whole: int) -> int:
+        best = SPLASH_LANES
+        for block in range(SPLASH_LANES, min(size, whole) + 1, SPLASH_LANES):
+            if whole % block == 0:
+                best = block
+        return best
+
+    fitted = {name: fit(size, seq_len) for name, size in sizes.items()}
+    for compute, whole in (
+        ("block_kv_compute", "block_kv"),
+        ("block_kv_dkv_compute", "block_kv_dkv"),
+    ):
+        fitted[compute] = fit(sizes[compute], fitted[whole])
+    return fitted
+
+
+def pallas_seq_len_problem(seq_len: int, backend: str = "any") -> str | None:
+    """Why the fused kernel on ``backend`` cannot run rows of ``seq_len`` tokens (None: it
+    can).
+
+    The GPU kernel tiles a row into blocks of ``min(block, seq_len)`` tokens and needs whole
+    blocks, forward and backward; splash attention needs whole lanes (:func:`splash_blocks`
+    fits its blocks to any such row)."""
+    if fused_kernel(backend) == "splash":
+        if seq_len % SPLASH_LANES:
+            return (
+                "model.attention pallas with runtime.backend tpu (splash attention) tiles a row "
+                f"into blocks of {SPLASH_LANES} tokens: training.seq_len must be a multiple of "
+                f"{SPLASH_LANES} (got {seq_len})"
+            )
+        return None
     for block in (PALLAS_FORWARD_BLOCK, PALLAS_BACKWARD_BLOCK):
         if seq_len % min(block, seq_len):
             return (
@@ -136,25 +203,18 @@ def normalize_recipe(recipe: dict) -> list[dict]:
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]
     errors = []
-    if recipe["model"].get("attention") == "pallas" and backend == "tpu":
-        errors.append(
-            {
-                "path": "/model/attention",
-                "message": "the fused kernel (model.attention pallas) is a GPU kernel; a recipe "
-                "with runtime.backend tpu needs model.attention xla",
-            }
-        )
     if recipe["model"].get("attention") == "pallas":
-        problem = pallas_seq_len_problem(recipe["training"]["seq_len"])
+        problem = pallas_seq_len_problem(recipe["training"]["seq_len"], backend)
         if problem:
             errors.append({"path": "/model/attention", "message": problem})
         window = recipe["model"].get("sliding_window")
-        if window is not None and window < recipe["training"]["seq_len"]:
+        binds = window is not None and window < recipe["training"]["seq_len"]
+        if binds and fused_kernel(backend) == "mha":
             errors.append(
                 {
                     "path": "/model/sliding_window",
-                    "message": "the fused kernel (model.attention pallas) has no sliding window; "
-                    f"{window} < training.seq_len {recipe['training']['seq_len']}",
+                    "message": "the fused kernel (model.attention pallas) has no sliding window "
+                    f"off a TPU; {window} < training.seq_len {recipe['training']['seq_len']}",
                 }
             )
     return errors

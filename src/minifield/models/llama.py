@@ -179,17 +179,18 @@ def _qkv(cfg: LlamaConfig, x_BxTxD, p, positions_BxT, window=None):
     return q_BxTxHxK, k_BxTxGxK, v_BxTxGxK
 
 
-def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p):
+def _mix(cfg: LlamaConfig, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, p, window=None):
     """Attention of T queries over S keys/values (S = T in training, the cache length when
     generating), then the output projection. ``mask``: :func:`minifield.models.layers.attention.packed_mask`'s, or a
-    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`minifield.models.layers.attention.xla_mix`."""
-    out_BxTxHK = attention.mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
+    dense ``[B, 1, T, S]`` one; grouped-query heads as in :func:`minifield.models.layers.attention.xla_mix`;
+    ``window``: the layer's, for a fused kernel (:func:`minifield.models.layers.attention.mix`)."""
+    out_BxTxHK = attention.mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window)
     return _project(cfg, out_BxTxHK, p["wo"])
 
 
 def _attention(cfg: LlamaConfig, x_BxTxD, p, mask_Bx1xTxT, positions_BxT, window):
     q_BxTxHxK, k_BxTxGxK, v_BxTxGxK = _qkv(cfg, x_BxTxD, p, positions_BxT, window)
-    return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p)
+    return _mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, mask_Bx1xTxT, p, window)
 
 
 def _swiglu(cfg: LlamaConfig, x_BxTxD, p):

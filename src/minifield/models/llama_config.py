@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .. import schemas
 from . import families
 from . import rope_scaling as scaling
-from .execution import Execution
+from .execution import Execution, fused_kernel
 from .layers.architecture import ArchitectureConfig
 
 ARCHITECTURE = "llama"
@@ -194,10 +194,11 @@ class LlamaConfig(ArchitectureConfig):
             value = getattr(self, name)
             if value is not None and (type(value) is not float or not value > 0):
                 errors.append(f"model.{name}: expected a positive float, got {value!r}")
-        if self.execution.attention == "pallas" and self.attn_softcap is not None:
+        if self.attn_softcap is not None and _gpu_fused(self):
             errors.append(
                 "model.attention pallas: the fused kernel has no score soft-capping "
-                f"(attn_logit_softcapping {self.attn_softcap}); use model.attention xla"
+                f"(attn_logit_softcapping {self.attn_softcap}) off a TPU; use model.attention "
+                "xla, or runtime.backend tpu"
             )
         return errors + window_errors(self) + expert_errors(self)
 
@@ -250,13 +251,19 @@ def window_errors(cfg: LlamaConfig) -> list[str]:
             "model.scan_layers: layers with and without a sliding window (layer_types) "
             "cannot share one scanned body; leave scan_layers false"
         )
-    if cfg.execution.attention == "pallas" and window < cfg.max_len:
+    if window < cfg.max_len and _gpu_fused(cfg):
         errors.append(
             f"model.attention pallas: the fused kernel has no sliding window, and "
-            f"sliding_window {window} < the rows' {cfg.max_len} positions; use "
-            "model.attention xla"
+            f"sliding_window {window} < the rows' {cfg.max_len} positions; off a TPU, use "
+            "model.attention xla (splash attention, runtime.backend tpu, has windows)"
         )
     return errors
+
+
+def _gpu_fused(cfg: LlamaConfig) -> bool:
+    """Whether ``cfg`` computes attention with the GPU fused kernel, which has neither
+    windows nor soft-capping (splash attention, on a TPU, has both)."""
+    return cfg.execution.attention == "pallas" and fused_kernel(cfg.execution.backend) == "mha"
 
 
 def expert_errors(cfg: LlamaConfig) -> list[str]:

@@ -7,14 +7,16 @@ attention (query head h reads key/value head h // (H / G)):
 - ``xla`` (the default, and the path generation always takes): the FP32 ``[B, H, T, S]`` score
   matrix is formed and masked with a dense boolean mask, through the model's matrix-product
   primitive (so ``compute_dtype`` means the same thing as in the projections);
-- ``pallas``: the flash-attention kernel ``jax.experimental.pallas.ops.gpu.attention.mha``
-  with ``segment_ids`` and ``causal=True``. It walks key blocks with an online softmax and
-  never holds more than a block of scores; its backward pass is a kernel too. Matrix inputs
-  are the compute dtype, accumulation and softmax are FP32. On a GPU it runs natively; on
-  CPU it runs in Pallas's interpreter (slow, for tests). Key/value heads are repeated to
-  the query heads before the call (the kernel wants equal head counts).
+- ``pallas``: the backend's fused kernel (``execution.fused_kernel``, :func:`fused_mix`).
+  With ``runtime.backend: tpu``, splash attention (:mod:`.tpu_attention`). Elsewhere the
+  flash-attention kernel ``jax.experimental.pallas.ops.gpu.attention.mha`` with
+  ``segment_ids`` and ``causal=True`` (:func:`pallas_mix`). It walks key blocks with an online
+  softmax and never holds more than a block of scores; its backward pass is a kernel too.
+  Matrix inputs are the compute dtype, accumulation and softmax are FP32. On a GPU it runs
+  natively; on CPU it runs in Pallas's interpreter (slow, for tests). Key/value heads are
+  repeated to the query heads before the call (the kernel wants equal head counts).
 
-The fused kernel needs whole blocks (``execution.pallas_seq_len_problem``).
+The fused kernels need whole blocks (``execution.pallas_seq_len_problem``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     q_NxTxK = q_BxTxHxK.transpose(0, 2, 1, 3).reshape(N, T, K)
     k_NxSxK, v_NxSxK = (t.transpose(0, 2, 1, 3).reshape(N, S, K) for t in (k_BxSxGxK, v_BxSxGxK))
     scores_NxTxS = einsum(cfg, "ntk,nsk->nts", q_NxTxK, k_NxSxK, out_dtype=F32)
-    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * _score_scale(cfg, K)
+    scores_BxHxTxS = scores_NxTxS.reshape(B, H, T, S) * score_scale(cfg, K)
     cap = getattr(cfg, "attn_softcap", None)
     if cap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask
         scores_BxHxTxS = cap * jnp.tanh(scores_BxHxTxS / cap)
@@ -63,7 +65,7 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     return out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)
 
 
-def _score_scale(cfg, K: int) -> float:
+def score_scale(cfg, K: int) -> float:
     """1/sqrt(K), or a Llama-family config's own (Gemma 2's ``query_pre_attn_scalar``)."""
     return getattr(cfg, "score_scale", K**-0.5)
 
@@ -77,7 +79,7 @@ def _interpret() -> bool:
         return True
     raise ValueError(
         f"model.attention pallas: the fused kernel is a GPU (Triton) kernel, but the JAX "
-        f"backend is {backend!r}; use model.attention xla"
+        f"backend is {backend!r}; use model.attention xla, or on a TPU runtime.backend tpu"
     )
 
 
@@ -111,7 +113,7 @@ def pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, block_sizes=N
         k_BxTxGxK.astype(dtype),
         v_BxTxGxK.astype(dtype),
         segments_BxT.astype(jnp.int32),
-        sm_scale=_score_scale(cfg, K),
+        sm_scale=score_scale(cfg, K),
         causal=True,
         block_sizes=block_sizes,
         interpret=_interpret(),
@@ -123,7 +125,7 @@ def window_mask(mask, q_positions_BxT, k_positions_BxS, window: int | None):
     """``mask`` (a dense ``[B, 1, T, S]`` one) restricted to a sliding window: query at
     position p sees key position s only if ``s > p - window`` (transformers' sliding-window
     mask, the query itself included), positions within the segment. ``window`` None, or a
-    fused kernel's segment ids (which the config refuses a binding window for): unchanged."""
+    fused kernel's segment ids (the kernel takes the window itself, :func:`mix`): unchanged."""
     if window is None or mask.ndim == 2:
         return mask
     near_BxTxS = k_positions_BxS[:, None, :] > q_positions_BxT[:, :, None] - window
@@ -138,9 +140,25 @@ def packed_mask(cfg, segments_BxT):
     return segment_mask(segments_BxT)
 
 
-def mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask):
+def fused_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window=None):
+    """Fused attention of a packed row by the recipe's backend (``execution.fused_kernel``):
+    splash attention for a TPU recipe, the GPU kernel otherwise. ``window``: the layer's
+    sliding window (None: the whole segment)."""
+    if execution.fused_kernel(cfg.execution.backend) == "splash":
+        from . import tpu_attention
+
+        return tpu_attention.splash_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window)
+    T = q_BxTxHxK.shape[1]
+    if window is not None and window < T:  # the config refuses it (llama_config)
+        raise ValueError(f"model.attention pallas: the GPU kernel has no sliding window ({window})")
+    return pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT)
+
+
+def mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window=None):
     """Attention by ``cfg.execution.attention``; ``mask`` is :func:`packed_mask`'s, or any
-    dense ``[B, 1, T, S]`` mask (generation with a cache), which always takes the XLA path."""
+    dense ``[B, 1, T, S]`` mask (generation with a cache), which always takes the XLA path.
+    ``window``: the layer's sliding window, for the fused path (a dense mask holds its own:
+    :func:`window_mask`)."""
     if mask.ndim == 2:
-        return pallas_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
+        return fused_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window)
     return xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
