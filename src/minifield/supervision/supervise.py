@@ -161,6 +161,109 @@ def classify(
     return "failed", f"exit {exit_code}"
 
 
+@dataclass
+class _Stop:
+    """How a run was stopped, if it was: the supervisor's ``action`` ("timeout" | "stalled" |
+    "preempt") or a forwarded signal, and when (monotonic) each signal went to the group."""
+
+    action: str | None = None
+    term_sent: float | None = None
+    kill_sent: float | None = None
+    forwarded_at: float | None = None
+
+    @property
+    def requested(self) -> float | None:
+        return self.term_sent if self.term_sent is not None else self.forwarded_at
+
+    def record(self, pgid: int, started, reaped, stdout: StdoutReader, leftovers, forwarded):
+        """``run.json``'s ``termination``: who stopped the run, when (seconds from ``started``),
+        how long from the stop to the reaping, and what of the child's group was left."""
+        return {
+            "by": self.action or ("forwarded_signal" if forwarded else None),
+            "sigterm_after_s": None if self.term_sent is None else self.term_sent - started,
+            "sigkill_after_s": None if self.kill_sent is None else self.kill_sent - started,
+            "stop_to_reap_s": None if self.requested is None else reaped - self.requested,
+            "last_event_after_s": stdout.last_activity - started if stdout.events_total else None,
+            "group_members_left_after_reap": leftovers,
+            "group_alive_at_end": group_alive(pgid),
+        }
+
+
+def _watch(child, stdout: StdoutReader, forwarder, settings: Settings, started_mono) -> _Stop:
+    """Wait for the child to exit; SIGTERM its group at the deadline, a stall or the preemption
+    cue, and SIGKILL it a grace period after any stop (its own or a forwarded signal)."""
+    stop, pgid = _Stop(), child.pid
+    while child.poll() is None:
+        now = time.monotonic()
+        if forwarder.received and stop.forwarded_at is None:
+            stop.forwarded_at = forwarder.received[0]["mono"]
+        if stop.action is None and stop.term_sent is None and stop.forwarded_at is None:
+            if now - started_mono >= settings.deadline_s:
+                stop.action = "timeout"
+            elif now - max(stdout.last_activity, started_mono) >= settings.stall_s:
+                stop.action = "stalled"
+            elif stdout.preempt_cue is not None:
+                stop.action = "preempt"
+            if stop.action is not None:
+                stop.term_sent = now
+                signal_group(pgid, signal.SIGTERM)
+        requested = stop.requested
+        if requested is not None and stop.kill_sent is None and now - requested >= settings.grace_s:
+            stop.kill_sent = now
+            signal_group(pgid, signal.SIGKILL)
+        time.sleep(_POLL_S)
+    return stop
+
+
+def _reap(child) -> tuple[int, float, bool]:
+    """The child's exit code once reaped (no zombie is left behind), when, and whether members
+    of its group outlived it (they are killed)."""
+    exit_code = child.wait()
+    reaped = time.monotonic()
+    leftovers = group_alive(child.pid)
+    if leftovers:
+        signal_group(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5.0
+        while group_alive(child.pid) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    return exit_code, reaped, leftovers
+
+
+def _start(command: Sequence[str], settings: Settings, forwarder: SignalForwarder):
+    """The child, in a session (and process group) of its own that the forwarder signals."""
+    child = subprocess.Popen(
+        list(map(str, command)),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=dict(settings.env) if settings.env is not None else None,
+        cwd=settings.cwd,
+        pass_fds=settings.pass_fds,
+    )
+    forwarder.pgid = child.pid
+    for record in forwarder.received:  # a signal that arrived before the child existed
+        signal_group(child.pid, getattr(signal, record["signal"]))
+    return child
+
+
+def _not_started(outcome: dict, run_dir: Path, program, exc: OSError, started_mono) -> dict:
+    outcome.update(
+        classification="failed",
+        reason=f"could not start {program!r}: {exc}",
+        exit_code=None,
+        signal=None,
+        pid=None,
+        events=[],
+        events_total=0,
+        malformed_lines=[],
+        ended=_now_iso(),
+        duration_s=time.monotonic() - started_mono,
+    )
+    atomic.write_json(run_dir / RUN_FILE, outcome)
+    return outcome
+
+
 def supervise(
     command: Sequence[str],
     run_dir: Path,
@@ -197,89 +300,22 @@ def supervise(
         forwarder.install()
     try:
         try:
-            child = subprocess.Popen(
-                list(map(str, command)),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                env=dict(settings.env) if settings.env is not None else None,
-                cwd=settings.cwd,
-                pass_fds=settings.pass_fds,
-            )
+            child = _start(command, settings, forwarder)
         except OSError as exc:
             out_log.close()
             err_log.close()
-            outcome.update(
-                classification="failed",
-                reason=f"could not start {command[0]!r}: {exc}",
-                exit_code=None,
-                signal=None,
-                pid=None,
-                events=[],
-                events_total=0,
-                malformed_lines=[],
-                ended=_now_iso(),
-                duration_s=time.monotonic() - started_mono,
-            )
-            atomic.write_json(run_dir / RUN_FILE, outcome)
-            return outcome
+            return _not_started(outcome, run_dir, command[0], exc, started_mono)
         pgid = child.pid  # start_new_session: the child leads its own group
-        forwarder.pgid = pgid
-        for record in forwarder.received:  # a signal that arrived before the child existed
-            signal_group(pgid, getattr(signal, record["signal"]))
         stdout = StdoutReader(
-            child.stdout,
-            out_log,
-            settings.max_events,
-            settings.max_malformed,
-            preempt_after_step,
+            child.stdout, out_log, settings.max_events, settings.max_malformed, preempt_after_step
         )
         stderr = StderrReader(child.stderr, err_log, settings.stderr_tail_bytes)
         stdout.start()
         stderr.start()
         if companion is not None:
             companion.start()
-
-        # "timeout" | "stalled" | "preempt" when the supervisor stops the run
-        action: str | None = None
-        term_sent = kill_sent = None
-        forwarded_at = None
-        while True:
-            code = child.poll()
-            if code is not None:
-                break
-            now = time.monotonic()
-            if forwarder.received and forwarded_at is None:
-                forwarded_at = forwarder.received[0]["mono"]
-            if action is None and term_sent is None and forwarded_at is None:
-                if now - started_mono >= settings.deadline_s:
-                    action = "timeout"
-                elif now - max(stdout.last_activity, started_mono) >= settings.stall_s:
-                    action = "stalled"
-                elif stdout.preempt_cue is not None:
-                    action = "preempt"
-                if action is not None:
-                    term_sent = now
-                    signal_group(pgid, signal.SIGTERM)
-            stop_requested = term_sent if term_sent is not None else forwarded_at
-            if (
-                stop_requested is not None
-                and kill_sent is None
-                and now - stop_requested >= settings.grace_s
-            ):
-                kill_sent = now
-                signal_group(pgid, signal.SIGKILL)
-            time.sleep(_POLL_S)
-        exit_code = child.wait()  # reaps the child: no zombie is left behind
-        reaped = time.monotonic()
-        # The group outlives its leader if anything else joined it: kill the rest.
-        leftovers = group_alive(pgid)
-        if leftovers:
-            signal_group(pgid, signal.SIGKILL)
-            deadline = time.monotonic() + 5.0
-            while group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(_POLL_S)
+        stop = _watch(child, stdout, forwarder, settings, started_mono)
+        exit_code, reaped, leftovers = _reap(child)
         stdout.join(timeout=10)
         stderr.join(timeout=10)
         if companion is not None:
@@ -293,10 +329,9 @@ def supervise(
     classification, reason = classify(
         exit_code=exit_code,
         completed_event="completed" in stdout.types_seen,
-        supervisor_action=action,
+        supervisor_action=stop.action,
         forwarded=bool(forwarder.received),
     )
-    stop_at = term_sent if term_sent is not None else forwarded_at
     terminal = stdout.terminal
     outcome.update(
         classification=classification,
@@ -308,17 +343,9 @@ def supervise(
         worker_status=terminal["type"] if terminal else None,
         worker_message=(terminal.get("message") or terminal.get("reason")) if terminal else None,
         completed_event="completed" in stdout.types_seen,
-        termination={
-            "by": action or ("forwarded_signal" if forwarder.received else None),
-            "sigterm_after_s": None if term_sent is None else term_sent - started_mono,
-            "sigkill_after_s": None if kill_sent is None else kill_sent - started_mono,
-            "stop_to_reap_s": None if stop_at is None else reaped - stop_at,
-            "last_event_after_s": stdout.last_activity - started_mono
-            if stdout.events_total
-            else None,
-            "group_members_left_after_reap": leftovers,
-            "group_alive_at_end": group_alive(pgid),
-        },
+        termination=stop.record(
+            pgid, started_mono, reaped, stdout, leftovers, bool(forwarder.received)
+        ),
         forwarded_signals=[
             {"signal": r["signal"], "after_s": r["mono"] - started_mono} for r in forwarder.received
         ],
