@@ -21,6 +21,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import environment
+from .result import AttemptError, Ending
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+    from .events import EventLog
+    from .stopping import Stopping
 
 #: libtpu's lock of the chip on this host
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
@@ -169,3 +178,46 @@ def jax_backend(backend: str) -> tuple[Callable[[], object], Callable[[], None]]
     if platform and not jax.config.jax_platforms and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_platforms", platform)
     return jax.devices, xla_bridge._clear_backends
+
+
+def claim_for_attempt(
+    recipe: Recipe, stopping: Stopping, events: EventLog
+) -> tuple[Ending | None, dict]:
+    """Start the recipe's backend for an attempt, waiting (within the attempt's time left)
+    while another process still holds the accelerator; then take the environment's
+    fingerprint. Returns the ``device_busy`` or ``failed`` ending when the accelerator was not
+    got (else None), and the fingerprint."""
+    runtime = recipe.data.get("runtime", {})
+    wait_s = min(runtime.get("device_wait_seconds", default_wait_s()), stopping.seconds_left())
+    backend = runtime.get("backend", "any")
+    open_backend, reset = jax_backend(backend)
+
+    def waiting(wait: Wait) -> None:
+        events.emit(
+            "device_wait",
+            tries=wait.tries,
+            pause_s=wait.pause_s,
+            holders=wait.holders,
+            error=wait.error[:1000],
+        )
+
+    def signalled() -> str | None:
+        number = stopping.preemption.signal
+        return None if number is None else f"signal {number}"
+
+    try:
+        claimed = claim(open_backend, reset, wait_s=wait_s, on_wait=waiting, should_stop=signalled)
+    except DeviceBusy as exc:
+        return Ending.device_busy(str(exc)), environment.fingerprint(devices=False)
+    except Exception as exc:  # noqa: BLE001 - no backend: said in result.json, not a crash
+        message = f"{type(exc).__name__}: {exc}"
+        if backend != "any":
+            message = (
+                f"recipe runtime.backend={backend!r} but that backend does not start here "
+                f"({message}); run on a {backend} host or set runtime.backend"
+            )
+        failed = Ending.failed(AttemptError("device", message))
+        return failed, environment.fingerprint(devices=False)
+    if claimed.tries > 1:
+        events.emit("device_claimed", tries=claimed.tries, waited_s=claimed.waited_s)
+    return None, environment.fingerprint()

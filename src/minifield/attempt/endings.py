@@ -1,4 +1,4 @@
-"""How an attempt's ending is said: the ending of a divergence, the last event and
+"""How an attempt's ending is said: the ending of a divergence or of a stop, the last event and
 ``result.json``, written even on a disk another process filled (what is still refused is said
 on stderr, and the ending becomes ``io_failed``)."""
 
@@ -11,7 +11,8 @@ from .. import atomic
 from ..state.checkpoint import CheckpointRecord
 from .events import EventLog
 from .result import AttemptError, Ending, Progress
-from .update_loop import Diverged
+from .stopping import Preempt
+from .update_loop import Diverged, Stopped
 
 
 def diverged(
@@ -41,6 +42,24 @@ def diverged(
     say(f"{exc}; {last}")
     message = f"{exc}: training diverged; {last}; nothing was exported"
     return Ending.failed(AttemptError("diverged", message))
+
+
+def stopped(end: Stopped, committed: CheckpointRecord, events: EventLog) -> Ending:
+    """A loop stopped before its last update ends ``preempted`` (a signal: the checkpoint it
+    committed is named) or ``limit_reached``; either resumes from that checkpoint."""
+    if isinstance(end.stop, Preempt):
+        events.emit(
+            "preempted",
+            durable=True,
+            signal=end.stop.signal,
+            reason=end.stop.reason,
+            step=end.step,
+            checkpoint_sha256=committed.sha256,
+            path=committed.path,
+        )
+        return Ending.preempted()
+    events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
+    return Ending.limit_reached(end.stop.reason)
 
 
 def record(

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from .. import atomic
 from ..recipe import Recipe
 from ..state import export
-from . import completion, device_claim, endings, environment, resume
+from . import completion, device_claim, endings, resume
 from . import result as attempt_result
 from . import setup as attempt_setup
 from .checkpoint_cadence import CheckpointCadence, fault_hook
@@ -50,7 +50,7 @@ from .result import (
 )
 from .resume import ResumeRefused
 from .setup import AdoptCompleted, SetUpFailed, new_attempt_id
-from .stopping import Preempt, Stopping
+from .stopping import Stopping
 from .update_loop import (
     Diverged,
     HostSnapshot,
@@ -141,7 +141,7 @@ class Attempt:
 
     def run(self) -> int:
         self.stopping.preemption.install()
-        busy = self._claim_device()
+        busy, self.env = device_claim.claim_for_attempt(self.recipe, self.stopping, self.events)
         if busy is not None:
             return self._finish(busy)
         outcome = attempt_setup.agree(
@@ -172,52 +172,6 @@ class Attempt:
             self._settle_checkpoints()
             ending = _failure(AttemptError("train", f"{type(exc).__name__}: {exc}"), exc)
         return self._finish(ending)
-
-    def _claim_device(self) -> Ending | None:
-        """Start the backend, waiting while another process still holds the accelerator
-        (:mod:`~minifield.attempt.device_claim`); then take the environment's fingerprint.
-        Returns the ``device_busy`` ending when the accelerator was not got."""
-        runtime = self.recipe.data.get("runtime", {})
-        wait_s = min(
-            runtime.get("device_wait_seconds", device_claim.default_wait_s()),
-            self.stopping.seconds_left(),
-        )
-        backend = runtime.get("backend", "any")
-        open_backend, reset = device_claim.jax_backend(backend)
-
-        def waiting(wait: device_claim.Wait) -> None:
-            self.events.emit(
-                "device_wait",
-                tries=wait.tries,
-                pause_s=wait.pause_s,
-                holders=wait.holders,
-                error=wait.error[:1000],
-            )
-
-        def signalled() -> str | None:
-            number = self.stopping.preemption.signal
-            return None if number is None else f"signal {number}"
-
-        try:
-            claimed = device_claim.claim(
-                open_backend, reset, wait_s=wait_s, on_wait=waiting, should_stop=signalled
-            )
-        except device_claim.DeviceBusy as exc:
-            self.env = environment.fingerprint(devices=False)
-            return Ending.device_busy(str(exc))
-        except Exception as exc:  # noqa: BLE001 - no backend: said in result.json, not a crash
-            self.env = environment.fingerprint(devices=False)
-            message = f"{type(exc).__name__}: {exc}"
-            if backend != "any":
-                message = (
-                    f"recipe runtime.backend={backend!r} but that backend does not start here "
-                    f"({message}); run on a {backend} host or set runtime.backend"
-                )
-            return Ending.failed(AttemptError("device", message))
-        if claimed.tries > 1:
-            self.events.emit("device_claimed", tries=claimed.tries, waited_s=claimed.waited_s)
-        self.env = environment.fingerprint()
-        return None
 
     def _settle_checkpoints(self) -> None:
         """On a failure, let a background write in flight end (and report it) before the
@@ -270,20 +224,8 @@ class Attempt:
             checkpoint.verify_placed(state, ready.restored.path, ready.restored.state_hash)
         end = loop.run(state, ready.step, ready.compute_before)
         committed = self.checkpoints.ensure(end.state, end.step, end.compute_used)
-        if isinstance(end, Stopped) and isinstance(end.stop, Preempt):
-            self.events.emit(
-                "preempted",
-                durable=True,
-                signal=end.stop.signal,
-                reason=end.stop.reason,
-                step=end.step,
-                checkpoint_sha256=committed.sha256,
-                path=committed.path,
-            )
-            return Ending.preempted()
         if isinstance(end, Stopped):
-            self.events.emit("limit_reached", durable=True, step=end.step, reason=end.stop.reason)
-            return Ending.limit_reached(end.stop.reason)
+            return endings.stopped(end, committed, self.events)
         return completion.complete(
             program,
             end.state,
