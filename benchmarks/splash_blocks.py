@@ -101,6 +101,7 @@ def sweep(args, seq_len: int, interpret: bool) -> dict:
     xla = forward_backward(lambda q, k, v: attention.xla_mix(cfg, q, k, v, mask), cotangent)
     xla_ms, (xla_out, _) = median_ms(xla, qkv, args.rounds)
     print(f"T={seq_len}: xla {xla_ms:.2f} ms")
+    scale = attention.score_scale(cfg, cfg.head_dim)
     rows = []
     for block_q, block_kv in itertools.product(args.blocks, repeat=2):
         asked = {"block_q": block_q, "block_kv": block_kv, "block_kv_compute": block_kv}
@@ -111,7 +112,7 @@ def sweep(args, seq_len: int, interpret: bool) -> dict:
             continue  # a size the row cannot take: fitted to another pair the sweep has
         step = forward_backward(
             lambda q, k, v, blocks=blocks: tpu_attention.splash_mix(
-                cfg, q, k, v, segments, blocks=blocks, interpret=interpret
+                cfg, q, k, v, segments, None, scale=scale, blocks=blocks, interpret=interpret
             ),
             cotangent,
         )

@@ -63,7 +63,8 @@ def assert_splash_matches_xla(cfg, T, G, window=None, scale=1.0):
         return attention.xla_mix(cfg, q, k, v, mask)
 
     def fused(q, k, v):
-        return tpu_attention.splash_mix(cfg, q, k, v, segments, window)
+        scale = attention.score_scale(cfg, q.shape[3])
+        return tpu_attention.splash_mix(cfg, q, k, v, segments, window, scale=scale)
 
     def out_and_grads(fn):
         def projected(q, k, v):  # <out, cotangent>: its gradients are the cotangent's vjp
@@ -157,14 +158,15 @@ def test_rows_that_are_not_whole_lanes_are_refused():
     cfg = llama()
     q, kv = jnp.zeros((1, 96, 4, 8)), jnp.zeros((1, 96, 2, 8))
     with pytest.raises(ValueError, match=r"splash attention.*multiple of 128 \(got 96\)"):
-        tpu_attention.splash_mix(cfg, q, kv, kv, jnp.ones((1, 96), jnp.int32))
+        tpu_attention.splash_mix(cfg, q, kv, kv, jnp.ones((1, 96), jnp.int32), None, scale=1.0)
 
 
 def test_splash_is_refused_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     q, kv = jnp.zeros((1, 128, 4, 8)), jnp.zeros((1, 128, 2, 8))
     with pytest.raises(ValueError, match=r"splash attention is a TPU kernel.*'gpu'"):
-        tpu_attention.splash_mix(llama(), q, kv, kv, jnp.ones((1, 128), jnp.int32))
+        ones = jnp.ones((1, 128), jnp.int32)
+        tpu_attention.splash_mix(llama(), q, kv, kv, ones, None, scale=1.0)
 
 
 def test_windows_and_soft_caps_keep_the_fused_kernel_on_a_tpu_only():

@@ -147,7 +147,10 @@ def fused_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window=None):
     if execution.fused_kernel(cfg.execution.backend) == "splash":
         from . import tpu_attention
 
-        return tpu_attention.splash_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window)
+        scale = score_scale(cfg, q_BxTxHxK.shape[3])
+        return tpu_attention.splash_mix(
+            cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window, scale=scale
+        )
     T = q_BxTxHxK.shape[1]
     if window is not None and window < T:  # the config refuses it (llama_config)
         raise ValueError(f"model.attention pallas: the GPU kernel has no sliding window ({window})")

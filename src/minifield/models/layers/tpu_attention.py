@@ -36,7 +36,6 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from .. import execution
-from .attention import score_scale
 from .primitives import F32
 
 
@@ -79,12 +78,22 @@ def _interpret() -> bool:
 
 
 def splash_mix(
-    cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window=None, blocks=None, interpret=None
+    cfg,
+    q_BxTxHxK,
+    k_BxTxGxK,
+    v_BxTxGxK,
+    segments_BxT,
+    window,
+    *,
+    scale,
+    blocks=None,
+    interpret=None,
 ):
     """Segment-restricted causal attention of a packed row by splash attention: ``[B, T, H*K]``.
 
-    ``window``: a sliding window (None, or one no row reaches: the whole segment); ``blocks``:
-    block sizes by field name (the benchmark's sweep); ``interpret``: None picks by backend."""
+    ``window``: a sliding window (None, or one no row reaches: the whole segment); ``scale``:
+    the score scale (``attention.score_scale``); ``blocks``: block sizes by field name (the
+    benchmark's sweep); ``interpret``: None picks by backend."""
     B, T, H, K = q_BxTxHxK.shape
     G = k_BxTxGxK.shape[2]
     problem = execution.pallas_seq_len_problem(T, "tpu")
@@ -98,7 +107,7 @@ def splash_mix(
     )
     dtype = cfg.dtype
     # [B, T, H, K] -> [B, G, H/G, T, K]: query head h = g * (H/G) + r reads key/value head g
-    scaled_BxTxHxK = (q_BxTxHxK.astype(F32) * score_scale(cfg, K)).astype(dtype)
+    scaled_BxTxHxK = (q_BxTxHxK.astype(F32) * scale).astype(dtype)
     q_BxGxRxTxK = scaled_BxTxHxK.reshape(B, T, G, H // G, K).transpose(0, 2, 3, 1, 4)
     k_BxGxTxK, v_BxGxTxK = (t.astype(dtype).transpose(0, 2, 1, 3) for t in (k_BxTxGxK, v_BxTxGxK))
     segments_BxT = segments_BxT.astype(jnp.int32)
