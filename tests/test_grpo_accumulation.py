@@ -36,6 +36,7 @@ from minifield.models.llama import LlamaConfig
 from minifield.rl import objective
 from minifield.rl.advantages import token_weights
 from minifield.strategies.grpo import update as grpo_update
+from minifield.strategies.grpo.rollouts_file import Batch
 from minifield.training import lora, optimizer, train_step
 
 N, S, G, L, VOCAB = 8, 20, 4, 10, 48
@@ -116,10 +117,10 @@ def _run(case: str, k: int, weights_k: int) -> dict:
     step = jax.jit(fn)
     out = {"metrics": [], "logps": [], "start": state["params"]}
     for n in range(UPDATES):
-        batch = {
-            name: jnp.asarray(v) for name, v in hand_made_batch(n, loss_type, weights_k).items()
-        }
-        state, metrics, logps = step(state, batch, base if with_lora else None)
+        made = hand_made_batch(n, loss_type, weights_k)
+        batch = Batch(**{name: jnp.asarray(v) for name, v in made.items()})
+        # LoRA's update takes the frozen base between the state and the batch
+        state, metrics, logps = step(state, base, batch) if with_lora else step(state, batch)
         out["metrics"].append({name: float(v) for name, v in metrics.items()})
         out["logps"].append(np.asarray(logps))
     out["params"] = state["params"]

@@ -19,6 +19,7 @@ from minifield import schemas
 from minifield.models import model
 from minifield.rl import objective
 from minifield.strategies.grpo import update as grpo_update
+from minifield.strategies.grpo.rollouts_file import Batch
 from minifield.training import optimizer, train_step
 
 pytestmark = pytest.mark.slow  # two compiled updates and a forward of a model
@@ -53,7 +54,7 @@ def _logps_by_hand(params, tokens: np.ndarray) -> np.ndarray:
 
 def test_the_second_iterations_clipping_is_numpys():
     batch = {k: v for k, v in hand_made_batch(0, "dapo", 1).items() if k != "ref_logps"}
-    device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    device_batch = Batch(**{k: jnp.asarray(v) for k, v in batch.items()})
     two, state = _update(2)
     one, _ = _update(1)
     _, metrics, old = two(state, device_batch)

@@ -252,11 +252,11 @@ def test_an_update_without_active_tokens_has_zero_weights_and_loss(loss_type):
     made = _Made([[1, 2], [3], [4, 5], [6]], [[7, 8, 9], [7, 8], [9, 9, 9], [8]], [True] * 4)
     rl = {"mask_truncated_completions": True, "loss_type": loss_type, "max_completion_length": 3}
     batch = rollouts_file.batch_of(made, np.array([1.0, -1.0, 0.5, -0.5]), rl, 8, 2)
-    assert not batch["mask"].any()
-    assert batch["weights"].dtype == np.float32 and np.all(batch["weights"] == 0)
+    assert not batch.mask.any() and batch.ref_logps is None
+    assert batch.weights.dtype == np.float32 and np.all(batch.weights == 0)
     logps = np.full((4, 8), -1.0, np.float32)
     for level in ("token", "sequence"):
-        args = (logps, logps + 0.3, None, batch["advantages"], batch["mask"], batch["weights"])
+        args = (logps, logps + 0.3, None, batch.advantages, batch.mask, batch.weights)
         value, grad = VALUE_AND_GRAD(settings(0.0, level), *args)
         assert float(value) == 0.0 and np.all(np.asarray(grad) == 0)
         _, metrics = objective_value(settings(0.0, level), *args)
@@ -264,11 +264,9 @@ def test_an_update_without_active_tokens_has_zero_weights_and_loss(loss_type):
         assert float(metrics["clip_ratio/region_mean"]) == 0.0
     # without the option the same completions count
     kept = rollouts_file.batch_of(
-        made, batch["advantages"], {**rl, "mask_truncated_completions": False}, 8, 2
+        made, batch.advantages, {**rl, "mask_truncated_completions": False}, 8, 2
     )
-    assert (
-        kept["mask"].sum() == 9 and np.isfinite(kept["weights"]).all() and kept["weights"].sum() > 0
-    )
+    assert kept.mask.sum() == 9 and np.isfinite(kept.weights).all() and kept.weights.sum() > 0
 
 
 def test_the_host_side_imports_no_jax():

@@ -50,17 +50,42 @@ def init_train_state(cfg: ModelConfig, optimizer: optax.GradientTransformation, 
     }
 
 
-def micro_batches(batch: dict, k: int) -> dict:
-    """``[B, T]`` rows as ``[k, B / k, T]``: micro-batch ``i`` holds rows ``i, i + k, ...``.
+def micro_batches(batch, k: int):
+    """``[B, ...]`` rows as ``[k, B / k, ...]``: micro-batch ``i`` holds rows ``i, i + k, ...``
+    (``batch``: any pytree of arrays with rows first, a dict or a strategy's batch).
 
     Taking every k-th row (not k contiguous blocks) keeps each device's rows on that device
     under data parallelism: a device's contiguous block of ``B / N`` rows holds ``B / (k N)``
     rows of every micro-batch, so splitting into micro-batches moves nothing between devices.
     """
-    return {
-        name: value.reshape(value.shape[0] // k, k, *value.shape[1:]).swapaxes(0, 1)
-        for name, value in batch.items()
-    }
+    return jax.tree_util.tree_map(
+        lambda value: value.reshape(value.shape[0] // k, k, *value.shape[1:]).swapaxes(0, 1),
+        batch,
+    )
+
+
+def rows_in_order(value_kxB):
+    """:func:`micro_batches`' inverse for one per-row output ``[k, B / k, ...]``: ``[B, ...]``."""
+    k, rows = value_kxB.shape[:2]
+    return value_kxB.swapaxes(0, 1).reshape(k * rows, *value_kxB.shape[2:])
+
+
+def micro_batch_sums(value_and_grad: Callable, params, batch, k: int):
+    """``(total, grads, aux_k)`` of ``batch`` over ``k`` micro-batches (:func:`micro_batches`):
+    ``value_and_grad(params, micro) -> ((value, aux), grads)``; the values and the gradients
+    summed in micro-batch order, each ``aux`` entry stacked ``[k, ...]`` for the caller to
+    combine. ``lax.scan`` holds one micro-batch's activations at a time. The one
+    accumulation of every strategy's update (the supervised and preference losses,
+    :func:`accumulated_gradient`; grpo's, :mod:`minifield.strategies.grpo.update`)."""
+
+    def one(carry, micro):
+        grads, total = carry
+        (value, aux), g = value_and_grad(params, micro)
+        return (jax.tree_util.tree_map(jnp.add, grads, g), total + value), aux
+
+    start = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    (grads, total), aux_k = jax.lax.scan(one, start, micro_batches(batch, k))
+    return total, grads, aux_k
 
 
 @dataclass(frozen=True)
@@ -108,20 +133,14 @@ def accumulated_gradient(
             return aux["loss_sum"] + aux["tokens"] * aux["router_loss"], aux
         return aux["loss_sum"], aux
 
-    def one(carry, micro):
-        grads, total, sums = carry
-        (value, aux), g = jax.value_and_grad(loss_sum, has_aux=True)(params, micro)
+    def value_and_grad(p, micro):
+        (value, aux), g = jax.value_and_grad(loss_sum, has_aux=True)(p, micro)
         # a mean over the micro-batch's count, as a sum over it (divided once at the end)
         aux = {name: v * aux[how.count] if name in means else v for name, v in aux.items()}
-        sums = jax.tree_util.tree_map(jnp.add, sums, aux)
-        return (jax.tree_util.tree_map(jnp.add, grads, g), total + value, sums), None
+        return (value, aux), g
 
-    micros = micro_batches(batch, k)
-    first = jax.tree_util.tree_map(lambda v: v[0], micros)
-    shapes = jax.eval_shape(lambda p, m: loss_sum(p, m)[1], params, first)
-    sums = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-    start = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), sums)
-    (grads, total, aux), _ = jax.lax.scan(one, start, micros)
+    total, grads, aux_k = micro_batch_sums(value_and_grad, params, batch, k)
+    aux = {name: v.sum(axis=0) for name, v in aux_k.items()}
     scale = 1.0 / jnp.maximum(aux[how.count], 1.0)
     grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
     aux = {name: v * scale if name in means else v for name, v in aux.items()}

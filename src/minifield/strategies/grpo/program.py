@@ -43,114 +43,99 @@ from .reference import ReferencePolicy
 
 class GRPOProgram(LMProgram):
     export_strategy = {"name": section.NAME, "version": section.VERSION}
-
-    def make_batches(self, arrays, training):
-        """None: grpo makes each update's rows itself (rollouts), from no packed rows."""
-        return None
+    one_process = "its rollouts, rewards and advantages are computed on that process's host"
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from ...models.sampling import Sampling
-        from ...training import optimizer
-        from . import update
 
-        super().__init__(recipe, arrays)
         rl, training = recipe["rl"], recipe["training"]
         self.rl, self.G, self.N = rl, rl["num_generations"], training["batch_size"]
         self.seq_len, self.mu = training["seq_len"], rl["num_iterations"]
+        self.reward_files = reward_files(recipe, arrays)
+        super().__init__(recipe, arrays)
         self.examples_per_step = self.N // self.G  # prompts
-        self.tokens_per_step = self.N * self.seq_len
         self.sampling = Sampling(rl["temperature"], rl["top_k"], rl["top_p"])
-        self.stops = stop_ids(self.tokenizer)
+        self.stops = self.evaluator.stops
         self.train_ids = prompts.prompt_ids(arrays, "train")
         self.train_rows = prompts.rows_of(arrays, "train")
-        # the schedule counts optimizer steps: μ per update
-        steps = recipe["limits"]["max_steps"] * self.mu
-        scaled = {**training, "warmup_steps": training["warmup_steps"] * self.mu}
-        schedule = optimizer.make_schedule(scaled, steps)
-        self.optimizer = optimizer.make_optimizer(scaled, steps, schedule)
-        self.start.optimizer = self.optimizer
-        self.loss_settings = objective.LossSettings(
-            beta=rl["beta"],
-            epsilon=rl["epsilon"],
-            epsilon_high=rl["epsilon_high"],
-            importance_sampling_level=rl["importance_sampling_level"],
-        )
-        self._update_fn = update.make_update(
-            self.cfg,
-            self.optimizer,
-            schedule,
-            self.loss_settings,
-            self.mu,
-            rl["temperature"],
-            self.lora,
-            self.accum_steps,
-        )
         self._reference = None  # rl.beta 0: none is loaded or computed
         if rl["beta"] > 0:
             self._reference = ReferencePolicy(self.cfg, rl["temperature"], self.lora)
-        self.reward_files = reward_files(recipe, arrays)
-        self.evaluator = RewardEvaluator(
-            recipe, self.cfg, self.tokenizer, self.stops, self.reward_files
-        )
         self.rollouts_dir: Path | None = None
 
     def attach(self, attempt_dir: Path) -> None:
         self.rollouts_dir = Path(attempt_dir) / rollouts_file.DIRECTORY
 
-    # -- the update ------------------------------------------------------------------------
-    def compile(self) -> None:
-        """The update is compiled for the shapes every update has (N rows of seq_len). With
-        data parallelism, as packed-sft's: on the mesh, the batch's rows split over ``data``,
-        the state replicated or sharded (``shard_params``), donated; the metrics replicated,
-        iteration 1's log-probabilities split as the rows. LoRA runs on one device (refused
-        on a mesh at validation, as packed-sft's)."""
+    # -- what the strategy fills in ------------------------------------------------------------
+    def make_optimizer(self) -> tuple:
+        """The schedule counts optimizer steps: μ per update."""
+        from ...training import optimizer
+
+        training = self.recipe["training"]
+        steps = self.recipe["limits"]["max_steps"] * self.mu
+        scaled = {**training, "warmup_steps": training["warmup_steps"] * self.mu}
+        schedule = optimizer.make_schedule(scaled, steps)
+        return optimizer.make_optimizer(scaled, steps, schedule), schedule
+
+    def make_step(self, schedule):
+        """μ optimizer steps on one batch of rollouts (:mod:`.update`)."""
+        from . import update
+
+        settings = objective.LossSettings(
+            beta=self.rl["beta"],
+            epsilon=self.rl["epsilon"],
+            epsilon_high=self.rl["epsilon_high"],
+            importance_sampling_level=self.rl["importance_sampling_level"],
+        )
+        return update.make_update(
+            self.cfg,
+            self.optimizer,
+            schedule,
+            settings,
+            self.mu,
+            self.rl["temperature"],
+            self.lora,
+            self.accum_steps,
+        )
+
+    def make_batches(self, arrays, training):
+        """None: grpo makes each update's rows itself (rollouts), from no packed rows."""
+        return None
+
+    def abstract_batch(self) -> rollouts_file.Batch:
+        """Every update's shapes: N rows of seq_len (the reference's with ``beta`` > 0)."""
         import jax
 
-        if jax.process_count() > 1:
-            raise RuntimeError(
-                "grpo runs in one process (its rollouts, rewards and advantages are computed "
-                "on that process's host); start one process with "
-                "training.data_parallel.devices of its devices"
-            )
-        self.lay_out_mesh()
-        abstract_state, _ = _abstract_state(self.start)
-        batch = {
-            "tokens": jax.ShapeDtypeStruct((self.N, self.seq_len), np.int32),
-            "mask": jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32),
-            "weights": jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32),
-            "advantages": jax.ShapeDtypeStruct((self.N,), np.float32),
-        }
-        if self._reference is not None:
-            batch["ref_logps"] = jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32)
-        shardings = {}
-        if self.layout is not None:
-            rows = self.layout.batch
-            shardings = {
-                "in_shardings": (self.layout.state, {name: rows for name in batch}),
-                "out_shardings": (
-                    self.layout.state,
-                    self.data_parallel.replicated(self.layout.mesh),
-                    rows,
-                ),
-            }
-        fn = jax.jit(self._update_fn, donate_argnums=(0,), **shardings)
-        if self.lora is None:
-            compiled = fn.lower(abstract_state, batch).compile()
-            self._compiled = compiled
-        else:
-            base = jax.eval_shape(lambda: self._base)
-            compiled = fn.lower(abstract_state, batch, base).compile()
-            self._compiled = lambda state, batch: compiled(state, batch, self._base)
+        rows = jax.ShapeDtypeStruct((self.N, self.seq_len), np.float32)
+        return rollouts_file.Batch(
+            jax.ShapeDtypeStruct((self.N, self.seq_len), np.int32),
+            rows,
+            rows,
+            jax.ShapeDtypeStruct((self.N,), np.float32),
+            rows if self.rl["beta"] > 0 else None,
+        )
 
+    def out_shardings(self) -> tuple:
+        """The state, the metrics replicated, iteration 1's log-probabilities split as the
+        rows."""
+        return (*super().out_shardings(), self.layout.batch)
+
+    def make_evaluator(self) -> RewardEvaluator:
+        stops = stop_ids(self.tokenizer)
+        return RewardEvaluator(self.recipe, self.cfg, self.tokenizer, stops, self.reward_files)
+
+    # -- the update ------------------------------------------------------------------------
     def _rows(self):
         """The sharding of an update's rows on the mesh (None on one device)."""
         return None if self.layout is None else self.layout.batch
 
-    def _on_device(self, batch: dict[str, np.ndarray]) -> dict:
+    def _on_device(self, batch: rollouts_file.Batch) -> rollouts_file.Batch:
+        """The batch on the device (the reference's log-probabilities are there already: on
+        the mesh, split as the rows)."""
         import jax
 
         if self.layout is None:
-            return {name: jax.numpy.asarray(value) for name, value in batch.items()}
+            return jax.tree_util.tree_map(jax.numpy.asarray, batch)
         return jax.device_put(batch, self.layout.batch)
 
     def _policy_params(self, state):
@@ -194,13 +179,14 @@ class GRPOProgram(LMProgram):
         if self._reference is not None:
             ref_logps = self._reference.logps(
                 state,
-                batch["tokens"],
+                batch.tokens,
                 base=getattr(self, "_base", None),
                 start_params=self.base_params,
                 layout=self.layout,
                 data_parallel=self.data_parallel,
             )
-            batch["ref_logps"] = ref_logps
+            jax.block_until_ready(ref_logps)  # its own time; it stays on the device
+            batch = batch._replace(ref_logps=ref_logps)
         times["reference_seconds"] = time.monotonic() - started
         started = time.monotonic()
         new_state, metrics, logps = self._compiled(state, self._on_device(batch))
@@ -222,28 +208,13 @@ class GRPOProgram(LMProgram):
         # the whole update happened above: its time, for the update event (the loop reads
         # an update's metrics only after the next one is dispatched)
         host["update_seconds"] = time.monotonic() - began
-        host["loss_tokens"] = float(batch["mask"].sum())
+        host["loss_tokens"] = float(batch.mask.sum())
         return new_state, lambda: host
 
-    # -- evaluation and export -------------------------------------------------------------
-    def evaluate(self, state: dict) -> dict[str, float]:
-        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
-
-    def evaluate_test(self, state: dict) -> dict[str, float]:
-        return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "test")
-
+    # -- export ------------------------------------------------------------------------------
     def export_files(self) -> dict[str, bytes]:
         """The Python rewards' files, so the store's gate re-evaluates the export alone."""
         return {
             rollouts_file.export_name(name): path.read_bytes()
             for name, path in sorted(self.reward_files.items())
         }
-
-
-def _abstract_state(start):
-    import jax
-
-    abstract = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), jax.eval_shape(start.on_one_device)
-    )
-    return abstract, None

@@ -21,16 +21,19 @@ class ReferencePolicy:
         self._lora = lora_settings is not None
         self._params = None  # full fine-tuning: the starting weights, placed at first use
 
-    def logps(self, state, tokens, *, base, start_params, layout, data_parallel) -> np.ndarray:
-        """``[N, S]`` log-probabilities of ``tokens`` (``base``: LoRA's frozen base;
+    def logps(self, state, tokens, *, base, start_params, layout, data_parallel):
+        """``[N, S]`` log-probabilities of ``tokens``, left on the device (on the mesh split
+        as the rows) for the update that reads them (``base``: LoRA's frozen base;
         ``start_params``: full fine-tuning's starting weights, host arrays; ``layout`` and
         ``data_parallel``: the program's mesh, None on one device)."""
         import jax
 
         from ...training import data_parallel as placement
 
+        if layout is not None:
+            tokens = jax.device_put(tokens, layout.batch)
         if self._lora:
-            return np.asarray(self._fn(base, state["params"], tokens))
+            return self._fn(base, state["params"], tokens)
         if self._params is None:
             if layout is None:
                 self._params = jax.device_put(start_params)
@@ -42,6 +45,4 @@ class ReferencePolicy:
                 )
                 where = data_parallel.state_shardings(layout.mesh, {"params": abstract})
                 self._params = placement.place_tree(start_params, where["params"])
-        if layout is not None:
-            tokens = jax.device_put(tokens, layout.batch)
-        return np.asarray(self._fn(self._params, tokens))
+        return self._fn(self._params, tokens)

@@ -1,6 +1,6 @@
 """An update's rollouts as the device batch, and as the JSON lines file kept in the attempt.
 
-The batch (:func:`batch_of`): row ``n`` holds completion ``n`` after its prompt from slot 0
+The batch (:func:`batch_of`, a :class:`Batch`): row ``n`` holds completion ``n`` after its prompt from slot 0
 (``tokens [N, S]``, padding 0 after it), ``mask`` 1 on its completion tokens (0 for all of a
 truncated completion's with ``rl.mask_truncated_completions``), each token's ``weights`` in the
 loss (:func:`minifield.rl.advantages.token_weights` of the loss type; bnpo's over the update's
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,16 @@ from ... import atomic
 from ...rl import advantages as group_advantages
 
 DIRECTORY = "rollouts"
+
+
+class Batch(NamedTuple):
+    """What one grpo update receives (a JAX pytree: a field left None holds no array)."""
+
+    tokens: Any  # [N, S] int32: prompt then completion
+    mask: Any  # [N, S] float32: 1 on completion tokens that count
+    weights: Any  # [N, S] float32: each token's share of the loss
+    advantages: Any  # [N] float32
+    ref_logps: Any = None  # [N, S] float32, the reference's (beta > 0), on the device
 
 
 def file_name(update: int) -> str:
@@ -55,9 +66,7 @@ def completion_mask(made, rl: dict, seq_len: int) -> np.ndarray:
     return mask
 
 
-def batch_of(
-    made, advantages: np.ndarray, rl: dict, seq_len: int, micro_batches: int = 1
-) -> dict[str, np.ndarray]:
+def batch_of(made, advantages: np.ndarray, rl: dict, seq_len: int, micro_batches: int = 1) -> Batch:
     N = len(made.completion_ids)
     tokens = np.zeros((N, seq_len), np.int32)
     for row, (prompt, completion) in enumerate(
@@ -69,12 +78,7 @@ def batch_of(
     weights = group_advantages.token_weights(
         rl["loss_type"], mask, rl["max_completion_length"], micro_batches
     )
-    return {
-        "tokens": tokens,
-        "mask": mask,
-        "weights": np.asarray(weights, np.float32),
-        "advantages": np.asarray(advantages, np.float32),
-    }
+    return Batch(tokens, mask, np.asarray(weights, np.float32), np.asarray(advantages, np.float32))
 
 
 def _floats(values: np.ndarray) -> list[float]:

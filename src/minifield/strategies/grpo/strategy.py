@@ -52,7 +52,7 @@ class GRPO(Strategy):
         errors += model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)
         errors += model_section.normalize_export_dtype(recipe)
         errors += model_section.normalize_export_shards(recipe)
-        errors += lora.normalize_section(recipe)
+        errors += lora.normalize_section(recipe, data_parallel=True)
         errors += execution.normalize_recipe(recipe)
         errors += model_section.model_errors(recipe["model"])
         errors += model_section.warmup_errors(recipe)

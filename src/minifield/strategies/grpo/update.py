@@ -1,16 +1,19 @@
 """One grpo update on the device: ``num_iterations`` optimizer steps on one batch of rollouts.
 
-``make_update(...)`` returns ``update(state, batch[, base]) -> (state, metrics, logps)``. The
-batch holds the update's rows (``tokens [N, S]``: prompt then completion), ``mask`` (1 on
-completion tokens that count), ``weights`` (each token's share of the loss,
-:func:`minifield.rl.advantages.token_weights`), ``advantages [N]`` and, with ``beta`` > 0,
-``ref_logps [N, S]``. Iteration 1 takes the rollout policy's log-probabilities as its own,
+``make_update(...)`` returns ``update(state, batch) -> (state, metrics, logps)`` (with LoRA
+``update(state, base, batch)``, the frozen base between them as in every LoRA update of the
+language-model program). The batch is a :class:`.rollouts_file.Batch`: the update's rows (``tokens [N, S]``:
+prompt then completion), ``mask`` (1 on completion tokens that count), ``weights`` (each
+token's share of the loss, :func:`minifield.rl.advantages.token_weights`), ``advantages [N]``
+and, with ``beta`` > 0, ``ref_logps [N, S]`` (else None: no array, one compiled shape). Iteration 1 takes the rollout policy's log-probabilities as its own,
 stop-gradient (so its ratio is exactly 1), and returns them: iterations 2 … μ clip their
 ratios against those. The state's ``step`` advances by one per update (checkpoints and
 resumes fall between updates, never inside one), the optimizer's count by μ.
 
 Gradient accumulation (``training.grad_accum_steps`` k > 1): each of the μ optimizer steps
-takes its gradient as the sum over k micro-batches of every k-th row (:func:`_accumulated`),
+takes its gradient as the sum over k micro-batches of every k-th row (:func:`_accumulated`,
+the language-model program's one accumulation,
+:func:`minifield.training.train_step.micro_batch_sums`),
 the same program on one device or on a data-parallel mesh (the batch's rows split over
 ``data``, :meth:`minifield.strategies.grpo.program.GRPOProgram.compile`).
 
@@ -54,18 +57,18 @@ def make_update(
 
     def loss_of(trained, base, batch, old_NxS, use_old):
         params = trained if lora_settings is None else lora.adapted(base, trained, lora_settings)
-        logps_NxS, entropy_NxS = logprobs.token_logps(params, cfg, batch["tokens"], temperature)
+        logps_NxS, entropy_NxS = logprobs.token_logps(params, cfg, batch.tokens, temperature)
         old_NxS = jnp.where(use_old, old_NxS, jax.lax.stop_gradient(logps_NxS))
         loss, metrics = objective.objective_value(
             settings,
             logps_NxS,
             old_NxS,
-            batch.get("ref_logps"),
-            batch["advantages"],
-            batch["mask"],
-            batch["weights"],
+            batch.ref_logps,
+            batch.advantages,
+            batch.mask,
+            batch.weights,
         )
-        metrics["entropy_sum"] = jnp.sum(entropy_NxS * batch["mask"])
+        metrics["entropy_sum"] = jnp.sum(entropy_NxS * batch.mask)
         return loss, (metrics, logps_NxS)
 
     def gradient(params, base, batch, old_NxS, use_old):
@@ -84,9 +87,9 @@ def make_update(
         params = optax.apply_updates(params, updates)
         return params, opt_state, loss, parts, logps_NxS, optax.tree.norm(grads)
 
-    def update(state, batch, base=None):
+    def update(state, batch, base):
         params, opt_state = state["params"], state["opt_state"]
-        mask_NxS = batch["mask"]
+        mask_NxS = batch.mask
         zeros_NxS = jnp.zeros(mask_NxS.shape, jnp.float32)
         params, opt_state, loss, first, logps_NxS, grad_norm = one_step(
             params, opt_state, base, batch, zeros_NxS, False
@@ -119,7 +122,9 @@ def make_update(
         }
         return new_state, metrics, old_NxS
 
-    return update
+    if lora_settings is None:
+        return lambda state, batch: update(state, batch, None)
+    return lambda state, base, batch: update(state, batch, base)
 
 
 #: the objective's means: kl over active tokens, the clip shares over active tokens (the
@@ -139,19 +144,14 @@ def _accumulated(loss_of, params, base, batch, old_NxS, use_old, k: int, setting
     a token mean weighted by the micro-batches' active tokens, a sequence mean (GSPO's clip
     shares) by their sequences; the log-probabilities come back in row order."""
 
-    def one(carry, micro):
-        grads, total = carry
-        micro_batch = {name: value for name, value in micro.items() if name != "old"}
-        (loss, (parts, logps)), g = jax.value_and_grad(loss_of, has_aux=True)(
-            params, base, micro_batch, micro["old"], use_old
-        )
-        return (jax.tree_util.tree_map(jnp.add, grads, g), total + loss), (parts, logps)
+    def value_and_grad(p, micro):
+        micro_batch, micro_old = micro
+        return jax.value_and_grad(loss_of, has_aux=True)(p, base, micro_batch, micro_old, use_old)
 
-    start = (jax.tree_util.tree_map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    rows = train_step.micro_batches({**batch, "old": old_NxS}, k)
-    (grads, loss), (parts_k, logps_kxBxS) = jax.lax.scan(one, start, rows)
-    N, S = old_NxS.shape
-    logps_NxS = logps_kxBxS.swapaxes(0, 1).reshape(N, S)  # micro_batches' inverse
+    loss, grads, (parts_k, logps_kxBxS) = train_step.micro_batch_sums(
+        value_and_grad, params, (batch, old_NxS), k
+    )
+    logps_NxS = train_step.rows_in_order(logps_kxBxS)
     tokens, sequences = parts_k["tokens"].sum(), parts_k["sequences"].sum()
     parts = {"tokens": tokens, "sequences": sequences, "entropy_sum": parts_k["entropy_sum"].sum()}
     sequence_level = settings.importance_sampling_level == "sequence"

@@ -1,13 +1,14 @@
 """The language-model program: a prepared recipe bound to its model, optimizer and update.
 
-packed-sft runs it as it is; preference and two-stage build on it. What it is made of lives in
+packed-sft runs it as it is; preference, grpo and two-stage fill in their parts
+(:class:`LMProgram`). What it is made of lives in
 the library: where training starts (:mod:`minifield.training.initial_state`), the rows of each
 update (:mod:`minifield.data.batches`; a weighted mixture's draws,
 :mod:`minifield.data.mixture`), the mesh and shardings of a data-parallel update
 (:mod:`minifield.training.data_parallel`), evaluation (:mod:`minifield.training.evaluator`),
 LoRA's frozen base and adapters (:mod:`minifield.training.lora`), and the export
 (:mod:`.export_format`). The program holds them together and owns the state's life on the
-device: created, placed, updated, evaluated, exported.
+device (:mod:`.placement`): created, placed, updated, evaluated, exported.
 """
 
 from __future__ import annotations
@@ -24,16 +25,31 @@ from ...training.evaluator import Evaluator
 from ...training.initial_state import InitialState
 from ..base import Program
 from . import export_format, model_section
+from .placement import PlacedState, base_by_slices
 
 
-class LMProgram(Program):
+class LMProgram(PlacedState, Program):
+    """The base of every language-model strategy's program. What a strategy fills in, each a
+    method it may override and nothing else: its optimizer (:meth:`make_optimizer`), its
+    update (:meth:`make_step`, of :meth:`objective` and :attr:`accumulation` unless it
+    writes its own), the rows of each update and their shapes (:meth:`make_batches`,
+    :meth:`abstract_batch`, :meth:`out_shardings` for an update that returns more than
+    its metrics), its evaluator (:meth:`make_evaluator`) and, for an update the program
+    runs itself, :meth:`dispatch`. Placement, LoRA's frozen base, the mesh, the compiled
+    update, evaluation's parameters and the export are the same for all."""
+
     #: the strategy identity an export records (None: packed-sft's; one built on this its own)
     export_strategy: dict | None = None
     exports_where_held = True
+    #: what the objective's loss is a mean over (None: trained tokens,
+    #: :class:`minifield.training.train_step.Accumulation`)
+    accumulation = None
+    #: why the update runs in one process (None: any number of processes)
+    one_process: str | None = None
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
         from ...models import execution
-        from ...training import data_parallel, optimizer, train_step
+        from ...training import data_parallel
 
         self.recipe, self.arrays = recipe, arrays
         training = recipe["training"]
@@ -43,109 +59,80 @@ class LMProgram(Program):
         cfg = model_section.config_of(recipe, arrays, self.tokenizer)
         self.cfg = execution.with_recipe_options(cfg, recipe)
         self.seed = training["seed"]
-        self.batches = self.make_batches(arrays, training)
         self.accum_steps = mixture.grad_accum_steps(training)
-        self.examples_per_step = training["batch_size"]
-        self.tokens_per_step = training["batch_size"] * training["seq_len"]
+        self.data_parallel = data_parallel.DataParallel.from_training(training)
         self.eval_every = recipe["evaluation"]["eval_every"]
-        # built once: the optimizer applies it, the update reports its learning rate (a
-        # metric only, so the state, and its hash, are the same with or without it)
-        schedule = optimizer.make_schedule(training, recipe["limits"]["max_steps"])
-        self.optimizer = optimizer.make_optimizer(training, recipe["limits"]["max_steps"], schedule)
-        self._step_fn = train_step.make_train_step(
-            self.cfg, self.optimizer, schedule, accum_steps=self.accum_steps
-        )
+        self.optimizer, schedule = self.make_optimizer()
         self.start = InitialState(self.cfg, self.optimizer, self.seed)
         if "base" in recipe["model"] and self.lora is None:
-            self.base_params = pinned_base.params_from_arrays(arrays, _base_by_slices(training))
+            self.base_params = pinned_base.params_from_arrays(arrays, base_by_slices(training))
         if self.lora is not None:
-            self._lora_setup(schedule)
+            self._lora_setup()
+        self.batches = self.make_batches(arrays, training)
+        self.examples_per_step = training["batch_size"]
+        self.tokens_per_step = training["batch_size"] * training["seq_len"]
+        self._step_fn = self.make_step(schedule)
         self._compiled = None
         self._prefetcher = None  # started by the first dispatch
-        self.data_parallel = data_parallel.DataParallel.from_training(training)
         self.layout = None  # set by lay_out_mesh(): the mesh and the state's shardings
-        self.evaluator = Evaluator(
-            self.cfg,
-            recipe["evaluation"]["batch_size"],
-            self.tokenizer.eos_id,
-            self.tokenizer.pad_id,
+        self.evaluator = self.make_evaluator()
+
+    # -- what a strategy fills in --------------------------------------------------------------
+    def make_optimizer(self) -> tuple:
+        """``(optimizer, schedule)``, built once: the optimizer applies the schedule, the
+        update reports its learning rate (a metric only, so the state, and its hash, are the
+        same with or without it)."""
+        from ...training import optimizer
+
+        training, steps = self.recipe["training"], self.recipe["limits"]["max_steps"]
+        schedule = optimizer.make_schedule(training, steps)
+        return optimizer.make_optimizer(training, steps, schedule), schedule
+
+    def objective(self):
+        """``objective(params, cfg, batch) -> (loss, aux)`` the update differentiates."""
+        from ...models.model import loss_fn
+
+        return loss_fn
+
+    def make_step(self, schedule):
+        """The pure update, ``(state, batch) -> (state, metrics)``; with LoRA
+        ``(state, base, batch)``, the frozen base an argument between them (never donated)."""
+        from ...training import train_step
+
+        how = self.accumulation or train_step.TOKEN_MEAN
+        if self.lora is None:
+            return train_step.make_train_step(
+                self.cfg, self.optimizer, schedule, self.objective(), self.accum_steps, how
+            )
+        return lora.make_train_step(
+            self.cfg, self.lora, self.optimizer, schedule, self.accum_steps, self.objective(), how
         )
 
     def make_batches(self, arrays: dict[str, np.ndarray], training: dict):
-        """The rows of each update (a strategy that makes its own batches overrides it)."""
+        """The rows of each update."""
         if "mixture" in training:
             return MixtureBatches(arrays, training)
         return TrainBatches(arrays, self.seed, training["batch_size"])
 
-    def _lora_setup(self, schedule) -> None:
-        """LoRA: the step trains the adapters against the frozen base (held once as its
-        checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
-        evaluation runs on the merged weights."""
+    def abstract_batch(self):
+        """The update's batch as shapes and dtypes, what it is compiled for (update 0's)."""
         import jax
 
-        self._base = _frozen_base(self.arrays, self.recipe["training"], self.lora.base_dtype)
-        inputs = model_section.base_model_inputs(self.recipe["model"])
-        self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
-        self._step_fn = lora.make_train_step(
-            self.cfg, self.lora, self.optimizer, schedule, self.accum_steps
-        )
-        self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
-
-    # -- the state: created, placed ------------------------------------------------------------
-    @property
-    def base_params(self):
-        """Host FP32 weights training starts from (a base model's), or None: at random."""
-        return self.start.base_params
-
-    @base_params.setter
-    def base_params(self, params) -> None:
-        self.start.base_params = params
-
-    def init_state(self) -> dict:
-        if self.layout is not None:
-            return self.start.on_mesh(self.layout.state)
-        return self.start.on_one_device()
-
-    def state_template(self) -> dict:
-        """The step-0 state as shapes and dtypes (``InitialState.abstract``: nothing computed,
-        no base weight converted), each leaf with its sharding once the mesh is laid out: a
-        restore reads only this process's regions and holds no template state beside them."""
-        import jax
-
-        abstract = self.start.abstract()
-        if self.layout is None:
-            return jax.tree_util.tree_map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract
-            )
         return jax.tree_util.tree_map(
-            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-            abstract,
-            self.layout.state,
+            lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), self.batches.batch(0)
         )
 
-    def lay_out_mesh(self) -> None:
-        """The data-parallel mesh and the shardings of the state and the batch, without
-        compiling the update (``compile`` starts with it; a no-op on one device or done
-        twice). From then on ``init_state`` creates the state in its shardings and
-        evaluation runs on the mesh; before, a one-device state (the template a process that
-        only evaluates checkpoints restores into)."""
-        dp = self.data_parallel
-        if self.layout is not None or dp.devices == 1:
-            return
-        self.layout = dp.lay_out(self.start.abstract())
-        if self.lora is not None:  # the frozen base on the mesh too, as its own shardings
-            self._base, self._base_shardings = _base_on_mesh(dp, self.layout.mesh, self._base)
-        self.evaluator.on_mesh(self.layout.batch, dp.devices)
-        self.placement = self.layout.placement()
+    def out_shardings(self) -> tuple:
+        """The update's outputs on the mesh: the state as laid out, the metrics replicated."""
+        return (self.layout.state, self.data_parallel.replicated(self.layout.mesh))
 
-    def place(self, state: dict) -> dict:
-        """Put a fresh or restored state on the mesh with the compiled step's shardings: a
-        fresh state is already there (``init_state``), a restored one arrives as host arrays
-        and each device receives only its slices (``parallel.place``)."""
-        from ...training import data_parallel
-
-        self.lay_out_mesh()
-        return state if self.layout is None else data_parallel.place_tree(state, self.layout.state)
+    def make_evaluator(self):
+        return Evaluator(
+            self.cfg,
+            self.recipe["evaluation"]["batch_size"],
+            self.tokenizer.eos_id,
+            self.tokenizer.pad_id,
+        )
 
     # -- the update ----------------------------------------------------------------------------
     def compile(self) -> None:
@@ -154,19 +141,30 @@ class LMProgram(Program):
         the state's buffers. Without it (``devices: 1``) a plain single-device jit."""
         import jax
 
-        abstract_state, abstract_batch = _abstract_arguments(self.start, self.batches)
+        if self.one_process is not None and jax.process_count() > 1:
+            name = self.recipe["strategy"]["name"]
+            raise RuntimeError(
+                f"{name} runs in one process ({self.one_process}); start one process with "
+                "training.data_parallel.devices of its devices"
+            )
+        abstract_state = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.start.abstract()
+        )
+        abstract_batch = self.abstract_batch()
         self.lay_out_mesh()
-        shardings = _update_shardings(self.layout, self.data_parallel, abstract_batch)
-        if self.lora is not None:  # the frozen base an argument (never donated)
-            if shardings:  # between the state and the batch
-                shardings["in_shardings"] = _with_base(shardings, self._base_shardings)
-            fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
-            abstract_base = jax.eval_shape(lambda: self._base)
-            step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
-            self._compiled = lambda state, batch: step(state, self._base, batch)
-            return
+        shardings = {}
+        if self.layout is not None:  # the batch's rows split over ``data``
+            ins = (self.layout.state, self.layout.batch)
+            if self.lora is not None:
+                ins = (ins[0], self._base_shardings, ins[1])
+            shardings = {"in_shardings": ins, "out_shardings": self.out_shardings()}
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
-        self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+        if self.lora is None:
+            self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+            return
+        abstract_base = jax.eval_shape(lambda: self._base)
+        step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
+        self._compiled = lambda state, batch: step(state, self._base, batch)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         import jax
@@ -194,23 +192,6 @@ class LMProgram(Program):
         return new_state, lambda: _host_metrics(metrics, counts)
 
     # -- evaluation and export -----------------------------------------------------------------
-    def _eval_params(self, state: dict):
-        """The parameters evaluation runs with. On a data-parallel mesh they stay in the
-        state's shardings (a host copy, which the end of a multi-process attempt passes, is
-        placed there slice by slice): never gathered onto one device, so a model that needs
-        ``shard_params`` to fit is evaluated as it trains. Per layer: a scanned run's state
-        holds its blocks stacked (``layer_stack``)."""
-        from ...models.layers import layer_stack
-        from ...training import data_parallel
-
-        if self.lora is not None:  # the merged FP32 weights, as the export holds them
-            return self._merge(self._base, state["params"])
-        if self.layout is None:
-            return layer_stack.per_layer(state["params"])
-        return layer_stack.per_layer(
-            data_parallel.place_tree(state["params"], self.layout.state["params"])
-        )
-
     def evaluate(self, state: dict) -> dict[str, float]:
         return self.evaluator.split_metrics(self._eval_params(state), self.arrays, "dev")
 
@@ -243,29 +224,6 @@ class LMProgram(Program):
         return {}
 
 
-def _base_by_slices(training: dict) -> bool:
-    """Whether a base's FP32 masters are converted slice by slice as they are placed: on a
-    mesh that shards them (each process converts only its devices' slices)."""
-    from ...training import data_parallel
-
-    dp = data_parallel.DataParallel.from_training(training)
-    return dp.devices > 1 and dp.shard_params
-
-
-def _abstract_arguments(start: InitialState, batches) -> tuple[dict, dict]:
-    """The update's state and batch as shapes and dtypes, what it is compiled for: the state
-    a single device would start from, the batch of update 0."""
-    import jax
-
-    abstract_state = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-        start.abstract(),
-    )
-    batch = batches.batch(0)
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    return abstract_state, abstract_batch
-
-
 def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
     """An update's metrics read back on the host (the scalars, ``tokens`` as ``loss_tokens``;
     a mixture of experts' ``expert_load`` as a list, one share per expert) beside the batch's
@@ -275,42 +233,3 @@ def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
         host["expert_load"] = [float(share) for share in np.asarray(metrics["expert_load"])]
     host["loss_tokens"] = host.pop("tokens", float("nan"))
     return {**host, **counts}
-
-
-def _update_shardings(layout, data_parallel, abstract_batch: dict) -> dict:
-    """``jax.jit``'s shardings of the update on the mesh: the batch split over ``data``, the
-    state as laid out, the metrics replicated; none on one device."""
-    if layout is None:
-        return {}
-    batch_shardings = {k: layout.batch for k in abstract_batch}
-    return {
-        "in_shardings": (layout.state, batch_shardings),
-        "out_shardings": (layout.state, data_parallel.replicated(layout.mesh)),
-    }
-
-
-def _frozen_base(arrays: dict, training: dict, base_dtype: str):
-    """LoRA's frozen base as stored: on the device, or, for a data-parallel run, the host's
-    arrays, which ``lay_out_mesh`` places on the mesh slice by slice (never whole on one
-    device first)."""
-    from ...hf import stored_base
-    from ...training.data_parallel import DataParallel
-
-    if DataParallel.from_training(training).devices == 1:
-        return stored_base.on_device(arrays, base_dtype)
-    return stored_base.on_host(arrays, base_dtype)
-
-
-def _base_on_mesh(dp, mesh, base) -> tuple:
-    """LoRA's frozen base placed on the mesh by the state's rule (replicated, or split under
-    ``shard_params``), and its shardings."""
-    from ...training import data_parallel
-
-    shardings = dp.state_shardings(mesh, {"params": base})["params"]
-    return data_parallel.place_tree(base, shardings), shardings
-
-
-def _with_base(shardings: dict, base_shardings) -> tuple:
-    """The LoRA update's input shardings: the state's, the frozen base's, the batch's."""
-    state_in, batch_in = shardings["in_shardings"]
-    return (state_in, base_shardings, batch_in)

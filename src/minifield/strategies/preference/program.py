@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...training import lora
 from ...training.train_step import Accumulation
 from ..lm.program import LMProgram
 from . import logprobs, losses, section
@@ -55,51 +54,26 @@ ACCUMULATION = Accumulation(
 
 class PreferenceProgram(LMProgram):
     export_strategy = {"name": section.NAME, "version": section.VERSION}
+    accumulation = ACCUMULATION
+    one_process = "its pairs are packed on that process's host"
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
-        from ...training import optimizer, train_step
-
-        super().__init__(recipe, arrays)
-        training, max_steps = recipe["training"], recipe["limits"]["max_steps"]
         self.loss_settings = losses.LossSettings.of(recipe["preference"])
-        self.batches = PairBatches(
+        super().__init__(recipe, arrays)
+        self.tokens_per_step = self.batches.rows * recipe["training"]["seq_len"]
+
+    def objective(self):
+        return make_objective(self.loss_settings)
+
+    def make_batches(self, arrays: dict[str, np.ndarray], training: dict) -> PairBatches:
+        return PairBatches(
             arrays,
             training,
-            max_steps,
+            self.recipe["limits"]["max_steps"],
             self.tokenizer.pad_id,
             self.data_parallel.devices,
             self.accum_steps,
         )
-        self.examples_per_step = training["batch_size"]
-        self.tokens_per_step = self.batches.rows * training["seq_len"]
-        objective = make_objective(self.loss_settings)
-        schedule = optimizer.make_schedule(training, max_steps)
-        if self.lora is None:
-            self._step_fn = train_step.make_train_step(
-                self.cfg, self.optimizer, schedule, objective, self.accum_steps, ACCUMULATION
-            )
-        else:
-            self._step_fn = lora.make_train_step(
-                self.cfg,
-                self.lora,
-                self.optimizer,
-                schedule,
-                self.accum_steps,
-                objective,
-                ACCUMULATION,
-            )
-        self.evaluator = PairEvaluator(
-            self.cfg, recipe["evaluation"]["batch_size"], self.loss_settings
-        )
 
-    def compile(self) -> None:
-        """packed-sft's compiled update, in one process: the pairs are packed on this
-        process's host for the whole mesh."""
-        import jax
-
-        if jax.process_count() > 1:
-            raise RuntimeError(
-                "preference runs in one process (its pairs are packed on that process's "
-                "host); start one process with training.data_parallel.devices of its devices"
-            )
-        super().compile()
+    def make_evaluator(self) -> PairEvaluator:
+        return PairEvaluator(self.cfg, self.recipe["evaluation"]["batch_size"], self.loss_settings)

@@ -1,0 +1,129 @@
+"""The state of a language-model program on its devices: created, placed on the data-parallel
+mesh, LoRA's frozen base beside it, and the parameters evaluation and the export read.
+
+:class:`PlacedState` is the part of :class:`minifield.strategies.lm.program.LMProgram` that
+every strategy shares unchanged (the program sets ``recipe``, ``arrays``, ``lora``,
+``start``, ``data_parallel``, ``layout`` and ``evaluator``; what a strategy fills in is the
+program's).
+"""
+
+from __future__ import annotations
+
+from ...training import lora
+from . import model_section
+
+
+class PlacedState:
+    def _lora_setup(self) -> None:
+        """LoRA: the step trains the adapters against the frozen base (held once as its
+        checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
+        evaluation runs on the merged weights."""
+        import jax
+
+        self._base = frozen_base(self.arrays, self.recipe["training"], self.lora.base_dtype)
+        inputs = model_section.base_model_inputs(self.recipe["model"])
+        self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
+        self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
+
+    # -- the state: created, placed ------------------------------------------------------------
+    @property
+    def base_params(self):
+        """Host FP32 weights training starts from (a base model's), or None: at random."""
+        return self.start.base_params
+
+    @base_params.setter
+    def base_params(self, params) -> None:
+        self.start.base_params = params
+
+    def init_state(self) -> dict:
+        if self.layout is not None:
+            return self.start.on_mesh(self.layout.state)
+        return self.start.on_one_device()
+
+    def state_template(self) -> dict:
+        """The step-0 state as shapes and dtypes (``InitialState.abstract``: nothing computed,
+        no base weight converted), each leaf with its sharding once the mesh is laid out: a
+        restore reads only this process's regions and holds no template state beside them."""
+        import jax
+
+        abstract = self.start.abstract()
+        if self.layout is None:
+            return jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), abstract
+            )
+        return jax.tree_util.tree_map(
+            lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+            abstract,
+            self.layout.state,
+        )
+
+    def lay_out_mesh(self) -> None:
+        """The data-parallel mesh and the shardings of the state and the batch, without
+        compiling the update (``compile`` starts with it; a no-op on one device or done
+        twice). From then on ``init_state`` creates the state in its shardings and
+        evaluation runs on the mesh; before, a one-device state (the template a process that
+        only evaluates checkpoints restores into)."""
+        dp = self.data_parallel
+        if self.layout is not None or dp.devices == 1:
+            return
+        self.layout = dp.lay_out(self.start.abstract())
+        if self.lora is not None:  # the frozen base on the mesh too, as its own shardings
+            self._base, self._base_shardings = base_on_mesh(dp, self.layout.mesh, self._base)
+        self.evaluator.on_mesh(self.layout.batch, dp.devices)
+        self.placement = self.layout.placement()
+
+    def place(self, state: dict) -> dict:
+        """Put a fresh or restored state on the mesh with the compiled step's shardings: a
+        fresh state is already there (``init_state``), a restored one arrives as host arrays
+        and each device receives only its slices (``parallel.place``)."""
+        from ...training import data_parallel
+
+        self.lay_out_mesh()
+        return state if self.layout is None else data_parallel.place_tree(state, self.layout.state)
+
+    def _eval_params(self, state: dict):
+        """The parameters evaluation runs with. On a data-parallel mesh they stay in the
+        state's shardings (a host copy, which the end of a multi-process attempt passes, is
+        placed there slice by slice): never gathered onto one device, so a model that needs
+        ``shard_params`` to fit is evaluated as it trains. Per layer: a scanned run's state
+        holds its blocks stacked (``layer_stack``)."""
+        from ...models.layers import layer_stack
+        from ...training import data_parallel
+
+        if self.lora is not None:  # the merged FP32 weights, as the export holds them
+            return self._merge(self._base, state["params"])
+        if self.layout is None:
+            return layer_stack.per_layer(state["params"])
+        return layer_stack.per_layer(
+            data_parallel.place_tree(state["params"], self.layout.state["params"])
+        )
+
+
+def base_by_slices(training: dict) -> bool:
+    """Whether a base's FP32 masters are converted slice by slice as they are placed: on a
+    mesh that shards them (each process converts only its devices' slices)."""
+    from ...training import data_parallel
+
+    dp = data_parallel.DataParallel.from_training(training)
+    return dp.devices > 1 and dp.shard_params
+
+
+def frozen_base(arrays: dict, training: dict, base_dtype: str):
+    """LoRA's frozen base as stored: on the device, or, for a data-parallel run, the host's
+    arrays, which ``lay_out_mesh`` places on the mesh slice by slice (never whole on one
+    device first)."""
+    from ...hf import stored_base
+    from ...training.data_parallel import DataParallel
+
+    if DataParallel.from_training(training).devices == 1:
+        return stored_base.on_device(arrays, base_dtype)
+    return stored_base.on_host(arrays, base_dtype)
+
+
+def base_on_mesh(dp, mesh, base) -> tuple:
+    """LoRA's frozen base placed on the mesh by the state's rule (replicated, or split under
+    ``shard_params``), and its shardings."""
+    from ...training import data_parallel
+
+    shardings = dp.state_shardings(mesh, {"params": base})["params"]
+    return data_parallel.place_tree(base, shardings), shardings
