@@ -29,7 +29,8 @@ ACCEPTED_DTYPES = {"F32": np.float32, "BF16": None, "F16": np.float16}
 
 #: rows of a source matrix widened and transposed at a time: each row of the result then
 #: receives one whole 64-byte cache line (16 FP32) per block, and the widened block stays in
-#: the CPU caches while it is scattered (16 rows measured 2.3x faster than 64)
+#: the CPU caches while it is scattered (the timings: docs/performance.md, "Loading a base
+#: model")
 _TRANSPOSE_ROWS = 16
 #: elements widened at a time where no transpose is needed (the block stays in cache for the
 #: finite check)

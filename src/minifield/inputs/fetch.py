@@ -41,10 +41,10 @@ from .progress import DownloadProgress
 if TYPE_CHECKING:
     import requests
 
-# ``requests`` is imported where a download happens, not with this module: importing it costs
-# ~2.5 s of CPU here (it loads ``chardet``, whose 6.x models are slow to import), and every
-# pipeline job that validates, hashes or prepares inputs imports this module, usually with no
-# remote input to fetch.
+# ``requests`` is imported where a download happens, not with this module: its import is slow
+# (it loads ``chardet``, whose 6.x models are slow to import; the cost: docs/development.md,
+# "Start-up cost"), and every pipeline job that validates, hashes or prepares inputs imports
+# this module, usually with no remote input to fetch.
 
 _CHUNK = 1 << 20
 REDIRECT_CODES = (301, 302, 303, 307, 308)

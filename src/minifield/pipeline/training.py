@@ -3,7 +3,7 @@ training) and ``train`` (one attempt, resuming the computation's latest).
 
 Both hold GPU leases for their workers; ``train`` also holds the computation's one-attempt
 lock. Neither imports JAX: the workers they supervise train, and a supervising process that
-loaded JAX would pay its import (~2 s of CPU) for nothing.
+loaded JAX would pay its import (docs/development.md, "Start-up cost") for nothing.
 """
 
 from __future__ import annotations
