@@ -100,8 +100,8 @@ def _kernel_inputs(dtype, B=2, T=16, H=4, G=2, K=8):
     return q, k, v, jnp.asarray(segments), jax.random.normal(keys[3], (B, T, H * K))
 
 
-#: the fused kernel is a GPU (Triton) kernel, run in Pallas's interpreter on CPU; a TPU refuses
-#: it by design (a recipe says model.attention xla there), so these tests do not apply there
+#: the fused kernel here is the GPU (Triton) one, run in Pallas's interpreter on CPU; a TPU
+#: cannot run it (a TPU recipe's pallas is splash attention: tests/test_tpu_attention.py)
 KERNEL_RUNS_HERE = pytest.mark.skipif(
     "jax.default_backend() == 'tpu'", reason="the fused attention kernel is GPU-only"
 )
