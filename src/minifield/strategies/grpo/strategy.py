@@ -16,11 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ...models import execution
 from ...rl import rewards as reward_kinds
-from ...training import lora
-from ..base import Program, Strategy, pinned_inputs
-from ..lm import model_section
+from ..base import Program, Strategy
+from ..lm import checks, model_section
 from . import section
 from .section import SPLITS
 
@@ -46,31 +44,14 @@ class GRPO(Strategy):
     def check(self, recipe: dict) -> list[dict]:
         if "rl" not in recipe:
             return [{"path": "/rl", "message": "the grpo strategy needs it (rl.rewards at least)"}]
-        errors = model_section.normalize_model_section(recipe["model"])
-        errors += model_section.router_loss_errors("grpo", recipe["model"])
-        errors += section.normalize_rl(recipe)
-        errors += model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)
-        errors += model_section.normalize_export_dtype(recipe)
-        errors += model_section.normalize_export_shards(recipe)
-        errors += lora.normalize_section(recipe, data_parallel=True)
-        errors += execution.normalize_recipe(recipe)
-        errors += model_section.model_errors(recipe["model"])
-        errors += model_section.warmup_errors(recipe)
-        return errors
+        return checks.check(recipe, _own_checks, lora_on_mesh=True)
 
     def devices_required(self, recipe: dict) -> int:
         return recipe["training"]["data_parallel"]["devices"]
 
     def data_spec(self, recipe: dict) -> dict:
-        model, training = recipe["model"], recipe["training"]
         return {
-            "strategy": self.name,
-            "prepare_version": PREPARE_VERSION,
-            "inputs": {i["name"]: i["sha256"] for i in pinned_inputs(recipe)},
-            "base": model["base"],
-            "chat_template": model.get("chat_template"),
-            "compute_dtype": model["compute_dtype"],
-            "seq_len": training["seq_len"],
+            **checks.base_spec(self.name, PREPARE_VERSION, recipe),
             "max_completion_length": recipe["rl"]["max_completion_length"],
             "columns": reward_kinds.columns_read(recipe["rl"]["rewards"]),
         }
@@ -118,3 +99,10 @@ class GRPO(Strategy):
         from .evaluator import export_metrics
 
         return export_metrics(recipe, Path(export_dir))
+
+
+def _own_checks(recipe: dict) -> list[dict]:
+    """The rl section and the inputs it wants."""
+    errors = model_section.router_loss_errors("grpo", recipe["model"])
+    errors += section.normalize_rl(recipe)
+    return errors + model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)

@@ -24,10 +24,9 @@ import numpy as np
 from ...data import encode_pool, encoding, formats, mixture, packing, unknown_text
 from ...data import tokenizer as tokenizers
 from ...hf import pinned_base
-from ...models import execution
-from ...training import evaluator, lora
+from ...training import evaluator
 from ..base import Program, Strategy, pinned_inputs
-from ..lm import export_format, model_section
+from ..lm import checks, export_format, model_section
 from ..lm.model_section import SPLITS
 from ..lm.program import LMProgram
 
@@ -55,37 +54,7 @@ class PackedSFT(Strategy):
     selection_metric = ("dev_loss", "min")
 
     def check(self, recipe: dict) -> list[dict]:
-        model = recipe["model"]
-        errors = model_section.normalize_model_section(model)
-        errors += mixture.normalize(recipe)
-        errors += _input_errors(recipe)
-        errors += model_section.normalize_export_dtype(recipe)
-        errors += model_section.normalize_export_shards(recipe)
-        errors += lora.normalize_section(recipe, data_parallel=True)
-        errors += execution.normalize_recipe(recipe)
-        encoding.normalize_train_on(recipe["training"])
-        unknown_text.normalize(recipe["training"])
-        errors += model_section.model_errors(model)
-        evaluation = recipe["evaluation"]
-        if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
-            errors.append(
-                {
-                    "path": "/evaluation/min_dev_exact_match",
-                    "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
-                    "generated from, so exact-match could never be measured)",
-                }
-            )
-        data_parallel = recipe["training"]["data_parallel"]
-        if recipe["training"]["batch_size"] % data_parallel["devices"]:
-            errors.append(
-                {
-                    "path": "/training/data_parallel/devices",
-                    "message": f"must divide training.batch_size={recipe['training']['batch_size']} "
-                    f"(every device gets the same number of rows; got {data_parallel['devices']})",
-                }
-            )
-        errors += model_section.warmup_errors(recipe)
-        return errors
+        return checks.check(recipe, _own_checks, _checks_after, lora_on_mesh=True)
 
     def devices_required(self, recipe: dict) -> int:
         return recipe["training"]["data_parallel"]["devices"]
@@ -242,6 +211,38 @@ class PackedSFT(Strategy):
             model.tokenizer.pad_id,
         )
         return dev.split_metrics(model.params, arrays, "dev")
+
+
+def _own_checks(recipe: dict) -> list[dict]:
+    """A mixture's spelling, and the inputs."""
+    return mixture.normalize(recipe) + _input_errors(recipe)
+
+
+def _checks_after(recipe: dict) -> list[dict]:
+    """train_on and unknown text spelled once; exact-match needs examples to generate from;
+    the rows split over the devices."""
+    encoding.normalize_train_on(recipe["training"])
+    unknown_text.normalize(recipe["training"])
+    errors = []
+    evaluation = recipe["evaluation"]
+    if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
+        errors.append(
+            {
+                "path": "/evaluation/min_dev_exact_match",
+                "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
+                "generated from, so exact-match could never be measured)",
+            }
+        )
+    data_parallel = recipe["training"]["data_parallel"]
+    if recipe["training"]["batch_size"] % data_parallel["devices"]:
+        errors.append(
+            {
+                "path": "/training/data_parallel/devices",
+                "message": f"must divide training.batch_size={recipe['training']['batch_size']} "
+                f"(every device gets the same number of rows; got {data_parallel['devices']})",
+            }
+        )
+    return errors
 
 
 def _input_errors(recipe: dict) -> list[dict]:

@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from ...data import unknown_text
-from ...models import execution
-from ...training import lora
-from ..base import Program, Strategy, pinned_inputs
+from ..base import Program, Strategy
+from ..lm import checks
 from ..lm import model_section as sft_settings
 from . import section
 from .section import SPLITS, WITH_REFERENCE
@@ -44,22 +43,7 @@ class Preference(Strategy):
     def check(self, recipe: dict) -> list[dict]:
         if "preference" not in recipe:
             return [{"path": "/preference", "message": "the preference strategy needs it"}]
-        errors = sft_settings.normalize_model_section(recipe["model"])
-        errors += sft_settings.router_loss_errors("preference", recipe["model"])
-        errors += section.normalize_preference(recipe)
-        errors += sft_settings.exact_inputs_errors(
-            "preference", section.wanted_inputs(recipe), recipe
-        )
-        errors += sft_settings.normalize_export_dtype(recipe)
-        errors += sft_settings.normalize_export_shards(recipe)
-        errors += lora.normalize_section(recipe)
-        errors += execution.normalize_recipe(recipe)
-        errors += sft_settings.model_errors(recipe["model"])
-        errors += section.split_errors(recipe["training"])
-        unknown_text.normalize(recipe["training"])
-        errors += unknown_text.not_read(recipe["training"], "preference")
-        errors += sft_settings.warmup_errors(recipe)
-        return errors
+        return checks.check(recipe, _own_checks, _checks_after)
 
     def devices_required(self, recipe: dict) -> int:
         return recipe["training"]["data_parallel"]["devices"]
@@ -67,16 +51,9 @@ class Preference(Strategy):
     def data_spec(self, recipe: dict) -> dict:
         from .prepared import PREPARE_VERSION
 
-        model, training = recipe["model"], recipe["training"]
         return {
-            "strategy": self.name,
-            "prepare_version": PREPARE_VERSION,
-            "inputs": {i["name"]: i["sha256"] for i in pinned_inputs(recipe)},
-            "base": model["base"],
-            "chat_template": model.get("chat_template"),
-            "compute_dtype": model["compute_dtype"],
-            "seq_len": training["seq_len"],
-            "overlong": training["overlong"],
+            **checks.base_spec(self.name, PREPARE_VERSION, recipe),
+            "overlong": recipe["training"]["overlong"],
             "reference": recipe["preference"].get("reference"),
         }
 
@@ -123,3 +100,18 @@ class Preference(Strategy):
         from .evaluator import export_metrics
 
         return export_metrics(recipe, Path(export_dir))
+
+
+def _own_checks(recipe: dict) -> list[dict]:
+    """The preference section and the inputs it wants."""
+    errors = sft_settings.router_loss_errors("preference", recipe["model"])
+    errors += section.normalize_preference(recipe)
+    wanted = section.wanted_inputs(recipe)
+    return errors + sft_settings.exact_inputs_errors("preference", wanted, recipe)
+
+
+def _checks_after(recipe: dict) -> list[dict]:
+    """The splits of an update's pairs, and unknown text (never read here)."""
+    errors = section.split_errors(recipe["training"])
+    unknown_text.normalize(recipe["training"])
+    return errors + unknown_text.not_read(recipe["training"], "preference")
