@@ -37,7 +37,7 @@ from pathlib import Path
 
 from ...atomic import write_bytes
 from ...data.encoding import Example, to_jsonl
-from ...digest import sha256_bytes
+from ..lm import demo_files
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 LENGTHS = (3, 8)
@@ -123,19 +123,13 @@ def write(data_root: Path, seed: int = SEED) -> dict[str, str]:
     """Write the demo's inputs under ``data_root``: ``llama-base/tokenizer.json``,
     ``llama-base/pretrain/{split}.jsonl`` and ``llama-sft-demo/{split}.jsonl``. Returns each
     written path (relative to ``data_root``) → sha256, for the recipes' pins."""
-    pins = {}
     files = {"llama-base/tokenizer.json": tokenizer_json()}
     parts = examples(seed)
     for split, rows in parts["pretrain"].items():
         files[f"llama-base/pretrain/{split}.jsonl"] = to_jsonl(rows)
     for split, rows in parts["finetune"].items():
-        files[f"llama-sft-demo/{split}.jsonl"] = to_jsonl(rows)
-    for relative, data in files.items():
-        path = data_root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes(path, data)
-        pins[relative] = sha256_bytes(data)
-    return pins
+        files[f"{demo_files.MIRROR_DIR}/{split}.jsonl"] = to_jsonl(rows)
+    return demo_files.write(data_root, files)
 
 
 # -- the base model ---------------------------------------------------------------------------
@@ -238,10 +232,5 @@ def demo_examples(
 
 def write_demo(directory: Path, seed: int = DEMO_SEED) -> dict[str, str]:
     """Write ``{split}.jsonl`` into ``directory``; returns split → sha256 (for recipe pins)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pins = {}
-    for split, rows in demo_examples(seed).items():
-        data = to_jsonl(rows)
-        write_bytes(directory / f"{split}.jsonl", data)
-        pins[split] = sha256_bytes(data)
-    return pins
+    files = {f"{split}.jsonl": to_jsonl(rows) for split, rows in demo_examples(seed).items()}
+    return {Path(name).stem: pin for name, pin in demo_files.write(directory, files).items()}

@@ -14,20 +14,17 @@ preference tuning is measured on the same strings.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
-from ...atomic import write_bytes
-from ...digest import sha256_bytes
-from ...inputs.pinned import InputError
+from ..lm import demo_files
 
 #: pairs per split (the first rows of the SFT demo's split of the same name)
 PAIRS = {"train": 300, "dev": 100, "test": 100}
 SEED = 20261202
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 EDITS = ("change", "drop", "swap")
-SOURCE_DIR, TARGET_DIR = "llama-sft-demo", "preference-demo"
+TARGET_DIR = "preference-demo"
 
 
 def near_miss(answer: str, rng: random.Random) -> tuple[str, str]:
@@ -60,19 +57,10 @@ def pairs(rows: list[dict], split: str) -> list[dict]:
 def write(data_root: Path) -> dict[str, str]:
     """Write ``data_root/preference-demo/{split}.jsonl`` from ``data_root/llama-sft-demo``;
     returns each written path (relative to ``data_root``) → sha256, for the recipe's pins."""
-    pins = {}
-    for split, count in PAIRS.items():
-        source = Path(data_root) / SOURCE_DIR / f"{split}.jsonl"
-        try:
-            lines = source.read_text(encoding="utf-8").splitlines()
-            rows = [json.loads(line) for line in lines if line.strip()]
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{source}: cannot read the mirror task ({exc})") from None
-        if len(rows) < count or any("response" not in row for row in rows[:count]):
-            raise InputError(f"{source}: needs {count} rows with a prompt and a response")
-        data = "".join(json.dumps(p) + "\n" for p in pairs(rows, split)).encode("utf-8")
-        relative = f"{TARGET_DIR}/{split}.jsonl"
-        (Path(data_root) / TARGET_DIR).mkdir(parents=True, exist_ok=True)
-        write_bytes(Path(data_root) / relative, data)
-        pins[relative] = sha256_bytes(data)
-    return pins
+    files = {
+        f"{TARGET_DIR}/{split}.jsonl": demo_files.jsonl(
+            pairs(demo_files.mirror_rows(data_root, split, count), split)
+        )
+        for split, count in PAIRS.items()
+    }
+    return demo_files.write(data_root, files)

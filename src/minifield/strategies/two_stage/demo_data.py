@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import re
 from pathlib import Path
 
-from ...atomic import write_bytes
-from ...digest import sha256_bytes
+from ..lm import demo_files
 
 SPLITS = ("train", "dev", "test")
 #: modules whose public functions and classes give the documents
@@ -169,11 +167,8 @@ def supervised_pairs(documents: list[str], limit: int, context: int = CONTEXT_CH
 
 def write_pairs(corpus_dir: Path, out_dir: Path) -> dict[str, str]:
     """``{train,dev,test}.jsonl`` of pairs derived from the corpus split of the same name."""
-    pins = {}
+    files = {}
     for split in SPLITS:
         documents = read_corpus_split(corpus_dir / f"{split}.jsonl")
-        rows = supervised_pairs(documents, PAIRS[split])
-        data = "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")
-        write_bytes(out_dir / f"{split}.jsonl", data)
-        pins[split] = sha256_bytes(data)
-    return pins
+        files[f"{split}.jsonl"] = demo_files.jsonl(supervised_pairs(documents, PAIRS[split]))
+    return {Path(name).stem: pin for name, pin in demo_files.write(out_dir, files).items()}
