@@ -10,7 +10,8 @@ hashes copied whole to the host (``arrays.to_host``, which gathers across proces
 checkpoint writer's own copy is not counted).
 With ``--checkpoint DIR`` (one process) the updated sharded state is also committed there.
 With a fifth visible device (one process), a ``[10]`` array sharded over 5 devices (shards
-that cut the pieces) is hashed too.
+that cut the pieces) is hashed too; with 32 (one process), a state sharded over 32 devices,
+whose shards cut its pieces, hashed with no array gathered.
 """
 
 from __future__ import annotations
@@ -39,6 +40,43 @@ def make_state() -> dict:
         "rng": np.array([1, 2], np.uint32),
         "step": np.int32(3),
         "cursor": np.int32(17),
+    }
+
+
+def _thirty_two_devices(state: dict, gathers: list) -> dict:
+    """The state with 32 more rows per array, sharded over 32 devices (``shard_params``):
+    shards of 1 to 2 rows, smaller than the pieces (a 64-row axis has 16 pieces of 4)."""
+    import jax
+
+    from minifield.state import arrays
+    from minifield.training.data_parallel import DataParallel, place_tree
+
+    rng = np.random.default_rng(32)
+    state["params"]["embed"] = rng.standard_normal((64, 8), np.float32)
+    state["params"]["wide"] = rng.standard_normal((5, 96), np.float32)
+    state["opt_state"]["mu"] = rng.standard_normal((32, 3), np.float32)
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), state)
+    dp = DataParallel(32, True)
+    placed = place_tree(state, dp.state_shardings(dp.mesh(), abstract))
+    before, whole_copies = len(gathers), []
+    device_get = jax.device_get
+
+    def counting_device_get(value):
+        if len(getattr(getattr(value, "sharding", None), "device_set", ())) > 1:
+            whole_copies.append(value.shape)  # a sharded array copied whole to the host
+        return device_get(value)
+
+    jax.device_get = counting_device_get
+    try:
+        hashed = arrays.state_hash(placed)
+    finally:
+        jax.device_get = device_get
+    return {
+        "hash": hashed,
+        "one_device": arrays.state_hash(state),
+        "sharded": sum(not a.is_fully_replicated for a in jax.tree_util.tree_leaves(placed)),
+        "gathered": len(gathers) - before,
+        "whole_copies": len(whole_copies),
     }
 
 
@@ -97,6 +135,8 @@ def main() -> int:
             "hash": arrays.state_hash({"v": cut}),
             "one_device": arrays.state_hash({"v": value}),
         }
+    if jax.device_count() >= 32 and jax.process_count() == 1:
+        out["thirty_two"] = _thirty_two_devices(make_state(), gathers)
     out["one_device"] = {
         "before": arrays.state_hash(state),
         "after": arrays.state_hash(update(state)),

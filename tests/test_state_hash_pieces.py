@@ -13,7 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoint_by_hand import pieces_digest_by_hand, state_hash_by_hand, verify_checkpoint_by_hand
+from checkpoint_by_hand import (
+    pieces_digest_by_hand,
+    rewrite_as_format_3,
+    state_hash_by_hand,
+    verify_checkpoint_by_hand,
+)
 
 from minifield.proof import verdict as verdicts
 from minifield.state import arrays, checkpoint, pieces
@@ -118,10 +123,12 @@ def test_every_shard_a_mesh_can_make_holds_whole_pieces(shape):
 
 def test_a_format_3_checkpoint_of_the_previous_release_is_read_and_verified(tmp_path):
     """Format 3 as the previous release wrote it (a version-2 state hash) is still read;
-    a version it never held, or a version-3 hash in format 2, is refused."""
+    a version it never held, or a version-3 hash in format 2 or a version-2 one in format 5,
+    is refused."""
     state = {"params": {"w": _array((24, 8), np.float32)}, "step": np.int32(2)}
     committed = checkpoint.save(tmp_path, state, step=2, computation_digest="c" * 64)
     path = Path(committed.path)
+    rewrite_as_format_3(path)
     manifest, stored = verify_checkpoint_by_hand(path)
     assert manifest["state_hash_version"] == 3
     previous = {**manifest, "state_hash": state_hash_by_hand(stored, 2), "state_hash_version": 2}
@@ -129,7 +136,11 @@ def test_a_format_3_checkpoint_of_the_previous_release_is_read_and_verified(tmp_
     restored, read = checkpoint.load(path, state, computation_digest="c" * 64)
     assert read["state_hash"] == arrays.state_hash(restored, version=2)
     assert arrays.state_hash(restored) == committed.state_hash
-    for fmt, version in (("minifield-checkpoint/3", 1), ("minifield-checkpoint/2", 3)):
+    for fmt, version in (
+        ("minifield-checkpoint/3", 1),
+        ("minifield-checkpoint/2", 3),
+        ("minifield-checkpoint/5", 2),
+    ):
         (path / "manifest.json").write_text(
             json.dumps({**manifest, "format": fmt, "state_hash_version": version})
         )
@@ -157,3 +168,127 @@ def test_a_proof_mixing_versions_2_and_3_is_refused():
         "3, its restored checkpoint 2, the checkpoint used 3): hashes of two versions never "
         "agree, so this proof compares nothing; prove again with one minifield version"
     )
+
+
+class _Device:
+    def __init__(self, number: int, process_index: int):
+        self.id, self.process_index = number, process_index
+
+
+class _Shard:
+    def __init__(self, device, index, data):
+        self.device, self.index, self.data = device, index, data
+
+
+class _Laid:
+    """A host array laid out as a sharding would lay it over simulated devices (JAX's
+    ``Sharding`` and ``Array`` attributes the hashing reads), seen from process ``here``:
+    mesh axis ``k`` of ``mesh`` (devices along it) splits array axis ``axes[k]`` (None:
+    that mesh axis replicates); ``per_process`` consecutive devices make a process."""
+
+    def __init__(self, value, mesh, axes, per_process, here):
+        self.value, self.shape, self.dtype = value, value.shape, value.dtype
+        devices = [_Device(i, i // per_process) for i in range(math.prod(mesh))]
+        self.device_set = set(devices)
+        self.index_map = {}
+        for device, at in zip(devices, np.ndindex(*mesh), strict=True):
+            index = [slice(None)] * value.ndim
+            for count, k, axis in zip(mesh, at, axes, strict=True):
+                if axis is not None:
+                    n = value.shape[axis]
+                    index[axis] = slice(k * n // count, (k + 1) * n // count)
+            self.index_map[device] = tuple(index)
+        self.sharding = self
+        self.addressable_shards = [
+            _Shard(d, i, value[i]) for d, i in self.index_map.items() if d.process_index == here
+        ]
+
+    def devices_indices_map(self, shape):
+        assert tuple(shape) == self.shape
+        return self.index_map
+
+
+def _hashed_in_place(state: dict, mesh, axes_of: dict, per_process: int) -> dict[str, str]:
+    """The digests every simulated process computes of the pieces dealt to it, from its own
+    shards only, combined by the owners' table as the exchange does; refuses a gather."""
+
+    def no_gather(leaf):
+        raise AssertionError(f"an array of {leaf.shape} was gathered")
+
+    processes = math.prod(mesh) // per_process
+    names = sorted(state)
+    tables, owners = [], None
+    for here in range(processes):
+        leaves = [(n, _Laid(state[n], mesh, axes_of[n], per_process, here)) for n in names]
+        offsets, owners, jobs = pieces.dealt(leaves, no_gather, here)
+        table = np.zeros((sum(c for _, c in offsets), 32), np.uint8)
+        for start, counts, flat, block in jobs:
+            digests = pieces.block_digests(np.asarray(block), counts)
+            table[start + flat] = np.frombuffer(digests, np.uint8).reshape(-1, 32)
+        tables.append(table)
+    rows = np.arange(len(tables[0]))
+    table = np.stack(tables)[np.concatenate(owners), rows]
+    return {
+        name: hashlib.sha256(table[start : start + count].tobytes()).hexdigest()
+        for name, (start, count) in zip(names, offsets, strict=True)
+    }
+
+
+@pytest.mark.parametrize("devices", [32, 64, 128, 256])
+def test_shards_that_cut_pieces_hash_in_place_at_every_power_of_two(devices):
+    """32 to 256 devices split an axis of 16k into shards smaller than its pieces (16 is the
+    largest power of two dividing 48): each block of whole pieces is still hashed, with no
+    gather, by a process holding all of it, from its own shards, and the digests are the
+    hand-computed ones: on one process, on 16 processes (each holding whole pieces) and on a
+    2-D mesh whose second axis replicates."""
+    rng = np.random.default_rng(devices)
+    state = {
+        "rows": rng.standard_normal((2 * devices, 3), np.float32),  # 2 rows per shard
+        "wide": rng.standard_normal((5, devices * 3), np.float32),  # axis 1 of 48k
+        "stacked": rng.standard_normal((2, devices, 4), np.float32),  # 1 row per shard
+        "odd": rng.standard_normal((7, 5), np.float32),  # replicated
+    }
+    expected = {name: pieces_digest_by_hand(value) for name, value in state.items()}
+    axes = {"rows": 0, "wide": 1, "stacked": 1, "odd": None}
+    for per_process in (devices, devices // 16):
+        got = _hashed_in_place(state, [devices], {n: [a] for n, a in axes.items()}, per_process)
+        assert got == expected, per_process
+    two_d = {n: [a, None] for n, a in axes.items()}
+    assert _hashed_in_place(state, [devices // 2, 2], two_d, devices // 16) == expected
+
+
+@pytest.mark.parametrize("devices", [2, 3, 4, 6, 8, 12, 16, 24, 48])
+def test_a_divisor_of_48_hashes_its_own_shards(devices):
+    """A device count dividing 48 splits an axis into shards of whole pieces: each process
+    of one device hashes exactly its own shard (the blocks are the shards)."""
+    value = np.random.default_rng(devices).standard_normal((96, 2), np.float32)
+    laid = _Laid(value, [devices], [0], 1, here=0)
+    blocks = pieces.regions.merged(pieces.regions.distinct(laid), (96, 2), (2, 1))
+    assert blocks == {
+        ((k * 96 // devices, (k + 1) * 96 // devices), (0, 2)): {k} for k in range(devices)
+    }
+    assert _hashed_in_place({"v": value}, [devices], {"v": [0]}, 1) == {
+        "v": pieces_digest_by_hand(value)
+    }
+
+
+def test_pieces_across_processes_are_the_one_case_that_gathers():
+    """32 processes of one device on an axis of 64: a piece (4 rows) spans two processes, so
+    no process can hash it from its own shards; :func:`pieces.dealt` gathers that array."""
+    value = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    laid = _Laid(value, [32], [0], 1, here=0)
+    gathered = []
+
+    def whole(leaf):
+        gathered.append(leaf.shape)
+        return value
+
+    offsets, owners, jobs = pieces.dealt([("w", laid)], whole, 0)
+    assert gathered == [(64, 3)] and offsets == [(0, 48)]
+    table = np.zeros((48, 32), np.uint8)
+    for start, counts, flat, block in jobs:
+        table[start + flat] = np.frombuffer(pieces.block_digests(block, counts), np.uint8).reshape(
+            -1, 32
+        )
+    assert hashlib.sha256(table.tobytes()).hexdigest() == pieces_digest_by_hand(value)
+    assert set(owners[0]) == {0}  # the gathered array is one block: dealt to the first

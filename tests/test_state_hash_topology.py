@@ -4,7 +4,8 @@ elementwise update of them, hash alike on one device, on 4 devices of one proces
 device (loopback, gloo), with no array copied whole for the hash; a checkpoint of the
 sharded state holds that hash, recomputed here by hand from its raw data file.
 
-Each run is a process of ``tests/state_hash_topology.py`` (4 forced host devices in all).
+Each run is a process of ``tests/state_hash_topology.py`` (4 forced host devices in all; 32
+in the one-process run, for shards that cut pieces).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def run_processes(count: int, devices_each: int) -> dict:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> dict:
-    """1 process × 4 devices (a fifth visible for the pieces-cutting case), with a
-    checkpoint of the updated sharded state."""
+    """1 process × 4 devices (32 visible for the pieces-cutting cases), with a checkpoint
+    of the updated sharded state."""
     directory = tmp_path_factory.mktemp("state-hash") / "checkpoints"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--checkpoint", str(directory)],
         capture_output=True,
         text=True,
-        env=loopback.cpu_env(5),
+        env=loopback.cpu_env(32),
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -46,7 +47,7 @@ def one_process(tmp_path_factory) -> dict:
 
 def test_one_process_hashes_every_placement_as_one_device_without_gathering(one_process):
     report = one_process
-    assert report["processes"] == 1 and report["devices"] == 5
+    assert report["processes"] == 1 and report["devices"] == 32
     assert report["replicated"]["sharded"] == 0 and report["shard_params"]["sharded"] == 5
     for moment in ("before", "after"):
         hashes = {report[p][moment] for p in ("replicated", "shard_params", "one_device")}
@@ -55,6 +56,10 @@ def test_one_process_hashes_every_placement_as_one_device_without_gathering(one_
     assert report["gathered_by_hashes"] == 0
     # shards that cut the pieces (5 devices, 10 values): still the one-device hash
     assert report["cut"]["hash"] == report["cut"]["one_device"]
+    # 32 devices (shards of 1-2 rows, pieces of 2-4): hashed where the shards live, no gather
+    many = report["thirty_two"]
+    assert many["sharded"] == 3 and many["gathered"] == many["whole_copies"] == 0
+    assert many["hash"] == many["one_device"] != report["one_device"]["before"]
     # the checkpoint holds that hash, recomputed by hand from its raw data file with NumPy
     path = Path(report["checkpoint"]["path"])
     manifest, stored = verify_checkpoint_by_hand(path)

@@ -10,8 +10,9 @@ collective of the processes of ``group`` (every process calls it with the same a
 1. process 0 creates each file with its header written and its size set (``ftruncate``);
 2. every process writes, with ``os.pwrite``, the byte ranges of the slices its devices hold:
    each distinct slice of an array (a shard, or a replicated array's one copy) by one of the
-   processes holding it, chosen by the array's number so replicated arrays are dealt out over
-   the processes (as :mod:`minifield.state.pieces` deals their hashing); a slice is converted
+   processes holding it, chosen by :class:`minifield.state.regions.Dealer` so replicated
+   arrays are dealt out over the processes (as checkpoints and the state hash deal theirs); a
+   slice is converted
    to the stored dtype by itself (elementwise, the bits of converting the whole tensor) and
    laid into the tensor's C order: a slice of whole trailing axes is one range, a slice of
    columns (a sharded matrix stored transposed) one range per row; then it ``fsync``\\s;
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .. import atomic
+from ..state import regions
 
 #: safetensors' names of the stored dtypes
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -93,28 +95,6 @@ def header(shapes: dict[str, Sequence[int]], dtype: str, metadata: dict[str, str
     text += b" " * (-len(text) % 8)
     head = struct.pack("<Q", len(text)) + text
     return head, {name: len(head) + at for name, at in offsets.items()}, len(head) + position
-
-
-def _slices(leaf, processes: int) -> list[tuple[tuple, list[int], Any]]:
-    """``(ranges, holder processes, local value or None)`` of each distinct slice of
-    ``leaf``: ranges are ``(start, stop)`` per axis; the local value is this process's copy
-    (a device array) where it holds the slice."""
-    import jax
-
-    if not isinstance(leaf, jax.Array):
-        value = np.asarray(leaf)
-        return [(tuple((0, n) for n in value.shape), list(range(processes)), value)]
-    shape = tuple(leaf.shape)
-    regions: dict[tuple, list] = {}
-    for device, index in leaf.sharding.devices_indices_map(shape).items():
-        key = tuple(part.indices(n)[:2] for part, n in zip(index, shape, strict=True))
-        regions.setdefault(key, []).append(device)
-    local = {shard.device: shard.data for shard in leaf.addressable_shards}
-    out = []
-    for key, devices in sorted(regions.items()):
-        here = next((local[d] for d in devices if d in local), None)
-        out.append((key, sorted({d.process_index for d in devices}), here))
-    return out
 
 
 def _placed(source: Source, ranges: tuple, value: np.ndarray):
@@ -232,7 +212,7 @@ def write_laid_out(directory: Path, files: dict, layouts: dict, dtype: str, grou
 
 def _write_slices(directory, files, layouts, stored, rank: int, processes: int) -> None:
     """This process's slices of every file, each file fsynced (OSError naming the file)."""
-    number = 0  # the same on every process: which holder writes a slice
+    dealer = regions.Dealer()  # the same choices on every process: which holder writes a slice
     for file, tensors in files.items():
         _, offsets, _ = layouts[file]
         path = directory / file
@@ -241,13 +221,12 @@ def _write_slices(directory, files, layouts, stored, rank: int, processes: int) 
             try:
                 for name, tensor in tensors.items():
                     for source in tensor.sources:
-                        number += 1
-                        for r, (ranges, holders, value) in enumerate(
-                            _slices(source.leaf, processes)
-                        ):
-                            if holders[(number + r) % len(holders)] != rank:
+                        held = regions.distinct(source.leaf, processes)
+                        for region, holders in sorted(held.items()):
+                            if dealer.holder(holders) != rank:
                                 continue
-                            placed = _placed(source, ranges, np.asarray(value, np.float32))
+                            value = np.asarray(regions.value_of(source.leaf, region), np.float32)
+                            placed = _placed(source, region, value)
                             if placed is not None:
                                 starts, block = placed
                                 block = block.astype(stored, order="C")

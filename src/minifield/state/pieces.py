@@ -3,18 +3,22 @@
 The pieces of an array depend on its shape alone. Along each axis of size ``n`` the array
 is cut into ``gcd(n, PIECE_GRID)`` equal blocks (an axis of size 0 makes the whole array one
 empty piece; a scalar is one piece); a piece is one block of that grid, its bytes in C
-order. A data-parallel mesh of ``N`` devices splits an array along one axis of size ``n``
-into ``N`` equal shards when ``N`` divides ``n``; when ``N`` also divides ``PIECE_GRID``,
-every shard is a union of whole pieces, so each piece can be hashed by a process that holds
-it, wherever the other shards are. The array's digest is the sha256 of its pieces'
-sha256 digests (32 bytes each) concatenated in C order of the grid; the digests are all a
-process exchanges (:func:`state_digests`). The values decide the digest, not the placement:
-one device, a replicated mesh, a sharded mesh over one or several processes all give the
-same one.
+order. The array's digest is the sha256 of its pieces' sha256 digests (32 bytes each)
+concatenated in C order of the grid; the digests are all a process exchanges
+(:func:`state_digests`). The values decide the digest, not the placement: one device, a
+replicated mesh, a sharded mesh over one or several processes all give the same one.
 
-An array whose shards do not hold whole pieces (a device count that does not divide
-``PIECE_GRID``, or a sharding this project does not make) is copied to every process whole
-(``arrays.to_host``) and hashed there: the one case that still gathers an array.
+A data-parallel mesh of ``N`` devices splits an array along one axis of size ``n`` into
+``N`` equal shards. When ``N`` divides ``gcd(n, PIECE_GRID)`` every shard is a union of whole
+pieces and is hashed where it lives. When it does not (32 devices and more on an axis of
+``16k``, or 5), shards cut pieces: they are merged into blocks of whole pieces
+(:func:`.regions.merged`), and a process holding every shard of a block puts that block
+together from its own shards (a copy of the block, never of the array) and hashes it. The
+pieces themselves stay those of this grid whatever the device count (a finer grid would be
+other pieces, so other digests). Only an array with a piece that no process holds all of
+(its shards on several processes, e.g. 32 processes × 1 device on an axis of 64) is copied
+to every process whole (``arrays.to_host``) and hashed there: the one case that still
+gathers an array.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
-#: pieces along an axis of size n: gcd(n, PIECE_GRID); every device count dividing it
-#: (1, 2, 3, 4, 6, 8, 12, 16, 24, 48) shards an array into whole pieces; a finer grid (more
-#: device counts) costs a sha256 call per piece: 192 made the 39 MB benchmark state 327,558
-#: pieces and its hash 9 times version 2's CPU, 48 makes it 21,990 pieces and 2 times
+from . import regions
+
+#: pieces along an axis of size n: gcd(n, PIECE_GRID). The pieces define the digests, so
+#: another grid changes the hash; a finer one also costs a sha256 call per piece
+#: (docs/training-loop.md, "Why pieces")
 PIECE_GRID = 48
 #: pieces of at least this many bytes are copied (when not contiguous) and hashed one at a
 #: time; smaller ones a row of pieces at a time, which is cheaper per piece
@@ -137,29 +142,48 @@ def host_digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
     return dict(zip(names, digests, strict=True))
 
 
-def _spread(leaf: Any) -> bool:
-    import jax
+def _blocks(leaf: Any, cell: Sequence[int]) -> dict[tuple, set[int]]:
+    """``{block: processes holding all of it}`` of an array: its shards merged into blocks of
+    whole pieces of size ``cell`` (:func:`.regions.merged`)."""
+    return regions.merged(regions.distinct(leaf), tuple(leaf.shape), cell)
 
-    return isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1
 
-
-def _regions(leaf: Any, grid: tuple[int, ...]) -> dict[tuple, list] | None:
-    """``{piece ranges: devices}`` of a spread array: the distinct shards, each as its range
-    of pieces along every axis (start, stop), and the devices holding it; None when a shard
-    cuts a piece."""
-    shape = tuple(leaf.shape)
-    sizes = [n // g for n, g in zip(shape, grid, strict=True)]
-    regions: dict[tuple, list] = {}
-    for device, index in leaf.sharding.devices_indices_map(shape).items():
-        ranges = []
-        for axis, part in enumerate(index):
-            start, stop, step = part.indices(shape[axis])
-            if step != 1 or start % sizes[axis] or stop % sizes[axis]:
-                return None
-            ranges.append((start // sizes[axis], stop // sizes[axis]))
-        regions.setdefault(tuple(ranges), []).append(device)
-    covered = sum(math.prod(b - a for a, b in key) for key in regions)
-    return regions if covered == math.prod(grid) else None  # disjoint blocks tile the grid
+def dealt(leaves: Sequence[tuple[str, Any]], whole: Callable[[Any], np.ndarray], here: int):
+    """What process ``here`` hashes of ``(name, array)`` pairs, and who hashes the rest:
+    ``(offsets, owners, jobs)`` — each array's first row in the table of piece digests and
+    its piece count, the process hashing each of its pieces, and this process's jobs
+    ``(first row, pieces along each axis, rows of its pieces, block)``."""
+    dealer = regions.Dealer()
+    offsets, owners, jobs = [], [], []
+    total = 0
+    for _name, leaf in leaves:
+        shape = tuple(leaf.shape)
+        grid = piece_grid(shape)
+        count = math.prod(grid)
+        offsets.append((total, count))
+        cell = [n // g for n, g in zip(shape, grid, strict=True)]  # a piece's size
+        blocks = _blocks(leaf, cell)
+        if not all(blocks.values()):
+            # pieces that lie across processes: the array gathered whole (a collective, in
+            # this order everywhere), then held by every process
+            leaf = whole(leaf)
+            blocks = _blocks(leaf, cell)
+        owner = np.zeros(count, np.int32)
+        numbering = np.arange(count).reshape(grid)
+        for block, processes in sorted(blocks.items()):
+            chosen = dealer.holder(processes)
+            # the block's pieces along each axis (an empty array is one piece)
+            ranges = [
+                (a // c, b // c) if c else (0, 1) for (a, b), c in zip(block, cell, strict=True)
+            ]
+            flat = numbering[tuple(slice(a, b) for a, b in ranges)].reshape(-1)
+            owner[flat] = chosen
+            if chosen == here:
+                counts = [b - a for a, b in ranges]
+                jobs.append((total, counts, flat, regions.value_of(leaf, block)))
+        owners.append(owner)
+        total += count
+    return offsets, owners, jobs
 
 
 def state_digests(
@@ -168,53 +192,23 @@ def state_digests(
     """``{name: array_digest}`` of ``(name, array)`` pairs wherever the arrays live.
 
     A collective when any array spans processes (every process calls it with the same
-    names in the same order): each piece is hashed by one process holding it (the shards of
-    a replicated array spread over the processes array by array), then the processes
-    exchange the digests — ``32 × pieces`` bytes, never an array. ``whole(array)`` copies
-    an array whose shards cut pieces to every process (``arrays.to_host``).
+    names in the same order): each block of whole pieces is hashed by one process holding
+    it (:func:`dealt`, :class:`.regions.Dealer`), put together from that process's shards
+    when they cut its pieces; then the processes exchange the digests — ``32 × pieces``
+    bytes, never an array. ``whole(array)`` copies to every process an array with a piece
+    that no process holds all of (``arrays.to_host``).
     """
     import jax
 
-    here = jax.process_index()
-    offsets, owners, jobs = [], [], []
-    total = 0
-    for number, (_name, leaf) in enumerate(leaves):
-        grid = piece_grid(tuple(leaf.shape))
-        count = math.prod(grid)
-        offsets.append((total, count))
-        owner = np.zeros(count, np.int32)
-        regions = _regions(leaf, grid) if _spread(leaf) else None
-        if regions is None:
-            # a value each process holds whole (a host array, one device), or a sharding that
-            # cuts pieces: then gathered whole (a collective, in this order everywhere)
-            if _spread(leaf) and not leaf.is_fully_addressable:
-                leaf = whole(leaf)
-            if here == 0:
-                jobs.append((total, grid, None, leaf))
-        else:
-            numbering = np.arange(count).reshape(grid)
-            for region_number, (key, devices) in enumerate(sorted(regions.items())):
-                holders = sorted({device.process_index for device in devices})
-                chosen = holders[(number + region_number) % len(holders)]
-                flat = numbering[tuple(slice(a, b) for a, b in key)].reshape(-1)
-                owner[flat] = chosen
-                if chosen == here:
-                    held = set(devices)
-                    shard = next(s for s in leaf.addressable_shards if s.device in held)
-                    jobs.append((total, [b - a for a, b in key], flat, shard.data))
-        owners.append(owner)
-        total += count
-
+    offsets, owners, jobs = dealt(leaves, whole, jax.process_index())
+    total = sum(count for _, count in offsets)
     table = np.zeros((total, DIGEST_BYTES), np.uint8)
 
     def run(job) -> None:
         start, counts, flat, value = job
         value = value if isinstance(value, np.ndarray) else np.asarray(jax.device_get(value))
         digests = np.frombuffer(block_digests(value, counts), np.uint8).reshape(-1, DIGEST_BYTES)
-        if flat is None:
-            table[start : start + len(digests)] = digests
-        else:
-            table[start + flat] = digests
+        table[start + flat] = digests
 
     on_threads(jobs, run, lambda job: gil_free_pieces(job[3].nbytes, math.prod(job[1])))
 

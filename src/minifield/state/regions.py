@@ -1,16 +1,21 @@
-"""Regions of a state array: the blocks its devices hold, which process writes each, and a
+"""Regions of a state array: the blocks its devices hold, which process takes each, and a
 region read back from the blocks a checkpoint stored.
 
 A region is a block of an array given as ``((start, stop), …)`` per axis. A sharded array's
 devices hold regions that tile it (a replicated array: one region, the whole array, held by
-every device). A checkpoint written by several processes stores every distinct region once,
-written by one process holding it (:func:`owned`); a restore reads, for each region its own
+every device). This module is the one place that deals blocks to their holders
+(:class:`Dealer`): a checkpoint written by several processes stores every distinct region
+once, written by one process holding it (:func:`owned`); an export writes each slice once
+(``hf.parallel_files``); the state hash hashes each block of whole pieces once
+(``state.pieces``, its blocks from :func:`merged`). A restore reads, for each region its own
 devices need, the overlapping stored blocks (:func:`read`), whatever topology wrote them.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import mmap
 import os
@@ -59,7 +64,7 @@ def inner(region: Region, within: Region) -> tuple[slice, ...]:
     return tuple(slice(a - c, b - c) for (a, b), (c, _) in zip(region, within, strict=True))
 
 
-def _spread(leaf: Any) -> bool:
+def spread(leaf: Any) -> bool:
     """Laid out over several devices: a JAX array, or an abstract one (``ShapeDtypeStruct``
     with a sharding, a template that holds no values)."""
     sharding = getattr(leaf, "sharding", None)
@@ -69,7 +74,7 @@ def _spread(leaf: Any) -> bool:
 def needed(leaf: Any) -> list[Region] | None:
     """The distinct regions this process's devices hold of a template leaf sharded over
     several devices; None for a leaf read whole (a host value, on one device, replicated)."""
-    if not _spread(leaf):
+    if not spread(leaf):
         return None
     shape = tuple(leaf.shape)
     indices = leaf.sharding.addressable_devices_indices_map(shape).values()
@@ -77,15 +82,17 @@ def needed(leaf: Any) -> list[Region] | None:
     return None if held == [whole(shape)] else held
 
 
-def distinct(leaf: Any) -> dict[Region, set[int]]:
+def distinct(leaf: Any, processes: int | None = None) -> dict[Region, set[int]]:
     """``{region: processes holding it}`` of every distinct block of an array's layout (a
-    value every process holds whole: one block held by all)."""
+    host value, which each of ``processes`` (default: every JAX process) holds whole: one
+    block held by all)."""
     import jax
 
-    if not _spread(leaf):
+    if not spread(leaf):
         if isinstance(leaf, jax.Array):
             return {whole(leaf.shape): {next(iter(leaf.sharding.device_set)).process_index}}
-        return {whole(np.shape(leaf)): set(range(jax.process_count()))}
+        count = jax.process_count() if processes is None else processes
+        return {whole(np.shape(leaf)): set(range(count))}
     shape = tuple(leaf.shape)
     holders: dict[Region, set[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(shape).items():
@@ -93,26 +100,81 @@ def distinct(leaf: Any) -> dict[Region, set[int]]:
     return holders
 
 
+def merged(
+    held: dict[Region, set[int]], shape: Sequence[int], cell: Sequence[int]
+) -> dict[Region, set[int]]:
+    """``held`` (:func:`distinct`) as blocks that are unions of whole cells (``cell``: a
+    cell's size along each axis, dividing ``shape``): along each axis a block ends only where
+    a cell and a region both end, so a region that cuts a cell is merged with its neighbours
+    until the cells are whole. Each block maps to the processes holding all of it (empty when
+    no process does: its cells lie across processes)."""
+    full = whole(shape)
+    if volume(full) == 0:
+        return {full: set().union(*held.values())}
+    bounds = []
+    for axis, (n, size) in enumerate(zip(shape, cell, strict=True)):
+        ends = {end for region in held for end in region[axis]} | {0, int(n)}
+        bounds.append(sorted(end for end in ends if end % size == 0))
+    blocks: dict[tuple, set[int]] = {}
+    for region, processes in held.items():
+        # the blocks this region overlaps, along each axis
+        spans = [
+            range(bisect.bisect_right(b, start) - 1, bisect.bisect_left(b, stop))
+            for b, (start, stop) in zip(bounds, region, strict=True)
+        ]
+        for at in itertools.product(*spans):
+            blocks[at] = blocks[at] & processes if at in blocks else set(processes)
+    return {
+        tuple((b[i], b[i + 1]) for b, i in zip(bounds, at, strict=True)): processes
+        for at, processes in blocks.items()
+    }
+
+
+class Dealer:
+    """The one rule that gives a block held by several processes to one of them: blocks
+    are counted in the order every process lists them (array by array, each array's blocks
+    sorted) and the k-th goes to the (k mod holders)-th of its holders, so replicated blocks
+    are dealt out over the processes and every process makes the same choices."""
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def holder(self, processes: Iterable[int]) -> int:
+        holders = sorted(processes)
+        chosen = holders[self.turn % len(holders)]
+        self.turn += 1
+        return chosen
+
+
 def owned(leaves: Sequence[tuple[str, Any]], rank: int) -> list[tuple[str, Region, Any]]:
     """``(name, region, data)`` of the blocks of ``leaves`` that process ``rank`` writes:
-    every distinct block once, by one of the processes holding it. A block held by several
-    (a replicated array) is dealt to them in turn, counting every block of every array in
-    order, so the same blocks go to the same process on every process."""
-    mine, turn = [], 0
+    every distinct block once, by the process :class:`Dealer` gives it to."""
+    dealer, mine = Dealer(), []
     for name, leaf in leaves:
         for region, processes in sorted(distinct(leaf).items()):
-            holders = sorted(processes)
-            if holders[turn % len(holders)] == rank:
-                mine.append((name, region, _data_of(leaf, region)))
-            turn += 1
+            if dealer.holder(processes) == rank:
+                mine.append((name, region, value_of(leaf, region)))
     return mine
 
 
-def _data_of(leaf: Any, region: Region) -> Any:
-    if not _spread(leaf):
+def value_of(leaf: Any, block: Region) -> Any:
+    """``block`` of ``leaf`` from this process's copies: a shard's own data (a device array)
+    where one device holds exactly that block, else a host array put together from the
+    shards that overlap it (the caller's process holds all of it)."""
+    if not spread(leaf):
         return leaf
     shape = tuple(leaf.shape)
-    return next(s.data for s in leaf.addressable_shards if of_index(s.index, shape) == region)
+    local: dict[Region, Any] = {}
+    for shard in leaf.addressable_shards:
+        local.setdefault(of_index(shard.index, shape), shard.data)
+    if block in local:
+        return local[block]
+    out = np.empty(shape_of(block), leaf.dtype)
+    for region, data in local.items():
+        common = overlap(region, block)
+        if common is not None and volume(common):
+            out[inner(common, block)] = np.asarray(data)[inner(common, region)]
+    return out
 
 
 def check_tiling(name: str, shape: Sequence[int], regions: Iterable[Region]) -> None:
@@ -138,11 +200,12 @@ def check_tiling(name: str, shape: Sequence[int], regions: Iterable[Region]) -> 
 
 
 class Stored:
-    """One stored block of an array: its region, the file holding it, where, and its sha256."""
+    """One stored block of an array: its region, the file holding it, where, and its sha256
+    (None where the format checks the array by its digest instead: the caller checks it)."""
 
     __slots__ = ("region", "file", "offset", "nbytes", "sha256")
 
-    def __init__(self, region: Region, file: str, offset: int, nbytes: int, sha256: str):
+    def __init__(self, region: Region, file: str, offset: int, nbytes: int, sha256: str | None):
         self.region, self.file, self.offset = region, file, offset
         self.nbytes, self.sha256 = nbytes, sha256
 
@@ -183,7 +246,8 @@ def read(
             else:
                 destination = np.empty(shape_of(block.region), dtype)
             _pread_into(fd, destination, block.offset, where)
-            if hashlib.sha256(destination.reshape(-1).view(np.uint8)).hexdigest() != block.sha256:
+            data = destination.reshape(-1).view(np.uint8)
+            if block.sha256 is not None and hashlib.sha256(data).hexdigest() != block.sha256:
                 raise RegionError(f"{where}: sha256 mismatch")
             if destination is not target:
                 target[inner(common, region)] = destination
