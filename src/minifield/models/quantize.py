@@ -1,0 +1,156 @@
+"""A frozen base matrix held in 8 or 4 bits (``model.lora.base_quantization``, QLoRA).
+
+Every matrix is this project's ``[in, out]`` layout, and a block is ``block`` consecutive
+inputs of one output column: exactly bitsandbytes' blocks of the row-major HF ``[out, in]``
+tensor flattened, when ``block`` divides ``in`` (a block that does not divide is refused).
+
+- ``int8``: absmax (LLM.int8's vector-wise quantization): ``code = round(127 * w / absmax)``
+  in ``[-127, 127]``, ``w ≈ code * absmax / 127``; ``block`` None is one block per output
+  channel (the whole input column).
+- ``nf4``: bitsandbytes' 16-value NormalFloat table (:data:`NF4`), blocks of 64 by default:
+  each ``w / absmax`` rounded to the nearest table value, two 4-bit codes per byte (the first
+  input of a pair in the high nibble, as bitsandbytes packs them).
+- double quantization (``nf4`` or blockwise ``int8``): the FP32 absmax scales, less their mean,
+  quantized once more in groups of 256 by int8 absmax (:func:`_scales_quantized`), the mean
+  kept in FP32. bitsandbytes uses its 8-bit dynamic (tree) map for this step; a linear int8 map
+  is one table lookup fewer and its error is measured in docs/quantized-base.md.
+
+A :class:`QuantizedWeight` is a pytree (codes and scales its leaves; the scheme, block and
+shape static), so it passes into jitted steps and is stacked by ``lax.scan`` like any other
+layer parameter; :func:`dequantize` makes the matrix back inside each layer's products.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: bitsandbytes' NF4 table (csrc kernels' ``nf4_dequantization_lut``; QLoRA appendix E)
+NF4 = (
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+)
+SCHEMES = ("int8", "nf4")
+NF4_BLOCK = 64
+SCALE_GROUP = 256  # QLoRA's block size for the second quantization
+
+
+def check_block(shape: tuple, scheme: str, block: int | None) -> str | None:
+    """Why ``shape`` cannot be quantized in blocks of ``block`` (None: it can)."""
+    if len(shape) != 2:
+        return f"a quantized matrix is 2-D, not {len(shape)}-D"
+    n_in = shape[0]
+    size = n_in if block is None else block
+    if n_in % size:
+        return f"block size {size} does not divide the input dimension {n_in}"
+    if scheme == "nf4" and size % 2:
+        return f"NF4 packs two codes per byte: block size {size} must be even"
+    return None
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    """``codes`` (int8 ``[in, out]``, or uint8 ``[in / 2, out]`` packed NF4) and ``scales``
+    (FP32 ``[in / block, out]`` absmax; doubly quantized: int8 codes, ``scale_scales`` the
+    per-group FP32 absmax and ``offset`` the mean)."""
+
+    def __init__(self, codes, scales, scale_scales, offset, scheme, block, shape):
+        self.codes, self.scales = codes, scales
+        self.scale_scales, self.offset = scale_scales, offset
+        self.scheme, self.block, self.shape = scheme, block, shape
+
+    def tree_flatten(self):
+        children = (self.codes, self.scales, self.scale_scales, self.offset)
+        return children, (self.scheme, self.block, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+
+def _absmax_codes(x, levels: float):
+    """Symmetric linear codes of ``x [..., n]`` per last-axis row, and the row absmax."""
+    absmax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    safe = jnp.where(absmax == 0, 1.0, absmax)
+    codes = jnp.round(x / safe * levels).astype(jnp.int8)
+    return codes, absmax[..., 0]
+
+
+def _scales_quantized(scales):
+    """Double quantization of the flat FP32 scales: ``(codes, group absmax, mean)``."""
+    flat = scales.reshape(-1)
+    offset = jnp.mean(flat)
+    pad = (-flat.size) % SCALE_GROUP
+    groups = jnp.pad(flat - offset, (0, pad)).reshape(-1, SCALE_GROUP)
+    codes, group_max = _absmax_codes(groups, 127.0)
+    return codes.reshape(-1)[: flat.size].reshape(scales.shape), group_max, offset
+
+
+def _scales_back(w: QuantizedWeight):
+    if w.scale_scales is None:
+        return w.scales
+    flat = w.scales.reshape(-1).astype(jnp.float32)
+    pad = (-flat.size) % SCALE_GROUP
+    groups = jnp.pad(flat, (0, pad)).reshape(-1, SCALE_GROUP)
+    back = groups * (w.scale_scales[:, None] / 127.0)
+    return back.reshape(-1)[: flat.size].reshape(w.scales.shape) + w.offset
+
+
+def quantize(w_KxN, scheme: str, block: int | None = None, double: bool = False):
+    """``w [in, out]`` as a :class:`QuantizedWeight` (see the module); ``block`` None: one
+    block per output channel (int8) or 64 (NF4)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization {scheme!r} (expected one of {SCHEMES})")
+    if scheme == "nf4" and block is None:
+        block = NF4_BLOCK
+    problem = check_block(tuple(w_KxN.shape), scheme, block)
+    if problem:
+        raise ValueError(problem)
+    K, N = w_KxN.shape
+    size = K if block is None else block
+    blocks_NxBxS = w_KxN.astype(jnp.float32).T.reshape(N, K // size, size)
+    if scheme == "int8":
+        codes_NxBxS, absmax_NxB = _absmax_codes(blocks_NxBxS, 127.0)
+        codes = codes_NxBxS.reshape(N, K).T
+    else:
+        absmax_NxB = jnp.max(jnp.abs(blocks_NxBxS), axis=-1)
+        safe = jnp.where(absmax_NxB == 0, 1.0, absmax_NxB)[..., None]
+        table = jnp.asarray(NF4, jnp.float32)
+        midpoints = (table[1:] + table[:-1]) / 2  # nearest value: how many midpoints lie below
+        index = jnp.searchsorted(midpoints, blocks_NxBxS / safe).astype(jnp.uint8)
+        index = index.reshape(N, K // 2, 2)
+        codes = ((index[..., 0] << 4) | index[..., 1]).T
+    scales = absmax_NxB.T
+    scale_scales = offset = None
+    if double:
+        scales, scale_scales, offset = _scales_quantized(scales)
+    return QuantizedWeight(codes, scales, scale_scales, offset, scheme, block, (K, N))
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32):
+    """The ``[in, out]`` matrix of ``w`` (FP32 products, then ``dtype``)."""
+    K, N = w.shape
+    size = K if w.block is None else w.block
+    scales_NxB = _scales_back(w).T
+    if w.scheme == "int8":
+        values_NxK = w.codes.T.astype(jnp.float32) / 127.0
+    else:
+        packed_NxK2 = w.codes.T
+        index = jnp.stack([packed_NxK2 >> 4, packed_NxK2 & 0x0F], axis=-1).reshape(N, K)
+        values_NxK = jnp.asarray(NF4, jnp.float32)[index]
+    values = values_NxK.reshape(N, K // size, size) * scales_NxB[..., None]
+    return values.reshape(N, K).T.astype(dtype)
