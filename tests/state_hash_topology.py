@@ -11,7 +11,8 @@ checkpoint writer's own copy is not counted).
 With ``--checkpoint DIR`` (one process) the updated sharded state is also committed there.
 With a fifth visible device (one process), a ``[10]`` array sharded over 5 devices (shards
 that cut the pieces) is hashed too; with 32 (one process), a state sharded over 32 devices,
-whose shards cut its pieces, hashed with no array gathered.
+whose shards cut its pieces, hashed with no array gathered. ``--across`` (5 processes × 2
+devices): only an array whose pieces lie across processes.
 """
 
 from __future__ import annotations
@@ -80,11 +81,54 @@ def _thirty_two_devices(state: dict, gathers: list) -> dict:
     }
 
 
+def _across_processes() -> dict:
+    """A ``[20, 3]`` array split over every device (shards of 2 rows on 5 processes × 2
+    devices) while its pieces are 5 rows: pieces lie across processes, so the hash lays it
+    out again (``regions.regrouped``) rather than gathering it."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from minifield.state import arrays, pieces, regions
+
+    gathers = []
+    to_host = arrays.to_host
+
+    def counting_to_host(leaf):
+        gathers.append(tuple(leaf.shape))
+        return to_host(leaf)
+
+    arrays.to_host = counting_to_host
+    value = np.random.default_rng(20).standard_normal((20, 3), np.float32)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    laid = jax.make_array_from_callback(
+        value.shape, NamedSharding(mesh, PartitionSpec("data")), lambda index: value[index]
+    )
+    again = regions.regrouped(laid, [5, 1])
+    return {
+        "hash": arrays.state_hash({"v": laid}),
+        "one_device": arrays.state_hash({"v": value}),
+        "array_digest": pieces.array_digest(value),
+        "digest": pieces.state_digests([("v", laid)], arrays.to_host)["v"],
+        "gathered": len(gathers),
+        "rows_held": sorted({s.data.shape[0] for s in again.addressable_shards}),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint")
+    parser.add_argument("--across", action="store_true", help="only the pieces-across case")
     args = parser.parse_args()
     topology = distributed.initialize()
+    if args.across:
+        report = _across_processes()
+        if topology.is_writer:
+            print(json.dumps(report, sort_keys=True), flush=True)
+        if topology.is_multi_process:
+            import jax
+
+            jax.distributed.shutdown()
+        return 0
     import jax
 
     from minifield.state import arrays, checkpoint

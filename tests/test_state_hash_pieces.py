@@ -274,7 +274,9 @@ def test_a_divisor_of_48_hashes_its_own_shards(devices):
 
 def test_pieces_across_processes_are_the_one_case_that_gathers():
     """32 processes of one device on an axis of 64: a piece (4 rows) spans two processes, so
-    no process can hash it from its own shards; :func:`pieces.dealt` gathers that array."""
+    no process can hash it from its own shards; a layout that ``regions.regrouped`` cannot
+    lay out again (here not a mesh's: a mesh's is, tests/test_state_hash_topology.py) makes
+    :func:`pieces.dealt` gather that array."""
     value = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
     laid = _Laid(value, [32], [0], 1, here=0)
     gathered = []

@@ -5,7 +5,8 @@ device (loopback, gloo), with no array copied whole for the hash; a checkpoint o
 sharded state holds that hash, recomputed here by hand from its raw data file.
 
 Each run is a process of ``tests/state_hash_topology.py`` (4 forced host devices in all; 32
-in the one-process run, for shards that cut pieces).
+in the one-process run, for shards that cut pieces; 5 processes × 2 devices for pieces that
+lie across processes).
 """
 
 from __future__ import annotations
@@ -83,3 +84,14 @@ def test_two_by_two_and_four_by_one_processes_hash_as_one_process(one_process):
         assert report["shard_params"]["parts"] == one_process["shard_params"]["parts"]
         # the hashes exchanged digests only: no array was copied whole to any process
         assert report["gathered_by_hashes"] == 0
+
+
+def test_pieces_across_processes_are_laid_out_again_not_gathered():
+    """5 processes × 2 devices, a [20, 3] array in shards of 2 rows, pieces of 5: no process
+    holds a whole piece, so the hash lays the array out again over the devices (runs of 10
+    rows, each within a process) instead of copying it whole, and the digest is the same."""
+    report = loopback.run_processes([str(SCRIPT), "--across"], 5, 2)
+    assert report["gathered"] == 0
+    assert report["rows_held"] == [10]  # half the array per device, not the whole
+    assert report["hash"] == report["one_device"]
+    assert report["digest"] == report["array_digest"]

@@ -15,10 +15,12 @@ pieces and is hashed where it lives. When it does not (32 devices and more on an
 (:func:`.regions.merged`), and a process holding every shard of a block puts that block
 together from its own shards (a copy of the block, never of the array) and hashes it. The
 pieces themselves stay those of this grid whatever the device count (a finer grid would be
-other pieces, so other digests). Only an array with a piece that no process holds all of
-(its shards on several processes, e.g. 32 processes × 1 device on an axis of 64) is copied
-to every process whole (``arrays.to_host``) and hashed there: the one case that still
-gathers an array.
+other pieces, so other digests). An array with a piece that no process holds all of (its
+shards on several processes, e.g. 32 processes × 1 device on an axis of 64) is laid out
+again over its devices so that each process holds whole pieces (:func:`.regions.regrouped`:
+a device then holds a few times its shard); only a layout that cannot be (not split along
+one axis of a 1-D mesh) is copied to every process whole (``arrays.to_host``) and hashed
+there: the one case that still gathers an array.
 """
 
 from __future__ import annotations
@@ -164,9 +166,11 @@ def dealt(leaves: Sequence[tuple[str, Any]], whole: Callable[[Any], np.ndarray],
         cell = [n // g for n, g in zip(shape, grid, strict=True)]  # a piece's size
         blocks = _blocks(leaf, cell)
         if not all(blocks.values()):
-            # pieces that lie across processes: the array gathered whole (a collective, in
-            # this order everywhere), then held by every process
-            leaf = whole(leaf)
+            # pieces that lie across processes: the array laid out again so that each
+            # process holds whole pieces, else gathered whole (a collective either way, in
+            # this order everywhere)
+            again = regions.regrouped(leaf, cell)
+            leaf = whole(leaf) if again is None else again
             blocks = _blocks(leaf, cell)
         owner = np.zeros(count, np.int32)
         numbering = np.arange(count).reshape(grid)
@@ -196,7 +200,8 @@ def state_digests(
     it (:func:`dealt`, :class:`.regions.Dealer`), put together from that process's shards
     when they cut its pieces; then the processes exchange the digests — ``32 × pieces``
     bytes, never an array. ``whole(array)`` copies to every process an array with a piece
-    that no process holds all of (``arrays.to_host``).
+    that no process holds all of and that :func:`.regions.regrouped` cannot lay out again
+    (``arrays.to_host``).
     """
     import jax
 

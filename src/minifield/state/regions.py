@@ -157,6 +157,46 @@ def owned(leaves: Sequence[tuple[str, Any]], rank: int) -> list[tuple[str, Regio
     return mine
 
 
+def _identity(value):
+    return value
+
+
+def regrouped(leaf: Any, cell: Sequence[int]) -> Any | None:
+    """``leaf``, split along one axis of a 1-D mesh, laid out again over the same devices
+    so that every block of whole cells (``cell``: a cell's size along each axis) is held
+    whole by a process; None for another layout. A collective (every process calls it for
+    the same arrays in the same order).
+
+    Along the split axis the blocks are ``m = gcd(devices, cells along it)`` runs of whole
+    cells, each over ``devices / m`` consecutive devices, split there over ``c`` devices and
+    repeated ``devices / (m c)`` times: the largest ``c`` for which each run lies whole in a
+    process, so a device holds ``devices / (m c)`` times its shard, the array only when no
+    process holds two devices of a run."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or len(sharding.mesh.axis_names) != 1:
+        return None
+    name = sharding.mesh.axis_names[0]
+    spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
+    if spec.count(name) != 1:
+        return None
+    axis = spec.index(name)
+    devices = np.asarray(sharding.mesh.devices).reshape(-1)
+    runs = math.gcd(len(devices), int(leaf.shape[axis]) // int(cell[axis]))
+    span = len(devices) // runs
+    for split in (c for c in range(span, 0, -1) if span % c == 0):
+        mesh = Mesh(devices.reshape(runs, span // split, split), ("run", "copy", "part"))
+        parts: list = [None] * len(leaf.shape)
+        parts[axis] = ("run", "part")
+        target = NamedSharding(mesh, PartitionSpec(*parts))
+        laid = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=target)
+        if all(merged(distinct(laid), leaf.shape, cell).values()):
+            return jax.jit(_identity, out_shardings=target)(leaf)
+    return None
+
+
 def value_of(leaf: Any, block: Region) -> Any:
     """``block`` of ``leaf`` from this process's copies: a shard's own data (a device array)
     where one device holds exactly that block, else a host array put together from the
