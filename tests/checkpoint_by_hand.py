@@ -1,6 +1,7 @@
-"""Checkpoints checked by hand, sharing no code with ``minifield.state``: format 3's data file
-from its definition in docs/training-loop.md (every array's C-order bytes at a 64-byte
-aligned offset of ``arrays.bin``, zeros between, offsets in the manifest), format 2's
+"""Checkpoints checked by hand, sharing no code with ``minifield.state``: formats 5's and 3's
+data file from its definition in docs/training-loop.md (every array's C-order bytes at a
+64-byte aligned offset of ``arrays.bin``, zeros between, offsets in the manifest; each
+entry's ``digest``, the version-3 hash below, in format 5, its ``sha256`` in format 3), format 2's
 ``.npy`` files from numpy's published format, the version-2 complete-state hash from its
 definition there (sha256 over one ``name|dtype|shape|sha256`` line per array, in name
 order, each ``sha256`` that of the array's C-order bytes) and the version-3 one (the same
@@ -48,9 +49,17 @@ def pieces_digest_by_hand(array) -> str:
     return hashlib.sha256(joined).hexdigest()
 
 
+#: the formats whose entries hold each array's version-3 digest (format 4's blocks a sha256)
+_BY_DIGEST = ("minifield-checkpoint/5", "minifield-checkpoint/4")
+
+
+def _sha256(array) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+
+
 def array_hash_by_hand(array, version: int) -> str:
     if version == 2:
-        return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+        return _sha256(array)
     return pieces_digest_by_hand(array)
 
 
@@ -63,8 +72,9 @@ def state_hash_by_hand(arrays: dict, version: int = 3) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def _arrays_v3(path: Path, manifest: dict) -> dict[str, tuple[np.ndarray, bytes]]:
-    """``{name: (array, its bytes)}`` of a format-3 checkpoint, cut from the raw data file."""
+def _arrays_one_file(path: Path, manifest: dict) -> dict[str, tuple[np.ndarray, bytes]]:
+    """``{name: (array, its bytes)}`` of a format-5 or 3 checkpoint, cut from the raw data
+    file."""
     raw = (path / "arrays.bin").read_bytes()
     assert manifest["data"] == {"file": "arrays.bin", "size": len(raw), "alignment": 64}, path
     out, end = {}, 0
@@ -120,15 +130,18 @@ def _arrays_v4(path: Path, manifest: dict) -> dict[str, tuple[np.ndarray, bytes]
 
 
 def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(manifest, arrays) of a format-4, 3 (or 2) checkpoint, every array's bytes hashed
-    here against its entry and the state hash rebuilt against the manifest's: from those
-    hashes (version 2), or from the arrays' pieces (version 3)."""
+    """(manifest, arrays) of a format-5, 4, 3 (or 2) checkpoint, every array's bytes hashed
+    here against its entry (its pieces in formats 5 and 4) and the state hash rebuilt
+    against the manifest's: from those hashes (version 2), or from the arrays' pieces
+    (version 3)."""
     manifest = json.loads((path / "manifest.json").read_text())
     version = manifest["state_hash_version"]
     assert version in (2, 3) and (version, manifest["format"]) != (3, "minifield-checkpoint/2")
+    assert version == 3 or manifest["format"] not in _BY_DIGEST
     read = {
+        "minifield-checkpoint/5": _arrays_one_file,
         "minifield-checkpoint/4": _arrays_v4,
-        "minifield-checkpoint/3": _arrays_v3,
+        "minifield-checkpoint/3": _arrays_one_file,
         "minifield-checkpoint/2": _arrays_v2,
     }
     stored = read[manifest["format"]](path, manifest)
@@ -136,8 +149,9 @@ def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     for entry in manifest["arrays"]:
         array, data = stored[entry["name"]]
         sha = hashlib.sha256(data).hexdigest()
-        if manifest["format"] == "minifield-checkpoint/4":  # per block, checked above
+        if manifest["format"] in _BY_DIGEST:  # format 4's blocks: their sha256 above
             assert entry["digest"] == pieces_digest_by_hand(array), entry["name"]
+            assert "sha256" not in entry, entry["name"]
         else:
             assert sha == entry["sha256"], entry["name"]
         assert array.dtype.str == entry["dtype"] and list(array.shape) == entry["shape"]
@@ -149,20 +163,35 @@ def verify_checkpoint_by_hand(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return manifest, arrays
 
 
-def rewrite_as_format_2(path: Path) -> None:
-    """Turn a format-3 checkpoint directory into the format-2 checkpoint of the same state, as
-    the previous release wrote it: one ``np.save`` file per array (``arrays/00000.npy`` … in
-    the manifest's order), entries naming their ``file``, the same per-array hashes and the
-    version-2 state hash of those (that release's), no ``data`` field."""
+def rewrite_as_format_3(path: Path) -> None:
+    """Turn a format-5 checkpoint directory into the format-3 checkpoint of the same state, as
+    earlier releases wrote it: the same data file and version-3 state hash, each entry's
+    ``digest`` replaced by the sha256 of its array's bytes."""
     manifest, arrays = verify_checkpoint_by_hand(path)
-    assert manifest["format"] == "minifield-checkpoint/3", path
+    assert manifest["format"] == "minifield-checkpoint/5", path
+    entries = []
+    for entry in manifest["arrays"]:
+        kept = {key: value for key, value in entry.items() if key != "digest"}
+        entries.append({**kept, "sha256": _sha256(arrays[entry["name"]])})
+    old = {**manifest, "format": "minifield-checkpoint/3", "arrays": entries}
+    (path / "manifest.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
+
+
+def rewrite_as_format_2(path: Path) -> None:
+    """Turn a format-5 checkpoint directory into the format-2 checkpoint of the same state, as
+    the release before format 3 wrote it: one ``np.save`` file per array
+    (``arrays/00000.npy`` … in the manifest's order), entries naming their ``file`` and the
+    sha256 of their array's bytes, the version-2 state hash of those (that release's), no
+    ``data`` field."""
+    manifest, arrays = verify_checkpoint_by_hand(path)
+    assert manifest["format"] == "minifield-checkpoint/5", path
     (path / "arrays").mkdir()
     entries = []
     for index, entry in enumerate(manifest["arrays"]):
         file = f"arrays/{index:05d}.npy"
         np.save(path / file, arrays[entry["name"]], allow_pickle=False)
-        kept = {key: entry[key] for key in ("name", "dtype", "shape", "sha256")}
-        entries.append({**kept, "file": file})
+        kept = {key: entry[key] for key in ("name", "dtype", "shape")}
+        entries.append({**kept, "sha256": _sha256(arrays[entry["name"]]), "file": file})
     (path / "arrays.bin").unlink()
     rest = {key: value for key, value in manifest.items() if key != "data"}
     old = {**rest, "format": "minifield-checkpoint/2", "arrays": entries}

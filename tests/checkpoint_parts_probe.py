@@ -5,7 +5,7 @@ Joins the processes named by ``MINIFIELD_COORDINATOR`` / ``MINIFIELD_NUM_PROCESS
 on the mesh (``--shard``: ``shard_params``, else replicated) and runs updates 1..``--steps``
 of an elementwise update (the same arithmetic on every topology), committing a checkpoint
 after each update in ``--save`` (multi-process: format 4 through ``checkpoint_spread.save``;
-one process: format 3 through ``checkpoint.save``). With ``--kill PHASE --kill-rank R
+one process: format 5 through ``checkpoint.save``). With ``--kill PHASE --kill-rank R
 --kill-step S``, process R SIGKILLs itself at that phase of checkpoint S's write
 (``opened``, ``part_written``, ``before_commit``). ``--background``: each checkpoint written
 as an attempt's cadence does (``checkpoint_spread.BackgroundPart`` on a thread while the next

@@ -81,10 +81,10 @@ def also(steps: int, restore: Path | None = None, save: Path | None = None) -> l
 def one_process(tmp_path_factory) -> dict:
     """One process over 4 devices, parameters sharded. Its first run: the state hash after
     each of 5 updates, no checkpoint (the reference, :func:`uninterrupted`); then, in the same
-    process (a start fewer), checkpoints of updates 1..2 written by it alone (format 3)."""
+    process (a start fewer), checkpoints of updates 1..2 written by it alone (format 5)."""
     directory = tmp_path_factory.mktemp("one-part") / "checkpoints"
     report = run_probe(1, "--shard", "--steps", "5", *also(2, save=directory))
-    return {"hashes": report["hashes"], "format3": directory, "saved": report["also"][0]}
+    return {"hashes": report["hashes"], "one_file": directory, "saved": report["also"][0]}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def killed_and_resumed(tmp_path_factory, one_process) -> dict:
     (each directory restored and run on in turn), which start once. The collective mode's
     two (2 × 2 devices, parameters sharded, no background write) first write
     ``cases["written"]`` (:func:`written`) and last restore the one-process checkpoint
-    (``cases["format3"]``): two process starts fewer for each."""
+    (``cases["one_file"]``): two process starts fewer for each."""
     cases: dict = {}
     for phase, rank, mode in KILLS:
         directory = tmp_path_factory.mktemp(f"kill-{phase}-{mode[2:]}")
@@ -131,9 +131,9 @@ def killed_and_resumed(tmp_path_factory, one_process) -> dict:
         keys = [key for key in KILLS if key[2] == mode]
         if mode == "--collective":
             resumes = [x for key in keys for x in also(3, cases[key]["dir"], cases[key]["dir"])]
-            format3 = also(4, restore=one_process["format3"])
-            report = run_probe(2, *_write_args(written, mode), *resumes, *format3)
-            *runs, cases["format3"] = report.pop("also")
+            one_file = also(4, restore=one_process["one_file"])
+            report = run_probe(2, *_write_args(written, mode), *resumes, *one_file)
+            *runs, cases["one_file"] = report.pop("also")
             cases["written"] = {"dir": written, "report": report}
         else:
             each = [arg for key in keys for arg in ("--resume-each", str(cases[key]["dir"]))]
@@ -204,12 +204,12 @@ def test_a_one_process_checkpoint_restores_on_two_processes(one_process, killed_
     uninterrupted = one_process["hashes"]
     # the saving run computed what the uninterrupted one did
     assert one_process["saved"]["hashes"] == {"1": uninterrupted["1"], "2": uninterrupted["2"]}
-    directory = one_process["format3"]
+    directory = one_process["one_file"]
     assert checkpoint.committed_steps(directory) == [1, 2]
     assert json.loads((directory / "step-00000002" / "manifest.json").read_text())["format"] == (
-        "minifield-checkpoint/3"
+        "minifield-checkpoint/5"
     )
-    report = killed_and_resumed["format3"]
+    report = killed_and_resumed["one_file"]
     assert report["processes"] == 2 and report["restored_step"] == 2
     assert report["sliced"] and report["restored_hash"] == uninterrupted["2"]
     assert report["hashes"] == {"3": uninterrupted["3"], "4": uninterrupted["4"]}

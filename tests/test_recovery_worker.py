@@ -380,7 +380,7 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     events = events_of(out / job / "resumed")
     rejected = {ev["step"]: ev["reason"] for ev in events if ev["type"] == "checkpoint_rejected"}
     assert set(rejected) == {4 * e, 3 * e}
-    assert f"{victim}: sha256 mismatch for state array {last!r}" in rejected[4 * e]
+    assert f"{victim}: digest mismatch for state array {last!r}" in rejected[4 * e]
     assert f"{victim2}: truncated or extended" in rejected[3 * e]
     assert "rejected checkpoint" in proc.stderr
     restored = [ev for ev in events if ev["type"] == "restored"]
@@ -393,7 +393,7 @@ def test_corrupted_checkpoints_are_rejected_and_nothing_is_lost(reference, tmp_p
     assert state_hash_by_hand(stored) == reference["hashes"][e]
     resumed_checkpoints = out / job / "resumed" / "checkpoints"
     newest_resumed = max(resumed_checkpoints.glob("step-*"))  # zero-padded: name order
-    assert _verify_checkpoint_by_hand(newest_resumed)["format"] == "minifield-checkpoint/3"
+    assert _verify_checkpoint_by_hand(newest_resumed)["format"] == "minifield-checkpoint/5"
     result = json.loads((out / job / "resumed" / "result.json").read_text())
     assert result["final_state_hash"] == reference["final"]
     _assert_on_reference_path(reference, out / job / "resumed")

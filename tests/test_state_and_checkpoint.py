@@ -13,7 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoint_by_hand import array_line, state_hash_by_hand, verify_checkpoint_by_hand
+from checkpoint_by_hand import (
+    array_line,
+    pieces_digest_by_hand,
+    rewrite_as_format_3,
+    state_hash_by_hand,
+    verify_checkpoint_by_hand,
+)
 
 from minifield.state import checkpoint
 from minifield.state.arrays import part_hashes, state_hash
@@ -64,8 +70,11 @@ def _flip_byte(file: Path, offset: int) -> None:
 
 
 def test_flipped_byte_truncation_and_missing_manifest_are_detected(tmp_path):
-    for step in (2, 4, 6, 8):
+    for step in (2, 4, 6, 8, 10):
         checkpoint.save(tmp_path, make_state(step=step), step=step, computation_digest="c" * 64)
+    # a format-3 checkpoint (each array's sha256) as earlier releases wrote it
+    rewrite_as_format_3(tmp_path / "step-00000010")
+    _flip_byte(tmp_path / "step-00000010" / "arrays.bin", 64 + 5)
     # a byte of opt_state/trace (the 2nd array in name order), found from the manifest
     manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
     entry = next(e for e in manifest["arrays"] if e["name"] == "opt_state/trace")
@@ -76,14 +85,15 @@ def test_flipped_byte_truncation_and_missing_manifest_are_detected(tmp_path):
     # padding between two arrays (cursor is 4 bytes at offset 0; the next starts at 64)
     _flip_byte(tmp_path / "step-00000008" / "arrays.bin", 10)
     for step, needle in (
-        (2, "arrays.bin: sha256 mismatch for state array 'opt_state/trace' .bytes 64-76."),
+        (2, "arrays.bin: digest mismatch for state array 'opt_state/trace' .bytes 64-76."),
+        (10, "arrays.bin: sha256 mismatch for state array 'opt_state/trace' .bytes 64-76."),
         (4, "arrays.bin: truncated or extended: 321 bytes, the manifest says 324"),
         (6, "never committed"),
         (8, "arrays.bin: non-zero bytes before state array 'opt_state/trace'"),
     ):
         with pytest.raises(checkpoint.CheckpointError, match=needle):
             checkpoint.load(tmp_path / checkpoint.step_dir_name(step), make_state())
-    assert checkpoint.committed_steps(tmp_path) == [2, 4, 8]
+    assert checkpoint.committed_steps(tmp_path) == [2, 4, 8, 10]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +106,7 @@ def test_flipped_byte_truncation_and_missing_manifest_are_detected(tmp_path):
         ("shape", [4], r"arrays\[1\] .*: nbytes 12 is not the size of <f4\[4\] \(16\)"),
     ],
 )
-def test_a_format_3_manifest_whose_layout_is_wrong_is_refused_naming_the_field(
+def test_a_format_5_manifest_whose_layout_is_wrong_is_refused_naming_the_field(
     tmp_path, field, value, needle
 ):
     committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
@@ -132,7 +142,7 @@ def test_checkpoint_is_one_data_file_and_a_manifest_holding_every_leaf(tmp_path)
     assert sorted(p.name for p in path.iterdir()) == ["arrays.bin", "manifest.json"]
     # every state leaf, cut from the raw data file by hand (no pickle: plain bytes at offsets)
     manifest, stored = verify_checkpoint_by_hand(path)
-    assert manifest["format"] == "minifield-checkpoint/3"
+    assert manifest["format"] == "minifield-checkpoint/5"
     leaves = jax.tree_util.tree_leaves(state)
     as_bytes = sorted((a.dtype.str, a.shape, a.tobytes()) for a in stored.values())
     assert as_bytes == sorted((a.dtype.str, a.shape, a.tobytes()) for a in map(np.asarray, leaves))
@@ -239,12 +249,12 @@ def test_a_manifest_that_mixes_format_and_hash_version_or_a_forged_header_is_ref
 STORED_V2 = Path(__file__).parent / "data" / "checkpoint-format-2" / "step-00000003"
 
 
-def test_a_stored_format_2_checkpoint_is_read_and_saved_again_as_format_3_with_its_hashes(
+def test_a_stored_format_2_checkpoint_is_read_and_saved_again_as_format_5_with_its_hashes(
     tmp_path,
 ):
     """The stored checkpoint's version-2 hash, its state rebuilt here and recomputed by hand
-    agree; a format-3 commit of what was restored keeps every array's sha256 and holds the
-    version-3 state hash of the same arrays, recomputed by hand from the raw file."""
+    agree; a format-5 commit of what was restored holds the version-3 digests and state hash
+    of the same arrays, recomputed by hand from the format-2 files and from the raw file."""
     manifest_v2, by_hand = verify_checkpoint_by_hand(STORED_V2)
     assert manifest_v2["format"] == "minifield-checkpoint/2"
     restored, manifest = checkpoint.load(STORED_V2, make_state(), computation_digest="c" * 64)
@@ -253,12 +263,12 @@ def test_a_stored_format_2_checkpoint_is_read_and_saved_again_as_format_3_with_i
     assert state_hash_by_hand(by_hand, 2) == expected
     again = checkpoint.save(tmp_path, restored, step=4, computation_digest="c" * 64)
     manifest_v3, stored = verify_checkpoint_by_hand(Path(again.path))
-    assert manifest_v3["format"] == "minifield-checkpoint/3"
+    assert manifest_v3["format"] == "minifield-checkpoint/5"
     assert manifest_v3["state_hash_version"] == 3
     assert again.state_hash == state_hash_by_hand(by_hand) == state_hash(restored)
     assert again.state_hash == state_hash_by_hand(stored)
-    sha = {e["name"]: e["sha256"] for e in manifest_v2["arrays"]}
-    assert {e["name"]: e["sha256"] for e in manifest_v3["arrays"]} == sha
+    digests = {name: pieces_digest_by_hand(array) for name, array in by_hand.items()}
+    assert {e["name"]: e["digest"] for e in manifest_v3["arrays"]} == digests
     # a flipped byte in its .npy data is refused naming the file and the array
     copy = tmp_path / "v2"
     shutil.copytree(STORED_V2, copy)
@@ -306,36 +316,74 @@ def test_a_process_killed_while_writing_the_data_file_leaves_the_previous_checkp
     assert checkpoint.committed_steps(tmp_path) == [1, 3] and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_a_format_3_entry_without_its_sha256_is_refused_naming_the_field(tmp_path):
+@pytest.mark.parametrize(("rewrite", "field"), [(None, "digest"), (rewrite_as_format_3, "sha256")])
+def test_an_entry_without_its_check_is_refused_naming_the_field(tmp_path, rewrite, field):
+    """Format 5's entries need their digest, format 3's their sha256."""
     committed = checkpoint.save(tmp_path, make_state(), step=1, computation_digest="c" * 64)
+    if rewrite is not None:
+        rewrite(Path(committed.path))
     manifest_path = Path(committed.path) / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    del manifest["arrays"][2]["sha256"]
+    del manifest["arrays"][2][field]
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(checkpoint.CheckpointError, match=r"arrays\[2\]: needs name, .*sha256"):
+    with pytest.raises(checkpoint.CheckpointError, match=rf"arrays\[2\]: needs name, .*{field}"):
         checkpoint.load(Path(committed.path), make_state())
 
 
-def test_the_proof_compares_a_format_2_and_a_format_3_checkpoint_part_by_part(tmp_path):
+def test_a_format_3_checkpoint_of_version_3_is_read_and_verified(tmp_path):
+    """As earlier releases wrote it (each array's sha256, a version-3 state hash)."""
+    state = make_state(w=0.5, step=2)
+    committed = checkpoint.save(tmp_path, state, step=2, computation_digest="c" * 64)
+    rewrite_as_format_3(Path(committed.path))
+    restored, manifest = checkpoint.load(Path(committed.path), make_state())
+    assert manifest["format"] == "minifield-checkpoint/3"
+    assert manifest["state_hash"] == state_hash_by_hand(_flat(restored)) == state_hash(state)
+
+
+def test_a_commit_given_the_updates_digests_records_them_and_hashes_nothing_more(tmp_path):
+    """At a hashed update the commit's per-array checks are the digests the update computed:
+    given wrong ones (here, those of another state), it records them as they are, and the
+    reader refuses the checkpoint, naming the first array whose bytes do not match."""
+    state, other = make_state(w=1.0, step=1), make_state(w=2.0, step=1)
+    wrong = {name: pieces_digest_by_hand(array) for name, array in _flat(other).items()}
+    committed = checkpoint.save(
+        tmp_path, state, step=1, computation_digest="c" * 64, known_digests=wrong
+    )
+    manifest = json.loads((Path(committed.path) / "manifest.json").read_text())
+    assert {e["name"]: e["digest"] for e in manifest["arrays"]} == wrong
+    assert committed.state_hash == state_hash_by_hand(_flat(other))
+    with pytest.raises(
+        checkpoint.CheckpointError, match="arrays.bin: digest mismatch for state array 'params/w'"
+    ):
+        checkpoint.load(Path(committed.path), make_state())
+
+
+def test_the_proof_compares_two_checkpoints_part_by_part_by_the_hash_both_record(tmp_path):
     """The proof names the state parts that differ between two checkpoints from their
-    manifests' per-array hashes, which formats 2 and 3 share."""
+    manifests' per-array hashes: the sha256 that formats 2 and 3 share, the digest of
+    format 5; a format-3 and a format-5 checkpoint share none (parts unknown)."""
     from minifield.proof.comparison import _manifest_part_diff
 
-    same = checkpoint.save(
-        tmp_path / "a", make_state(w=0.75, step=3), step=3, computation_digest="c" * 64
-    )
+    def save(where, state):
+        return Path(checkpoint.save(where, state, step=3, computation_digest="c" * 64).path)
+
     moved = make_state(w=0.75, step=3)
     moved["params"]["b"] = moved["params"]["b"] + 1.0
-    other = checkpoint.save(tmp_path / "b", moved, step=3, computation_digest="c" * 64)
-    assert _manifest_part_diff(STORED_V2, Path(same.path)) == []
-    assert _manifest_part_diff(STORED_V2, Path(other.path)) == ["params"]
+    same, other = save(tmp_path / "a", make_state(w=0.75, step=3)), save(tmp_path / "b", moved)
+    assert _manifest_part_diff(same, other) == ["params"]
+    same_3, other_3 = save(tmp_path / "c", make_state(w=0.75, step=3)), save(tmp_path / "d", moved)
+    rewrite_as_format_3(same_3)
+    rewrite_as_format_3(other_3)
+    assert _manifest_part_diff(STORED_V2, same_3) == []
+    assert _manifest_part_diff(STORED_V2, other_3) == ["params"]
+    assert _manifest_part_diff(same_3, same) is None
 
 
 def _every_hashing_path():
     """Arrays that take each way a commit hashes them (checkpoint_data.write): version-3
     digests on threads (pieces of at least 2 KiB) and on the writing thread (smaller
-    pieces), one piece (its digest taken from its sha256), more than one gathered write, a
-    scalar, an empty array, a 2-byte dtype."""
+    pieces), one piece (its digest from the sha256 of its bytes, hashed on the chunks
+    written), more than one gathered write, a scalar, an empty array, a 2-byte dtype."""
     rng = np.random.default_rng(7)
     return {
         "params": {
@@ -351,10 +399,10 @@ def _every_hashing_path():
 
 
 def test_a_commit_hashing_while_it_writes_gives_what_the_definitions_give(tmp_path):
-    """Each array's sha256 and version-3 digest, hashed while the data file is written (on
-    threads and on the writing thread), match the definitions recomputed by hand from the
-    raw file; the device state, its host copy and a commit given the update's digests write
-    the same bytes."""
+    """Each array's version-3 digest, hashed while the data file is written (on threads and
+    on the writing thread), matches the definition recomputed by hand from the raw file;
+    the device state, its host copy and a commit given the update's digests write the same
+    bytes."""
     from minifield.state.arrays import array_digests, named_arrays
 
     state = _every_hashing_path()

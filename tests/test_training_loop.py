@@ -120,8 +120,8 @@ def test_background_commits_are_reported_once_durable_in_step_order(tmp_path):
     # the same bytes as a synchronous commit writes
     sync = checkpoint.save(tmp_path / "sync", states[6], step=6, computation_digest="c" * 64)
     sync_manifest = json.loads((Path(sync.path) / "manifest.json").read_text())
-    assert [e["sha256"] for e in sync_manifest["arrays"]] == [
-        e["sha256"]
+    assert [e["digest"] for e in sync_manifest["arrays"]] == [
+        e["digest"]
         for e in json.loads((Path(events[-1]["path"]) / "manifest.json").read_text())["arrays"]
     ]
 

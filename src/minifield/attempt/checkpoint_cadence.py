@@ -1,7 +1,7 @@
 """When and by whom an attempt commits checkpoints: the commit cadence (``state/checkpoint.py`` is
 the checkpoint format, ``checkpoint_writer.py`` the thread that writes one in the background).
 
-The state of one process is brought to the host and written whole (format 3). A state
+The state of one process is brought to the host and written whole (format 5). A state
 spread over several processes (replicated, or sharded with ``shard_params``) is never
 gathered: each process writes the blocks its devices hold, a replicated array by one of
 them, and process 0 commits once every part is durable (format 4,

@@ -14,14 +14,19 @@ from ..attempt.layout import CHECKPOINTS
 from .runs import Runs
 
 
-def _manifest_part_diff(a: Path, b: Path) -> list[str]:
-    """State parts whose arrays differ between two checkpoint manifests."""
+def _manifest_part_diff(a: Path, b: Path) -> list[str] | None:
+    """State parts whose arrays differ between two checkpoint manifests, by the per-array
+    hash both record (``digest``: formats 4 and 5; ``sha256``: formats 2 and 3); None when
+    they record none in common (a format-3 and a format-5 checkpoint)."""
     from ..state import checkpoint
 
     ma, mb = atomic.read_json(a / checkpoint.MANIFEST), atomic.read_json(b / checkpoint.MANIFEST)
-    sa = {e["name"]: e["sha256"] for e in ma["arrays"]}
-    sb = {e["name"]: e["sha256"] for e in mb["arrays"]}
-    return sorted({n.split("/", 1)[0] for n in set(sa) | set(sb) if sa.get(n) != sb.get(n)})
+    for key in ("digest", "sha256"):
+        if all(key in e for e in ma["arrays"] + mb["arrays"]):
+            sa = {e["name"]: e[key] for e in ma["arrays"]}
+            sb = {e["name"]: e[key] for e in mb["arrays"]}
+            return sorted({n.split("/", 1)[0] for n in set(sa) | set(sb) if sa.get(n) != sb.get(n)})
+    return None
 
 
 def compare(

@@ -8,7 +8,7 @@ state part) after every update, then one or both interruptions (``mode``):
 
 - **crash**: a **faulted** run hard-exits right after update ``k``
   (``--fail-after-step``); its **last committed checkpoint** (step ≤ k) is verified
-  independently of the worker (every array's sha256, shape and dtype, the recomputed
+  independently of the worker (every array's hash, shape and dtype, the recomputed
   state hash), and a **resumed** run in a new attempt must restore exactly it;
 - **preempt**: the supervisor sends SIGTERM once it sees update ``k`` (the worker holds
   still after that update, ``--stall-after-step``, so the signal lands before update

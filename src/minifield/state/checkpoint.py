@@ -1,23 +1,26 @@
 """Atomic, verifiable checkpoints of the complete training state (no pickle).
 
-Layout of one committed checkpoint (format ``minifield-checkpoint/3``)::
+Layout of one committed checkpoint (format ``minifield-checkpoint/5``)::
 
     checkpoints/step-00000004/
         arrays.bin               every state array at an aligned offset (.checkpoint_data)
         manifest.json            written last; its presence means "committed"
 
 A checkpoint is written into a temporary sibling directory: the data file is written
-sequentially, each array's bytes hashed on the chunks written, and fsynced; then the
-manifest (offsets, dtypes, shapes, per-array sha256, the state hash) is written and
-fsynced, the directory fsynced, renamed into place and the parent fsynced. The state hash
-(version 3, :data:`~.arrays.STATE_HASH_VERSION`) is the hash of the arrays' piece digests
-(:mod:`.pieces`), taken from a hashed update of that step or hashed from the arrays. A
-reader maps the data file, checks the layout, each array's sha256 and the state hash
-recomputed against the recorded one (a format-3 manifest of the previous release holds a
-version-2 hash, rebuilt from the per-array sha256); anything that fails is never used.
+sequentially and fsynced; then the manifest (offsets, dtypes, shapes, each array's
+version-3 digest, the state hash) is written and fsynced, the directory fsynced, renamed
+into place and the parent fsynced. An array's digest (:func:`.pieces.array_digest`) is both
+its integrity check and its part of the state hash (version 3,
+:data:`~.arrays.STATE_HASH_VERSION`): taken from a hashed update of that step, or hashed
+from the arrays while the file is written, so each byte is hashed at most once. A reader
+maps the data file, checks the layout, each array's digest and the state hash recomputed
+from them against the recorded one; anything that fails is never used.
 
-Checkpoints of earlier releases are still read and verified as they were written
-(:mod:`.checkpoint_npy`): format ``minifield-checkpoint/2`` (one ``.npy`` per array, the same
+Checkpoints of earlier releases are still read and verified as they were written: format
+``minifield-checkpoint/3`` (the same data file, each entry's ``sha256`` of its bytes, a
+version-3 state hash, or a version-2 one rebuilt from those sha256), format 4 (several
+processes' parts, :mod:`.checkpoint_parts`, still written by them), and
+(:mod:`.checkpoint_npy`) format ``minifield-checkpoint/2`` (one ``.npy`` per array, the same
 per-array hashes and version-2 state hash) and ``minifield-checkpoint/1`` (an entry's
 ``sha256`` of the whole file, a version-1 state hash).
 """
@@ -48,17 +51,23 @@ from .arrays import (
 )
 from .checkpoint_data import CheckpointError
 
-#: written by one process (the whole state in one data file)
-FORMAT = "minifield-checkpoint/3"
+#: written by one process (the whole state in one data file, each array checked by its
+#: version-3 digest)
+FORMAT = "minifield-checkpoint/5"
+#: the same data file, each array checked by the sha256 of its bytes (read only: written
+#: by earlier releases, with state-hash version 2, then 3)
+FORMAT_SHA256 = "minifield-checkpoint/3"
 #: written by several processes, each its own part (:mod:`.checkpoint_parts`)
 FORMAT_PARTS = checkpoint_parts.FORMAT
+#: the one-file formats: format -> the field of an entry that checks its array
+ONE_FILE = {FORMAT: checkpoint_data.DIGEST, FORMAT_SHA256: checkpoint_data.SHA256}
 #: formats read and verified: format -> the state-hash versions its manifests may hold
-#: (format 3 was written with version 2 by the previous release, with version 3 now)
 STATE_HASH_VERSIONS_OF = {
     "minifield-checkpoint/1": (1,),
     "minifield-checkpoint/2": (2,),
-    FORMAT: (2, STATE_HASH_VERSION),
+    FORMAT_SHA256: (2, STATE_HASH_VERSION),
     FORMAT_PARTS: (STATE_HASH_VERSION,),
+    FORMAT: (STATE_HASH_VERSION,),
 }
 MANIFEST = "manifest.json"
 
@@ -67,6 +76,7 @@ __all__ = [
     "CheckpointRecord",
     "FORMAT",
     "FORMAT_PARTS",
+    "FORMAT_SHA256",
     "MANIFEST",
     "load",
     "save",
@@ -130,12 +140,12 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    Array by array, as each reaches the host (:func:`host_copies`): its sha256 (the
-    manifest's, for integrity) is hashed on the chunks written into the one data file; the
-    complete-state hash (version 3) is the hash of the arrays' piece digests, taken from
-    ``known_digests`` (``{name: pieces.array_digest}``, when the caller hashed this very
-    state already) or hashed on threads while the file is written. Durability: the data
-    file fsynced, then the manifest, then the directory, then the rename, then the parent.
+    Array by array, as each reaches the host (:func:`host_copies`), written into the one data
+    file; each array's version-3 digest (the manifest's integrity check, and what the
+    complete-state hash is the hash of) is taken from ``known_digests`` (``{name:
+    pieces.array_digest}``, when the caller hashed this very state already: nothing is
+    hashed here) or hashed while the file is written. Durability: the data file fsynced,
+    then the manifest, then the directory, then the rename, then the parent.
 
     ``before_commit`` (fault injection only) is called once the data file is written, before
     the manifest and the rename that commit the checkpoint. On any error the temporary
@@ -201,16 +211,18 @@ def _write_contents(
     """Write and fsync the data file under ``tmp``; return the manifest (and its bytes as
     ``atomic.write_json`` would write them)."""
     leaves = named_leaves(state)
-    entries, digests = checkpoint_data.write(
-        tmp / checkpoint_data.DATA_FILE, host_copies(leaves), digests=known_digests is None
+    entries = checkpoint_data.write(
+        tmp / checkpoint_data.DATA_FILE,
+        host_copies(leaves),
+        check=checkpoint_data.DIGEST,
+        known=known_digests,
     )
+    digests = {entry["name"]: entry[checkpoint_data.DIGEST] for entry in entries}
     manifest = {
         "format": FORMAT,
         "step": step,
         "computation_digest": computation_digest,
-        "state_hash": hash_named_arrays(
-            leaves, digests=digests if known_digests is None else known_digests
-        ),
+        "state_hash": hash_named_arrays(leaves, digests=digests),
         "state_hash_version": STATE_HASH_VERSION,
         "data": checkpoint_data.description(entries),
         "arrays": entries,
@@ -287,33 +299,37 @@ def load(path: Path, template: Any, *, computation_digest: str | None = None) ->
     """Verify and restore one checkpoint directory (any format read). Raises CheckpointError on
     any mismatch. The state hash is recomputed in the manifest's own version: a version-2
     one from the per-array hashes just verified against the bytes read, a version-3 one
-    from the pieces of the arrays read.
+    from the pieces of the arrays read (in format 5, the digests just verified).
 
     A template leaf sharded over several devices (a state created in its sharding, or an
     abstract ``ShapeDtypeStruct`` with a sharding) is read only for the regions this
-    process's devices hold and put on them (a version-3 checkpoint of either format, written
-    by any number of processes: :func:`.checkpoint_parts.read_arrays`). Each stored block
-    read whole is checked against its sha256 here; the complete state hash of such a state
-    needs every process's pieces: the caller checks it with :func:`verify_placed` once every
-    process restored (``manifest["sliced"]``)."""
+    process's devices hold and put on them (a version-3 checkpoint of any format, written by
+    any number of processes: :func:`.checkpoint_parts.read_arrays`). Each stored block, or
+    array, read whole is checked against its sha256 or digest here; the complete state hash
+    of such a state needs every process's pieces: the caller checks it with
+    :func:`verify_placed` once every process restored (``manifest["sliced"]``)."""
     manifest = _read_manifest(path, computation_digest)
     version = manifest.get("state_hash_version", 1)
     leaves = dict(named_leaves(template)) if version == STATE_HASH_VERSION else {}
     sliced = any(regions.needed(leaf) is not None for leaf in leaves.values())
     digests = None
-    if manifest["format"] == FORMAT_PARTS or (manifest["format"] == FORMAT and sliced):
+    check = ONE_FILE.get(manifest["format"])
+    if manifest["format"] == FORMAT_PARTS or (check is not None and sliced):
         if manifest["format"] == FORMAT_PARTS:
             stored = checkpoint_parts.layout(path / MANIFEST, manifest)
             sizes = {part["file"]: part["size"] for part in manifest["parts"]}
         else:
-            stored = checkpoint_data.blocks(path / MANIFEST, manifest)
+            stored = checkpoint_data.blocks(path / MANIFEST, manifest, check)
             sizes = {checkpoint_data.DATA_FILE: manifest["data"]["size"]}
-        arrays, digests = checkpoint_parts.read_arrays(path, stored, sizes, leaves)
-    elif manifest["format"] == FORMAT:
-        arrays = checkpoint_data.read(path, path / MANIFEST, manifest)
+        expected = {e["name"]: e["digest"] for e in manifest["arrays"] if "digest" in e}
+        arrays, digests = checkpoint_parts.read_arrays(path, stored, sizes, leaves, expected)
+    elif check is not None:
+        arrays = checkpoint_data.read(path, path / MANIFEST, manifest, check)
     else:
         arrays = checkpoint_npy.read(path, manifest, version)
     entries = manifest.get("arrays", [])
+    if check == checkpoint_data.DIGEST:  # each verified against the bytes read
+        digests = {entry["name"]: entry[check] for entry in entries}
     try:
         state = restore_like(template, arrays)
     except ValueError as exc:

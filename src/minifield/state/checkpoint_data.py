@@ -1,12 +1,15 @@
-"""The data file of a ``minifield-checkpoint/3`` checkpoint: every state array in one file.
+"""The data file of a one-process checkpoint: every state array in one file.
 
 Layout (``arrays.bin``): the arrays in the manifest's order (name order), each array's bytes
 in C order starting at an offset that is a multiple of :data:`ALIGNMENT`, zero bytes between
 one array's end and the next offset, nothing after the last array. The manifest records,
 for each array, ``name``, ``dtype`` (numpy's ``dtype.str``), ``shape``, ``offset``,
-``nbytes`` and ``sha256`` (of those ``nbytes`` bytes), and, for the file, ``data: {file,
-size, alignment}``. There is no header in the file: everything a reader needs is in the
-manifest, which is written (and fsynced) after the data file.
+``nbytes`` and its integrity check (the field :data:`DIGEST` in format 5: the array's
+version-3 digest, :func:`pieces.array_digest`; :data:`SHA256` in format 3: the sha256 of
+those ``nbytes`` bytes), and, for the file, ``data: {file, size, alignment}``. There is no
+header in the file: everything a reader needs is in the manifest, which is written (and
+fsynced) after the data file. Format 4's part files (:mod:`.checkpoint_parts`) are written
+the same way, each block checked by its sha256.
 
 One file instead of one ``.npy`` per array: creating, writing and fsyncing 161 small files
 cost a 39 MB state 6.8x the CPU of one raw write+fsync of its bytes; one file, written
@@ -19,7 +22,7 @@ import hashlib
 import math
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,10 @@ from .arrays import array_sha256, byte_view
 
 #: the data file's name inside a checkpoint directory
 DATA_FILE = "arrays.bin"
+#: an entry's integrity check, by field: the version-3 digest of the array (format 5: the
+#: one the state hash is made of, so a commit at a hashed update hashes nothing), or the
+#: sha256 of its bytes (format 3, and format 4's blocks)
+DIGEST, SHA256 = "digest", "sha256"
 #: every array starts at a multiple of this many bytes (a cache line; any dtype's alignment,
 #: so an array can be viewed in place in a mapping of the file)
 ALIGNMENT = 64
@@ -60,55 +67,57 @@ def _write_all(fd: int, buffers: list) -> None:
 
 def _single_piece(array: np.ndarray) -> bool:
     """Whether ``array`` is one hash piece: its version-3 digest is then the sha256 of its
-    bytes' sha256 (``pieces.block_digests``), so one pass gives both."""
+    bytes' sha256 (``pieces.block_digests``), hashed on the chunks written."""
     return array.size == 0 or math.prod(pieces.piece_grid(array.shape)) == 1
 
 
 class _Digests:
-    """The version-3 digests of an unhashed commit's arrays (byte streams other than the
-    manifest's sha256), each taken as the array is written: on up to ``pieces.HASHERS``
-    threads where hashlib hashes its pieces without the GIL, else on the writing thread."""
+    """The version-3 digests of an unhashed commit's arrays, each taken as the array is
+    written: a one-piece array's from the sha256 of its bytes hashed on the chunks written
+    (:meth:`one_piece`), the others on up to ``pieces.HASHERS`` threads where hashlib hashes
+    their pieces without the GIL, else on the writing thread."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
         self.jobs: dict[str, Any] = {}
 
     def start(self, name: str, array: np.ndarray) -> None:
-        if _single_piece(array):
-            return  # from its sha256 (:meth:`results`)
         if pieces.gil_free_pieces(array.nbytes, math.prod(pieces.piece_grid(array.shape))):
             self.jobs[name] = self.pool.submit(pieces.array_digest, array)
         else:
             self.jobs[name] = pieces.array_digest(array)
 
-    def results(self, entries: list[dict]) -> dict[str, str]:
-        out = {}
-        for entry in entries:
-            job = self.jobs.get(entry["name"])
-            if job is None:
-                out[entry["name"]] = hashlib.sha256(bytes.fromhex(entry["sha256"])).hexdigest()
-            else:
-                out[entry["name"]] = job if isinstance(job, str) else job.result()
-        return out
+    def one_piece(self, name: str, sha256: bytes) -> None:
+        self.jobs[name] = hashlib.sha256(sha256).hexdigest()
+
+    def results(self) -> dict[str, str]:
+        return {
+            name: job if isinstance(job, str) else job.result() for name, job in self.jobs.items()
+        }
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def write(
-    path: Path, items: Iterable[tuple[str, np.ndarray]], *, digests: bool = False
-) -> tuple[list[dict], dict[str, str]]:
+    path: Path,
+    items: Iterable[tuple[str, np.ndarray]],
+    *,
+    check: str,
+    known: Mapping[str, str] | None = None,
+) -> list[dict]:
     """Write ``items`` (``(name, host array)`` in name order, each taken only when its turn
     comes: a caller may still be copying the later ones to the host) as one data file at
-    ``path`` and fsync it. Returns the manifest entries and, with ``digests``, each array's
-    version-3 digest (:func:`pieces.array_digest`), hashed meanwhile (:class:`_Digests`).
-    An error names the file.
+    ``path`` and fsync it. Returns the manifest entries, each with its ``check`` field:
+    :data:`SHA256`, the sha256 of its bytes; :data:`DIGEST`, its version-3 digest, taken
+    from ``known`` (``{name: digest}``, when the caller hashed these very arrays: nothing is
+    hashed here) or hashed meanwhile (:class:`_Digests`). An error names the file.
 
     The bytes go out in gathered writes of about :data:`_CHUNK` (many small arrays in one
-    system call, a large one in several) from the arrays' own memory, each chunk hashed for
-    its array's sha256 just before it is written (still in cache)."""
+    system call, a large one in several) from the arrays' own memory, each chunk hashed (for
+    a sha256) just before it is written (still in cache)."""
     entries, position, batch, batched = [], 0, [], 0
-    pending = _Digests() if digests else None
+    pending = _Digests() if check == DIGEST and known is None else None
     with atomic.naming(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -118,36 +127,44 @@ def write(
                 if padding:
                     batch.append(_ZEROS[:padding])
                     position += padding
-                if pending is not None:
+                sha256 = None
+                if check == SHA256 or (pending is not None and _single_piece(array)):
+                    sha256 = hashlib.sha256()
+                elif pending is not None:
                     pending.start(name, array)
-                digest = hashlib.sha256()
                 for start in range(0, data.size, _CHUNK):
                     chunk = data[start : start + _CHUNK]
-                    digest.update(chunk)
+                    if sha256 is not None:
+                        sha256.update(chunk)
                     batch.append(chunk)
                     batched += chunk.size
                     if batched >= _CHUNK:
                         _write_all(fd, batch)
                         batch, batched = [], 0
-                entries.append(
-                    {
-                        "name": name,
-                        "dtype": array.dtype.str,
-                        "shape": list(array.shape),
-                        "offset": position,
-                        "nbytes": data.size,
-                        "sha256": digest.hexdigest(),
-                    }
-                )
+                entry = {
+                    "name": name,
+                    "dtype": array.dtype.str,
+                    "shape": list(array.shape),
+                    "offset": position,
+                    "nbytes": data.size,
+                }
+                if check == SHA256:
+                    entry[SHA256] = sha256.hexdigest()
+                elif pending is not None and sha256 is not None:
+                    pending.one_piece(name, sha256.digest())
+                entries.append(entry)
                 position += data.size
             _write_all(fd, batch)
             os.fsync(fd)
-            out = pending.results(entries) if pending is not None else {}
+            if check == DIGEST:
+                digests = known if pending is None else pending.results()
+                for entry in entries:
+                    entry[DIGEST] = digests[entry["name"]]
         finally:
             if pending is not None:
                 pending.close()
             os.close(fd)
-    return entries, out
+    return entries
 
 
 def description(entries: list[dict]) -> dict:
@@ -156,10 +173,10 @@ def description(entries: list[dict]) -> dict:
     return {"file": DATA_FILE, "size": size, "alignment": ALIGNMENT}
 
 
-def layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, int]]:
+def layout(manifest_path: Path, manifest: dict, check: str) -> list[tuple[dict, np.dtype, int]]:
     """``(entry, dtype, nbytes)`` of each array, after checking that the entries tile the data
     file as the format says (aligned, in order, not overlapping, sizes agreeing with the
-    shapes, the last one ending at the file's size)."""
+    shapes, the last one ending at the file's size) and each holds its ``check`` field."""
     data = manifest.get("data")
     if not isinstance(data, dict) or data.get("file") != DATA_FILE:
         raise CheckpointError(f"{manifest_path}: field data.file must be {DATA_FILE!r}")
@@ -169,14 +186,14 @@ def layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, in
     for index, entry in enumerate(manifest.get("arrays", [])):
         where = f"{manifest_path}: arrays[{index}]"
         try:
-            if not isinstance(entry["name"], str) or not isinstance(entry["sha256"], str):
-                raise TypeError("name and sha256 must be strings")
+            if not isinstance(entry["name"], str) or not isinstance(entry[check], str):
+                raise TypeError(f"name and {check} must be strings")
             dtype = np.dtype(entry["dtype"])
             shape, offset, nbytes = entry["shape"], entry["offset"], entry["nbytes"]
             count = math.prod(int(n) for n in shape)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(
-                f"{where}: needs name, dtype (a numpy dtype), shape, offset, nbytes, sha256 "
+                f"{where}: needs name, dtype (a numpy dtype), shape, offset, nbytes, {check} "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         if dtype.hasobject:
@@ -204,25 +221,28 @@ def layout(manifest_path: Path, manifest: dict) -> list[tuple[dict, np.dtype, in
     return out
 
 
-def blocks(manifest_path: Path, manifest: dict) -> dict:
+def blocks(manifest_path: Path, manifest: dict, check: str) -> dict:
     """The data file as stored blocks, one per array (the whole array), for a restore that
-    reads regions of them (``checkpoint_parts.read_arrays``)."""
+    reads regions of them (``checkpoint_parts.read_arrays``); a block's sha256 only where
+    the entries record it (format 3: an array read whole is otherwise checked by its
+    digest, and one read in regions by the state hash once placed)."""
     out = {}
-    for entry, dtype, nbytes in layout(manifest_path, manifest):
+    for entry, dtype, nbytes in layout(manifest_path, manifest, check):
         shape = tuple(entry["shape"])
         block = regions.Stored(
-            regions.whole(shape), DATA_FILE, entry["offset"], nbytes, entry["sha256"]
+            regions.whole(shape), DATA_FILE, entry["offset"], nbytes, entry.get(SHA256)
         )
         out[entry["name"]] = (dtype, shape, [block])
     return out
 
 
-def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarray]:
-    """Every array of a format-3 checkpoint directory ``path``, from a read-only mapping of its
-    data file: each copied out and its sha256 checked against the manifest's (the copy is
-    what is hashed, so the bytes verified are the bytes used); the bytes between arrays must
-    be zero and the file exactly the recorded size."""
-    entries = layout(manifest_path, manifest)
+def read(path: Path, manifest_path: Path, manifest: dict, check: str) -> dict[str, np.ndarray]:
+    """Every array of a one-file checkpoint directory ``path``, from a read-only mapping of its
+    data file, each copied out and checked against its entry's ``check`` field (the copy is
+    what is hashed, so the bytes verified are the bytes used): a sha256 as each is copied, a
+    version-3 digest once all are (arrays of large pieces on threads); the bytes between
+    arrays must be zero and the file exactly the recorded size."""
+    entries = layout(manifest_path, manifest, check)
     file = path / DATA_FILE
     arrays: dict[str, np.ndarray] = {}
     try:
@@ -245,11 +265,8 @@ def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarra
                         )
                     array = np.empty(entry["shape"], dtype)
                     byte_view(array)[:] = np.frombuffer(mapped, np.uint8, nbytes, entry["offset"])
-                    if array_sha256(array) != entry["sha256"]:
-                        raise CheckpointError(
-                            f"{file}: sha256 mismatch for state array {entry['name']!r} (bytes "
-                            f"{entry['offset']}-{entry['offset'] + nbytes})"
-                        )
+                    if check == SHA256 and array_sha256(array) != entry[SHA256]:
+                        raise CheckpointError(_mismatch(file, SHA256, entry))
                     arrays[entry["name"]] = array
                     end = entry["offset"] + nbytes
             finally:
@@ -257,4 +274,17 @@ def read(path: Path, manifest_path: Path, manifest: dict) -> dict[str, np.ndarra
                     mapped.close()
     except OSError as exc:
         raise CheckpointError(f"{file}: unreadable ({exc})") from exc
+    if check == DIGEST:
+        digests = pieces.host_digests(arrays)
+        for entry, _dtype, _nbytes in entries:
+            if digests[entry["name"]] != entry[DIGEST]:
+                raise CheckpointError(_mismatch(file, DIGEST, entry))
     return arrays
+
+
+def _mismatch(file: Path, check: str, entry: dict) -> str:
+    end = entry["offset"] + entry["nbytes"]
+    return (
+        f"{file}: {check} mismatch for state array {entry['name']!r} (bytes "
+        f"{entry['offset']}-{end})"
+    )

@@ -73,8 +73,10 @@ def write_part(tmp: Path, rank: int, count: int, blocks: Sequence[tuple[str, tup
     """Write this process's ``blocks`` (:func:`blocks_of`) into its part file under ``tmp``
     and fsync it. Returns its description (for :func:`announce`)."""
     file = part_file(rank, count)
-    entries, _ = checkpoint_data.write(
-        tmp / file, [(str(i), data) for i, (_n, _r, data) in enumerate(blocks)]
+    entries = checkpoint_data.write(
+        tmp / file,
+        [(str(i), data) for i, (_n, _r, data) in enumerate(blocks)],
+        check=checkpoint_data.SHA256,
     )
     slices = [
         {
@@ -332,6 +334,7 @@ def read_arrays(
     arrays: dict[str, tuple[np.dtype, tuple, list]],
     sizes: dict[str, int],
     template: dict[str, Any],
+    expected: dict[str, str],
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Each array of ``arrays`` (``layout``'s) read from the files under ``path`` as its
     template leaf (``template[name]``) is laid out:
@@ -342,9 +345,10 @@ def read_arrays(
     - a host value (no sharding): read whole, kept on the host.
 
     Arrays are read and placed one after another, each host copy dropped once placed: a
-    restore holds about one array more than the process's share of the state. Returns the
-    arrays and the version-3 digests of those read whole (a sharded one's pieces are hashed
-    once the whole state is placed: ``checkpoint.verify_placed``)."""
+    restore holds about one array more than the process's share of the state. An array read
+    whole must have its manifest's version-3 digest (``expected[name]``, where recorded). Returns the arrays
+    and the version-3 digests of those read whole (a sharded one's pieces are hashed once
+    the whole state is placed: ``checkpoint.verify_placed``)."""
     import jax
 
     from .pieces import array_digest
@@ -361,6 +365,11 @@ def read_arrays(
                 if needed is None:
                     host, _ = regions.read(name, regions.whole(shape), dtype, stored, files)
                     digests[name] = array_digest(host)
+                    if name in expected and digests[name] != expected[name]:
+                        files = ", ".join(sorted({block.file for block in stored}))
+                        raise CheckpointError(
+                            f"{path}: digest mismatch for state array {name!r} (in {files})"
+                        )
                     out[name] = host if sharding is None else _placed(host, sharding)
                 else:
                     blocks = {
