@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_minimal as minimal  # noqa: E402
 
 from minifield.models import model as project_model  # noqa: E402
+from minifield.models.execution import Execution  # noqa: E402
 from minifield.models.layers import grouped  # noqa: E402
 from minifield.models.llama import LlamaConfig  # noqa: E402
 from minifield.training.optimizer import make_optimizer  # noqa: E402
@@ -59,10 +60,13 @@ HEADS, KV_HEADS, TOP_K, VOCAB, MAX_STEPS = 8, 2, 2, 512, 1000
 
 
 def config(args, experts: int, dtype: str) -> LlamaConfig:
+    """The model; ``args.backend`` (absent: any) is the recipe's ``runtime.backend``, which
+    picks minifield's grouped product (``execution.grouped_kernel``)."""
     return LlamaConfig(
         vocab_size=VOCAB, d_model=args.d_model, n_layers=args.layers, n_heads=HEADS,
         n_kv_heads=KV_HEADS, d_ff=args.ffn, max_len=args.seq, compute_dtype=dtype,
         n_experts=experts, experts_per_token=TOP_K,
+        execution=Execution(backend=getattr(args, "backend", "any")),
     )  # fmt: skip
 
 
@@ -106,7 +110,9 @@ def sorted_mlp(product):
 
 def ragged_product(compute):
     def product(xs, w, sizes):
-        return jax.lax.ragged_dot(xs, w.astype(compute), sizes, preferred_element_type=F32)
+        precision = jax.lax.Precision.HIGHEST if jnp.dtype(compute) == F32 else None
+        w = w.astype(compute)
+        return jax.lax.ragged_dot(xs, w, sizes, precision, preferred_element_type=F32)
 
     return product
 
@@ -200,7 +206,8 @@ def _runner(loop: dict, ours: bool, batch: dict):
     return run
 
 
-def measure(args, experts: int, names: tuple, batch: dict) -> None:
+def measure(args, experts: int, names: tuple, batch: dict) -> dict:
+    """Prints each loop's line; returns ``{name: median wall seconds per update}``."""
     load = os.getloadavg()[0]
     runs = loops(args, experts, names, batch)
     times = {(n, c): [] for n in names for c in ("wall", "cpu")}
@@ -227,6 +234,7 @@ def measure(args, experts: int, names: tuple, batch: dict) -> None:
             f"{runs[name]['fp32']:.7f}",
             flush=True,
         )
+    return {name: med[name, "wall"] for name in names}
 
 
 def main() -> None:

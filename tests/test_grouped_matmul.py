@@ -1,6 +1,9 @@
-"""The experts' grouped matrix product (``models/layers/grouped.py``) against a float64 NumPy
-loop over the groups (each group's rows times its own matrix), values and gradients: empty
-groups, groups longer than a tile and with a tail, rows past the groups, BF16 rounding."""
+"""The experts' grouped matrix product against a float64 NumPy loop over the groups (each
+group's rows times its own matrix), values and gradients: empty groups, groups longer than a
+tile and with a tail, rows past the groups, BF16 rounding. Both products: the tiles of
+``models/layers/grouped.py`` (CPU, GPU) and ``jax.lax.ragged_dot`` of
+``models/layers/tpu_grouped.py`` (a TPU recipe), which runs on CPU too; and the one that
+``grouped.matmul`` picks for each backend."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from minifield.models.layers import grouped
+from minifield.models.execution import Execution
+from minifield.models.layers import grouped, tpu_grouped
 
 K, N = 8, 12
 #: an empty group first and in the middle, one of exactly a tile, one of a tile and a tail of
@@ -44,12 +48,15 @@ def arrays(seed=0):
     return x, w, dy
 
 
-def ours(dtype, x, w, dy):
-    cfg = SimpleNamespace(compute_dtype=dtype)
-    sizes = jnp.asarray(SIZES, jnp.int32)
+#: the products under test, by ``execution.grouped_kernel``'s names
+PRODUCTS = {"tiles": grouped.tiled, "ragged_dot": tpu_grouped.matmul}
+
+
+def ours(dtype, x, w, dy, product="tiles", sizes=SIZES):
+    sizes = jnp.asarray(sizes, jnp.int32)
 
     def loss(x, w):
-        y = grouped.matmul(cfg, x, w, sizes)
+        y = PRODUCTS[product](dtype, x, w, sizes)
         return jnp.sum(y * dy), y
 
     (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
@@ -60,21 +67,24 @@ def bf16(a):
     return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def test_fp32_values_and_gradients_equal_the_group_loop():
+@pytest.mark.parametrize("product", PRODUCTS)
+def test_fp32_values_and_gradients_equal_the_group_loop(product):
     x, w, dy = arrays()
-    y, dx, dw = ours("float32", jnp.asarray(x), jnp.asarray(w), dy)
+    y, dx, dw = ours("float32", jnp.asarray(x), jnp.asarray(w), dy, product)
     for got, expected in zip((y, dx, dw), reference(x, w, dy, SIZES), strict=True):
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
     assert not np.asarray(y)[sum(SIZES) :].any()  # rows of no group are 0
     assert not np.asarray(dw)[0].any() and not np.asarray(dw)[3].any()  # empty groups
 
 
+@pytest.mark.parametrize("product", PRODUCTS)
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype):
+def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype, product):
     """BF16 x BF16 products with FP32 sums, forward and backward (the output gradient rounded
     to BF16 too); the matrices' gradient in their own dtype (FP32 masters: unrounded)."""
     x, w, dy = arrays(1)
-    y, dx, dw = ours("bfloat16", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, w_dtype), dy)
+    x16, w_in = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, w_dtype)
+    y, dx, dw = ours("bfloat16", x16, w_in, dy, product)
     expected = reference(bf16(x), bf16(w), bf16(dy), SIZES)
     assert (y.dtype, dx.dtype, dw.dtype) == (jnp.float32, jnp.bfloat16, w_dtype)
     np.testing.assert_allclose(np.asarray(y), expected[0], rtol=1e-5, atol=1e-4)
@@ -85,3 +95,40 @@ def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype):
         np.testing.assert_allclose(
             np.asarray(dw, np.float32), bf16(expected[2]), rtol=1e-2, atol=5e-2
         )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ragged_dot_equals_the_tiles(dtype):
+    """The TPU's product and the CPU's agree on every value and gradient, FP32 and BF16, on
+    uneven groups (a tile and one row, empty ones, one of many tiles); both sum the same
+    BF16-rounded products in FP32, so within FP32 summation order."""
+    sizes = [1, 0, 3 * grouped.TILE + 7, 0, grouped.TILE + 1, 2]
+    rng = np.random.default_rng(2)
+    M = sum(sizes) + EXTRA
+    x, dy = rng.standard_normal((M, K)), rng.standard_normal((M, N))
+    w = rng.standard_normal((len(sizes), K, N))
+    x, w = jnp.asarray(x, dtype), jnp.asarray(w, jnp.float32)
+    tiles = ours(dtype, x, w, dy.astype(np.float32), "tiles", sizes)
+    ragged = ours(dtype, x, w, dy.astype(np.float32), "ragged_dot", sizes)
+    for a, b in zip(tiles, ragged, strict=True):
+        assert a.dtype == b.dtype
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 if dtype == "float32" else 2e-2)
+    expected = reference(x.astype(jnp.float32), w, dy, sizes)
+    if dtype == "float32":  # and both the float64 loop's, gradients included
+        for got, want in zip(ragged, expected, strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("backend", "product"), [("tpu", "ragged_dot"), ("cpu", "tiles")])
+def test_the_recipe_backend_picks_the_product(backend, product, monkeypatch):
+    """``grouped.matmul`` runs ``ragged_dot`` for a TPU recipe, the tiles for any other."""
+    called = []
+    for name in PRODUCTS:
+        real = PRODUCTS[name]
+        owner, attr = (tpu_grouped, "matmul") if name == "ragged_dot" else (grouped, "tiled")
+        monkeypatch.setattr(owner, attr, lambda *a, n=name, f=real: called.append(n) or f(*a))
+    cfg = SimpleNamespace(compute_dtype="float32", execution=Execution(backend=backend))
+    x, w, _ = arrays()
+    grouped.matmul(cfg, jnp.asarray(x), jnp.asarray(w), jnp.asarray(SIZES))
+    assert called == [product]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from minifield.models import moe
+from minifield.models.execution import Execution
 from minifield.models.layers import grouped
 from minifield.models.layers.primitives import einsum
 
@@ -21,12 +22,13 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def dots(fn, *args) -> list:
-    """Every ``dot_general`` equation of ``fn``'s forward and backward, nested ones included."""
+    """Every ``dot_general`` (and ``ragged_dot_general``) equation of ``fn``'s forward and
+    backward, nested ones included."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
+            if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
                 found.append(eqn)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (list, tuple)) else [value]:
@@ -68,13 +70,18 @@ def test_the_model_product_says_its_precision(compute_dtype):
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-def test_the_experts_grouped_product_says_its_precision(compute_dtype):
-    cfg = SimpleNamespace(compute_dtype=compute_dtype)
+@pytest.mark.parametrize(("backend", "count"), [("cpu", 6), ("tpu", 3)])
+def test_the_experts_grouped_product_says_its_precision(compute_dtype, backend, count):
+    """The tiles (CPU): forward and both gradients, in the loop over tiles and over tails;
+    ``ragged_dot`` (a TPU recipe): forward and both gradients."""
+    cfg = SimpleNamespace(compute_dtype=compute_dtype, execution=Execution(backend=backend))
     sizes = jnp.asarray([grouped.TILE, 3], jnp.int32)
     x, w = operands((grouped.TILE + 3, 8), (2, 8, 5))
     found = dots(lambda x, w: grouped.matmul(cfg, x, w, sizes), x, w)
-    assert len(found) == 6  # forward, and both gradients: in the loop over tiles, and tails
+    assert len(found) == count
     for eqn in found:
+        if compute_dtype == "bfloat16":
+            assert {v.aval.dtype for v in eqn.invars[:2]} == {jnp.dtype(jnp.bfloat16)}
         assert eqn.params["preferred_element_type"] == jnp.float32
         assert asks_highest(eqn) == (compute_dtype == "float32"), eqn
 

@@ -20,6 +20,9 @@ fit without them. They are filled in when the recipe is checked, so they are wri
 validated recipe and enter its digest like any spelled-out value: the run is reproducible from
 its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its digest.
 
+The experts' grouped product follows the backend the same way (:func:`grouped_kernel`):
+``jax.lax.ragged_dot`` on a TPU, the tiled product elsewhere; no recipe field selects it.
+
 ``model.attention: pallas`` means the backend's fused kernel (:func:`fused_kernel`): splash
 attention on a TPU (a recipe with ``runtime.backend: tpu``), the GPU flash-attention kernel
 elsewhere. Each has its own rules for a row's length, windows and soft-capping, checked here
@@ -142,6 +145,14 @@ def fused_kernel(backend: str) -> str:
     ``runtime.backend``): ``splash`` (splash attention, a TPU kernel) on a TPU; ``mha`` (the
     GPU flash-attention kernel: native on a GPU, Pallas's interpreter on CPU) elsewhere."""
     return "splash" if backend == "tpu" else "mha"
+
+
+def grouped_kernel(backend: str) -> str:
+    """The experts' grouped product on ``backend`` (a recipe's ``runtime.backend``):
+    ``ragged_dot`` (``jax.lax.ragged_dot``, the chip's grouped matrix product) on a TPU;
+    ``tiles`` (:mod:`minifield.models.layers.grouped`'s loop over tiles) elsewhere, where the
+    pinned JAX lowers ``ragged_dot`` to every group's matrix times every row."""
+    return "ragged_dot" if backend == "tpu" else "tiles"
 
 
 def splash_blocks(seq_len: int, blocks: dict | None = None) -> dict:

@@ -1,8 +1,10 @@
 """Grouped matrix products: rows sorted by group, each group's rows times its own matrix (the
 experts of :mod:`minifield.models.moe`), what ``jax.lax.ragged_dot`` computes, done tile by tile.
 
-Why not ``ragged_dot`` itself: where the backend has no ragged-dot instruction (CPU, in the
-pinned JAX 0.10.2), JAX lowers it densely, every row times every group's matrix under a mask
+This is the product on CPU and GPU; a recipe naming the TPU takes ``ragged_dot`` itself
+(:mod:`.tpu_grouped`, chosen by ``execution.grouped_kernel``). Why not ``ragged_dot`` here:
+where the backend has no ragged-dot instruction (CPU, in the pinned JAX 0.10.2), JAX lowers
+it densely, every row times every group's matrix under a mask
 (a ``[G, M, K]`` operand, and the same in its transpose), so ``G`` groups cost ``G`` times the
 grouped work: with top-2 routing, twice the work of running every expert on every token
 (``benchmarks/moe_update.py``). Here each group's rows go through its own matrix in tiles of
@@ -27,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .. import execution
+from . import tpu_grouped
 from .primitives import F32, full_precision
 
 #: rows per tile (the matrix products' height), and per tile of a group's last rows
@@ -37,8 +41,18 @@ _DS, _DUS = jax.lax.dynamic_slice_in_dim, jax.lax.dynamic_update_slice_in_dim
 
 def matmul(cfg, x_MxK, w_GxKxN, sizes_G):
     """``[M, N]`` FP32: row ``m`` of group ``g`` (the rows sorted by group, ``sizes_G[g]`` of
-    them) times ``w_GxKxN[g]``, in ``cfg.compute_dtype``; rows past ``sum(sizes_G)`` are 0."""
-    return _matmul(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G.astype(jnp.int32))
+    them) times ``w_GxKxN[g]``, in ``cfg.compute_dtype``; rows past ``sum(sizes_G)`` are 0.
+    The recipe's backend picks the product (``execution.grouped_kernel``): the tiles here, or
+    ``jax.lax.ragged_dot`` on a TPU (:mod:`.tpu_grouped`)."""
+    sizes_G = sizes_G.astype(jnp.int32)
+    if execution.grouped_kernel(cfg.execution.backend) == "ragged_dot":
+        return tpu_grouped.matmul(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G)
+    return tiled(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G)
+
+
+def tiled(compute_dtype: str, x_MxK, w_GxKxN, sizes_G):
+    """:func:`matmul` tile by tile (``sizes_G`` int32), whatever the backend."""
+    return _matmul(compute_dtype, x_MxK, w_GxKxN, sizes_G)
 
 
 def _each(counts_G, fn, carry):

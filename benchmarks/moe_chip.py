@@ -1,0 +1,71 @@
+"""Experts on the chip: a Mixtral-shaped update, minifield's against a minimal JAX loop, and
+every expert run densely against minifield's grouped product, on one TPU chip (issue 49, item 4).
+
+Mixtral-8x7B's shape scaled to fit a 16 GB chip (v5e): width 1024 (Mixtral 4096), experts of
+width 3584 (14336: the same 3.5 times), 8 heads of 128 with 2 key/value heads, top 2 of
+``--experts`` 8, ``--layers`` 2, a 512-token vocabulary, one packed batch of ``--rows`` 2 x
+``--seq`` 2048, BF16 compute, no remat in either loop. minifield's model is told
+``runtime.backend: tpu``, so its experts go through ``jax.lax.ragged_dot``
+(``execution.grouped_kernel``), as a TPU recipe's. The loops, timing and checks are
+``moe_update.py``'s (a training update each: forward, backward, clipping, AdamW; compiled ahead;
+median of interleaved rounds; each loop's first loss and FP32 loss printed to show they compute
+the same function). Printed at the end, the issue's two ratios of median update times:
+
+- minifield ÷ the minimal ``ragged_dot`` loop at ``--experts`` 8 (issue: at most 1.1);
+- every expert on every token ÷ minifield at ``--dense-experts`` 16 (issue: at least 3).
+
+On the chip (the memory the sizes take is an estimate until run there):
+
+    python benchmarks/moe_chip.py
+
+``--tiny`` runs a small shape (on CPU: a smoke check of the script, whose times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _llama_minimal as minimal  # noqa: E402
+import moe_update  # noqa: E402
+
+#: (d_model, ffn, layers, rows, seq): Mixtral scaled to one 16 GB chip, and the smoke check's
+SHAPES = {"chip": (1024, 3584, 2, 2, 2048), "tiny": (64, 128, 1, 1, 64)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small shape: a smoke check")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--dense-experts", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    args = parser.parse_args()
+    d_model, ffn, layers, rows, seq = SHAPES["tiny" if args.tiny else "chip"]
+    args.d_model, args.ffn, args.backend = d_model, ffn, "tpu"
+    args.layers, args.rows, args.seq = args.layers or layers, args.rows or rows, args.seq or seq
+    print(
+        f"Mixtral-shaped: d{args.d_model}, {args.layers} layers, GQA {moe_update.HEADS}/"
+        f"{moe_update.KV_HEADS}, experts of width {args.ffn}, top {moe_update.TOP_K}, "
+        f"{args.rows} x {args.seq} tokens, {args.dtype}; minifield as runtime.backend tpu "
+        f"(ragged_dot); {jax.device_count()} {jax.devices()[0].device_kind} device(s); median "
+        f"of {args.rounds} interleaved rounds"
+    )
+    batch = minimal.packed_batch(args.rows, args.seq, moe_update.VOCAB)
+    sparse = moe_update.measure(args, args.experts, ("minifield", "minimal ragged_dot"), batch)
+    dense = moe_update.measure(args, args.dense_experts, ("minifield", "dense"), batch)
+    ours_minimal = sparse["minifield"] / sparse["minimal ragged_dot"]
+    dense_ours = dense["dense"] / dense["minifield"]
+    print(f"minifield / minimal ragged_dot at {args.experts} experts: {ours_minimal:.3f} (≤ 1.1)")
+    print(f"dense / minifield at {args.dense_experts} experts: {dense_ours:.2f} (≥ 3)")
+
+
+if __name__ == "__main__":
+    main()
