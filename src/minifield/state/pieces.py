@@ -147,7 +147,10 @@ def host_digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
 def _blocks(leaf: Any, cell: Sequence[int]) -> dict[tuple, set[int]]:
     """``{block: processes holding all of it}`` of an array: its shards merged into blocks of
     whole pieces of size ``cell`` (:func:`.regions.merged`)."""
-    return regions.merged(regions.distinct(leaf), tuple(leaf.shape), cell)
+    held = regions.distinct(leaf)
+    if len(held) == 1:  # the whole array (one device, replicated, a host value)
+        return held
+    return regions.merged(held, tuple(leaf.shape), cell)
 
 
 def dealt(leaves: Sequence[tuple[str, Any]], whole: Callable[[Any], np.ndarray], here: int):
