@@ -21,7 +21,7 @@ from checkpoint_by_hand import (
 )
 
 from minifield.proof import verdict as verdicts
-from minifield.state import arrays, checkpoint, pieces
+from minifield.state import arrays, checkpoint, pieces, regions
 
 PROOF = Path(__file__).parent / "data" / "proofs" / "linear-demo-both.json"
 SHAPES = [(), (1,), (7,), (8,), (0, 3), (24, 8), (3, 12), (2, 8, 4), (384, 5), (6, 4, 10, 2)]
@@ -263,7 +263,7 @@ def test_a_divisor_of_48_hashes_its_own_shards(devices):
     of one device hashes exactly its own shard (the blocks are the shards)."""
     value = np.random.default_rng(devices).standard_normal((96, 2), np.float32)
     laid = _Laid(value, [devices], [0], 1, here=0)
-    blocks = pieces.regions.merged(pieces.regions.distinct(laid), (96, 2), (2, 1))
+    blocks = regions.merged(regions.distinct(laid), (96, 2), (2, 1))
     assert blocks == {
         ((k * 96 // devices, (k + 1) * 96 // devices), (0, 2)): {k} for k in range(devices)
     }
