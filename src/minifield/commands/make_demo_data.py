@@ -103,7 +103,7 @@ def run_preference(directory: Path) -> int:
 
 
 def run_grpo(directory: Path) -> int:
-    """The grpo demo's prompts, derived from ``DIR/llama-sft-demo/*.jsonl``."""
+    """The grpo demos' prompts, derived from ``DIR/llama-sft-demo/*.jsonl``."""
     from ..inputs.pinned import InputError
     from ..strategies import grpo
 
@@ -158,8 +158,8 @@ def register(sub) -> None:
     parser.add_argument(
         "--grpo",
         action="store_true",
-        help="instead: derive the grpo demo's prompts DIR/grpo-demo/*.jsonl ({prompt, answer}: "
-        "the mirror task, its answer checked by the reward, never shown) from "
-        "DIR/llama-sft-demo/*.jsonl (docs/grpo.md)",
+        help="instead: derive the grpo demos' prompts DIR/grpo-demo/*.jsonl and "
+        "DIR/grpo-learn/*.jsonl ({prompt, answer}: the mirror task, its answer checked by the "
+        "reward, never shown) from DIR/llama-sft-demo/*.jsonl (docs/grpo-demo.md)",
     )
     parser.set_defaults(func=run)
