@@ -34,7 +34,7 @@ LAYOUT_ARRAY = "base_layout_json"
 _NPY = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 
-def _dtype_name(value: np.ndarray) -> str:
+def dtype_name(value: np.ndarray) -> str:
     return "bfloat16" if value.dtype.name == "bfloat16" else value.dtype.name
 
 
@@ -64,7 +64,7 @@ def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndar
     module): the bytes as stored, nothing converted."""
     arrays, layout = {}, {}
     for path, value in flatten(params):
-        name = _dtype_name(value)
+        name = dtype_name(value)
         arrays[PARAM_PREFIX + path.replace("/", ".")] = value.view(_NPY[name])
         layout[path] = {"dtype": name, "out_in": bool(stored_layout[path])}
     arrays[LAYOUT_ARRAY] = np.frombuffer(json.dumps(layout, sort_keys=True).encode(), np.uint8)
@@ -137,12 +137,27 @@ def host_fp32(arrays: dict[str, np.ndarray], by_slices: bool = False) -> dict:
     return _nest((path, value) for (path, _, _), value in zip(stored, values, strict=True))
 
 
-def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:
+def on_device(arrays: dict[str, np.ndarray], base_dtype: str, lora=None) -> FrozenBase:
     """The base of prepared arrays on the device as stored (one copy from the memory-mapped
-    files, no conversion), held in ``base_dtype`` by the step."""
+    files, no conversion), held in ``base_dtype`` by the step. ``lora``: its
+    :class:`~minifield.training.lora.LoraSettings`; with ``quantization``, the blocks'
+    matrices are quantized as they are put on the device (:mod:`minifield.models.quantize`)."""
     import jax
 
-    return on_host(arrays, base_dtype, put=jax.device_put)
+    if lora is None or lora.quantization is None:
+        return on_host(arrays, base_dtype, put=jax.device_put)
+    from ..models import quantize
+
+    items, out_in = [], set()
+    for path, value, transposed in _stored(arrays):
+        if quantize.is_quantized(path, value.ndim):
+            settings = (lora.quantization, lora.block, lora.double)
+            items.append((path, quantize.quantize_stored(value, transposed, *settings)))
+            continue
+        items.append((path, jax.device_put(value)))
+        if transposed:
+            out_in.add(path)
+    return FrozenBase(_nest(items), frozenset(out_in), base_dtype)
 
 
 def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: value) -> FrozenBase:
@@ -190,7 +205,11 @@ class FrozenBase:
 
         dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
 
+        from ..models.quantize import QuantizedWeight
+
         def made(path, value):
+            if isinstance(value, QuantizedWeight):  # made back inside each layer's products
+                return value.held_in(self.dtype)
             if path in self.out_in:  # in the stored dtype: the fewest bytes to move
                 value = jax.lax.optimization_barrier(value.T)
             return value.astype(dtype)

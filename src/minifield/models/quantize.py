@@ -22,6 +22,8 @@ layer parameter; :func:`dequantize` makes the matrix back inside each layer's pr
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -54,11 +56,12 @@ def check_block(shape: tuple, scheme: str, block: int | None) -> str | None:
     if len(shape) != 2:
         return f"a quantized matrix is 2-D, not {len(shape)}-D"
     n_in = shape[0]
-    size = n_in if block is None else block
-    if n_in % size:
-        return f"block size {size} does not divide the input dimension {n_in}"
-    if scheme == "nf4" and size % 2:
-        return f"NF4 packs two codes per byte: block size {size} must be even"
+    if block is None:
+        block = NF4_BLOCK if scheme == "nf4" else n_in
+    if n_in % block:
+        return f"block size {block} does not divide the input dimension {n_in}"
+    if scheme == "nf4" and block % 2:
+        return f"NF4 packs two codes per byte: block size {block} must be even"
     return None
 
 
@@ -68,14 +71,18 @@ class QuantizedWeight:
     (FP32 ``[in / block, out]`` absmax; doubly quantized: int8 codes, ``scale_scales`` the
     per-group FP32 absmax and ``offset`` the mean)."""
 
-    def __init__(self, codes, scales, scale_scales, offset, scheme, block, shape):
+    def __init__(self, codes, scales, scale_scales, offset, scheme, block, shape, dtype="float32"):
         self.codes, self.scales = codes, scales
         self.scale_scales, self.offset = scale_scales, offset
         self.scheme, self.block, self.shape = scheme, block, shape
+        self.dtype = dtype  # what the model sees: the frozen base's ``base_dtype``
 
     def tree_flatten(self):
         children = (self.codes, self.scales, self.scale_scales, self.offset)
-        return children, (self.scheme, self.block, self.shape)
+        return children, (self.scheme, self.block, self.shape, self.dtype)
+
+    def held_in(self, dtype: str) -> QuantizedWeight:
+        return QuantizedWeight(*self.tree_flatten()[0], *self.tree_flatten()[1][:3], dtype)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -115,8 +122,7 @@ def quantize(w_KxN, scheme: str, block: int | None = None, double: bool = False)
     block per output channel (int8) or 64 (NF4)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization {scheme!r} (expected one of {SCHEMES})")
-    if scheme == "nf4" and block is None:
-        block = NF4_BLOCK
+    block = NF4_BLOCK if scheme == "nf4" and block is None else block
     problem = check_block(tuple(w_KxN.shape), scheme, block)
     if problem:
         raise ValueError(problem)
@@ -141,8 +147,9 @@ def quantize(w_KxN, scheme: str, block: int | None = None, double: bool = False)
     return QuantizedWeight(codes, scales, scale_scales, offset, scheme, block, (K, N))
 
 
-def dequantize(w: QuantizedWeight, dtype=jnp.float32):
-    """The ``[in, out]`` matrix of ``w`` (FP32 products, then ``dtype``)."""
+def dequantize(w: QuantizedWeight, dtype=None):
+    """The ``[in, out]`` matrix of ``w`` (FP32 products, then ``dtype``; None: ``w.dtype``)."""
+    dtype = jnp.dtype(w.dtype if dtype is None else dtype)
     K, N = w.shape
     size = K if w.block is None else w.block
     scales_NxB = _scales_back(w).T
@@ -154,3 +161,54 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32):
         values_NxK = jnp.asarray(NF4, jnp.float32)[index]
     values = values_NxK.reshape(N, K // size, size) * scales_NxB[..., None]
     return values.reshape(N, K).T.astype(dtype)
+
+
+def is_quantized(path: str, ndim: int) -> bool:
+    """Whether a base parameter is held quantized: every matrix of the blocks (QLoRA's
+    linear layers); embeddings, the head, norms and biases stay as the base holds them."""
+    return path.startswith("blocks/") and ndim == 2
+
+
+def quantize_stored(value, out_in: bool, scheme: str, block: int | None, double: bool):
+    """A stored base matrix (HF's ``[out, in]`` when ``out_in``) put on the device and
+    quantized there, one matrix at a time: the full-precision copy lives only while its own
+    codes are made."""
+    return _quantize_stored(jax.device_put(value), out_in, scheme, block, double)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_stored(value, out_in, scheme, block, double):
+    return quantize(value.T if out_in else value, scheme, block, double)
+
+
+def base_problem(section: dict, cfg, config: dict, params, stored_layout) -> str | None:
+    """What ``model.lora.base_quantization`` cannot quantize in a base (its config, its
+    stored tensors): experts, a base already quantized or stored in another dtype, a block
+    that does not divide a matrix's inputs. None: nothing."""
+    from ..hf import stored_base
+
+    scheme = section.get("base_quantization", "none")
+    if scheme == "none":
+        return None
+    field = f"model.lora.base_quantization {scheme}"
+    if cfg.n_experts:
+        return f"a mixture of experts: {field} is not supported on experts (use a dense base)"
+    if "quantization_config" in config:
+        return (
+            f"the base is already quantized (quantization_config); {field} needs the "
+            "unquantized float32, bfloat16 or float16 checkpoint"
+        )
+    for path, value in stored_base.flatten(params):
+        if not is_quantized(path, value.ndim):
+            continue
+        dtype = stored_base.dtype_name(value)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            return f"tensor {path} is stored as {dtype}; {field} needs a float32, bfloat16 or float16 base"
+        shape = value.shape[::-1] if stored_layout[path] else value.shape
+        problem = check_block(tuple(shape), scheme, section.get("quantization_block"))
+        if problem:
+            return (
+                f"tensor {path} {list(shape)}: {problem}; model.lora.quantization_block must "
+                "divide every quantized matrix's input dimension"
+            )
+    return None

@@ -54,6 +54,11 @@ class LoraSettings:
     alpha: float
     targets: tuple[str, ...]
     base_dtype: str = "float32"
+    #: ``model.lora.base_quantization`` (None: the base held unquantized), its block size
+    #: (None: per output channel for int8, 64 for NF4) and double quantization of the scales
+    quantization: str | None = None
+    block: int | None = None
+    double: bool = False
 
     @property
     def scale(self) -> float:
@@ -64,20 +69,34 @@ class LoraSettings:
         section = model.get("lora")
         if section is None:
             return None
+        scheme = section.get("base_quantization", "none")
         return cls(
             section["rank"],
             float(section["alpha"]),
             tuple(section["targets"]),
             section["base_dtype"],
+            None if scheme == "none" else scheme,
+            section.get("quantization_block"),
+            section.get("double_quantization", False),
         )
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "rank": self.rank,
             "alpha": self.alpha,
             "targets": list(self.targets),
             "base_dtype": self.base_dtype,
         }
+        return {**out, **quantization_dict(self)} if self.quantization else out
+
+
+def quantization_dict(settings: LoraSettings) -> dict:
+    """The quantization settings as the frozen base's identity and the export record them."""
+    return {
+        "base_quantization": settings.quantization,
+        "quantization_block": settings.block,
+        "double_quantization": settings.double,
+    }
 
 
 def normalize_section(recipe: dict, data_parallel: bool = False) -> list[dict]:
@@ -108,6 +127,28 @@ def normalize_section(recipe: dict, data_parallel: bool = False) -> list[dict]:
         )
     section["targets"] = [t for t in TARGETS if t in section["targets"]]
     section["alpha"] = float(section["alpha"])
+    return errors + _quantization_errors(recipe, section)
+
+
+def _quantization_errors(recipe: dict, section: dict) -> list[dict]:
+    """``base_quantization``'s companions need it; a quantized base runs on one device."""
+    scheme = section.get("base_quantization", "none")
+    errors = []
+    if scheme == "none":
+        for key in ("quantization_block", "double_quantization"):
+            if key in section:
+                message = f"{key} applies to a quantized base: set model.lora.base_quantization"
+                errors.append({"path": f"/model/lora/{key}", "message": message})
+        section.pop("base_quantization", None)  # none spelled out is absent: the same digest
+        return errors
+    if not section.get("double_quantization", True):
+        section.pop("double_quantization")
+    if section.get("quantization_block", 2) % 2 and scheme == "nf4":
+        message = "NF4 packs two codes per byte: the block size must be even"
+        errors.append({"path": "/model/lora/quantization_block", "message": message})
+    if recipe["training"]["data_parallel"]["devices"] != 1:
+        message = "a quantized base runs on one device (training.data_parallel.devices must be 1)"
+        errors.append({"path": "/model/lora/base_quantization", "message": message})
     return errors
 
 
@@ -115,12 +156,14 @@ def base_identity(recipe: dict, input_names: list[str]) -> np.ndarray:
     """``frozen_base``: sha256 of the base model's pinned inputs (name -> sha256) and the
     dtype it is held in, as 32 bytes."""
     pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
-    digest = sha256_json(
-        {
-            "base_inputs": {name: pinned[name] for name in sorted(input_names)},
-            "base_dtype": recipe["model"]["lora"]["base_dtype"],
-        }
-    )
+    identity = {
+        "base_inputs": {name: pinned[name] for name in sorted(input_names)},
+        "base_dtype": recipe["model"]["lora"]["base_dtype"],
+    }
+    settings = LoraSettings.from_recipe(recipe["model"])
+    if settings.quantization:  # the quantized base follows from the pinned one and these
+        identity["quantization"] = quantization_dict(settings)
+    digest = sha256_json(identity)
     return np.frombuffer(bytes.fromhex(digest), dtype=np.uint8).copy()
 
 

@@ -22,6 +22,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ..quantize import QuantizedWeight, dequantize
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
@@ -105,7 +107,12 @@ class LoraWeight:
 
 def linear(cfg, x_BxTxK, w):
     """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
-    adapter's inner product is rounded to the compute dtype, like any activation)."""
+    adapter's inner product is rounded to the compute dtype, like any activation). A quantized
+    frozen matrix (:mod:`minifield.models.quantize`) is made back here, inside the layer."""
+    if isinstance(w, LoraWeight) and isinstance(w.base, QuantizedWeight):
+        w = LoraWeight(dequantize(w.base), w.a, w.b, w.scale)
+    elif isinstance(w, QuantizedWeight):
+        w = dequantize(w)
     if isinstance(w, LoraWeight):
         y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
         down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)

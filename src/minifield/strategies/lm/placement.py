@@ -20,10 +20,16 @@ class PlacedState:
         evaluation runs on the merged weights."""
         import jax
 
-        self._base = frozen_base(self.arrays, self.recipe["training"], self.lora.base_dtype)
+        self._base = frozen_base(self.arrays, self.recipe["training"], self.lora)
         inputs = model_section.base_model_inputs(self.recipe["model"])
         self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
-        self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
+        merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
+        self._merge = merge
+        if self.lora.quantization is not None:  # into the unquantized base, as QLoRA merges
+            from ...hf import stored_base
+
+            unquantized = stored_base.on_host(self.arrays, self.lora.base_dtype)
+            self._merge = lambda _quantized, adapters: merge(unquantized, adapters)
 
     # -- the state: created, placed ------------------------------------------------------------
     @property
@@ -108,7 +114,7 @@ def base_by_slices(training: dict) -> bool:
     return dp.devices > 1 and dp.shard_params
 
 
-def frozen_base(arrays: dict, training: dict, base_dtype: str):
+def frozen_base(arrays: dict, training: dict, lora):
     """LoRA's frozen base as stored: on the device, or, for a data-parallel run, the host's
     arrays, which ``lay_out_mesh`` places on the mesh slice by slice (never whole on one
     device first)."""
@@ -116,8 +122,8 @@ def frozen_base(arrays: dict, training: dict, base_dtype: str):
     from ...training.data_parallel import DataParallel
 
     if DataParallel.from_training(training).devices == 1:
-        return stored_base.on_device(arrays, base_dtype)
-    return stored_base.on_host(arrays, base_dtype)
+        return stored_base.on_device(arrays, lora.base_dtype, lora)
+    return stored_base.on_host(arrays, lora.base_dtype)
 
 
 def base_on_mesh(dp, mesh, base) -> tuple:
