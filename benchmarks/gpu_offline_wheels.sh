@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine that reaches a package index: the wheels an offline GPU host needs besides its
-# own Python 3.12 stack (docs/gpu-check.md#an-offline-gpu-host). The host brings JAX, optax,
+# own Python 3.12 stack (docs/device-check.md#an-offline-gpu-host). The host brings JAX, optax,
 # numpy, pyyaml, jinja2, safetensors, tokenizers, ... but not jsonschema (recipe validation):
 # this downloads jsonschema and its dependencies at uv.lock's versions, checked against
 # uv.lock's sha256 hashes, as CPython 3.12 manylinux x86_64 wheels, into DIR (default

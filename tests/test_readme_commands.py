@@ -51,7 +51,7 @@ RUN_BY = {
     r"uv run --locked snakemake --cores 2 +#": [
         "tests/test_readme_commands.py::test_the_first_command_makes_every_result_the_readme_lists"
     ],
-    # a GPU workstation: the run itself needs a GPU (CI has none; docs/gpu-check.md is the
+    # a GPU workstation: the run itself needs a GPU (CI has none; docs/device-check.md is the
     # prepared device check); here, the GPU request of the workflow and the worker's GPU flags
     r"uv sync --locked --extra cuda && uv run --locked snakemake": [
         "tests/test_slurm_profile.py::test_slurm_profile_dry_run_requests_gpu_for_train_only",

@@ -59,7 +59,7 @@ OPTIONAL_BIT_DEFINING = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 #: ``xla_gpu_exclude_nondeterministic_ops``. Their cost on a training step is not measured here.
 GPU_DETERMINISM_FLAGS = ("--xla_gpu_deterministic_ops=true",)
 #: JAX's CUDA plugins: the ``cuda`` extra installs the CUDA 12 one; a GPU host that brings its
-#: own JAX may have the CUDA 13 one (docs/gpu-check.md, offline hosts)
+#: own JAX may have the CUDA 13 one (docs/device-check.md, offline hosts)
 CUDA_PLUGINS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 
 

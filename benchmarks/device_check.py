@@ -1,4 +1,5 @@
-"""One prepared device check: what to run when a GPU is available, written to one JSON file.
+"""One prepared device check: what to run when an accelerator (a GPU or a TPU) is available,
+written to one JSON file.
 
 Sections, in order, each in its own process with its own time limit inside one overall budget
 (7.5 minutes by default, compilation included), so a failure, a crash or a timeout in one is
@@ -7,12 +8,14 @@ recorded with its error and the others still run; the JSON is rewritten after ev
 
 - ``device``: backend, devices, versions and XLA flags (the GPU determinism flags the worker
   adds), the project's device check (``device_check.check``) against a recipe that requires
-  this backend, and the measured BF16 matrix-multiply peak;
+  this backend, the measured BF16 matrix-multiply peak and memory bandwidth, and the part's
+  nominal peaks where :data:`NOMINAL_PEAKS` knows it (H100, H200, TPU v5e);
 - ``step_125m``, ``step_350m``: our packed-SFT step (``LlamaConfig`` + ``make_optimizer`` +
   ``make_train_step``, as the worker compiles it) against a minimal JAX+optax loop of the same
   model (``_llama_minimal.py``), Llama-style at about 125M and 350M parameters, BF16, sequence
   2048, fused (Pallas) attention in both; compile time, step time, tokens/s, model FLOP/s and
-  MFU against the dense BF16 peak (989 TFLOP/s on H100/H200; elsewhere the measured peak);
+  MFU against the nominal dense BF16 peak (:data:`NOMINAL_PEAKS`; elsewhere the measured
+  peak) and against the measured peak;
 - ``recovery``: the recovery proof (``prove``: real workers under the supervisor) of a
   small Llama recipe on this device with the same execution options: a reference run, a run
   that crashes after update k, a resume from its last checkpoint; complete-state hashes
@@ -23,19 +26,22 @@ recorded with its error and the others still run; the JSON is rewritten after ev
 - ``determinism_cost`` (GPU only): our 125M step without the GPU determinism flags, to price
   them against ``step_125m``.
 
-A ``summary`` lists the issue's goals with the measured value and whether each is met.
+A ``summary`` lists the goals with the measured value and whether each is met: the GPU
+issue's, and on a TPU the chip's (issue 49: MFU against the measured BF16 peak, as that issue
+measures it).
 
 On a GPU host (the ``cuda`` extra installs ``jax[cuda12]``)::
 
     benchmarks/gpu_check.sh [OUT.json]
-    uv run --locked --extra cuda python benchmarks/gpu_check.py --out gpu_check.json
+    uv run --locked --extra cuda python benchmarks/device_check.py --out device_check.json
 
-On a TPU host, ``--backend tpu``: XLA attention (the fused kernel is GPU-only) and the memory
-options a recipe naming the TPU gets (remat of every block, the loss over 1024-token chunks);
-each step section records the device's peak bytes in use. See docs/tpu.md.
+On a TPU host, ``--backend tpu``: XLA attention (the minimal loop's fused kernel is the GPU
+one) and the memory options a recipe naming the TPU gets (remat of every block, the loss over
+1024-token chunks); each step section records the device's peak bytes in use. See
+docs/tpu.md.
 
 On CPU, ``--tiny`` runs every section end to end with tiny models in well under a minute
-(the test suite does, so the check cannot rot). See docs/gpu-check.md.
+(the test suite does, so the check cannot rot). See docs/device-check.md.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-FORMAT = "minifield-gpu-check/1"
+#: the JSON's format (``minifield-gpu-check/1`` before the check was named for any device)
+FORMAT = "minifield-device-check/2"
 SECTIONS = ("device", "step_125m", "step_350m", "recovery", "checkpoint", "determinism_cost")
 #: each section's own time limit (seconds, compilation included); the overall budget caps it
 SECTION_LIMIT_S = {
@@ -80,8 +87,17 @@ INTERRUPTED = threading.Event()  # set by SIGINT/SIGTERM in the parent
 #: a section is not started with less time than this left in the budget
 MIN_SECTION_S = 20.0
 
-#: dense BF16 peak (no sparsity) of the SXM parts the issue names, FLOP/s
-NOMINAL_BF16_PEAK = {"H100": 989e12, "H200": 989e12}
+#: nominal peaks of the parts the issues name, by what their JAX ``device_kind`` contains:
+#: dense BF16 matrix-multiply FLOP/s (no sparsity; the GPUs' SXM parts), HBM bytes and bytes/s
+#: (the vendors' data sheets); the TPU v5e reports itself as "TPU v5 lite"
+NOMINAL_PEAKS = {
+    "H100": {"bf16_flops": 989e12, "hbm_bytes": 80e9, "hbm_bytes_per_s": 3.35e12},
+    "H200": {"bf16_flops": 989e12, "hbm_bytes": 141e9, "hbm_bytes_per_s": 4.8e12},
+    "TPU v5 lite": {"bf16_flops": 197e12, "hbm_bytes": 16e9, "hbm_bytes_per_s": 819e9},
+}
+#: BF16 matmul peaks measured on these parts before (FLOP/s): the TPU v5e's in issue 49
+#: (docs/tpu.md), which its MFU figures there are taken against; this run's own is compared
+REFERENCE_MEASURED_BF16 = {"TPU v5 lite": 164e12}
 
 #: Llama-style models: name -> (d_model, layers, heads, kv heads, d_ff, vocabulary)
 MODELS = {
@@ -107,7 +123,7 @@ RECOVERY_SEQ_LEN = 128
 
 
 def log(message: str) -> None:
-    print(f"[gpu-check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[device-check {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _clean(value):
@@ -197,7 +213,7 @@ def recovery_recipe(args) -> dict:
     import yaml
 
     recipe = yaml.safe_load((REPO / "config/recipes/sft-demo.yaml").read_text())
-    recipe["job_id"] = "gpu-check-recovery"
+    recipe["job_id"] = "device-check-recovery"
     recipe["model"] = {
         "architecture": "llama",
         **(TINY_RECOVERY_MODEL if args.tiny else RECOVERY_MODEL),
@@ -226,15 +242,51 @@ def count_params(tree) -> int:
     return int(sum(math.prod(leaf.shape) for leaf in jax.tree_util.tree_leaves(tree)))
 
 
-def peak_for(device_kind: str, measured: float | None) -> tuple[float | None, str]:
-    """The peak MFU is taken against: the nominal dense BF16 peak of an H100/H200 (SXM), else
-    the BF16 matrix-multiply peak the device section measured."""
-    for name, peak in NOMINAL_BF16_PEAK.items():
+def nominal_peaks(device_kind: str) -> tuple[str | None, dict | None]:
+    """``(part, its NOMINAL_PEAKS row)`` for a JAX ``device_kind``, or ``(None, None)``; a
+    GPU's PCIe part (other peaks) is none of them."""
+    for name, peaks in NOMINAL_PEAKS.items():
         if name in device_kind and "PCIe" not in device_kind:
-            return peak, f"nominal dense BF16 peak of {name} ({device_kind})"
+            return name, peaks
+    return None, None
+
+
+def peak_for(device_kind: str, measured: float | None) -> tuple[float | None, str]:
+    """The peak MFU is taken against: the part's nominal dense BF16 peak
+    (:data:`NOMINAL_PEAKS`), else the BF16 matrix-multiply peak the device section measured."""
+    name, peaks = nominal_peaks(device_kind)
+    if peaks:
+        return peaks["bf16_flops"], f"nominal dense BF16 peak of {name} ({device_kind})"
     if measured:
         return measured, f"measured BF16 x BF16 -> FP32 matmul peak ({device_kind})"
     return None, "no peak known"
+
+
+def _installed(package: str) -> str | None:
+    """The installed version of ``package`` (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def memory_bandwidth(n_bytes: int, rounds: int = 5) -> float:
+    """Bytes/s of the default device's memory: an FP32 array of ``n_bytes`` read and written
+    once (``x + 1``, the bytes moved counted twice), median of ``rounds`` after a warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros((n_bytes // 4,), jnp.float32)
+    add = jax.jit(lambda a: a + 1.0)
+    add(x).block_until_ready()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        add(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2 * x.size * 4 / statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -275,6 +327,7 @@ def section_device(args, context, report) -> dict:
         "jaxlib": fingerprint["jaxlib"],
         "jax_cuda12_plugin": fingerprint.get("jax_cuda12_plugin"),
         "jax_cuda13_plugin": fingerprint.get("jax_cuda13_plugin"),
+        "libtpu": _installed("libtpu"),
         "xla_flags": fingerprint["xla_flags"],
         "determinism_flags_added": added,
         "source_revision": fingerprint["source_revision"],
@@ -283,7 +336,7 @@ def section_device(args, context, report) -> dict:
     report(out)
     # The project's own device check, on the recovery recipe (runtime.backend = the backend
     # this check expects): it refuses a host where JAX fell back to another backend.
-    checked = recipe.validate(recovery_recipe(args), "<gpu-check recovery recipe>")
+    checked = recipe.validate(recovery_recipe(args), "<device-check recovery recipe>")
     events_path = Path(args.work_dir) / "device-events.jsonl"
     try:
         device_check.check(checked, fingerprint, distributed.Group(), EventLog(events_path, None))
@@ -300,6 +353,20 @@ def section_device(args, context, report) -> dict:
     )  # fmt: skip
     out["matmul_n"] = n
     out["matmul_peak_bf16_flops"] = gflops * 1e9
+    n_bytes = 2**24 if args.tiny else 2**30  # an accelerator's memory needs 1 GiB to stream
+    out["memory_bandwidth_array_bytes"] = n_bytes
+    out["memory_bandwidth_bytes_per_s"] = memory_bandwidth(n_bytes)
+    part, peaks = nominal_peaks(devices[0]["device_kind"])
+    out["part"], out["nominal_peaks"] = part, peaks
+    if peaks:  # how near this run came to the data sheet
+        out["matmul_over_nominal"] = out["matmul_peak_bf16_flops"] / peaks["bf16_flops"]
+        out["bandwidth_over_nominal"] = (
+            out["memory_bandwidth_bytes_per_s"] / peaks["hbm_bytes_per_s"]
+        )
+    reference = REFERENCE_MEASURED_BF16.get(part)
+    out["reference_measured_bf16_flops"] = reference
+    if reference:
+        out["matmul_over_reference_measured"] = out["matmul_peak_bf16_flops"] / reference
     if not out["device_check"]["passed"]:
         raise RuntimeError(out["device_check"]["error"])
     return out
@@ -822,9 +889,27 @@ def summary(sections: dict, tiny: bool) -> dict:
         "mfu_125m": _get(sections, "step_125m", "ours", "mfu"),
         "determinism_flags_cost": _get(sections, "determinism_cost", "deterministic_over_default"),
     }
+    if _get(sections, "device", "expected_backend") == "tpu":
+        out["tpu_goals"] = tpu_goals(sections, goal)
     if tiny:
         out["note"] = "tiny models on this backend: the goals are for the full sizes on a GPU"
     return out
+
+
+def tpu_goals(sections: dict, goal) -> dict:
+    """The chip's goals (issue 49, item 2): MFU against the BF16 matmul peak this run
+    measured, as that issue takes it, and ours over the minimal loop."""
+
+    def mfu(size: str):
+        return _get(sections, f"step_{size}", "ours", "mfu_vs_measured_peak")
+
+    return {
+        "mfu_350m_vs_measured_peak": goal(mfu("350m"), ">= 0.45", lambda v: v >= 0.45),
+        "mfu_125m_vs_measured_peak": goal(mfu("125m"), ">= 0.40", lambda v: v >= 0.40),
+        "ours_over_minimal_350m": goal(
+            _get(sections, "step_350m", "ours_over_minimal"), "<= 1.03", lambda v: v <= 1.03
+        ),
+    }
 
 
 def run_parent(args) -> int:
@@ -834,7 +919,7 @@ def run_parent(args) -> int:
     own_work_dir = args.work_dir is None
     if own_work_dir:
         (REPO / "work").mkdir(exist_ok=True)
-        args.work_dir = tempfile.mkdtemp(prefix="gpu-check-", dir=REPO / "work")
+        args.work_dir = tempfile.mkdtemp(prefix="device-check-", dir=REPO / "work")
     args.work_dir = str(Path(args.work_dir).resolve())
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     out = {
@@ -936,19 +1021,19 @@ def run_parent(args) -> int:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="gpu_check.json", help="the JSON written (rewritten as "
+    parser.add_argument("--out", default="device_check.json", help="the JSON written (rewritten as "
                         "sections finish)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny models: the CPU run of the tests")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--budget-s", type=float, help=f"overall limit (default {BUDGET_S:.0f})")
-    parser.add_argument("--work-dir", help="runs, checkpoints (default: a new work/gpu-check-*)")
+    parser.add_argument("--work-dir", help="runs, checkpoints (default: a new work/device-check-*)")
     parser.add_argument("--keep-work", action="store_true", help="keep the default work dir")
     parser.add_argument("--backend", choices=("cpu", "gpu", "tpu"), help="the backend the device "
                         "check requires (default gpu; cpu with --tiny)")  # fmt: skip
     parser.add_argument("--attention", choices=("pallas", "xla"), help="the attention kernel of "
-                        "every section (default pallas, the fused kernel; xla with --tiny: "
-                        "Pallas's CPU interpreter is slow; xla on a TPU: the kernel is "
-                        "GPU-only)")  # fmt: skip
+                        "every section (default pallas, the fused kernel, on a GPU; xla "
+                        "with --tiny: Pallas's CPU interpreter is slow; xla on a TPU: the "
+                        "minimal loop's fused kernel is the GPU one)")  # fmt: skip
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), help="default: "
                         "what a recipe naming the backend gets (full on a TPU, else none)")  # fmt: skip

@@ -1,4 +1,5 @@
-"""The prepared device check (benchmarks/gpu_check.py), run end to end on CPU with tiny models.
+"""The prepared device check (benchmarks/device_check.py), run end to end on CPU with tiny
+models; its table of parts' peaks and the chip's goals, read without running it.
 
 The check's JSON is read against facts worked out here: parameter counts and FLOPs from the
 Llama formulas, MFU and ratios recomputed from the JSON's own raw timings, the recovery
@@ -21,7 +22,12 @@ import numpy as np
 import pytest
 from conftest import REPO, read_events
 
-SCRIPT = REPO / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
+import device_check  # noqa: E402
+
+sys.path.remove(str(REPO / "benchmarks"))
+
+SCRIPT = REPO / "benchmarks" / "device_check.py"
 RUN_SECTIONS = ("device", "step_125m", "step_350m", "recovery", "checkpoint")
 
 
@@ -48,7 +54,7 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
     # XLA's backend optimisations its compilations take a third less time (the flag is
     # recorded in the JSON and every run of the recovery proof gets it alike).
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
-    # As on an offline GPU host (docs/gpu-check.md): the source tree on PYTHONPATH, and no
+    # As on an offline GPU host (docs/device-check.md): the source tree on PYTHONPATH, and no
     # snakemake: an import of it anywhere in the check or its workers fails the check.
     blocker = out.parent / "no-snakemake" / "snakemake"
     blocker.mkdir(parents=True, exist_ok=True)
@@ -68,7 +74,7 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
 @pytest.fixture(scope="module")
 def check(tmp_path_factory) -> dict:
     """One tiny run of every section (two at a time on the two cores), its work kept."""
-    root = tmp_path_factory.mktemp("gpu-check")
+    root = tmp_path_factory.mktemp("device-check")
     out = root / "tmp" / "x.json"
     proc = _run(out, "--jobs", "2", "--work-dir", str(root / "work"))
     assert out.exists(), proc.stderr[-4000:]
@@ -82,7 +88,7 @@ def test_every_section_runs_end_to_end_on_cpu(check):
     statuses = {name: section["status"] for name, section in sections.items()}
     assert statuses == {**dict.fromkeys(RUN_SECTIONS, "ok"), "determinism_cost": "not_applicable"}
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert doc["format"] == "minifield-gpu-check/1" and doc["tiny"] is True
+    assert doc["format"] == "minifield-device-check/2" and doc["tiny"] is True
     assert doc["summary"]["sections_not_ok"] == []
     # progress went to stderr, the JSON to the file
     assert "section recovery: ok" in proc.stderr and proc.stdout == ""
@@ -105,6 +111,10 @@ def test_device_section_names_the_cpu_backend_of_this_jax(check):
     # on CPU no determinism flags are added (they are GPU flags)
     assert device["determinism_flags_added"] == []
     assert device["matmul_peak_bf16_flops"] > 0
+    assert device["memory_bandwidth_bytes_per_s"] > 0
+    # a CPU is none of the parts with data-sheet peaks, and has no TPU goals
+    assert device["part"] is None and device["nominal_peaks"] is None
+    assert "tpu_goals" not in check["doc"]["summary"]
 
 
 @pytest.mark.slow
@@ -147,7 +157,7 @@ def test_step_section_counts_and_mfu_agree_with_the_formulas(check, size):
 @pytest.mark.slow
 def test_full_size_models_are_about_125m_and_350m_parameters(check):
     """The GPU sizes, counted from shapes by the tiny run, against the hand count of the
-    documented dimensions (docs/gpu-check.md)."""
+    documented dimensions (docs/device-check.md)."""
     sections = check["doc"]["sections"]
     small = sections["step_125m"]["full_size"]
     large = sections["step_350m"]["full_size"]
@@ -285,3 +295,42 @@ def test_minimal_loop_is_the_same_model_as_ours():
     expected = float(jax.jit(loss_fn, static_argnums=1)(ours, cfg, batch)[0])
     got = float(jax.jit(minimal.loss, static_argnums=(2, 3))(theirs, batch, shape, jnp.float32))
     assert math.isclose(got, expected, rel_tol=1e-5), (got, expected)
+
+
+@pytest.mark.parametrize(
+    ("kind", "part", "flops", "hbm", "bandwidth"),
+    [
+        ("TPU v5 lite", "TPU v5 lite", 197e12, 16e9, 819e9),
+        ("NVIDIA H200", "H200", 989e12, 141e9, 4.8e12),
+        ("NVIDIA H100 80GB HBM3", "H100", 989e12, 80e9, 3.35e12),
+        ("NVIDIA H100 PCIe", None, None, None, None),
+        ("cpu", None, None, None, None),
+    ],
+)
+def test_parts_peaks_are_the_data_sheets(kind, part, flops, hbm, bandwidth):
+    """The v5e's peaks as docs/tpu.md and issue 49 give them (BF16 197 TFLOP/s nominal, HBM
+    16 GB at 819 GB/s); MFU is taken against the nominal BF16 peak where the part is known,
+    else against the measured one."""
+    name, peaks = device_check.nominal_peaks(kind)
+    assert name == part
+    if part is None:
+        assert peaks is None
+        assert device_check.peak_for(kind, 5e12) == (5e12, f"measured BF16 x BF16 -> FP32 "
+                                                     f"matmul peak ({kind})")  # fmt: skip
+        return
+    assert peaks == {"bf16_flops": flops, "hbm_bytes": hbm, "hbm_bytes_per_s": bandwidth}
+    assert device_check.peak_for(kind, 5e12)[0] == flops
+
+
+def test_a_tpu_run_is_judged_by_the_chips_goals():
+    """On a TPU the summary holds issue 49's goals, MFU against the measured peak: 0.45 at
+    350M, 0.40 at 125M; a section not run leaves its goal unjudged."""
+    sections = {
+        "device": {"status": "ok", "expected_backend": "tpu"},
+        "step_350m": {"status": "ok", "ours": {"mfu_vs_measured_peak": 0.46, "mfu": 0.38},
+                      "ours_over_minimal": 1.05},
+    }  # fmt: skip
+    goals = device_check.summary(sections, tiny=False)["tpu_goals"]
+    assert goals["mfu_350m_vs_measured_peak"] == {"value": 0.46, "goal": ">= 0.45", "met": True}
+    assert goals["ours_over_minimal_350m"]["met"] is False
+    assert goals["mfu_125m_vs_measured_peak"] == {"value": None, "goal": ">= 0.40", "met": None}
