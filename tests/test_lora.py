@@ -306,15 +306,22 @@ def test_lora_without_a_base_model_or_a_llama_model_is_refused(tmp_path):
 # -- through the worker (slow) ------------------------------------------------------------------
 
 
+#: a quantized frozen base (docs/quantized-base.md): blocks of 16 divide the test base's inputs
+QUANTIZED = {"base_quantization": "nf4", "quantization_block": 16, "double_quantization": True}
+
+
 @pytest.mark.slow
-def test_a_lora_run_trains_only_adapters_and_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("quantization", [{}, QUANTIZED], ids=["bf16", "nf4"])
+def test_a_lora_run_trains_only_adapters_and_resumes_bit_identically(tmp_path, quantization):
     """BF16 base and compute: a crash after update 3, resumed from the step-2 checkpoint,
-    recomputes update 3 to the same state hash, and runs on to the end."""
+    recomputes update 3 to the same state hash, and runs on to the end. A quantized base
+    changes none of it: evaluation and the merged export use the unquantized base."""
     from test_hf_export import bf16_bits
 
     root = tmp_path / "in"
     make_inputs(root)
-    recipe = lora_recipe(root, {**LORA, "base_dtype": "bfloat16"}, compute_dtype="bfloat16")
+    section = {**LORA, "base_dtype": "bfloat16", **quantization}
+    recipe = lora_recipe(root, section, compute_dtype="bfloat16")
     path = write_recipe(tmp_path / "recipe.json", recipe)
     (crashed,) = _run(tmp_path, path, root, "crash", "--fail-after-step", "3", codes=(1,))
     (_, resumed) = _run(tmp_path, path, root, "crash", "--resume-from", crashed)

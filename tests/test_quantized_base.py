@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 from test_base_model import _prepare, make_inputs
 from test_lora import LORA, ROWS, _logits, lora_recipe
 from test_quantize import ref_double, ref_int8, ref_nf4, ref_nf4_back
@@ -99,6 +100,40 @@ def test_the_base_is_held_as_codes_and_the_step_trains_the_adapters(root):
     assert np.isfinite(float(metrics["loss"]))
     moved = jax.tree_util.tree_map(lambda a, b: not np.array_equal(a, b), before, state["params"])
     assert all(jax.tree_util.tree_leaves(moved))
+
+
+def test_the_scanned_layers_run_the_same_quantized_model(root):
+    """Under ``lax.scan`` (one layer's codes made back at a time) the model is the loop's."""
+    program = _program(root, NF4)
+    scanned = _program(root, NF4, scan_layers=True)
+    adapters = program.init_state()["params"]
+    loop = _logits(lora.adapted(program._base, adapters, program.lora), program.cfg, ROWS)
+    scan = _logits(lora.adapted(scanned._base, adapters, scanned.lora), scanned.cfg, ROWS)
+    np.testing.assert_allclose(scan, loop, rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapter_applies_to_the_unquantized_base(root, tmp_path):
+    """The PEFT adapter a quantized run writes, added to the original base file's weights,
+    is the merged export (as QLoRA adapters are merged); every other tensor is the file's."""
+    program = _program(root, NF4)
+    state = program.place(program.init_state())
+    for _ in range(2):
+        state, _ = program.step(state)
+    program.export(state, tmp_path / "export")
+    base = load_file(str(root / "base" / "model.safetensors"))
+    adapter = load_file(str(tmp_path / "export" / "adapter" / "adapter_model.safetensors"))
+    merged = load_file(str(tmp_path / "export" / "model.safetensors"))
+    scale = LORA["alpha"] / LORA["rank"]
+    for name, w in base.items():
+        module = f"base_model.model.{name[: -len('.weight')]}"
+        if f"{module}.lora_A.weight" not in adapter:
+            np.testing.assert_array_equal(merged[name], w, err_msg=name)
+            continue
+        a = adapter[f"{module}.lora_A.weight"].astype(np.float64)
+        b = adapter[f"{module}.lora_B.weight"].astype(np.float64)
+        expected = w.astype(np.float64) + scale * (b @ a)
+        assert np.max(np.abs(expected - w)) > 1e-5, name  # the adapter changed it
+        np.testing.assert_allclose(merged[name], expected, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def _digest(root, section):
