@@ -1,0 +1,183 @@
+"""LoRA train step on a quantized frozen base (int8, NF4) ÷ the same step on the BF16 base,
+and each one's peak memory (docs/quantized-base.md).
+
+The base is a random Llama written as an HF checkpoint (BF16 safetensors, one shard per layer,
+``config.json``) with the project's own writer, then read back as a LoRA run reads it
+(:func:`minifield.hf.checkpoint.load_stored`, :func:`minifield.hf.stored_base.on_device`, so
+int8 and NF4 are quantized as they are put on the device). Each mode runs in its own process
+so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
+peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW, BF16
+compute, the state donated; compiled and run once untimed, then the median of ``--steps``.
+
+    uv run python benchmarks/qlora_step.py                      # CPU: a small shape
+    uv run python benchmarks/qlora_step.py --preset llama-3.1-8b --seq 2048 --batch 1 \\
+        --remat full --dir /tmp/llama8b                         # the chip (docs/tpu.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("bf16", "int8", "nf4")
+PRESETS = {  # Llama-3.1-8B: 32 layers, d 4096, GQA 32/8, ffn 14336, vocabulary 128,256
+    "llama-3.1-8b": dict(d_model=4096, layers=32, heads=32, kv_heads=8, ff=14336, vocab=128256),
+    "small": dict(d_model=256, layers=4, heads=8, kv_heads=2, ff=768, vocab=2048),
+}
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--block", type=int, default=None, help="absent: int8 per channel, NF4 64")
+    parser.add_argument("--no-double", action="store_true", help="NF4 without double quantization")
+    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none")
+    parser.add_argument("--peak-tflops", type=float, default=197.0, help="for MFU (v5e: 197)")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/minifield-qlora-base"))
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child's
+    return parser.parse_args()
+
+
+def config(args):
+    from minifield.models import execution, llama
+
+    shape = PRESETS[args.preset]
+    cfg = llama.LlamaConfig(
+        vocab_size=shape["vocab"],
+        d_model=shape["d_model"],
+        n_layers=shape["layers"],
+        n_heads=shape["heads"],
+        n_kv_heads=shape["kv_heads"],
+        d_ff=shape["ff"],
+        max_len=args.seq,
+        compute_dtype="bfloat16",
+        tie_embeddings=False,
+    )
+    # the loss in chunks of 1024 tokens, as a TPU recipe's default: no [B, T, vocab] logits
+    how = execution.Execution(scan_layers=True, remat=args.remat, loss_chunk_tokens=1024)
+    return dataclasses.replace(cfg, execution=how)
+
+
+def write_base(args) -> None:
+    """The random base as HF safetensors (skipped when ``--dir`` already holds it)."""
+    import jax
+
+    from minifield.hf import checkpoint
+    from minifield.models import llama
+
+    if (args.dir / "config.json").is_file():
+        return
+    cfg = config(args)
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = jax.tree_util.tree_map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+    checkpoint.write(args.dir, cfg, params, "bfloat16", max_shard_size=2 * 10**9)
+
+
+def run_mode(args) -> dict:
+    import jax
+
+    from minifield.hf import checkpoint, stored_base
+    from minifield.training import lora, optimizer
+
+    cfg = config(args)
+    _, params, layout = checkpoint.load_stored(args.dir, args.seq, "bfloat16")
+    arrays = stored_base.to_arrays(params, layout)
+    del params
+    targets = tuple(name for name, dense in lora.TARGETS.items() if dense)  # every linear layer
+    scheme = None if args.mode == "bf16" else args.mode
+    settings = lora.LoraSettings(
+        args.rank,
+        float(2 * args.rank),
+        targets,
+        "bfloat16",
+        scheme,
+        args.block,
+        scheme == "nf4" and not args.no_double,
+    )
+    base = stored_base.on_device(arrays, "bfloat16", settings)
+    training = {"warmup_steps": 2, "learning_rate": 1e-4}
+    opt = optimizer.make_optimizer(training, 1000)
+    step = jax.jit(
+        lora.make_train_step(cfg, settings, opt, optimizer.make_schedule(training, 1000)),
+        donate_argnums=(0,),
+    )
+    state = lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8))
+    batch = _batch(args, cfg.vocab_size)
+    compiled = step.lower(state, base, batch).compile()
+    analysis = compiled.cost_analysis()
+    flops = float((analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0))
+    state, _ = compiled(state, base, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        state, metrics = compiled(state, base, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = (
+        stats.get("peak_bytes_in_use") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "mode": args.mode,
+        "step_s": statistics.median(times),
+        "peak_bytes": int(peak),
+        "peak_of": "device" if "peak_bytes_in_use" in stats else "process RSS",
+        "flops": flops,
+        "loss": float(metrics["loss"]),
+    }
+
+
+def _batch(args, vocab: int) -> dict:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (args.batch, args.seq)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(args.seq, dtype=np.int32), tokens.shape).copy()
+    return {
+        "tokens": tokens,
+        "segments": np.ones_like(tokens),
+        "positions": positions,
+        "loss_mask": np.ones(tokens.shape, np.float32),
+    }
+
+
+def main() -> None:
+    args = arguments()
+    if args.mode:
+        print(json.dumps(run_mode(args)))
+        return
+    write_base(args)
+    results = {}
+    for mode in MODES:
+        out = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens = args.batch * args.seq
+    print(
+        f"{args.preset}, batch {args.batch} x seq {args.seq}, LoRA rank {args.rank} on every linear layer"
+    )
+    for mode, r in results.items():
+        mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
+        print(
+            f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {r['step_s'] / results['bf16']['step_s']:.2f}  "
+            f"peak {r['peak_bytes'] / 2**30:6.2f} GiB ({r['peak_of']})  "
+            f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
