@@ -12,6 +12,8 @@ median of interleaved rounds; each loop's first loss and FP32 loss printed to sh
 the same function). Printed at the end, the issue's two ratios of median update times:
 
 - minifield ÷ the minimal ``ragged_dot`` loop at ``--experts`` 8 (issue: at most 1.1);
+- the minimal loop with megablox's ``gmm`` ÷ with ``ragged_dot`` (BF16 only): which of the
+  chip's two grouped products ``execution.GROUPED_KERNELS`` should name (below 1: ``gmm``);
 - every expert on every token ÷ minifield at ``--dense-experts`` 16 (issue: at least 3).
 
 On the chip (the memory the sizes take is an estimate until run there):
@@ -59,12 +61,18 @@ def main() -> None:
         f"of {args.rounds} interleaved rounds"
     )
     batch = minimal.packed_batch(args.rows, args.seq, moe_update.VOCAB)
-    sparse = moe_update.measure(args, args.experts, ("minifield", "minimal ragged_dot"), batch)
+    names = ("minifield", "minimal ragged_dot")
+    if args.dtype == "bfloat16":
+        names += ("minimal gmm",)
+    sparse = moe_update.measure(args, args.experts, names, batch)
     dense = moe_update.measure(args, args.dense_experts, ("minifield", "dense"), batch)
     ours_minimal = sparse["minifield"] / sparse["minimal ragged_dot"]
     dense_ours = dense["dense"] / dense["minifield"]
     print(f"minifield / minimal ragged_dot at {args.experts} experts: {ours_minimal:.3f} (≤ 1.1)")
     print(f"dense / minifield at {args.dense_experts} experts: {dense_ours:.2f} (≥ 3)")
+    if "minimal gmm" in sparse:
+        gmm_ragged = sparse["minimal gmm"] / sparse["minimal ragged_dot"]
+        print(f"minimal gmm / minimal ragged_dot at {args.experts} experts: {gmm_ragged:.3f}")
 
 
 if __name__ == "__main__":

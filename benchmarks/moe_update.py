@@ -50,7 +50,7 @@ import _llama_minimal as minimal  # noqa: E402
 
 from minifield.models import model as project_model  # noqa: E402
 from minifield.models.execution import Execution  # noqa: E402
-from minifield.models.layers import grouped  # noqa: E402
+from minifield.models.layers import grouped, tpu_grouped  # noqa: E402
 from minifield.models.llama import LlamaConfig  # noqa: E402
 from minifield.training.optimizer import make_optimizer  # noqa: E402
 from minifield.training.train_step import init_train_state, make_train_step  # noqa: E402
@@ -121,6 +121,12 @@ def grouped_product(cfg):
     return lambda xs, w, sizes: grouped.matmul(cfg, xs, w, sizes)
 
 
+def gmm_product(cfg):
+    """megablox's ``gmm`` as minifield calls it on a TPU (BF16 only; Pallas's interpreter on
+    CPU, slow)."""
+    return lambda xs, w, sizes: tpu_grouped.matmul(cfg.compute_dtype, xs, w, sizes, "gmm")
+
+
 def dense_mlp(p, x_BxTxD, dot, compute):
     """Every expert on every token; the outputs weighted by the router (0 outside the top k)."""
     B, T, D = x_BxTxD.shape
@@ -171,6 +177,7 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     mlps = {
         "minimal ragged_dot": sorted_mlp(ragged_product(cfg.dtype)),
         "minimal grouped": sorted_mlp(grouped_product(cfg)),
+        "minimal gmm": sorted_mlp(gmm_product(cfg)),
         "dense": dense_mlp,
     }
     mlps32 = {
@@ -182,9 +189,10 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
         if name == "minifield":
             continue
         step, mopt, _ = minimal_step(cfg, mlps[name])
-        fp32_loss = minimal_step(cfg32, mlps32[name])[2]
         params = jax.tree_util.tree_map(jnp.array, first_params)
-        fp32 = float(jax.jit(fp32_loss)(params, batch))
+        fp32 = float("nan")  # gmm has no FP32 form (tpu_grouped)
+        if name in mlps32:
+            fp32 = float(jax.jit(minimal_step(cfg32, mlps32[name])[2])(params, batch))
         held = (params, mopt.init(params))
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*held, batch).compile()
         out[name] = {"compiled": compiled, "held": held, "fp32": fp32}

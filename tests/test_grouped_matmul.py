@@ -48,8 +48,14 @@ def arrays(seed=0):
     return x, w, dy
 
 
-#: the products under test, by ``execution.grouped_kernel``'s names
-PRODUCTS = {"tiles": grouped.tiled, "ragged_dot": tpu_grouped.matmul}
+#: the products under test, by ``execution.grouped_kernel``'s names (``gmm``: megablox's
+#: kernel in Pallas's interpreter, BF16 only)
+PRODUCTS = {
+    "tiles": grouped.tiled,
+    "ragged_dot": tpu_grouped.matmul,
+    "gmm": lambda *args: tpu_grouped.matmul(*args, kernel="gmm"),
+}
+FP32_PRODUCTS = ("tiles", "ragged_dot")
 
 
 def ours(dtype, x, w, dy, product="tiles", sizes=SIZES):
@@ -67,7 +73,7 @@ def bf16(a):
     return np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-@pytest.mark.parametrize("product", PRODUCTS)
+@pytest.mark.parametrize("product", FP32_PRODUCTS)
 def test_fp32_values_and_gradients_equal_the_group_loop(product):
     x, w, dy = arrays()
     y, dx, dw = ours("float32", jnp.asarray(x), jnp.asarray(w), dy, product)
@@ -97,10 +103,13 @@ def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype, produc
         )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ragged_dot_equals_the_tiles(dtype):
-    """The TPU's product and the CPU's agree on every value and gradient, FP32 and BF16, on
-    uneven groups (a tile and one row, empty ones, one of many tiles); both sum the same
+@pytest.mark.parametrize(
+    ("dtype", "kernel"),
+    [("float32", "ragged_dot"), ("bfloat16", "ragged_dot"), ("bfloat16", "gmm")],
+)
+def test_the_tpu_products_equal_the_tiles(dtype, kernel):
+    """The TPU's products and the CPU's agree on every value and gradient, FP32 and BF16, on
+    uneven groups (a tile and one row, empty ones, one of many tiles); all sum the same
     BF16-rounded products in FP32, so within FP32 summation order."""
     sizes = [1, 0, 3 * grouped.TILE + 7, 0, grouped.TILE + 1, 2]
     rng = np.random.default_rng(2)
@@ -109,7 +118,7 @@ def test_ragged_dot_equals_the_tiles(dtype):
     w = rng.standard_normal((len(sizes), K, N))
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, jnp.float32)
     tiles = ours(dtype, x, w, dy.astype(np.float32), "tiles", sizes)
-    ragged = ours(dtype, x, w, dy.astype(np.float32), "ragged_dot", sizes)
+    ragged = ours(dtype, x, w, dy.astype(np.float32), kernel, sizes)
     for a, b in zip(tiles, ragged, strict=True):
         assert a.dtype == b.dtype
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -124,11 +133,21 @@ def test_ragged_dot_equals_the_tiles(dtype):
 def test_the_recipe_backend_picks_the_product(backend, product, monkeypatch):
     """``grouped.matmul`` runs ``ragged_dot`` for a TPU recipe, the tiles for any other."""
     called = []
-    for name in PRODUCTS:
-        real = PRODUCTS[name]
-        owner, attr = (tpu_grouped, "matmul") if name == "ragged_dot" else (grouped, "tiled")
-        monkeypatch.setattr(owner, attr, lambda *a, n=name, f=real: called.append(n) or f(*a))
+    real_tiled, real_tpu = grouped.tiled, tpu_grouped.matmul
+    monkeypatch.setattr(grouped, "tiled", lambda *a: called.append("tiles") or real_tiled(*a))
+    monkeypatch.setattr(tpu_grouped, "matmul", lambda *a: called.append(a[-1]) or real_tpu(*a))
     cfg = SimpleNamespace(compute_dtype="float32", execution=Execution(backend=backend))
     x, w, _ = arrays()
     grouped.matmul(cfg, jnp.asarray(x), jnp.asarray(w), jnp.asarray(SIZES))
     assert called == [product]
+
+
+def test_gmm_refuses_fp32_and_an_unknown_kernel():
+    """megablox's kernel asks its products for no precision: FP32 compute is refused, not
+    run at the TPU's one-pass BF16 default."""
+    x, w, _ = arrays()
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    with pytest.raises(ValueError, match="gmm: its products ask for no precision"):
+        tpu_grouped.matmul("float32", jnp.asarray(x), jnp.asarray(w), sizes, "gmm")
+    with pytest.raises(ValueError, match="expected a kernel of"):
+        tpu_grouped.matmul("bfloat16", jnp.asarray(x), jnp.asarray(w), sizes, "tiles")

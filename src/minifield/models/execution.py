@@ -147,12 +147,19 @@ def fused_kernel(backend: str) -> str:
     return "splash" if backend == "tpu" else "mha"
 
 
+#: the experts' grouped product by a recipe's ``runtime.backend`` (absent: ``tiles``): on a
+#: TPU ``ragged_dot`` (``jax.lax.ragged_dot``, XLA's grouped matrix product there) until the
+#: chip measures megablox's ``gmm`` faster (``benchmarks/moe_chip.py``); ``gmm`` is BF16 only
+GROUPED_KERNELS = {"tpu": "ragged_dot"}
+
+
 def grouped_kernel(backend: str) -> str:
-    """The experts' grouped product on ``backend`` (a recipe's ``runtime.backend``):
-    ``ragged_dot`` (``jax.lax.ragged_dot``, the chip's grouped matrix product) on a TPU;
-    ``tiles`` (:mod:`minifield.models.layers.grouped`'s loop over tiles) elsewhere, where the
-    pinned JAX lowers ``ragged_dot`` to every group's matrix times every row."""
-    return "ragged_dot" if backend == "tpu" else "tiles"
+    """The experts' grouped product on ``backend`` (a recipe's ``runtime.backend``), by
+    :data:`GROUPED_KERNELS`: ``tiles`` (:mod:`minifield.models.layers.grouped`'s loop over
+    tiles) where it names none, as on CPU, where the pinned JAX lowers ``ragged_dot`` to every
+    group's matrix times every row; otherwise a kernel of
+    :mod:`minifield.models.layers.tpu_grouped`."""
+    return GROUPED_KERNELS.get(backend, "tiles")
 
 
 def splash_blocks(seq_len: int, blocks: dict | None = None) -> dict:

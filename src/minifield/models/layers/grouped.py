@@ -45,9 +45,10 @@ def matmul(cfg, x_MxK, w_GxKxN, sizes_G):
     The recipe's backend picks the product (``execution.grouped_kernel``): the tiles here, or
     ``jax.lax.ragged_dot`` on a TPU (:mod:`.tpu_grouped`)."""
     sizes_G = sizes_G.astype(jnp.int32)
-    if execution.grouped_kernel(cfg.execution.backend) == "ragged_dot":
-        return tpu_grouped.matmul(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G)
-    return tiled(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G)
+    kernel = execution.grouped_kernel(cfg.execution.backend)
+    if kernel == "tiles":
+        return tiled(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G)
+    return tpu_grouped.matmul(cfg.compute_dtype, x_MxK, w_GxKxN, sizes_G, kernel)
 
 
 def tiled(compute_dtype: str, x_MxK, w_GxKxN, sizes_G):

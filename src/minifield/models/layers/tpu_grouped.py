@@ -17,6 +17,14 @@ gradient ``dy @ w[g]^T`` is a ``ragged_dot`` against the transposed matrices, an
 group's matrix gradient ``x_g^T @ dy_g`` a ``ragged_dot_general`` ragged in the contracted
 rows (the form JAX's own transpose of ``ragged_dot`` takes, the chip's transposed grouped
 product).
+
+``kernel="gmm"``: the same products through megablox's Pallas kernels
+(``jax.experimental.pallas.ops.tpu.megablox``: ``gmm``, and ``tgmm`` for the matrices'
+gradient), the other way to the chip's grouped product; which is faster is the chip's to
+measure (``benchmarks/moe_chip.py``), and ``execution.GROUPED_KERNELS`` is where the choice is
+made. BF16 compute only: its products ask for no precision, so FP32 would not be full FP32.
+Its rows are tiled by :data:`GMM_TILING`'s first size (padded to it here; padding and rows past
+the groups give zeros), and it runs in Pallas's interpreter on CPU (tests).
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ import jax.numpy as jnp
 
 from .primitives import F32, full_precision
 
+#: the grouped products this module has (``kernel``)
+KERNELS = ("ragged_dot", "gmm")
+#: megablox's (rows, contracted, output) tile sizes: its defaults
+GMM_TILING = (128, 128, 128)
+
 #: ``x [M, K]`` and ``dy [M, N]`` contracted over their rows, ragged there: ``[G, K, N]``
 _GROUP_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())),
@@ -36,38 +49,88 @@ _GROUP_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
-def matmul(compute_dtype: str, x_MxK, w_GxKxN, sizes_G):
+def matmul(compute_dtype: str, x_MxK, w_GxKxN, sizes_G, kernel: str = "ragged_dot"):
     """``[M, N]`` FP32: row ``m`` of group ``g`` (rows sorted by group, ``sizes_G[g]`` of
-    them, int32) times ``w_GxKxN[g]``, in ``compute_dtype``; rows past ``sum(sizes_G)``: 0."""
-    return _matmul(compute_dtype, x_MxK, w_GxKxN, sizes_G)
+    them, int32) times ``w_GxKxN[g]``, in ``compute_dtype``; rows past ``sum(sizes_G)``: 0.
+    ``kernel``: one of :data:`KERNELS`."""
+    if kernel not in KERNELS:
+        raise ValueError(f"grouped product: expected a kernel of {KERNELS}, got {kernel!r}")
+    if kernel == "gmm" and jnp.dtype(compute_dtype) == F32:
+        raise ValueError(
+            "grouped product gmm: its products ask for no precision, so FP32 compute would not "
+            "be full FP32 on a TPU; use ragged_dot for model.compute_dtype float32"
+        )
+    return _matmul(compute_dtype, kernel, x_MxK, w_GxKxN, sizes_G)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(compute_dtype: str, x_MxK, w_GxKxN, sizes_G):
-    return _matmul_fwd(compute_dtype, x_MxK, w_GxKxN, sizes_G)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(compute_dtype: str, kernel: str, x_MxK, w_GxKxN, sizes_G):
+    return _matmul_fwd(compute_dtype, kernel, x_MxK, w_GxKxN, sizes_G)[0]
 
 
-def _matmul_fwd(compute_dtype, x_MxK, w_GxKxN, sizes_G):
+def _matmul_fwd(compute_dtype, kernel, x_MxK, w_GxKxN, sizes_G):
     x_c, w_c = x_MxK.astype(compute_dtype), w_GxKxN.astype(compute_dtype)
-    y_MxN = jax.lax.ragged_dot(
-        x_c, w_c, sizes_G, precision=full_precision(x_c.dtype), preferred_element_type=F32
-    )
+    if kernel == "gmm":
+        y_MxN = _gmm_rows(x_c, w_c, sizes_G, transpose=False)
+    else:
+        y_MxN = jax.lax.ragged_dot(
+            x_c, w_c, sizes_G, precision=full_precision(x_c.dtype), preferred_element_type=F32
+        )
     # the operands' dtypes ride along as zero-size arrays (residuals must be arrays)
     protos = (jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_GxKxN.dtype))
     return y_MxN, (x_c, w_c, sizes_G, *protos)
 
 
-def _matmul_bwd(compute_dtype, residuals, dy_MxN):
+def _matmul_bwd(compute_dtype, kernel, residuals, dy_MxN):
     x_c, w_c, sizes_G, x_proto, w_proto = residuals
     dy_c = dy_MxN.astype(compute_dtype)
-    precision = full_precision(x_c.dtype)
-    dx_MxK = jax.lax.ragged_dot(
-        dy_c, jnp.swapaxes(w_c, 1, 2), sizes_G, precision=precision, preferred_element_type=F32
-    )
-    dw_GxKxN = jax.lax.ragged_dot_general(
-        x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision=precision, preferred_element_type=F32
-    )
+    if kernel == "gmm":
+        dx_MxK = _gmm_rows(dy_c, w_c, sizes_G, transpose=True)
+        dw_GxKxN = _gmm_groups(x_c, dy_c, sizes_G)
+    else:
+        precision = full_precision(x_c.dtype)
+        dx_MxK = jax.lax.ragged_dot(
+            dy_c, jnp.swapaxes(w_c, 1, 2), sizes_G, precision, preferred_element_type=F32
+        )
+        dw_GxKxN = jax.lax.ragged_dot_general(
+            x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision, preferred_element_type=F32
+        )
     return dx_MxK.astype(x_proto.dtype), dw_GxKxN.astype(w_proto.dtype), None
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _tiled_rows(a_MxK):
+    """``a`` with zero rows after it up to a whole number of gmm's row tiles."""
+    tm = GMM_TILING[0]
+    return jnp.pad(a_MxK, ((0, -a_MxK.shape[0] % tm), (0, 0)))
+
+
+def _interpret() -> bool:
+    """Native on a TPU, Pallas's interpreter elsewhere (tests on CPU)."""
+    return jax.default_backend() != "tpu"
+
+
+def _gmm_rows(a_MxK, w_c, sizes_G, transpose: bool):
+    """``a`` row by row times its group's matrix (``transpose``: its transpose), ``[M, *]``
+    FP32; rows past the groups, which the kernel never writes, are 0."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm
+
+    M = a_MxK.shape[0]
+    out = gmm(
+        _tiled_rows(a_MxK), w_c, sizes_G, F32, GMM_TILING,
+        transpose_rhs=transpose, interpret=_interpret(),
+    )[:M]  # fmt: skip
+    return jnp.where((jnp.arange(M) < jnp.sum(sizes_G))[:, None], out, 0.0)
+
+
+def _gmm_groups(x_MxK, dy_MxN, sizes_G):
+    """Each group's ``x_g^T @ dy_g``, ``[G, K, N]`` FP32 (megablox's ``tgmm``)."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
+
+    x_PxK, dy_PxN = _tiled_rows(x_MxK), _tiled_rows(dy_MxN)
+    return tgmm(
+        x_PxK.T, dy_PxN, sizes_G, F32, GMM_TILING,
+        num_actual_groups=sizes_G.shape[0], interpret=_interpret(),
+    )  # fmt: skip
