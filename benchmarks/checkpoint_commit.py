@@ -8,10 +8,10 @@ packed-sft model (``init_train_state``), on this machine's disk, round by round:
   machine's fsync write bandwidth, the ceiling for any durable commit;
 - **two passes**: the commit plus the version-1 state hash — a second sha256 pass over every
   byte, what format 1 added — on another thread;
-- **synchronous commit**: :func:`minifield.state.checkpoint.save` (format 3: one data file,
-  each array hashed once while it is written, the state hash the hash of those hashes), also
-  with the per-array hashes already known (a checkpoint at a hashed update), and its CPU
-  time;
+- **synchronous commit**: :func:`minifield.state.checkpoint.save` (format 5: one data file,
+  each array's version-3 digest hashed once while it is written, the state hash the hash of
+  those digests), also with the digests already known (a checkpoint at a hashed update: no
+  hashing at all), and its CPU time;
 - **asynchronous commit**: :class:`minifield.attempt.checkpoint_cadence.CheckpointCadence` with its
   background writer: the time the update loop is blocked at the step boundary, then the
   wait for durability.
@@ -27,10 +27,10 @@ background. Printed: each cost ÷ one raw write+fsync of those bytes (goal ≤ 1
 commit).
 
 **Each commit alone** (``commit_cpu``, the ``LOOP_SIZE`` state; ``--cpu-only`` runs only this):
-its CPU and wall time, interleaved round by round with the raw write+fsync and with the floor
-of a format-3 commit at a hashed update (``raw_and_sha256``: the raw write plus one sha256
-pass over the same bytes, the manifest's per-array hashes, which the version-3 digests the
-update computed do not give).
+its CPU and wall time, interleaved round by round with the raw write+fsync and with what was
+the floor of a format-3 commit at a hashed update (``raw_and_sha256``: the raw write plus one
+sha256 pass over the same bytes, that manifest's per-array hashes, which the version-3
+digests the update computed did not give; format 5 records those digests instead).
 
 Then the per-update state-hashing cost at two model sizes (what ``train.state_hash_every: 1``
 adds to an update: the host copy, the per-array hashes, the whole and part hashes) next to
@@ -257,8 +257,8 @@ def loop_costs(directory: Path, rounds: int) -> dict:
 
 def raw_and_sha256(directory: Path, data: bytes) -> None:
     """The floor of a commit that must hash its bytes once (a format-3 manifest's per-array
-    sha256, which a hashed update's version-3 digests do not give): one raw write+fsync and
-    one sha256 pass over the same bytes."""
+    sha256, which a hashed update's version-3 digests did not give; format 5 needs no such
+    pass): one raw write+fsync and one sha256 pass over the same bytes."""
     raw_commit(directory, data)
     hashlib.sha256(data).digest()
 
