@@ -160,20 +160,25 @@ def main() -> None:
         return
     write_base(args)
     results = {}
-    for mode in MODES:
+    for mode in MODES:  # a mode that fails (the BF16 8B base does not fit 16 GB) is reported
         out = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
-            check=True, capture_output=True, text=True,
-        )  # fmt: skip
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode == 0:
+            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        else:
+            print(f"{mode}: failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
     tokens = args.batch * args.seq
     print(
         f"{args.preset}, batch {args.batch} x seq {args.seq}, LoRA rank {args.rank} on every linear layer"
     )
     for mode, r in results.items():
         mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
+        ratio = r["step_s"] / results["bf16"]["step_s"] if "bf16" in results else float("nan")
         print(
-            f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {r['step_s'] / results['bf16']['step_s']:.2f}  "
+            f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {ratio:.2f}  "
             f"peak {r['peak_bytes'] / 2**30:6.2f} GiB ({r['peak_of']})  "
             f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
         )
