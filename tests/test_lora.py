@@ -385,12 +385,20 @@ def test_a_lora_run_trains_only_adapters_and_resumes_bit_identically(tmp_path, q
 
 
 @pytest.mark.slow
-def test_a_bad_lora_field_ends_the_worker_with_exit_2(tmp_path):
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"targets": ["qkv"]}, "/model/lora/targets/0"),
+        # refused at prepare: NF4's default block of 64 does not divide the base's 32 inputs
+        ({"base_quantization": "nf4"}, "model.lora.quantization_block must divide"),
+    ],
+)
+def test_a_bad_lora_field_ends_the_worker_with_exit_2(tmp_path, change, needle):
     from conftest import run_worker
 
     root = tmp_path / "in"
     make_inputs(root)
-    path = write_recipe(tmp_path / "recipe.json", lora_recipe(root, {**LORA, "targets": ["qkv"]}))
+    path = write_recipe(tmp_path / "recipe.json", lora_recipe(root, {**LORA, **change}))
     proc = run_worker(job=path, input_root=root, output_root=tmp_path / "out", check_codes=(2,))
-    assert "/model/lora/targets/0" in proc.stderr + proc.stdout
+    assert needle in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr

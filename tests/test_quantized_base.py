@@ -5,6 +5,7 @@ measured error, the digests, and the refusals naming file, field and expectation
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,9 @@ from test_lora import LORA, ROWS, _logits, lora_recipe
 from test_quantize import ref_double, ref_int8, ref_nf4, ref_nf4_back
 
 from minifield import recipe as recipes
+from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import pinned_base
+from minifield.models import quantize
 from minifield.models.quantize import QuantizedWeight
 from minifield.training import lora
 
@@ -208,4 +211,26 @@ def test_an_already_quantized_base_is_refused_at_prepare(tmp_path):
         _prepare(lora_recipe(root, INT8), root)
     assert "already quantized" in str(info.value) and "model.lora.base_quantization" in str(
         info.value
+    )
+
+
+def test_experts_are_refused_by_name(tmp_path):
+    import test_mixtral
+
+    tensors = test_mixtral.mixtral_tensors(test_mixtral.MIXTRAL, seed=3)
+    directory = test_mixtral.write_checkpoint(tmp_path / "base", test_mixtral.MIXTRAL, tensors)
+    cfg, params, layout = hf_checkpoint.load_stored(directory, 32, "float32")
+    problem = quantize.base_problem({"base_quantization": "nf4"}, cfg, {}, params, layout)
+    assert "mixture of experts" in problem and "model.lora.base_quantization nf4" in problem
+
+
+def test_a_base_stored_in_another_dtype_is_refused_by_name():
+    params = {"blocks": {"00": {"attn": {"wq": np.zeros((64, 32), np.int8)}}}}
+    cfg = SimpleNamespace(n_experts=0)
+    problem = quantize.base_problem(
+        {"base_quantization": "int8"}, cfg, {}, params, {"blocks/00/attn/wq": True}
+    )
+    assert problem == (
+        "tensor blocks/00/attn/wq is stored as int8; model.lora.base_quantization int8 needs a "
+        "float32, bfloat16 or float16 base"
     )
