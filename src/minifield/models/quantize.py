@@ -10,10 +10,10 @@ tensor flattened, when ``block`` divides ``in`` (a block that does not divide is
 - ``nf4``: bitsandbytes' 16-value NormalFloat table (:data:`NF4`), blocks of 64 by default:
   each ``w / absmax`` rounded to the nearest table value, two 4-bit codes per byte (the first
   input of a pair in the high nibble, as bitsandbytes packs them).
-- double quantization (``nf4`` or blockwise ``int8``): the FP32 absmax scales, less their mean,
-  quantized once more in groups of 256 by int8 absmax (:func:`_scales_quantized`), the mean
-  kept in FP32. bitsandbytes uses its 8-bit dynamic (tree) map for this step; a linear int8 map
-  is one table lookup fewer and its error is measured in docs/quantized-base.md.
+- double quantization (either scheme): the FP32 absmax scales, less their mean, quantized once
+  more in groups of 256 by int8 absmax (:func:`_scales_quantized`), the mean kept in FP32.
+  bitsandbytes uses its 8-bit dynamic (tree) map for this step, which is not reproduced here;
+  what the linear map costs is measured in docs/quantized-base.md.
 
 A :class:`QuantizedWeight` is a pytree (codes and scales its leaves; the scheme, block and
 shape static), so it passes into jitted steps and is stacked by ``lax.scan`` like any other
