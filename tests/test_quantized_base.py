@@ -18,8 +18,7 @@ from test_quantize import ref_double, ref_int8, ref_nf4, ref_nf4_back
 
 from minifield import recipe as recipes
 from minifield.hf import checkpoint as hf_checkpoint
-from minifield.hf import pinned_base
-from minifield.models import quantize
+from minifield.hf import pinned_base, stored_base
 from minifield.models.quantize import QuantizedWeight
 from minifield.training import lora
 
@@ -220,14 +219,16 @@ def test_experts_are_refused_by_name(tmp_path):
     tensors = test_mixtral.mixtral_tensors(test_mixtral.MIXTRAL, seed=3)
     directory = test_mixtral.write_checkpoint(tmp_path / "base", test_mixtral.MIXTRAL, tensors)
     cfg, params, layout = hf_checkpoint.load_stored(directory, 32, "float32")
-    problem = quantize.base_problem({"base_quantization": "nf4"}, cfg, {}, params, layout)
+    problem = stored_base.quantization_problem(
+        {"base_quantization": "nf4"}, cfg, {}, params, layout
+    )
     assert "mixture of experts" in problem and "model.lora.base_quantization nf4" in problem
 
 
 def test_a_base_stored_in_another_dtype_is_refused_by_name():
     params = {"blocks": {"00": {"attn": {"wq": np.zeros((64, 32), np.int8)}}}}
     cfg = SimpleNamespace(n_experts=0)
-    problem = quantize.base_problem(
+    problem = stored_base.quantization_problem(
         {"base_quantization": "int8"}, cfg, {}, params, {"blocks/00/attn/wq": True}
     )
     assert problem == (

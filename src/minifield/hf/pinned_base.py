@@ -23,7 +23,7 @@ import numpy as np
 from ..data import chat_template, encode_pool, encoding
 from ..data import tokenizer as tokenizers
 from ..inputs.pinned import InputError, location
-from ..models import execution, lora_targets, quantize
+from ..models import execution, lora_targets
 from . import checkpoint as hf_checkpoint
 from . import stored_base
 
@@ -162,7 +162,9 @@ def load(
     if "lora" in model:
         _check_lora_targets(model["lora"], cfg, config_path)
         config = _read_json(config_path)
-        problem = quantize.base_problem(model["lora"], cfg, config, params, stored_layout)
+        problem = stored_base.quantization_problem(
+            model["lora"], cfg, config, params, stored_layout
+        )
         if problem:
             raise BaseModelError(f"{config_path}: {problem}")
     arrays = stored_base.to_arrays(params, stored_layout)

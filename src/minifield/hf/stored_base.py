@@ -215,3 +215,36 @@ class FrozenBase:
             return value.astype(dtype)
 
         return _nest((path, made(path, value)) for path, value in flatten(self.params))
+
+
+def quantization_problem(section: dict, cfg, config: dict, params, stored_layout) -> str | None:
+    """What ``model.lora.base_quantization`` cannot quantize in a base (its config, its
+    stored tensors): experts, a base already quantized or stored in another dtype, a block
+    that does not divide a matrix's inputs. None: nothing."""
+    from ..models import quantize
+
+    scheme = section.get("base_quantization", "none")
+    if scheme == "none":
+        return None
+    field = f"model.lora.base_quantization {scheme}"
+    if cfg.n_experts:
+        return f"a mixture of experts: {field} is not supported on experts (use a dense base)"
+    if "quantization_config" in config:
+        return (
+            f"the base is already quantized (quantization_config); {field} needs the "
+            "unquantized float32, bfloat16 or float16 checkpoint"
+        )
+    for path, value in flatten(params):
+        if not quantize.is_quantized(path, value.ndim):
+            continue
+        dtype = dtype_name(value)
+        if dtype not in ("float32", "bfloat16", "float16"):
+            return f"tensor {path} is stored as {dtype}; {field} needs a float32, bfloat16 or float16 base"
+        shape = value.shape[::-1] if stored_layout[path] else value.shape
+        problem = quantize.check_block(tuple(shape), scheme, section.get("quantization_block"))
+        if problem:
+            return (
+                f"tensor {path} {list(shape)}: {problem}; model.lora.quantization_block must "
+                "divide every quantized matrix's input dimension"
+            )
+    return None
