@@ -7,7 +7,6 @@ one); any other program's state is copied to every process and process 0 exports
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from ..state import export
@@ -15,7 +14,7 @@ from ..state.arrays import STATE_HASH_VERSION
 from ..supervision import distributed
 from .events import EventLog
 from .result import Ending, Progress
-from .update_loop import HostSnapshot, check_evaluation
+from .update_loop import HostSnapshot, evaluation
 
 
 def complete(
@@ -39,17 +38,7 @@ def complete(
         # one host copy on every process (a collective when sharded over processes), so
         # that process 0 alone can export it afterwards
         state = jax.tree_util.tree_map(to_host, state)
-    started = time.monotonic()
-    final_metrics = program.evaluate(state)
-    check_evaluation(step, final_metrics)
-    progress.metrics.update(final_metrics)
-    events.emit(
-        "evaluation",
-        step=step,
-        metrics=final_metrics,
-        seconds=time.monotonic() - started,
-        final=True,
-    )
+    evaluation(program, state, step, events, final=True, keep=progress.metrics)
     if together:  # a collective: the processes write their slices, process 0 commits
         export.write_whole(
             export_dir, lambda partial: program.export(state, partial, group=group), group

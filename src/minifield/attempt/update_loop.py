@@ -112,6 +112,26 @@ def check_evaluation(step: int, metrics: dict) -> None:
         raise Diverged(step, f"the evaluation's {bad[0]}", bad[1])
 
 
+def evaluation(
+    program, state, step: int, events: EventLog, *, final: bool, keep: dict | None = None
+) -> None:
+    """Evaluate update ``step``'s state, check it finite and emit its ``evaluation`` event;
+    ``keep`` (the result's metrics) takes the metrics before the event is written, so a
+    result still holds them when writing the event fails."""
+    started = time.monotonic()
+    metrics = program.evaluate(state)
+    check_evaluation(step, metrics)
+    if keep is not None:
+        keep.update(metrics)
+    events.emit(
+        "evaluation",
+        step=step,
+        metrics=metrics,
+        seconds=time.monotonic() - started,
+        final=final,
+    )
+
+
 class HostSnapshot:
     """The state of one step copied to the host at most once: the update's state hash, a
     checkpoint and the final hash of that step share the copy, and its per-array digests
@@ -167,16 +187,7 @@ def periodic_evaluation(program, events: EventLog, max_steps: int) -> Hook:
     every = getattr(program, "eval_every", 0)
 
     def evaluate(state, step: int, compute_used: float) -> None:
-        started = time.monotonic()
-        metrics = program.evaluate(state)
-        check_evaluation(step, metrics)
-        events.emit(
-            "evaluation",
-            step=step,
-            metrics=metrics,
-            seconds=time.monotonic() - started,
-            final=False,
-        )
+        evaluation(program, state, step, events, final=False)
 
     return Hook(evaluate, due=lambda step: bool(every) and step % every == 0 and step < max_steps)
 
