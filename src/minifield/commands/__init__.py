@@ -16,6 +16,8 @@ import shlex
 import sys
 from collections.abc import Callable
 
+from ..supervision import supervise as supervisor
+
 
 def bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
     """A whole number in [minimum, maximum]."""
@@ -55,6 +57,31 @@ def bounded_float(minimum: float, maximum: float, *, above: bool = False) -> Cal
 
     parse.__name__ = "number"
     return parse
+
+
+def load_recipe(path):
+    """The recipe at ``path``; None, its refusal said on stderr, when it cannot be used."""
+    # imported here: loading the CLI (e.g. for `minifield supervise`) should not load JAX
+    from .. import recipe as recipes
+
+    try:
+        return recipes.load(path)
+    except recipes.RecipeError as exc:
+        print(str(exc), file=sys.stderr)
+        return None
+
+
+def supervision_settings(command: str, args) -> supervisor.Settings | None:
+    """The supervisor's settings from ``--deadline-s``, ``--stall-s`` and ``--grace-s``;
+    None, said on stderr, when one cannot be used."""
+    try:
+        return supervisor.Settings(
+            deadline_s=args.deadline_s, stall_s=args.stall_s, grace_s=args.grace_s
+        )
+    except ValueError as exc:
+        # the message starts with the field name: say it as the flag the user typed
+        print(f"minifield {command}: --{str(exc).replace('_', '-')}", file=sys.stderr)
+        return None
 
 
 def report_unexpected(program: str, argv: list[str], exc: BaseException) -> None:

@@ -12,16 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from .. import recipe as recipes
 from ..inputs import credentials, fetch, origins
-from . import bounded_float, bounded_int
+from . import bounded_float, bounded_int, load_recipe
 
 
 def run(args) -> int:
-    try:
-        recipe = recipes.load(args.job)
-    except recipes.RecipeError as exc:
-        print(str(exc), file=sys.stderr)
+    recipe = load_recipe(args.job)
+    if recipe is None:
         return 2
     try:
         settings = fetch.Settings(

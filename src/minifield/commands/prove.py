@@ -13,18 +13,15 @@ from pathlib import Path
 from ..proof.document import DEFAULT_MODE, MODES
 from ..proof.prove import prove
 from ..supervision import supervise as supervisor
+from . import supervision_settings
 
 
 def run(args) -> int:
     # imported here: loading the CLI (e.g. for `minifield supervise`) should not load JAX
     from .. import recipe as recipes
 
-    try:
-        supervision = supervisor.Settings(
-            deadline_s=args.deadline_s, stall_s=args.stall_s, grace_s=args.grace_s
-        )
-    except ValueError as exc:
-        print(f"minifield prove: --{str(exc).replace('_', '-')}", file=sys.stderr)
+    supervision = supervision_settings("prove", args)
+    if supervision is None:
         return 2
     try:
         proof = prove(

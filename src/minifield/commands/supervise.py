@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..supervision import supervise as supervisor
+from . import supervision_settings
 
 
 def run(args) -> int:
@@ -21,13 +22,8 @@ def run(args) -> int:
     if not command:
         print("minifield supervise: no command given after '--'", file=sys.stderr)
         return 2
-    try:
-        settings = supervisor.Settings(
-            deadline_s=args.deadline_s, stall_s=args.stall_s, grace_s=args.grace_s
-        )
-    except ValueError as exc:
-        # the message starts with the field name: say it as the flag the user typed
-        print(f"minifield supervise: --{str(exc).replace('_', '-')}", file=sys.stderr)
+    settings = supervision_settings("supervise", args)
+    if settings is None:
         return 2
     outcome = supervisor.supervise(
         command, args.run_dir, settings, preempt_after_step=args.preempt_after_step

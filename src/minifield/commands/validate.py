@@ -10,15 +10,14 @@ import json
 import sys
 from pathlib import Path
 
+from . import load_recipe
+
 
 def run(args) -> int:
     from .. import own_recipe
-    from .. import recipe as recipes
 
-    try:
-        recipe = recipes.load(args.recipe)
-    except recipes.RecipeError as exc:
-        print(str(exc), file=sys.stderr)
+    recipe = load_recipe(args.recipe)
+    if recipe is None:
         return 2
     checked = {}
     if args.input_root is not None:
