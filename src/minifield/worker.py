@@ -175,16 +175,8 @@ def _start_processes(args) -> distributed.Group:
     topology = distributed.from_environment(
         coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
     )
-    if topology.is_multi_process:
-        # said before joining: a peer that never comes makes JAX's runtime abort the process
-        print(
-            f"minifield-worker: process {topology.process_id} of {topology.num_processes} "
-            f"joining coordinator {topology.coordinator} ({topology.source}; waiting at most "
-            f"{args.join_timeout} s for the others)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return distributed.Group(distributed.initialize(topology, timeout_seconds=args.join_timeout))
+    who = f"minifield-worker: process {topology.process_id} of {topology.num_processes}"
+    return distributed.join(topology, args.join_timeout, who)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,15 +146,7 @@ def _join(args) -> distributed.Group:
     if not args.distributed:
         return distributed.Group()
     topology = distributed.from_environment()
-    if topology.is_multi_process:
-        # said before joining: a peer that never comes makes JAX's runtime abort the process
-        print(
-            f"{PROG}[{topology.process_id}]: joining coordinator {topology.coordinator} "
-            f"({topology.source}; waiting at most {args.join_timeout} s for the others)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return distributed.Group(distributed.initialize(topology, timeout_seconds=args.join_timeout))
+    return distributed.join(topology, args.join_timeout, f"{PROG}[{topology.process_id}]:")
 
 
 def main(argv: list[str] | None = None) -> int:

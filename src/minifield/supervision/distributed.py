@@ -254,6 +254,20 @@ class Group:
             multihost_utils.sync_global_devices(name)
 
 
+def join(topology: Topology, timeout_seconds: int, who: str) -> Group:
+    """The group of ``topology``'s processes, this one joined; ``who`` (the program and this
+    process) says so on stderr first."""
+    if topology.is_multi_process:
+        # said before joining: a peer that never comes makes JAX's runtime abort the process
+        print(
+            f"{who} joining coordinator {topology.coordinator} ({topology.source}; waiting at "
+            f"most {timeout_seconds} s for the others)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return Group(initialize(topology, timeout_seconds=timeout_seconds))
+
+
 def probe() -> dict:
     """Initialise, then sum (process id + 1) over all processes with a psum on a global mesh."""
     topology = initialize()
