@@ -153,8 +153,9 @@ class Strategy(ABC):
         return {"name": self.name, "version": self.version, "description": self.description}
 
     def devices_required(self, recipe: dict) -> int:
-        """Devices the recipe's computation is defined over (its data-parallel degree)."""
-        return 1
+        """Devices the recipe's computation is defined over: its data-parallel degree
+        (``training.data_parallel.devices``), 1 for a strategy whose schema has none."""
+        return recipe.get("training", {}).get("data_parallel", {}).get("devices", 1)
 
     def check(self, recipe: dict) -> list[dict]:
         """Cross-field checks the schema cannot express; each error has ``path`` and ``message``."""

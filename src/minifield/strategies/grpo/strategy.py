@@ -42,12 +42,8 @@ class GRPO(Strategy):
     extra_sections = ("rl",)
 
     def check(self, recipe: dict) -> list[dict]:
-        if "rl" not in recipe:
-            return [{"path": "/rl", "message": "the grpo strategy needs it (rl.rewards at least)"}]
-        return checks.check(recipe, _own_checks, lora_on_mesh=True)
-
-    def devices_required(self, recipe: dict) -> int:
-        return recipe["training"]["data_parallel"]["devices"]
+        needs = ("rl", "the grpo strategy needs it (rl.rewards at least)")
+        return checks.check(recipe, _own_checks, lora_on_mesh=True, needs=needs)
 
     def data_spec(self, recipe: dict) -> dict:
         return {

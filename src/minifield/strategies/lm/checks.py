@@ -18,12 +18,22 @@ from . import model_section
 Check = Callable[[dict], list[dict]]
 
 
-def check(recipe: dict, own: Check, after: Check | None = None, lora_on_mesh=False) -> list[dict]:
+def check(
+    recipe: dict,
+    own: Check,
+    after: Check | None = None,
+    lora_on_mesh=False,
+    needs: tuple[str, str] | None = None,
+) -> list[dict]:
     """Every check of a language-model recipe, each one spelling where it has one: the model
     section, the strategy's own section and inputs (``own``), the export's dtype and shards,
     LoRA (``lora_on_mesh``: whether the strategy runs it with ``data_parallel.devices`` > 1),
     how the model computes, the model's values, the strategy's checks that read those
-    (``after``), and the warmup against ``limits.max_steps``."""
+    (``after``), and the warmup against ``limits.max_steps``. ``needs``: (the recipe section
+    the strategy cannot go without, why); the only error when it is absent, since the other
+    checks read it."""
+    if needs is not None and needs[0] not in recipe:
+        return [{"path": f"/{needs[0]}", "message": needs[1]}]
     errors = model_section.normalize_model_section(recipe["model"])
     errors += own(recipe)
     errors += model_section.normalize_export_dtype(recipe)

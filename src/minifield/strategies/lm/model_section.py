@@ -94,16 +94,19 @@ def normalize_model_section(model: dict) -> list[dict]:
     return errors
 
 
-def _normalize_base_section(model: dict) -> list[dict]:
-    errors = []
+def llama_only(model: dict, why: str) -> list[dict]:
+    """``model.architecture`` given its default (llama), refused (for ``why``) when another."""
     if model.setdefault("architecture", "llama") != "llama":
-        errors.append(
-            {
-                "path": "/model/architecture",
-                "message": "a base model (model.base) is a Llama-family checkpoint: "
-                "architecture must be llama or absent",
-            }
-        )
+        return [{"path": "/model/architecture", "message": why}]
+    return []
+
+
+def _normalize_base_section(model: dict) -> list[dict]:
+    errors = llama_only(
+        model,
+        "a base model (model.base) is a Llama-family checkpoint: architecture must be llama "
+        "or absent",
+    )
     if "positions" in model:
         errors.append({"path": "/model/positions", "message": "not with model.base (rotary)"})
     tokenizer = model.pop("tokenizer", {"kind": "byte"})

@@ -56,9 +56,6 @@ class PackedSFT(Strategy):
     def check(self, recipe: dict) -> list[dict]:
         return checks.check(recipe, _own_checks, _checks_after, lora_on_mesh=True)
 
-    def devices_required(self, recipe: dict) -> int:
-        return recipe["training"]["data_parallel"]["devices"]
-
     def data_spec(self, recipe: dict) -> dict:
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
         training, evaluation = recipe["training"], recipe["evaluation"]

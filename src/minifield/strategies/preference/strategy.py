@@ -41,12 +41,8 @@ class Preference(Strategy):
     extra_sections = ("preference",)
 
     def check(self, recipe: dict) -> list[dict]:
-        if "preference" not in recipe:
-            return [{"path": "/preference", "message": "the preference strategy needs it"}]
-        return checks.check(recipe, _own_checks, _checks_after)
-
-    def devices_required(self, recipe: dict) -> int:
-        return recipe["training"]["data_parallel"]["devices"]
+        needs = ("preference", "the preference strategy needs it")
+        return checks.check(recipe, _own_checks, _checks_after, needs=needs)
 
     def data_spec(self, recipe: dict) -> dict:
         from .prepared import PREPARE_VERSION

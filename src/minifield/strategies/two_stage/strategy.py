@@ -74,15 +74,11 @@ class TwoStage(Strategy):
     def check(self, recipe: dict) -> list[dict]:
         model, evaluation = recipe["model"], recipe["evaluation"]
         stage = recipe["training"]["stage"]
-        errors = []
-        if model.setdefault("architecture", "llama") != "llama":
-            errors.append(
-                {
-                    "path": "/model/architecture",
-                    "message": "two-stage trains Llama-family models (stage 2 starts from stage "
-                    "1's HF export): llama or absent",
-                }
-            )
+        errors = settings.llama_only(
+            model,
+            "two-stage trains Llama-family models (stage 2 starts from stage 1's HF export): "
+            "llama or absent",
+        )
         if stage == "pretrain" and evaluation.get("min_dev_exact_match", 0) > 0:
             errors.append(
                 {
@@ -117,9 +113,6 @@ class TwoStage(Strategy):
         if stage == "pretrain":
             recipe["training"].pop("overlong", None)  # documents are chunked, never cut
         return errors
-
-    def devices_required(self, recipe: dict) -> int:
-        return recipe["training"]["data_parallel"]["devices"]
 
     def data_spec(self, recipe: dict) -> dict:
         stage = recipe["training"]["stage"]
