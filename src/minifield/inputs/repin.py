@@ -58,6 +58,15 @@ def under_root(path: Path, root: Path, flag: str) -> str:
     return relative
 
 
+def _resolved(root: Path, name, where: str, problems: list[str]) -> Path | None:
+    """A local input's file under ``root``; None, its problem added, when it is refused (absolute, or outside the root)."""
+    try:
+        return pinned.resolve(root, where)
+    except pinned.InputError as exc:
+        problems.append(f"input {name!r}: {exc}")
+        return None
+
+
 def pin(document: dict, root: Path, like: Path) -> list[dict]:
     """Hash every local input written by ``recipe new`` (sha256 None) and check every one kept
     from the --like recipe against its pin; one row per input."""
@@ -66,10 +75,8 @@ def pin(document: dict, root: Path, like: Path) -> list[dict]:
         if "path" not in item:
             rows.append({"name": item["name"], "path": item.get("url"), "sha256": item["sha256"]})
             continue
-        try:
-            path = pinned.resolve(root, item["path"])
-        except pinned.InputError as exc:
-            problems.append(f"input {item['name']!r}: {exc}")
+        path = _resolved(root, item["name"], item["path"], problems)
+        if path is None:
             continue
         if not path.is_file():
             absent.append(f"{item['name']} ({root / item['path']})")
@@ -107,10 +114,8 @@ def rehash(document: dict, root: Path, path: Path) -> tuple[dict, list[tuple[int
     hashes, problems = {}, []
     for _, item in local:
         name, where = item.get("name"), item.get("path")
-        try:
-            file = pinned.resolve(root, str(where))
-        except pinned.InputError as exc:
-            problems.append(f"input {name!r}: {exc}")
+        file = _resolved(root, name, str(where), problems)
+        if file is None:
             continue
         if not file.is_file():
             problems.append(f"input {name!r}: {root / str(where)} does not exist")
