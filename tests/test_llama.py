@@ -419,6 +419,23 @@ def test_llama_keys_are_refused_for_the_gpt_architecture_and_bad_groups_named():
     assert {e["path"] for e in info.value.errors} == {"/model/n_kv_heads"}
 
 
+def test_q_k_v_biases_with_q_k_norms_are_refused_at_validation():
+    """No HF family has both (Qwen2 the biases, Qwen3 the norms): the export could not be
+    written as one, so the recipe is refused before anything runs."""
+    model = {"architecture": "llama", "d_model": 32, "n_heads": 4, "qkv_bias": True}
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(_recipe({**model, "qk_norm": True}))
+    assert [(e["path"], e["message"]) for e in info.value.errors] == [
+        (
+            "/model/qk_norm",
+            "not with model.qkv_bias: no HF family has both q/k/v biases (Qwen2) and q/k "
+            "norms (Qwen3); choose one",
+        )
+    ]
+    for one in ({**model, "qkv_bias": False, "qk_norm": True}, model):
+        recipes.validate(_recipe(one))
+
+
 # -- transformers' Flax implementation (slow) ---------------------------------------------------
 
 

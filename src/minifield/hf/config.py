@@ -279,6 +279,11 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
     """``config.json`` for an export without a base model's: the simplest family that holds
     the model (:func:`minifield.models.families.family_of`)."""
     family = family_of(cfg)
+    if cfg.qkv_bias and not family.qkv_bias:
+        raise ValueError(
+            f"no HF family holds q/k/v biases with this model's other features "
+            f"(written as {family.model_type}, which has none)"
+        )
     out = {
         "architectures": [family.architecture],
         "model_type": family.model_type,

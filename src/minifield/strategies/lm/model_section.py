@@ -148,6 +148,16 @@ def model_errors(model: dict) -> list[dict]:
                 "message": "rotary positions need an even head width (d_model / n_heads)",
             }
         )
+    if model.get("qkv_bias") and model.get("qk_norm"):
+        # the export's config.json names one family, and none has both (it would be
+        # written as Qwen3 without the biases and not read back)
+        errors.append(
+            {
+                "path": "/model/qk_norm",
+                "message": "not with model.qkv_bias: no HF family has both q/k/v biases "
+                "(Qwen2) and q/k norms (Qwen3); choose one",
+            }
+        )
     tokenizer = model.get("tokenizer", {"kind": "byte"})
     if tokenizer["kind"] == "byte" and (tokenizer.get("special_tokens") or {}):
         errors.append(
