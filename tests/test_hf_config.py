@@ -154,7 +154,7 @@ def _template_bomb(root):
     settings = json.loads(config.read_text())
     config.write_text(json.dumps({**settings, "chat_template": "{{ 'x' * 10000000 }}"}))
     return (
-        f"{root / 'sft' / 'train.jsonl'} (example 1): {config}: chat_template exceeds its "
+        f"{root / 'sft' / 'train.jsonl'}:1: {config}: chat_template exceeds its "
         "bounds: a repetition (*) would build 10,000,000 characters"
     )
 

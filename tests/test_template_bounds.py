@@ -131,7 +131,7 @@ def test_real_templates_render_as_jinja_renders_them_unbounded(template):
         assert ours.render(messages, add_generation_prompt=prompt) == expected
 
 
-def test_a_template_past_its_bounds_in_prepare_names_the_example_and_template(root):  # noqa: F811
+def test_a_template_past_its_bounds_in_prepare_names_the_row_and_template(root):  # noqa: F811
     # the first render (train.jsonl's first row, the whole conversation) trips it
     template = CHATML.replace("{% endfor %}", "{% endfor %}{{ 'x' * 10000000 }}")
     with pytest.raises(pinned_base.BaseModelError) as info:
@@ -140,7 +140,7 @@ def test_a_template_past_its_bounds_in_prepare_names_the_example_and_template(ro
     first = json.loads(train.read_text().splitlines()[0])["messages"]
     limit = 32 * 64 + sum(len(m["content"]) for m in first)  # seq_len 64
     assert str(info.value) == (
-        f"{train} (example 1): recipe model.chat_template: chat_template exceeds its bounds: a "
+        f"{train}:1: recipe model.chat_template: chat_template exceeds its bounds: a "
         f"repetition (*) would build 10,000,000 characters or items, more than the {limit:,} "
         "one render may"
     )

@@ -273,7 +273,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_good_one(
     events = read_events(run_dir(out, attempt="r") / "events.jsonl")
     rejected = [e for e in events if e["type"] == "checkpoint_rejected"]
     assert rejected and rejected[0]["step"] == 10
-    assert f"sha256 mismatch for state array {last['name']!r}" in rejected[0]["reason"]
+    assert f"digest mismatch for state array {last['name']!r}" in rejected[0]["reason"]
     assert next(e for e in events if e["type"] == "restored")["step"] == 8
     assert result_of(out, "r")["final_state_hash"] == reference["final_state_hash"]
 
