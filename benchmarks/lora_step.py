@@ -64,7 +64,9 @@ def main() -> None:
 
     full_state = train_step.init_train_state(cfg, opt, 0)
     full_step = jax.jit(train_step.make_train_step(cfg, opt, schedule), donate_argnums=(0,))
-    base = lora.frozen_base(llama.init_params(cfg, jax.random.key(1)), settings)
+    base = jax.tree.map(
+        lambda a: a.astype(args.base_dtype), llama.init_params(cfg, jax.random.key(1))
+    )
     lora_state = lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8))
     lora_step = jax.jit(lora.make_train_step(cfg, settings, opt, schedule), donate_argnums=(0,))
 
