@@ -7,6 +7,8 @@ same time window (shared machines drift). Reports the median and best GFLOP/s
 - ``f32``        FP32 x FP32 -> FP32
 - ``bf16``       BF16 x BF16 -> BF16 (plain cast; XLA:CPU upcasts it)
 - ``bf16_f32acc`` BF16 x BF16 -> FP32 (``preferred_element_type``; the form the model uses)
+- ``f32_highest`` FP32 x FP32 -> FP32 at ``Precision.HIGHEST`` (the model's FP32 compute: on a
+  TPU the plain ``f32`` is one BF16 pass, docs/tpu.md#fp32-means-fp32)
 
 Usage: uv run python benchmarks/bench_matmul.py [--sizes 512 1024 2048] [--reps 7] [--quick]
 """
@@ -26,7 +28,8 @@ import numpy as np
 def _matmuls():
     plain = jax.jit(lambda a, b: a @ b)
     accumulate = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
-    return plain, accumulate
+    highest = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+    return plain, accumulate, highest
 
 
 def operands(n: int):
@@ -37,12 +40,13 @@ def operands(n: int):
 
 
 def variants(n: int) -> dict:
-    plain, accumulate = _matmuls()
+    plain, accumulate, highest = _matmuls()
     a32, b32, a16, b16 = operands(n)
     return {
         "f32": lambda: plain(a32, b32).block_until_ready(),
         "bf16": lambda: plain(a16, b16).block_until_ready(),
         "bf16_f32acc": lambda: accumulate(a16, b16).block_until_ready(),
+        "f32_highest": lambda: highest(a32, b32).block_until_ready(),
     }
 
 
