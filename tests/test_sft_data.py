@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 import yaml
 
+from minifield.commands import make_demo_data
 from minifield.data import encoding
 from minifield.data import tokenizer as tk
 from minifield.strategies.packed_sft import demo_data
@@ -114,3 +117,41 @@ def test_shipped_demo_files_are_what_make_demo_data_writes_and_the_recipe_pins(t
         shipped = (repo / "data" / pins[split][0]).read_bytes()
         assert written == shipped
         assert hashlib.sha256(shipped).hexdigest() == pins[split][1] == printed[split]["sha256"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "sources", "written"),
+    [
+        ("two_stage", ("two-stage/corpus",), ("two-stage/sft",)),
+        ("preference", ("llama-sft-demo",), ("preference-demo",)),
+        ("grpo", ("llama-sft-demo",), ("grpo-demo", "grpo-learn")),
+    ],
+)
+def test_derived_demo_data_is_the_shipped_data(tmp_path, repo, capsys, flag, sources, written):
+    # two-stage's files sit under DIR/corpus and DIR/sft, the others' under their own names
+    def under_root(name):
+        return tmp_path / name.removeprefix("two-stage/")
+
+    for name in sources:
+        shutil.copytree(repo / "data" / name, under_root(name))
+    args = argparse.Namespace(
+        directory=tmp_path, two_stage=False, preference=False, grpo=False, llama=False
+    )
+    setattr(args, flag, True)
+    assert make_demo_data.run(args) == 0
+    printed = json.dumps(json.loads(capsys.readouterr().out))
+    for name in written:
+        for shipped in sorted((repo / "data" / name).glob("*.jsonl")):
+            copy = under_root(name) / shipped.name
+            assert copy.read_bytes() == shipped.read_bytes()
+            assert hashlib.sha256(shipped.read_bytes()).hexdigest() in printed
+
+
+def test_derived_demo_data_without_its_sources_is_one_line_and_exit_2(tmp_path, capsys):
+    args = argparse.Namespace(
+        directory=tmp_path, two_stage=False, preference=True, grpo=False, llama=False
+    )
+    assert make_demo_data.run(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("minifield make-demo-data: ") and err.count("\n") == 1
+    assert "llama-sft-demo" in err

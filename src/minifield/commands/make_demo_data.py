@@ -47,12 +47,9 @@ def _run_llama(args) -> int:
 
 
 def run(args) -> int:
-    if args.two_stage:
-        return run_two_stage(args.directory)
-    if args.preference:
-        return run_preference(args.directory)
-    if args.grpo:
-        return run_grpo(args.directory)
+    for which in ("two_stage", "preference", "grpo"):
+        if getattr(args, which):
+            return _derived(args.directory, which)
     if args.llama or args.llama_base is not None:
         return _run_llama(args)
     try:
@@ -73,42 +70,21 @@ def run(args) -> int:
     return 0
 
 
-def run_two_stage(directory: Path) -> int:
-    """The two-stage demo's supervised pairs, derived from ``DIR/corpus/train.jsonl``."""
+def _derived(directory: Path, which: str) -> int:
+    """A demo's inputs derived from files already under ``directory`` (an input root):
+    ``which`` is ``two_stage`` (word-completion pairs from ``corpus/train.jsonl``),
+    ``preference`` or ``grpo`` (pairs or prompts from ``llama-sft-demo/*.jsonl``)."""
     from ..inputs.pinned import InputError
-    from ..strategies import two_stage
+    from ..strategies import grpo, preference, two_stage
 
     try:
-        pins = two_stage.demo_data.write_pairs(directory / "corpus", directory / "sft")
-    except (OSError, InputError) as exc:
-        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
-        return 2
-    out = {s: {"path": str(directory / "sft" / f"{s}.jsonl"), "sha256": h} for s, h in pins.items()}
-    print(json.dumps(out, indent=2))
-    return 0
-
-
-def run_preference(directory: Path) -> int:
-    """The preference demo's pairs, derived from ``DIR/llama-sft-demo/*.jsonl``."""
-    from ..inputs.pinned import InputError
-    from ..strategies import preference
-
-    try:
-        pins = preference.demo_data.write(directory)
-    except (OSError, InputError) as exc:
-        print(f"minifield make-demo-data: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(pins, indent=2))
-    return 0
-
-
-def run_grpo(directory: Path) -> int:
-    """The grpo demos' prompts, derived from ``DIR/llama-sft-demo/*.jsonl``."""
-    from ..inputs.pinned import InputError
-    from ..strategies import grpo
-
-    try:
-        pins = grpo.demo_data.write(directory)
+        if which == "two_stage":
+            sft = directory / "sft"
+            hashes = two_stage.demo_data.write_pairs(directory / "corpus", sft)
+            pins = {s: {"path": str(sft / f"{s}.jsonl"), "sha256": h} for s, h in hashes.items()}
+        else:
+            strategy = preference if which == "preference" else grpo
+            pins = strategy.demo_data.write(directory)
     except (OSError, InputError) as exc:
         print(f"minifield make-demo-data: {exc}", file=sys.stderr)
         return 2
