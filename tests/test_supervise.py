@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, linear_recipe, worker_command, write_recipe
 
+from minifield.commands import add_supervision_arguments, supervision_settings
 from minifield.supervision import supervise
 from minifield.supervision.supervise import Settings
 
@@ -359,3 +361,19 @@ def test_injected_worker_stall_is_stalled_and_reaped(tmp_path):
     assert _gone(outcome["pid"]) and not _group_has_live_member(outcome["pgid"])
     with pytest.raises(ProcessLookupError):
         os.killpg(outcome["pgid"], 0)
+
+
+def test_supervision_flags_are_required_unless_the_command_gives_defaults(capsys):
+    supervise_flags = argparse.ArgumentParser()
+    add_supervision_arguments(supervise_flags)
+    with pytest.raises(SystemExit):
+        supervise_flags.parse_args(["--deadline-s", "30"])
+    assert "--stall-s" in capsys.readouterr().err
+    args = supervise_flags.parse_args(["--deadline-s", "30", "--stall-s", "5"])
+    assert supervision_settings("supervise", args) == Settings(deadline_s=30.0, stall_s=5.0)
+
+    prove_flags = argparse.ArgumentParser()
+    add_supervision_arguments(prove_flags, supervise.QUALIFICATION)
+    assert supervision_settings("prove", prove_flags.parse_args([])) == supervise.QUALIFICATION
+    args = prove_flags.parse_args(["--grace-s", "2.5"])
+    assert supervision_settings("prove", args).grace_s == 2.5

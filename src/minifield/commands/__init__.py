@@ -71,6 +71,30 @@ def load_recipe(path):
         return None
 
 
+def add_supervision_arguments(
+    parser: argparse.ArgumentParser, defaults: supervisor.Settings | None = None
+) -> None:
+    """``--deadline-s``, ``--stall-s`` and ``--grace-s``, which :func:`supervision_settings`
+    reads: required unless ``defaults`` gives them (the grace period always has one)."""
+    flags = (
+        ("deadline_s", "wall-clock limit of the child in seconds"),
+        ("stall_s", "stop the child when no event arrives for this long (includes start-up)"),
+        ("grace_s", "SIGTERM→SIGKILL grace period"),
+    )
+    for name, meaning in flags:
+        if defaults is not None:
+            default = getattr(defaults, name)
+        else:  # the limits are the caller's to choose; the grace period has the project's default
+            default = supervisor.Settings.grace_s if name == "grace_s" else None
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=float,
+            required=default is None,
+            default=default,
+            help=meaning if default is None else f"{meaning} (default {default:g})",
+        )
+
+
 def supervision_settings(command: str, args) -> supervisor.Settings | None:
     """The supervisor's settings from ``--deadline-s``, ``--stall-s`` and ``--grace-s``;
     None, said on stderr, when one cannot be used."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..proof.document import DEFAULT_MODE, MODES
 from ..proof.prove import prove
 from ..supervision import supervise as supervisor
-from . import supervision_settings
+from . import add_supervision_arguments, supervision_settings
 
 
 def run(args) -> int:
@@ -58,7 +58,6 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    defaults = supervisor.QUALIFICATION
     parser = sub.add_parser(
         "prove",
         help="recovery proof: reference, crash and/or preemption after update k, resume, "
@@ -82,7 +81,5 @@ def register(sub) -> None:
         f"the supervisor, exit 3) or both (default {DEFAULT_MODE})",
     )
     parser.add_argument("--examples", type=Path, help="prepared examples directory")
-    parser.add_argument("--deadline-s", type=float, default=defaults.deadline_s)
-    parser.add_argument("--stall-s", type=float, default=defaults.stall_s)
-    parser.add_argument("--grace-s", type=float, default=defaults.grace_s)
+    add_supervision_arguments(parser, supervisor.QUALIFICATION)
     parser.set_defaults(func=run)

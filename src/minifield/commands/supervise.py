@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..supervision import supervise as supervisor
-from . import supervision_settings
+from . import add_supervision_arguments, supervision_settings
 
 
 def run(args) -> int:
@@ -45,21 +45,7 @@ def register(sub) -> None:
         description=__doc__,
     )
     parser.add_argument("--run-dir", type=Path, required=True, help="where run.json and logs go")
-    parser.add_argument(
-        "--deadline-s", type=float, required=True, help="wall-clock limit of the child (seconds)"
-    )
-    parser.add_argument(
-        "--stall-s",
-        type=float,
-        required=True,
-        help="stop the child when no event arrives for this long (includes start-up)",
-    )
-    parser.add_argument(
-        "--grace-s",
-        type=float,
-        default=supervisor.Settings.grace_s,
-        help=f"SIGTERM→SIGKILL grace period (default {supervisor.Settings.grace_s:g})",
-    )
+    add_supervision_arguments(parser)
     parser.add_argument(
         "--preempt-after-step",
         type=int,
