@@ -132,18 +132,16 @@ def _add_multi_process_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
     faults = parser.add_argument_group("fault injection (tests and qualification only)")
-    faults.add_argument(
-        "--fail-after-step", type=_STEP, metavar="K", help="hard exit right after update K"
+    at_update = (
+        ("--fail-after-step", "hard exit right after update K"),
+        ("--stall-after-step", "stop emitting events after update K"),
+        (
+            "--kill-during-checkpoint",
+            "SIGKILL the worker itself while checkpoint K is being written (before it commits)",
+        ),
     )
-    faults.add_argument(
-        "--stall-after-step", type=_STEP, metavar="K", help="stop emitting events after update K"
-    )
-    faults.add_argument(
-        "--kill-during-checkpoint",
-        type=_STEP,
-        metavar="K",
-        help="SIGKILL the worker itself while checkpoint K is being written (before it commits)",
-    )
+    for flag, fault in at_update:
+        faults.add_argument(flag, type=_STEP, metavar="K", help=fault)
     faults.add_argument(
         "--stall-seconds",
         type=bounded_float(0, 86400),
