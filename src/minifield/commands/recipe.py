@@ -80,6 +80,16 @@ def default_input_root() -> tuple[Path, str]:
     return Path(root), f"input_root of {CONFIG_FILE}"
 
 
+def _add_input_root(parser) -> None:
+    """``--input-root``, read by :func:`_input_root`."""
+    parser.add_argument(
+        "--input-root",
+        type=Path,
+        metavar="DIR",
+        help="the pipeline's input root (default: input_root of config/config.yaml, else data)",
+    )
+
+
 def _input_root(args) -> tuple[Path, str]:
     root, source = (args.input_root, "--input-root") if args.input_root else default_input_root()
     if not root.is_dir():
@@ -360,12 +370,7 @@ def register(sub) -> None:
         metavar="ID",
         help="the new recipe's job_id (default: the output file's name without its suffix)",
     )
-    new.add_argument(
-        "--input-root",
-        type=Path,
-        metavar="DIR",
-        help="the pipeline's input root (default: input_root of config/config.yaml, else data)",
-    )
+    _add_input_root(new)
     new.add_argument(
         "-o",
         "--output",
@@ -388,10 +393,5 @@ def register(sub) -> None:
         action="store_true",
         help="write nothing; exit 1 when a pin is stale (0 when every pin is current)",
     )
-    repin.add_argument(
-        "--input-root",
-        type=Path,
-        metavar="DIR",
-        help="the pipeline's input root (default: input_root of config/config.yaml, else data)",
-    )
+    _add_input_root(repin)
     repin.set_defaults(func=run, action=run_repin)
