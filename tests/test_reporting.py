@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from minifield.observe.report import results, training
@@ -139,6 +140,17 @@ def test_goodput_chart_and_throughput_table_from_a_summary(tmp_path):
     page = (tmp_path / "throughput.html").read_text()
     assert "update_duty_fraction" in page and "not hardware utilization" in page
     assert '<td class="num">0.375</td>' in page
+    # each field's unit, as its name says it (observe.summarize's naming rule)
+    for field, unit in [
+        ("final_status", ""),
+        ("update_duty_fraction", "fraction"),
+        ("job_tokens_per_s", "tokens/s"),
+        ("job_productive_examples_per_s", "examples/s"),
+        ("job_wall_time_s", "s"),
+        ("restarts.lost_uncheckpointed_updates_count", "count"),
+        ("restarts.lost_s", "s"),
+    ]:
+        assert re.search(f"<td>{re.escape(field)}</td><td[^>]*>[^<]*</td><td>{unit}</td>", page)
 
 
 def test_recovery_table_shows_the_proofs_own_comparison(tmp_path):

@@ -223,62 +223,74 @@ def plot_goodput(summary_json: Path, out_png: Path) -> None:
     page.save_png(fig, out_png)
 
 
-THROUGHPUT_ROWS = [
-    ("attempts_count", "attempts in the job", "count"),
-    ("final_status", "status of the last attempt", ""),
-    ("updates_count", "update events (including redone ones)", "count"),
-    ("processed_examples_count", "examples processed by all updates", "count"),
-    ("processed_tokens_count", "tokens processed by all updates", "count"),
-    ("processed_loss_tokens_count", "tokens that carried loss (when the events say)", "count"),
-    ("update_time_s", "sum of synchronized update durations", "s"),
-    ("update_examples_per_s", "update-path throughput: examples ÷ update time", "examples/s"),
-    ("update_tokens_per_s", "update-path throughput: tokens ÷ update time", "tokens/s"),
-    ("job_wall_time_s", "job wall time: first to last event (+ gaps between attempts)", "s"),
-    ("job_examples_per_s", "whole-job throughput: examples ÷ job wall time", "examples/s"),
-    ("job_tokens_per_s", "whole-job throughput: tokens ÷ job wall time", "tokens/s"),
-    (
-        "job_productive_examples_per_s",
-        "whole-job goodput: non-redone examples ÷ wall",
-        "examples/s",
-    ),
-    ("update_duty_fraction", "update duty fraction: update time ÷ job wall time", "fraction"),
-    ("completed_steps_count", "steps completed by the current state", "count"),
-    ("checkpointed_steps_count", "steps covered by the newest committed checkpoint", "count"),
-    (
-        "uncheckpointed_updates_count",
-        "completed updates not yet in a committed checkpoint",
-        "count",
-    ),
-    ("committed_checkpoints_count", "committed checkpoints", "count"),
-    ("compile_s", "compile time", "s"),
-    ("checkpoint_s", "checkpoint commit time", "s"),
-    ("evaluation_s", "evaluation time", "s"),
-]
-RESTART_ROWS = [
-    ("restarts_count", "restarts (attempts after the first)", "count"),
-    ("redone_updates_count", "updates redone after a resume", "count"),
-    ("redone_examples_count", "examples redone after a resume", "count"),
-    ("redone_update_s", "update time spent redoing lost work", "s"),
-    (
-        "lost_uncheckpointed_updates_count",
-        "updates lost with a dead process (not committed)",
-        "count",
-    ),
-    ("between_attempts_s", "wall time between attempts", "s"),
-    ("resumed_compile_s", "compile time of resumed attempts", "s"),
-    ("lost_s", "time lost to restarts: redone + between + resumed compile", "s"),
-    ("lost_fraction", "time lost to restarts ÷ job wall time", "fraction"),
-]
+#: the summary's fields the throughput page tables, named as it names them (a section's
+#: field: ``section.field``) with their meaning; the unit is read from the name
+#: (:mod:`minifield.observe.summarize` ends every field's name with its unit)
+FIELD_MEANINGS = {
+    "attempts_count": "attempts in the job",
+    "final_status": "status of the last attempt",
+    "updates_count": "update events (including redone ones)",
+    "processed_examples_count": "examples processed by all updates",
+    "processed_tokens_count": "tokens processed by all updates",
+    "processed_loss_tokens_count": "tokens that carried loss (when the events say)",
+    "update_time_s": "sum of synchronized update durations",
+    "update_examples_per_s": "update-path throughput: examples ÷ update time",
+    "update_tokens_per_s": "update-path throughput: tokens ÷ update time",
+    "job_wall_time_s": "job wall time: first to last event (+ gaps between attempts)",
+    "job_examples_per_s": "whole-job throughput: examples ÷ job wall time",
+    "job_tokens_per_s": "whole-job throughput: tokens ÷ job wall time",
+    "job_productive_examples_per_s": "whole-job goodput: non-redone examples ÷ wall",
+    "update_duty_fraction": "update duty fraction: update time ÷ job wall time",
+    "completed_steps_count": "steps completed by the current state",
+    "checkpointed_steps_count": "steps covered by the newest committed checkpoint",
+    "uncheckpointed_updates_count": "completed updates not yet in a committed checkpoint",
+    "committed_checkpoints_count": "committed checkpoints",
+    "compile_s": "compile time",
+    "checkpoint_s": "checkpoint commit time",
+    "evaluation_s": "evaluation time",
+    "restarts.restarts_count": "restarts (attempts after the first)",
+    "restarts.redone_updates_count": "updates redone after a resume",
+    "restarts.redone_examples_count": "examples redone after a resume",
+    "restarts.redone_update_s": "update time spent redoing lost work",
+    "restarts.lost_uncheckpointed_updates_count": "updates lost with a dead process (not committed)",
+    "restarts.between_attempts_s": "wall time between attempts",
+    "restarts.resumed_compile_s": "compile time of resumed attempts",
+    "restarts.lost_s": "time lost to restarts: redone + between + resumed compile",
+    "restarts.lost_fraction": "time lost to restarts ÷ job wall time",
+}
+
+
+#: a field name's ending and the unit it says; a rate's ending first, since it ends in "_s" too
+UNITS = (
+    ("_examples_per_s", "examples/s"),
+    ("_tokens_per_s", "tokens/s"),
+    ("_s", "s"),
+    ("_fraction", "fraction"),
+    ("_count", "count"),
+)
+
+
+def _unit(field: str) -> str:
+    return next((unit for ending, unit in UNITS if field.endswith(ending)), "")
+
+
+def _field_rows(summary: dict, section: str) -> list[list]:
+    """Rows (name, value, unit, meaning) of the summary's top-level fields (``section`` "")
+    or of one section's."""
+    values = summary[section] if section else summary
+    rows = []
+    for name, meaning in FIELD_MEANINGS.items():
+        where, _, field = name.rpartition(".")
+        if where == section:
+            rows.append([name, values.get(field), _unit(field), meaning])
+    return rows
 
 
 def throughput_table(summary_json: Path, out_html: Path) -> None:
     summary = atomic.read_json(summary_json)
     headers = ["field", "value", "unit", "meaning"]
-    main = [[k, summary.get(k), unit, meaning] for k, meaning, unit in THROUGHPUT_ROWS]
-    restarts = [
-        [f"restarts.{k}", summary["restarts"].get(k), unit, meaning]
-        for k, meaning, unit in RESTART_ROWS
-    ]
+    main = _field_rows(summary, "")
+    restarts = _field_rows(summary, "restarts")
     wall = summary["job_wall_time_s"]
     goodput = [
         [
