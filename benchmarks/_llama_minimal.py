@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from minifield.data.packing import Rows
 from minifield.training import optimizer as project_optimizer
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -46,23 +47,22 @@ class Shape:
         return self.d_model // self.n_heads
 
 
-def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> dict:
+def packed_batch(B: int, T: int, vocab: int, seed: int = 0) -> Rows:
     """Rows of several segments (16..T/2 tokens), positions restarting per segment, loss on
     the second half of each segment, a little padding at the end of a row."""
     rng = np.random.default_rng(seed)
-    batch = {k: np.zeros((B, T), np.int32) for k in ("tokens", "segments", "positions")}
-    batch["loss_mask"] = np.zeros((B, T), np.float32)
-    batch["tokens"][:] = rng.integers(0, vocab, (B, T))
+    batch = Rows(*(np.zeros((B, T), np.int32) for _ in "tsp"), np.zeros((B, T), np.float32))
+    batch.tokens[:] = rng.integers(0, vocab, (B, T))
     shortest = min(16, T // 4)
     for r in range(B):
         at, seg = 0, 1
         while at < T - shortest - 4:
             n = int(min(rng.integers(shortest, max(T // 2, shortest + 1)), T - 4 - at))
-            batch["segments"][r, at : at + n] = seg
-            batch["positions"][r, at : at + n] = np.arange(n)
-            batch["loss_mask"][r, at + n // 2 : at + n] = 1.0
+            batch.segments[r, at : at + n] = seg
+            batch.positions[r, at : at + n] = np.arange(n)
+            batch.loss_mask[r, at + n // 2 : at + n] = 1.0
             at, seg = at + n, seg + 1
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    return jax.tree_util.tree_map(jnp.asarray, batch)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -187,7 +187,7 @@ def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swi
     """FP32 logits ``[B, T, V]`` of every slot of a packed batch; ``mlp(p, x, dot, compute)``:
     each layer's MLP on its normed input (``moe_update.py`` passes mixtures of experts)."""
     dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
-    tokens, seg, pos = batch["tokens"], batch["segments"], batch["positions"]
+    tokens, seg, pos = batch.tokens, batch.segments, batch.positions
     B, T = tokens.shape
     H, G, K = shape.n_heads, shape.n_kv_heads, shape.head_dim
 
@@ -221,11 +221,11 @@ def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swi
 
 
 def loss(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu):
-    tokens, seg = batch["tokens"], batch["segments"]
+    tokens, seg = batch.tokens, batch.segments
     logits_ = logits(params, batch, shape, compute, attention, mlp)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
-    weight = jnp.pad(jnp.where(counted, batch["loss_mask"][:, 1:], 0.0), ((0, 0), (0, 1)))
+    weight = jnp.pad(jnp.where(counted, batch.loss_mask[:, 1:], 0.0), ((0, 0), (0, 1)))
     logp = jax.nn.log_softmax(logits_, -1)
     nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
     return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)

@@ -46,6 +46,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_matmul import peak_probe  # noqa: E402
 
+from minifield.data.packing import Rows  # noqa: E402
 from minifield.models.model import ModelConfig, flops_per_token  # noqa: E402
 from minifield.training.optimizer import make_optimizer  # noqa: E402
 from minifield.training.train_step import init_train_state, make_train_step  # noqa: E402
@@ -56,22 +57,21 @@ TRAINING = {"learning_rate": 1e-3, "warmup_steps": 10, "weight_decay": 0.01}
 MAX_STEPS = 1000
 
 
-def packed_batch(B: int, T: int, seed: int = 0) -> dict:
+def packed_batch(B: int, T: int, seed: int = 0) -> Rows:
     """Random rows of several segments (10..T/2 tokens each), positions restarting,
     loss on the second half of each segment, and a little padding at the end."""
     rng = np.random.default_rng(seed)
-    batch = {k: np.zeros((B, T), np.int32) for k in ("tokens", "segments", "positions")}
-    batch["loss_mask"] = np.zeros((B, T), np.float32)
-    batch["tokens"][:] = rng.integers(0, VOCAB, (B, T))
+    batch = Rows(*(np.zeros((B, T), np.int32) for _ in "tsp"), np.zeros((B, T), np.float32))
+    batch.tokens[:] = rng.integers(0, VOCAB, (B, T))
     for r in range(B):
         at, seg = 0, 1
         while at < T - 12:
             n = int(min(rng.integers(10, T // 2), T - 4 - at))
-            batch["segments"][r, at : at + n] = seg
-            batch["positions"][r, at : at + n] = np.arange(n)
-            batch["loss_mask"][r, at + n // 2 : at + n] = 1.0
+            batch.segments[r, at : at + n] = seg
+            batch.positions[r, at : at + n] = np.arange(n)
+            batch.loss_mask[r, at + n // 2 : at + n] = 1.0
             at, seg = at + n, seg + 1
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    return jax.tree_util.tree_map(jnp.asarray, batch)
 
 
 # ----------------------------------------------------------------------------- minimal loop
@@ -142,7 +142,7 @@ def minimal_loss(params, batch, bf16):
         y = (x - mu) * jax.lax.rsqrt(sq - mu * mu + 1e-5) * p[0] + p[1]
         return y.astype(cdt)
 
-    tok, seg, pos = batch["tokens"], batch["segments"], batch["positions"]
+    tok, seg, pos = batch.tokens, batch.segments, batch.positions
     B, T = tok.shape
     if bf16:  # FP32 master weights, BF16 copies for the products
         emb16 = params["emb"].astype(cdt)
@@ -166,7 +166,7 @@ def minimal_loss(params, batch, bf16):
     logits = mm("btd,vd->btv", ln(h, params["ln_f"]), emb16 if bf16 else params["emb"])
     logp = jax.nn.log_softmax(logits[:, :-1])
     nll = -jnp.take_along_axis(logp, tok[:, 1:, None], -1)[..., 0]
-    w = batch["loss_mask"][:, 1:] * ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0))
+    w = batch.loss_mask[:, 1:] * ((seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0))
     return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
 
 

@@ -24,6 +24,7 @@ import time
 
 import jax
 
+from minifield.data.packing import Rows
 from minifield.models import model
 from minifield.models.execution import Execution
 from minifield.models.llama import LlamaConfig
@@ -54,8 +55,8 @@ def compile_seconds(cfg, batch: int, seq_len: int, part: str = "step") -> tuple[
             return jax.grad(lambda p: model.loss_fn(p, cfg, batch)[0])(params)
 
     rows = jax.ShapeDtypeStruct((batch, seq_len), jax.numpy.int32)
-    abstract_batch = {"tokens": rows, "segments": rows, "positions": rows}
-    abstract_batch["loss_mask"] = jax.ShapeDtypeStruct((batch, seq_len), jax.numpy.float32)
+    mask = jax.ShapeDtypeStruct((batch, seq_len), jax.numpy.float32)
+    abstract_batch = Rows(tokens=rows, segments=rows, positions=rows, loss_mask=mask)
     start, cpu_start = time.perf_counter(), time.process_time()
     jax.jit(step, donate_argnums=(0,)).lower(state, abstract_batch).compile()
     return time.perf_counter() - start, time.process_time() - cpu_start

@@ -110,11 +110,8 @@ def make_minimal(cfg, compute):
     def grpo_loss(params, batch):
         tokens = batch["tokens"]
         N, S = tokens.shape
-        rows = {
-            "tokens": tokens,
-            "segments": jnp.ones((N, S), jnp.int32),
-            "positions": jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (N, S)),
-        }
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (N, S))
+        rows = minimal.Rows(tokens, jnp.ones((N, S), jnp.int32), positions, loss_mask=None)
         logits = minimal.logits(params, rows, shape, compute)[:, :-1] / TEMPERATURE
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1)
         logp = logp[..., 0]

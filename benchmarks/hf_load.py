@@ -224,6 +224,7 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.training import lora
 from minifield.hf.stored_base import FrozenBase
+from minifield.data.packing import Rows
 seq_len = int(sys.argv[2])
 cfg, params, layout = hf_checkpoint.load_stored(sys.argv[1], seq_len, "bfloat16")
 out_in = frozenset(path for path, transposed in layout.items() if transposed)
@@ -233,8 +234,8 @@ settings = lora.LoraSettings(8, 16.0, ("q_proj", "v_proj"), "bfloat16")
 optimizer = optax.adamw(1e-4)
 step = jax.jit(lora.make_train_step(cfg, settings, optimizer), donate_argnums=(0,))
 tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, seq_len)), jnp.int32)
-batch = {"tokens": tokens, "segments": jnp.ones_like(tokens),
-         "positions": jnp.arange(seq_len, dtype=jnp.int32)[None], "loss_mask": jnp.ones_like(tokens)}
+batch = Rows(tokens, jnp.ones_like(tokens), jnp.arange(seq_len, dtype=jnp.int32)[None],
+             jnp.ones_like(tokens))
 def timed(base):
     state = lora.init_state(cfg, settings, optimizer, 0, np.zeros(32, np.uint8))
     start = time.perf_counter()

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_shape  # noqa: E402
 
+from minifield.data.packing import Rows  # noqa: E402
 from minifield.models import llama
 from minifield.training import lora, optimizer, train_step  # noqa: E402
 
@@ -55,12 +56,12 @@ def main() -> None:
     positions = np.where(
         np.arange(args.seq) < half, np.arange(args.seq), np.arange(args.seq) - half
     )
-    batch = {
-        "tokens": tokens,
-        "segments": np.broadcast_to(segments, tokens.shape).copy(),
-        "positions": np.broadcast_to(positions.astype(np.int32), tokens.shape).copy(),
-        "loss_mask": np.ones(tokens.shape, np.float32),
-    }
+    batch = Rows(
+        tokens=tokens,
+        segments=np.broadcast_to(segments, tokens.shape).copy(),
+        positions=np.broadcast_to(positions.astype(np.int32), tokens.shape).copy(),
+        loss_mask=np.ones(tokens.shape, np.float32),
+    )
 
     full_state = train_step.init_train_state(cfg, opt, 0)
     full_step = jax.jit(train_step.make_train_step(cfg, opt, schedule), donate_argnums=(0,))

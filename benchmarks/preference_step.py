@@ -35,13 +35,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _llama_shape  # noqa: E402
 
+from minifield.data.packing import Rows  # noqa: E402
 from minifield.models import model
 from minifield.strategies.preference import logprobs, losses, pairs  # noqa: E402
 from minifield.strategies.preference.program import make_objective  # noqa: E402
 from minifield.training import optimizer, train_step  # noqa: E402
 
 
-def _rows(args) -> dict:
+def _rows(args) -> pairs.PairRows:
     rng = np.random.default_rng(0)
     made = []
     for _ in range(3 * args.batch):  # about two pairs fill a row: more than enough rows
@@ -53,11 +54,12 @@ def _rows(args) -> dict:
         prompt = prompt.tolist()
         made.append(pairs.EncodedPair(prompt, chosen, rejected))
     packed = pairs.pack(made, args.seq, "reject", 0)
-    rows = {k: v[: args.batch] for k, v in packed.arrays.items()}
-    held = rows["pair_index"] >= 0
-    rows["ref_chosen"] = np.where(held, -50.0, 0.0).astype(np.float32)
-    rows["ref_rejected"] = np.where(held, -60.0, 0.0).astype(np.float32)
-    return rows
+    held = packed.rows.pair_index[: args.batch] >= 0
+    return pairs.PairRows(
+        *(v[: args.batch] for v in packed.rows[:5]),
+        ref_chosen=np.where(held, -50.0, 0.0).astype(np.float32),
+        ref_rejected=np.where(held, -60.0, 0.0).astype(np.float32),
+    )
 
 
 def main() -> None:
@@ -67,8 +69,8 @@ def main() -> None:
     cfg = _llama_shape.config(args, args.seq)
     training = {"warmup_steps": 2, "learning_rate": 1e-4}
     opt = optimizer.make_optimizer(training, 1000)
-    rows = {k: jnp.asarray(v) for k, v in _rows(args).items()}
-    sft_rows = {k: rows[k] for k in ("tokens", "segments", "positions", "loss_mask")}
+    rows = jax.tree_util.tree_map(jnp.asarray, _rows(args))
+    sft_rows = Rows(rows.tokens, rows.segments, rows.positions, rows.loss_mask)
     objective = make_objective(losses.LossSettings("dpo", beta=0.1))
     steps = {
         "preference": jax.jit(
@@ -79,9 +81,7 @@ def main() -> None:
     states = {name: train_step.init_train_state(cfg, opt, 0) for name in steps}
     params = train_step.init_train_state(cfg, opt, 0)["params"]
     reference = jax.jit(lambda p, b: logprobs.answer_logps(p, cfg, b))
-    forward = jax.jit(
-        lambda p, b: model.forward(p, cfg, b["tokens"], b["segments"], b["positions"])
-    )
+    forward = jax.jit(lambda p, b: model.forward(p, cfg, b.tokens, b.segments, b.positions))
     calls = {
         "preference": lambda: steps["preference"](states["preference"], rows),
         "sft": lambda: steps["sft"](states["sft"], sft_rows),
@@ -104,8 +104,8 @@ def main() -> None:
         for name in calls:
             times[name] += [run(name) for _ in range(args.steps)]
     median = {name: statistics.median(t) for name, t in times.items()}
-    answer = int(np.asarray(rows["loss_mask"]).sum())
-    n_pairs = int((np.asarray(rows["pair_index"]) >= 0).sum())
+    answer = int(np.asarray(rows.loss_mask).sum())
+    n_pairs = int((np.asarray(rows.pair_index) >= 0).sum())
     print(
         f"llama d{args.d_model} L{args.layers} GQA {args.heads}/{args.kv_heads} vocab "
         f"{args.vocab}, {args.batch} rows x {args.seq}: {n_pairs} pairs, {answer} answer "

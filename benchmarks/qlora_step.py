@@ -141,16 +141,18 @@ def run_mode(args) -> dict:
     }
 
 
-def _batch(args, vocab: int) -> dict:
+def _batch(args, vocab: int):
+    from minifield.data.packing import Rows
+
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (args.batch, args.seq)).astype(np.int32)
     positions = np.broadcast_to(np.arange(args.seq, dtype=np.int32), tokens.shape).copy()
-    return {
-        "tokens": tokens,
-        "segments": np.ones_like(tokens),
-        "positions": positions,
-        "loss_mask": np.ones(tokens.shape, np.float32),
-    }
+    return Rows(
+        tokens=tokens,
+        segments=np.ones_like(tokens),
+        positions=positions,
+        loss_mask=np.ones(tokens.shape, np.float32),
+    )
 
 
 def main() -> None:

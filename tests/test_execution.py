@@ -16,6 +16,7 @@ import pytest
 from conftest import fusion_emitters_turned_off
 
 from minifield import recipe as recipes
+from minifield.data.packing import Rows
 from minifield.models import model
 from minifield.models.execution import Execution
 from minifield.models.layers import attention, layer_stack
@@ -49,16 +50,16 @@ def with_execution(cfg, **options):
 def packed_batch(B=2, T=16, seed=0, lengths=(3, 8, 3)):
     """Rows of segments of the given lengths (positions restart), padding after them."""
     rng = np.random.default_rng(seed)
-    batch = {k: np.zeros((B, T), np.int32) for k in ("tokens", "segments", "positions")}
-    batch["tokens"][:] = rng.integers(1, V, (B, T))
+    tokens = rng.integers(1, V, (B, T)).astype(np.int32)
+    segments, positions = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
     for b in range(B):
         at = 0
         for s, n in enumerate(lengths, start=1):
-            batch["segments"][b, at : at + n] = s
-            batch["positions"][b, at : at + n] = np.arange(n)
+            segments[b, at : at + n] = s
+            positions[b, at : at + n] = np.arange(n)
             at += n
-    batch["loss_mask"] = (rng.random((B, T)) < 0.8).astype(np.float32)
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    loss_mask = (rng.random((B, T)) < 0.8).astype(np.float32)
+    return jax.tree_util.tree_map(jnp.asarray, Rows(tokens, segments, positions, loss_mask))
 
 
 def loss_and_grads(cfg, params, batch, **compiler_options):
@@ -167,10 +168,10 @@ def test_fused_attention_sees_each_packed_example_as_if_alone():
     at = 0
     for n in (5, 6, 4):
         # built in NumPy: op by op, each slice length compiled its own scatter per array
-        alone = {k: np.zeros_like(v) for k, v in packed.items()}
-        alone["tokens"][0, :n] = np.asarray(packed["tokens"])[0, at : at + n]
-        alone["segments"][0, :n] = 1
-        alone["positions"][0, :n] = np.arange(n)
+        alone = Rows._make(np.zeros_like(v) for v in packed)
+        alone.tokens[0, :n] = np.asarray(packed.tokens)[0, at : at + n]
+        alone.segments[0, :n] = 1
+        alone.positions[0, :n] = np.arange(n)
         alone_losses = jax.jit(model.token_losses, static_argnums=(1,))(params, cfg, alone)
         # the last token of an example predicts the next segment's first token: not compared
         np.testing.assert_allclose(losses[0, at : at + n - 1], alone_losses[0, : n - 1], 1e-5)

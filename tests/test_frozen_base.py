@@ -137,7 +137,7 @@ def test_a_lora_step_on_the_hf_layout_equals_the_transposed_layout_bit_for_bit(
     adapters = lora.init_adapters(cfg, program.lora, jax.random.key(1))
     # B nonzero, so the adapters' path carries the base's products into the gradients
     adapters = jax.tree_util.tree_map(lambda a: a + 0.01, adapters)
-    batch = {k: jnp.asarray(v) for k, v in program.batches.batch(0).items()}
+    batch = jax.tree_util.tree_map(jnp.asarray, program.batches.batch(0))
 
     def loss_and_grads(base):
         def loss(ad):

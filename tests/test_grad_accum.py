@@ -46,13 +46,13 @@ GRAD_RTOL, PARAM_ATOL, PITFALL_MIN = 1e-5, 1e-5, 1e-3
 _loss_weights = jax.jit(model.loss_weights)
 
 
-def _rows(examples) -> dict[str, np.ndarray]:
+def _rows(examples) -> packing.Rows:
     packed = packing.pack(examples, SEQ, "truncate", tokenizers.byte_tokenizer().pad_id)
-    return packed.arrays
+    return packed.rows
 
 
 @pytest.fixture(scope="module")
-def batches() -> list[dict[str, np.ndarray]]:
+def batches() -> list[packing.Rows]:
     """UPDATES batches of ROWS rows: even rows dense (one ~24-letter answer), odd rows sparse
     (a single one-letter answer: two trained tokens with its <eos>)."""
     tok = tokenizers.byte_tokenizer()
@@ -66,7 +66,7 @@ def batches() -> list[dict[str, np.ndarray]]:
             word = "".join(rng.choice(letters, size=length))
             example = encoding.encode(encoding.Example(word[:3], word[::-1]), tok)
             rows.append(_rows([example]))  # one example per row: its own fill
-        out.append({k: np.concatenate([row[k] for row in rows]) for k in packing.ROW_FIELDS})
+        out.append(packing.Rows._make(map(np.concatenate, zip(*rows, strict=True))))
     per_row = np.concatenate([np.asarray(_loss_weights(b)).sum(axis=1) for b in out])
     assert per_row[0::2].min() >= 10 * per_row[1::2].max(), per_row  # dense vs sparse rows
     return out
@@ -94,7 +94,7 @@ def full_batch(setup, batches) -> dict:
 def _train(step_fn, state, batches):
     step = jax.jit(step_fn)
     for batch in batches:
-        state, _ = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        state, _ = step(state, jax.tree_util.tree_map(jnp.asarray, batch))
     return state
 
 
@@ -121,7 +121,7 @@ _accumulated_gradient = jax.jit(train_step.accumulated_gradient, static_argnums=
 @pytest.mark.parametrize("k", [2, 4])
 def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
     cfg, _, state = setup
-    batch = {key: jnp.asarray(v) for key, v in batches[0].items()}
+    batch = jax.tree_util.tree_map(jnp.asarray, batches[0])
     (loss, aux), full = _full_gradient(state["params"], cfg, batch)
     (acc_loss, acc_aux), acc = _accumulated_gradient(model.loss_fn, state["params"], cfg, batch, k)
     assert float(acc_aux["tokens"]) == float(np.asarray(_loss_weights(batch)).sum())
@@ -147,7 +147,7 @@ def test_mean_of_micro_batch_means_differs_measurably(setup, batches, full_batch
     def mean_of_means_step(state, batch):
         grads = []
         for i in range(k):
-            micro = {key: value[i::k] for key, value in batch.items()}  # rows i, i+k, ...
+            micro = packing.Rows._make(value[i::k] for value in batch)  # rows i, i+k, ...
             grads.append(jax.grad(lambda p, m=micro: model.loss_fn(p, cfg, m)[0])(state["params"]))
         mean = jax.tree_util.tree_map(lambda *g: sum(g) / k, *grads)
         updates, opt_state = tx.update(mean, state["opt_state"], state["params"])
@@ -175,7 +175,7 @@ def test_lora_adapters_accumulate_as_one_batch(setup, batches):
         step = jax.jit(lora.make_train_step(cfg, settings, tx, accum_steps=k))
         state = start
         for batch in batches:
-            state, _ = step(state, base, {key: jnp.asarray(v) for key, v in batch.items()})
+            state, _ = step(state, base, jax.tree_util.tree_map(jnp.asarray, batch))
         after[k] = state["params"]
     assert _max_difference(after[1], start["params"]) > 100 * PARAM_ATOL  # they did train
     assert _max_difference(after[1], after[2]) <= PARAM_ATOL

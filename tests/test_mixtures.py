@@ -66,7 +66,7 @@ def test_counts_per_source_match_the_weights_within_a_binomial_bound():
     times_read = np.zeros(sum(SOURCE_ROWS), np.int64)
     for step in range(steps):
         batch, counts = mix.with_counts(step)
-        rows = batch["tokens"][:, 0]
+        rows = batch.tokens[:, 0]
         times_read += np.bincount(rows, minlength=len(times_read))
         per_source = np.bincount(np.searchsorted(bounds, rows, side="right") - 1, minlength=3)
         drawn += per_source
@@ -97,10 +97,10 @@ def test_the_rows_of_an_update_are_a_pure_function_of_seed_and_step():
     for step in range(701):
         seen = trained.batch(step)
     resumed = batches_module.MixtureBatches(arrays, training()).batch(700)
-    for key in packing.ROW_FIELDS:
-        np.testing.assert_array_equal(seen[key], resumed[key])
+    for seen_field, resumed_field in zip(seen, resumed, strict=True):
+        np.testing.assert_array_equal(seen_field, resumed_field)
     other = batches_module.MixtureBatches(arrays, training(seed=12)).batch(700)
-    assert not np.array_equal(other["tokens"], seen["tokens"])
+    assert not np.array_equal(other.tokens, seen.tokens)
 
 
 # -- recipes: digests, the prepared examples and bad inputs ------------------------------------
@@ -206,7 +206,7 @@ def test_prepare_packs_each_source_on_its_own(space):
     assert arrays["train_source_rows"].tolist() == rows
     np.testing.assert_array_equal(
         arrays["train_tokens"],
-        np.concatenate([separately[n].arrays["tokens"] for n in ("train", "extra")]),
+        np.concatenate([separately[n].rows.tokens for n in ("train", "extra")]),
     )
     assert meta["mixture"]["extra"]["examples"] == 40
     assert meta["splits"]["train"]["rows"] == sum(rows)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from minifield.data.packing import Rows
 from minifield.models.model import (
     ModelConfig,
     flops_per_token,
@@ -46,22 +47,22 @@ def examples(seed=0):
 def pack(rows_of_examples, T):
     """Lay examples into rows: segment ids 1, 2, ... per row, positions restarting, 0 padding."""
     B = len(rows_of_examples)
-    batch = {
-        "tokens": np.zeros((B, T), np.int32),
-        "segments": np.zeros((B, T), np.int32),
-        "positions": np.zeros((B, T), np.int32),
-        "loss_mask": np.zeros((B, T), np.float32),
-    }
+    batch = Rows(
+        tokens=np.zeros((B, T), np.int32),
+        segments=np.zeros((B, T), np.int32),
+        positions=np.zeros((B, T), np.int32),
+        loss_mask=np.zeros((B, T), np.float32),
+    )
     for r, row in enumerate(rows_of_examples):
         at = 0
         for s, (tokens, mask) in enumerate(row, start=1):
             n = len(tokens)
-            batch["tokens"][r, at : at + n] = tokens
-            batch["segments"][r, at : at + n] = s
-            batch["positions"][r, at : at + n] = np.arange(n)
-            batch["loss_mask"][r, at : at + n] = mask
+            batch.tokens[r, at : at + n] = tokens
+            batch.segments[r, at : at + n] = s
+            batch.positions[r, at : at + n] = np.arange(n)
+            batch.loss_mask[r, at : at + n] = mask
             at += n
-    return {k: jnp.asarray(v) for k, v in batch.items()}
+    return jax.tree_util.tree_map(jnp.asarray, batch)
 
 
 jit_forward = jax.jit(forward, static_argnums=(1,))
@@ -135,11 +136,11 @@ def test_changing_one_segment_leaves_the_others_untouched(overrides):
     batch2 = pack([[tuple(ex) for ex in changed]], 32)
 
     def logits(b):
-        return np.asarray(jit_forward(params, cfg, b["tokens"], b["segments"], b["positions"]))
+        return np.asarray(jit_forward(params, cfg, b.tokens, b.segments, b.positions))
 
     a, b = logits(batch), logits(batch2)
-    first = np.asarray(batch["segments"][0]) == 1
-    later = np.asarray(batch["segments"][0]) > 1
+    first = np.asarray(batch.segments[0]) == 1
+    later = np.asarray(batch.segments[0]) > 1
     assert np.abs(a[0, first] - b[0, first]).max() > 1e-3  # the change is visible in segment 1
     np.testing.assert_allclose(a[0, later], b[0, later], rtol=0, atol=1e-6)
 

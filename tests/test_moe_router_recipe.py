@@ -120,10 +120,10 @@ def test_an_update_reports_the_router_losses_and_the_expert_load(moe_root, tmp_p
     state = program.init_state()
     batch = program.batches.batch(0)
     _, gates = llama.hidden(
-        state["params"], cfg, *(jnp.asarray(batch[k]) for k in ("tokens", "segments", "positions")),
+        state["params"], cfg, *map(jnp.asarray, (batch.tokens, batch.segments, batch.positions)),
         router=True,
     )  # fmt: skip
-    gates, mask = np.asarray(gates), np.asarray(batch["segments"]) != 0
+    gates, mask = np.asarray(gates), np.asarray(batch.segments) != 0
     assert 0 < mask.sum() < mask.size  # some padding to leave out
     state, metrics = program.step(state)
     E, k = cfg.n_experts, cfg.experts_per_token

@@ -22,6 +22,7 @@ import pytest
 from test_mixtral import MIXTRAL, ROWS, mixtral_tensors, reference_logits, write_checkpoint
 from test_router_loss import reference as transformers_aux_loss
 
+from minifield.data.packing import Rows
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import config as hf_config
 from minifield.models import llama, model
@@ -62,12 +63,12 @@ def case(tmp_path_factory):
     cfg, params = hf_checkpoint.load(directory, max_len=32, compute_dtype="float32")
     cfg = dataclasses.replace(cfg, router_z_coef=Z_COEF)
     mask = np.arange(12)[None, :] < np.asarray(LENGTHS)[:, None]
-    batch = {
-        "tokens": jnp.asarray(ROWS, jnp.int32),
-        "segments": jnp.asarray(mask, jnp.int32),
-        "positions": jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12)),
-        "loss_mask": jnp.asarray(mask, jnp.int32),
-    }
+    batch = Rows(
+        tokens=jnp.asarray(ROWS, jnp.int32),
+        segments=jnp.asarray(mask, jnp.int32),
+        positions=jnp.broadcast_to(jnp.arange(12, dtype=jnp.int32), (2, 12)),
+        loss_mask=jnp.asarray(mask, jnp.int32),
+    )
     # the reference's router logits per layer [B*T, E]: each row's own tokens alone (packing
     # and padding leave a token's result unchanged); the padded slots get arbitrary values,
     # which the mask must leave out
@@ -188,7 +189,7 @@ def test_micro_batches_weigh_each_forward_by_its_trained_tokens(case):
     metrics = _step_metrics(cfg, params, batch, accum_steps=2)
     parts = []
     for row in range(2):
-        micro = {name: value[row : row + 1] for name, value in batch.items()}
+        micro = Rows._make(value[row : row + 1] for value in batch)
         parts.append(_jit_loss(params, cfg, micro)[1])  # both rows: one compiled program
     tokens = np.asarray([float(p["tokens"]) for p in parts])
     for name in ("router_aux_loss", "router_z_loss"):

@@ -30,18 +30,25 @@ def test_pack_rows_segments_positions_and_loss_mask_by_hand():
     c = Encoded(prompt=[1, 30], response=[2])  # length 3
     packed = packing.pack([a, b, c], seq_len=8, overlong="reject", pad_id=PAD)
     # FFD: b (6) -> row0, a (4) -> row1, c (3) -> row1 (4 left there; row0 has 2)
-    arrays = packed.arrays
-    assert arrays["tokens"].tolist() == [
+    arrays = packed.rows
+    assert arrays.tokens.tolist() == [
         [1, 20, 21, 22, 23, 2, PAD, PAD],
         [1, 10, 11, 2, 1, 30, 2, PAD],
     ]
-    assert arrays["segments"].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 2, 2, 2, 0]]
-    assert arrays["positions"].tolist() == [[0, 1, 2, 3, 4, 5, 0, 0], [0, 1, 2, 3, 0, 1, 2, 0]]
+    assert arrays.segments.tolist() == [[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 2, 2, 2, 0]]
+    assert arrays.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 0], [0, 1, 2, 3, 0, 1, 2, 0]]
     # only the response tokens (and their <eos>) are trained on
-    assert arrays["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 1, 0]]
+    assert arrays.loss_mask.tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 1, 0]]
     assert packed.stats["real_tokens"] == 13 and packed.stats["slots"] == 16
     assert packed.stats["efficiency"] == pytest.approx(13 / 16)
     assert packed.stats["loss_tokens"] == 6
+    # stored as the prepared examples name them (docs/packed-sft.md), and read back
+    stored = packed.rows.named("dev")
+    assert sorted(stored) == ["dev_loss_mask", "dev_positions", "dev_segments", "dev_tokens"]
+    assert stored["dev_segments"] is arrays.segments
+    second = packing.Rows.of(stored, "dev").take([1])
+    assert second.tokens.tolist() == [[1, 10, 11, 2, 1, 30, 2, PAD]]
+    assert second.loss_mask.tolist() == [[0, 0, 1, 1, 0, 0, 1, 0]]
 
 
 def test_overlong_examples_are_truncated_or_rejected_and_counted():
@@ -55,38 +62,38 @@ def test_overlong_examples_are_truncated_or_rejected_and_counted():
         1,
     )
     assert truncated.stats["packed"] == 2
-    assert [1, 5, 5, 6, 6, 6] in truncated.arrays["tokens"].tolist()
+    assert [1, 5, 5, 6, 6, 6] in truncated.rows.tokens.tolist()
     rejected = packing.pack([short, long, hopeless], 6, "reject", PAD)
     assert (rejected.stats["kept"], rejected.stats["truncated"], rejected.stats["rejected"]) == (
         1,
         0,
         2,
     )
-    assert rejected.arrays["tokens"].tolist() == [[1, 5, 6, 2, PAD, PAD]]
+    assert rejected.rows.tokens.tolist() == [[1, 5, 6, 2, PAD, PAD]]
 
 
 def test_demo_packing_efficiency_is_at_least_095_and_masks_only_responses():
     tok = tk.byte_tokenizer()
     examples = [encoding.encode(e, tok) for e in demo_data.demo_examples()["train"]]
     packed = packing.pack(examples, 64, "truncate", tok.pad_id)
-    arrays = packed.arrays
+    arrays = packed.rows
     # recount from the arrays, independently of the reported statistics
-    real = int(np.count_nonzero(arrays["segments"]))
+    real = int(np.count_nonzero(arrays.segments))
     assert real == sum(len(e) for e in examples)  # nothing dropped or duplicated
-    assert real / arrays["tokens"].size >= 0.95
-    assert packed.stats["efficiency"] == pytest.approx(real / arrays["tokens"].size)
+    assert real / arrays.tokens.size >= 0.95
+    assert packed.stats["efficiency"] == pytest.approx(real / arrays.tokens.size)
     # every example appears once: segment starts == examples
-    starts = (arrays["positions"] == 0) & (arrays["segments"] > 0)
+    starts = (arrays.positions == 0) & (arrays.segments > 0)
     assert int(starts.sum()) == len(examples)
     # the loss mask covers exactly response letters and <eos>, never <bos>/<sep>/pad/prompt
-    masked = arrays["tokens"][arrays["loss_mask"] == 1]
+    masked = arrays.tokens[arrays.loss_mask == 1]
     assert masked.size == sum(len(e.response) for e in examples)
     assert not np.isin(masked, [tok.bos_id, tok.sep_id, tok.pad_id]).any()
     assert int((masked == tok.eos_id).sum()) == len(examples)
     # a response slot is always preceded, in its segment, by <sep> or another response slot
-    rows, cols = np.nonzero(arrays["loss_mask"])
-    before = arrays["tokens"][rows, cols - 1]
-    assert np.all((before == tok.sep_id) | (arrays["loss_mask"][rows, cols - 1] == 1))
+    rows, cols = np.nonzero(arrays.loss_mask)
+    before = arrays.tokens[rows, cols - 1]
+    assert np.all((before == tok.sep_id) | (arrays.loss_mask[rows, cols - 1] == 1))
 
 
 @pytest.mark.slow  # compile-heavy for the fast tier (3 CPU-s there); the full suite runs it; test_model's packed = alone stays fast
@@ -111,10 +118,10 @@ def test_packed_loss_equals_sum_of_unpacked_example_losses():
     packed = packing.pack(examples, 48, "reject", tok.pad_id)
     assert packed.stats["rows"] < len(examples)  # several examples really share rows
     loss_fn = jax.jit(model.loss_fn, static_argnums=1)
-    _, packed_aux = loss_fn(params, cfg, packed.arrays)
+    _, packed_aux = loss_fn(params, cfg, packed.rows)
     total, count = 0.0, 0.0
     for example in examples:
-        alone = packing.pack([example], 48, "reject", tok.pad_id).arrays
+        alone = packing.pack([example], 48, "reject", tok.pad_id).rows
         _, aux = loss_fn(params, cfg, alone)
         total += float(aux["loss_sum"])
         count += float(aux["tokens"])

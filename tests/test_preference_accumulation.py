@@ -20,6 +20,7 @@ FP32 has no digits left.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from preference_cases import recipe
@@ -59,20 +60,50 @@ def test_each_device_and_micro_batch_reads_its_own_whole_pairs(root):
     split = PairBatches(arrays, settings, 6, 0, devices, k)
     for step in range(6):
         batch, whole = split.batch(step), plain.batch(step)
-        assert batch["tokens"].shape[0] == split.rows == devices * k * split.group_rows
-        assert batch["pair_index"].shape[1] == size // (devices * k)
+        assert batch.tokens.shape[0] == split.rows == devices * k * split.group_rows
+        assert batch.pair_index.shape[1] == size // (devices * k)
         held = []
         for block in np.split(np.arange(split.rows), devices):  # a device's rows
-            on_device = micro_batches({n: v[block] for n, v in batch.items()}, k)
+            on_device = micro_batches(jax.tree_util.tree_map(lambda v, b=block: v[b], batch), k)
             for m in range(k):
-                index, segments = on_device["pair_index"][m], on_device["segments"][m]
+                index, segments = on_device.pair_index[m], on_device.segments[m]
                 ids = index[index >= 0]
                 assert len(ids) == size // (devices * k)
                 for row, slot in zip(*np.nonzero(index >= 0), strict=True):
                     for segment in (2 * slot + 1, 2 * slot + 2):
                         assert np.any(segments[row] == segment)
                 held += ids.tolist()
-        assert sorted(held) == sorted(whole["pair_index"][whole["pair_index"] >= 0].tolist())
+        assert sorted(held) == sorted(whole.pair_index[whole.pair_index >= 0].tolist())
+
+
+def test_every_batch_holds_its_slots_reference_in_one_structure(root):
+    """With reference log-probabilities prepared (made up here: pair i's chosen -i - 0.25, its
+    rejected -i - 0.5), each pair slot of every update holds its own pair's, 0 where the slot
+    is empty, in one layout (G = 1) and in the devices' x micro-batches' one (G = 4); every
+    update has the same fields and shapes (one compiled program). Without a reference the
+    fields hold no array."""
+    loaded = recipes.validate(
+        recipe(root, {"loss": "simpo"}, training={"batch_size": 8, **training()})
+    )
+    arrays, _ = loaded.strategy.prepare(loaded.data, pinned.files_by_name(loaded.data, root))
+    settings = loaded.data["training"]
+    assert PairBatches(arrays, settings, 6, 0).batch(0).ref_chosen is None
+    index = arrays["train_pair_index"]
+    for name, offset in (("ref_chosen", 0.25), ("ref_rejected", 0.5)):
+        arrays[f"train_{name}"] = np.where(index >= 0, -index - offset, 0.0).astype(np.float32)
+    for batches in (PairBatches(arrays, settings, 6, 0), PairBatches(arrays, settings, 6, 0, 2, 2)):
+        layouts = set()
+        for step in range(6):
+            batch = batches.batch(step)
+            held = batch.pair_index >= 0
+            np.testing.assert_array_equal(
+                batch.ref_chosen, np.where(held, -batch.pair_index - 0.25, 0)
+            )
+            np.testing.assert_array_equal(
+                batch.ref_rejected, np.where(held, -batch.pair_index - 0.5, 0)
+            )
+            layouts.add(tuple((type(v), v.shape, v.dtype) for v in batch))
+        assert len(layouts) == 1, layouts
 
 
 @pytest.mark.parametrize(

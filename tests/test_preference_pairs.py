@@ -77,23 +77,23 @@ def test_each_shape_renders_as_the_template_writes_a_user_turn_and_its_answer(ch
 
 def test_a_pair_is_two_segments_of_one_row_and_only_answer_tokens_are_masked(encoded, chat):
     packed = pairs.pack(encoded, 32, "reject", chat[0].pad_id)
-    a = packed.arrays
+    a = packed.rows
     seen = []
     for row in range(packed.stats["rows"]):
-        for slot, index in enumerate(a["pair_index"][row]):
+        for slot, index in enumerate(a.pair_index[row]):
             if index < 0:
-                assert not np.any(np.isin(a["segments"][row], [2 * slot + 1, 2 * slot + 2]))
+                assert not np.any(np.isin(a.segments[row], [2 * slot + 1, 2 * slot + 2]))
                 continue
             seen.append(int(index))
             p = encoded[index]
             for side, answer in enumerate((p.chosen, p.rejected)):
-                where = a["segments"][row] == 2 * slot + side + 1
-                assert a["tokens"][row][where].tolist() == p.prompt + answer
-                assert a["positions"][row][where].tolist() == list(range(len(p.prompt + answer)))
-                mask = a["loss_mask"][row][where]
+                where = a.segments[row] == 2 * slot + side + 1
+                assert a.tokens[row][where].tolist() == p.prompt + answer
+                assert a.positions[row][where].tolist() == list(range(len(p.prompt + answer)))
+                mask = a.loss_mask[row][where]
                 assert mask.tolist() == [0.0] * len(p.prompt) + [1.0] * len(answer)
             # the rejected segment follows the chosen one directly: no padding between
-            starts = [np.flatnonzero(a["segments"][row] == 2 * slot + s)[0] for s in (1, 2)]
+            starts = [np.flatnonzero(a.segments[row] == 2 * slot + s)[0] for s in (1, 2)]
             assert starts[1] - starts[0] == len(p.prompt) + len(p.chosen)
     assert sorted(seen) == list(range(len(encoded)))  # every pair once, none split
     assert packed.stats["rows"] < len(encoded)  # several pairs share a row
@@ -158,10 +158,10 @@ def model():
 
 def _per_pair(model, packed):
     cfg, params = model
-    batch = {k: jax.numpy.asarray(v) for k, v in packed.arrays.items()}
+    batch = jax.tree_util.tree_map(jax.numpy.asarray, packed.rows)
     out = {k: np.asarray(v) for k, v in logprobs.answer_logps(params, cfg, batch).items()}
     by_pair = {}
-    for row, slots in enumerate(packed.arrays["pair_index"]):
+    for row, slots in enumerate(packed.rows.pair_index):
         for slot, index in enumerate(slots):
             if index >= 0:
                 by_pair[int(index)] = {k: out[k][row, slot] for k in out}

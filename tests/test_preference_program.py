@@ -47,12 +47,12 @@ def test_every_update_holds_batch_size_whole_pairs_and_an_epoch_covers_each_once
     seen = []
     for step in range(per_epoch):
         batch = batches.batch(step)
-        ids = batch["pair_index"][batch["pair_index"] >= 0]
+        ids = batch.pair_index[batch.pair_index >= 0]
         assert len(ids) == batches.batch_size
-        assert batch["tokens"].shape[0] == batches.rows
-        for row, slot in zip(*np.nonzero(batch["pair_index"] >= 0), strict=True):
+        assert batch.tokens.shape[0] == batches.rows
+        for row, slot in zip(*np.nonzero(batch.pair_index >= 0), strict=True):
             for segment in (2 * slot + 1, 2 * slot + 2):  # both answers in this row
-                assert np.any(batch["segments"][row] == segment)
+                assert np.any(batch.segments[row] == segment)
         seen += ids.tolist()
     assert sorted(seen) == list(range(n))
 
@@ -74,7 +74,7 @@ def test_the_first_update_reports_the_loss_of_its_pairs_scored_by_numpy(root, pr
     encoded = pairs.encode(
         pairs.read(files["train"]), *pinned_base.tokenizer_from_arrays(loaded.data, arrays)
     )
-    ids = batch["pair_index"][batch["pair_index"] >= 0]
+    ids = batch.pair_index[batch.pair_index >= 0]
     chosen = np.array([_numpy_logp(encoded[i].prompt, encoded[i].chosen) for i in ids])
     rejected = np.array([_numpy_logp(encoded[i].prompt, encoded[i].rejected) for i in ids])
     n_c = np.array([len(encoded[i].chosen) for i in ids], float)

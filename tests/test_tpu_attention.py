@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from minifield.data.packing import Rows
 from minifield.models import execution, model
 from minifield.models.execution import Execution
 from minifield.models.layers import attention, tpu_attention
@@ -149,8 +150,8 @@ def test_a_windowed_capped_model_computes_the_same_loss_and_gradients_through_sp
     )
     params = model.init_params(cfg, jax.random.key(0))
     segments, positions = packed_rows(128)
-    batch = {"tokens": jax.random.randint(jax.random.key(1), (2, 128), 1, V)}
-    batch.update(segments=segments, positions=positions, loss_mask=jnp.ones((2, 128)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 128), 1, V)
+    batch = Rows(tokens, segments, positions, loss_mask=jnp.ones((2, 128)))
 
     def loss_and_grads(cfg):
         return jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, cfg, batch)[0]))(params)

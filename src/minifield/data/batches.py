@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from . import mixture
-from .packing import ROW_FIELDS
+from .packing import Rows
 
 
 def epoch_order(seed: int, epoch: int, n_rows: int) -> np.ndarray:
@@ -38,23 +38,23 @@ class TrainBatches:
         self.arrays, self.seed, self.batch_size = arrays, seed, batch_size
         self.n_rows = int(arrays["train_tokens"].shape[0])
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> Rows:
         """The rows of update ``step`` (0-based), in row order."""
         index = np.sort(rows_for_step(self.seed, step, self.batch_size, self.n_rows))
-        return {k: np.asarray(self.arrays[f"train_{k}"][index]) for k in ROW_FIELDS}
+        return Rows.of(self.arrays, "train").take(index)
 
-    def with_counts(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    def with_counts(self, step: int) -> tuple[Rows, dict[str, int]]:
         """The batch and what it consumes: examples (segments that start in it) and tokens
         (every non-padding slot; the step's own ``tokens`` counts trained targets)."""
         batch = self.batch(step)
         return batch, consumed(batch)
 
 
-def consumed(batch: dict[str, np.ndarray]) -> dict[str, int]:
+def consumed(batch: Rows) -> dict[str, int]:
     """Examples (segments that start in the rows) and tokens (non-padding slots) of rows."""
     return {
-        "examples": int(np.count_nonzero((batch["positions"] == 0) & (batch["segments"] > 0))),
-        "tokens": int(np.count_nonzero(batch["segments"])),
+        "examples": int(np.count_nonzero((batch.positions == 0) & (batch.segments > 0))),
+        "tokens": int(np.count_nonzero(batch.segments)),
     }
 
 
@@ -104,19 +104,19 @@ class MixtureBatches:
                     del self._orders[key]
             return order
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> Rows:
         return self.with_counts(step)[0]
 
-    def with_counts(self, step: int) -> tuple[dict[str, np.ndarray], dict]:
+    def with_counts(self, step: int) -> tuple[Rows, dict]:
         """The batch (rows in stored order), what it consumes, and per source (by input
         name): its rows, trained tokens (``loss_tokens``) and the epochs read of it after
         this update."""
         rows, sources = self.rows_and_sources(step)
         order = np.argsort(rows, kind="stable")
         rows, sources = rows[order], sources[order]
-        batch = {k: np.asarray(self.arrays[f"train_{k}"][rows]) for k in ROW_FIELDS}
+        batch = Rows.of(self.arrays, "train").take(rows)
         after = self.drawn.before(step + 1)
-        loss_tokens = batch["loss_mask"].sum(axis=1)
+        loss_tokens = batch.loss_mask.sum(axis=1)
         per_source = {
             name: {
                 "rows": int(np.count_nonzero(sources == s)),

@@ -19,19 +19,47 @@ fills the row keeps no response token and is always rejected.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .encoding import Encoded
 
 OVERLONG = ("truncate", "reject")
-#: the arrays of a packed row, as :func:`pack` names them (a batch is these, rows stacked)
-ROW_FIELDS = ("tokens", "segments", "positions", "loss_mask")
+
+
+class Rows(NamedTuple):
+    """Packed rows ``[B, T]`` (the module docstring): what :func:`pack` builds, what an update
+    of the language-model loss receives (:func:`minifield.models.model.loss_fn`) and what its
+    evaluation reads. A JAX pytree with fixed fields: its shapes, not its keys, make the
+    compiled program. Prepared examples store field ``f`` of split ``s`` as ``{s}_{f}``."""
+
+    tokens: Any  # int32
+    segments: Any  # int32, 0 on padding
+    positions: Any  # int32
+    loss_mask: Any  # float32 (0/1)
+
+    @classmethod
+    def of(cls, arrays, prefix: str) -> Rows:
+        """The rows prepared arrays hold under ``{prefix}_{field}``."""
+        return cls(*(arrays[f"{prefix}_{name}"] for name in cls._fields))
+
+    def named(self, prefix: str) -> dict[str, np.ndarray]:
+        """The rows as prepared arrays, ``{prefix}_{field}``."""
+        return {f"{prefix}_{name}": value for name, value in zip(self._fields, self, strict=True)}
+
+    def take(self, index) -> Rows:
+        """Rows ``index`` of every field, as NumPy arrays."""
+        return self._make(np.asarray(value[index]) for value in self)
+
+
+#: the arrays of a packed row (a batch is these, rows stacked)
+ROW_FIELDS = Rows._fields
 
 
 @dataclass(frozen=True)
 class Packed:
-    arrays: dict[str, np.ndarray]
+    rows: Rows
     stats: dict
 
 
@@ -110,8 +138,7 @@ def pack(examples: list[Encoded], seq_len: int, overlong: str, pad_id: int) -> P
         "slots": slots,
         "efficiency": real / slots if slots else 0.0,
     }
-    arrays = dict(zip(ROW_FIELDS, (tokens, segments, positions, loss_mask), strict=True))
-    return Packed(arrays, stats)
+    return Packed(Rows(tokens, segments, positions, loss_mask), stats)
 
 
 def prompts_and_answers(examples: list[Encoded], pad_id: int) -> dict[str, np.ndarray]:
@@ -141,15 +168,15 @@ def prompts_and_answers(examples: list[Encoded], pad_id: int) -> dict[str, np.nd
 
 
 def concatenate(sources: dict[str, Packed]) -> tuple[Packed, dict[str, dict]]:
-    """The rows of several separately packed sources, one source after another, with
-    ``source_rows`` (each source's row count, in the order given); the combined stats, and
-    each source's own."""
-    arrays = {k: np.concatenate([p.arrays[k] for p in sources.values()]) for k in ROW_FIELDS}
-    arrays["source_rows"] = np.array([p.stats["rows"] for p in sources.values()], dtype=np.int64)
+    """The rows of several separately packed sources, one source after another (each
+    source's row count is its ``stats["rows"]``); the combined stats, and each source's
+    own."""
+    parts = [p.rows for p in sources.values()]
+    rows = Rows._make(np.concatenate(field) for field in zip(*parts, strict=True))
     summed = ("examples", "packed", "kept", "truncated", "rejected", "rows")
     stats = {k: sum(p.stats[k] for p in sources.values()) for k in summed}
     stats["seq_len"] = next(iter(sources.values())).stats["seq_len"]
     for key in ("real_tokens", "loss_tokens", "slots"):
         stats[key] = sum(p.stats[key] for p in sources.values())
     stats["efficiency"] = stats["real_tokens"] / stats["slots"] if stats["slots"] else 0.0
-    return Packed(arrays, stats), {name: p.stats for name, p in sources.items()}
+    return Packed(rows, stats), {name: p.stats for name, p in sources.items()}

@@ -1,7 +1,8 @@
 """The language model over packed rows, whichever its family: forward, losses, generation.
 
 A packed row holds several examples one after another. Three int arrays of the
-same shape ``[B, T]`` describe it:
+same shape ``[B, T]`` describe it (the fields of a batch, :class:`minifield.data.packing.Rows`,
+or of any batch with these fields, as preference's pairs):
 
 - ``tokens``: token ids;
 - ``segments``: which example each slot belongs to (1, 2, ... within a row;
@@ -91,9 +92,9 @@ def loss_weights(batch) -> jnp.ndarray:
     example). The last slot of a row never has a target. (A 0/1 mask is expected;
     other values would act as per-target weights.)
     """
-    seg_BxT = batch["segments"]
+    seg_BxT = batch.segments
     same_BxT1 = (seg_BxT[:, :-1] == seg_BxT[:, 1:]) & (seg_BxT[:, :-1] != 0)
-    w_BxT1 = jnp.where(same_BxT1, batch["loss_mask"][:, 1:].astype(F32), 0.0)
+    w_BxT1 = jnp.where(same_BxT1, batch.loss_mask[:, 1:].astype(F32), 0.0)
     return jnp.pad(w_BxT1, ((0, 0), (0, 1)))
 
 
@@ -110,8 +111,8 @@ def token_losses(params, cfg: ModelConfig, batch):
 def _token_losses(params, cfg, batch, router: bool):
     """:func:`token_losses` and, with ``router``, the sparse layers' router logits
     ``[L, B * T, E]`` (else None)."""
-    tokens_BxT = batch["tokens"]
-    args = (params, cfg, tokens_BxT, batch["segments"], batch["positions"])
+    tokens_BxT = batch.tokens
+    args = (params, cfg, tokens_BxT, batch.segments, batch.positions)
     h_BxTxD, logits_LxNxE = llama.hidden(*args, router=True) if router else (hidden(*args), None)
     targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
     logp_BxT, _ = target_logps(
@@ -136,7 +137,7 @@ def loss_fn(params, cfg: ModelConfig, batch):
     tokens = jnp.sum(w_BxT)
     loss, aux = loss_sum / jnp.maximum(tokens, 1.0), {"loss_sum": loss_sum, "tokens": tokens}
     if router:
-        mask_N = (batch["segments"] != 0).reshape(-1)
+        mask_N = (batch.segments != 0).reshape(-1)
         aux.update(router_loss.terms(cfg, logits_LxNxE, mask_N))
         loss = loss + aux["router_loss"]
     return loss, aux

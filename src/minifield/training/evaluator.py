@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from ..data import packing
-from ..data.packing import ROW_FIELDS
+from ..data.packing import Rows
 
 
 def split_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, dict]:
@@ -24,7 +24,7 @@ def split_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, 
     # a conversation is asked its last answer, with every earlier turn as the prompt
     whole = [e.last_turn() for e in encoded if len(e) <= training["seq_len"]]
     limit = recipe["evaluation"]["max_generate_examples"]
-    arrays = {f"{split}_{k}": v for k, v in packed.arrays.items()}
+    arrays = packed.rows.named(split)
     generation = packing.prompts_and_answers(whole[:limit], pad_id)
     arrays.update({f"{split}_{k}": v for k, v in generation.items()})
     return arrays, {**packed.stats, "generate_examples": len(whole[:limit])}
@@ -51,22 +51,21 @@ class Evaluator:
         self._rows_sharding = rows_sharding
         self._loss_rows = -(-self.batch_size // devices) * devices
 
-    def loss(self, params, rows: dict[str, np.ndarray]) -> dict[str, float]:
+    def loss(self, params, rows: Rows) -> dict[str, float]:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
         from ..state.arrays import to_host
         from .data_parallel import place
 
-        n = rows["tokens"].shape[0]
+        n = rows.tokens.shape[0]
         total, count = 0.0, 0.0
         for start in range(0, n, self._loss_rows):
             index = np.arange(start, start + self._loss_rows)
             valid = index < n
-            index = np.where(valid, index, 0)
-            batch = {k: np.asarray(rows[k][index]) for k in ROW_FIELDS}
-            batch["loss_mask"] = batch["loss_mask"] * valid[:, None].astype(np.float32)
+            batch = rows.take(np.where(valid, index, 0))
+            batch = batch._replace(loss_mask=batch.loss_mask * valid[:, None].astype(np.float32))
             if self._rows_sharding is not None:
-                batch = {k: place(v, self._rows_sharding) for k, v in batch.items()}
+                batch = Rows(*(place(v, self._rows_sharding) for v in batch))
             out = self._loss(params, batch)
             # to_host: the replicated sums of a mesh spanning processes are read locally
             total += float(to_host(out["loss_sum"]))
@@ -101,8 +100,7 @@ class Evaluator:
         return {"exact_match": correct / n, "generated": n}
 
     def split_metrics(self, params, arrays: dict[str, np.ndarray], split: str) -> dict[str, float]:
-        rows = {k: arrays[f"{split}_{k}"] for k in ROW_FIELDS}
-        loss = self.loss(params, rows)
+        loss = self.loss(params, Rows.of(arrays, split))
         match = self.exact_match(
             params,
             arrays[f"{split}_prompts"],

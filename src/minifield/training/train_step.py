@@ -7,7 +7,8 @@ State layout (the same complete-state parts as every strategy, see ``state.py``)
 
 ``make_train_step(cfg, optimizer)`` returns ``train_step(state, batch) -> (state, metrics)``,
 meant to be compiled once with ``jax.jit(train_step, donate_argnums=(0,))``. The batch is
-``{"tokens", "segments", "positions": int32 [B, T], "loss_mask": float32 or int32 [B, T]}``.
+the objective's (a NamedTuple, rows first): packed rows, :class:`minifield.data.packing.Rows`,
+by default.
 Layer layout: per layer (``params/blocks/00/...``, and the same in each optimizer moment)
 by default; with ``model.scan_layers`` the state holds the blocks stacked
 (``params/blocks/stacked/...`` with a leading layer axis, :func:`minifield.models.layers.layer_stack.stack_layers`),
@@ -52,7 +53,7 @@ def init_train_state(cfg: ModelConfig, optimizer: optax.GradientTransformation, 
 
 def micro_batches(batch, k: int):
     """``[B, ...]`` rows as ``[k, B / k, ...]``: micro-batch ``i`` holds rows ``i, i + k, ...``
-    (``batch``: any pytree of arrays with rows first, a dict or a strategy's batch).
+    (``batch``: any pytree of arrays with rows first, a strategy's batch).
 
     Taking every k-th row (not k contiguous blocks) keeps each device's rows on that device
     under data parallelism: a device's contiguous block of ``B / N`` rows holds ``B / (k N)``
@@ -105,7 +106,7 @@ TOKEN_MEAN = Accumulation()
 
 
 def accumulated_gradient(
-    objective: Callable, params, cfg, batch: dict, k: int, how: Accumulation = TOKEN_MEAN
+    objective: Callable, params, cfg, batch, k: int, how: Accumulation = TOKEN_MEAN
 ):
     """``(loss, aux), grads`` of the whole batch computed over ``k`` micro-batches.
 
@@ -177,7 +178,7 @@ def make_train_step(
     (:class:`Accumulation`; trained tokens by default).
     """
 
-    def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
+    def train_step(state: dict, batch) -> tuple[dict, dict]:
         params = state["params"]
         if accum_steps == 1:
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, cfg, batch)
@@ -191,7 +192,7 @@ def make_train_step(
             "opt_state": opt_state,
             "rng": state["rng"],
             "step": state["step"] + 1,
-            "cursor": state["cursor"] + jnp.int32(batch["tokens"].shape[0]),
+            "cursor": state["cursor"] + jnp.int32(batch.tokens.shape[0]),
         }
         metrics = {
             "loss": loss,

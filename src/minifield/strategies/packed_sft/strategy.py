@@ -116,7 +116,7 @@ class PackedSFT(Strategy):
         """One training source's packed rows, with its format decision and packing figures."""
         _, _, tokenizer, encoded, _ = _reading(recipe, files)
         packed, record = _packed_source(recipe, name, encoded, tokenizer.pad_id, files)
-        return dict(packed.arrays), {"format": record, "stats": packed.stats}
+        return packed.rows._asdict(), {"format": record, "stats": packed.stats}
 
     def prepare(
         self, recipe: dict, files: dict[str, Path], sources: dict[str, tuple] | None = None
@@ -130,9 +130,8 @@ class PackedSFT(Strategy):
         for source in mixture.input_names(training):
             if sources is not None and source in sources:
                 rows, prepared = sources[source]
-                packed[source] = packing.Packed(
-                    {key: np.asarray(rows[key]) for key in packing.ROW_FIELDS}, prepared["stats"]
-                )
+                held = packing.Rows._make(np.asarray(rows[key]) for key in packing.ROW_FIELDS)
+                packed[source] = packing.Packed(held, prepared["stats"])
                 meta["formats"][source] = prepared["format"]
             else:
                 packed[source], meta["formats"][source] = _packed_source(
@@ -140,9 +139,11 @@ class PackedSFT(Strategy):
                 )
         if "mixture" in training:
             train, meta["mixture"] = packing.concatenate(packed)
+            counts = [p.stats["rows"] for p in packed.values()]  # in mixture order
+            arrays["train_source_rows"] = np.array(counts, dtype=np.int64)
         else:
             train = packed["train"]
-        arrays.update({f"train_{k}": v for k, v in train.arrays.items()})
+        arrays.update(train.rows.named("train"))
         meta["splits"]["train"] = train.stats
         for split in SPLITS[1:]:
             examples, meta["formats"][split] = encoded(split)

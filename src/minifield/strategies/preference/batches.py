@@ -25,7 +25,8 @@ import numpy as np
 from ...data.batches import rows_for_step
 from ...data.packing import first_fit_decreasing
 from . import logprobs, pairs, prepared
-from .evaluator import REF_FIELDS, reference_by_pair
+from .evaluator import reference_by_pair
+from .pairs import PairRows
 
 
 class PairBatches:
@@ -62,25 +63,25 @@ class PairBatches:
         """Positions (into :attr:`pairs`) of update ``step``'s pairs, in ascending order."""
         return np.sort(rows_for_step(self.seed, step, self.batch_size, len(self.pairs)))
 
-    def packed(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def packed(self, positions: np.ndarray) -> PairRows:
         """The pairs at ``positions`` packed into :attr:`group_rows` rows (pair slots index the
         file's pairs) and, with a reference, each slot's reference log-probabilities."""
         packed = pairs.pack([self.pairs[i] for i in positions], self.seq_len, "reject", self.pad_id)
-        rows = logprobs.padded(packed.arrays, self.group_rows)
-        width = rows["pair_index"].shape[1]
+        rows = logprobs.padded(packed.rows, self.group_rows)
+        width = rows.pair_index.shape[1]
         # one width for every update: a group's pairs
         slots = np.full((self.group_rows, self.batch_size // self.groups), -1, np.int32)
-        slots[:, :width] = rows["pair_index"]
+        slots[:, :width] = rows.pair_index
         held = slots >= 0
-        rows["pair_index"] = np.where(held, self.ids[positions][np.maximum(slots, 0)], -1)
-        rows["pair_index"] = rows["pair_index"].astype(np.int32)
-        if self.reference is not None:
-            for key in REF_FIELDS:
-                values = self.reference[key][np.maximum(rows["pair_index"], 0)]
-                rows[key] = np.where(held, values, 0.0).astype(np.float32)
+        index = np.where(held, self.ids[positions][np.maximum(slots, 0)], -1).astype(np.int32)
+        rows = rows._replace(pair_index=index)
+        if self.reference is not None:  # ref_chosen, ref_rejected: 0 in an empty slot
+            slot = np.maximum(index, 0)
+            ref = {k: np.where(held, v[slot], 0.0) for k, v in self.reference.items()}
+            rows = rows._replace(**{k: v.astype(np.float32) for k, v in ref.items()})
         return rows
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int) -> PairRows:
         """Update ``step``'s packed rows: its pairs, each group's where its device and
         micro-batch read them (the module docstring)."""
         positions = self.order(step)
@@ -88,17 +89,20 @@ class PairBatches:
             return self.packed(positions)
         parts = [self.packed(group) for group in np.split(positions, self.groups)]
         N, k, R = self.devices, self.accum_steps, self.group_rows
-        out = {}
-        for key in parts[0]:
-            stacked = np.stack([part[key] for part in parts])  # [G, R, ...], g = d·k + m
-            grouped = stacked.reshape(N, k, R, *stacked.shape[2:]).swapaxes(1, 2)
-            out[key] = np.ascontiguousarray(grouped.reshape(N * R * k, *stacked.shape[2:]))
-        return out
 
-    def with_counts(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        def laid_out(*values):
+            stacked = np.stack(values)  # [G, R, ...], g = d·k + m
+            grouped = stacked.reshape(N, k, R, *stacked.shape[2:]).swapaxes(1, 2)
+            return np.ascontiguousarray(grouped.reshape(N * R * k, *stacked.shape[2:]))
+
+        return PairRows._make(
+            None if field[0] is None else laid_out(*field) for field in zip(*parts, strict=True)
+        )
+
+    def with_counts(self, step: int) -> tuple[PairRows, dict[str, int]]:
         """The batch and what it consumes: pairs (``examples``) and non-padding tokens."""
         batch = self.batch(step)
         return batch, {
-            "examples": int(np.count_nonzero(batch["pair_index"] >= 0)),
-            "tokens": int(np.count_nonzero(batch["segments"])),
+            "examples": int(np.count_nonzero(batch.pair_index >= 0)),
+            "tokens": int(np.count_nonzero(batch.segments)),
         }

@@ -17,9 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from . import logprobs, losses, pairs, prepared
-
-#: a pair's reference log-probabilities in a prepared split's rows (per pair slot)
-REF_FIELDS = {"ref_chosen": "chosen", "ref_rejected": "rejected"}
+from .pairs import REF_FIELDS
 
 
 def reference_by_pair(arrays: dict, split: str, n_pairs: int) -> dict[str, np.ndarray] | None:
@@ -65,14 +63,14 @@ class PairEvaluator:
         self._rows_sharding = rows_sharding
         self.batch_size = -(-self.batch_size // devices) * devices
 
-    def _on_device(self, batch: dict):
+    def _on_device(self, batch: pairs.PairRows):
         if self._rows_sharding is None:
             return batch
         import jax
 
         return jax.device_put(batch, self._rows_sharding)
 
-    def metrics(self, params, rows: dict, n_pairs: int, reference=None, prefix="dev"):
+    def metrics(self, params, rows: pairs.PairRows, n_pairs: int, reference=None, prefix="dev"):
         values = logprobs.by_pair(
             lambda batch: self._logps(params, self._on_device(batch)),
             rows,
@@ -122,4 +120,4 @@ def export_metrics(recipe: dict, export_dir: Path) -> dict[str, float]:
     evaluator = PairEvaluator(
         model.cfg, recipe["evaluation"]["batch_size"], losses.LossSettings.of(recipe["preference"])
     )
-    return evaluator.metrics(model.params, packed.arrays, len(encoded))
+    return evaluator.metrics(model.params, packed.rows, len(encoded))

@@ -17,7 +17,8 @@ is padded to the other's length. Pairs fill rows by first-fit decreasing on thei
 segments' total length. Per row: ``tokens``, ``segments`` (pair ``k``'s chosen answer is
 segment ``2k + 1``, its rejected ``2k + 2``; 0 padding), ``positions`` (restarting per
 segment), ``loss_mask`` (1 on answer tokens), and ``pair_index`` (``[rows, M]``: which pair of
-the file each of the row's ``M`` pair slots holds, −1 for none). A pair longer than
+the file each of the row's ``M`` pair slots holds, −1 for none): a :class:`PairRows`, what the
+preference update and its evaluation receive. A pair longer than
 ``seq_len`` is cut (both answers shortened, the longer first) or dropped, as
 ``training.overlong`` says, and counted.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,9 +39,39 @@ from ...data.encode_pool import ENCODE_BATCH
 from ...data.formats import DataError
 from ...data.packing import OVERLONG, ROW_FIELDS, first_fit_decreasing
 
-#: the per-row arrays of packed pairs (a batch is these, rows stacked)
-PAIR_FIELDS = (*ROW_FIELDS, "pair_index")
 ANSWERS = ("chosen", "rejected")
+
+
+class PairRows(NamedTuple):
+    """Packed pairs (the module docstring): the fields of
+    :class:`minifield.data.packing.Rows`, each pair slot's pair, and, in a training batch of
+    a loss with a reference (:mod:`.batches`), each slot's reference log-probabilities (0 for
+    an empty slot). A JAX pytree with fixed fields: a field left None holds no array, so a
+    recipe's batches have one structure and compile once."""
+
+    tokens: Any  # [B, T] int32
+    segments: Any  # [B, T] int32: pair slot k's chosen answer 2k + 1, rejected 2k + 2
+    positions: Any  # [B, T] int32
+    loss_mask: Any  # [B, T] float32: 1 on answer tokens
+    pair_index: Any  # [B, M] int32: the pair of the file in each slot, -1 for none
+    ref_chosen: Any = None  # [B, M] float32: the reference's chosen answer log-probability
+    ref_rejected: Any = None  # [B, M] float32: and its rejected one
+
+    @classmethod
+    def of(cls, arrays, prefix: str) -> PairRows:
+        """The packed pairs prepared arrays hold under ``{prefix}_{field}`` (no reference)."""
+        return cls(*(arrays[f"{prefix}_{name}"] for name in PAIR_FIELDS))
+
+    def named(self, prefix: str) -> dict[str, np.ndarray]:
+        """The packed pairs as prepared arrays, ``{prefix}_{field}`` (no reference)."""
+        return {f"{prefix}_{name}": getattr(self, name) for name in PAIR_FIELDS}
+
+
+#: the fields packing writes (a prepared split holds these, rows stacked)
+PAIR_FIELDS = (*ROW_FIELDS, "pair_index")
+#: the fields a training batch adds with a reference (a prepared split of a recipe with one
+#: holds them too, per pair slot)
+REF_FIELDS = ("ref_chosen", "ref_rejected")
 
 
 @dataclass(frozen=True)
@@ -186,7 +218,7 @@ def fit(p: EncodedPair, seq_len: int, overlong: str) -> tuple[EncodedPair | None
 
 @dataclass(frozen=True)
 class PackedPairs:
-    arrays: dict[str, np.ndarray]
+    rows: PairRows
     stats: dict
 
 
@@ -201,25 +233,25 @@ def pack(pairs: list[EncodedPair], seq_len: int, overlong: str, pad_id: int) -> 
             kept.append((index, fitted))
     bins = first_fit_decreasing([len(p) for _, p in kept], seq_len)
     rows, width = len(bins), max((len(b) for b in bins), default=1)
-    arrays = {
-        "tokens": np.full((rows, seq_len), pad_id, np.int32),
-        "segments": np.zeros((rows, seq_len), np.int32),
-        "positions": np.zeros((rows, seq_len), np.int32),
-        "loss_mask": np.zeros((rows, seq_len), np.float32),
-        "pair_index": np.full((rows, width), -1, np.int32),
-    }
+    out = PairRows(
+        tokens=np.full((rows, seq_len), pad_id, np.int32),
+        segments=np.zeros((rows, seq_len), np.int32),
+        positions=np.zeros((rows, seq_len), np.int32),
+        loss_mask=np.zeros((rows, seq_len), np.float32),
+        pair_index=np.full((rows, width), -1, np.int32),
+    )
     for row, members in enumerate(bins):
         offset = 0
         for slot, member in enumerate(members):
             index, p = kept[member]
-            arrays["pair_index"][row, slot] = index
+            out.pair_index[row, slot] = index
             for side, answer in enumerate((p.chosen, p.rejected)):
                 n = len(p.prompt) + len(answer)
                 span = slice(offset, offset + n)
-                arrays["tokens"][row, span] = p.prompt + answer
-                arrays["segments"][row, span] = 2 * slot + side + 1
-                arrays["positions"][row, span] = np.arange(n)
-                arrays["loss_mask"][row, offset + len(p.prompt) : offset + n] = 1.0
+                out.tokens[row, span] = p.prompt + answer
+                out.segments[row, span] = 2 * slot + side + 1
+                out.positions[row, span] = np.arange(n)
+                out.loss_mask[row, offset + len(p.prompt) : offset + n] = 1.0
                 offset += n
     real = sum(len(p) for _, p in kept)
     stats = {
@@ -230,26 +262,26 @@ def pack(pairs: list[EncodedPair], seq_len: int, overlong: str, pad_id: int) -> 
         "pairs_per_row": width,
         "seq_len": seq_len,
         "real_tokens": real,
-        "answer_tokens": int(arrays["loss_mask"].sum()),
+        "answer_tokens": int(out.loss_mask.sum()),
         "slots": rows * seq_len,
         "efficiency": real / (rows * seq_len) if rows else 0.0,
     }
-    return PackedPairs(arrays, stats)
+    return PackedPairs(out, stats)
 
 
-def unpack(rows: dict[str, np.ndarray]) -> dict[int, EncodedPair]:
+def unpack(rows: PairRows) -> dict[int, EncodedPair]:
     """The pairs packed rows hold, by pair index: each segment's tokens split at its first
     answer token (the inverse of :func:`pack` for the pairs it kept)."""
     out = {}
-    for row, slots in enumerate(rows["pair_index"]):
+    for row, slots in enumerate(rows.pair_index):
         for slot, index in enumerate(slots):
             if index < 0:
                 continue
             sides = []
             for side in (1, 2):
-                where = rows["segments"][row] == 2 * slot + side
-                tokens = rows["tokens"][row][where].tolist()
-                first = int(np.argmax(rows["loss_mask"][row][where] > 0))
+                where = rows.segments[row] == 2 * slot + side
+                tokens = rows.tokens[row][where].tolist()
+                first = int(np.argmax(rows.loss_mask[row][where] > 0))
                 sides.append((tokens[:first], tokens[first:]))
             out[int(index)] = EncodedPair(sides[0][0], sides[0][1], sides[1][1])
     return out

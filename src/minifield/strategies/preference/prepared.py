@@ -36,7 +36,7 @@ def prepare_pairs(recipe: dict, files: dict[str, Path]) -> tuple[dict[str, np.nd
                 f"{files[split]}: no pair fits training.seq_len={training['seq_len']} "
                 "(both answers after the prompt, in one row)"
             )
-        arrays.update({f"{split}_{k}": v for k, v in packed.arrays.items()})
+        arrays.update(packed.rows.named(split))
         arrays[f"{split}_pairs"] = np.asarray(len(encoded), np.int64)
         meta["splits"][split] = packed.stats
     return arrays, meta
@@ -51,6 +51,7 @@ def model_of(recipe: dict, arrays: dict[str, np.ndarray]):
     return cfg, pinned_base.params_from_arrays(arrays), tokenizer
 
 
-def split_rows(arrays: dict[str, np.ndarray], split: str) -> dict[str, np.ndarray]:
-    """The packed rows of ``split`` (every field of :data:`.pairs.PAIR_FIELDS`)."""
-    return {k: arrays[f"{split}_{k}"] for k in pairs.PAIR_FIELDS}
+def split_rows(arrays: dict[str, np.ndarray], split: str) -> pairs.PairRows:
+    """The packed pairs of ``split`` (no reference: that is per pair,
+    :func:`.evaluator.reference_by_pair`)."""
+    return pairs.PairRows.of(arrays, split)

@@ -27,7 +27,7 @@ from ...training.train_step import Accumulation
 from ..lm.program import LMProgram
 from . import logprobs, losses, section
 from .batches import PairBatches
-from .evaluator import REF_FIELDS, PairEvaluator
+from .evaluator import PairEvaluator
 
 
 def make_objective(loss_settings: losses.LossSettings):
@@ -38,7 +38,7 @@ def make_objective(loss_settings: losses.LossSettings):
     def objective(params, cfg, batch):
         logps = logprobs.answer_logps(params, cfg, batch)
         if loss_settings.uses_reference:
-            logps.update({key: batch[key] for key in REF_FIELDS})
+            logps.update(ref_chosen=batch.ref_chosen, ref_rejected=batch.ref_rejected)
         loss, metrics = losses.batch_loss(loss_settings, logps, logps["valid"])
         tokens = (logps["chosen_len"] + logps["rejected_len"]) * logps["valid"]
         return loss, {**metrics, "tokens": tokens.sum()}

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...data import encoding, packing, unknown_text
 from ...data import tokenizer as tokenizers
-from ...data.packing import ROW_FIELDS
+from ...data.packing import Rows
 from ...digest import sha256_bytes
 from ...inputs.pinned import InputError
 from ...state import export
@@ -235,7 +235,7 @@ def _corpus_split(split: str, path: Path, tokenizer, seq_len: int) -> tuple[dict
     documents = corpus.read_documents(path)
     encoded, n_bytes = corpus.encode_split(documents, tokenizer, seq_len)
     packed = packing.pack(encoded, seq_len, "reject", tokenizer.pad_id)
-    arrays = {f"{split}_{k}": v for k, v in packed.arrays.items()}
+    arrays = packed.rows.named(split)
     arrays[f"{split}_bytes"] = np.asarray(n_bytes, dtype=np.int64)
     return arrays, {**packed.stats, "documents": len(documents), "bytes": n_bytes}
 
@@ -258,11 +258,11 @@ def _prepare_corpus(recipe: dict, files: dict[str, Path], tokenizer) -> tuple[di
 
 def lm_metrics(evaluator, params, arrays: dict[str, np.ndarray], split: str) -> dict[str, float]:
     """Loss per trained token, perplexity and bits per byte of one corpus split."""
-    rows = {k: arrays[f"{split}_{k}"] for k in ROW_FIELDS}
+    rows = Rows.of(arrays, split)
     loss = evaluator.loss(params, rows)
     # every slot the mask trains has its predecessor in its own chunk, so the mask's sum is
     # the number of targets the loss averaged over
-    targets = float(np.sum(rows["loss_mask"]))
+    targets = float(np.sum(rows.loss_mask))
     n_bytes = int(arrays[f"{split}_bytes"])
     return {
         f"{split}_loss": loss["loss"],
