@@ -183,9 +183,14 @@ def swiglu(p, x, dot, compute):
     return dot("btf,fd->btd", (jax.nn.silu(g) * u).astype(compute), p["wd"])
 
 
-def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu):
+def logits(
+    params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu, remat: str = "none"
+):
     """FP32 logits ``[B, T, V]`` of every slot of a packed batch; ``mlp(p, x, dot, compute)``:
-    each layer's MLP on its normed input (``moe_update.py`` passes mixtures of experts)."""
+    each layer's MLP on its normed input (``moe_update.py`` passes mixtures of experts).
+    ``remat`` as ``training.remat``: ``full`` keeps each layer's input alone for the backward
+    pass, ``dots_saveable`` its products too (what ours does on a TPU, where the scores of
+    every layer kept at once do not fit)."""
     dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
     tokens, seg, pos = batch.tokens, batch.segments, batch.positions
     B, T = tokens.shape
@@ -204,8 +209,7 @@ def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swi
         x1, x2 = x[..., : K // 2].astype(F32), x[..., K // 2 :].astype(F32)
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(compute)
 
-    h = params["emb"][tokens].astype(compute)
-    for p in params["layers"]:
+    def layer(h, p):
         x = rms(h, p["ln1"])
         q = rope(dot("btd,dn->btn", x, p["wq"]).astype(compute).reshape(B, T, H, K))
         k = rope(dot("btd,dn->btn", x, p["wk"]).astype(compute).reshape(B, T, G, K))
@@ -216,13 +220,22 @@ def logits(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swi
         else:
             o = _dense_attention(dot, compute, q, k, v, seg)
         h = h + dot("btn,nd->btd", o.reshape(B, T, H * K), p["wo"]).astype(compute)
-        h = h + mlp(p, rms(h, p["ln2"]), dot, compute).astype(compute)
+        return h + mlp(p, rms(h, p["ln2"]), dot, compute).astype(compute)
+
+    if remat != "none":
+        policy = jax.checkpoint_policies.dots_saveable if remat == "dots_saveable" else None
+        layer = jax.checkpoint(layer, policy=policy)
+    h = params["emb"][tokens].astype(compute)
+    for p in params["layers"]:
+        h = layer(h, p)
     return dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
 
 
-def loss(params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu):
+def loss(
+    params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu, remat: str = "none"
+):
     tokens, seg = batch.tokens, batch.segments
-    logits_ = logits(params, batch, shape, compute, attention, mlp)
+    logits_ = logits(params, batch, shape, compute, attention, mlp, remat)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
     weight = jnp.pad(jnp.where(counted, batch.loss_mask[:, 1:], 0.0), ((0, 0), (0, 1)))
@@ -251,14 +264,16 @@ def make_optimizer(max_steps: int):
     )
 
 
-def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla"):
+def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"):
     """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
     loss)`` jit-compiled with params and optimizer state donated; the optimizer is
-    :func:`make_optimizer`'s."""
+    :func:`make_optimizer`'s; ``remat`` as :func:`logits`'."""
     optimizer = make_optimizer(max_steps)
 
     def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch, shape, compute, attention)
+        value, grads = jax.value_and_grad(loss)(
+            params, batch, shape, compute, attention, remat=remat
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 

@@ -474,9 +474,11 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     out["ours"]["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     report(out)
     if not args.ours_only:
+        # the same remat as ours: on a TPU, every layer's scores kept at once do not fit
         step, params, opt_state = minimal.make_step(
-            shape, jnp.bfloat16, MAX_STEPS, attention=cfg.execution.attention
-        )
+            shape, jnp.bfloat16, MAX_STEPS, attention=cfg.execution.attention,
+            remat=cfg.execution.remat,
+        )  # fmt: skip
         out["minimal"] = {"param_count": count_params(params)}
         started = time.perf_counter()
         step = step.lower(params, opt_state, batch).compile()
@@ -582,8 +584,9 @@ def section_recovery(args, context, report) -> dict:
         attempt = json.loads((Path(out["reference_attempt_dir"]) / "attempt.json").read_text())
         env = attempt["environment"]
         out["environment"] = {k: env.get(k) for k in ("backend", "device_kind", "xla_flags")}
-    if proof.get("resumed"):
-        resumed = {h["step"]: h["state_hash"] for h in proof["resumed"]["state_hashes"]}
+    if proof.get("resumed"):  # no hashes where the proof stopped at a problem (its diagnosis)
+        hashes = proof["resumed"].get("state_hashes") or []
+        resumed = {h["step"]: h["state_hash"] for h in hashes}
         out["resumed_state_hashes"] = resumed
         out["checkpoint_step"] = (proof.get("checkpoint_used") or {}).get("step")
         out["steps_compared"] = sorted(s for s in resumed if s in reference)
