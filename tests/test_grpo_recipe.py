@@ -80,6 +80,13 @@ def test_bad_recipes_are_refused_naming_the_field(root, change, path, words):
     assert words in errors[found[0]], errors
 
 
+def test_a_recipe_without_the_rl_section_gets_that_one_error(root):
+    """Every other check reads ``rl``, so its absence is the only thing said."""
+    raw = recipe(root)
+    del raw["rl"]
+    assert _errors(raw) == {"/rl": "the grpo strategy needs it (rl.rewards at least)"}
+
+
 @pytest.mark.slow
 def test_the_worker_refuses_bad_recipes_and_inputs_with_exit_2_and_one_line(tmp_path, root):
     bad = write_recipe(tmp_path / "g.json", recipe(root, {"num_generations": 3}))

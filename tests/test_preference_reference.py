@@ -151,6 +151,17 @@ def test_bad_preference_settings_are_named(computed, preference, pointer):
     assert pointer in [e["path"] for e in caught.value.errors], caught.value.errors
 
 
+def test_a_recipe_without_the_preference_section_gets_that_one_error(computed):
+    """Every other check reads ``preference``, so its absence is the only thing said."""
+    root, _ = computed
+    raw = recipe(root, {"loss": "simpo"})
+    del raw["preference"]
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(raw)
+    expected = [{"path": "/preference", "message": "the preference strategy needs it"}]
+    assert caught.value.errors == expected
+
+
 def test_the_preference_section_is_refused_by_other_strategies_and_kept_in_the_digest(computed):
     root, _ = computed
     sft = recipe(root, {"loss": "simpo"}, strategy={"name": "packed-sft", "version": "12.0.0"})

@@ -304,3 +304,12 @@ def test_the_shared_training_block_fills_its_defaults_and_refuses_unknown_keys(s
     found = {e["path"]: e["message"] for e in info.value.errors}
     assert "'learning_rat' was unexpected" in found["/training"], found
     assert "check the spelling" in found["/training"]
+
+
+def test_each_strategy_validates_by_the_schema_titled_with_its_name_and_version():
+    """A strategy's schema file follows from its name; the file's own title says whose it is."""
+    from minifield import schemas, strategies
+
+    for strategy in strategies.available():
+        title = schemas.load(strategy.schema_file)["title"]
+        assert title.startswith(f"{strategy.name} {strategy.version}: "), (strategy.name, title)

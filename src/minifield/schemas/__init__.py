@@ -19,8 +19,16 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 SUFFIX = ".schema.json"
+
+
+def strategy_file(name: str) -> str:
+    """The schema of strategy ``name``'s recipe sections (model, training, evaluation and its
+    own): ``strategy-{name}.schema.json``."""
+    return f"strategy-{name}{SUFFIX}"
+
+
 #: the packed-sft strategy's schema (its ``x-absent`` values are read by the model code too)
-PACKED_SFT = "strategy-packed-sft.schema.json"
+PACKED_SFT = strategy_file("packed-sft")
 #: the training block packed-sft and two-stage share (the optimizer's defaults)
 TRAINING = "strategy-training.schema.json"
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import schemas
 from ..digest import sha256_json
 
 #: an input entry's keys that say how its rows are read (absent from most recipes, so
@@ -140,14 +141,18 @@ class Strategy(ABC):
     name: str
     version: str
     description: str
-    #: file under minifield/schemas/ validating model/training/evaluation (with defaults)
-    schema_file: str
     default_max_steps: int
     default_every_steps: int
     #: (metric, "min" | "max") used to select a checkpoint on DEV
     selection_metric: tuple[str, str]
     #: the recipe sections of :data:`EXTRA_SECTIONS` this strategy has (its schema's)
     extra_sections: tuple[str, ...] = ()
+
+    @property
+    def schema_file(self) -> str:
+        """The file under minifield/schemas/ validating model/training/evaluation (with
+        defaults): named after the strategy."""
+        return schemas.strategy_file(self.name)
 
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "description": self.description}

@@ -12,7 +12,6 @@ from ...rl import rewards as reward_kinds
 from ..lm import model_section
 
 NAME, VERSION = "grpo", "1.0.0"
-SCHEMA_FILE = "strategy-grpo.schema.json"
 SPLITS = ("train", "dev", "test")
 #: ``rl`` keys spelled as floats in the digest (YAML's 1 and 1.0 are one computation)
 FLOAT_KEYS = ("temperature", "top_p", "beta", "epsilon", "epsilon_high")

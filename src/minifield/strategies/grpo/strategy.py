@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from ...rl import rewards as reward_kinds
-from ..base import Program, Strategy
+from ..base import Program
 from ..lm import checks, model_section
+from ..lm.checks import LMStrategy
 from . import section
 from .section import SPLITS
 
@@ -26,7 +27,7 @@ from .section import SPLITS
 PREPARE_VERSION = 1
 
 
-class GRPO(Strategy):
+class GRPO(LMStrategy):
     name, version = section.NAME, section.VERSION
     description = (
         "Online reinforcement learning on verifiable rewards of a pinned base model: G sampled "
@@ -35,15 +36,19 @@ class GRPO(Strategy):
         "sequence ratio and a k3 KL to the reference; full fine-tuning or LoRA; rollouts kept "
         "per update; DEV/TEST greedy mean reward and pass@1; HF/PEFT export."
     )
-    schema_file = section.SCHEMA_FILE
     default_max_steps = 100
     default_every_steps = 10
     selection_metric = ("dev_reward", "max")
     extra_sections = ("rl",)
+    missing_section_message = "the grpo strategy needs it (rl.rewards at least)"
+    lora_on_mesh = True
 
-    def check(self, recipe: dict) -> list[dict]:
-        needs = ("rl", "the grpo strategy needs it (rl.rewards at least)")
-        return checks.check(recipe, _own_checks, lora_on_mesh=True, needs=needs)
+    def own_checks(self, recipe: dict) -> list[dict]:
+        """The rl section and the inputs it wants."""
+        errors = model_section.router_loss_errors("grpo", recipe["model"])
+        errors += section.normalize_rl(recipe)
+        wanted = section.wanted_inputs(recipe)
+        return errors + model_section.exact_inputs_errors("grpo", wanted, recipe)
 
     def data_spec(self, recipe: dict) -> dict:
         return {
@@ -95,10 +100,3 @@ class GRPO(Strategy):
         from .evaluator import export_metrics
 
         return export_metrics(recipe, Path(export_dir))
-
-
-def _own_checks(recipe: dict) -> list[dict]:
-    """The rl section and the inputs it wants."""
-    errors = model_section.router_loss_errors("grpo", recipe["model"])
-    errors += section.normalize_rl(recipe)
-    return errors + model_section.exact_inputs_errors("grpo", section.wanted_inputs(recipe), recipe)

@@ -29,7 +29,6 @@ class LinearMomentum(Strategy):
         "Linear model y = w*x + b fit to 64 examples of y = 2x + 1 by SGD with momentum "
         "on minibatches sampled without replacement (the fast operational teacher workload)."
     )
-    schema_file = "strategy-linear-momentum.schema.json"
     default_max_steps = 8
     default_every_steps = 2
     selection_metric = ("heldout_mse", "min")

@@ -1,50 +1,60 @@
 """The checks and the data spec the language-model strategies share, in one order.
 
-packed-sft, preference and grpo (two-stage through packed-sft's) check a recipe by
-:func:`check`: what differs is their own section and inputs, and what they check once the
-model's values are known. preference and grpo, which prepare from a pinned base, share the
-data spec's part :func:`base_spec`.
+packed-sft, preference and grpo (two-stage through packed-sft's) are :class:`LMStrategy`:
+its :meth:`~LMStrategy.check` is their one check chain, and what differs between them is
+declared (the section a recipe cannot go without, whether LoRA runs on a mesh) or written
+as their own checks (:meth:`~LMStrategy.own_checks`, :meth:`~LMStrategy.checks_after`).
+preference and grpo, which prepare from a pinned base, share the data spec's part
+:func:`base_spec`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import abstractmethod
 
 from ...models import execution
 from ...training import lora
-from ..base import pinned_inputs
+from ..base import Strategy, pinned_inputs
 from . import model_section
 
-Check = Callable[[dict], list[dict]]
 
+class LMStrategy(Strategy):
+    """A language-model strategy: a recipe is checked by :meth:`check`, one chain for all."""
 
-def check(
-    recipe: dict,
-    own: Check,
-    after: Check | None = None,
-    lora_on_mesh=False,
-    needs: tuple[str, str] | None = None,
-) -> list[dict]:
-    """Every check of a language-model recipe, each one spelling where it has one: the model
-    section, the strategy's own section and inputs (``own``), the export's dtype and shards,
-    LoRA (``lora_on_mesh``: whether the strategy runs it with ``data_parallel.devices`` > 1),
-    how the model computes, the model's values, the strategy's checks that read those
-    (``after``), and the warmup against ``limits.max_steps``. ``needs``: (the recipe section
-    the strategy cannot go without, why); the only error when it is absent, since the other
-    checks read it."""
-    if needs is not None and needs[0] not in recipe:
-        return [{"path": f"/{needs[0]}", "message": needs[1]}]
-    errors = model_section.normalize_model_section(recipe["model"])
-    errors += own(recipe)
-    errors += model_section.normalize_export_dtype(recipe)
-    errors += model_section.normalize_export_shards(recipe)
-    errors += lora.normalize_section(recipe, data_parallel=lora_on_mesh)
-    errors += execution.normalize_recipe(recipe)
-    errors += model_section.model_errors(recipe["model"])
-    if after is not None:
-        errors += after(recipe)
-    errors += model_section.warmup_errors(recipe)
-    return errors
+    #: why a recipe without one of the strategy's own sections (``extra_sections``) is
+    #: refused; that is then the only error, since the other checks read the section
+    missing_section_message: str = ""
+    #: whether the strategy runs LoRA with ``training.data_parallel.devices`` > 1 (else
+    #: :func:`minifield.training.lora.normalize_section` refuses it)
+    lora_on_mesh: bool = False
+
+    def check(self, recipe: dict) -> list[dict]:
+        """Every check of a language-model recipe, each one spelling where it has one: the
+        model section, the strategy's own section and inputs (:meth:`own_checks`), the
+        export's dtype and shards, LoRA, how the model computes, the model's values, the
+        strategy's checks that read those (:meth:`checks_after`), and the warmup against
+        ``limits.max_steps``."""
+        missing = [key for key in self.extra_sections if key not in recipe]
+        if missing:
+            return [{"path": f"/{key}", "message": self.missing_section_message} for key in missing]
+        errors = model_section.normalize_model_section(recipe["model"])
+        errors += self.own_checks(recipe)
+        errors += model_section.normalize_export_dtype(recipe)
+        errors += model_section.normalize_export_shards(recipe)
+        errors += lora.normalize_section(recipe, data_parallel=self.lora_on_mesh)
+        errors += execution.normalize_recipe(recipe)
+        errors += model_section.model_errors(recipe["model"])
+        errors += self.checks_after(recipe)
+        errors += model_section.warmup_errors(recipe)
+        return errors
+
+    @abstractmethod
+    def own_checks(self, recipe: dict) -> list[dict]:
+        """The strategy's own section and inputs, checked once the model section is."""
+
+    def checks_after(self, recipe: dict) -> list[dict]:
+        """The strategy's checks that read the model's values (none by default)."""
+        return []
 
 
 def base_spec(strategy: str, prepare_version, recipe: dict) -> dict:

@@ -25,8 +25,9 @@ from ...data import encode_pool, encoding, formats, mixture, packing, unknown_te
 from ...data import tokenizer as tokenizers
 from ...hf import pinned_base
 from ...training import evaluator
-from ..base import Program, Strategy, pinned_inputs
-from ..lm import checks, export_format, model_section
+from ..base import Program, pinned_inputs
+from ..lm import export_format, model_section
+from ..lm.checks import LMStrategy
 from ..lm.model_section import SPLITS
 from ..lm.program import LMProgram
 
@@ -40,7 +41,7 @@ from ..lm.program import LMProgram
 PREPARE_VERSION = 2
 
 
-class PackedSFT(Strategy):
+class PackedSFT(LMStrategy):
     name, version = model_section.NAME, model_section.VERSION
     description = (
         "Supervised fine-tuning of a decoder-only transformer on packed sequences (segment ids, "
@@ -48,13 +49,40 @@ class PackedSFT(Strategy):
         "AdamW with warmup and decay, global-norm clipping, BF16 compute by default; DEV loss and "
         "greedy exact-match evaluation; export for generation."
     )
-    schema_file = model_section.SCHEMA_FILE
     default_max_steps = 300
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
+    lora_on_mesh = True
 
-    def check(self, recipe: dict) -> list[dict]:
-        return checks.check(recipe, _own_checks, _checks_after, lora_on_mesh=True)
+    def own_checks(self, recipe: dict) -> list[dict]:
+        """A mixture's spelling, and the inputs."""
+        return mixture.normalize(recipe) + _input_errors(recipe)
+
+    def checks_after(self, recipe: dict) -> list[dict]:
+        """train_on and unknown text spelled once; exact-match needs examples to generate from;
+        the rows split over the devices."""
+        encoding.normalize_train_on(recipe["training"])
+        unknown_text.normalize(recipe["training"])
+        errors = []
+        evaluation = recipe["evaluation"]
+        if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
+            errors.append(
+                {
+                    "path": "/evaluation/min_dev_exact_match",
+                    "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
+                    "generated from, so exact-match could never be measured)",
+                }
+            )
+        batch_size, devices = recipe["training"]["batch_size"], self.devices_required(recipe)
+        if batch_size % devices:
+            errors.append(
+                {
+                    "path": "/training/data_parallel/devices",
+                    "message": f"must divide training.batch_size={batch_size} "
+                    f"(every device gets the same number of rows; got {devices})",
+                }
+            )
+        return errors
 
     def data_spec(self, recipe: dict) -> dict:
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
@@ -209,38 +237,6 @@ class PackedSFT(Strategy):
             model.tokenizer.pad_id,
         )
         return dev.split_metrics(model.params, arrays, "dev")
-
-
-def _own_checks(recipe: dict) -> list[dict]:
-    """A mixture's spelling, and the inputs."""
-    return mixture.normalize(recipe) + _input_errors(recipe)
-
-
-def _checks_after(recipe: dict) -> list[dict]:
-    """train_on and unknown text spelled once; exact-match needs examples to generate from;
-    the rows split over the devices."""
-    encoding.normalize_train_on(recipe["training"])
-    unknown_text.normalize(recipe["training"])
-    errors = []
-    evaluation = recipe["evaluation"]
-    if evaluation["min_dev_exact_match"] > 0 and evaluation["max_generate_examples"] == 0:
-        errors.append(
-            {
-                "path": "/evaluation/min_dev_exact_match",
-                "message": "needs evaluation.max_generate_examples > 0 (no prompt would be "
-                "generated from, so exact-match could never be measured)",
-            }
-        )
-    data_parallel = recipe["training"]["data_parallel"]
-    if recipe["training"]["batch_size"] % data_parallel["devices"]:
-        errors.append(
-            {
-                "path": "/training/data_parallel/devices",
-                "message": f"must divide training.batch_size={recipe['training']['batch_size']} "
-                f"(every device gets the same number of rows; got {data_parallel['devices']})",
-            }
-        )
-    return errors
 
 
 def _input_errors(recipe: dict) -> list[dict]:

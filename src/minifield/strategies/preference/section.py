@@ -16,7 +16,7 @@ NAME, VERSION = "preference", "1.0.0"
 LOSSES = ("dpo", "ipo", "simpo", "orpo")
 #: the losses that read the reference model's log-probabilities
 WITH_REFERENCE = ("dpo", "ipo")
-SCHEMA_FILE = "strategy-preference.schema.json"
+SCHEMA_FILE = schemas.strategy_file(NAME)
 SPLITS = ("train", "dev", "test")
 #: the keys each loss reads (besides ``loss``)
 LOSS_KEYS = {

@@ -18,14 +18,15 @@ from typing import Any
 import numpy as np
 
 from ...data import unknown_text
-from ..base import Program, Strategy
+from ..base import Program
 from ..lm import checks
 from ..lm import model_section as sft_settings
+from ..lm.checks import LMStrategy
 from . import section
 from .section import SPLITS, WITH_REFERENCE
 
 
-class Preference(Strategy):
+class Preference(LMStrategy):
     name, version = section.NAME, section.VERSION
     description = (
         "Preference tuning of a pinned base model on pairs {prompt | messages, chosen, "
@@ -34,15 +35,24 @@ class Preference(Strategy):
         "fine-tuning or LoRA; reference log-probabilities as a pinned product; DEV/TEST "
         "preference and reward accuracy; HF/PEFT export."
     )
-    schema_file = section.SCHEMA_FILE
     default_max_steps = 200
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
     extra_sections = ("preference",)
+    missing_section_message = "the preference strategy needs it"
 
-    def check(self, recipe: dict) -> list[dict]:
-        needs = ("preference", "the preference strategy needs it")
-        return checks.check(recipe, _own_checks, _checks_after, needs=needs)
+    def own_checks(self, recipe: dict) -> list[dict]:
+        """The preference section and the inputs it wants."""
+        errors = sft_settings.router_loss_errors("preference", recipe["model"])
+        errors += section.normalize_preference(recipe)
+        wanted = section.wanted_inputs(recipe)
+        return errors + sft_settings.exact_inputs_errors("preference", wanted, recipe)
+
+    def checks_after(self, recipe: dict) -> list[dict]:
+        """The splits of an update's pairs, and unknown text (never read here)."""
+        errors = section.split_errors(recipe["training"])
+        unknown_text.normalize(recipe["training"])
+        return errors + unknown_text.not_read(recipe["training"], "preference")
 
     def data_spec(self, recipe: dict) -> dict:
         from .prepared import PREPARE_VERSION
@@ -96,18 +106,3 @@ class Preference(Strategy):
         from .evaluator import export_metrics
 
         return export_metrics(recipe, Path(export_dir))
-
-
-def _own_checks(recipe: dict) -> list[dict]:
-    """The preference section and the inputs it wants."""
-    errors = sft_settings.router_loss_errors("preference", recipe["model"])
-    errors += section.normalize_preference(recipe)
-    wanted = section.wanted_inputs(recipe)
-    return errors + sft_settings.exact_inputs_errors("preference", wanted, recipe)
-
-
-def _checks_after(recipe: dict) -> list[dict]:
-    """The splits of an update's pairs, and unknown text (never read here)."""
-    errors = section.split_errors(recipe["training"])
-    unknown_text.normalize(recipe["training"])
-    return errors + unknown_text.not_read(recipe["training"], "preference")

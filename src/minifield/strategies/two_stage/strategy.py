@@ -66,7 +66,6 @@ class TwoStage(Strategy):
         "pairs as packed-sft does, initialised from a stage-1 HF export pinned file by file "
         "(model.init.stage1, its content in the digest) or from a random initialisation."
     )
-    schema_file = "strategy-two-stage.schema.json"
     default_max_steps = 300
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
