@@ -145,6 +145,9 @@ class Strategy(ABC):
     default_every_steps: int
     #: (metric, "min" | "max") used to select a checkpoint on DEV
     selection_metric: tuple[str, str]
+    #: part of the examples digest (:meth:`data_spec`): bumped when the same files prepare
+    #: otherwise, so that examples prepared by older code are never reused
+    prepare_version: int = 1
     #: the recipe sections of :data:`EXTRA_SECTIONS` this strategy has (its schema's)
     extra_sections: tuple[str, ...] = ()
 

@@ -23,9 +23,6 @@ from ..lm.checks import LMStrategy
 from . import section
 from .section import SPLITS
 
-#: part of the examples digest: bumped when the same files prepare otherwise
-PREPARE_VERSION = 1
-
 
 class GRPO(LMStrategy):
     name, version = section.NAME, section.VERSION
@@ -52,7 +49,7 @@ class GRPO(LMStrategy):
 
     def data_spec(self, recipe: dict) -> dict:
         return {
-            **checks.base_spec(self.name, PREPARE_VERSION, recipe),
+            **checks.base_spec(self, recipe),
             "max_completion_length": recipe["rl"]["max_completion_length"],
             "columns": reward_kinds.columns_read(recipe["rl"]["rewards"]),
         }

@@ -50,7 +50,7 @@ class LinearMomentum(Strategy):
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}
         return {
             "strategy": self.name,
-            "prepare_version": 1,
+            "prepare_version": self.prepare_version,
             "examples": pinned.get("examples", "builtin:y=2x+1,n=64,linspace(-1,1)"),
         }
 

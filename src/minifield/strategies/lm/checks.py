@@ -57,13 +57,13 @@ class LMStrategy(Strategy):
         return []
 
 
-def base_spec(strategy: str, prepare_version, recipe: dict) -> dict:
+def base_spec(strategy: Strategy, recipe: dict) -> dict:
     """What a strategy's examples prepared from a pinned base depend on, whatever the
     strategy adds: its inputs, the base and its chat template, the dtype and ``seq_len``."""
     model, training = recipe["model"], recipe["training"]
     return {
-        "strategy": strategy,
-        "prepare_version": prepare_version,
+        "strategy": strategy.name,
+        "prepare_version": strategy.prepare_version,
         "inputs": {i["name"]: i["sha256"] for i in pinned_inputs(recipe)},
         "base": model["base"],
         "chat_template": model.get("chat_template"),

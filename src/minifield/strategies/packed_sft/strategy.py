@@ -35,11 +35,6 @@ from ..lm.program import LMProgram
 # compute, so that validating a recipe, describing the strategy or hashing its
 # data spec never imports JAX (the Snakefile validates every recipe when it is parsed).
 
-#: part of the examples digest: bumped when preparing the same files gives other arrays, so a
-#: cache prepared by older code is never reused. 2: a conversation trains every assistant turn
-#: (1 trained only the last), files of mixed shapes are refused.
-PREPARE_VERSION = 2
-
 
 class PackedSFT(LMStrategy):
     name, version = model_section.NAME, model_section.VERSION
@@ -53,6 +48,9 @@ class PackedSFT(LMStrategy):
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
     lora_on_mesh = True
+    # 2: a conversation trains every assistant turn (1 trained only the last), files of mixed
+    # shapes are refused
+    prepare_version = 2
 
     def own_checks(self, recipe: dict) -> list[dict]:
         """A mixture's spelling, and the inputs."""
@@ -89,7 +87,7 @@ class PackedSFT(LMStrategy):
         training, evaluation = recipe["training"], recipe["evaluation"]
         spec = {
             "strategy": self.name,
-            "prepare_version": PREPARE_VERSION,
+            "prepare_version": self.prepare_version,
             "inputs": pinned,
             "tokenizer": recipe["model"].get("tokenizer"),
             "seq_len": training["seq_len"],

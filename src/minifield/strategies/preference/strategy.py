@@ -23,6 +23,7 @@ from ..lm import checks
 from ..lm import model_section as sft_settings
 from ..lm.checks import LMStrategy
 from . import section
+from .prepared import PREPARE_VERSION
 from .section import SPLITS, WITH_REFERENCE
 
 
@@ -40,6 +41,7 @@ class Preference(LMStrategy):
     selection_metric = ("dev_loss", "min")
     extra_sections = ("preference",)
     missing_section_message = "the preference strategy needs it"
+    prepare_version = PREPARE_VERSION  # the reference product's digest has it too
 
     def own_checks(self, recipe: dict) -> list[dict]:
         """The preference section and the inputs it wants."""
@@ -55,10 +57,8 @@ class Preference(LMStrategy):
         return errors + unknown_text.not_read(recipe["training"], "preference")
 
     def data_spec(self, recipe: dict) -> dict:
-        from .prepared import PREPARE_VERSION
-
         return {
-            **checks.base_spec(self.name, PREPARE_VERSION, recipe),
+            **checks.base_spec(self, recipe),
             "overlong": recipe["training"]["overlong"],
             "reference": recipe["preference"].get("reference"),
         }

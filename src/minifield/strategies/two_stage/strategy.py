@@ -40,7 +40,6 @@ from ..lm.program import LMProgram
 from ..registry import get as registered
 from . import corpus, stage1_export
 
-PREPARE_VERSION = 1
 #: evaluation keys of one stage only (the other stage's are removed: not in its digest)
 SFT_ONLY = ("max_generate_examples", "min_dev_exact_match")
 PRETRAIN_ONLY = ("max_dev_bits_per_byte",)
@@ -126,7 +125,7 @@ class TwoStage(Strategy):
         return {
             "strategy": self.name,
             "stage": stage,
-            "prepare_version": PREPARE_VERSION,
+            "prepare_version": self.prepare_version,
             "inputs": {i["name"]: i["sha256"] for i in recipe.get("inputs", [])},
             "tokenizer": recipe["model"]["tokenizer"],
             "seq_len": recipe["training"]["seq_len"],
