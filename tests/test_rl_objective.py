@@ -287,6 +287,19 @@ def _loss(s, logps, old, ref, adv, mask, weights):
 VALUE_AND_GRAD = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)
 
 
+def tolerances() -> dict:
+    """Against float64: FP32 rounding on CPU; on a TPU the chip's exp and log, which agree to
+    about 1e-6 relative (measured on a v5e, JAX 0.10.2: the loss 2.1e-6 relative, the gradient
+    1.3e-5 relative and 1.2e-7 absolute, k3 3.3e-6 absolute; docs/tpu.md#tests-on-the-chip)."""
+    if jax.default_backend() == "tpu":
+        return {
+            "loss": 1e-5,
+            "grad": {"rtol": 5e-5, "atol": 3e-7},
+            "k3": {"rtol": 1e-4, "atol": 1e-6},
+        }
+    return {"loss": 1e-6, "grad": {"rtol": 1e-6, "atol": 1e-9}, "k3": {"rtol": 1e-5, "atol": 1e-8}}
+
+
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -299,8 +312,9 @@ def test_loss_and_gradient_match_the_reference(loss_type, beta, level):
     value, grad = VALUE_AND_GRAD(settings(beta, level), LOGPS, OLD, ref, ADV, MASK, weights)
     expect, expect_grad = reference(loss_type, beta, level, LOGPS, OLD, REF, ADV, MASK, micro)
     assert value.dtype == grad.dtype == jnp.float32
-    assert float(value) == pytest.approx(expect, rel=1e-6)
-    np.testing.assert_allclose(np.asarray(grad), expect_grad, rtol=1e-6, atol=1e-9)
+    tol = tolerances()
+    assert float(value) == pytest.approx(expect, rel=tol["loss"])
+    np.testing.assert_allclose(np.asarray(grad), expect_grad, **tol["grad"])
     assert np.all(np.asarray(grad)[MASK == 0] == 0)
     if beta == 0.0:
         _, parts = per_token_loss(settings(0.0, level), LOGPS, OLD, None, ADV, MASK)
@@ -349,7 +363,7 @@ def test_k3_kl():
     _, parts = per_token_loss(s, LOGPS, None, REF, ADV, MASK)
     d = REF.astype(np.float64) - LOGPS
     np.testing.assert_allclose(
-        np.asarray(parts["kl"]), (np.exp(d) - d - 1) * MASK, rtol=1e-5, atol=1e-8
+        np.asarray(parts["kl"]), (np.exp(d) - d - 1) * MASK, **tolerances()["k3"]
     )
     assert np.all(np.asarray(parts["kl"]) >= 0)
     _, at_ref = per_token_loss(s, LOGPS, None, LOGPS, ADV, MASK)

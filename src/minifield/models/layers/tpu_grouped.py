@@ -73,8 +73,11 @@ def _matmul_fwd(compute_dtype, kernel, x_MxK, w_GxKxN, sizes_G):
     if kernel == "gmm":
         y_MxN = _gmm_rows(x_c, w_c, sizes_G, transpose=False)
     else:
-        y_MxN = jax.lax.ragged_dot(
-            x_c, w_c, sizes_G, precision=full_precision(x_c.dtype), preferred_element_type=F32
+        y_MxN = _past_the_groups_zero(
+            jax.lax.ragged_dot(
+                x_c, w_c, sizes_G, precision=full_precision(x_c.dtype), preferred_element_type=F32
+            ),
+            sizes_G,
         )
     # the operands' dtypes ride along as zero-size arrays (residuals must be arrays)
     protos = (jnp.zeros((0,), x_MxK.dtype), jnp.zeros((0,), w_GxKxN.dtype))
@@ -89,12 +92,17 @@ def _matmul_bwd(compute_dtype, kernel, residuals, dy_MxN):
         dw_GxKxN = _gmm_groups(x_c, dy_c, sizes_G)
     else:
         precision = full_precision(x_c.dtype)
-        dx_MxK = jax.lax.ragged_dot(
-            dy_c, jnp.swapaxes(w_c, 1, 2), sizes_G, precision, preferred_element_type=F32
+        dx_MxK = _past_the_groups_zero(
+            jax.lax.ragged_dot(
+                dy_c, jnp.swapaxes(w_c, 1, 2), sizes_G, precision, preferred_element_type=F32
+            ),
+            sizes_G,
         )
         dw_GxKxN = jax.lax.ragged_dot_general(
             x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision, preferred_element_type=F32
         )
+        # an empty group's matrix gradient is 0 by definition, whatever the kernel wrote
+        dw_GxKxN = jnp.where((sizes_G > 0)[:, None, None], dw_GxKxN, 0.0)
     return dx_MxK.astype(x_proto.dtype), dw_GxKxN.astype(w_proto.dtype), None
 
 
@@ -122,7 +130,15 @@ def _gmm_rows(a_MxK, w_c, sizes_G, transpose: bool):
         _tiled_rows(a_MxK), w_c, sizes_G, F32, GMM_TILING,
         transpose_rhs=transpose, interpret=_interpret(),
     )[:M]  # fmt: skip
-    return jnp.where((jnp.arange(M) < jnp.sum(sizes_G))[:, None], out, 0.0)
+    return _past_the_groups_zero(out, sizes_G)
+
+
+def _past_the_groups_zero(out_MxN, sizes_G):
+    """``out`` with its rows past ``sum(sizes_G)`` set to 0, the contract: neither kernel is
+    relied on to write them (on the chip the BF16 ``ragged_dot`` gave NaN where the tiles
+    gave numbers: docs/tpu.md#tests-on-the-chip)."""
+    M = out_MxN.shape[0]
+    return jnp.where((jnp.arange(M) < jnp.sum(sizes_G))[:, None], out_MxN, 0.0)
 
 
 def _gmm_groups(x_MxK, dy_MxN, sizes_G):
