@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from minifield import recipe as recipes
-from minifield.data.packing import ROW_FIELDS
+from minifield.data.packing import Rows
 from minifield.state import checkpoint
 from minifield.state.arrays import named_arrays, restore_like, state_hash
 from minifield.training.train_step import init_train_state
@@ -132,7 +132,7 @@ def main(recipe_path: str) -> None:
     # evaluation on the mesh against evaluation on one device
     state = fresh
     params_one = one_state["params"]
-    dev = {k: arrays[f"dev_{k}"] for k in ROW_FIELDS}
+    dev = Rows.of(arrays, "dev")
     eval_params = mesh._eval_params(state)  # what evaluate() and evaluate_test() use
     report["eval_mesh"] = mesh.evaluator.loss(eval_params, dev)
     report["eval_one"] = one.evaluator.loss(params_one, dev)

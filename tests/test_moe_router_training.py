@@ -216,7 +216,7 @@ def test_without_the_router_terms_the_loss_is_the_language_models_alone(case):
     assert metrics["loss"] == metrics["loss_sum"] / metrics["tokens"]
     hidden = jax.jit(llama.hidden, static_argnums=1, static_argnames="router")
     h, logits = hidden(
-        case["params"], case["cfg"], *(case["batch"][k] for k in ("tokens", "segments", "positions")),
+        case["params"], case["cfg"], *case["batch"][:3],  # tokens, segments, positions
         router=True,
     )  # fmt: skip
     assert logits.shape == (2, 24, cfg.n_experts)
