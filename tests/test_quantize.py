@@ -4,6 +4,8 @@ row-major, cut into blocks, each block's absmax, values rounded to the nearest N
 (or to ``round(127 * x / absmax)``), two 4-bit codes per byte with the first in the high nibble;
 double quantization: the scales less their mean in groups of 256, int8 absmax."""
 
+import statistics
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,6 +99,23 @@ def test_nf4_codes_and_values_equal_the_reference(shape):
     np.testing.assert_allclose(np.asarray(q.scales).T.reshape(-1), absmax, rtol=1e-7)
     back = np.asarray(quantize.dequantize(q)).T.reshape(-1)
     np.testing.assert_allclose(back, ref_nf4_back(ours, absmax), rtol=1e-6, atol=1e-9)
+
+
+def test_the_written_out_table_is_qloras_construction():
+    """The NF4 table above, against how QLoRA builds it (bitsandbytes' ``create_normal_map``,
+    offset 0.9677083): 8 positive and 7 negative normal quantiles over float32 ``linspace``
+    steps, with 0, scaled to [-1, 1]; equal within float32 rounding (bitsandbytes computes in
+    float32), so the table is not only a copy of the one in the code."""
+    quantile = statistics.NormalDist().inv_cdf
+
+    def steps(n):
+        return np.linspace(0.9677083, 0.5, n, dtype=np.float32)[:-1]
+
+    positive = [quantile(float(p)) for p in steps(9)]
+    negative = [-quantile(float(p)) for p in steps(8)]
+    values = np.sort(np.array(positive + [0.0] + negative))
+    np.testing.assert_allclose(values / values.max(), NF4_TABLE, rtol=0, atol=3e-7)
+    np.testing.assert_array_equal(np.asarray(quantize.NF4, np.float64), NF4_TABLE)
 
 
 def test_nf4_table_values_round_trip_exactly():
