@@ -24,7 +24,7 @@ import numpy as np
 
 from ...data.batches import rows_for_step
 from ...data.packing import first_fit_decreasing
-from . import logprobs, pairs, prepared
+from . import logprobs, pairs
 from .evaluator import reference_by_pair
 from .pairs import PairRows
 
@@ -45,7 +45,7 @@ class PairBatches:
         self.seq_len, self.pad_id = training["seq_len"], pad_id
         self.devices, self.accum_steps = devices, accum_steps
         self.groups = devices * accum_steps  # validation: it divides batch_size
-        held = pairs.unpack(prepared.split_rows(arrays, "train"))
+        held = pairs.unpack(PairRows.of(arrays, "train"))
         self.ids = np.asarray(sorted(held), np.int64)  # the pairs packing kept
         self.pairs = [held[i] for i in self.ids]
         n_pairs = int(arrays["train_pairs"])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import logprobs, losses, pairs, prepared
+from . import logprobs, losses, pairs
 from .pairs import REF_FIELDS
 
 
@@ -99,7 +99,7 @@ class PairEvaluator:
         n_pairs = int(arrays[f"{split}_pairs"])
         return self.metrics(
             params,
-            prepared.split_rows(arrays, split),
+            pairs.PairRows.of(arrays, split),
             n_pairs,
             reference_by_pair(arrays, split, n_pairs),
             split,

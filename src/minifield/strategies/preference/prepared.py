@@ -49,9 +49,3 @@ def model_of(recipe: dict, arrays: dict[str, np.ndarray]):
     tokenizer, _ = pinned_base.tokenizer_from_arrays(recipe, arrays)
     cfg = execution.with_recipe_options(pinned_base.config_from_arrays(recipe, arrays), recipe)
     return cfg, pinned_base.params_from_arrays(arrays), tokenizer
-
-
-def split_rows(arrays: dict[str, np.ndarray], split: str) -> pairs.PairRows:
-    """The packed pairs of ``split`` (no reference: that is per pair,
-    :func:`.evaluator.reference_by_pair`)."""
-    return pairs.PairRows.of(arrays, split)

@@ -131,7 +131,7 @@ def compute(recipe, input_root, out_dir) -> dict:
     nothing is written unless all of it is computed."""
     from ... import atomic
     from ...inputs import pinned
-    from . import logprobs, prepared
+    from . import logprobs, pairs, prepared
 
     data = pairs_data(recipe)
     pinned.verify(data, Path(input_root))
@@ -146,7 +146,7 @@ def compute(recipe, input_root, out_dir) -> dict:
     tensors, counts = {}, {}
     for split in SPLITS:
         n_pairs = int(arrays[f"{split}_pairs"])
-        values = logprobs.by_pair(forward, prepared.split_rows(arrays, split), rows, n_pairs)
+        values = logprobs.by_pair(forward, pairs.PairRows.of(arrays, split), rows, n_pairs)
         tensors[f"{split}.chosen"] = values["chosen"]
         tensors[f"{split}.rejected"] = values["rejected"]
         counts[split] = {"pairs": n_pairs, "packed": meta["splits"][split]["packed"]}
