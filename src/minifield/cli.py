@@ -19,6 +19,7 @@ import sys
 
 from . import commands
 from .commands import report_unexpected
+from .supervision import accelerator
 
 EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if not getattr(sys.modules[args.func.__module__], "OPENS_ACCELERATOR", False):
+        accelerator.keep_off()  # commands start, judge or serve workers: only those open it
     try:
         return args.func(args)
     except KeyboardInterrupt:

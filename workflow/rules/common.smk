@@ -3,7 +3,12 @@ import sys
 from pathlib import Path
 
 from minifield.pipeline import computations, workflow_config
+from minifield.supervision import accelerator
 from snakemake.utils import validate
+
+# Only a worker opens the accelerator: this process and every job's script process run JAX on
+# the CPU, the workers and evaluation children they start get the platforms given here.
+accelerator.keep_off()
 
 # the file, the field and the expectation, exit 2 (Snakemake's validate: a schema dump, exit 1)
 workflow_config.require_valid(config, workflow.configfiles)

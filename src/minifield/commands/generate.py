@@ -22,6 +22,10 @@ from pathlib import Path
 from ..models import sampling
 from . import bounded_float, bounded_int
 
+#: the model runs in this process, on the accelerator where there is one (the other commands
+#: start or judge workers and keep off it: minifield.supervision.accelerator)
+OPENS_ACCELERATOR = True
+
 
 class PromptError(ValueError):
     """A prompt that is not UTF-8 text, or too long for the model's context."""

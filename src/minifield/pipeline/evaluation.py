@@ -51,7 +51,7 @@ def evaluate(
     harness = _harness_tasks(recipe.data, input_root)
     if harness is not None and out_selected_export is None:
         raise StageError("evaluation.harness runs on the selected export: give its directory")
-    if processes == 1:
+    if processes == 1 and not evaluation_processes.opens_accelerator(recipe):
         scores = checkpoint_scores.score(recipe, train_result, examples_dir, out_selected_export)
     else:
         scores = evaluation_processes.run(

@@ -13,6 +13,10 @@ checkpoint into the recipe's sharding and scores it on the mesh
 as a JSON file the stage reads back once every process has ended. What needs no mesh (the
 acceptance checks, a recipe's lm-eval harness tasks, which read the export from disk) runs
 afterwards in the stage's own process.
+
+A recipe that names an accelerator (``runtime.backend`` gpu or tpu) is scored the same way
+with one process, started on its own (no launcher): the stage's process keeps off the
+accelerator (:mod:`minifield.supervision.accelerator`), and this one lets go of it on exit.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
-from ..supervision import distributed
+from ..supervision import accelerator, distributed
 from . import checkpoint_scores
 from .errors import StageError
 
@@ -44,14 +48,25 @@ def command(
     scores: Path,
     selected_export: Path | None,
 ) -> list[str]:
-    """The launcher's command line for an evaluation over ``processes`` processes."""
-    own = [sys.executable, "-m", PROG, "--distributed", "--recipe", str(recipe_json)]
+    """The command line of an evaluation over ``processes`` processes: the launcher's, or
+    one process's own (no launcher, no coordinator: a TPU host opens no socket)."""
+    own = [sys.executable, "-m", PROG, "--recipe", str(recipe_json)]
     own += ["--train-result", str(train_result), "--examples", str(examples_dir)]
     own += ["--scores", str(scores)]
     if selected_export is not None:
         own += ["--selected-export", str(selected_export)]
+    if processes == 1:
+        return own
+    own.insert(3, "--distributed")
     launcher = [sys.executable, "-m", "minifield.supervision.launch"]
     return [*launcher, "--processes", str(processes), "--", *own]
+
+
+def opens_accelerator(recipe: recipes.Recipe) -> bool:
+    """Whether the recipe names an accelerator: its checkpoints are then scored in a process
+    of their own, since the stage's process keeps off the accelerator (only a worker or a
+    child that exits before the next opens it: minifield.supervision.accelerator)."""
+    return recipe.data.get("runtime", {}).get("backend") in ("gpu", "tpu")
 
 
 def _check_mesh(recipe: recipes.Recipe, processes: int) -> None:
@@ -83,9 +98,10 @@ def run(
     0 leaves the figures there, whichever host it runs on. The processes' output goes to
     ``log`` (appended), or to this process's stderr.
     """
-    _check_mesh(recipe, processes)
+    if processes > 1:
+        _check_mesh(recipe, processes)
     scratch.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = accelerator.worker_env()  # these processes may open it: the stage's own does not
     if recipe.data.get("runtime", {}).get("backend") == "cpu":
         env["JAX_PLATFORMS"] = "cpu"  # a CPU recipe on a GPU host must not take the GPUs
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".evaluation-") as held:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import atomic
+from ..supervision import accelerator
 from ..supervision import supervise as supervisor
 from .comparison import compare_with_reference, divergence_text
 from .document import (
@@ -197,6 +198,9 @@ def prove(
     """
     from .. import recipe as recipes
 
+    # the prover's own checks (the checkpoint loaded, its state hash) run on the CPU: the
+    # resumed worker must find the accelerator free
+    accelerator.keep_off()
     recipe = recipes.load(recipe_path)
     defaults = default_settings(recipe)
     steps = defaults["steps"] if steps is None else int(steps)

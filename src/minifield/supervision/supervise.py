@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import atomic
+from . import accelerator
 from .child import CappedLog, SignalForwarder, StderrReader, StdoutReader, group_alive, signal_group
 
 RUN_FILE = "run.json"
@@ -237,7 +238,8 @@ def _start(command: Sequence[str], settings: Settings, forwarder: SignalForwarde
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        env=dict(settings.env) if settings.env is not None else None,
+        # a worker: the platforms this process's first parent was given (accelerator.py)
+        env=accelerator.worker_env(settings.env),
         cwd=settings.cwd,
         pass_fds=settings.pass_fds,
     )
@@ -283,6 +285,7 @@ def supervise(
     """
     if isinstance(command, str) or not command:
         raise ValueError("command must be a non-empty argument list (no shell strings)")
+    accelerator.keep_off()  # the supervisor never holds what its worker needs
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_log = CappedLog(run_dir / "stdout.log", settings.max_log_bytes)
