@@ -23,7 +23,7 @@ from ..attempt.result import EXIT_DEVICE_BUSY, EXIT_INVALID, EXIT_IO
 from ..proof.document import DEFAULT_MODE, PROOF_FILE
 from ..proof.prove import prove
 from ..proof.verdict import verdict
-from ..supervision import leases, locks, supervise
+from ..supervision import accelerator, leases, locks, supervise
 from .errors import StageError
 
 
@@ -41,7 +41,8 @@ def latest_attempt(job_dir: Path) -> Path | None:
 def _worker_env(
     recipe: recipes.Recipe, held: leases.Lease, base: Mapping[str, str] | None
 ) -> dict[str, str]:
-    env = held.env(os.environ if base is None else base)
+    # the platforms the first parent was given, then this recipe's own say (a CPU recipe)
+    env = accelerator.worker_env(held.env(os.environ if base is None else base))
     if recipe.data.get("runtime", {}).get("backend") == "cpu":
         # A CPU recipe on a GPU host must not grab (or wait for) a GPU.
         env["JAX_PLATFORMS"] = "cpu"
