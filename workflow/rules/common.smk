@@ -126,9 +126,11 @@ def evaluation_resources():
 
 
 def chip_resources():
-    """The TPU chip as one Snakemake resource (config `tpu`): each job that opens the
-    accelerator requests it, so with the global limit tpu=1 (profiles/default) they run one
-    at a time; libtpu lets one process hold the chip. Nothing when the config says no TPU.
+    """The TPU chip as one Snakemake resource (config `tpu`): each job whose processes open
+    the accelerator (qualify's and train's workers, evaluate's child for a recipe naming it)
+    requests it, so with the global limit tpu=1 (profiles/default) they run one at a time;
+    libtpu lets one process hold the chip. Every other job keeps off it (its JAX on the CPU:
+    minifield.supervision.accelerator). Nothing when the config says no TPU.
     """
     return {"tpu": 1} if config["tpu"] else {}
 

@@ -28,8 +28,6 @@ rule activate:
         "logs/activate/{cdigest}.log",
     conda:
         "../../envs/minifield.yaml"
-    resources:
-        **chip_resources(),
     params:
         store_dir=STORE_DIR,
         lock_timeout_s=config["store"]["lock_timeout_s"],

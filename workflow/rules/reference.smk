@@ -17,8 +17,6 @@ rule reference:
         "logs/reference/{r}.log",
     conda:
         "../../envs/minifield.yaml"
-    resources:
-        **chip_resources(),
     params:
         input_root=lambda wildcards: REFERENCES[wildcards.r].input_root,
     script:
@@ -40,7 +38,5 @@ rule before_after:
         "logs/before_after/{a}-{b}.log",
     conda:
         "../../envs/minifield.yaml"
-    resources:
-        **chip_resources(),
     script:
         "../scripts/before_after.py"

@@ -18,8 +18,6 @@ rule rl_before_after:
         "logs/rl_before_after/{a}-{b}.log",
     conda:
         "../../envs/minifield.yaml"
-    resources:
-        **chip_resources(),
     params:
         reward_files=rl_reward_files,
     script:
