@@ -85,7 +85,7 @@ def setup(extra: list[str]) -> dict:
     for name in extra:
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--isolated", "-q", "--no-deps",
-             "--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target",
+             "--no-cache-dir", "--disable-pip-version-check", "--only-binary=:all:", "--index-url", "file:///opt/pypi/simple", "--target",
              str(SITE), name],
             check=False, env={**os.environ, "PIP_CONFIG_FILE": "/dev/null"},
         )  # fmt: skip

@@ -166,7 +166,8 @@ def install(dest: Path, target: Path, report: Path | None) -> int:
     """On the TPU host: the carried wheels, then the rest from its own index (unpinned there
     where its version differs from the lock's: what it installed is reported)."""
     pip = [sys.executable, "-m", "pip", "install", "--isolated", "-q", "--no-deps",
-           "--no-compile", "--target", str(target), "--only-binary=:all:"]  # fmt: skip
+           "--no-compile", "--no-cache-dir", "--disable-pip-version-check", "--target",
+           str(target), "--only-binary=:all:"]  # fmt: skip
     env_free = {"PIP_CONFIG_FILE": "/dev/null"}
     wheels = sorted(str(p) for p in dest.glob("*.whl"))
     code = subprocess.run([*pip, "--no-index", *wheels], env=env_free, check=False).returncode
@@ -180,6 +181,12 @@ def install(dest: Path, target: Path, report: Path | None) -> int:
         else:
             installed[name] = None
             code = code or 1
+    versions = {}  # what the index gave, read back from what was installed
+    for info in target.glob("*.dist-info"):
+        name, _, version = info.name[: -len(".dist-info")].partition("-")
+        if _normal(name) in installed:
+            versions[_normal(name)] = version
+    installed = {name: versions.get(name) if spec else None for name, spec in installed.items()}
     if report is not None:
         report.write_text(json.dumps({"wheels": wheels, "from_its_index": installed}, indent=1))
     print(json.dumps(installed))

@@ -2,13 +2,15 @@
 import sys
 from pathlib import Path
 
-from minifield.pipeline import computations, workflow_config
+from minifield.pipeline import computations, host, workflow_config
 from minifield.supervision import accelerator
 from snakemake.utils import validate
 
 # Only a worker opens the accelerator: this process and every job's script process run JAX on
 # the CPU, the workers and evaluation children they start get the platforms given here.
 accelerator.keep_off()
+# benchmark files on a host whose /proc/<pid>/io psutil cannot parse (gVisor): time, no I/O
+host.io_counters_as_missing_where_partial()
 
 # the file, the field and the expectation, exit 2 (Snakemake's validate: a schema dump, exit 1)
 workflow_config.require_valid(config, workflow.configfiles)
