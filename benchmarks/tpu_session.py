@@ -263,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     figures = PARTS[args.part](args)
-    merged[args.part] = {"started": started, "commit": revision or None, **figures}
+    stamp = {"started": started, "commit": revision or None}
+    if args.part == "pipeline":  # each pipeline's record its own: a later run adds or replaces
+        merged[args.part] = {**merged.get(args.part, {}),
+                             **{name: {**stamp, **run} for name, run in figures.items()}}  # fmt: skip
+    else:
+        merged[args.part] = {**stamp, **figures}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     log(f"{args.part}: written to {args.out}")
