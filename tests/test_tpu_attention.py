@@ -67,8 +67,9 @@ def kernel_inputs(T, H, G, K=8, scale=1.0):
 
 def assert_within_bf16_noise(reference, xla, fused):
     """BF16 compute against the FP32 XLA path (``reference``): the fused path's distance (as
-    a norm over the array) at most 1.5 times the BF16 XLA path's own (measured on CPU: 0.3-0.5
-    % of the reference's norm for both, splash's at most 1.15 times the XLA path's)."""
+    a norm over the array) at most 1.5 times the BF16 XLA path's own (measured on CPU, where
+    the XLA path's is 0.3-1 % of the reference's norm: splash's 0.78 to 1.41 times it, the
+    most v's gradient with two heads, a window and a cap; the model's gradients 1.31)."""
     for r, x, f in zip(reference, xla, fused, strict=True):
         r, x, f = (np.asarray(a, np.float64) for a in (r, x, f))
         assert np.linalg.norm(f - r) <= 1.5 * np.linalg.norm(x - r)

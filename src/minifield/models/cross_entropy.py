@@ -18,10 +18,10 @@ computation digest.
 
 FP32 on a TPU (:func:`log_softmax`): the chip's float32 ``log`` is far from FP32's (JAX's
 accuracy table, docs.jax.dev/en/latest/accuracy.html: up to 4030.5 ULP on TPU v2-v5e, where the
-CPU's is 1.5; on a v5e log p was 5.8e-5 off at log 2.83, docs/tpu.md) and its default ``exp``
-up to 116 ULP; so there the softmax's exponentials ask for ``exp``'s highest accuracy (1.5
-ULP) and the log of their sum is refined by one Newton step through it. Elsewhere the
-softmax is ``jax.nn.log_softmax``'s, whose bits the CPU's recorded runs hold.
+CPU's is 1.5; on a v5e log p was 5.8e-5 off where the sum was 2.83, docs/tpu.md) and its
+default ``exp`` up to 116 ULP; so there the softmax's exponentials ask for ``exp``'s highest
+accuracy (1.5 ULP) and the log of their sum is refined by one Newton step through it.
+Elsewhere the softmax is ``jax.nn.log_softmax``'s, whose bits the CPU's recorded runs hold.
 """
 
 from __future__ import annotations
