@@ -137,7 +137,12 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--segments", type=int, default=6, help="segments a row")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="float32: in the interpreter only (splash's FP32 is refused on a TPU)",
+    )
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512, 1024])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke check: interpreter")

@@ -288,16 +288,15 @@ VALUE_AND_GRAD = jax.jit(jax.value_and_grad(_loss, argnums=1), static_argnums=0)
 
 
 def tolerances() -> dict:
-    """Against float64: FP32 rounding on CPU; on a TPU the chip's exp and log, which agree to
-    about 1e-6 relative (measured on a v5e, JAX 0.10.2: the loss 2.1e-6 relative, the gradient
-    1.3e-5 relative and 1.2e-7 absolute, k3 3.3e-6 absolute; docs/tpu.md#tests-on-the-chip)."""
+    """Against float64: FP32 rounding on CPU. On a TPU the loss and its gradient within the
+    chip's default exp (the ratio's), up to 116 ULP in JAX's accuracy table for TPU v2-v5e
+    against the CPU's 1.5 (measured on a v5e, JAX 0.10.2: the loss 2.1e-6 relative, the
+    gradient 1.3e-5 relative and 1.2e-7 absolute; docs/tpu.md#tests-on-the-chip). k3 asks
+    for expm1's highest accuracy (2 ULP there, the CPU's 6.5): FP32's bound on both."""
+    k3 = {"rtol": 1e-5, "atol": 1e-8}
     if jax.default_backend() == "tpu":
-        return {
-            "loss": 1e-5,
-            "grad": {"rtol": 5e-5, "atol": 3e-7},
-            "k3": {"rtol": 1e-4, "atol": 1e-6},
-        }
-    return {"loss": 1e-6, "grad": {"rtol": 1e-6, "atol": 1e-9}, "k3": {"rtol": 1e-5, "atol": 1e-8}}
+        return {"loss": 1e-5, "grad": {"rtol": 5e-5, "atol": 3e-7}, "k3": k3}
+    return {"loss": 1e-6, "grad": {"rtol": 1e-6, "atol": 1e-9}, "k3": k3}
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])

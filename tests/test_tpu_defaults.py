@@ -5,10 +5,13 @@ validated recipe and so into its digest; a recipe that does not name it keeps it
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
+from conftest import run_worker, write_recipe
 
+from minifield import cli
 from minifield import recipe as recipes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,3 +76,40 @@ def test_a_tpu_recipe_with_the_fused_kernel_needs_rows_of_whole_lanes():
     document["training"]["seq_len"] = 256
     checked = recipes.validate(with_runtime(document, backend="tpu"))
     assert checked.data["model"]["attention"] == "pallas"
+
+
+def fp32_splash() -> dict:
+    """sft-demo on the TPU with the fused kernel (splash) and FP32 compute, rows of 256."""
+    document = with_runtime(shipped("sft-demo"), backend="tpu")
+    document["model"].update(attention="pallas", compute_dtype="float32")
+    document["training"]["seq_len"] = 256
+    return document
+
+
+def test_a_tpu_recipe_with_the_fused_kernel_and_fp32_compute_is_refused(tmp_path, capsys):
+    """Splash's products ask for no precision (one BF16 pass on a TPU), so FP32 compute with
+    it is refused at check, in one line naming the field and the XLA path; ``minifield
+    validate`` exits 2. BF16 with it, and FP32 with the XLA path, are accepted."""
+    document = fp32_splash()
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(document)
+    assert [e["path"] for e in caught.value.errors] == ["/model/attention"]
+    message = caught.value.errors[0]["message"]
+    assert "\n" not in message
+    assert "compute_dtype float32" in message and "use model.attention xla" in message
+    job = write_recipe(tmp_path / "fp32-splash.json", document)
+    assert cli.main(["validate", str(job)]) == 2
+    header, problem = capsys.readouterr().err.splitlines()
+    assert header.endswith("invalid recipe (1 problem(s)):")
+    assert problem.strip() == f"/model/attention: {message}"
+    recipes.validate({**document, "model": {**document["model"], "compute_dtype": "bfloat16"}})
+    recipes.validate({**document, "model": {**document["model"], "attention": "xla"}})
+
+
+@pytest.mark.slow  # starts the worker
+def test_the_worker_refuses_fp32_splash_with_exit_2(tmp_path):
+    job = write_recipe(tmp_path / "fp32-splash.json", fp32_splash())
+    verdict = json.loads(run_worker("--validate-only", job=job, check_codes=[2]).stdout)
+    assert verdict["valid"] is False
+    assert [e["path"] for e in verdict["errors"]] == ["/model/attention"]
+    assert "use model.attention xla" in verdict["errors"][0]["message"]

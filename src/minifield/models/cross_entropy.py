@@ -15,6 +15,13 @@ The head's weight gradient is accumulated over the chunks in FP32.
 Chunked and whole compute the same mathematics; the bits may differ (the head's matrix product
 and its weight gradient are summed in another order), which is why the key is part of the
 computation digest.
+
+FP32 on a TPU (:func:`log_softmax`): the chip's float32 ``log`` is far from FP32's (JAX's
+accuracy table, docs.jax.dev/en/latest/accuracy.html: up to 4030.5 ULP on TPU v2-v5e, where the
+CPU's is 1.5; on a v5e log p was 5.8e-5 off where the sum was 2.83, docs/tpu.md) and its
+default ``exp`` up to 116 ULP; so there the softmax's exponentials ask for ``exp``'s highest
+accuracy (1.5 ULP) and the log of their sum is refined by one Newton step through it.
+Elsewhere the softmax is ``jax.nn.log_softmax``'s, whose bits the CPU's recorded runs hold.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def target_logps(
@@ -61,10 +69,46 @@ def target_logps(
 
 def _from_logits(logits_XxV, targets_X, entropy: bool):
     """The target's log-probability (and the entropy) over the last axis of ``logits``."""
-    logp_XxV = jax.nn.log_softmax(logits_XxV, axis=-1)
+    logp_XxV = log_softmax(logits_XxV)
     picked_X = jnp.take_along_axis(logp_XxV, targets_X[..., None], axis=-1)[..., 0]
     if not entropy:
         return picked_X, None
-    p_XxV = jnp.exp(logp_XxV)
+    p_XxV = accurate_exp(logp_XxV)
     # a token of probability 0 (a logit of −inf: a masked vocabulary entry) adds 0, not 0·(−inf)
     return picked_X, -jnp.where(p_XxV > 0, p_XxV * logp_XxV, 0.0).sum(axis=-1)
+
+
+def accurate_exp(x):
+    """``exp`` at its highest accuracy: 1.5 ULP on a TPU, where the default is up to 116 (JAX's
+    accuracy table); a backend with one implementation (the CPU) computes the same bits."""
+    return lax.exp(x, accuracy=lax.AccuracyMode.HIGHEST)
+
+
+def log_softmax(logits_XxV):
+    """``log softmax`` over the last axis, FP32 on every backend: on a TPU
+    :func:`fp32_log_softmax`, elsewhere ``jax.nn.log_softmax`` (the same mathematics; the
+    CPU's bits as recorded)."""
+    if jax.default_backend() == "tpu":
+        return fp32_log_softmax(logits_XxV)
+    return jax.nn.log_softmax(logits_XxV, axis=-1)
+
+
+def fp32_log_softmax(logits_XxV):
+    """``jax.nn.log_softmax``'s steps (the maximum subtracted, the log of the exponentials'
+    sum) with :func:`accurate_exp` and the sum's log refined (:func:`refine_log`), so a
+    backend whose ``log`` and default ``exp`` are not FP32-accurate computes it within FP32's
+    rounding."""
+    max_Xx1 = jnp.max(logits_XxV, axis=-1, keepdims=True, initial=-jnp.inf)
+    shifted_XxV = logits_XxV - lax.stop_gradient(max_Xx1)
+    sum_Xx1 = jnp.sum(accurate_exp(shifted_XxV), axis=-1, keepdims=True)
+    return shifted_XxV - refine_log(sum_Xx1, jnp.log(sum_Xx1))
+
+
+def refine_log(s, log_s):
+    """``log s`` from an approximation ``log_s`` with error ``e``: one Newton step for
+    ``exp(y) = s``, ``y + s exp(-y) - 1``, leaves ``e^2 / 2`` plus :func:`accurate_exp`'s
+    rounding (``s exp(-y)`` is within ``e`` of 1, so the ``- 1`` is exact). The step carries
+    no gradient: ``d log s / d s = 1 / s`` is the approximation's own."""
+    # the barrier keeps a compiler from folding exp(-log s) into 1 / s, which would undo the step
+    y = lax.optimization_barrier(log_s)
+    return log_s + lax.stop_gradient(s * accurate_exp(-y) - 1.0)

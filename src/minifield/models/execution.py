@@ -25,8 +25,9 @@ The experts' grouped product follows the backend the same way (:func:`grouped_ke
 
 ``model.attention: pallas`` means the backend's fused kernel (:func:`fused_kernel`): splash
 attention on a TPU (a recipe with ``runtime.backend: tpu``), the GPU flash-attention kernel
-elsewhere. Each has its own rules for a row's length, windows and soft-capping, checked here
-against the backend the recipe names, so a recipe is refused before anything runs.
+elsewhere. Each has its own rules for a row's length, windows and soft-capping, and splash
+computes in BF16 only (:func:`splash_fp32_problem`), checked here against the backend the
+recipe names, so a recipe is refused before anything runs.
 
 The options ride on the model config (``cfg.execution``) because the config is what every
 forward, loss and jit already receives; they are not part of the architecture, so ``to_dict``
@@ -210,6 +211,21 @@ def pallas_seq_len_problem(seq_len: int, backend: str = "any") -> str | None:
     return None
 
 
+def splash_fp32_problem(compute_dtype: str, backend: str) -> str | None:
+    """Why ``model.attention: pallas`` cannot compute with ``compute_dtype`` on ``backend``
+    (None: it can): splash's products ask for no precision, so on a TPU an FP32 product is
+    the chip's one BF16 pass, and FP32 compute would not be FP32 (as megablox's ``gmm``,
+    :mod:`.layers.tpu_grouped`)."""
+    if fused_kernel(backend) == "splash" and compute_dtype == "float32":
+        return (
+            "model.attention pallas with runtime.backend tpu (splash attention) does not "
+            "compute model.compute_dtype float32: its kernel's products ask for no precision, "
+            "so on a TPU they are one BF16 pass; use model.attention xla (the XLA path) for "
+            "float32, or compute_dtype bfloat16"
+        )
+    return None
+
+
 def normalize_recipe(recipe: dict) -> list[dict]:
     """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`),
     then remove execution options equal to their defaults (digest stability); returns
@@ -223,6 +239,10 @@ def normalize_recipe(recipe: dict) -> list[dict]:
     errors = []
     if recipe["model"].get("attention") == "pallas":
         problem = pallas_seq_len_problem(recipe["training"]["seq_len"], backend)
+        if problem:
+            errors.append({"path": "/model/attention", "message": problem})
+        # the schema's default is BF16 (absent only where a strategy's schema has none)
+        problem = splash_fp32_problem(recipe["model"].get("compute_dtype", "bfloat16"), backend)
         if problem:
             errors.append({"path": "/model/attention", "message": problem})
         window = recipe["model"].get("sliding_window")

@@ -22,6 +22,11 @@ too (dq, then dk and dv). Matrix inputs are the compute dtype, accumulation and 
   rounded once, where the XLA path scales the FP32 scores; exact where the scale is a power of
   two, head widths 16, 64, 256).
 
+FP32 compute is refused on a TPU (``execution.splash_fp32_problem``: at check, and here):
+splash's products ask for no precision, so there they are one BF16 pass, and the kernel
+exposes no precision to ask for more. In Pallas's interpreter on CPU the products are FP32,
+which is how the tests check the kernel's masking and blocking at FP32's rounding.
+
 Block sizes: ``execution.splash_blocks`` (splash's defaults until the chip measures better;
 ``benchmarks/splash_blocks.py``). On a TPU the kernel runs natively; on CPU in Pallas's
 interpreter (slow: for tests and the benchmark's smoke run); other backends are refused.
@@ -102,6 +107,12 @@ def splash_mix(
     if window is not None and window >= T:
         window = None  # no row reaches past it: the causal mask, without a local one
     interpret = _interpret() if interpret is None else interpret
+    # on a TPU the kernel's products (native or interpreted) are the chip's one BF16 pass, so
+    # FP32 compute would not be FP32; the recipe is refused at check, this guards other callers
+    if jax.default_backend() == "tpu":
+        problem = execution.splash_fp32_problem(jnp.dtype(cfg.dtype).name, "tpu")
+        if problem:
+            raise ValueError(problem)
     kernel = _kernel(
         H // G, T, window, getattr(cfg, "attn_softcap", None), block_sizes(T, blocks), interpret
     )
