@@ -30,7 +30,13 @@ import pytest
 from conftest import REPO, read_events
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from device_check import common, parent, section_shapes, summary  # noqa: E402
+from device_check import (  # noqa: E402
+    common,
+    parent,
+    section_checkpoint,
+    section_shapes,
+    summary,
+)
 
 sys.path.remove(str(REPO / "benchmarks"))
 
@@ -242,6 +248,27 @@ def test_checkpoint_section_ratios_come_from_its_own_timings(check):
     assert goal["value"] == checkpoint["commit_over_floor"] and goal["goal"] == "<= 1.25"
 
 
+def test_a_fresh_state_is_new_buffers_of_the_same_bits():
+    """Each checkpoint measurement's state: computed anew on the device (other buffers, so no
+    host copy of the old arrays is reused), bit for bit the state it came from."""
+    import jax
+    import jax.numpy as jnp
+
+    draw = np.random.default_rng(0)
+    state = {
+        "params": jnp.asarray(draw.standard_normal((8, 4)).astype(np.float32)),
+        "count": jnp.asarray(np.int32(7)),
+        "rng": jnp.asarray(draw.integers(0, 2**32, 2, dtype=np.uint32)),
+        "scale": jnp.asarray(np.float32(-0.0)),
+    }
+    fresh = section_checkpoint._fresh(state, jax.jit(section_checkpoint._same))
+    for name, old in state.items():
+        new = fresh[name]
+        assert new.dtype == old.dtype
+        assert np.asarray(new).tobytes() == np.asarray(old).tobytes(), name
+        assert new.unsafe_buffer_pointer() != old.unsafe_buffer_pointer(), name
+
+
 @pytest.mark.slow
 def test_only_workers_open_the_accelerator(check):
     """The run was started with JAX_PLATFORMS naming a backend this machine lacks (only the
@@ -417,7 +444,7 @@ def test_minimal_loop_is_the_same_model_as_ours():
     equals our Llama's (FP32, so the two differ only by summation order)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import _llama_minimal as minimal
+        from minimal import llama as minimal
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     import jax

@@ -5,7 +5,7 @@ from pathlib import Path
 
 # Run as a directory, Python puts this package's own directory first on the path: put the
 # benchmarks directory there instead, where ``device_check`` and the benchmarks it uses
-# (``_llama_minimal``, ``bench_matmul``, ``checkpoint_commit``) are found by their names.
+# (``minimal``, ``bench_matmul``, ``checkpoint_commit``) are found by their names.
 _HERE = Path(__file__).resolve().parent
 if sys.path and Path(sys.path[0] or ".").resolve() == _HERE:
     sys.path.pop(0)

@@ -48,8 +48,8 @@ def _time_rounds(runs: dict, rounds: int, steps: int, deadline: float, report, o
 def _describe(args, context, cfg, size: str, rows: int) -> dict:
     """What a step section measures: the model, its execution options, the FLOPs of a step and
     the peak its MFU is taken against; at ``--tiny`` the full size's counts from shapes."""
-    import _llama_minimal as minimal
     import jax
+    from minimal import llama as minimal
 
     from minifield.models import llama
 
@@ -99,9 +99,9 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
 
     if deterministic:
         environment.add_gpu_determinism_flags()
-    import _llama_minimal as minimal
     import jax
     import jax.numpy as jnp
+    from minimal import llama as minimal
 
     from minifield.training.optimizer import make_optimizer
     from minifield.training.train_step import init_train_state, make_train_step

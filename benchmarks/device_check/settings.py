@@ -62,7 +62,7 @@ RECOVERY_SEQ_LEN = 128
 
 
 def model_shape(args, size: str):
-    import _llama_minimal as minimal
+    from minimal import llama as minimal
 
     table = TINY_MODELS if args.tiny else MODELS
     return minimal.Shape(*table[size])
