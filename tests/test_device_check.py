@@ -411,6 +411,31 @@ def test_largest_fitting_stops_when_told_and_keeps_what_it_found():
     assert section_shapes.largest_fitting(lambda rows: None, 10) == (0, True)
 
 
+def test_a_step_that_does_not_compile_does_not_fit(monkeypatch):
+    """On a TPU a step over the memory fails to compile; the compiler's "Used X" may even
+    read below the device's limit (it counts against its own capacity): still no fit."""
+    import jax
+
+    limit = 1000
+    state = {"w": jax.ShapeDtypeStruct((10,), np.float32)}  # 40 bytes of arguments
+    monkeypatch.setattr(section_shapes, "abstract_step", lambda cfg, mode: (None, (state,), 10))
+
+    def compile_rows(step, leading, rows, seq):
+        if rows <= 6:  # 160 + 140 a row: 6 rows take 1000 bytes, which fit exactly
+            return {"rows": rows, "compile_s": 0.1, "peak_bytes": 160 + 140 * rows}
+        # from 7 rows on the compiler refuses, and says less than the limit at 7
+        return {"rows": rows, "compile_s": 0.1, "peak_bytes": None,
+                "compiler_used_bytes": 900 if rows == 7 else 2000}  # fmt: skip
+
+    monkeypatch.setattr(section_shapes, "compile_rows", compile_rows)
+    cfg = type("Cfg", (), {"max_len": 8})()
+    out: dict = {}
+    clock = {"deadline": float("inf"), "longest": 0.0}
+    section_shapes.search_one(cfg, "full", limit, clock, out, lambda: None)
+    assert (out["largest_rows"], out["complete"]) == (6, True)
+    assert [c["rows"] for c in out["compiles"]][-2:] == [6, 7]
+
+
 def test_a_compile_out_of_memory_names_what_it_needed():
     """The chip's compiler's own words (docs/tpu.md: the minimal loop without remat)."""
     text = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "

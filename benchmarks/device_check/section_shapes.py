@@ -234,6 +234,10 @@ def search_one(cfg, mode: str, limit: int, clock: dict, out: dict, report) -> No
         peak = row["peak_bytes"]
         log(f"  {mode} {rows} rows: {'does not fit' if peak is None else f'{peak / 2**30:.3f} GiB'}"
             f" ({row['compile_s']:.1f} s)")  # fmt: skip
+        if peak is None and row.get("compiler_used_bytes"):
+            # the compiler's own figure draws the next line; above the limit however it
+            # rounds, since the program did not compile
+            return max(row["compiler_used_bytes"], limit + 1)
         return peak
 
     def may_continue() -> bool:
