@@ -25,7 +25,7 @@ SECTION_LIMIT_S = {
     "step_350m": 180,
     # the proof's workers each start, open the chip (~10-15 s), compile and train: 3
     # workers in crash mode, 5 in both (~35 s each); the chip's one run of the proof in both
-    # modes (15e5d9e) took 193 s and the old 180 s would have cut it
+    # modes (15e5d9e, docs/tpu.md) ran 193 s before it stopped, past the old 180 s
     "recovery": 235,
     "checkpoint": 80,  # a 1.5 GB state: chip open, compile, 2 rounds of ~13 s
     # about 17 compiles of 5-15 s each for all three models (section_shapes); it stops in
