@@ -94,6 +94,11 @@ def main() -> int:
     parser.add_argument("--writers", nargs="+", default=["minifield", "orbax"])
     parser.add_argument("--work")
     args = parser.parse_args()
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     work = Path(args.work or tempfile.mkdtemp(prefix="checkpoint-processes-"))
     work.mkdir(parents=True, exist_ok=True)
     nbytes = args.mb << 20

@@ -39,6 +39,11 @@ def main() -> int:
     parser.add_argument("--recipe", type=Path, default=Path("config/recipes/sft-demo.yaml"))
     parser.add_argument("--input-root", type=Path, default=Path("data"))
     args = parser.parse_args()
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     with tempfile.TemporaryDirectory() as tmp:
         out, cache = Path(tmp) / "out", Path(tmp) / "jax-cache"
 
@@ -57,7 +62,7 @@ def main() -> int:
                 name,
                 *extra,
             ]
-            subprocess.run(command, capture_output=True, check=False)
+            subprocess.run(command, capture_output=True, check=False, env=accelerator.worker_env())
             return next(out.glob(f"*/{name}"))
 
         cold = attempt("cold", "--compilation-cache", str(cache), "--fail-after-step", "5")

@@ -126,6 +126,11 @@ def main() -> int:
     parser.add_argument("--png", type=Path, help="also write the two curves as a PNG")
     parser.add_argument("--work", type=Path, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args()
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     if 16 % args.devices:
         parser.error("--devices must divide the batch size 16")
 

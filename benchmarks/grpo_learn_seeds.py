@@ -31,6 +31,7 @@ from grpo_demo_sampled import measure
 import minifield
 from minifield.pipeline import rl_before_after
 from minifield.strategies.lm import chain_base
+from minifield.supervision import accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "config" / "recipes"
@@ -43,7 +44,12 @@ def _worker(recipe: Path, input_root: Path, output_root: Path) -> Path:
         shutil.rmtree(output_root, ignore_errors=True)
         command = [sys.executable, "-m", "minifield.worker", "--job", str(recipe)]
         command += ["--input-root", str(input_root), "--output-root", str(output_root)]
-        done = subprocess.run([*command, "--attempt-id", "a"], capture_output=True, text=True)
+        done = subprocess.run(
+            [*command, "--attempt-id", "a"],
+            capture_output=True,
+            text=True,
+            env=accelerator.worker_env(),
+        )
         if done.returncode != 0:
             raise SystemExit(f"worker exited {done.returncode} on {recipe}:\n{done.stderr[-3000:]}")
     (attempt,) = output_root.glob("*/a")
@@ -67,6 +73,9 @@ def main(argv=None) -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args(argv)
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     dev = DATA / "grpo-learn" / "dev.jsonl"
     sft = _worker(RECIPES / "llama-sft-weak.yaml", DATA, args.work / "sft")
     written = yaml.safe_load((RECIPES / "grpo-learn.yaml").read_text())

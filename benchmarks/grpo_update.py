@@ -15,7 +15,7 @@ weight decay on matrices).
   the state donated and compiled ahead for the batch's shapes, exactly as
   ``GRPOProgram.compile`` builds it; its metrics (loss, grad norm, entropy, clipped
   fractions) included, as the program computes them.
-- **minimal**: the same model from the equations (``_llama_minimal.logits``: RMSNorm,
+- **minimal**: the same model from the equations (``minimal.llama.logits``: RMSNorm,
   rotary, GQA by repeating key/value heads, causal softmax, SwiGLU, untied head; in BF16 each
   product BF16 x BF16 -> FP32 forward and backward, as ours), then the GRPO loss written
   here: log-softmax over the vocabulary, the completion tokens' log-probabilities gathered,
@@ -55,8 +55,8 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _llama_minimal as minimal  # noqa: E402
 import grpo_rollouts  # noqa: E402
+from minimal import llama as minimal  # noqa: E402
 
 from minifield.models.sampling import Sampling  # noqa: E402
 from minifield.rl import advantages as group_advantages  # noqa: E402

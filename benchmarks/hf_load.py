@@ -69,6 +69,8 @@ from pathlib import Path
 
 import _hf_load_paths as paths
 
+from minifield.supervision import accelerator
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {
@@ -322,7 +324,7 @@ def write_prepared(directory: Path) -> None:
 
 
 def _measure(script: str, argument: Path, *extra: str, src: Path | None = None) -> dict:
-    env = dict(os.environ)
+    env = accelerator.worker_env()  # the measured process may open the accelerator
     if src is not None:  # another tree's minifield (the code before a change)
         env["PYTHONPATH"] = str(src)
     proc = subprocess.run(
@@ -362,6 +364,9 @@ def main() -> None:
         "tree's), interleaved in the same rounds: the before/after of a change in one window",
     )
     args = parser.parse_args()
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     shape = SHAPES[args.shape]
     sides = {
         "read": READ,

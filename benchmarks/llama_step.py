@@ -9,7 +9,7 @@ shared machine:
 
 - **ours**: ``LlamaConfig`` + ``optimizer.make_optimizer`` + ``sft_step.make_train_step``,
   jit-compiled once with the state donated, exactly as the worker runs it;
-- **minimal**: the same model written from the equations in ``_llama_minimal.py`` (RMSNorm, rotary, GQA by
+- **minimal**: the same model written from the equations in ``minimal/llama.py`` (RMSNorm, rotary, GQA by
   repeating key/value heads, segment-restricted causal softmax, SwiGLU, cross-entropy on the
   counted targets) as one params dict, one loss, ``optax.chain(clip_by_global_norm,
   adamw(warmup+cosine))``, ``jax.jit`` with donation; in BF16 mode each product is BF16 x
@@ -41,7 +41,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _llama_minimal as minimal  # noqa: E402
+from minimal import llama as minimal  # noqa: E402
 
 from minifield.models.llama import LlamaConfig  # noqa: E402
 from minifield.training.optimizer import make_optimizer  # noqa: E402

@@ -32,8 +32,8 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _llama_minimal as minimal  # noqa: E402
 import moe_update  # noqa: E402
+from minimal import llama as minimal  # noqa: E402
 
 #: (d_model, ffn, layers, rows, seq): Mixtral scaled to one 16 GB chip, and the smoke check's
 SHAPES = {"chip": (1024, 3584, 2, 2, 2048), "tiny": (64, 128, 1, 1, 64)}

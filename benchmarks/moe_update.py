@@ -11,11 +11,11 @@ defaults), ``jax.jit`` with the state donated, compiled ahead, then run once unt
 - **minifield**: ``LlamaConfig(n_experts=…)`` + ``optimizer.make_optimizer`` +
   ``train_step.make_train_step``, as the worker runs it: experts held one matrix per expert,
   stacked inside the step, the grouped product of :mod:`minifield.models.layers.grouped`;
-- **minimal ragged_dot**: the same model from the equations (``_llama_minimal.logits`` with a
-  mixture-of-experts MLP written here: FP32 router, softmax, top-k renormalised, the (token,
+- **minimal ragged_dot**: the same model from the equations (``minimal.llama.logits`` with a
+  mixture-of-experts MLP of ``minimal/experts.py``: FP32 router, softmax, top-k renormalised, the (token,
   expert) pairs sorted by expert, the tokens gathered, one ``jax.lax.ragged_dot`` per
   projection against the experts held stacked ``[E, in, out]``, weighted, scatter-added back),
-  ``_llama_minimal.make_optimizer``, plain autodiff;
+  ``minimal.llama.make_optimizer``, plain autodiff;
 - **minimal grouped**: that loop with minifield's grouped product in place of ``ragged_dot``
   (experts still held stacked): what minifield costs beyond the product itself;
 - **dense**: that loop with every expert on every token, each output times the token's router
@@ -43,20 +43,29 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _llama_minimal as minimal  # noqa: E402
+from minimal import llama as minimal  # noqa: E402
+from minimal.experts import (  # noqa: E402
+    MAX_STEPS,
+    TOP_K,
+    dense_mlp,
+    gmm_product,
+    grouped_product,
+    minimal_step,
+    ragged_product,
+    sorted_mlp,
+    stacked_mlp,
+)
 
 from minifield.models import model as project_model  # noqa: E402
 from minifield.models.execution import Execution  # noqa: E402
-from minifield.models.layers import grouped, tpu_grouped  # noqa: E402
 from minifield.models.llama import LlamaConfig  # noqa: E402
 from minifield.training.optimizer import make_optimizer  # noqa: E402
 from minifield.training.train_step import init_train_state, make_train_step  # noqa: E402
 
 F32 = jnp.float32
-HEADS, KV_HEADS, TOP_K, VOCAB, MAX_STEPS = 8, 2, 2, 512, 1000
+HEADS, KV_HEADS, VOCAB = 8, 2, 512
 
 
 def config(args, experts: int, dtype: str) -> LlamaConfig:
@@ -68,97 +77,6 @@ def config(args, experts: int, dtype: str) -> LlamaConfig:
         n_experts=experts, experts_per_token=TOP_K,
         execution=Execution(backend=getattr(args, "backend", "any")),
     )  # fmt: skip
-
-
-def stacked_mlp(block: dict) -> dict:
-    """A minifield block's router and experts in ``_llama_minimal``'s names, experts stacked."""
-    experts = block["moe"]["experts"]
-    order = sorted(experts, key=int)
-    return {
-        "router": jnp.array(block["moe"]["router"]),
-        **{k: jnp.stack([experts[j][n] for j in order]) for k, n in minimal.MLP_NAMES.items()},
-    }
-
-
-def _routing(p, x_NxD):
-    """Mixtral's routing: FP32 softmax over every expert, the top k renormalised."""
-    logits = jnp.dot(x_NxD.astype(F32), p["router"], precision=jax.lax.Precision.HIGHEST)
-    weights_NxK, experts_NxK = jax.lax.top_k(jax.nn.softmax(logits, -1), TOP_K)
-    return weights_NxK / jnp.sum(weights_NxK, -1, keepdims=True), experts_NxK
-
-
-def sorted_mlp(product):
-    """The grouped mixture: ``product(rows [M, in] compute, w [E, in, out], sizes [E])`` ->
-    ``[M, out]`` FP32 is ``ragged_dot`` or minifield's grouped product."""
-
-    def mlp(p, x_BxTxD, dot, compute):
-        B, T, D = x_BxTxD.shape
-        x_NxD = x_BxTxD.reshape(B * T, D)
-        weights_NxK, experts_NxK = _routing(p, x_NxD)
-        flat = experts_NxK.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // TOP_K
-        sizes = jnp.bincount(flat, length=p["router"].shape[1]).astype(jnp.int32)
-        xs = x_NxD[token].astype(compute)
-        act = jax.nn.silu(product(xs, p["wg"], sizes)) * product(xs, p["wu"], sizes)
-        out = product(act.astype(compute), p["wd"], sizes).astype(compute).astype(F32)
-        weighted = out * weights_NxK.reshape(-1)[order][:, None]
-        return jnp.zeros((B * T, D), F32).at[token].add(weighted).astype(compute).reshape(B, T, D)
-
-    return mlp
-
-
-def ragged_product(compute):
-    def product(xs, w, sizes):
-        precision = jax.lax.Precision.HIGHEST if jnp.dtype(compute) == F32 else None
-        w = w.astype(compute)
-        return jax.lax.ragged_dot(xs, w, sizes, precision, preferred_element_type=F32)
-
-    return product
-
-
-def grouped_product(cfg):
-    return lambda xs, w, sizes: grouped.matmul(cfg, xs, w, sizes)
-
-
-def gmm_product(cfg):
-    """megablox's ``gmm`` as minifield calls it on a TPU (BF16 only; Pallas's interpreter on
-    CPU, slow)."""
-    return lambda xs, w, sizes: tpu_grouped.matmul(cfg.compute_dtype, xs, w, sizes, "gmm")
-
-
-def dense_mlp(p, x_BxTxD, dot, compute):
-    """Every expert on every token; the outputs weighted by the router (0 outside the top k)."""
-    B, T, D = x_BxTxD.shape
-    x_NxD = x_BxTxD.reshape(B * T, D)
-    weights_NxK, experts_NxK = _routing(p, x_NxD)
-    E = p["router"].shape[1]
-    gate_NxE = jnp.sum(jax.nn.one_hot(experts_NxK, E, dtype=F32) * weights_NxK[..., None], 1)
-    g = dot("nd,edf->enf", x_NxD, p["wg"])
-    u = dot("nd,edf->enf", x_NxD, p["wu"])
-    out = dot("enf,efd->end", (jax.nn.silu(g) * u).astype(compute), p["wd"])
-    y = jnp.sum(out.astype(compute).astype(F32) * gate_NxE.T[:, :, None], 0)
-    return y.astype(compute).reshape(B, T, D)
-
-
-def minimal_step(cfg, mlp):
-    """``(step, optimizer)``: the minimal update with ``mlp``, returning the loss and the
-    gradient's global norm as minifield's metrics do."""
-    shape = minimal.Shape(
-        cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size,
-        cfg.rope_theta, cfg.norm_eps,
-    )  # fmt: skip
-    opt = minimal.make_optimizer(MAX_STEPS)
-
-    def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(minimal.loss)(params, batch, shape, cfg.dtype, "xla", mlp)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, optax.global_norm(grads)
-
-    def fp32_loss(params, batch):
-        return minimal.loss(params, batch, shape, F32, "xla", mlp)
-
-    return step, opt, fp32_loss
 
 
 def loops(args, experts: int, names: tuple, batch: dict) -> dict:

@@ -112,6 +112,11 @@ def main() -> int:
     parser.add_argument("--shard-params", action="store_true")
     parser.add_argument("--work", type=Path, help="keep the runs here (default: a temp dir)")
     args = parser.parse_args()
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.work or Path(tmp)

@@ -48,6 +48,7 @@ import yaml
 from minifield.pipeline import before_after, reference_logprobs
 from minifield.strategies.packed_sft import chain_base
 from minifield.strategies.preference import reference_link
+from minifield.supervision import accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "config" / "recipes"
@@ -57,7 +58,12 @@ def _worker(recipe: Path, input_root: Path, output_root: Path) -> Path:
     """One attempt of ``recipe`` by ``minifield-worker``; its export directory."""
     command = [sys.executable, "-m", "minifield.worker", "--job", str(recipe)]
     command += ["--input-root", str(input_root), "--output-root", str(output_root)]
-    done = subprocess.run([*command, "--attempt-id", "a"], capture_output=True, text=True)
+    done = subprocess.run(
+        [*command, "--attempt-id", "a"],
+        capture_output=True,
+        text=True,
+        env=accelerator.worker_env(),
+    )
     if done.returncode != 0:
         raise SystemExit(f"worker exited {done.returncode} on {recipe}:\n{done.stderr[-3000:]}")
     (export,) = output_root.glob("*/a/export")
@@ -160,6 +166,9 @@ def main(argv=None) -> None:
         help="a.b=value applied to the preference recipe (JSON or YAML value; empty removes)",
     )
     args = parser.parse_args(argv)
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     if args.summarize:
         return summarize(args.summarize)
     if args.work is None:

@@ -81,8 +81,8 @@ def write_base(args) -> None:
     if (args.dir / "config.json").is_file():
         return
     cfg = config(args)
-    with jax.default_device(jax.devices("cpu")[0]):
-        params = jax.tree_util.tree_map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
+    # drawn by this parent, on the CPU (it keeps off the accelerator: main)
+    params = jax.tree_util.tree_map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
     checkpoint.write(args.dir, cfg, params, "bfloat16", max_shard_size=2 * 10**9)
 
 
@@ -160,6 +160,11 @@ def main() -> None:
     if args.mode:
         print(json.dumps(run_mode(args)))
         return
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: on a TPU a parent that so much as lists devices
+    # holds the chip until it exits, and every mode's process would die on libtpu's lockfile
+    accelerator.keep_off()
     write_base(args)
     results = {}
     for mode in MODES:  # a mode that fails (the BF16 8B base does not fit 16 GB) is reported
@@ -167,6 +172,7 @@ def main() -> None:
             [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
             capture_output=True,
             text=True,
+            env=accelerator.worker_env(),
         )
         if out.returncode == 0:
             results[mode] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -228,7 +228,7 @@ def part_check(args) -> dict:
     setup([])
     target = CHIP_DIR / "device-check.json"
     target.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(REPO / "benchmarks" / "device_check.py"), *args.check_args,
+    command = [sys.executable, str(REPO / "benchmarks" / "device_check"), *args.check_args,
                "--out", str(target)]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(command, cwd=REPO, env=child_env(), timeout=args.timeout, check=False)

@@ -90,6 +90,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
+    from minifield.supervision import accelerator
+
+    # only a worker opens the accelerator: this parent runs JAX on the CPU, if at all
+    # (minifield.supervision.accelerator); the processes it measures get worker_env
+    accelerator.keep_off()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         started = time.monotonic()

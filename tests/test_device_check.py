@@ -1,10 +1,17 @@
-"""The prepared device check (benchmarks/device_check.py), run end to end on CPU with tiny
+"""The prepared device check (benchmarks/device_check), run end to end on CPU with tiny
 models; its table of parts' peaks and the chip's goals, read without running it.
 
 The check's JSON is read against facts worked out here: parameter counts and FLOPs from the
 Llama formulas, MFU and ratios recomputed from the JSON's own raw timings, the recovery
 proof's hashes from the runs' event files, the backend from this interpreter's JAX. And the
 minimal loop the check compares our step with computes the same model as ours.
+
+The tiny run is started as a host whose parents must keep off the accelerator would start
+it: ``JAX_PLATFORMS=tpu`` (a backend this machine lacks: a process that starts JAX other than
+on the CPU fails) with ``MINIFIELD_WORKER_JAX_PLATFORMS=cpu`` (what the processes that may open
+the accelerator get), so every section passing shows that the check's parent and the recovery
+section's prover kept off it and that its measuring processes were given the workers'
+platforms (``minifield.supervision.accelerator``).
 """
 
 from __future__ import annotations
@@ -23,12 +30,23 @@ import pytest
 from conftest import REPO, read_events
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-import device_check  # noqa: E402
+from device_check import (  # noqa: E402
+    common,
+    parent,
+    section_checkpoint,
+    section_shapes,
+    summary,
+)
 
 sys.path.remove(str(REPO / "benchmarks"))
 
-SCRIPT = REPO / "benchmarks" / "device_check.py"
-RUN_SECTIONS = ("device", "step_125m", "step_350m", "recovery", "checkpoint")
+SCRIPT = REPO / "benchmarks" / "device_check"  # run as a directory
+RUN_SECTIONS = ("device", "step_125m", "step_350m", "recovery", "checkpoint", "shapes")
+#: the tiny run's shapes section searches one model (each compile takes seconds here);
+#: its search is checked against a brute force below
+TINY_SHAPES_MODEL = "qwen2.5-0.5b"
+#: as a parent on a host with an accelerator: JAX's platforms for the parents, the workers'
+KEEP_OFF_ENV = {"JAX_PLATFORMS": "tpu", "MINIFIELD_WORKER_JAX_PLATFORMS": "cpu"}
 
 
 def llama_params(d, layers, heads, kv_heads, d_ff, vocab):
@@ -60,6 +78,7 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text('raise ImportError("no snakemake on the GPU host")\n')
     path = os.pathsep.join([str(blocker.parent), str(REPO / "src")])
+    env = {**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path, **KEEP_OFF_ENV}
     return subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *extra],
         cwd=REPO,
@@ -67,7 +86,7 @@ def _run(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProc
         text=True,
         timeout=timeout,
         check=False,
-        env={**os.environ, "XLA_FLAGS": flags, "PYTHONPATH": path},
+        env=env,
     )
 
 
@@ -76,7 +95,8 @@ def check(tmp_path_factory) -> dict:
     """One tiny run of every section (two at a time on the two cores), its work kept."""
     root = tmp_path_factory.mktemp("device-check")
     out = root / "tmp" / "x.json"
-    proc = _run(out, "--jobs", "2", "--work-dir", str(root / "work"))
+    proc = _run(out, "--jobs", "2", "--work-dir", str(root / "work"),
+                "--shapes-models", TINY_SHAPES_MODEL)  # fmt: skip
     assert out.exists(), proc.stderr[-4000:]
     return {"proc": proc, "doc": json.loads(out.read_text())}
 
@@ -218,6 +238,211 @@ def test_checkpoint_section_ratios_come_from_its_own_timings(check):
     )
     # blocked is a part of the background commit's time to durability
     assert checkpoint["blocked_s"] <= checkpoint["durable_s"]
+    # the commit against the slower of its two floors, round by round, then the median
+    assert checkpoint["device_to_host_s"] == statistics.median(rows["device_to_host_s"])
+    ratios = [s / max(a, b) for s, a, b in zip(rows["sync_s"], rows["device_to_host_s"],
+                                               rows["raw_s"], strict=True)]  # fmt: skip
+    assert checkpoint["commit_over_floor_rounds"] == pytest.approx(ratios, rel=1e-12)
+    assert math.isclose(checkpoint["commit_over_floor"], statistics.median(ratios))
+    goal = check["doc"]["summary"]["goals"]["checkpoint_commit_over_floor"]
+    assert goal["value"] == checkpoint["commit_over_floor"] and goal["goal"] == "<= 1.25"
+
+
+def test_a_fresh_state_is_new_buffers_of_the_same_bits():
+    """Each checkpoint measurement's state: computed anew on the device (other buffers, so no
+    host copy of the old arrays is reused), bit for bit the state it came from."""
+    import jax
+    import jax.numpy as jnp
+
+    draw = np.random.default_rng(0)
+    state = {
+        "params": jnp.asarray(draw.standard_normal((8, 4)).astype(np.float32)),
+        "count": jnp.asarray(np.int32(7)),
+        "rng": jnp.asarray(draw.integers(0, 2**32, 2, dtype=np.uint32)),
+        "scale": jnp.asarray(np.float32(-0.0)),
+    }
+    fresh = section_checkpoint._fresh(state, jax.jit(section_checkpoint._same))
+    for name, old in state.items():
+        new = fresh[name]
+        assert new.dtype == old.dtype
+        assert np.asarray(new).tobytes() == np.asarray(old).tobytes(), name
+        assert new.unsafe_buffer_pointer() != old.unsafe_buffer_pointer(), name
+
+
+@pytest.mark.slow
+def test_only_workers_open_the_accelerator(check):
+    """The run was started with JAX_PLATFORMS naming a backend this machine lacks (only the
+    workers' platforms are the CPU): a parent, or a prover, that started JAX on its own
+    platforms would have failed. Every section passed, and the proof's workers ran on the
+    platforms the workers were given."""
+    sections = check["doc"]["sections"]
+    assert {sections[name]["status"] for name in RUN_SECTIONS} == {"ok"}
+    assert sections["device"]["backend"] == "cpu"
+    assert sections["recovery"]["environment"]["backend"] == "cpu"
+
+
+def test_measuring_sections_get_the_workers_platforms_and_the_prover_keeps_off():
+    """The environment each section's process is started with, from a parent that kept off
+    (``keep_off`` left ``JAX_PLATFORMS=cpu`` and the original platforms for the workers)."""
+    environ = {"JAX_PLATFORMS": "cpu", "MINIFIELD_WORKER_JAX_PLATFORMS": "tpu", "X": "1"}
+    for name in ("device", "step_125m", "checkpoint", "shapes"):
+        env = parent.child_env(name, environ)
+        assert env["JAX_PLATFORMS"] == "tpu" and "MINIFIELD_WORKER_JAX_PLATFORMS" not in env
+        assert env["X"] == "1"
+    env = parent.child_env("recovery", environ)
+    assert env["JAX_PLATFORMS"] == "cpu" and env["MINIFIELD_WORKER_JAX_PLATFORMS"] == "tpu"
+    # JAX's own choice for the workers (nothing given): no JAX_PLATFORMS at all
+    env = parent.child_env("device", {"JAX_PLATFORMS": "cpu", "MINIFIELD_WORKER_JAX_PLATFORMS": ""})
+    assert "JAX_PLATFORMS" not in env
+
+
+def tied_llama_params(d, layers, heads, kv_heads, d_ff, vocab, qkv_bias):
+    """Parameters of a Llama with tied embeddings, counted by hand: per layer q and o (D x D),
+    k and v (D x G*K), gate, up, down (3 D x F), two RMSNorm scales, Qwen2's q/k/v biases;
+    the embedding (also the head) and the final norm."""
+    kv = kv_heads * (d // heads)
+    bias = d + 2 * kv if qkv_bias else 0
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * d_ff + 2 * d + bias
+    return layers * per_layer + vocab * d + d
+
+
+def lora_params(d, layers, heads, kv_heads, d_ff, rank):
+    """A and B of rank ``rank`` on q, k, v, o, gate, up and down of every layer."""
+    kv = kv_heads * (d // heads)
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, d_ff), (d, d_ff), (d_ff, d)]
+    return layers * sum(rank * (i + o) for i, o in shapes)
+
+
+@pytest.mark.slow
+def test_shapes_section_counts_and_peaks(check):
+    """The tiny shapes run: the states counted by hand, each compile's arguments the state and
+    the batch, its peak the memory analysis' parts, and the answer the compiles' own."""
+    shapes = check["doc"]["sections"]["shapes"]
+    limit, seq = shapes["device_memory_bytes"], shapes["seq_len"]
+    model = shapes["models"][TINY_SHAPES_MODEL]
+    dims = model["shape"]
+    dims = (dims["d_model"], dims["n_layers"], dims["n_heads"], dims["n_kv_heads"],
+            dims["d_ff"], dims["vocab_size"])  # fmt: skip
+    full, lora = model["full"], model["lora"]
+    assert full["trained_params"] == tied_llama_params(*dims, qkv_bias=True)
+    assert lora["trained_params"] == lora_params(*dims[:5], rank=16)
+    # FP32 parameters and two AdamW moments, plus a few scalars
+    assert 12 * full["trained_params"] <= full["state_bytes"] < 12 * full["trained_params"] + 256
+    for row in (full, lora):
+        assert row["complete"] is True
+        for compiled in row["compiles"]:
+            batch = compiled["rows"] * seq * 4 * 4  # tokens, segments, positions, loss mask
+            assert compiled["argument_bytes"] == row["argument_bytes_without_batch"] + batch
+            assert compiled["peak_bytes"] == (compiled["argument_bytes"] + compiled["output_bytes"]
+                                              + compiled["temp_bytes"] - compiled["alias_bytes"])  # fmt: skip
+            assert compiled["compile_s"] > 0
+        fitted = {c["rows"]: c["peak_bytes"] <= limit for c in row["compiles"]}
+        rows = row["largest_rows"]
+        assert rows == 0 or fitted[rows]
+        assert fitted.get(rows + 1) is False  # the next row was compiled and does not fit
+    got = check["doc"]["summary"]["largest_rows"][TINY_SHAPES_MODEL]
+    assert got == {"full": full["largest_rows"], "lora": lora["largest_rows"]}
+
+
+@pytest.mark.slow  # a handful of compilations
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_shapes_search_matches_a_brute_force(check, mode):
+    """The tiny model's step compiled at 1, 2, 3, ... rows until one does not fit the tiny
+    run's memory, here, one compile a row: the most rows that fit is the search's answer."""
+    from minifield.models.execution import Execution
+
+    shapes = check["doc"]["sections"]["shapes"]
+    how = Execution(**{k: v for k, v in shapes["execution"].items()})
+    cfg = section_shapes.config(TINY_SHAPES_MODEL, True, how)
+    step, leading, _ = section_shapes.abstract_step(cfg, mode)
+    limit, rows = shapes["device_memory_bytes"], 0
+    while True:
+        peak = section_shapes.compile_rows(step, leading, rows + 1, cfg.max_len)["peak_bytes"]
+        if peak > limit:
+            break
+        rows += 1
+    assert shapes["models"][TINY_SHAPES_MODEL][mode]["largest_rows"] == rows
+
+
+def _brute_force(peaks: list, limit: int) -> int:
+    """The most rows r with every peak up to r known and within ``limit``."""
+    rows = 0
+    while rows < len(peaks) and peaks[rows] is not None and peaks[rows] <= limit:
+        rows += 1
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_largest_fitting_agrees_with_a_brute_force(seed):
+    """Peaks that grow with the rows (linear, curved, with steps, with compiles that fail for
+    lack of memory and say nothing) against a scan of every row count."""
+    draw = np.random.default_rng(seed)
+    n = 300
+    base, slope = draw.integers(0, 10**6), draw.integers(1, 10**5)
+    curve, noise = draw.choice([0.0, 1.0, 50.0]), draw.choice([0.0, 0.05, 1.0])
+    peaks = [int(base + slope * r + curve * r * r + noise * draw.integers(0, slope))
+             for r in range(1, n)]  # fmt: skip
+    limit = int(draw.uniform(0.5, 1.2) * peaks[-1])
+    unknown_from = int(draw.integers(1, n))  # from here on a compile fails without a figure
+    peaks = [p if r < unknown_from or p <= limit else None for r, p in enumerate(peaks)]
+    measured = []
+
+    def measure(rows):
+        measured.append(rows)
+        return peaks[rows - 1] if rows <= len(peaks) else None
+
+    got, complete = section_shapes.largest_fitting(measure, limit, max_rows=10**6)
+    assert complete and got == _brute_force(peaks, limit)
+    assert len(measured) == len(set(measured))  # no row count compiled twice
+    if curve == 0.0 and noise < 1 and unknown_from > got + 1:  # about linear: a handful
+        assert len(measured) <= 5
+
+
+def test_largest_fitting_stops_when_told_and_keeps_what_it_found():
+    peaks = [100 * r for r in range(1, 50)]
+    calls = []
+
+    def measure(rows):
+        calls.append(rows)
+        return peaks[rows - 1]
+
+    got, complete = section_shapes.largest_fitting(measure, 1250, lambda: len(calls) < 2)
+    assert (got, complete, calls) == (2, False, [1, 2])
+    assert section_shapes.largest_fitting(lambda rows: None, 10) == (0, True)
+
+
+def test_a_step_that_does_not_compile_does_not_fit(monkeypatch):
+    """On a TPU a step over the memory fails to compile; the compiler's "Used X" may even
+    read below the device's limit (it counts against its own capacity): still no fit."""
+    import jax
+
+    limit = 1000
+    state = {"w": jax.ShapeDtypeStruct((10,), np.float32)}  # 40 bytes of arguments
+    monkeypatch.setattr(section_shapes, "abstract_step", lambda cfg, mode: (None, (state,), 10))
+
+    def compile_rows(step, leading, rows, seq):
+        if rows <= 6:  # 160 + 140 a row: 6 rows take 1000 bytes, which fit exactly
+            return {"rows": rows, "compile_s": 0.1, "peak_bytes": 160 + 140 * rows}
+        # from 7 rows on the compiler refuses, and says less than the limit at 7
+        return {"rows": rows, "compile_s": 0.1, "peak_bytes": None,
+                "compiler_used_bytes": 900 if rows == 7 else 2000}  # fmt: skip
+
+    monkeypatch.setattr(section_shapes, "compile_rows", compile_rows)
+    cfg = type("Cfg", (), {"max_len": 8})()
+    out: dict = {}
+    clock = {"deadline": float("inf"), "longest": 0.0}
+    section_shapes.search_one(cfg, "full", limit, clock, out, lambda: None)
+    assert (out["largest_rows"], out["complete"]) == (6, True)
+    assert [c["rows"] for c in out["compiles"]][-2:] == [6, 7]
+
+
+def test_a_compile_out_of_memory_names_what_it_needed():
+    """The chip's compiler's own words (docs/tpu.md: the minimal loop without remat)."""
+    text = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+            "space hbm. Used 47.58G of 15.75G hbm. Exceeded hbm capacity by 31.83G.")  # fmt: skip
+    assert section_shapes.out_of_memory(RuntimeError(text))
+    assert section_shapes._used_bytes(text) == int(47.58 * 2**30)
+    assert section_shapes._used_bytes("no figure") is None
 
 
 @pytest.mark.slow
@@ -244,7 +469,7 @@ def test_minimal_loop_is_the_same_model_as_ours():
     equals our Llama's (FP32, so the two differ only by summation order)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import _llama_minimal as minimal
+        from minimal import llama as minimal
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     import jax
@@ -313,15 +538,15 @@ def test_parts_peaks_are_the_data_sheets(kind, part, flops, hbm, bandwidth):
     """The v5e's peaks as docs/tpu.md and issue 49 give them (BF16 197 TFLOP/s nominal, HBM
     16 GB at 819 GB/s); MFU is taken against the nominal BF16 peak where the part is known,
     else against the measured one."""
-    name, peaks = device_check.nominal_peaks(kind)
+    name, peaks = common.nominal_peaks(kind)
     assert name == part
     if part is None:
         assert peaks is None
-        assert device_check.peak_for(kind, 5e12) == (5e12, f"measured BF16 x BF16 -> FP32 "
+        assert common.peak_for(kind, 5e12) == (5e12, f"measured BF16 x BF16 -> FP32 "
                                                      f"matmul peak ({kind})")  # fmt: skip
         return
     assert peaks == {"bf16_flops": flops, "hbm_bytes": hbm, "hbm_bytes_per_s": bandwidth}
-    assert device_check.peak_for(kind, 5e12)[0] == flops
+    assert common.peak_for(kind, 5e12)[0] == flops
 
 
 def test_a_tpu_run_is_judged_by_the_chips_goals():
@@ -332,7 +557,7 @@ def test_a_tpu_run_is_judged_by_the_chips_goals():
         "step_350m": {"status": "ok", "ours": {"mfu_vs_measured_peak": 0.46, "mfu": 0.38},
                       "ours_over_minimal": 1.05},
     }  # fmt: skip
-    goals = device_check.summary(sections, tiny=False)["tpu_goals"]
+    goals = summary.summary(sections, tiny=False)["tpu_goals"]
     assert goals["mfu_350m_vs_measured_peak"] == {"value": 0.46, "goal": ">= 0.45", "met": True}
     assert goals["ours_over_minimal_350m"]["met"] is False
     assert goals["mfu_125m_vs_measured_peak"] == {"value": None, "goal": ">= 0.40", "met": None}

@@ -9,7 +9,7 @@ custom VJP), as ours. Attention is either the dense XLA form (``[B, H, T, T]`` s
 mask) or the fused Pallas kernel called directly (``mha(segment_ids=…, causal=True)``, its
 default tiling; Pallas's interpreter on CPU).
 
-Used by ``llama_step.py`` (CPU, d512), ``device_check.py`` (125M / 350M on a GPU) and, its
+Used by ``llama_step.py`` (CPU, d512), ``device_check`` (125M / 350M on a device) and, its
 :func:`logits` under a GRPO loss, ``grpo_update.py``.
 """
 

@@ -1,0 +1,117 @@
+"""The device check's command line: the parent's options, and what it passes to each
+section's process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import device_check
+from device_check.settings import (
+    BATCH,
+    BUDGET_S,
+    SECTIONS,
+    TINY_BATCH,
+    expected_backend,
+    memory_defaults,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/device_check", description=device_check.__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", default="device_check.json", help="the JSON written (rewritten as "
+                        "sections finish)")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="tiny models: the CPU run of the tests")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--budget-s", type=float, help=f"overall limit (default {BUDGET_S:.0f})")
+    parser.add_argument("--work-dir", help="runs, checkpoints (default: a new work/device-check-*)")
+    parser.add_argument("--keep-work", action="store_true", help="keep the default work dir")
+    parser.add_argument("--backend", choices=("cpu", "gpu", "tpu"), help="the backend the device "
+                        "check requires (default gpu; cpu with --tiny)")  # fmt: skip
+    parser.add_argument("--attention", choices=("pallas", "xla"), help="the attention kernel of "
+                        "every section (default pallas, the fused kernel, on a GPU; xla "
+                        "with --tiny: Pallas's CPU interpreter is slow; xla on a TPU: the "
+                        "minimal loop's fused kernel is the GPU one)")  # fmt: skip
+    parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), help="default: "
+                        "what a recipe naming the backend gets (full on a TPU, else none)")  # fmt: skip
+    parser.add_argument("--loss-chunk-tokens", type=int, help="the loss over chunks of this "
+                        "many tokens; default: what a recipe naming the backend gets (1024 on "
+                        "a TPU, else 0: all at once)")  # fmt: skip
+    parser.add_argument("--batch", type=int, help="rows per step for both sizes (default: "
+                        f"{BATCH}; tiny {TINY_BATCH})")  # fmt: skip
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 5; tiny 2)")
+    parser.add_argument("--steps-per-round", type=int, help="steps per round (default 10; tiny 2)")
+    parser.add_argument("--checkpoint-rounds", type=int, help="commits of each kind (default 2)")
+    parser.add_argument("--jobs", type=int, default=1, help="sections run side by side after "
+                        "the device section (CPU only: one GPU runs one section at a time)")  # fmt: skip
+    parser.add_argument("--proof-mode", choices=("crash", "preempt", "both"), default="crash")
+    parser.add_argument("--device-memory-bytes", type=int, help="the memory the shapes "
+                        "section fits steps into (default: the device's own bytes_limit; "
+                        "with --tiny a small made-up one, so the search is exercised)")  # fmt: skip
+    parser.add_argument("--shapes-models", nargs="+", help="the shapes section's models "
+                        "(default all: qwen2.5-0.5b llama-3.2-1b llama-3.2-3b)")  # fmt: skip
+    # the parent starts itself with these for each section
+    parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--section-out", help=argparse.SUPPRESS)
+    parser.add_argument("--context", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--ours-only", action="store_true", help=argparse.SUPPRESS)
+    # NAME=SECONDS: a section's own limit (the tests time one out on purpose)
+    parser.add_argument("--section-limit", action="append", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    limits = {}
+    for item in args.section_limit:
+        name, _, seconds = item.partition("=")
+        if name not in SECTIONS or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--section-limit: expected SECTION=SECONDS with a section of "
+                         f"{', '.join(SECTIONS)}, got {item!r}")  # fmt: skip
+        limits[name] = float(seconds)
+    args.section_limit = limits
+    backend = expected_backend(args)
+    args.attention = args.attention or ("pallas" if backend == "gpu" and not args.tiny else "xla")
+    remat, chunk = memory_defaults(backend)
+    args.remat = args.remat or remat
+    args.loss_chunk_tokens = chunk if args.loss_chunk_tokens is None else args.loss_chunk_tokens
+    args.rounds = args.rounds or (2 if args.tiny else 5)
+    args.steps_per_round = args.steps_per_round or (2 if args.tiny else 10)
+    args.checkpoint_rounds = args.checkpoint_rounds or (1 if args.tiny else 2)
+    # what every section's process is started with (the settings, not the parent's plumbing)
+    args.passthrough = [
+        *(["--tiny"] if args.tiny else []),
+        *(["--backend", args.backend] if args.backend else []),
+        "--attention", args.attention,
+        "--scan-layers" if args.scan_layers else "--no-scan-layers",
+        "--remat", args.remat,
+        "--loss-chunk-tokens", str(args.loss_chunk_tokens),
+        *(["--batch", str(args.batch)] if args.batch else []),
+        "--rounds", str(args.rounds),
+        "--steps-per-round", str(args.steps_per_round),
+        "--checkpoint-rounds", str(args.checkpoint_rounds),
+        "--proof-mode", args.proof_mode,
+        *(["--device-memory-bytes", str(args.device_memory_bytes)]
+          if args.device_memory_bytes else []),
+        *(["--shapes-models", *args.shapes_models] if args.shapes_models else []),
+    ]  # fmt: skip
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--section" not in argv:
+        # the parent: only a worker opens the accelerator (parent.py), so this process keeps
+        # off it before anything here could start JAX; a section's process was started with
+        # the environment its section needs (``parent.child_env``)
+        from minifield.supervision import accelerator
+
+        accelerator.keep_off()
+    args = parse_args(argv)
+    if args.section:
+        from device_check.child import run_section_child
+
+        return run_section_child(args)
+    from device_check.parent import run_parent
+
+    return run_parent(args)
