@@ -31,8 +31,12 @@ def run(args, context, report) -> dict:
     recipe_path.write_text(json.dumps(recovery_recipe(args), indent=2))
     checked = recipes.load(recipe_path)
     limit = max(args.deadline - time.time(), 10.0)
-    # every worker is bounded by what is left of the section
-    supervision = supervisor.Settings(deadline_s=limit, stall_s=limit, grace_s=5.0)
+    # Every worker is bounded by what is left of the section. The grace from SIGTERM to
+    # SIGKILL is the pipeline's (config train.grace_seconds): on the chip (2026-12-06) the
+    # preempted worker committed its checkpoint and wrote its receipt, then was still letting
+    # go of the TPU runtime 5 s later and was killed (exit -9), which fails the proof.
+    grace = supervisor.Settings().grace_s
+    supervision = supervisor.Settings(deadline_s=limit, stall_s=limit, grace_s=min(grace, limit))
     log(f"  recovery proof ({args.proof_mode}) of {checked.computation_digest[:16]}")
     proof = prove(
         recipe_path, REPO / "data", work, work / "proof.json",
