@@ -57,6 +57,11 @@ RUN_BY = {
         "tests/test_slurm_profile.py::test_slurm_profile_dry_run_requests_gpu_for_train_only",
         "tests/test_gpu_determinism.py::test_a_gpu_run_gets_the_determinism_flags_after_the_users_own",
     ],
+    # one TPU chip: the run itself needs the chip (CI has none; docs/tpu.md has the chip's runs
+    # by benchmarks/tpu_session.py); here, which jobs request it and that no other does
+    r"uv run --locked snakemake --cores 4 --config tpu=1": [
+        "tests/test_tpu_pipeline.py::test_jobs_that_open_the_chip_request_it_and_no_others"
+    ],
     r"uv run --locked snakemake --profile profiles/slurm": [
         "tests/test_slurm_profile.py::test_slurm_profile_runs_pipeline_like_local"
     ],
