@@ -56,6 +56,11 @@ def write_line(stream: TextIO, line: str) -> str | None:
     return reason
 
 
+#: ``EventLog``'s default echo: this process's ``sys.stdout`` when the log is made (a default
+#: of ``sys.stdout`` itself is bound once, at import, to whatever stream stood there then)
+STDOUT: Any = object()
+
+
 class EventLog:
     """Appends events to ``path`` and echoes them to ``echo``.
 
@@ -67,7 +72,7 @@ class EventLog:
     def __init__(
         self,
         path: Path | None,
-        echo: TextIO | None = sys.stdout,
+        echo: TextIO | None = STDOUT,
         on_echo_closed: Callable[[str], None] | None = None,
     ):
         self.path = path
@@ -78,7 +83,7 @@ class EventLog:
             with atomic.naming(path):
                 self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
                 self._length = repair_tail(self._fd)
-        self._echo = echo
+        self._echo = sys.stdout if echo is STDOUT else echo
         self._on_echo_closed = on_echo_closed
         self._seq = 0
         # a background checkpoint writer may emit (a fault's last word) while the loop does
