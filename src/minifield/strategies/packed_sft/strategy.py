@@ -302,6 +302,9 @@ def _reading(recipe: dict, files: dict[str, Path]):
         return described[0]
 
     if "base" in recipe["model"]:
+        # what config.json alone refuses (a quantization, the device's memory), before the
+        # conversations are encoded and the weights read
+        pinned_base.check_config(recipe, files, step_memory=True)
         meta["base_model"] = None  # load_base() fills it (the manifest's key order as before)
         try:
             tokenizer, template = pinned_base.tokenizer_from_files(recipe, files)
