@@ -146,9 +146,39 @@ def run_mode(args) -> dict:
         "step_s": statistics.median(times),
         "peak_bytes": int(peak),
         "peak_of": "device" if "peak_bytes_in_use" in stats else "process RSS",
+        "compiled_peak_bytes": compiled_peak(compiled),
+        "estimated_bytes": estimated(args, targets, scheme),
         "flops": flops,
         "loss": float(metrics["loss"]),
     }
+
+
+def compiled_peak(compiled) -> int | None:
+    """The compiled step's peak, as the device check's ``shapes`` section reads it: arguments
+    (the base's codes among them) + outputs + temporaries - the outputs aliased to donated
+    arguments (``peak_bytes_in_use`` misses the temporaries)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    parts = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return int(parts - m.alias_size_in_bytes)
+
+
+def estimated(args, targets, scheme) -> int:
+    """What ``runtime.device_memory_bytes``' check estimates for this step
+    (``minifield.models.device_memory``), to set beside the compiled peak."""
+    from minifield.models import device_memory
+
+    lora = {"rank": args.rank, "targets": list(targets), "base_dtype": "bfloat16"}
+    if scheme:
+        double = scheme == "nf4" and not args.no_double
+        lora.update(
+            base_quantization=scheme, quantization_block=args.block, double_quantization=double
+        )
+    training = {"batch_size": args.batch, "seq_len": args.seq, "remat": args.remat,
+                "loss_chunk_tokens": 1024}  # fmt: skip
+    recipe = {"model": {"scan_layers": True, "lora": lora}, "training": training}
+    return device_memory.estimate(base_config(args), recipe)["total"]
 
 
 def _batch(args, vocab: int):
@@ -198,6 +228,8 @@ def main() -> None:
         print(
             f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {ratio:.2f}  "
             f"peak {r['peak_bytes'] / 2**30:6.2f} GiB ({r['peak_of']})  "
+            f"compiled {(r['compiled_peak_bytes'] or 0) / 2**30:7.3f} GiB  "
+            f"estimated {r['estimated_bytes'] / 2**30:7.3f} GiB  "
             f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
         )
 

@@ -7,9 +7,10 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
 - ``state``: full fine-tuning, every parameter's FP32 value, gradient and two AdamW moments
   (16 bytes each, 20 with a gradient accumulator); LoRA, the frozen base as held (each block
   matrix's codes and scales under ``model.lora.base_quantization``, else ``base_dtype``; the
-  rest in ``base_dtype``), the matrices made back to ``base_dtype`` (one layer's twice with
-  ``model.scan_layers``, forward and backward; every layer's without), and the adapters as full
-  fine-tuning's parameters;
+  rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
+  twice with ``model.scan_layers``, forward and backward; every layer's without), the step's
+  transposed copy of every other matrix HF stores ``[out, in]`` (:mod:`minifield.hf.stored_base`:
+  the whole unquantized base's, the head's), and the adapters as full fine-tuning's parameters;
 - ``activations``, per row: with ``training.remat: full``, each layer's FP32 input kept
   (``n_layers * T * d_model * 4``) plus one layer's working set; otherwise every layer's
   working set. A layer's working set: ``T * 4 * (8 d_model + 4 d_ff)`` and, with the XLA
@@ -31,19 +32,21 @@ from __future__ import annotations
 import math
 
 from .families import expected_tensors
+from .lora_targets import TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: FP32 value, gradient and AdamW's two moments
 TRAINED_BYTES = 16
 
 
-def _params(cfg) -> dict[str, tuple[int, ...]]:
-    """Internal path -> this project's ``[in, out]`` shape of every parameter."""
+def _params(cfg) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Internal path -> (this project's ``[in, out]`` shape, whether HF stores it ``[out,
+    in]``) of every parameter."""
     out = {}
     for _, (internal, transpose, shape) in expected_tensors(cfg).items():
         parts = (internal,) if isinstance(internal, str) else internal
-        for path in parts:  # a fused matrix's parts: the checks need each part's own inputs
-            out[path] = tuple(shape[::-1]) if transpose else tuple(shape)
+        for path in parts:  # a fused matrix's parts (Phi-3): no LoRA, full fine-tuning's count
+            out[path] = (tuple(shape[::-1]) if transpose else tuple(shape), transpose)
     return out
 
 
@@ -69,35 +72,35 @@ def _state(cfg, recipe: dict, accum: bool) -> int:
     params = _params(cfg)
     per_trained = TRAINED_BYTES + (4 if accum else 0)
     if lora is None:
-        return per_trained * sum(math.prod(s) for s in params.values())
-    scheme = lora.get("base_quantization")
-    scheme = None if scheme in (None, "none") else scheme
-    dtype = lora["base_dtype"]
-    block, double = lora.get("quantization_block"), lora.get("double_quantization", False)
-    held = made_back = adapters = 0
-    layer_matrices = 0
+        return per_trained * sum(math.prod(shape) for shape, _ in params.values())
     from .quantize import is_quantized
 
-    for path, shape in params.items():
-        if not is_quantized(path, len(shape)):
-            held += math.prod(shape) * DTYPE_BYTES[dtype]
-            continue
-        held += held_bytes(shape, scheme, block, double, dtype)
-        if scheme is not None:
-            made_back += math.prod(shape) * DTYPE_BYTES[dtype]
-            layer_matrices += path.startswith("blocks/00/") * math.prod(shape)
-        if path.rsplit("/", 1)[-1] in _target_params(lora["targets"]):
+    scheme = lora.get("base_quantization")
+    scheme = None if scheme in (None, "none") else scheme
+    dtype, targets = lora["base_dtype"], _target_params(lora["targets"])
+    block, double = lora.get("quantization_block"), lora.get("double_quantization", False)
+    held = copies = made_back = layer = adapters = 0
+    for path, (shape, stored_out_in) in params.items():
+        size = math.prod(shape) * DTYPE_BYTES[dtype]
+        matrix = is_quantized(path, len(shape))  # a block's matrix
+        if scheme is not None and matrix:
+            held += held_bytes(shape, scheme, block, double, dtype)
+            made_back += size
+            layer += size if path.startswith("blocks/00/") else 0
+        else:
+            held += size
+            # the step's transposed copy of a stored [out, in] matrix (hf.stored_base)
+            copies += size if stored_out_in else 0
+        if matrix and path.rsplit("/", 1)[-1] in targets:
             adapters += lora["rank"] * sum(shape)
     if scheme is not None and model.get("scan_layers", False):
-        made_back = 2 * layer_matrices * DTYPE_BYTES[dtype]
-    return held + made_back + per_trained * adapters
+        made_back = 2 * layer  # one layer's, forward and backward
+    return held + copies + made_back + per_trained * adapters
 
 
 def _target_params(targets) -> set[str]:
-    """The parameter names of ``model.lora.targets`` (the dense matrices)."""
-    names = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
-    names.update(gate_proj="w_gate", up_proj="w_up", down_proj="w_down")
-    return {names[t] for t in targets if t in names}
+    """The parameter names (``wq``, ...) of ``model.lora.targets`` (the dense matrices)."""
+    return {TARGETS[t].rsplit("/", 1)[-1] for t in targets if TARGETS.get(t)}
 
 
 def _activations_per_row(cfg, recipe: dict) -> int:
