@@ -20,8 +20,8 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
 
 Against the chip's compiled peaks (``benchmarks/device_check``'s ``shapes`` section, TPU v5e,
 Qwen2.5-0.5B full fine-tune, 2048 tokens a row, remat full, chunks of 1024, BF16 compute):
-1 row 10.28 GB measured, 11.10 estimated; 6 rows 16.53, 17.77; 7 rows 17.54, 19.11: above
-every measured figure (by 2 to 9 %), so a refusal may turn away a step that would just fit,
+1 row 10.28 GB measured, 11.11 estimated; 6 rows 16.53, 17.77; 7 rows 17.54, 19.11: above
+every measured figure (by 2 to 10 %), so a refusal may turn away a step that would just fit,
 never admit one whose estimate fits and the chip does not. That is full fine-tuning's
 calibration: LoRA's parts are the arithmetic of what it holds, not yet compared with the chip's
 compiled peaks (docs/tpu.md).
