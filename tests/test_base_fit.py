@@ -5,11 +5,12 @@ key and the figure, exit 2 from ``minifield validate --input-root`` and from pre
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import family_reference
 import pytest
-from conftest import write_recipe
+from conftest import attempts_of, run_attempt, write_recipe
 from test_base_model import _prepare, make_inputs
 from test_lora import LORA, lora_recipe
 from test_mixtral import MIXTRAL
@@ -126,3 +127,16 @@ def test_validate_with_inputs_refuses_a_step_above_the_device_memory(root, tmp_p
 def test_a_step_within_the_device_memory_is_taken(root, tmp_path):
     job = write_recipe(tmp_path / "recipe.json", _memory_recipe(root, 10**12))
     assert _validate(job, root) == 0
+
+
+@pytest.mark.slow  # starts the worker
+def test_the_worker_refuses_the_step_with_exit_2_and_trains_nothing(root, tmp_path):
+    job = write_recipe(tmp_path / "recipe.json", _memory_recipe(root, 10**6))
+    run_attempt(job, root, tmp_path / "out", codes=(2,))
+    (attempt,) = attempts_of(tmp_path / "out", "base-test")
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "failed" and result["steps_completed"] == 0
+    assert result["error"]["phase"] == "examples"
+    message = result["error"]["message"]
+    assert message.startswith(f"{root / 'base' / 'config.json'}: the step needs an estimated ")
+    assert "above runtime.device_memory_bytes 0.00 GB" in message
