@@ -21,10 +21,10 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
 Against the chip's compiled peaks (``benchmarks/device_check``'s ``shapes`` section, TPU v5e,
 Qwen2.5-0.5B full fine-tune, 2048 tokens a row, remat full, chunks of 1024, BF16 compute):
 1 row 10.28 GB measured, 11.11 estimated; 6 rows 16.53, 17.77; 7 rows 17.54, 19.11: above
-every measured figure (by 2 to 10 %), so a refusal may turn away a step that would just fit,
-never admit one whose estimate fits and the chip does not. That is full fine-tuning's
-calibration: LoRA's parts are the arithmetic of what it holds, not yet compared with the chip's
-compiled peaks (docs/tpu.md).
+every measured figure (by 2 to 10 %): on these figures it errs towards refusing (6 rows fit
+the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That is full
+fine-tuning's calibration: LoRA's parts are the arithmetic of what it holds, not yet compared
+with the chip's compiled peaks (docs/tpu.md).
 """
 
 from __future__ import annotations
