@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import family_reference
 import pytest
-from conftest import attempts_of, run_attempt, write_recipe
+from conftest import REPO, attempts_of, run_attempt, write_recipe
 from test_base_model import _prepare, make_inputs
 from test_lora import LORA, lora_recipe
 from test_mixtral import MIXTRAL
@@ -140,3 +140,17 @@ def test_the_worker_refuses_the_step_with_exit_2_and_trains_nothing(root, tmp_pa
     message = result["error"]["message"]
     assert message.startswith(f"{root / 'base' / 'config.json'}: the step needs an estimated ")
     assert "above runtime.device_memory_bytes 0.00 GB" in message
+
+
+@pytest.mark.parametrize(
+    ("shipped", "words"),
+    [("linear-demo.yaml", "linear-momentum without"), ("sft-demo.yaml", "packed-sft without")],
+)
+def test_the_device_memory_key_is_refused_where_nothing_checks_it(shipped, words):
+    document = recipes.read_document(REPO / "config" / "recipes" / shipped)
+    document.setdefault("runtime", {})["device_memory_bytes"] = 16_909_336_064
+    with pytest.raises(recipes.RecipeError) as info:
+        recipes.validate(document)
+    (error,) = info.value.errors
+    assert error["path"] == "/runtime/device_memory_bytes"
+    assert f"{words} model.base checks nothing against it" in error["message"]

@@ -48,6 +48,7 @@ class PackedSFT(LMStrategy):
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
     lora_on_mesh = True
+    estimates_step_memory = True
     # 2: a conversation trains every assistant turn (1 trained only the last), files of mixed
     # shapes are refused
     prepare_version = 2
