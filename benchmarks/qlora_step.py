@@ -2,7 +2,8 @@
 and each one's peak memory (docs/quantized-base.md).
 
 The base is a random Llama written as an HF checkpoint (BF16 safetensors, one shard per layer,
-``config.json``) with the project's own writer, then read back as a LoRA run reads it
+the index, ``config.json``) one layer at a time (``_random_base.py``: the host holds one layer's
+tensors, or the embeddings', never the model's), then read back as a LoRA run reads it
 (:func:`minifield.hf.checkpoint.load_stored`, :func:`minifield.hf.stored_base.on_device`, so
 int8 and NF4 are quantized as they are put on the device). Each mode runs in its own process
 so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
@@ -28,11 +29,19 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _random_base  # noqa: E402
+
 MODES = ("bf16", "int8", "nf4")
-PRESETS = {  # Llama-3.1-8B: 32 layers, d 4096, GQA 32/8, ffn 14336, vocabulary 128,256
-    "llama-3.1-8b": dict(d_model=4096, layers=32, heads=32, kv_heads=8, ff=14336, vocab=128256),
-    "small": dict(d_model=256, layers=4, heads=8, kv_heads=2, ff=768, vocab=2048),
-}
+#: the shapes of their HF config.json (Llama 3's rotary scaling changes no shape: left out)
+PRESETS = {
+    "llama-3.1-8b": dict(d_model=4096, layers=32, heads=32, kv_heads=8, ff=14336, vocab=128256,
+                         rope_theta=500000.0, tied=False),
+    "llama-3.2-3b": dict(d_model=3072, layers=28, heads=24, kv_heads=8, ff=8192, vocab=128256,
+                         rope_theta=500000.0, tied=True),
+    "small": dict(d_model=256, layers=4, heads=8, kv_heads=2, ff=768, vocab=2048,
+                  rope_theta=10000.0, tied=False),
+}  # fmt: skip
 
 
 def arguments() -> argparse.Namespace:
@@ -51,11 +60,12 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def config(args):
-    from minifield.models import execution, llama
+def base_config(args):
+    """The base's config (no JAX: the parent draws and writes it)."""
+    from minifield.models.llama_config import LlamaConfig
 
     shape = PRESETS[args.preset]
-    cfg = llama.LlamaConfig(
+    return LlamaConfig(
         vocab_size=shape["vocab"],
         d_model=shape["d_model"],
         n_layers=shape["layers"],
@@ -63,27 +73,27 @@ def config(args):
         n_kv_heads=shape["kv_heads"],
         d_ff=shape["ff"],
         max_len=args.seq,
+        rope_theta=shape["rope_theta"],
         compute_dtype="bfloat16",
-        tie_embeddings=False,
+        tie_embeddings=shape["tied"],
     )
+
+
+def config(args):
+    from minifield.models import execution
+
+    cfg = base_config(args)
     # the loss in chunks of 1024 tokens, as a TPU recipe's default: no [B, T, vocab] logits
     how = execution.Execution(scan_layers=True, remat=args.remat, loss_chunk_tokens=1024)
     return dataclasses.replace(cfg, execution=how)
 
 
 def write_base(args) -> None:
-    """The random base as HF safetensors (skipped when ``--dir`` already holds it)."""
-    import jax
-
-    from minifield.hf import checkpoint
-    from minifield.models import llama
-
+    """The random base as HF safetensors, one layer at a time (skipped when ``--dir`` already
+    holds it: ``config.json`` is written last). Drawn by this parent with NumPy: no JAX."""
     if (args.dir / "config.json").is_file():
         return
-    cfg = config(args)
-    # drawn by this parent, on the CPU (it keeps off the accelerator: main)
-    params = jax.tree_util.tree_map(np.asarray, llama.init_params(cfg, jax.random.key(0)))
-    checkpoint.write(args.dir, cfg, params, "bfloat16", max_shard_size=2 * 10**9)
+    _random_base.write(args.dir, base_config(args), seed=0, dtype="bfloat16")
 
 
 def run_mode(args) -> dict:
@@ -136,9 +146,39 @@ def run_mode(args) -> dict:
         "step_s": statistics.median(times),
         "peak_bytes": int(peak),
         "peak_of": "device" if "peak_bytes_in_use" in stats else "process RSS",
+        "compiled_peak_bytes": compiled_peak(compiled),
+        "estimated_bytes": estimated(args, targets, scheme),
         "flops": flops,
         "loss": float(metrics["loss"]),
     }
+
+
+def compiled_peak(compiled) -> int | None:
+    """The compiled step's peak, as the device check's ``shapes`` section reads it: arguments
+    (the base's codes among them) + outputs + temporaries - the outputs aliased to donated
+    arguments (``peak_bytes_in_use`` misses the temporaries)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    parts = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return int(parts - m.alias_size_in_bytes)
+
+
+def estimated(args, targets, scheme) -> int:
+    """What ``runtime.device_memory_bytes``' check estimates for this step
+    (``minifield.models.device_memory``), to set beside the compiled peak."""
+    from minifield.models import device_memory
+
+    lora = {"rank": args.rank, "targets": list(targets), "base_dtype": "bfloat16"}
+    if scheme:
+        double = scheme == "nf4" and not args.no_double
+        lora.update(
+            base_quantization=scheme, quantization_block=args.block, double_quantization=double
+        )
+    training = {"batch_size": args.batch, "seq_len": args.seq, "remat": args.remat,
+                "loss_chunk_tokens": 1024}  # fmt: skip
+    recipe = {"model": {"scan_layers": True, "lora": lora}, "training": training}
+    return device_memory.estimate(base_config(args), recipe)["total"]
 
 
 def _batch(args, vocab: int):
@@ -188,6 +228,8 @@ def main() -> None:
         print(
             f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {ratio:.2f}  "
             f"peak {r['peak_bytes'] / 2**30:6.2f} GiB ({r['peak_of']})  "
+            f"compiled {(r['compiled_peak_bytes'] or 0) / 2**30:7.3f} GiB  "
+            f"estimated {r['estimated_bytes'] / 2**30:7.3f} GiB  "
             f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
         )
 

@@ -303,6 +303,21 @@ def _check_counters(recipe: dict) -> list[dict]:
     return []
 
 
+def _check_device_memory(data: dict, strategy) -> list[dict]:
+    """``runtime.device_memory_bytes`` only where prepare checks a step against it (a strategy
+    whose step is estimated, from a pinned base): elsewhere it would check nothing, silently."""
+    if "device_memory_bytes" not in data.get("runtime", {}):
+        return []
+    if strategy.estimates_step_memory and "base" in data["model"]:
+        return []
+    message = (
+        f"checked only for a packed-sft recipe with model.base (its step's estimated memory); "
+        f"{strategy.name} {'with' if 'base' in data['model'] else 'without'} model.base checks "
+        "nothing against it: leave it out"
+    )
+    return [{"path": "/runtime/device_memory_bytes", "message": message}]
+
+
 def validate(document: Any, source: str = "<recipe>") -> Recipe:
     """Validate a parsed recipe; raises RecipeError listing every problem."""
     try:
@@ -357,6 +372,7 @@ def _validate(document: Any, source: str) -> Recipe:
             errors += strategy.check(data)
             errors += harness_tasks.recipe_errors(data)
             errors += _check_counters(data)
+            errors += _check_device_memory(data, strategy)
     if errors:
         raise RecipeError(source, errors)
     return Recipe(

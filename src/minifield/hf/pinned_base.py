@@ -24,8 +24,8 @@ from ..data import chat_template, encode_pool, encoding
 from ..data import tokenizer as tokenizers
 from ..inputs.pinned import InputError, location
 from ..models import execution, lora_targets
+from . import base_fit, stored_base
 from . import checkpoint as hf_checkpoint
-from . import stored_base
 
 PARAM_PREFIX = stored_base.PARAM_PREFIX
 CONFIG_ARRAY, TOKENIZER_ARRAY, TOKENIZER_CONFIG_ARRAY = (
@@ -115,6 +115,15 @@ def _check_lora_targets(section: dict, cfg, config_path: Path) -> None:
         )
 
 
+def check_config(recipe: dict, files: dict[str, Path], step_memory: bool = False) -> None:
+    """What the base's ``config.json`` alone refuses, before any tensor is read
+    (:mod:`.base_fit`); ``step_memory``: packed-sft's step against the device's memory."""
+    config_path = files[recipe["model"]["base"]["config"]]
+    problem = base_fit.problem(recipe, config_path, step_memory)
+    if problem:
+        raise BaseModelError(f"{config_path}: {problem}")
+
+
 def load(
     recipe: dict, files: dict[str, Path], without_router_loss: str | None = None
 ) -> tuple[dict[str, np.ndarray], dict]:
@@ -126,6 +135,7 @@ def load(
     seq_len = recipe["training"]["seq_len"]
     from safetensors import SafetensorError
 
+    check_config(recipe, files)  # before the weights are read
     with tempfile.TemporaryDirectory(prefix="minifield-base-") as tmp:
         directory = Path(tmp)
         _link_directory(recipe, files, directory)

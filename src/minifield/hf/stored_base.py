@@ -217,34 +217,70 @@ class FrozenBase:
         return _nest((path, made(path, value)) for path, value in flatten(self.params))
 
 
-def quantization_problem(section: dict, cfg, config: dict, params, stored_layout) -> str | None:
-    """What ``model.lora.base_quantization`` cannot quantize in a base (its config, its
-    stored tensors): experts, a base already quantized or stored in another dtype, a block
-    that does not divide a matrix's inputs. None: nothing."""
+#: the block matrices the quantizer knows (QLoRA's linear layers); every dense family this
+#: project reads has these alone (Phi-3's fused ones are stored as their parts)
+QUANTIZED_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def config_quantization_problem(section: dict, cfg, config: dict) -> str | None:
+    """What ``model.lora.base_quantization`` cannot quantize in a base, from its
+    ``config.json`` alone (``cfg`` read from it): experts or another layer the quantizer does
+    not know (named by ``model_type``), a base already quantized, a block that does not divide
+    a matrix's inputs. None: nothing."""
     from ..models import quantize
+    from ..models.families import expected_tensors
 
     scheme = section.get("base_quantization", "none")
     if scheme == "none":
         return None
     field = f"model.lora.base_quantization {scheme}"
+    model_type = config.get("model_type", "(none)")
     if cfg.n_experts:
-        return f"a mixture of experts: {field} is not supported on experts (use a dense base)"
+        return (
+            f"model_type {model_type} is a mixture of experts: {field} is not supported on "
+            "experts (use a dense base)"
+        )
     if "quantization_config" in config:
         return (
             f"the base is already quantized (quantization_config); {field} needs the "
             "unquantized float32, bfloat16 or float16 checkpoint"
         )
+    for name, (internal, transpose, shape) in expected_tensors(cfg).items():
+        paths = (internal,) if isinstance(internal, str) else internal
+        if not quantize.is_quantized(paths[0], len(shape)):
+            continue
+        unknown = [p for p in paths if p.rsplit("/", 1)[-1] not in QUANTIZED_MATRICES]
+        if unknown:
+            return (
+                f"model_type {model_type}: the layer's tensor {name} is not a matrix {field} "
+                f"knows (it quantizes {', '.join(QUANTIZED_MATRICES)})"
+            )
+        in_out = tuple(shape[::-1]) if transpose else tuple(shape)  # fused: its parts' inputs
+        problem = quantize.check_block(in_out, scheme, section.get("quantization_block"))
+        if problem:
+            return (
+                f"tensor {paths[0]} {list(in_out)}: {problem}; model.lora.quantization_block "
+                "must divide every quantized matrix's input dimension"
+            )
+    return None
+
+
+def quantization_problem(section: dict, cfg, config: dict, params, stored_layout) -> str | None:
+    """What ``model.lora.base_quantization`` cannot quantize in a base (its config, its
+    stored tensors): a matrix stored in another dtype, or
+    :func:`config_quantization_problem`'s. None: nothing."""
+    from ..models import quantize
+
+    scheme = section.get("base_quantization", "none")
+    if scheme == "none":
+        return None
     for path, value in flatten(params):
         if not quantize.is_quantized(path, value.ndim):
             continue
         dtype = dtype_name(value)
         if dtype not in ("float32", "bfloat16", "float16"):
-            return f"tensor {path} is stored as {dtype}; {field} needs a float32, bfloat16 or float16 base"
-        shape = value.shape[::-1] if stored_layout[path] else value.shape
-        problem = quantize.check_block(tuple(shape), scheme, section.get("quantization_block"))
-        if problem:
             return (
-                f"tensor {path} {list(shape)}: {problem}; model.lora.quantization_block must "
-                "divide every quantized matrix's input dimension"
+                f"tensor {path} is stored as {dtype}; model.lora.base_quantization {scheme} "
+                "needs a float32, bfloat16 or float16 base"
             )
-    return None
+    return config_quantization_problem(section, cfg, config)

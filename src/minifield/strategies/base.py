@@ -150,6 +150,9 @@ class Strategy(ABC):
     prepare_version: int = 1
     #: the recipe sections of :data:`EXTRA_SECTIONS` this strategy has (its schema's)
     extra_sections: tuple[str, ...] = ()
+    #: whether prepare checks a pinned base's step against ``runtime.device_memory_bytes``
+    #: (:mod:`minifield.models.device_memory` estimates packed-sft's step alone)
+    estimates_step_memory: bool = False
 
     @property
     def schema_file(self) -> str:

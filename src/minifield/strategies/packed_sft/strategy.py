@@ -48,6 +48,7 @@ class PackedSFT(LMStrategy):
     default_every_steps = 50
     selection_metric = ("dev_loss", "min")
     lora_on_mesh = True
+    estimates_step_memory = True
     # 2: a conversation trains every assistant turn (1 trained only the last), files of mixed
     # shapes are refused
     prepare_version = 2
@@ -302,6 +303,9 @@ def _reading(recipe: dict, files: dict[str, Path]):
         return described[0]
 
     if "base" in recipe["model"]:
+        # what config.json alone refuses (a quantization, the device's memory), before the
+        # conversations are encoded and the weights read
+        pinned_base.check_config(recipe, files, step_memory=True)
         meta["base_model"] = None  # load_base() fills it (the manifest's key order as before)
         try:
             tokenizer, template = pinned_base.tokenizer_from_files(recipe, files)

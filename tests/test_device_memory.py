@@ -1,0 +1,118 @@
+"""The step's estimated device memory (``minifield.models.device_memory``) against figures
+computed by hand here, and against the chip's compiled peaks of Qwen2.5-0.5B's full
+fine-tune (docs/tpu-session.json, the device check's ``shapes`` section)."""
+
+from __future__ import annotations
+
+import pytest
+
+from minifield.models import device_memory
+from minifield.models.llama_config import LlamaConfig
+
+QWEN_05B = LlamaConfig(
+    vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, d_ff=4864,
+    max_len=2048, qkv_bias=True, tie_embeddings=True,
+)  # fmt: skip
+LLAMA_8B = LlamaConfig(
+    vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+    max_len=2048, rope_theta=500000.0,
+)  # fmt: skip
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def recipe(rows, lora=None, **training):
+    model = {"scan_layers": True, **({"lora": lora} if lora else {})}
+    settings = {"batch_size": rows, "seq_len": 2048, "remat": "full", "loss_chunk_tokens": 1024}
+    return {"model": model, "training": {**settings, **training}}
+
+
+# Qwen2.5-0.5B: 494,032,768 parameters (the chip's count of the trained state)
+QWEN_STATE = 16 * 494_032_768
+QWEN_ROW = (
+    24 * 2048 * 896 * 4  # each layer's input kept (remat full)
+    + 2048 * 4 * (8 * 896 + 4 * 4864)  # one layer's working set
+    + 4 * 14 * 2048 * 2048 * 4  # its attention scores, probabilities and their gradients
+)
+QWEN_LOGITS = 3 * 4 * 151936 * 1024
+
+
+@pytest.mark.parametrize(
+    ("rows", "measured"),
+    # compiled peaks on the TPU v5e (2b16d3e): the program's arguments + outputs + temporaries
+    [(1, 10_282_210_304), (2, 12_156_869_120), (4, 13_795_308_544), (5, 15_575_699_968),
+     (6, 16_530_033_152), (7, 17_537_521_152)],
+)  # fmt: skip
+def test_full_fine_tuning_is_the_hand_figure_and_above_the_chips_peak(rows, measured):
+    parts = device_memory.estimate(QWEN_05B, recipe(rows))
+    assert parts == {
+        "state": QWEN_STATE,
+        "activations": rows * QWEN_ROW,
+        "logits": QWEN_LOGITS,
+        "total": QWEN_STATE + rows * QWEN_ROW + QWEN_LOGITS,
+    }
+    assert parts["total"] >= measured
+
+
+def test_gradient_accumulation_counts_the_micro_batch_and_the_accumulator():
+    parts = device_memory.estimate(QWEN_05B, recipe(6, grad_accum_steps=3))
+    assert parts["state"] == 20 * 494_032_768 and parts["activations"] == 2 * QWEN_ROW
+
+
+def test_no_chunks_no_remat_no_xla_attention():
+    cfg = LlamaConfig(vocab_size=100, d_model=8, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=16,
+                      max_len=4)  # fmt: skip
+    r = {"model": {"attention": "pallas"}, "training": {"batch_size": 2, "seq_len": 4}}
+    parts = device_memory.estimate(cfg, r)
+    assert parts["activations"] == 2 * 3 * 4 * 4 * (8 * 8 + 4 * 16)  # every layer's working set
+    assert parts["logits"] == 3 * 4 * 100 * 8  # every token's logits
+
+
+# Llama-3.1-8B: per layer q 4096², k and v 4096 x 1024, o 4096², gate, up, down 4096 x 14336
+LAYER_MATRICES = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # 218,103,808
+LLAMA_REST = 2 * 128256 * 4096 + 32 * 2 * 4096 + 4096  # embeddings, head, norms
+ADAPTERS = 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)  # rank 16 x (in + out), 7 per layer
+LLAMA_ACTIVATIONS = (
+    32 * 2048 * 4096 * 4 + 2048 * 4 * (8 * 4096 + 4 * 14336) + 4 * 32 * 2048 * 2048 * 4
+)
+LLAMA_LOGITS = 3 * 4 * 128256 * 1024
+
+
+def test_an_nf4_8b_base_at_one_row_is_the_hand_figure_and_fits_a_v5e():
+    lora = {"rank": 16, "targets": ALL, "base_dtype": "bfloat16", "base_quantization": "nf4",
+            "quantization_block": 64}  # fmt: skip
+    parts = device_memory.estimate(LLAMA_8B, recipe(1, lora))
+    codes = 32 * LAYER_MATRICES // 2
+    scales = 32 * LAYER_MATRICES // 64 * 4
+    made_back = 2 * LAYER_MATRICES * 2  # one layer's, forward and backward, in BF16
+    head_copy = 2 * 128256 * 4096  # the step's transposed copy of the BF16 [out, in] head
+    state = codes + scales + 2 * LLAMA_REST + made_back + head_copy + 16 * ADAPTERS
+    assert parts["state"] == state == 8_621_924_352
+    total = state + LLAMA_ACTIVATIONS + LLAMA_LOGITS
+    assert parts["total"] == total == 14_157_357_056
+    v5e = {**recipe(1, lora), "runtime": {"device_memory_bytes": 16_909_336_064}}
+    assert device_memory.problem(LLAMA_8B, v5e) is None
+
+
+def test_a_bf16_8b_base_is_refused_on_a_v5e_naming_the_key_and_the_figure():
+    lora = {"rank": 16, "targets": ALL, "base_dtype": "bfloat16"}
+    r = {**recipe(1, lora), "runtime": {"device_memory_bytes": 16_909_336_064}}
+    # held in BF16, and the step's transposed copy of every matrix and of the head
+    copies = 2 * 32 * LAYER_MATRICES + 2 * 128256 * 4096
+    state = 2 * 32 * LAYER_MATRICES + 2 * LLAMA_REST + copies + 16 * ADAPTERS
+    total = state + LLAMA_ACTIVATIONS + LLAMA_LOGITS
+    assert total == 37_276_360_704
+    problem = device_memory.problem(LLAMA_8B, r)
+    assert problem.startswith(
+        "the step needs an estimated 37.28 GB (state 31.74, activations 3.96, logits 1.58) for "
+        "1 row of 2048 tokens, above runtime.device_memory_bytes 16.91 GB; "
+    )
+    assert "\n" not in problem
+
+
+def test_double_quantization_holds_the_scales_in_a_byte():
+    # 256 inputs x 64 outputs in blocks of 64: 16,384 codes... as bytes: 8192 (two a byte);
+    # 4 x 64 = 256 scales: one byte each, one group of 256 (its FP32 absmax) and the FP32 mean
+    assert device_memory.held_bytes((256, 64), "nf4", 64, True, "bfloat16") == 8192 + 256 + 4 + 4
+    assert device_memory.held_bytes((256, 64), "nf4", 64, False, "bfloat16") == 8192 + 4 * 256
+    assert device_memory.held_bytes((256, 64), "int8", None, False, "bfloat16") == 16384 + 4 * 64
+    assert device_memory.held_bytes((256, 64), None, None, False, "bfloat16") == 2 * 16384
