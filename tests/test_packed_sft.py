@@ -183,6 +183,7 @@ def test_worker_run_completes_evaluates_and_exports(reference, space):
     assert final["dev_generated"] == 8 and 0.0 <= final["dev_exact_match"] <= 1.0
     compiled = [e for e in events if e["type"] == "compiled"][0]
     assert compiled["compilation_cache"] == str(space["cache"])
+    assert compiled["attention"] == {"kernel": "xla"}  # the recipe's: no fused kernel
     assert any(space["cache"].iterdir())  # executables were persisted
     # the worker compiled as the suite's started processes do, and recorded it (conftest)
     environment = json.loads((attempt / "attempt.json").read_text())["environment"]

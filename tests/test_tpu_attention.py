@@ -194,11 +194,46 @@ def test_a_windowed_capped_model_computes_the_same_loss_and_gradients_through_sp
         np.testing.assert_allclose(g_f, g_x, rtol=1e-4, atol=1e-6)
 
 
-def test_the_block_table_starts_from_splash_defaults():
+def test_the_table_falls_back_to_splash_defaults():
     defaults = splash.BlockSizes.get_default()
-    assert execution.SPLASH_BLOCKS == {
-        name: getattr(defaults, name) for name in execution.SPLASH_BLOCKS
+    assert execution.SPLASH_DEFAULT_BLOCKS == {
+        name: getattr(defaults, name) for name in execution.SPLASH_DEFAULT_BLOCKS
     }
+    for widths in execution.SPLASH_BLOCKS.values():
+        for sizes in widths.values():
+            assert set(sizes) == set(execution.SPLASH_DEFAULT_BLOCKS)
+
+
+def test_the_table_is_looked_up_by_head_width_and_the_longest_measured_row_not_above():
+    table = {
+        1024: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 256)},
+        4096: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 1024)},
+    }
+    lookup = execution.splash_table_blocks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(execution, "SPLASH_BLOCKS", table)
+        assert lookup(512, 64) == execution.SPLASH_DEFAULT_BLOCKS  # below every measurement
+        assert set(lookup(1024, 64).values()) == {256}
+        assert set(lookup(2048, 64).values()) == {256}  # 1024's, the nearest not above
+        assert set(lookup(8192, 64).values()) == {1024}
+        assert lookup(4096, 128) == execution.SPLASH_DEFAULT_BLOCKS  # a width not measured
+        assert lookup(4096, None) == execution.SPLASH_DEFAULT_BLOCKS
+        # then fitted to the row: 1024 does not divide 4608 = 6 * 768
+        assert set(execution.splash_blocks(4608, head_dim=64).values()) == {768}
+
+
+def test_the_shipped_table_holds_the_measured_entries_only():
+    """(2048, 64): every block 1024, the 350M step's fastest (issue 57); (2048, 128): query
+    blocks 128 and key blocks 1024, the first sweep's fastest pair (docs/tpu.md)."""
+    assert {(T, K) for T, w in execution.SPLASH_BLOCKS.items() for K in w} == {
+        (2048, 64),
+        (2048, 128),
+    }
+    assert set(execution.splash_blocks(2048, head_dim=64).values()) == {1024}
+    at_128 = execution.splash_blocks(2048, head_dim=128)
+    assert {at_128[n] for n in ("block_q", "block_q_dkv", "block_q_dq")} == {128}
+    assert at_128["block_kv"] == at_128["block_kv_dkv_compute"] == at_128["block_kv_dq"] == 1024
+    assert execution.splash_blocks(1024, head_dim=64) == execution.SPLASH_DEFAULT_BLOCKS
 
 
 def test_blocks_are_fitted_to_the_row():
@@ -215,6 +250,14 @@ def test_blocks_are_fitted_to_the_row():
         1024,
     )
     assert tpu_attention.block_sizes(128) == splash.BlockSizes.get_default()
+
+
+def test_the_kernel_and_its_blocks_for_the_compiled_event():
+    assert execution.attention_kernel(Execution(), 2048, 64) == {"kernel": "xla"}
+    on_tpu = execution.attention_kernel(ON_TPU, 2048, 64)
+    assert on_tpu == {"kernel": "splash", "blocks": execution.splash_blocks(2048, head_dim=64)}
+    on_gpu = execution.attention_kernel(Execution(attention="pallas", backend="gpu"), 64, 64)
+    assert on_gpu == {"kernel": "mha", "blocks": {"forward": 64, "backward": 32}}
 
 
 def test_rows_that_are_not_whole_lanes_are_refused():

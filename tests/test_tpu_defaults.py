@@ -113,3 +113,50 @@ def test_the_worker_refuses_fp32_splash_with_exit_2(tmp_path):
     assert verdict["valid"] is False
     assert [e["path"] for e in verdict["errors"]] == ["/model/attention"]
     assert "use model.attention xla" in verdict["errors"][0]["message"]
+
+
+def splash_recipe() -> dict:
+    """sft-demo on the TPU with splash attention, rows of 256."""
+    document = with_runtime(shipped("sft-demo"), backend="tpu")
+    document["model"]["attention"] = "pallas"
+    document["training"]["seq_len"] = 256
+    return document
+
+
+def test_a_splash_recipe_records_the_block_table_so_its_digest_follows_the_table(monkeypatch):
+    """Splash's block sizes come from ``execution.SPLASH_BLOCKS`` and change what the recipe
+    computes: the table's digest is filled into the validated recipe (as the memory defaults
+    are), so another table is another computation; a recipe that does not run splash (the
+    XLA path, another backend) gets none and keeps its digest."""
+    from minifield.models import execution
+
+    checked = recipes.validate(splash_recipe())
+    assert checked.data["model"]["splash_table"] == execution.splash_table_digest()
+    spelled = splash_recipe()
+    spelled["model"]["splash_table"] = execution.splash_table_digest()
+    assert recipes.validate(spelled).computation_digest == checked.computation_digest
+    for other in ({"attention": "xla"}, {}):
+        document = splash_recipe()
+        document["model"].update(other)
+        if not other:
+            document["runtime"]["backend"] = "gpu"
+        assert "splash_table" not in recipes.validate(document).data["model"]
+    table = {
+        **execution.SPLASH_BLOCKS,
+        256: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 256)},
+    }
+    monkeypatch.setattr(execution, "SPLASH_BLOCKS", table)
+    assert recipes.validate(splash_recipe()).computation_digest != checked.computation_digest
+
+
+def test_a_splash_table_the_code_does_not_have_or_without_splash_is_refused():
+    document = splash_recipe()
+    document["model"]["splash_table"] = "0" * 16
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(document)
+    assert [e["path"] for e in caught.value.errors] == ["/model/splash_table"]
+    assert "not this code's table" in caught.value.errors[0]["message"]
+    document["model"]["attention"] = "xla"
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(document)
+    assert "pallas and runtime.backend tpu" in caught.value.errors[0]["message"]

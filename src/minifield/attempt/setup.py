@@ -230,6 +230,7 @@ def set_up(context: SetUpContext) -> SetUp:
             seconds=time.monotonic() - started,
             compilation_cache=str(context.compilation_cache) if context.compilation_cache else None,
             placement=program.placement,
+            attention=program.attention,
         )
 
         phase = "restore"

@@ -52,10 +52,9 @@ BACKENDS = ("cpu", "gpu", "tpu", "any")
 PALLAS_FORWARD_BLOCK = 128
 PALLAS_BACKWARD_BLOCK = 32
 
-#: splash attention's block sizes (the fields of its ``BlockSizes``): splash's own defaults
-#: (``BlockSizes.get_default()``) until the chip measures better ones (``docs/tpu.md``,
-#: ``benchmarks/splash_blocks.py``); :func:`splash_blocks` fits them to a row
-SPLASH_BLOCKS = {
+#: splash's own block sizes (``BlockSizes.get_default()``): what a row gets where
+#: :data:`SPLASH_BLOCKS` has no measured entry for it
+SPLASH_DEFAULT_BLOCKS = {
     "block_q": 128,
     "block_kv": 128,
     "block_kv_compute": 128,
@@ -64,6 +63,24 @@ SPLASH_BLOCKS = {
     "block_kv_dkv_compute": 128,
     "block_q_dq": 128,
     "block_kv_dq": 128,
+}
+#: splash's block sizes measured on the chip, ``{row length: {head width: sizes}}`` (the
+#: shape of ``benchmarks/splash_blocks.py``'s ``best``, which fills it; ``docs/tpu.md``):
+#: every entry is backed by a chip measurement, every other shape gets
+#: :data:`SPLASH_DEFAULT_BLOCKS` (:func:`splash_blocks`). The two entries so far:
+#: (2048, 64) every block 1024, the 350M step's fastest of 128, 512 and 1024 (issue 57);
+#: (2048, 128) query blocks 128, key blocks 1024, the fastest pair of the first sweep (query
+#: blocks above 128 were not reached), its backward kernels given the same pair.
+SPLASH_BLOCKS = {
+    2048: {
+        64: dict.fromkeys(SPLASH_DEFAULT_BLOCKS, 1024),
+        128: {
+            **dict.fromkeys(SPLASH_DEFAULT_BLOCKS, 1024),
+            "block_q": 128,
+            "block_q_dkv": 128,
+            "block_q_dq": 128,
+        },
+    },
 }
 #: splash tiles keys in multiples of the TPU's 128 lanes (its blocks must be multiples of it)
 SPLASH_LANES = 128
@@ -163,11 +180,37 @@ def grouped_kernel(backend: str) -> str:
     return GROUPED_KERNELS.get(backend, "tiles")
 
 
-def splash_blocks(seq_len: int, blocks: dict | None = None) -> dict:
+def splash_table_blocks(seq_len: int, head_dim: int | None) -> dict:
+    """:data:`SPLASH_BLOCKS`'s sizes for rows of ``seq_len`` tokens of heads ``head_dim``
+    wide: the entry of that head width at the longest measured row length not above the row
+    (a block measured at 2048 tokens divides 4096's rows as well), or splash's defaults
+    where there is none (another head width, a shorter row)."""
+    measured = [T for T, widths in SPLASH_BLOCKS.items() if T <= seq_len and head_dim in widths]
+    if not measured:
+        return dict(SPLASH_DEFAULT_BLOCKS)
+    return dict(SPLASH_BLOCKS[max(measured)][head_dim])
+
+
+def splash_table_digest() -> str:
+    """The first 16 hex digits of the sha256 of :data:`SPLASH_BLOCKS` and its defaults
+    (canonical JSON): what a TPU recipe with splash attention records
+    (``model.splash_table``), so its computation digest changes with the table."""
+    import hashlib
+    import json
+
+    table = {str(T): {str(K): sizes for K, sizes in w.items()} for T, w in SPLASH_BLOCKS.items()}
+    text = json.dumps(
+        {"default": SPLASH_DEFAULT_BLOCKS, "measured": table}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def splash_blocks(seq_len: int, blocks: dict | None = None, head_dim: int | None = None) -> dict:
     """Splash's block sizes for rows of ``seq_len`` tokens (a multiple of
-    :data:`SPLASH_LANES`): each of ``blocks`` (absent: :data:`SPLASH_BLOCKS`) lowered to the
-    largest multiple of the lanes that divides the row (a compute block: its block)."""
-    sizes = {**SPLASH_BLOCKS, **(blocks or {})}
+    :data:`SPLASH_LANES`) of heads ``head_dim`` wide: the table's
+    (:func:`splash_table_blocks`), each of ``blocks`` overriding by field name, each lowered
+    to the largest multiple of the lanes that divides the row (a compute block: its block)."""
+    sizes = {**splash_table_blocks(seq_len, head_dim), **(blocks or {})}
 
     def fit(size: int, whole: int) -> int:
         best = SPLASH_LANES
@@ -183,6 +226,19 @@ def splash_blocks(seq_len: int, blocks: dict | None = None) -> dict:
     ):
         fitted[compute] = fit(sizes[compute], fitted[whole])
     return fitted
+
+
+def attention_kernel(execution: Execution, seq_len: int, head_dim: int) -> dict:
+    """What a model computing with ``execution`` runs its attention with, for the run's
+    ``compiled`` event: the kernel (``xla``, ``splash``, ``mha``) and its block sizes."""
+    if execution.attention != "pallas":
+        return {"kernel": "xla"}
+    kernel = fused_kernel(execution.backend)
+    if kernel == "splash":
+        return {"kernel": kernel, "blocks": splash_blocks(seq_len, head_dim=head_dim)}
+    blocks = {"forward": min(PALLAS_FORWARD_BLOCK, seq_len)}
+    blocks["backward"] = min(PALLAS_BACKWARD_BLOCK, seq_len)
+    return {"kernel": kernel, "blocks": blocks}
 
 
 def pallas_seq_len_problem(seq_len: int, backend: str = "any") -> str | None:
@@ -226,6 +282,37 @@ def splash_fp32_problem(compute_dtype: str, backend: str) -> str | None:
     return None
 
 
+def splash_table_problems(recipe: dict, backend: str) -> list[dict]:
+    """Fill in ``model.splash_table`` (:func:`splash_table_digest`) where the recipe runs
+    splash attention: its block sizes come from :data:`SPLASH_BLOCKS`, and change what it
+    computes (the online softmax's order of sums), so the table enters its digest as the
+    memory defaults do; a recipe that computes otherwise must not name a table. Returns
+    errors: a table named where splash does not run, or one this code does not have."""
+    model = recipe["model"]
+    splash = model.get("attention") == "pallas" and fused_kernel(backend) == "splash"
+    if not splash:
+        if "splash_table" in model:
+            return [
+                {
+                    "path": "/model/splash_table",
+                    "message": "model.splash_table belongs to a recipe with model.attention "
+                    "pallas and runtime.backend tpu (splash attention) only",
+                }
+            ]
+        return []
+    ours = splash_table_digest()
+    if model.setdefault("splash_table", ours) != ours:
+        return [
+            {
+                "path": "/model/splash_table",
+                "message": f"model.splash_table {model['splash_table']!r} is not this code's "
+                f"table of splash's block sizes ({ours}): the recipe was checked with another "
+                "table, so this code would compute otherwise",
+            }
+        ]
+    return []
+
+
 def normalize_recipe(recipe: dict) -> list[dict]:
     """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`),
     then remove execution options equal to their defaults (digest stability); returns
@@ -236,7 +323,7 @@ def normalize_recipe(recipe: dict) -> list[dict]:
     for (section, key), default in DEFAULTS.items():
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]
-    errors = []
+    errors = splash_table_problems(recipe, backend)
     if recipe["model"].get("attention") == "pallas":
         problem = pallas_seq_len_problem(recipe["training"]["seq_len"], backend)
         if problem:

@@ -90,6 +90,10 @@ class Program(ABC):
     #: where the compiled update runs (data-parallel mesh and sharding counts), reported in
     #: the ``compiled`` event; None for a plain single-device update
     placement: dict | None = None
+    #: the attention kernel the update runs and its block sizes
+    #: (``models.execution.attention_kernel``), reported in the ``compiled`` event; None
+    #: for a program without attention
+    attention: dict | None = None
 
     def place(self, state: dict) -> dict:
         """Put a fresh or restored state where the compiled update expects it.

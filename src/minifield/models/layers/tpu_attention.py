@@ -27,9 +27,10 @@ splash's products ask for no precision, so there they are one BF16 pass, and the
 exposes no precision to ask for more. In Pallas's interpreter on CPU the products are FP32,
 which is how the tests check the kernel's masking and blocking at FP32's rounding.
 
-Block sizes: ``execution.splash_blocks`` (splash's defaults until the chip measures better;
-``benchmarks/splash_blocks.py``). On a TPU the kernel runs natively; on CPU in Pallas's
-interpreter (slow: for tests and the benchmark's smoke run); other backends are refused.
+Block sizes: ``execution.splash_blocks``, by row length and head width (the chip's
+measurements, ``benchmarks/splash_blocks.py``; splash's defaults where none). On a TPU the
+kernel runs natively; on CPU in Pallas's interpreter (slow: for tests and the benchmark's
+smoke run); other backends are refused.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ from .. import execution
 from .primitives import F32
 
 
-def block_sizes(seq_len: int, blocks: dict | None = None) -> splash.BlockSizes:
-    """Splash's ``BlockSizes`` for rows of ``seq_len`` tokens (``execution.splash_blocks``;
-    ``blocks`` overrides the table's sizes by field name)."""
-    return splash.BlockSizes(**execution.splash_blocks(seq_len, blocks))
+def block_sizes(
+    seq_len: int, blocks: dict | None = None, head_dim: int | None = None
+) -> splash.BlockSizes:
+    """Splash's ``BlockSizes`` for rows of ``seq_len`` tokens of heads ``head_dim`` wide
+    (``execution.splash_blocks``; ``blocks`` overrides the table's sizes by field name)."""
+    return splash.BlockSizes(**execution.splash_blocks(seq_len, blocks, head_dim))
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +117,7 @@ def splash_mix(
         if problem:
             raise ValueError(problem)
     kernel = _kernel(
-        H // G, T, window, getattr(cfg, "attn_softcap", None), block_sizes(T, blocks), interpret
+        H // G, T, window, getattr(cfg, "attn_softcap", None), block_sizes(T, blocks, K), interpret
     )
     dtype = cfg.dtype
     # [B, T, H, K] -> [B, G, H/G, T, K]: query head h = g * (H/G) + r reads key/value head g

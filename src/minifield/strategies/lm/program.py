@@ -71,6 +71,10 @@ class LMProgram(PlacedState, Program):
         self.batches = self.make_batches(arrays, training)
         self.examples_per_step = training["batch_size"]
         self.tokens_per_step = training["batch_size"] * training["seq_len"]
+        head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.d_model // self.cfg.n_heads
+        self.attention = execution.attention_kernel(
+            self.cfg.execution, training["seq_len"], head_dim
+        )
         self._step_fn = self.make_step(schedule)
         self._compiled = None
         self._prefetcher = None  # started by the first dispatch
