@@ -1,17 +1,37 @@
-"""Splash attention's block sizes on the chip: a sweep, each against the XLA attention path.
+"""Splash attention's block sizes on the chip: each kernel's blocks swept on its own, by row
+length and head width, with the XLA attention path and an all-512 baseline timed in the same
+run; its ``best`` is ``execution.SPLASH_BLOCKS``'s table.
 
 The attention of ``model.attention: pallas`` with ``runtime.backend: tpu``
-(``minifield.models.layers.tpu_attention``), forward and backward (the gradients of q, k and
-v for one cotangent), over packed rows: causal, ``--segments`` segments a row of unequal
-lengths, grouped-query heads where ``--kv-heads`` < ``--heads``. For every row length and
-every pair of (query block, key block) sizes (the backward pass's dq and dkv kernels take the
-same pair, the compute blocks the key block) it prints the median milliseconds over
-``--rounds`` calls and the XLA path's time ÷ splash's; the XLA path (dense ``[B, H, T, T]``
-scores) is timed once per row length, and each kernel's output is checked against it. The
-fastest pair per row length is the candidate for ``execution.SPLASH_BLOCKS`` (the table's
-sizes are splash's own defaults until this has run on the chip: ``docs/tpu.md``).
+(``minifield.models.layers.tpu_attention``) over packed rows: causal, ``--segments``
+segments a row of unequal lengths, ``--d-model`` split into heads of each ``--head-dims``
+width (16 of 64 and 8 of 128 at 1024: the 350M model's width), ``--tokens`` a call (rows =
+tokens / row length, so every length does the same projections' work). Splash has three
+kernels, each with its own blocks:
 
-On the chip (the issue's attention shape: 8 rows, 16 heads of 128, BF16, 2048 and 4096):
+- ``forward``: ``block_q``, ``block_kv``, ``block_kv_compute``; timed alone (a forward-only
+  program);
+- ``dkv`` (the keys' and values' gradients): ``block_q_dkv``, ``block_kv_dkv``,
+  ``block_kv_dkv_compute``; ``dq``: ``block_q_dq``, ``block_kv_dq``; timed as forward and
+  backward, every other kernel's blocks held, so a difference is that kernel's.
+
+Each kernel on its own, every block not swept held at ``HELD`` (512; fitted to the row),
+in two rounds (:func:`first_round`, :func:`second_round`): the query block over the
+candidates, the key block over them (its compute block held); then the compute block at and
+below the fastest key block, with the fastest query block. A shape's best joins the three
+kernels' fastest and is timed against the baseline and the XLA path. The candidates are
+{256, 512, 1024, 2048} up to the row: 128 (splash's default) was the slowest key block on the
+chip (45.6 ms against 14.0 for 1024 at 2048 tokens, ``docs/tpu.md``) and every block 128 the
+slowest 350M step (2.06 s against 0.71), and a block longer than 2048 holds a ``[block_q,
+block_kv]`` FP32 score tile of 16 MiB or more, past the TPU core's vector memory.
+
+A round's programs are compiled together on the host's cores (``--compile-threads``), then
+timed one at a time (``--rounds`` calls each, the median). Shapes run in the order given
+(the recipes' 2048 first) while ``--budget-s`` has room for another as long as the longest
+so far; the JSON is written after each (``complete`` per shape) and ``--resume`` continues
+one that ran out of time, keeping what it measured.
+
+On the chip (one call; ``docs/tpu.md``):
 
     python benchmarks/splash_blocks.py --out splash_blocks.json
 
@@ -24,30 +44,50 @@ the chip):
 from __future__ import annotations
 
 import argparse
-import itertools
+import concurrent.futures
 import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minifield.models import execution
-from minifield.models.layers import attention, tpu_attention
-from minifield.models.llama import LlamaConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from splash_search import KERNELS, first_round, held, joined, second_round, table  # noqa: E402
 
-TINY = dict(seq_lens=[256], batch=1, heads=2, kv_heads=1, head_dim=128, blocks=[128, 256])
+from minifield.models.layers import attention, tpu_attention  # noqa: E402
+from minifield.models.llama import LlamaConfig  # noqa: E402
+
+HELD = 512
+CANDIDATES = (256, 512, 1024, 2048)
+SHAPES = ["2048x64", "2048x128", "4096x64", "4096x128", "1024x64", "1024x128"]
+SHAPES += ["8192x64", "8192x128"]
+TINY = dict(shapes=["256x64", "256x128"], tokens=256, d_model=256, candidates=[128, 256])
+TINY.update(held=128, rounds=1, compile_threads=2)
+FORMAT = "minifield-splash-blocks/1"
 
 
-def config(args, seq_len: int) -> LlamaConfig:
+# ----------------------------------------------------------------------------- the programs
+
+
+def shape_of(text: str) -> tuple[int, int]:
+    seq_len, head_dim = (int(part) for part in text.split("x"))
+    return seq_len, head_dim
+
+
+def config(args, seq_len: int, head_dim: int) -> LlamaConfig:
+    heads = args.d_model // head_dim
     return LlamaConfig(
         vocab_size=256,
-        d_model=args.heads * args.head_dim,
+        d_model=args.d_model,
         n_layers=1,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
+        n_heads=heads,
+        n_kv_heads=heads,
+        head_dim=head_dim,
         d_ff=4,
         max_len=seq_len,
         compute_dtype=args.dtype,
@@ -74,68 +114,206 @@ def inputs(cfg: LlamaConfig, batch: int, seq_len: int, segments: int):
     return (q, k, v), cotangent, jnp.asarray(packed_segments(batch, seq_len, segments))
 
 
-def forward_backward(fn, cotangent):
-    """A compiled (q, k, v) -> (output, its q, k, v gradients for ``cotangent``)."""
+class Shape:
+    """One row length and head width: its inputs, its programs lowered, compiled and timed
+    (each program once: the dkv and dq sweeps share their baseline)."""
 
-    def run(q, k, v):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, vjp(cotangent)
+    def __init__(self, args, seq_len: int, head_dim: int, interpret: bool):
+        self.args, self.interpret = args, interpret
+        self.cfg = config(args, seq_len, head_dim)
+        rows = max(1, args.tokens // seq_len)
+        self.qkv, self.cotangent, self.segments = inputs(self.cfg, rows, seq_len, args.segments)
+        self.rows, self.timed = rows, {}
+        self.reference = self.reference_name = None  # the first output timed: the XLA path's
+        self.scale = attention.score_scale(self.cfg, head_dim)
 
-    return jax.jit(run)
+    def function(self, mode: str, blocks: dict | None):
+        """``forward``: q, k, v -> the output; ``step``: -> it and the q, k, v gradients for
+        one cotangent. ``blocks`` None: the XLA path."""
+        cfg, segments = self.cfg, self.segments
+        if blocks is None:
+            mask = attention.segment_mask(segments)
+
+            def fn(q, k, v):
+                return attention.xla_mix(cfg, q, k, v, mask)
+        else:
+
+            def fn(q, k, v):
+                return tpu_attention.splash_mix(
+                    cfg, q, k, v, segments, None, scale=self.scale, blocks=blocks,
+                    interpret=self.interpret,
+                )  # fmt: skip
+
+        if mode == "forward":
+            return fn
+
+        def step(q, k, v):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(self.cotangent)
+
+        return step
+
+    def time_all(self, programs: list[tuple[str, dict | None]]) -> None:
+        """Compile the programs not timed yet together, then time each (median ms over
+        ``--rounds`` calls after one untimed call); a failure (memory) is recorded."""
+        todo = [p for p in dict.fromkeys(key(m, b) for m, b in programs) if p not in self.timed]
+        lowered = {}
+        for program in todo:
+            mode, blocks = unkey(program)
+            try:
+                lowered[program] = jax.jit(self.function(mode, blocks)).lower(*self.qkv)
+            except Exception as exc:  # noqa: BLE001 - a shape a kernel refuses: recorded
+                self.timed[program] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        threads = concurrent.futures.ThreadPoolExecutor(self.args.compile_threads)
+        with threads:
+            compiled = dict(
+                zip(lowered, threads.map(compile_or_error, lowered.values()), strict=True)
+            )
+        for program, executable in compiled.items():
+            if isinstance(executable, str):
+                self.timed[program] = {"error": executable}
+                continue
+            result = measure(executable, self.qkv, self.args.rounds)
+            out = result.pop("out", None)
+            if out is not None and self.reference is None:  # the XLA path's, timed first
+                self.reference, self.reference_name = out, "xla" if program[1] is None else "splash"
+            if out is not None:
+                error = jnp.max(
+                    jnp.abs(out.astype(jnp.float32) - self.reference.astype(jnp.float32))
+                )
+                result[f"max_abs_vs_{self.reference_name}"] = float(error)
+            self.timed[program] = result
+
+    def ms(self, mode: str, blocks: dict | None) -> float | None:
+        return self.timed[key(mode, blocks)].get("ms")
 
 
-def median_ms(step, qkv, rounds: int) -> tuple[float, tuple]:
-    result = jax.block_until_ready(step(*qkv))  # compile and warm up
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*qkv))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times), result
+def key(mode: str, blocks: dict | None):
+    return (mode, None if blocks is None else tuple(sorted(blocks.items())))
 
 
-def sweep(args, seq_len: int, interpret: bool) -> dict:
-    cfg = config(args, seq_len)
-    qkv, cotangent, segments = inputs(cfg, args.batch, seq_len, args.segments)
-    mask = attention.segment_mask(segments)
-    xla = forward_backward(lambda q, k, v: attention.xla_mix(cfg, q, k, v, mask), cotangent)
-    xla_ms, (xla_out, _) = median_ms(xla, qkv, args.rounds)
-    print(f"T={seq_len}: xla {xla_ms:.2f} ms")
-    scale = attention.score_scale(cfg, cfg.head_dim)
-    rows = []
-    for block_q, block_kv in itertools.product(args.blocks, repeat=2):
-        asked = {"block_q": block_q, "block_kv": block_kv, "block_kv_compute": block_kv}
-        asked.update(block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv)
-        asked.update(block_q_dq=block_q, block_kv_dq=block_kv)
-        blocks = execution.splash_blocks(seq_len, asked)
-        if blocks != asked:
-            continue  # a size the row cannot take: fitted to another pair the sweep has
-        step = forward_backward(
-            lambda q, k, v, blocks=blocks: tpu_attention.splash_mix(
-                cfg, q, k, v, segments, None, scale=scale, blocks=blocks, interpret=interpret
-            ),
-            cotangent,
-        )
-        ms, (out, _) = median_ms(step, qkv, args.rounds)
-        error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - xla_out.astype(jnp.float32))))
-        rows.append({"block_q": block_q, "block_kv": block_kv, "ms": ms, "xla_over": xla_ms / ms})
-        rows[-1]["max_abs_vs_xla"] = error
-        print(
-            f"  blocks q {block_q:5d} kv {block_kv:5d}: {ms:8.2f} ms, xla/splash "
-            f"{xla_ms / ms:5.2f}, max |splash - xla| {error:.2e}"
-        )
-    best = min(rows, key=lambda row: row["ms"])
-    print(f"  fastest: q {best['block_q']} kv {best['block_kv']} ({best['xla_over']:.2f}x xla)")
-    return {"seq_len": seq_len, "xla_ms": xla_ms, "splash": rows, "fastest": best}
+def unkey(program):
+    mode, blocks = program
+    return mode, None if blocks is None else dict(blocks)
 
 
-def main() -> None:
+def compile_or_error(lowered):
+    try:
+        return lowered.compile()
+    except Exception as exc:  # noqa: BLE001 - out of memory (the XLA path's long rows)
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def measure(executable, qkv, rounds: int) -> dict:
+    try:
+        out = jax.block_until_ready(executable(*qkv))  # warm up
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            jax.block_until_ready(executable(*qkv))
+            times.append(time.perf_counter() - start)
+    except Exception as exc:  # noqa: BLE001 - out of memory at run time
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    first = out[0] if isinstance(out, tuple) else out
+    return {"ms": 1e3 * statistics.median(times), "out": first}
+
+
+# ------------------------------------------------------------------------------ the sweep
+
+
+def mode_of(kernel: str) -> str:
+    """The forward kernel is timed alone; a backward kernel in forward and backward."""
+    return "forward" if kernel == "forward" else "step"
+
+
+def sweep_shape(args, seq_len: int, head_dim: int, interpret: bool) -> dict:
+    """One shape's two rounds (the XLA path and the baseline compiled with the first), its
+    best joined and timed against them: three waves of compiles."""
+    started = time.perf_counter()
+    shape = Shape(args, seq_len, head_dim, interpret)
+    candidates = sorted({c for c in [*args.candidates, args.held] if seq_len % c == 0})
+    base = held(seq_len, args.held)
+    out = {"seq_len": seq_len, "head_dim": head_dim, "heads": shape.cfg.n_heads}
+    out.update(rows=shape.rows, candidates=candidates, held=base)
+    print(f"T={seq_len} K={head_dim} ({shape.rows} rows, {shape.cfg.n_heads} heads)")
+    runs, failed = [], []
+    for wave in (1, 2):
+        plan = (first_round if wave == 1 else second_round)(seq_len, base, candidates, runs)
+        extra = [("step", None), ("forward", base), ("step", base)] if wave == 1 else []
+        shape.time_all(extra + [(mode_of(kernel), blocks) for kernel, blocks in plan])
+        if wave == 1:
+            out["xla"] = shape.timed[key("step", None)]
+            out["baseline"] = {m: shape.ms(m, base) for m in ("forward", "step")}
+            print(f"  xla {out['xla']}, all {args.held}: {out['baseline']} ms")
+        for kernel, blocks in plan:
+            timed = shape.timed[key(mode_of(kernel), blocks)]
+            if any(r["kernel"] == kernel and r["blocks"] == blocks for r in runs):
+                continue  # timed in the first round
+            (runs if "ms" in timed else failed).append(
+                {"kernel": kernel, "blocks": blocks, **timed}
+            )
+            if "ms" in timed:
+                say_run(runs[-1], out["baseline"][mode_of(kernel)])
+    best = joined(runs)
+    shape.time_all([("step", best)])
+    out["best"] = {"blocks": best, **shape.timed[key("step", best)]}
+    step_ms, xla_ms = out["best"]["ms"], out["xla"].get("ms")
+    out["best"]["baseline_over"] = out["baseline"]["step"] / step_ms
+    out["best"]["xla_over"] = xla_ms / step_ms if xla_ms else None
+    print(f"  best {best}: {step_ms:.2f} ms; all {args.held} / best "
+          f"{out['best']['baseline_over']:.2f}, xla / best {out['best']['xla_over']}")  # fmt: skip
+    out.update(runs=runs, failed=failed, programs=len(shape.timed), complete=True)
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def say_run(run: dict, baseline_ms: float) -> None:
+    fields = [name for name in KERNELS[run["kernel"]] if name]
+    sizes = " ".join(f"{name} {run['blocks'][name]}" for name in fields)
+    ratio = f"{baseline_ms / run['ms']:5.2f}" if baseline_ms else "-"
+    print(f"  {run['kernel']:>7} {sizes}: {run['ms']:8.2f} ms, baseline / this {ratio}")
+
+
+def sweep(args, interpret: bool, previous: dict | None = None, write=None) -> dict:
+    """Every shape of ``args.shapes`` not complete in ``previous``, while the budget has
+    room for another as long as the longest so far; ``write`` gets the report after each."""
+    started = time.perf_counter()
+    report = {"format": FORMAT, "jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    report.update(args={k: v for k, v in vars(args).items() if k != "resume"}, shapes=[])
+    done = {(s["seq_len"], s["head_dim"]): s for s in (previous or {}).get("shapes", [])}
+    longest = 0.0
+    for text in args.shapes:
+        seq_len, head_dim = shape_of(text)
+        if done.get((seq_len, head_dim), {}).get("complete"):
+            report["shapes"].append(done[(seq_len, head_dim)])
+            continue
+        elapsed = time.perf_counter() - started
+        if longest and elapsed + 1.5 * longest > args.budget_s:
+            print(f"T={seq_len} K={head_dim}: skipped, {elapsed:.0f} s of {args.budget_s}")
+            entry = {"seq_len": seq_len, "head_dim": head_dim, "complete": False}
+            report["shapes"].append({**entry, "skipped": "budget"})
+            continue
+        try:
+            shape = sweep_shape(args, seq_len, head_dim, interpret)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next shape still runs
+            shape = {"seq_len": seq_len, "head_dim": head_dim, "complete": False}
+            shape["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"T={seq_len} K={head_dim}: {shape['error']}")
+        longest = max(longest, time.perf_counter() - started - elapsed)
+        report["shapes"].append(shape)
+        report["best"] = table(report["shapes"])
+        if write:
+            write(report)
+    report["best"] = table(report["shapes"])
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="ROWLENxHEADWIDTH ...")
+    parser.add_argument("--tokens", type=int, default=16384, help="a call's tokens (all rows)")
+    parser.add_argument("--d-model", type=int, default=1024, help="heads x head width")
     parser.add_argument("--segments", type=int, default=6, help="segments a row")
     parser.add_argument(
         "--dtype",
@@ -143,22 +321,35 @@ def main() -> None:
         choices=("bfloat16", "float32"),
         help="float32: in the interpreter only (splash's FP32 is refused on a TPU)",
     )
-    parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--candidates", type=int, nargs="+", default=list(CANDIDATES))
+    parser.add_argument("--held", type=int, default=HELD, help="every block not swept")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--compile-threads", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--budget-s", type=float, default=300.0)
+    parser.add_argument("--resume", help="a previous run's JSON: keep its complete shapes")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke check: interpreter")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="write the figures as JSON here (after every shape)")
+    args = parser.parse_args(argv)
     backend = jax.default_backend()
-    if args.tiny:
-        vars(args).update(TINY, rounds=1)
+    if args.tiny:  # tiny sizes where the command line left the defaults
+        vars(args).update({k: v for k, v in TINY.items() if vars(args)[k] == parser.get_default(k)})
     elif backend != "tpu":
         parser.error(f"splash attention runs on a TPU (this backend: {backend}); use --tiny")
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {vars(args)}")
-    report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "args": vars(args)}
-    report["sweeps"] = [sweep(args, T, interpret=backend == "cpu") for T in args.seq_lens]
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(report, handle, indent=1)
+    previous = None
+    if args.resume:
+        with open(args.resume) as handle:
+            previous = json.load(handle)
+
+    def write(report):
+        if args.out:
+            with open(args.out, "w") as handle:
+                json.dump(report, handle, indent=1)
+
+    report = sweep(args, backend == "cpu", previous, write)
+    write(report)
+    print(f"best (execution.SPLASH_BLOCKS): {json.dumps(report['best'])}")
+    return report
 
 
 if __name__ == "__main__":

@@ -139,7 +139,11 @@ def compute(recipe, input_root, out_dir) -> dict:
     arrays, meta = prepared.prepare_pairs(data, files)
     # the plain forward (no fused kernel, no loss chunks): one product for every execution
     data = {**data, "model": {**data["model"]}, "training": {**data["training"]}}
-    for section, key in (("model", "attention"), ("training", "loss_chunk_tokens")):
+    for section, key in (
+        ("model", "attention"),
+        ("model", "splash_table"),
+        ("training", "loss_chunk_tokens"),
+    ):
         data[section].pop(key, None)
     cfg, params, _ = prepared.model_of(data, arrays)
     forward, rows = _forward(cfg, params, data["training"])
