@@ -217,8 +217,17 @@ def reference():
     return get
 
 
-# "full" compiles for ~7 s on CI: in the slow tier; the fast tier keeps "dots_saveable"
-@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "dots_saveable"])
+# "full" compiles for ~7 s on CI: in the slow tier; the fast tier keeps "dots_saveable" and
+# "save_attention" (the names a policy keeps are identities: the program computes the same)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param("full", marks=pytest.mark.slow),
+        "dots_saveable",
+        "save_attention",
+        pytest.param("offload_attention", marks=pytest.mark.slow),
+    ],
+)
 def test_remat_gives_exactly_the_default_loss_and_gradients(reference, policy):
     cfg, params, batch, loss, grads = reference("llama")
     remat = with_execution(cfg, remat=policy)

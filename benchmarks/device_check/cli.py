@@ -15,6 +15,7 @@ from device_check.settings import (
     expected_backend,
     memory_defaults,
 )
+from minifield.models.execution import REMAT_POLICIES
 
 
 def parse_args(argv=None):
@@ -35,8 +36,9 @@ def parse_args(argv=None):
                         "with --tiny: Pallas's CPU interpreter is slow; xla on a TPU: the "
                         "minimal loop's fused kernel is the GPU one)")  # fmt: skip
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), help="default: "
-                        "what a recipe naming the backend gets (full on a TPU, else none)")  # fmt: skip
+    parser.add_argument("--remat", choices=REMAT_POLICIES, help="training.remat of both loops; "
+                        "default: what a recipe naming the backend gets (full on a TPU, else "
+                        "none)")  # fmt: skip
     parser.add_argument("--loss-chunk-tokens", type=int, help="the loss over chunks of this "
                         "many tokens; default: what a recipe naming the backend gets (1024 on "
                         "a TPU, else 0: all at once)")  # fmt: skip

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from minifield.data.packing import Rows
 from minifield.training import optimizer as project_optimizer
@@ -190,7 +191,8 @@ def logits(
     each layer's MLP on its normed input (``moe_update.py`` passes mixtures of experts).
     ``remat`` as ``training.remat``: ``full`` keeps each layer's input alone for the backward
     pass, ``dots_saveable`` its products too (what ours does on a TPU, where the scores of
-    every layer kept at once do not fit)."""
+    every layer kept at once do not fit), ``save_attention`` the attention's rotated q, k, v
+    and output by name (:func:`remat_policy`), ``offload_attention`` those in host memory."""
     dot = (lambda eq, a, b: bf16_dot(eq, a, b)) if compute == BF16 else jnp.einsum
     tokens, seg, pos = batch.tokens, batch.segments, batch.positions
     B, T = tokens.shape
@@ -214,21 +216,40 @@ def logits(
         q = rope(dot("btd,dn->btn", x, p["wq"]).astype(compute).reshape(B, T, H, K))
         k = rope(dot("btd,dn->btn", x, p["wk"]).astype(compute).reshape(B, T, G, K))
         v = dot("btd,dn->btn", x, p["wv"]).astype(compute).reshape(B, T, G, K)
+        q, k, v = (checkpoint_name(t, "attention_inputs") for t in (q, k, v))
         k, v = jnp.repeat(k, H // G, axis=2), jnp.repeat(v, H // G, axis=2)
         if attention == "pallas":
             o = _fused_attention(compute, q, k, v, seg)
         else:
             o = _dense_attention(dot, compute, q, k, v, seg)
+        o = checkpoint_name(o, "attention_output")
         h = h + dot("btn,nd->btd", o.reshape(B, T, H * K), p["wo"]).astype(compute)
         return h + mlp(p, rms(h, p["ln2"]), dot, compute).astype(compute)
 
     if remat != "none":
-        policy = jax.checkpoint_policies.dots_saveable if remat == "dots_saveable" else None
-        layer = jax.checkpoint(layer, policy=policy)
+        layer = jax.checkpoint(layer, policy=remat_policy(remat))
     h = params["emb"][tokens].astype(compute)
     for p in params["layers"]:
         h = layer(h, p)
     return dot("btd,dv->btv", rms(h, params["norm"]), params["head"])
+
+
+def remat_policy(remat: str):
+    """``jax.checkpoint``'s policy for a ``training.remat`` value (``full``: None, keep only
+    the layer's input)."""
+    names = ["attention_inputs", "attention_output"]
+    policies = jax.checkpoint_policies
+    return {
+        "full": None,
+        "dots_saveable": policies.dots_saveable,
+        "save_attention": policies.save_only_these_names(*names),
+        "offload_attention": policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=names,
+            offload_src="device",
+            offload_dst="pinned_host",
+        ),
+    }[remat]
 
 
 def loss(

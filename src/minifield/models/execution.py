@@ -5,7 +5,8 @@ Four recipe fields select it (see docs/model.md, "Execution options")::
 
     model.attention: xla | pallas        # absent: xla
     model.scan_layers: true | false      # absent: false
-    training.remat: none | full | dots_saveable   # absent: none
+    training.remat: none | full | dots_saveable | save_attention | offload_attention
+                                                  # absent: none
     training.loss_chunk_tokens: N        # absent or 0: the whole batch at once
 
 Every option computes the same mathematics as the default; the floating-point bits may differ
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from .. import schemas
 
 ATTENTION_KINDS = ("xla", "pallas")
-REMAT_POLICIES = ("none", "full", "dots_saveable")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "save_attention", "offload_attention")
 
 #: the backends a recipe can name (``runtime.backend``)
 BACKENDS = ("cpu", "gpu", "tpu", "any")

@@ -157,11 +157,23 @@ def fused_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT, window=None):
     return pallas_mix(cfg, q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, segments_BxT)
 
 
+#: the ``jax.checkpoint`` names of the attention's inputs (the rotated q, k, v) and output,
+#: which a remat policy may keep (``layer_stack.SAVED_NAMES``); a name is an identity
+NAME_INPUTS, NAME_OUTPUT = "attention_inputs", "attention_output"
+
+
 def mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window=None):
     """Attention by ``cfg.execution.attention``; ``mask`` is :func:`packed_mask`'s, or any
     dense ``[B, 1, T, S]`` mask (generation with a cache), which always takes the XLA path.
     ``window``: the layer's sliding window, for the fused path (a dense mask holds its own:
     :func:`window_mask`)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    q_BxTxHxK, k_BxSxGxK, v_BxSxGxK = (
+        checkpoint_name(t, NAME_INPUTS) for t in (q_BxTxHxK, k_BxSxGxK, v_BxSxGxK)
+    )
     if mask.ndim == 2:
-        return fused_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window)
-    return xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
+        out = fused_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask, window)
+    else:
+        out = xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask)
+    return checkpoint_name(out, NAME_OUTPUT)

@@ -18,7 +18,12 @@ optional rematerialisation (``cfg.execution``, see :mod:`minifield.models.execut
 - Remat (``training.remat``): ``full`` wraps each block in ``jax.checkpoint`` (only the block
   inputs are kept for the backward pass, everything else is recomputed);
   ``dots_saveable`` keeps the matrix-product outputs and recomputes the rest (norms,
-  activations, softmax).
+  activations, softmax); ``save_attention`` keeps the attention's inputs (rotated q, k, v)
+  and output (:data:`SAVED_NAMES`), so the backward pass recomputes the norms and the MLP
+  but not the q, k, v projections (the XLA path's softmax is recomputed from the kept q and
+  k; a fused kernel's own residual, its log-sum-exp, is not named, so its forward reruns);
+  ``offload_attention`` keeps the same in the host's memory (``pinned_host``) between the
+  passes.
 """
 
 from __future__ import annotations
@@ -28,12 +33,27 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from . import attention
+
+#: what ``save_attention`` and ``offload_attention`` keep: the attention's inputs (the
+#: rotated q, k, v) and its output, by their ``jax.checkpoint`` names
+SAVED_NAMES = (attention.NAME_INPUTS, attention.NAME_OUTPUT)
+
 
 def _policy(name: str):
     if name == "full":
         return None  # save nothing but the block's inputs
     if name == "dots_saveable":
         return jax.checkpoint_policies.dots_saveable
+    if name == "save_attention":
+        return jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES)
+    if name == "offload_attention":  # the same, held in the host's memory until needed
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=list(SAVED_NAMES),
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
     raise ValueError(f"training.remat: unknown policy {name!r}")
 
 
