@@ -122,36 +122,33 @@ class Shape:
         self.args, self.interpret = args, interpret
         self.cfg = config(args, seq_len, head_dim)
         rows = max(1, args.tokens // seq_len)
-        self.qkv, self.cotangent, self.segments = inputs(self.cfg, rows, seq_len, args.segments)
+        qkv, cotangent, segments = inputs(self.cfg, rows, seq_len, args.segments)
+        # every array an argument of the programs, none a constant compiled into them
+        self.operands = (*qkv, cotangent, segments)
         self.rows, self.timed = rows, {}
         self.reference = self.reference_name = None  # the first output timed: the XLA path's
         self.scale = attention.score_scale(self.cfg, head_dim)
 
     def function(self, mode: str, blocks: dict | None):
-        """``forward``: q, k, v -> the output; ``step``: -> it and the q, k, v gradients for
-        one cotangent. ``blocks`` None: the XLA path."""
-        cfg, segments = self.cfg, self.segments
-        if blocks is None:
-            mask = attention.segment_mask(segments)
+        """(q, k, v, cotangent, segments) -> ``forward``: the output; ``step``: it and the
+        q, k, v gradients for the cotangent. ``blocks`` None: the XLA path."""
+        cfg = self.cfg
 
-            def fn(q, k, v):
-                return attention.xla_mix(cfg, q, k, v, mask)
-        else:
+        def fn(q, k, v, segments):
+            if blocks is None:
+                return attention.xla_mix(cfg, q, k, v, attention.segment_mask(segments))
+            return tpu_attention.splash_mix(
+                cfg, q, k, v, segments, None, scale=self.scale, blocks=blocks,
+                interpret=self.interpret,
+            )  # fmt: skip
 
-            def fn(q, k, v):
-                return tpu_attention.splash_mix(
-                    cfg, q, k, v, segments, None, scale=self.scale, blocks=blocks,
-                    interpret=self.interpret,
-                )  # fmt: skip
+        def run(q, k, v, cotangent, segments):
+            if mode == "forward":
+                return fn(q, k, v, segments)
+            out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, segments), q, k, v)
+            return out, vjp(cotangent)
 
-        if mode == "forward":
-            return fn
-
-        def step(q, k, v):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(self.cotangent)
-
-        return step
+        return run
 
     def time_all(self, programs: list[tuple[str, dict | None]]) -> None:
         """Compile the programs not timed yet together, then time each (median ms over
@@ -161,7 +158,7 @@ class Shape:
         for program in todo:
             mode, blocks = unkey(program)
             try:
-                lowered[program] = jax.jit(self.function(mode, blocks)).lower(*self.qkv)
+                lowered[program] = jax.jit(self.function(mode, blocks)).lower(*self.operands)
             except Exception as exc:  # noqa: BLE001 - a shape a kernel refuses: recorded
                 self.timed[program] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         threads = concurrent.futures.ThreadPoolExecutor(self.args.compile_threads)
@@ -173,7 +170,7 @@ class Shape:
             if isinstance(executable, str):
                 self.timed[program] = {"error": executable}
                 continue
-            result = measure(executable, self.qkv, self.args.rounds)
+            result = measure(executable, self.operands, self.args.rounds)
             out = result.pop("out", None)
             if out is not None and self.reference is None:  # the XLA path's, timed first
                 self.reference, self.reference_name = out, "xla" if program[1] is None else "splash"
@@ -204,13 +201,13 @@ def compile_or_error(lowered):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def measure(executable, qkv, rounds: int) -> dict:
+def measure(executable, operands, rounds: int) -> dict:
     try:
-        out = jax.block_until_ready(executable(*qkv))  # warm up
+        out = jax.block_until_ready(executable(*operands))  # warm up
         times = []
         for _ in range(rounds):
             start = time.perf_counter()
-            jax.block_until_ready(executable(*qkv))
+            jax.block_until_ready(executable(*operands))
             times.append(time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - out of memory at run time
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
