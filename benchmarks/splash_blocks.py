@@ -19,7 +19,9 @@ Each kernel on its own, every block not swept held at ``HELD`` (512; fitted to t
 in two rounds (:func:`first_round`, :func:`second_round`): the query block over the
 candidates, the key block over them (its compute block held); then the compute block at and
 below the fastest key block, with the fastest query block. A shape's best joins the three
-kernels' fastest and is timed against the baseline and the XLA path. The candidates are
+kernels' fastest and is timed against the baseline and the XLA path. Every program's
+output (and gradients) is compared with the XLA path's (``max_abs_vs_xla``; with the
+baseline's where the XLA path does not fit, ``max_abs_vs_splash``). The candidates are
 {256, 512, 1024, 2048} up to the row: 128 (splash's default) was the slowest key block on the
 chip (45.6 ms against 14.0 for 1024 at 2048 tokens, ``docs/tpu.md``) and every block 128 the
 slowest 350M step (2.06 s against 0.71), and a block longer than 2048 holds a ``[block_q,
@@ -69,6 +71,7 @@ SHAPES += ["8192x64", "8192x128"]
 TINY = dict(shapes=["256x64", "256x128"], tokens=256, d_model=256, candidates=[128, 256])
 TINY.update(held=128, rounds=1, compile_threads=2)
 FORMAT = "minifield-splash-blocks/1"
+F32 = jnp.float32
 
 
 # ----------------------------------------------------------------------------- the programs
@@ -126,7 +129,7 @@ class Shape:
         # every array an argument of the programs, none a constant compiled into them
         self.operands = (*qkv, cotangent, segments)
         self.rows, self.timed = rows, {}
-        self.reference = self.reference_name = None  # the first output timed: the XLA path's
+        self.reference = self.reference_name = None  # the first step's: the XLA path's
         self.scale = attention.score_scale(self.cfg, head_dim)
 
     def function(self, mode: str, blocks: dict | None):
@@ -172,13 +175,12 @@ class Shape:
                 continue
             result = measure(executable, self.operands, self.args.rounds)
             out = result.pop("out", None)
-            if out is not None and self.reference is None:  # the XLA path's, timed first
+            if out is not None and self.reference is None and program[0] == "step":
+                # the XLA path's output and gradients, timed first; else the baseline's
                 self.reference, self.reference_name = out, "xla" if program[1] is None else "splash"
-            if out is not None:
-                error = jnp.max(
-                    jnp.abs(out.astype(jnp.float32) - self.reference.astype(jnp.float32))
-                )
-                result[f"max_abs_vs_{self.reference_name}"] = float(error)
+            if out is not None and self.reference is not None:
+                theirs = self.reference if program[0] == "step" else self.reference[0]
+                result[f"max_abs_vs_{self.reference_name}"] = max_abs(out, theirs)
             self.timed[program] = result
 
     def ms(self, mode: str, blocks: dict | None) -> float | None:
@@ -211,8 +213,13 @@ def measure(executable, operands, rounds: int) -> dict:
             times.append(time.perf_counter() - start)
     except Exception as exc:  # noqa: BLE001 - out of memory at run time
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    first = out[0] if isinstance(out, tuple) else out
-    return {"ms": 1e3 * statistics.median(times), "out": first}
+    return {"ms": 1e3 * statistics.median(times), "out": out}
+
+
+def max_abs(ours, theirs) -> float:
+    """The largest distance of any output or gradient from the reference's."""
+    pairs = zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True)
+    return max(float(jnp.max(jnp.abs(a.astype(F32) - b.astype(F32)))) for a, b in pairs)
 
 
 # ------------------------------------------------------------------------------ the sweep
@@ -236,7 +243,7 @@ def sweep_shape(args, seq_len: int, head_dim: int, interpret: bool) -> dict:
     runs, failed = [], []
     for wave in (1, 2):
         plan = (first_round if wave == 1 else second_round)(seq_len, base, candidates, runs)
-        extra = [("step", None), ("forward", base), ("step", base)] if wave == 1 else []
+        extra = [("step", None), ("step", base), ("forward", base)] if wave == 1 else []
         shape.time_all(extra + [(mode_of(kernel), blocks) for kernel, blocks in plan])
         if wave == 1:
             out["xla"] = shape.timed[key("step", None)]
