@@ -70,3 +70,9 @@ _.digest
 # pipeline/chains: the reference link's input functions, called from workflow/rules (chains_common.smk, reference.smk)
 _.link_reference
 _.reference_input_files
+# benchmarks/device_check/child.py: the step sections, looked up by module and function name
+_.step_125m
+_.step_350m
+_.determinism_cost
+# pipeline/host.py: called when the workflow is parsed (workflow/rules/common.smk)
+_.io_counters_as_missing_where_partial

@@ -308,7 +308,6 @@ def supervise(
             out_log.close()
             err_log.close()
             return _not_started(outcome, run_dir, command[0], exc, started_mono)
-        pgid = child.pid  # start_new_session: the child leads its own group
         stdout = StdoutReader(
             child.stdout, out_log, settings.max_events, settings.max_malformed, preempt_after_step
         )
@@ -342,12 +341,12 @@ def supervise(
         exit_code=exit_code,
         signal=signal.Signals(-exit_code).name if exit_code < 0 else None,
         pid=child.pid,
-        pgid=pgid,
+        pgid=child.pid,  # start_new_session: the child leads its own group
         worker_status=terminal["type"] if terminal else None,
         worker_message=(terminal.get("message") or terminal.get("reason")) if terminal else None,
         completed_event="completed" in stdout.types_seen,
         termination=stop.record(
-            pgid, started_mono, reaped, stdout, leftovers, bool(forwarder.received)
+            child.pid, started_mono, reaped, stdout, leftovers, bool(forwarder.received)
         ),
         forwarded_signals=[
             {"signal": r["signal"], "after_s": r["mono"] - started_mono} for r in forwarder.received
