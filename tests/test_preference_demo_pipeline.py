@@ -4,7 +4,9 @@ export, with the reference computed as a product and pinned; the preference comp
 proven, trained, evaluated and published under its own digest, and the before/after record
 compares the SFT export and the DPO export on the same pairs. Its preference accuracy is
 checked against the float64 NumPy forward of tests/family_reference.py on the exported
-weights, the prompt tokenized here from the template's layout (`<bos>prompt<sep>`)."""
+weights, the prompt tokenized here from the template's layout (`<bos>prompt<sep>`). The run
+is the config's whole run, report pages included, and a rerun with the same config does
+nothing."""
 
 import hashlib
 import json
@@ -24,10 +26,6 @@ from minifield.pipeline import reference_logprobs
 # runs Snakemake; a demo as users run it, compiled as production does (conftest)
 pytestmark = [pytest.mark.slow, pytest.mark.production_compile]
 
-#: the chain's before/after record and its page
-BEFORE_AFTER = ("before-after.json", "report/before-after.html")
-#: the DPO computation's files this test reads
-DPO_FILES = ("qualification/proof.json", "eval/metrics.json", "publication.json")
 SLICES = {"llama-sft-demo": (40, 8, 8), "preference-demo": (16, 8, 8)}
 
 
@@ -92,25 +90,17 @@ def test_dpo_chained_after_sft_with_its_reference_and_the_before_after_record(tm
     written = reference_logprobs.validated(project / "config" / "recipes" / "preference-demo.yaml")
     a, b = sft.computation_digest[:16], written.computation_digest[:16]
 
-    # what this test reads, in two runs since the DPO computation's digest is known once the
-    # reference link ran: the before/after record and its page (with the links, the
-    # reference, the SFT computation up to its evaluation, the link's gate, and the DPO
-    # computation up to its training), then the DPO computation's evaluation and publication
-    # (not the capacity plan nor the report pages: each stage is a process of its own)
+    # the config's whole run, as a user makes it: the links, the reference, both computations
+    # through their proofs, training, evaluation and publication, the before/after record,
+    # the capacity plan and the report pages, the outcome page last
     chain_dir = project / "results" / "chains" / a / b
-    record_files = [f"results/chains/{a}/{b}/{name}" for name in BEFORE_AFTER]
-    first = run_snakemake(project, *record_files, *configfile, check=True)
+    run = run_snakemake(project, *configfile, check=True)
     (link_dir,) = (project / "results" / "preference").glob("*/*")
     c = reference_logprobs.validated(link_dir / "recipe.json").computation_digest[:16]
-    read = [*record_files, *(f"results/computations/{c}/{name}" for name in DPO_FILES)]
-    second = run_snakemake(project, *read, *configfile, check=True)
-    ran = [
-        rule
-        for run in (first, second)
-        for rule in re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", run.stdout + run.stderr)
-    ]
+    ran = re.findall(r"Finished jobid: \d+ \(Rule: (\w+)\)", run.stdout + run.stderr)
     for rule, count in (("chain_link", 1), ("reference", 1), ("reference_link", 1), ("train", 2)):
         assert ran.count(rule) == count, (rule, ran)
+    assert ran.count("report_outcome") == 1, ran
     chained = json.loads((chain_dir / "recipe.json").read_text())
     final = json.loads((link_dir / "recipe.json").read_text())
     sft_export = project / "results" / "computations" / a / "train" / "export"
@@ -145,5 +135,7 @@ def test_dpo_chained_after_sft_with_its_reference_and_the_before_after_record(tm
     assert record["before"]["dev"]["exact_match"] == 0.0
     assert record["dev_exact_match_check"] == {"max_dev_exact_match_drop": 0.0, "passed": True}
     assert "<b>PASS</b>" in (chain_dir / "report" / "before-after.html").read_text()
-    again = run_snakemake(project, *read, *configfile, "-n", check=True)
+    # run again with the same config: nothing to do (the outcome page's inputs are the same
+    # list once the links exist)
+    again = run_snakemake(project, *configfile, "-n", check=True)
     assert "Nothing to be done" in again.stdout + again.stderr

@@ -35,6 +35,12 @@ for _link in chains.load_links(config, COMPUTATIONS):
 # written (its reference pin is a placeholder): found by digest, not a target itself
 for _cdigest in [c for c in COMPUTATIONS if follow_up(COMPUTATIONS[c])]:
     COMPUTATIONS.registered[_cdigest] = COMPUTATIONS.pop(_cdigest)
+#: the links the config alone makes (its chains and two-stage pairs, its recipes' references),
+#: whose targets reach every other link (link_targets follows each to the links it makes): the
+#: target functions start from these only, so a job's inputs are the same list whether or not
+#: an earlier run made the links below (with those too, a rerun listed the followed links'
+#: targets twice, and Snakemake saw the outcome page's inputs changed)
+CONFIGURED_LINKS = list(LINKS.values())
 # A downstream recipe already linked is registered when parsing too: a job started in its
 # own Snakemake process (a cluster executor) finds its computation by digest.
 for _link in list(LINKS.values()):
@@ -114,14 +120,14 @@ def link_targets(link):
 
 
 def chain_targets():
-    """Input functions of the final target `all`, one per link known when parsing; each
-    waits for its own checkpoint (one function for all would stop at the first link not
-    yet made)."""
+    """Input functions of the final target `all` and the outcome page, one per configured
+    link (``CONFIGURED_LINKS``), each with the links it makes; each waits for its own
+    checkpoint (one function for all would stop at the first link not yet made)."""
 
     def targets_of(link):
         return lambda wildcards: link_targets(link)
 
-    return [targets_of(link) for link in list(LINKS.values())]
+    return [targets_of(link) for link in CONFIGURED_LINKS]
 
 
 # Input functions of the two-stage comparison (two_stage.smk)
