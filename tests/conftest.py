@@ -25,32 +25,13 @@ pytest_plugins = ["pytester"]  # test_fast_tier runs this conftest on probe test
 
 #: the fast tier's marker expression, exactly as the development notes give it
 FAST_TIER = "not slow"
-#: XLA:CPU's older elemental code emitters instead of its MLIR fusion emitters: the same
-#: programs compiled in about 40 % less CPU time (a MoE LoRA update and the gradient
-#: accumulation cases, 25 -> 15 CPU-s; docs/performance.md). Fast tier only, like the setting
-#: above: no process is started there, and the full suite compiles as production does.
-FAST_TIER_XLA_FLAG = "--xla_cpu_use_fusion_emitters=false"
 
 
 def pytest_configure(config):
-    """The fast tier compiles with XLA's optimizations mostly off (JAX's
-    ``jax_disable_most_optimizations``): its tests are small programs compiled once each, so
-    compiling is most of their time, and this halves it (the tier's test bodies: 285 -> 147
-    CPU-s; docs/performance.md). Every comparison a fast test makes is between programs compiled
-    the same way in the same process, or against NumPy within a tolerance. The full suite (what
-    CI runs) compiles as production does, so the same tests also run with the optimizations
-    the workers use."""
-    _xla_knows(FAST_TIER_XLA_FLAG)  # asked here once: xdist's workers inherit the answer
+    """The sources byte-compiled once, then this process compiles lightly (:func:`compiled_as`)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         byte_compile_the_sources()
-    if (config.option.markexpr or "").strip() == FAST_TIER:
-        import jax
-
-        jax.config.update("jax_disable_most_optimizations", True)
-        flags = os.environ.get("XLA_FLAGS", "").split()
-        # read when the CPU backend starts, after this
-        if FAST_TIER_XLA_FLAG not in flags and _xla_knows(FAST_TIER_XLA_FLAG):
-            os.environ["XLA_FLAGS"] = " ".join([*flags, FAST_TIER_XLA_FLAG])
+    compile_lightly_from_here_on()
 
 
 def byte_compile_the_sources() -> None:
@@ -87,100 +68,108 @@ def _xla_knows(flag: str) -> bool:
     return known == "1"
 
 
-def fusion_emitters_turned_off() -> bool:
-    """Whether this process compiles with XLA:CPU's elemental emitters (the fast tier, where
-    this jaxlib still has them): a test that needs the fusion emitters' bits asks for them
-    with ``compiler_options={"xla_cpu_use_fusion_emitters": True}`` only then, since a jaxlib
-    without the switch refuses the option and has only the fusion emitters."""
-    return FAST_TIER_XLA_FLAG in own_xla_flags()
+# -- how the suite compiles: one setting in-process and in started processes ---------------------
+# Compiling is most of a small test's CPU time, and XLA's optimizations are most of compiling.
+# This pytest process (both tiers) and every process the tests start — workers, Snakemake jobs,
+# CLI commands — compile lightly: JAX's `jax_disable_most_optimizations`
+# (`JAX_DISABLE_MOST_OPTIMIZATIONS`, which JAX reads when it starts) and XLA:CPU's elemental
+# emitters where the jaxlib has them (`XLA_FLAGS`, read when the CPU backend starts); the worker
+# records both in the environment fingerprint, so a resume under the other setting is refused as
+# any environment change is. The in-process tests' bodies compile in about half the CPU, a
+# started worker's programs that miss the session's compilation cache in about 15 % less
+# (docs/performance.md). The runs users make keep production's programs: the tests marked
+# `production_compile` (the README's pipeline, the demo pipelines) start their processes
+# compiled as production does, and a test whose claim is about production's programs (a
+# bit-for-bit identity that XLA's optimizations decide) computes it in a process started so.
+#
+# A figure is compared only with one computed under the same setting, and `compiled_as` is the
+# one place that says what a setting is: a started process compiles as this one does
+# (`compiled_as(THIS_PROCESS)`, the default of every process a test starts) or as production
+# (`compiled_as(PRODUCTION)`), and a figure compared with a production run's is computed in a
+# process started so (`in_a_started_process(..., compiled=PRODUCTION)`), never here.
+LIGHT, PRODUCTION = "light", "production"
+#: how this pytest process compiles, in both tiers
+THIS_PROCESS = LIGHT
+#: XLA:CPU's older elemental code emitters instead of its MLIR fusion emitters: the same
+#: programs compiled in about 40 % less CPU time (a MoE LoRA update and the gradient
+#: accumulation cases, 25 -> 15 CPU-s; docs/performance.md)
+LIGHT_XLA_FLAGS = ["--xla_cpu_use_fusion_emitters=false"]
+#: ``XLA_FLAGS`` as pytest was started (a user's or CI's own), less the light ones
+_given_xla_flags: list[str] = []
 
 
-# -- how the processes the tests start compile ----------------------------------------------------
-# A worker or Snakemake job started by a test compiles its programs afresh unless the session's
-# compilation cache already holds them, and compiling is most of a small run's CPU time (a
-# tiny packed-sft attempt: 20 CPU-s without the cache, 4.5 with it). The processes the tests
-# start therefore compile with XLA's optimizations mostly off, as the fast tier does in-process
-# (`JAX_DISABLE_MOST_OPTIMIZATIONS`, which JAX reads when it starts; the worker records it in
-# the environment fingerprint, so a resume under the other setting is refused as any
-# environment change is). What those tests check (resumes to the bit, the files, the exit
-# codes, the stages) is between runs compiled the same way; a test comparing a run in this
-# process with a started one to the bit starts it with `compiled_as_this_process()`, and one
-# comparing a worker's figures (a DEV loss) with the same figures computed again computes them
-# in a started process too (`in_a_started_process`), not in this one. The tests marked
-# `production_compile` — the README's pipeline and the demo pipelines, the runs a user makes —
-# and this pytest process itself (the full suite's in-process tests) compile as production
-# does, so every program is still checked at the optimization level users run.
-LIGHT_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-PRODUCTION_COMPILE = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}
-#: They also compile with XLA:CPU's elemental emitters where the jaxlib has them (as the fast
-#: tier does in-process): a worker's step, evaluation and generation programs that miss the
-#: session's compilation cache in about 15 % less CPU (docs/development.md). It reaches them
-#: through ``XLA_FLAGS``, which the worker records in the environment fingerprint like the
-#: variable above; a test that sets ``XLA_FLAGS`` for a process (forced devices) keeps it with
-#: :func:`started_xla_flags`.
-LIGHT_XLA_FLAGS = [FAST_TIER_XLA_FLAG]
-#: ``XLA_FLAGS`` as this pytest process started its own backend (production's emitters in the
-#: full suite), before the session fixture below added the light ones for the started processes
-_own_xla_flags: list[str] | None = None
+def compiled_as(setting: str) -> dict[str, str]:
+    """The environment (``JAX_DISABLE_MOST_OPTIMIZATIONS``, ``XLA_FLAGS``) of a process that
+    compiles under ``setting``: ``LIGHT`` (``THIS_PROCESS``: this pytest process and, unless a
+    test says otherwise, every process the tests start) or ``PRODUCTION`` (a user's run)."""
+    base = _given_xla_flags or []
+    if setting == PRODUCTION:
+        return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": " ".join(base)}
+    assert setting == LIGHT, setting
+    return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "XLA_FLAGS": started_xla_flags(*base)}
 
 
-@pytest.fixture(scope="session", autouse=True)
-def started_processes_compile_lightly():
+def compile_lightly_from_here_on() -> None:
+    """This process, and every process started from its environment, compile lightly (before
+    JAX's backend starts: it reads ``XLA_FLAGS`` then)."""
+    given = os.environ.get("XLA_FLAGS", "").split()
+    _given_xla_flags[:] = [f for f in given if f not in LIGHT_XLA_FLAGS]
+    os.environ.update(compiled_as(LIGHT))
     import jax
 
-    # this process reads both settings now, before they are set: JAX_DISABLE_MOST_OPTIMIZATIONS
-    # when JAX is imported, XLA_FLAGS when its CPU backend starts
-    global _own_xla_flags
-    jax.devices()
-    _own_xla_flags = own_xla_flags()
-    os.environ.update(LIGHT_COMPILE)
-    os.environ["XLA_FLAGS"] = started_xla_flags(*_own_xla_flags)
-
-
-def own_xla_flags() -> list[str]:
-    """The ``XLA_FLAGS`` this process's JAX backend started with (set before the session's
-    first test; read from the environment until then, as the backend will)."""
-    if _own_xla_flags is None:
-        return os.environ.get("XLA_FLAGS", "").split()
-    return list(_own_xla_flags)
+    # JAX read JAX_DISABLE_MOST_OPTIMIZATIONS when imported, maybe before the line above
+    jax.config.update("jax_disable_most_optimizations", True)
 
 
 def started_xla_flags(*flags: str) -> str:
-    """``XLA_FLAGS`` for a process a test starts: ``flags`` and the light ones (those this
-    jaxlib knows), each once."""
+    """``XLA_FLAGS`` for a process a test starts with flags of its own (a forced device
+    count): ``flags`` and the light ones (those this jaxlib knows), each once."""
     light = [f for f in LIGHT_XLA_FLAGS if _xla_knows(f)]
     return " ".join(dict.fromkeys([*flags, *light]))
 
 
-def compiled_as_this_process() -> dict:
-    """The environment that makes a started process compile as this pytest process does: for
-    a test comparing an in-process run with a worker's to the bit (the API against the CLI)."""
-    import jax
-
-    return {
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": str(
-            int(jax.config.read("jax_disable_most_optimizations"))
-        ),
-        "XLA_FLAGS": " ".join(own_xla_flags()),
-    }
+def fusion_emitters_turned_off() -> bool:
+    """Whether this process compiles with XLA:CPU's elemental emitters (where this jaxlib
+    still has them): a test that needs the fusion emitters' bits asks for them with
+    ``compiler_options={"xla_cpu_use_fusion_emitters": True}`` only then, since a jaxlib
+    without the switch refuses the option and has only the fusion emitters."""
+    return all(_xla_knows(f) for f in LIGHT_XLA_FLAGS)
 
 
-def in_a_started_process(code: str, *args, timeout: int = 300):
-    """Run the Python ``code`` (``args`` as ``sys.argv[1:]``) in a process started as the suite
-    starts a worker — this process's environment, which holds the light compile settings once
-    the session has begun — and return the JSON value it printed last. For a test comparing a
-    worker's figures with the same figures computed again: like with like (this pytest process
-    compiles as production does, and its figures differ from a started one's by more than
-    FP32 rounding of one program)."""
+def in_a_started_process(code: str, *args, compiled: str = THIS_PROCESS, timeout: int = 300):
+    """Run the Python ``code`` (``args`` as ``sys.argv[1:]``) in a process started from this
+    one's environment, compiling under ``compiled`` (:func:`compiled_as`), and return the JSON
+    value it printed last. For a figure compared with one a worker computed (the worker's
+    setting: ``THIS_PROCESS`` unless the test is ``production_compile``), or a claim about
+    production's programs (``PRODUCTION``)."""
     proc = subprocess.run(
         [sys.executable, "-c", code, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        env={**os.environ, **compiled_as(compiled)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def in_production_programs(check) -> object:
+    """Call ``check`` (a module-level function of a test module, taking nothing, returning
+    JSON) in a process compiled as production (:func:`compiled_as`), and return what it
+    returned; its failed assertion fails the calling test with the process's traceback. For
+    an in-process claim about the programs users run that XLA's optimizations decide (a bit
+    for bit identity of two programs, the compiled program's products): this process
+    compiles lightly and cannot compile otherwise (XLA reads its flags once)."""
+    code = (
+        "import importlib, json, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "check = getattr(importlib.import_module(sys.argv[2]), sys.argv[3])\n"
+        "print(json.dumps(check()))\n"
+    )
+    module = sys.modules[check.__module__]
+    where = Path(module.__file__).parent
+    return in_a_started_process(code, where, check.__module__, check.__name__, compiled=PRODUCTION)
 
 
 def export_evaluated_as_started(recipe: Path, export: Path) -> dict:
@@ -195,17 +184,10 @@ def export_evaluated_as_started(recipe: Path, export: Path) -> dict:
     return in_a_started_process(code, recipe, export)
 
 
-def production_environment() -> dict[str, str]:
-    """The compile settings of a process a user starts (this pytest process's own, less the
-    light ones the session gave the processes tests start)."""
-    production = [f for f in own_xla_flags() if f not in LIGHT_XLA_FLAGS]
-    return {**PRODUCTION_COMPILE, "XLA_FLAGS": " ".join(production)}
-
-
 @pytest.fixture(autouse=True)
 def _production_compile(request, monkeypatch):
     if request.node.get_closest_marker("production_compile"):
-        for name, value in production_environment().items():
+        for name, value in compiled_as(PRODUCTION).items():
             monkeypatch.setenv(name, value)
 
 
@@ -848,7 +830,7 @@ def readme_pipeline_run(tmp_path_factory) -> Path:
                 "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF),
                 # the README's command as a user runs it: a session fixture is set up before
                 # a test's own (``_production_compile``), so it sets both settings itself
-                **production_environment(),
+                **compiled_as(PRODUCTION),
             },
         )
         assert proc.returncode == 0, (

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compiled_as_this_process, linear_recipe, run_worker, write_recipe
+from conftest import THIS_PROCESS, compiled_as, linear_recipe, run_worker, write_recipe
 
 import minifield
 
@@ -29,7 +29,7 @@ def worker_reference(tmp_path_factory) -> dict:
     )
     run_worker(
         "--job", LINEAR_DEMO, "--input-root", DATA, "--output-root", out, "--attempt-id", "w1",
-        check_codes=[0], env=compiled_as_this_process(),  # the API runs in this process
+        check_codes=[0], env=compiled_as(THIS_PROCESS),  # the API runs in this process
     )  # fmt: skip
     result = json.loads((out / "linear-demo" / "w1" / "result.json").read_text())
     return {"verdict": verdict, "result": result}
@@ -188,7 +188,7 @@ def test_the_readme_example_runs(tmp_path, worker_reference):
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out")],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, **compiled_as_this_process()},  # as the worker reference
+        env={**os.environ, **compiled_as(THIS_PROCESS)},  # as the worker reference
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"completed {worker_reference['result']['final_state_hash']}" in proc.stdout

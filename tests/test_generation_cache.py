@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_llama
+from conftest import in_production_programs
 from test_llama import _flax_model
 
 from minifield.hf import checkpoint as hf_checkpoint
@@ -78,6 +79,13 @@ def test_cached_tokens_equal_uncached_tokens(name):
 
 
 def test_each_cached_step_gives_the_full_forward_logits_at_that_position():
+    # within FP32 rounding of the programs users run: compiled lightly (this process), the two
+    # programs' logits differ by up to 1.4e-4, past the tolerance measured at production's
+    in_production_programs(cached_steps_give_the_full_forward_logits)
+
+
+def cached_steps_give_the_full_forward_logits() -> None:
+    """Each cached generation step's logits are the full forward's at that position."""
     cfg, params = tiny(**CASES["gqa-bias-untied-f32"])
     prompt = prompts(lengths=(5,))[0]
     # 28 new tokens: a buffer of max_len (5 + 28 rounds up past it), one row, so the program is

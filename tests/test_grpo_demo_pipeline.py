@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import copy_run, run_snakemake
+from conftest import PRODUCTION, copy_run, in_a_started_process, run_snakemake
 
-from minifield.hf import loaded_model
 from minifield.pipeline import reference_logprobs
 
 # runs Snakemake; a demo as users run it, compiled as production does (conftest)
@@ -34,6 +33,18 @@ PARTS = ("llama-base", "llama-sft-demo", "grpo-demo")
 RECIPES = ("llama-sft-demo", "grpo-demo")
 #: updates at each end of the run whose rollouts are compared
 ENDS = 20
+#: whether the export's greedy answer to each DEV prompt is its answer (argv: the export, the
+#: prompts file, the completion budget)
+GREEDY_RIGHT = """
+import json, sys
+from minifield.hf import loaded_model
+model = loaded_model.from_hf_directory(sys.argv[1])
+rows = [json.loads(line) for line in open(sys.argv[2])]
+budget = int(sys.argv[3])
+print(json.dumps([
+    model.generate(r["prompt"], budget, temperature=0.0).strip() == r["answer"] for r in rows
+]))
+"""
 
 
 def make_project(readme_run: Path, tmp_path: Path) -> Path:
@@ -98,13 +109,11 @@ def test_grpo_chained_after_sft_raises_the_dev_reward(readme_pipeline_run, tmp_p
     assert final["step"] == recipe["limits"]["max_steps"]
     assert after == final["dev"]["dev_reward"]
     assert [c["passed"] for c in record["checks"]] == [True]  # max_dev_reward_drop
-    # the before figure by hand: the SFT export's greedy answers compared with each answer
-    model = loaded_model.from_hf_directory(sft_export)
-    rows = [json.loads(line) for line in (project / "data" / "grpo-demo" / "dev.jsonl").open()]
+    # the before figure by hand: the SFT export's greedy answers compared with each answer,
+    # generated in a process compiled as the pipeline's (greedy tokens are that setting's)
+    dev = project / "data" / "grpo-demo" / "dev.jsonl"
     budget = recipe["rl"]["max_completion_length"]
-    right = [
-        model.generate(r["prompt"], budget, temperature=0.0).strip() == r["answer"] for r in rows
-    ]
+    right = in_a_started_process(GREEDY_RIGHT, sft_export, dev, budget, compiled=PRODUCTION)
     assert before == pytest.approx(np.mean(right))
     gate = recipe["evaluation"]["min_dev_reward"]
     assert after >= gate, (before, after, gate)

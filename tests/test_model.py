@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import in_production_programs
 
 from minifield.data.packing import Rows
 from minifield.models.model import (
@@ -278,9 +279,15 @@ def hand_schedule(peak, warmup, max_steps, ratio, s):
     return floor + (peak - floor) * (1 + math.cos(math.pi * progress)) / 2
 
 
-@pytest.mark.slow  # JAX compiles the logged step for ~10 s: kept out of the fast tier
+@pytest.mark.slow  # a process of its own, compiling the logged step for ~10 s
 def test_logged_learning_rate_is_the_schedule_and_leaves_the_state_alone():
-    # the plain step is the BF16 update the tests above compiled, on their batch shape
+    # "no bit" is a claim about the programs users run: compiled lightly (this process), the
+    # step that reports the rate and the one that does not end in different bits
+    in_production_programs(logged_learning_rate_is_the_schedule_and_leaves_the_state_alone)
+
+
+def logged_learning_rate_is_the_schedule_and_leaves_the_state_alone() -> None:
+    """The logged rate follows the schedule, and reporting it changes no bit of the state."""
     cfg = tiny()
     plain, state, batch, tx = _step_and_inputs(cfg)
     logged = jax.jit(make_train_step(cfg, tx, make_schedule(TRAINING, MAX_STEPS)))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import test_mixtral
 import test_moe_families
-from conftest import LIGHT_COMPILE, started_xla_flags, update_hashes, write_recipe
+from conftest import THIS_PROCESS, compiled_as, started_xla_flags, update_hashes, write_recipe
 from safetensors.numpy import load_file
 from test_base_model import _prepare, _run, base_recipe, make_inputs
 
@@ -293,7 +293,7 @@ def test_one_and_two_devices_train_a_mixtral_base_alike_full_and_lora(tmp_path):
     argument): 3e-4, a twentieth of the most two AdamW updates can move a full fine-tune's
     parameter (2 x learning rate 0.003; measured here 5e-5 full, 7e-7 LoRA)."""
     env = {
-        **LIGHT_COMPILE,  # as every process the suite starts: both sides compiled alike
+        **compiled_as(THIS_PROCESS),  # as every process the suite starts: both sides alike
         "JAX_PLATFORMS": "cpu",
         # the session's light flags too (the elemental emitters): both sides in that process
         "XLA_FLAGS": started_xla_flags("--xla_force_host_platform_device_count=2"),
