@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import LIGHT_XLA_FLAGS, REPO
+from conftest import LIGHT_XLA_FLAGS, NO_CONTROLLER_SLURM_CONF, REPO, readme_first_command
 
 README = REPO / "README.md"
 
@@ -166,6 +167,14 @@ def test_the_first_command_makes_every_result_the_readme_lists(readme_pipeline_r
                     assert not light, (events, env)
                 continue
             assert (workdir / concrete).exists(), (recipe, concrete)
+    # the first command's run again: nothing to do (a dry run writes nothing of the run's)
+    again = subprocess.run(
+        [sys.executable, "-m", *readme_first_command()[0], "-n"],
+        cwd=workdir, capture_output=True, text=True, timeout=600, check=False,
+        env={**os.environ, "SLURM_CONF": str(NO_CONTROLLER_SLURM_CONF)},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Nothing to be done" in again.stdout + again.stderr, again.stdout[-3000:]
 
 
 def _generate_lines() -> list[str]:
