@@ -102,7 +102,7 @@ def compiled_as(setting: str) -> dict[str, str]:
     """The environment (``JAX_DISABLE_MOST_OPTIMIZATIONS``, ``XLA_FLAGS``) of a process that
     compiles under ``setting``: ``LIGHT`` (``THIS_PROCESS``: this pytest process and, unless a
     test says otherwise, every process the tests start) or ``PRODUCTION`` (a user's run)."""
-    base = _given_xla_flags or []
+    base = list(_given_xla_flags)
     if setting == PRODUCTION:
         return {"JAX_DISABLE_MOST_OPTIMIZATIONS": "0", "XLA_FLAGS": " ".join(base)}
     assert setting == LIGHT, setting
@@ -159,8 +159,8 @@ def in_production_programs(check) -> object:
     JSON) in a process compiled as production (:func:`compiled_as`), and return what it
     returned; its failed assertion fails the calling test with the process's traceback. For
     an in-process claim about the programs users run that XLA's optimizations decide (a bit
-    for bit identity of two programs, the compiled program's products): this process
-    compiles lightly and cannot compile otherwise (XLA reads its flags once)."""
+    for bit identity of two programs, an agreement within a tolerance measured there): this
+    process compiles lightly and cannot compile otherwise (XLA reads its flags once)."""
     code = (
         "import importlib, json, sys\n"
         "sys.path.insert(0, sys.argv[1])\n"
