@@ -32,6 +32,7 @@ def test_the_loops_agree_in_fp32_and_only_then_are_timed(tmp_path):
     assert ratios["min"] == pytest.approx(min(speed["minifield"]) / min(speed["minimal"]))
 
 
+@pytest.mark.slow  # two compiles of the decode loops (2.3 s of the 3.12 fast tier)
 def test_a_minimal_loop_that_decodes_otherwise_withholds_the_figures(tmp_path, monkeypatch):
     """A loop that computes something else (here: its greedy token shifted by one from the
     sixth on) fails the check: exit 1, ``agree`` false in the JSON, nothing timed."""
