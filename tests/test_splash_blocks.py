@@ -147,3 +147,49 @@ def test_the_tiny_sweep_runs_the_kernels_and_checks_them_against_the_xla_path(tm
     for run in shape["runs"]:
         assert run["max_abs_vs_xla"] <= 0.0625, run
     assert {r["kernel"] for r in shape["runs"]} == set(search.KERNELS)
+
+
+class FakeShape:
+    """A shape whose programs take made-up times: each kernel's blocks by :func:`cost`, a
+    whole step by ``step_ms`` (blocks -> ms) so that the joined blocks can be made to lose."""
+
+    def __init__(self, step_ms):
+        self.rows, self.cfg, self.timed = 2, types.SimpleNamespace(n_heads=4), {}
+        self.step_ms = step_ms
+
+    def time_all(self, programs):
+        for mode, blocks in programs:
+            self.timed[sweep.key(mode, blocks)] = {"ms": self.step_ms(mode, blocks)}
+
+    def ms(self, mode, blocks):
+        return self.timed[sweep.key(mode, blocks)].get("ms")
+
+
+@pytest.mark.parametrize("joined_wins", [True, False])
+def test_the_table_takes_the_joined_blocks_only_where_they_beat_every_block_held(
+    monkeypatch, joined_wins
+):
+    """Each kernel is swept with the others held, so its fastest joined may lose to all
+    held (the chip's 2048 × 128: 6.37 ms joined, 5.50 all 512): the faster step is kept."""
+    base = search.held(2048, 512)
+
+    forward_fields = [f for f in search.KERNELS["forward"] if f]
+
+    def step_ms(mode, blocks):
+        if blocks is None:
+            return 50.0  # the XLA path
+        if mode == "forward":
+            return 10.0 + cost("forward", blocks)
+        if blocks == base:
+            return 10.0
+        if any(blocks[f] != base[f] for f in forward_fields):
+            return 9.0 if joined_wins else 11.0  # only the joined step moves forward blocks
+        return 10.0 + cost("dkv", blocks) + cost("dq", blocks)
+
+    monkeypatch.setattr(sweep, "Shape", lambda *a: FakeShape(step_ms))
+    args = types.SimpleNamespace(candidates=CANDIDATES, held=512)
+    out = sweep.sweep_shape(args, 2048, 64, True)
+    assert out["joined"]["ms"] == (9.0 if joined_wins else 11.0)
+    assert out["best"]["blocks"] == (out["joined"]["blocks"] if joined_wins else base)
+    assert out["best"]["from"] == ("joined" if joined_wins else "held")
+    assert out["best"]["ms"] == min(9.0 if joined_wins else 11.0, 10.0)

@@ -12,11 +12,13 @@ distance from the FP32 XLA path at most 1.5 times the BF16 XLA path's own."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from minifield.data.packing import Rows
@@ -222,18 +224,26 @@ def test_the_table_is_looked_up_by_head_width_and_the_longest_measured_row_not_a
         assert set(execution.splash_blocks(4608, head_dim=64).values()) == {768}
 
 
-def test_the_shipped_table_holds_the_measured_entries_only():
-    """(2048, 64): every block 1024, the 350M step's fastest (issue 57); (2048, 128): query
-    blocks 128 and key blocks 1024, the first sweep's fastest pair (docs/tpu.md)."""
-    assert {(T, K) for T, w in execution.SPLASH_BLOCKS.items() for K in w} == {
-        (2048, 64),
-        (2048, 128),
-    }
-    assert set(execution.splash_blocks(2048, head_dim=64).values()) == {1024}
-    at_128 = execution.splash_blocks(2048, head_dim=128)
-    assert {at_128[n] for n in ("block_q", "block_q_dkv", "block_q_dq")} == {128}
-    assert at_128["block_kv"] == at_128["block_kv_dkv_compute"] == at_128["block_kv_dq"] == 1024
-    assert execution.splash_blocks(1024, head_dim=64) == execution.SPLASH_DEFAULT_BLOCKS
+def test_the_shipped_table_is_the_chips_sweep():
+    """``SPLASH_BLOCKS`` is the ``best`` of the sweep recorded from the chip
+    (``docs/splash-blocks.json``, benchmarks/splash_blocks.py's output): every complete shape,
+    nothing else; each entry the joined blocks where their step beat all 512, else all 512."""
+    recorded = json.loads((REPO / "docs" / "splash-blocks.json").read_text())
+    assert (
+        recorded["device"].startswith("TPU") and recorded["format"] == "minifield-splash-blocks/1"
+    )
+    complete = {(s["seq_len"], s["head_dim"]) for s in recorded["shapes"] if s.get("complete")}
+    shipped = {(T, K): b for T, w in execution.SPLASH_BLOCKS.items() for K, b in w.items()}
+    assert set(shipped) == complete
+    for shape in recorded["shapes"]:
+        if not shape.get("complete"):
+            continue
+        blocks = shipped[shape["seq_len"], shape["head_dim"]]
+        assert blocks == recorded["best"][str(shape["seq_len"])][str(shape["head_dim"])]
+        joined, held = shape["joined"], shape["baseline"]["step"]
+        faster = joined["blocks"] if "ms" in joined and joined["ms"] < held else shape["held"]
+        assert blocks == faster
+    assert execution.splash_blocks(512, head_dim=64) == execution.SPLASH_DEFAULT_BLOCKS
 
 
 def test_blocks_are_fitted_to_the_row():

@@ -15,12 +15,17 @@ memory, then confirms the predicted largest and one more, refitting where the li
 handful of compiles per model and mode. A state whose arguments alone exceed the memory fits
 no rows without a compile (the peak is at least the arguments). Each compile is timed; the
 section stops before a compile it has no time left for (``--deadline``), with what it has.
+The six searches run side by side, a thread each (a compile is mostly one core's work).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import copy
 import math
+import os
 import re
+import threading
 import time
 
 from device_check.common import log
@@ -211,7 +216,7 @@ def compile_rows(step, leading: tuple, rows: int, seq: int) -> dict:
             **parts}  # fmt: skip
 
 
-def search_one(cfg, mode: str, limit: int, clock: dict, out: dict, report) -> None:
+def search_one(cfg, mode: str, limit: int, clock: dict, out: dict, report, label="") -> None:
     """The search for one model and mode into ``out``: every compile's figures and the
     answer. ``clock``: the section's ``deadline`` and its ``longest`` compile so far (no
     compile is started with less than 1.5 times that left)."""
@@ -229,10 +234,10 @@ def search_one(cfg, mode: str, limit: int, clock: dict, out: dict, report) -> No
     def measure(rows: int) -> int | None:
         row = compile_rows(step, leading, rows, cfg.max_len)
         out["compiles"].append(row)
-        clock["longest"] = max(clock["longest"], row["compile_s"])
+        clock["longest"] = max(clock["longest"], row["compile_s"])  # one float: atomic
         report()
         peak = row["peak_bytes"]
-        log(f"  {mode} {rows} rows: {'does not fit' if peak is None else f'{peak / 2**30:.3f} GiB'}"
+        log(f"  {label} {mode} {rows} rows: {'does not fit' if peak is None else f'{peak / 2**30:.3f} GiB'}"
             f" ({row['compile_s']:.1f} s)")  # fmt: skip
         if peak is None and row.get("compiler_used_bytes"):
             # the compiler's own figure draws the next line; above the limit however it
@@ -273,13 +278,36 @@ def run(args, context, report) -> dict:
                          "remat": how.remat, "loss_chunk_tokens": how.loss_chunk_tokens},
            "models": {}}  # fmt: skip
     clock = {"deadline": args.deadline, "longest": 0.0}
+    searches = []
     for name in args.shapes_models or list(MODELS):
         cfg = config(name, args.tiny, how)
         shape = (TINY_MODELS if args.tiny else MODELS)[name]
         model = out["models"][name] = {"shape": shape}
         for mode in MODES:
-            log(f"  {name} {mode}")
             model[mode] = {"mode": mode}
-            search_one(cfg, mode, int(limit), clock, model[mode], lambda: report(out))
-            report(out)
+            searches.append((name, cfg, mode, model[mode]))
+    # one thread a search: a compile is mostly one core's work and the searches are
+    # independent, so the section takes about its longest search, not their sum
+    lock = threading.Lock()
+
+    def one(name, cfg, mode, into):
+        mine = dict(into)  # written by this thread only; copied into ``out`` under the lock
+
+        def publish():
+            copied = copy.deepcopy(mine)
+            with lock:
+                into.update(copied)
+                report(out)
+
+        log(f"  {name} {mode}: searching")
+        try:
+            search_one(cfg, mode, int(limit), clock, mine, publish, name)
+        finally:
+            publish()
+
+    threads = max(1, min(len(searches), (os.cpu_count() or 1) - 1))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for done in [pool.submit(one, *search) for search in searches]:
+            done.result()
+    report(out)
     return out

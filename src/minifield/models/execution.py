@@ -65,22 +65,34 @@ SPLASH_DEFAULT_BLOCKS = {
     "block_q_dq": 128,
     "block_kv_dq": 128,
 }
-#: splash's block sizes measured on the chip, ``{row length: {head width: sizes}}`` (the
-#: shape of ``benchmarks/splash_blocks.py``'s ``best``, which fills it; ``docs/tpu.md``):
-#: every entry is backed by a chip measurement, every other shape gets
-#: :data:`SPLASH_DEFAULT_BLOCKS` (:func:`splash_blocks`). The two entries so far:
-#: (2048, 64) every block 1024, the 350M step's fastest of 128, 512 and 1024 (issue 57);
-#: (2048, 128) query blocks 128, key blocks 1024, the fastest pair of the first sweep (query
-#: blocks above 128 were not reached), its backward kernels given the same pair.
+
+
+def _blocks(*sizes: int) -> dict:
+    """Splash's eight block sizes in :data:`SPLASH_DEFAULT_BLOCKS`' order."""
+    return dict(zip(SPLASH_DEFAULT_BLOCKS, sizes, strict=True))
+
+
+#: splash's block sizes measured on the chip, ``{row length: {head width: sizes}}``: the
+#: ``best`` of ``benchmarks/splash_blocks.py``'s sweep on a TPU v5e (2026-12-06,
+#: ``docs/splash-blocks.json``; figures in ``docs/tpu.md``), each kernel's blocks swept on its
+#: own, joined, and kept only where the joined step beat every block at 512 (else all 512).
+#: Every other shape gets :data:`SPLASH_DEFAULT_BLOCKS` (:func:`splash_blocks`).
 SPLASH_BLOCKS = {
+    1024: {
+        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
+        128: _blocks(512, 1024, 512, 1024, 1024, 1024, 1024, 1024),
+    },
     2048: {
-        64: dict.fromkeys(SPLASH_DEFAULT_BLOCKS, 1024),
-        128: {
-            **dict.fromkeys(SPLASH_DEFAULT_BLOCKS, 1024),
-            "block_q": 128,
-            "block_q_dkv": 128,
-            "block_q_dq": 128,
-        },
+        64: _blocks(512, 1024, 512, 512, 512, 512, 1024, 1024),
+        128: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
+    },
+    4096: {
+        64: _blocks(1024, 1024, 512, 1024, 1024, 256, 1024, 1024),
+        128: _blocks(1024, 1024, 512, 1024, 1024, 256, 1024, 1024),
+    },
+    8192: {
+        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
+        128: _blocks(1024, 2048, 512, 1024, 1024, 1024, 512, 2048),
     },
 }
 #: splash tiles keys in multiples of the TPU's 128 lanes (its blocks must be multiples of it)
