@@ -55,6 +55,8 @@ def parse_args(argv=None):
                         "with --tiny a small made-up one, so the search is exercised)")  # fmt: skip
     parser.add_argument("--shapes-models", nargs="+", help="the shapes section's models "
                         "(default all: qwen2.5-0.5b llama-3.2-1b llama-3.2-3b)")  # fmt: skip
+    parser.add_argument("--shapes-modes", nargs="+", choices=("full", "lora"),
+                        help="the shapes section's modes (default both)")  # fmt: skip
     # the parent starts itself with these for each section
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     parser.add_argument("--section-out", help=argparse.SUPPRESS)
@@ -96,6 +98,7 @@ def parse_args(argv=None):
         *(["--device-memory-bytes", str(args.device_memory_bytes)]
           if args.device_memory_bytes else []),
         *(["--shapes-models", *args.shapes_models] if args.shapes_models else []),
+        *(["--shapes-modes", *args.shapes_modes] if args.shapes_modes else []),
     ]  # fmt: skip
     return args
 

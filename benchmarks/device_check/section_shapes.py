@@ -283,7 +283,7 @@ def run(args, context, report) -> dict:
         cfg = config(name, args.tiny, how)
         shape = (TINY_MODELS if args.tiny else MODELS)[name]
         model = out["models"][name] = {"shape": shape}
-        for mode in MODES:
+        for mode in args.shapes_modes or MODES:
             model[mode] = {"mode": mode}
             searches.append((name, cfg, mode, model[mode]))
     # one thread a search: a compile is mostly one core's work and the searches are
