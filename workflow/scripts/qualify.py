@@ -19,7 +19,7 @@ with refusals("qualify"):
         Path(snakemake.params.work_dir),
         Path(snakemake.output[0]),
         Path(snakemake.log[0]),
-        quantized_base_dir=quantized and Path(quantized).parent,
+        quantized_base_dir=Path(quantized).parent if quantized else None,
         steps=q["steps"],
         fail_after_step=q["fail_after_step"],
         mode=q["mode"],

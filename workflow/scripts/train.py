@@ -34,7 +34,7 @@ with refusals("train"):
         Path(snakemake.output.result),
         Path(snakemake.output.export),
         Path(snakemake.log[0]),
-        quantized_base_dir=quantized and Path(quantized).parent,
+        quantized_base_dir=Path(quantized).parent if quantized else None,
         proof=Path(snakemake.input.proof),
         record_state_hashes=t["record_state_hashes"] and t.get("state_hash_every", 1),
         allow_environment_change=t["allow_environment_change"],
