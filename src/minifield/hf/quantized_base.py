@@ -120,14 +120,16 @@ def _reciprocal(absmax: np.ndarray) -> np.ndarray:
 
 
 def _codes(rows_NxBxS: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes [N, B*S] (NF4: packed, [N, B*S/2]), absmax [N, B])`` of float32 blocks, the
-    float32 operations of :func:`minifield.models.quantize.quantize` in its order."""
+    """``(codes [N, B*S] (NF4: packed, [N, B*S/2]), absmax [N, B])`` of float32 blocks (a
+    copy of the stored values, overwritten), the float32 operations of
+    :func:`minifield.models.quantize.quantize` in its order."""
     absmax = np.max(np.abs(rows_NxBxS), axis=-1)
-    normed = rows_NxBxS * _reciprocal(absmax)
+    normed = rows_NxBxS
+    normed *= _reciprocal(absmax)
     N = rows_NxBxS.shape[0]
     if scheme == "int8":
-        codes = np.round(normed * np.float32(127.0)).astype(np.int8)
-        return codes.reshape(N, -1), absmax
+        normed *= np.float32(127.0)
+        return np.round(normed, out=normed).astype(np.int8).reshape(N, -1), absmax
     midpoints = (NF4[1:] + NF4[:-1]) / np.float32(2.0)  # nearest: midpoints below
     index = np.searchsorted(midpoints, normed).astype(np.uint8).reshape(N, -1, 2)
     return (index[..., 0] << 4) | index[..., 1], absmax
@@ -158,7 +160,7 @@ def quantize_matrix(
     scales = np.empty((K // size, N), np.float32)
     for start in range(0, N, ROWS):
         part = value[start : start + ROWS] if out_in else value[:, start : start + ROWS].T
-        rows = np.asarray(part, np.float32).reshape(-1, K // size, size)
+        rows = np.array(part, np.float32).reshape(-1, K // size, size)  # a copy: overwritten
         part_codes, absmax = _codes(rows, scheme)
         codes[:, start : start + ROWS] = part_codes.T
         scales[:, start : start + ROWS] = absmax.T
