@@ -42,7 +42,14 @@ def _stored(K, N, out_in, dtype, seed=0):
     return stored, values.T if out_in else values
 
 
-@pytest.mark.parametrize(("scheme", "block"), [("int8", None), ("int8", 16), ("nf4", 64)])
+# the fast tier keeps one scheme: each case compiles quantize.quantize (about 0.5 s)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("scheme", "block"),
+    [pytest.param("int8", None, marks=SLOW), pytest.param("int8", 16, marks=SLOW), ("nf4", 64)],
+)
 def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block):
     # 1100 output channels: two slices of ROWS, the last one short; each stored dtype and layout
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
@@ -60,9 +67,8 @@ def test_the_nf4_table_is_the_quantizers():
     np.testing.assert_array_equal(quantized_base.NF4, np.asarray(quantize.NF4, np.float32))
 
 
-@pytest.mark.parametrize(
-    ("scheme", "block"), [pytest.param("int8", 16, marks=pytest.mark.slow), ("nf4", 16)]
-)
+@SLOW
+@pytest.mark.parametrize(("scheme", "block"), [("int8", 16), ("nf4", 16)])
 def test_double_quantization_centres_on_the_exact_mean(scheme, block):
     """The offset is the exact mean of the scales rounded to float32 (fractions here), the
     scales' codes ``round(127 (s - offset) / group absmax)`` in float64 but for ties."""
