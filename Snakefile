@@ -22,6 +22,7 @@ wildcard_constraints:
     cdigest="[0-9a-f]{16}",
     edigest="[0-9a-f]{16}",
     sdigest="[0-9a-f]{16}",
+    qdigest="[0-9a-f]{16}",
     destination="[0-9a-f]{16}",
 
 

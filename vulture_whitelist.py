@@ -40,6 +40,7 @@ _.input_paths
 _.fetched_roots
 _.for_examples
 _.for_source
+_.for_quantized_base
 _.require_valid
 _.refusal_lines
 # used from workflow/rules/two_stage_common.smk

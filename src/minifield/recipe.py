@@ -30,6 +30,7 @@ import yaml
 from . import schemas, strategies
 from .digest import sha256_json
 from .harness import tasks as harness_tasks
+from .hf import quantized_base
 from .strategies.base import EXTRA_SECTIONS, computation_digest
 
 #: a recipe is a small document; anything larger is refused before parsing
@@ -68,6 +69,12 @@ class Recipe:
         recipe whose examples are prepared in one piece)."""
         specs = self.strategy.training_sources(self.data)
         return {name: sha256_json(spec) for name, spec in specs.items()}
+
+    @property
+    def quantized_base_digest(self) -> str | None:
+        """The address of the quantized base the recipe trains on (None: its base is not
+        quantized; :mod:`minifield.hf.quantized_base`)."""
+        return quantized_base.digest(self.data)
 
 
 load_schema = schemas.load

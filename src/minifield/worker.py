@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
         "--examples", type=Path, help="prepared examples directory (default: prepare in memory)"
     )
     parser.add_argument(
+        "--quantized-base",
+        type=Path,
+        help="the recipe's quantized base, made by the pipeline (default: quantize in memory)",
+    )
+    parser.add_argument(
         "--allow-environment-change",
         action="store_true",
         help="resume even though the environment fingerprint differs (recorded)",
@@ -237,6 +242,7 @@ def _main(argv: list[str]) -> int:
             resume_from=args.resume_from,
             attempt_id=args.attempt_id,
             examples_dir=args.examples,
+            quantized_base_dir=args.quantized_base,
             allow_environment_change=args.allow_environment_change,
             record_state_hashes=(
                 args.state_hash_every

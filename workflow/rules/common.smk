@@ -24,6 +24,8 @@ STORE_DIR = config["store"]["dir"]
 LEASE_DIR = f"{WORK_DIR}/gpu-leases"
 # Training sources prepared on their own (a mixture's), by source digest.
 SOURCES_DIR = "results/sources"
+# Quantized bases (model.lora.base_quantization), by quantized-base digest.
+QUANTIZED_DIR = "results/quantized-bases"
 
 
 def recipe_file(wildcards):
@@ -97,6 +99,21 @@ def source_input_root(wildcards):
 
 def source_name(wildcards):
     return computations.for_source(COMPUTATIONS, wildcards.sdigest)[1]
+
+
+def quantized_base_inputs(wildcards):
+    """Recipe and prepared examples of a computation with the quantized base {qdigest}."""
+    computation = computations.for_quantized_base(COMPUTATIONS, wildcards.qdigest)
+    return {
+        "recipe": f"results/computations/{computation.cdigest}/recipe.json",
+        "examples": f"results/examples/{computation.edigest}/manifest.json",
+    }
+
+
+def quantized_base_manifest(wildcards):
+    """The quantized base a computation trains on (nothing when its base is not quantized)."""
+    qdigest = COMPUTATIONS[wildcards.cdigest].qdigest
+    return [] if qdigest is None else f"{QUANTIZED_DIR}/{qdigest}/manifest.json"
 
 
 def examples_manifest(wildcards):

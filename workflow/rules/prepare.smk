@@ -20,6 +20,24 @@ rule prepare_source:
         "../scripts/prepare_source.py"
 
 
+# A quantized base (model.lora.base_quantization) is made once per quantized-base digest (the
+# base's pins and the quantization settings), from the base a computation's examples hold, on
+# the CPU, and shared by every computation that quantizes the same base the same way.
+rule quantize_base:
+    input:
+        unpack(quantized_base_inputs),
+    output:
+        f"{QUANTIZED_DIR}/{{qdigest}}/manifest.json",
+    log:
+        "logs/quantize_base/{qdigest}.log",
+    benchmark:
+        "results/benchmarks/quantize_base/{qdigest}.tsv"
+    conda:
+        "../../envs/minifield.yaml"
+    script:
+        "../scripts/quantize_base.py"
+
+
 rule prepare:
     input:
         recipe=examples_recipe,

@@ -5,6 +5,7 @@ rule qualify:
         recipe="results/computations/{cdigest}/recipe.json",
         inputs="results/computations/{cdigest}/inputs.json",
         examples=examples_manifest,
+        quantized=quantized_base_manifest,
         fetched=fetched_input_root,
     output:
         "results/computations/{cdigest}/qualification/proof.json",

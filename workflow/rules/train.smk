@@ -8,6 +8,7 @@ rule train:
         recipe="results/computations/{cdigest}/recipe.json",
         inputs="results/computations/{cdigest}/inputs.json",
         examples=examples_manifest,
+        quantized=quantized_base_manifest,
         fetched=fetched_input_root,
         proof="results/computations/{cdigest}/qualification/proof.json",
     output:

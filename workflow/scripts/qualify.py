@@ -7,6 +7,8 @@ from minifield.pipeline.errors import refusals
 from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
+# the quantized base's manifest, or an empty list when the base is not quantized
+quantized = snakemake.input.get("quantized")
 q = snakemake.params.qualification
 t = snakemake.config["train"]  # operational: not a rerun trigger
 with refusals("qualify"):
@@ -17,6 +19,7 @@ with refusals("qualify"):
         Path(snakemake.params.work_dir),
         Path(snakemake.output[0]),
         Path(snakemake.log[0]),
+        quantized_base_dir=Path(quantized).parent if quantized else None,
         steps=q["steps"],
         fail_after_step=q["fail_after_step"],
         mode=q["mode"],

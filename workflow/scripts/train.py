@@ -7,6 +7,8 @@ from minifield.pipeline.errors import refusals
 from minifield.supervision import supervise
 
 sys.stderr = open(snakemake.log[0], "a")
+# the quantized base's manifest, or an empty list when the base is not quantized
+quantized = snakemake.input.get("quantized")
 t = snakemake.config["train"]  # operational: not a rerun trigger
 live_delivery = None
 if (snakemake.config.get("tracking") or {}).get("enabled"):
@@ -32,6 +34,7 @@ with refusals("train"):
         Path(snakemake.output.result),
         Path(snakemake.output.export),
         Path(snakemake.log[0]),
+        quantized_base_dir=Path(quantized).parent if quantized else None,
         proof=Path(snakemake.input.proof),
         record_state_hashes=t["record_state_hashes"] and t.get("state_hash_every", 1),
         allow_environment_change=t["allow_environment_change"],

@@ -18,6 +18,8 @@ class Options:
     resume_from: Path | None = None
     attempt_id: str | None = None
     examples_dir: Path | None = None
+    #: the recipe's quantized base product (None: quantized in memory, the same bits)
+    quantized_base_dir: Path | None = None
     allow_environment_change: bool = False
     #: the per-update state-hash cadence: True/1 every update, K every K updates,
     #: False/"checkpoint" none (checkpoint manifests always carry the hash)

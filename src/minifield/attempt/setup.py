@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import atomic
+from ..hf import quantized_base
 from ..inputs import examples, pinned
 from ..recipe import Recipe
 from ..state.checkpoint import CheckpointRecord
@@ -41,6 +42,7 @@ class SetUpContext:
     group: distributed.Group
     input_root: Path
     examples_dir: Path | None
+    quantized_base_dir: Path | None
     resume_from: Path | None
     allow_environment_change: bool
     compilation_cache: Path | None
@@ -218,6 +220,10 @@ def set_up(context: SetUpContext) -> SetUp:
             example_arrays, _ = recipe.strategy.prepare(
                 data, pinned.files_by_name(data, context.input_root)
             )
+        if context.quantized_base_dir is not None:  # its codes beside the stored base
+            phase = "quantized base"
+            product = quantized_base.load(context.quantized_base_dir, data)
+            example_arrays = {**example_arrays, **product}
 
         phase = "compile"
         program = recipe.strategy.build(data, example_arrays)

@@ -277,6 +277,7 @@ def _setup_context(attempt: Attempt) -> attempt_setup.SetUpContext:
         group=options.group,
         input_root=options.input_root,
         examples_dir=options.examples_dir,
+        quantized_base_dir=options.quantized_base_dir,
         resume_from=options.resume_from,
         allow_environment_change=options.allow_environment_change,
         compilation_cache=options.compilation_cache,

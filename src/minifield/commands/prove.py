@@ -33,6 +33,7 @@ def run(args) -> int:
             fail_after_step=args.fail_after_step,
             mode=args.mode,
             examples_dir=args.examples,
+            quantized_base_dir=args.quantized_base,
             supervision=supervision,
         )
     except recipes.RecipeError as exc:
@@ -81,5 +82,10 @@ def register(sub) -> None:
         f"the supervisor, exit 3) or both (default {DEFAULT_MODE})",
     )
     parser.add_argument("--examples", type=Path, help="prepared examples directory")
+    parser.add_argument(
+        "--quantized-base",
+        type=Path,
+        help="the recipe's quantized base (the pipeline's quantize_base rule makes it)",
+    )
     add_supervision_arguments(parser, supervisor.QUALIFICATION)
     parser.set_defaults(func=run)

@@ -48,7 +48,7 @@ def flatten(tree, prefix=""):
             yield f"{prefix}{key}", value
 
 
-def _nest(items) -> dict:
+def nest(items) -> dict:
     params: dict = {"blocks": {}}
     for path, value in items:
         node = params
@@ -71,7 +71,7 @@ def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndar
     return arrays
 
 
-def _stored(arrays: dict[str, np.ndarray]):
+def stored(arrays: dict[str, np.ndarray]):
     """``(path, array in its own dtype, out_in)`` of every base parameter."""
     layout = None
     if LAYOUT_ARRAY in arrays:
@@ -126,38 +126,24 @@ def host_fp32(arrays: dict[str, np.ndarray], by_slices: bool = False) -> dict:
     sharded mesh: a process converts only its devices' slices, never the whole model)."""
     from .tensors import reading_pool, to_fp32
 
-    stored = list(_stored(arrays))
+    entries = list(stored(arrays))
     if by_slices:
-        return _nest(
+        return nest(
             (path, value if value.dtype == np.float32 and not out_in else FP32Slices(value, out_in))
-            for path, value, out_in in stored
+            for path, value, out_in in entries
         )
-    with reading_pool(len(stored)) as pool:
-        values = list(pool.map(lambda item: to_fp32(item[1], item[2]), stored))
-    return _nest((path, value) for (path, _, _), value in zip(stored, values, strict=True))
+    with reading_pool(len(entries)) as pool:
+        values = list(pool.map(lambda item: to_fp32(item[1], item[2]), entries))
+    return nest((path, value) for (path, _, _), value in zip(entries, values, strict=True))
 
 
-def on_device(arrays: dict[str, np.ndarray], base_dtype: str, lora=None) -> FrozenBase:
+def on_device(arrays: dict[str, np.ndarray], base_dtype: str) -> FrozenBase:
     """The base of prepared arrays on the device as stored (one copy from the memory-mapped
-    files, no conversion), held in ``base_dtype`` by the step. ``lora``: its
-    :class:`~minifield.training.lora.LoraSettings`; with ``quantization``, the blocks'
-    matrices are quantized as they are put on the device (:mod:`minifield.models.quantize`)."""
+    files, no conversion), held in ``base_dtype`` by the step. A quantized base:
+    :func:`minifield.hf.quantized_base.on_device`."""
     import jax
 
-    if lora is None or lora.quantization is None:
-        return on_host(arrays, base_dtype, put=jax.device_put)
-    from ..models import quantize
-
-    items, out_in = [], set()
-    for path, value, transposed in _stored(arrays):
-        if quantize.is_quantized(path, value.ndim):
-            settings = (lora.quantization, lora.block, lora.double)
-            items.append((path, quantize.quantize_stored(value, transposed, *settings)))
-            continue
-        items.append((path, jax.device_put(value)))
-        if transposed:
-            out_in.add(path)
-    return FrozenBase(_nest(items), frozenset(out_in), base_dtype)
+    return on_host(arrays, base_dtype, put=jax.device_put)
 
 
 def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: value) -> FrozenBase:
@@ -165,11 +151,11 @@ def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: va
     data-parallel run places on its mesh slice by slice
     (:func:`minifield.training.data_parallel.place_tree`); ``put`` each array first."""
     items, out_in = [], set()
-    for path, value, transposed in _stored(arrays):
+    for path, value, transposed in stored(arrays):
         items.append((path, put(value)))
         if transposed:
             out_in.add(path)
-    return FrozenBase(_nest(items), frozenset(out_in), base_dtype)
+    return FrozenBase(nest(items), frozenset(out_in), base_dtype)
 
 
 #: registered as a pytree on first use (importing this module must not import JAX: the
@@ -214,7 +200,7 @@ class FrozenBase:
                 value = jax.lax.optimization_barrier(value.T)
             return value.astype(dtype)
 
-        return _nest((path, made(path, value)) for path, value in flatten(self.params))
+        return nest((path, made(path, value)) for path, value in flatten(self.params))
 
 
 #: the block matrices the quantizer knows (QLoRA's linear layers); every dense family this

@@ -3,11 +3,14 @@
 Recipes with equal data settings share one prepared directory
 (``results/examples/{edigest}/``); training verifies the manifest's digest and
 every array's sha256 before using them (the files hashed side by side, one thread each).
+The same format holds the other array products (a quantized base,
+:mod:`minifield.hf.quantized_base`): ``digest_key`` names the manifest field of its address.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,12 +29,21 @@ class ExamplesError(Exception):
 
 
 def write(
-    directory: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any], examples_digest: str
+    directory: Path,
+    arrays: dict[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+    meta: dict[str, Any],
+    examples_digest: str,
+    *,
+    digest_key: str = "examples_digest",
+    kind: str = FORMAT,
 ) -> dict:
-    """Write arrays, then the manifest last (its presence means the directory is complete)."""
+    """Write arrays, then the manifest last (its presence means the directory is complete).
+    ``arrays``: a mapping (written in name order) or ``(name, array)`` pairs, each written
+    as it comes, so a product larger than memory holds one array at a time."""
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
-    for name, array in sorted(arrays.items()):
+    items = sorted(arrays.items()) if isinstance(arrays, dict) else arrays
+    for name, array in items:
         file = f"{name}.npy"
         tmp = directory / f".{file}.tmp"
         np.save(tmp, np.asarray(array, order="C"), allow_pickle=False)
@@ -48,8 +60,8 @@ def write(
             }
         )
     manifest = {
-        "format": FORMAT,
-        "examples_digest": examples_digest,
+        "format": kind,
+        digest_key: examples_digest,
         "arrays": entries,
         "meta": meta,
     }
@@ -58,16 +70,21 @@ def write(
 
 
 def load(
-    directory: Path, examples_digest: str | None = None, *, mmap: bool = True
+    directory: Path,
+    examples_digest: str | None = None,
+    *,
+    mmap: bool = True,
+    digest_key: str = "examples_digest",
 ) -> tuple[dict[str, np.ndarray], dict]:
     """Verify and load prepared examples (memory-mapped by default)."""
     manifest_path = directory / MANIFEST
+    what = digest_key.replace("_", " ")
     if not manifest_path.is_file():
-        raise ExamplesError(f"{manifest_path}: missing (examples not prepared)")
+        raise ExamplesError(f"{manifest_path}: missing ({what.rsplit(' ', 1)[0]} not prepared)")
     manifest = atomic.read_json(manifest_path)
-    if examples_digest is not None and manifest.get("examples_digest") != examples_digest:
+    if examples_digest is not None and manifest.get(digest_key) != examples_digest:
         raise ExamplesError(
-            f"{manifest_path}: examples digest {manifest.get('examples_digest')} differs from the "
+            f"{manifest_path}: {what} {manifest.get(digest_key)} differs from the "
             f"recipe's {examples_digest}"
         )
 

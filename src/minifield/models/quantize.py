@@ -22,8 +22,6 @@ layer parameter; :func:`dequantize` makes the matrix back inside each layer's pr
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -167,15 +165,3 @@ def is_quantized(path: str, ndim: int) -> bool:
     """Whether a base parameter is held quantized: every matrix of the blocks (QLoRA's
     linear layers); embeddings, the head, norms and biases stay as the base holds them."""
     return path.startswith("blocks/") and ndim == 2
-
-
-def quantize_stored(value, out_in: bool, scheme: str, block: int | None, double: bool):
-    """A stored base matrix (HF's ``[out, in]`` when ``out_in``) put on the device and
-    quantized there, one matrix at a time: the full-precision copy lives only while its own
-    codes are made."""
-    return _quantize_stored(jax.device_put(value), out_in, scheme, block, double)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize_stored(value, out_in, scheme, block, double):
-    return quantize(value.T if out_in else value, scheme, block, double)

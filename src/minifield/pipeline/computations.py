@@ -35,6 +35,12 @@ class Computation:
         return short(self.recipe.examples_digest)
 
     @property
+    def qdigest(self) -> str | None:
+        """Short digest of the quantized base it trains on (None: its base is not quantized)."""
+        found = self.recipe.quantized_base_digest
+        return None if found is None else short(found)
+
+    @property
     def sdigests(self) -> dict[str, str]:
         """Training input name → short digest of that source prepared on its own."""
         return {name: short(d) for name, d in self.recipe.source_digests.items()}
@@ -132,6 +138,15 @@ def for_examples(computations: dict[str, Computation], edigest: str) -> Computat
         if computation.edigest == edigest:
             return computation
     raise ConfigError(f"no configured recipe has examples digest {edigest}")
+
+
+def for_quantized_base(computations: dict[str, Computation], qdigest: str) -> Computation:
+    """A computation that trains on the quantized base ``qdigest`` (any one will do: the base
+    its examples hold is the same pinned base)."""
+    for computation in _every(computations):
+        if computation.qdigest == qdigest:
+            return computation
+    raise ConfigError(f"no configured recipe has quantized base digest {qdigest}")
 
 
 def for_source(computations: dict[str, Computation], sdigest: str) -> tuple[Computation, str]:

@@ -1,5 +1,5 @@
 """The stages before training: validate the recipe, fetch remote inputs into the
-computation's own input root, hash the inputs, prepare the examples.
+computation's own input root, hash the inputs, prepare the examples, quantize the base.
 
 None imports JAX, so these jobs start quickly.
 """
@@ -15,6 +15,7 @@ from .. import atomic
 from .. import recipe as recipes
 from ..digest import sha256_file, short
 from ..harness import tasks as harness_tasks
+from ..hf import quantized_base
 from ..inputs import examples, fetch, pinned
 from .errors import StageError
 
@@ -74,6 +75,17 @@ def prepare(
         sources = {name: (rows, manifest["meta"]) for name, (rows, manifest) in loaded.items()}
         arrays, meta = recipe.strategy.prepare(recipe.data, files, sources=sources)
     return examples.write(out_dir, arrays, meta, recipe.examples_digest)
+
+
+def quantize_base(recipe_json: Path, examples_dir: Path, out_dir: Path) -> dict:
+    """Write the recipe's quantized base into ``out_dir`` (addressed by its quantized-base
+    digest, shared by every recipe that quantizes the same base the same way), from the
+    base its prepared examples hold (verified), one matrix at a time."""
+    recipe = recipes.load(recipe_json)
+    if recipe.quantized_base_digest is None:
+        raise StageError(f"{recipe_json}: model.lora.base_quantization is not set")
+    arrays, _ = examples.load(examples_dir, recipe.examples_digest)
+    return quantized_base.make(recipe.data, arrays, out_dir)
 
 
 def prepare_source(recipe_json: Path, input_root: Path, name: str, out_dir: Path) -> dict:

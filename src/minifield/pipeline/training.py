@@ -89,6 +89,7 @@ def qualify(
     out_proof: Path,
     log: Path,
     *,
+    quantized_base_dir: Path | None = None,
     steps: int | None = None,
     fail_after_step: int | None = None,
     mode: str = DEFAULT_MODE,
@@ -122,6 +123,7 @@ def qualify(
             fail_after_step=fail_after_step,
             mode=mode,
             examples_dir=examples_dir,
+            quantized_base_dir=quantized_base_dir,
             supervision=dataclasses.replace(
                 supervision,
                 env=_worker_env(recipe, held, supervision.env),
@@ -175,6 +177,7 @@ def train_attempt(
     out_export: Path,
     log: Path,
     *,
+    quantized_base_dir: Path | None = None,
     proof: Path | None = None,
     record_state_hashes: bool | int | str = True,
     allow_environment_change: bool = False,
@@ -206,6 +209,7 @@ def train_attempt(
         examples_dir,
         work_dir,
         attempt_id,
+        quantized_base_dir=quantized_base_dir,
         previous=latest_attempt(job_dir),
         record_state_hashes=record_state_hashes,
         allow_environment_change=allow_environment_change,
@@ -264,6 +268,7 @@ def _worker_args(
     work_dir: Path,
     attempt_id: str,
     *,
+    quantized_base_dir: Path | None = None,
     previous: Path | None,
     record_state_hashes: bool | int | str,
     allow_environment_change: bool,
@@ -284,6 +289,8 @@ def _worker_args(
         "--compilation-cache",
         str(computation_cache(work_dir)),
     ]
+    if quantized_base_dir is not None:
+        args += ["--quantized-base", quantized_base_dir]
     if previous is not None:
         args += ["--resume-from", previous]
     if record_state_hashes is True:

@@ -187,6 +187,7 @@ def prove(
     fail_after_step: int | None = None,
     mode: str = DEFAULT_MODE,
     examples_dir: Path | None = None,
+    quantized_base_dir: Path | None = None,
     supervision: supervisor.Settings = supervisor.QUALIFICATION,
     processes: int = 1,
 ) -> dict:
@@ -251,6 +252,7 @@ def prove(
             base,
             steps=steps,
             examples_dir=examples_dir,
+            quantized_base_dir=quantized_base_dir,
             supervision=supervision,
             processes=processes,
         )

@@ -84,6 +84,7 @@ class Runs:
         steps: int,
         examples_dir: Path | None,
         supervision: supervisor.Settings,
+        quantized_base_dir: Path | None = None,
         processes: int,
     ):
         self.recipe, self.input_root, self.examples_dir = recipe, input_root, examples_dir
@@ -102,6 +103,9 @@ class Runs:
         ]  # fmt: skip
         if examples_dir is not None:
             self.common += ["--examples", examples_dir]
+        self.quantized_base_dir = quantized_base_dir
+        if quantized_base_dir is not None:
+            self.common += ["--quantized-base", quantized_base_dir]
         self._program = None
 
     def launch(
@@ -133,6 +137,10 @@ class Runs:
             else:
                 files = pinned.files_by_name(recipe.data, self.input_root)
                 arrays, _ = recipe.strategy.prepare(recipe.data, files)
+            if self.quantized_base_dir is not None:
+                from ..hf import quantized_base
+
+                arrays = {**arrays, **quantized_base.load(self.quantized_base_dir, recipe.data)}
             self._program = recipe.strategy.build(recipe.data, arrays)
         return self._program
 

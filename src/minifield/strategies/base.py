@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import schemas
 from ..digest import sha256_json
+from ..hf import quantized_base
 
 #: an input entry's keys that say how its rows are read (absent from most recipes, so
 #: only a recipe that gives one has them in its digests)
@@ -50,6 +51,9 @@ def computation_fields(data: dict) -> dict:
         "evaluation": data["evaluation"],
     }
     fields.update({key: data[key] for key in EXTRA_SECTIONS if key in data})
+    quantized = quantized_base.digest(data)
+    if quantized is not None:  # the product it trains on, named (absent: every other recipe)
+        fields["quantized_base"] = quantized
     return fields
 
 

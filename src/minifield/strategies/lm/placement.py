@@ -121,8 +121,12 @@ def frozen_base(arrays: dict, training: dict, lora):
     from ...hf import stored_base
     from ...training.data_parallel import DataParallel
 
+    if lora.quantization is not None:  # one device (validation): codes and scales
+        from ...hf import quantized_base
+
+        return quantized_base.on_device(arrays, lora)
     if DataParallel.from_training(training).devices == 1:
-        return stored_base.on_device(arrays, lora.base_dtype, lora)
+        return stored_base.on_device(arrays, lora.base_dtype)
     return stored_base.on_host(arrays, lora.base_dtype)
 
 
