@@ -117,7 +117,7 @@ def run_mode(args) -> dict:
         args.block,
         scheme == "nf4" and not args.no_double,
     )
-    base = stored_base.on_device(arrays, "bfloat16", settings)
+    base = stored_base.stacked(stored_base.on_device(arrays, "bfloat16", settings))  # scanned
     training = {"warmup_steps": 2, "learning_rate": 1e-4}
     opt = optimizer.make_optimizer(training, 1000)
     step = jax.jit(
