@@ -4,8 +4,9 @@ and each one's peak memory (docs/quantized-base.md).
 The base is a random Llama written as an HF checkpoint (BF16 safetensors, one shard per layer,
 the index, ``config.json``) one layer at a time (``_random_base.py``: the host holds one layer's
 tensors, or the embeddings', never the model's), then read back as a LoRA run reads it
-(:func:`minifield.hf.checkpoint.load_stored`, :func:`minifield.hf.stored_base.on_device`; int8
-and NF4 through :func:`minifield.hf.quantized_base.on_device`, quantized on the host matrix by
+(:func:`minifield.hf.checkpoint.load_stored`, then
+:func:`minifield.strategies.lm.placement.frozen_base` as the worker places it, layers stacked once;
+int8 and NF4 quantized on the host matrix by
 matrix as they are put on the device, as a worker started without a quantized-base product). Each mode runs in its own process
 so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
 peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW, BF16
@@ -100,7 +101,8 @@ def write_base(args) -> None:
 def run_mode(args) -> dict:
     import jax
 
-    from minifield.hf import checkpoint, quantized_base, stored_base
+    from minifield.hf import checkpoint, stored_base
+    from minifield.strategies.lm import placement
     from minifield.training import lora, optimizer
 
     cfg = config(args)
@@ -118,10 +120,8 @@ def run_mode(args) -> dict:
         args.block,
         scheme == "nf4" and not args.no_double,
     )
-    if scheme is None:
-        base = stored_base.on_device(arrays, "bfloat16")
-    else:
-        base = quantized_base.on_device(arrays, settings)
+    # as the worker places it: one device, the layers scanned (stacked once)
+    base = placement.frozen_base(arrays, {}, settings, scan_layers=True)
     training = {"warmup_steps": 2, "learning_rate": 1e-4}
     opt = optimizer.make_optimizer(training, 1000)
     step = jax.jit(

@@ -152,7 +152,6 @@ def abstract_step(cfg, mode: str):
     import jax
     import numpy as np
 
-    from minifield.models import llama
     from minifield.training import lora, optimizer
     from minifield.training.train_step import init_train_state, make_train_step
 
@@ -163,11 +162,33 @@ def abstract_step(cfg, mode: str):
         return step, (state,), _count(state["params"])
     settings = lora.LoraSettings(LORA_RANK, float(2 * LORA_RANK), LORA_TARGETS, LORA_BASE_DTYPE)
     schedule = optimizer.make_schedule({}, MAX_STEPS)
-    base = jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(1)))
-    base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, LORA_BASE_DTYPE), base)
+    base = jax.eval_shape(lambda: _frozen_base(cfg))
     state = jax.eval_shape(lambda: lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8)))
     step = jax.jit(lora.make_train_step(cfg, settings, opt, schedule), donate_argnums=(0,))
     return step, (state, base), _count(state["params"])
+
+
+def _frozen_base(cfg):
+    """The frozen base as a one-device LoRA run places it (``placement.frozen_base``): its
+    checkpoint's tensors (HF's names, shapes and ``[out, in]`` layout) in BF16, held as
+    stored, then stacked for the scan where the layers are scanned."""
+    import jax.numpy as jnp
+
+    from minifield.hf import stored_base
+    from minifield.models import families
+
+    params: dict = {}
+    out_in = set()
+    for path, transpose, shape in families.expected_tensors(cfg).values():
+        *parents, leaf = path.split("/")
+        node = params
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = jnp.zeros(shape, LORA_BASE_DTYPE)
+        if transpose:
+            out_in.add(path)
+    base = stored_base.FrozenBase(params, frozenset(out_in), LORA_BASE_DTYPE)
+    return stored_base.stacked(base) if cfg.execution.scan_layers else base
 
 
 def _count(tree) -> int:

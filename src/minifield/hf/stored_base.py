@@ -158,6 +158,51 @@ def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: va
     return FrozenBase(nest(items), frozenset(out_in), base_dtype)
 
 
+def stacked(base: FrozenBase) -> FrozenBase:
+    """``base`` as a step that scans its layers (``model.scan_layers``) runs it, made once as
+    the base is placed: each block leaf's layers stacked along a leading axis
+    (:data:`minifield.models.layers.layer_stack.STACKED`) and each stacked matrix stored
+    ``[out, in]`` transposed into ``[in, out]`` here, on the device. Otherwise the step itself
+    would stack the layers (and transpose them) every step: a second copy of the base's blocks
+    held for the whole step (docs/quantized-base.md). The values are the stored values moved,
+    so the step's products, and its bits, are the per-layer base's. ``base`` is consumed: each
+    leaf's per-layer arrays are let go as soon as they are stacked, so placing it holds at most
+    one leaf's layers twice (a quantized matrix's codes and scales are stacked as they are)."""
+    from ..models.layers.layer_stack import STACKED, layer_names
+
+    blocks = base.params["blocks"]
+    names = layer_names(blocks)
+    if names == [STACKED]:
+        return base
+    items = []
+    for path, _ in list(flatten(blocks[names[0]])):
+        transpose = f"blocks/{names[0]}/{path}" in base.out_in
+        layers = [_pop(blocks[name], path.split("/")) for name in names]
+        items.append((path, _stack_layers(transpose, *layers)))
+        del layers
+    params = {**base.params, "blocks": {STACKED: nest(items)}}
+    del params["blocks"][STACKED]["blocks"]  # (nest's own empty "blocks")
+    out_in = frozenset(path for path in base.out_in if not path.startswith("blocks/"))
+    return FrozenBase(params, out_in, base.dtype)
+
+
+def _pop(node: dict, parts: list[str]):
+    """The leaf at ``parts`` in ``node``, taken out of it (the caller's reference is the last)."""
+    for part in parts[:-1]:
+        node = node[part]
+    return node.pop(parts[-1])
+
+
+def _stack_layers(transpose: bool, *layers):
+    import jax
+    import jax.numpy as jnp
+
+    def stack(*leaves):
+        return jnp.stack([leaf.T if transpose else leaf for leaf in leaves])
+
+    return jax.jit(lambda *ls: jax.tree_util.tree_map(stack, *ls))(*layers)
+
+
 #: registered as a pytree on first use (importing this module must not import JAX: the
 #: prepare stage and recipe validation use it)
 _registered: list[bool] = []

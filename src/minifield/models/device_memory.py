@@ -10,7 +10,9 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
   rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
   twice with ``model.scan_layers``, forward and backward; every layer's without), the step's
   transposed copy of every other matrix HF stores ``[out, in]`` (:mod:`minifield.hf.stored_base`:
-  the whole unquantized base's, the head's), and the adapters as full fine-tuning's parameters;
+  the head's; without ``model.scan_layers`` the unquantized blocks' too, which a scanned run
+  transposes and stacks once as it places the base), and the adapters as full fine-tuning's
+  parameters;
 - ``activations``, per row: with ``training.remat: full``, each layer's FP32 input kept
   (``n_layers * T * d_model * 4``) plus one layer's working set; otherwise every layer's
   working set. A layer's working set: ``T * 4 * (8 d_model + 4 d_ff)`` and, with the XLA
@@ -80,6 +82,7 @@ def _state(cfg, recipe: dict, accum: bool) -> int:
     dtype, targets = lora["base_dtype"], _target_params(lora["targets"])
     block, double = lora.get("quantization_block"), lora.get("double_quantization", False)
     held = copies = made_back = layer = adapters = 0
+    scanned = model.get("scan_layers", False)
     for path, (shape, stored_out_in) in params.items():
         size = math.prod(shape) * DTYPE_BYTES[dtype]
         matrix = is_quantized(path, len(shape))  # a block's matrix
@@ -89,11 +92,13 @@ def _state(cfg, recipe: dict, accum: bool) -> int:
             layer += size if path.startswith("blocks/00/") else 0
         else:
             held += size
-            # the step's transposed copy of a stored [out, in] matrix (hf.stored_base)
-            copies += size if stored_out_in else 0
+            # the step's transposed copy of a stored [out, in] matrix (hf.stored_base); a
+            # scanned run's block matrices are transposed and stacked once, as placed
+            placed = scanned and path.startswith("blocks/")
+            copies += size if stored_out_in and not placed else 0
         if matrix and path.rsplit("/", 1)[-1] in targets:
             adapters += lora["rank"] * sum(shape)
-    if scheme is not None and model.get("scan_layers", False):
+    if scheme is not None and scanned:
         made_back = 2 * layer  # one layer's, forward and backward
     return held + copies + made_back + per_trained * adapters
 

@@ -268,10 +268,15 @@ def adapted(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     """The parameter tree :mod:`minifield.models.llama` runs: the base's, with every target
     matrix replaced by a :class:`minifield.models.layers.primitives.LoraWeight` (base matrix,
     A, B, scale); the experts' stacked adapters go to ``moe/experts_lora`` (base None:
-    :mod:`minifield.models.moe` multiplies them in the experts' groups)."""
+    :mod:`minifield.models.moe` multiplies them in the experts' groups). A base held with its
+    layers stacked (:func:`minifield.hf.stored_base.stacked`) gets the adapters stacked too
+    (a copy of the adapters alone), so the scan slices the base where it lies."""
+    from ..models.layers import layer_stack
     from ..models.layers.primitives import LoraWeight
 
     base = _model_params(base)
+    if layer_stack.STACKED in base["blocks"]:  # a base held stacked (stored_base.stacked)
+        adapters = layer_stack.stack_layers(adapters)
     params = {**base, "blocks": {k: dict(v) for k, v in base["blocks"].items()}}
     for layer, parents, leaf, pair in adapted_leaves(adapters):
         block = params["blocks"][layer]
@@ -292,7 +297,10 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
     import jax
     import jax.numpy as jnp
 
-    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), _model_params(base))
+    from ..models.layers import layer_stack
+
+    per_layer = layer_stack.per_layer(_model_params(base))  # a stacked base's layers
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), per_layer)
 
     def delta(a, b):
         return settings.scale * jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)

@@ -20,7 +20,8 @@ class PlacedState:
         evaluation runs on the merged weights."""
         import jax
 
-        self._base = frozen_base(self.arrays, self.recipe["training"], self.lora)
+        how = self.cfg.execution
+        self._base = frozen_base(self.arrays, self.recipe["training"], self.lora, how.scan_layers)
         inputs = model_section.base_model_inputs(self.recipe["model"])
         self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
         merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
@@ -114,20 +115,23 @@ def base_by_slices(training: dict) -> bool:
     return dp.devices > 1 and dp.shard_params
 
 
-def frozen_base(arrays: dict, training: dict, lora):
-    """LoRA's frozen base as stored: on the device, or, for a data-parallel run, the host's
-    arrays, which ``lay_out_mesh`` places on the mesh slice by slice (never whole on one
-    device first)."""
+def frozen_base(arrays: dict, training: dict, lora, scan_layers: bool = False):
+    """LoRA's frozen base as stored: on the device (``scan_layers``: its layers stacked there
+    once, :func:`minifield.hf.stored_base.stacked`, so the step does not stack a copy every
+    step), or, for a data-parallel run, the host's arrays, which ``lay_out_mesh`` places on
+    the mesh slice by slice (never whole on one device first)."""
     from ...hf import stored_base
     from ...training.data_parallel import DataParallel
 
     if lora.quantization is not None:  # one device (validation): codes and scales
         from ...hf import quantized_base
 
-        return quantized_base.on_device(arrays, lora)
-    if DataParallel.from_training(training).devices == 1:
-        return stored_base.on_device(arrays, lora.base_dtype)
-    return stored_base.on_host(arrays, lora.base_dtype)
+        base = quantized_base.on_device(arrays, lora)
+    elif DataParallel.from_training(training).devices == 1:
+        base = stored_base.on_device(arrays, lora.base_dtype)
+    else:
+        return stored_base.on_host(arrays, lora.base_dtype)
+    return stored_base.stacked(base) if scan_layers else base
 
 
 def base_on_mesh(dp, mesh, base) -> tuple:
