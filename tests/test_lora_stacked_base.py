@@ -99,7 +99,7 @@ def test_a_scanned_run_on_the_stacked_base_is_the_per_layer_runs_bits(tmp_path):
     loaded, (arrays, _) = _prepare(lora_recipe(root, scan_layers=True), root)
     program = loaded.strategy.build(loaded.data, arrays)
     twin = loaded.strategy.build(loaded.data, arrays)
-    twin._base = stored_base.on_device(arrays, twin.lora.base_dtype, twin.lora)
+    twin._base = stored_base.on_device(arrays, twin.lora.base_dtype)
     blocks_out_in = [
         [p for p in run._base.out_in if p.startswith("blocks/")] for run in (program, twin)
     ]
