@@ -27,7 +27,8 @@ class PlacedState:
         self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
 
     def _lora_params(self, adapters: dict):
-        """The parameters a LoRA run's model is evaluated (and GRPO's policy sampled) with:
+        """The parameters a LoRA run's model is evaluated (and GRPO's policy sampled) with
+        (a quantized base is packed-sft's only, its schema's key):
         the merged FP32 weights, as the export holds them; on a quantized base, the base as
         the step holds it (its codes, each layer's matrices made back inside that layer's
         products) with the adapters beside it, as training's forward runs: the device holds
