@@ -102,7 +102,8 @@ def complete(path: Path, args) -> Path:
     recipe["limits"] = {"max_steps": args.steps}
     recipe["checkpoint"] = {"every_steps": max(1, args.steps // 2), "keep": 2}
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 1, "max_generate_examples": 2,
-                            "min_dev_exact_match": 0.0, "export_max_shard_size": "2GB"}  # fmt: skip
+                            "min_dev_exact_match": 0.0, "export_max_shard_size": "2GB",
+                            "export_dtype": "bfloat16"}  # fmt: skip
     out = args.dir / "recipe.json"
     out.write_text(json.dumps(recipe, indent=1))
     return out
