@@ -37,6 +37,18 @@ class PlacedState:
             return lora.adapted(self._base, adapters, self.lora)
         return self._merge(self._base, adapters)
 
+    def _lora_export(self, adapters: dict, group) -> tuple:
+        """``(lora_run, params, fetch)`` the export writes: the merged weights made on the
+        host tensor by tensor (:class:`minifield.training.host_merge.HostMerge`: never the base
+        on the device); over several processes (``group``), each process's own slices merged
+        on their mesh (``fetch`` None)."""
+        if group is None:
+            from ...training.host_merge import HostMerge
+
+            merge = HostMerge(self.arrays, adapters, self.lora)
+            return (self.lora, adapters), merge.params, merge.value
+        return (self.lora, adapters), self._merge(self._base, adapters), None
+
     # -- the state: created, placed ------------------------------------------------------------
     @property
     def base_params(self):

@@ -208,13 +208,8 @@ class LMProgram(PlacedState, Program):
 
         params = layer_stack.per_layer(state["params"])  # scanned runs hold them stacked
         lora_run, fetch = None, None
-        if self.lora is not None and group is None:  # merged on the host, tensor by tensor
-            from ...training.host_merge import HostMerge
-
-            merge = HostMerge(self.arrays, params, self.lora)
-            lora_run, params, fetch = (self.lora, params), merge.params, merge.value
-        elif self.lora is not None:  # the processes' own slices, merged on their mesh
-            lora_run, params = (self.lora, params), self._merge(self._base, params)
+        if self.lora is not None:
+            lora_run, params, fetch = self._lora_export(params, group)
         export_format.write(
             directory,
             self.recipe,
