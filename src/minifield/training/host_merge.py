@@ -65,9 +65,9 @@ class HostMerge:
         for layer, parents, leaf, pair in adapted_leaves(adapters):
             a, b = to_host(pair["a"]), to_host(pair["b"])
             prefix = "/".join(("blocks", layer, *parents))
-            if parents == EXPERTS:  # expert j's own A[j] @ B[j], stored as experts/j/leaf
-                for j in range(a.shape[0]):
-                    self.pairs[f"{prefix}/{j}/{leaf}"] = (a[j], b[j])
+            if parents == EXPERTS:  # expert j's own A[j] @ B[j]: the j-th stored by number
+                for j, name in enumerate(self._experts(prefix)):
+                    self.pairs[f"{prefix}/{name}/{leaf}"] = (a[j], b[j])
                 continue
             self.pairs[f"{prefix}/{leaf}"] = (a, b)
         self._op = None  # the jitted merge, made on the first target
@@ -78,6 +78,12 @@ class HostMerge:
             for part in parents:
                 node = node.setdefault(part, {})
             node[leaf] = path
+
+    def _experts(self, prefix: str) -> list[str]:
+        """The experts' names under ``prefix`` (``blocks/NN/moe/experts``), by number."""
+        depth = prefix.count("/") + 1
+        names = {p.split("/")[depth] for p in self.stored if p.startswith(prefix + "/")}
+        return sorted(names, key=int)
 
     def value(self, path: str) -> np.ndarray:
         """The merged FP32 ``[in, out]`` parameter at ``path`` (see the module)."""
