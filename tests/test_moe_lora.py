@@ -231,6 +231,7 @@ def test_the_merged_export_minus_the_base_is_the_adapters_product(trained):
     assert adapted == L * (2 + 3 * E)  # q_proj and the router, three matrices per expert
 
 
+@pytest.mark.slow  # test_host_merge's NF4 case checks the same writer in the fast tier
 def test_the_host_merge_is_the_jitted_merge_byte_for_byte(trained, tmp_path):
     """Each expert's ``A[j] @ B[j]`` merged on the host into its own stored matrix: the export
     as the one jitted merge wrote it (``test_host_merge``'s code of before), file for file."""
