@@ -43,6 +43,9 @@ PRESETS = {
                          rope_theta=500000.0, tied=True),
     "small": dict(d_model=256, layers=4, heads=8, kv_heads=2, ff=768, vocab=2048,
                   rope_theta=10000.0, tied=False),
+    # qlora_pipeline.py's test: the Llama demo's tokenizer (33 ids) fits its vocabulary
+    "tiny": dict(d_model=64, layers=2, heads=4, kv_heads=2, ff=128, vocab=64,
+                 rope_theta=10000.0, tied=False),
 }  # fmt: skip
 
 

@@ -231,6 +231,19 @@ def test_the_merged_export_minus_the_base_is_the_adapters_product(trained):
     assert adapted == L * (2 + 3 * E)  # q_proj and the router, three matrices per expert
 
 
+@pytest.mark.slow  # test_host_merge's NF4 case checks the same writer in the fast tier
+def test_the_host_merge_is_the_jitted_merge_byte_for_byte(trained, tmp_path):
+    """Each expert's ``A[j] @ B[j]`` merged on the host into its own stored matrix: the export
+    as the one jitted merge wrote it (``test_host_merge``'s code of before), file for file."""
+    from test_host_merge import _export_as_before
+
+    _export_as_before(trained["program"], trained["state"], tmp_path / "before")
+    for path in sorted((tmp_path / "before").rglob("*")):
+        if path.is_file():
+            name = path.relative_to(tmp_path / "before")
+            assert (trained["export"] / name).read_bytes() == path.read_bytes(), name
+
+
 @pytest.mark.parametrize(
     ("targets", "needle"),
     [

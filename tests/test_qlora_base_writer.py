@@ -137,3 +137,24 @@ def test_the_presets_are_the_published_shapes(preset, parameters):
     cfg = qlora_step.base_config(SimpleNamespace(preset=preset, seq=2048))
     assert checkpoint.fp32_bytes(cfg) == 4 * parameters
     assert cfg.rope_theta == 500000.0 and cfg.tie_embeddings == (preset == "llama-3.2-3b")
+
+
+def test_a_tensor_larger_than_a_layer_is_drawn_a_block_at_a_time(tmp_path, monkeypatch):
+    """The embeddings' group (here 8 layers' values): the host holds it in BF16 and its bytes
+    for the file, never its FP32 draw whole (a 16 KiB block at a time here)."""
+    cfg = tiny(layers=2, d=64, ff=128, vocab=4096)
+    embeddings_bf16 = 2 * 4096 * 64
+    _random_base.write(tmp_path / "warm", tiny(layers=1), seed=0)
+    monkeypatch.setattr(_random_base, "DRAW_VALUES", 4096)
+    tracemalloc.start()
+    try:
+        _random_base.write(tmp_path / "base", cfg, seed=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # the whole FP32 draw beside its BF16 copy would be 3 times the BF16 bytes
+    assert peak < 2 * embeddings_bf16 + 64 * 1024, (peak, embeddings_bf16)
+    _, params, _ = checkpoint.load_stored(tmp_path / "base")
+    want = redraw(cfg, 3)
+    for path, value in _flat(params):
+        assert np.array_equal(np.asarray(value).view(np.uint16), want[path].view(np.uint16)), path

@@ -30,7 +30,9 @@ digest), so the state hash (of every state array, ``frozen_base`` included) iden
 complete training state: adapters, optimizer, counters and which base they adapt.
 
 Evaluation and export use the merged weights ``W + (alpha / rank) * A @ B`` (FP32, from the
-base as held); the export adds the PEFT adapter directory
+base as held; the export's made on the host tensor by tensor, :mod:`.host_merge`); a quantized
+base is evaluated as the step runs it instead (:func:`adapted`: its codes, the adapters
+beside them). The export adds the PEFT adapter directory
 (:func:`minifield.training.peft_adapter.write_adapter`).
 """
 

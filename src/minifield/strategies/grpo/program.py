@@ -142,7 +142,7 @@ class GRPOProgram(LMProgram):
         from ...models.layers import layer_stack
 
         if self.lora is not None:
-            return self._merge(self._base, state["params"])
+            return self._lora_params(state["params"])
         return layer_stack.per_layer(state["params"])
 
     def dispatch(self, state: dict, step: int):

@@ -74,6 +74,7 @@ def write(
     strategy=None,
     extra_files: dict[str, bytes] | None = None,
     group=None,
+    fetch=None,
 ):
     """Write the export of ``params`` (per layer, FP32) into ``directory`` (``strategy``: as
     :func:`config`; ``extra_files``: further files the export carries, name → bytes, listed
@@ -81,7 +82,9 @@ def write(
 
     ``lora_run``: ``(settings, adapters)`` of a LoRA run, whose ``params`` are the merged
     weights; its PEFT adapter goes into ``adapter/`` beside them (what transformers, the
-    store's gate and ``minifield generate`` load without the base).
+    store's gate and ``minifield generate`` load without the base). ``fetch``: a leaf of
+    ``params`` -> its FP32 host array, asked as each tensor is written (None: the leaf is
+    the array; a LoRA run's :class:`minifield.training.host_merge.HostMerge` makes it).
 
     ``group``: the processes of a state spread over several, every one calling this (a
     collective): each writes the slices of the weights and adapters its devices hold
@@ -138,7 +141,7 @@ def write(
         tokenizer_config_json,
         base_config,
         model_section.export_max_shard_size(recipe),
-        fetch=to_host,  # tensor by tensor as each shard is written, one process
+        fetch=fetch or to_host,  # tensor by tensor as each shard is written, one process
         group=group,
     )
 

@@ -17,20 +17,38 @@ class PlacedState:
     def _lora_setup(self) -> None:
         """LoRA: the step trains the adapters against the frozen base (held once as its
         checkpoint stores it, seen in ``base_dtype``: :mod:`minifield.hf.stored_base`);
-        evaluation runs on the merged weights."""
+        evaluation runs on the merged weights, or, on a quantized base, on the base as the
+        step holds it (:meth:`_lora_params`)."""
         import jax
 
         how = self.cfg.execution
         self._base = frozen_base(self.arrays, self.recipe["training"], self.lora, how.scan_layers)
         inputs = model_section.base_model_inputs(self.recipe["model"])
         self.start.lora_run = (self.lora, lora.base_identity(self.recipe, inputs))
-        merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
-        self._merge = merge
-        if self.lora.quantization is not None:  # into the unquantized base, as QLoRA merges
-            from ...hf import stored_base
+        self._merge = jax.jit(lambda base, adapters: lora.merged(base, adapters, self.lora))
 
-            unquantized = stored_base.on_host(self.arrays, self.lora.base_dtype)
-            self._merge = lambda _quantized, adapters: merge(unquantized, adapters)
+    def _lora_params(self, adapters: dict):
+        """The parameters a LoRA run's model is evaluated (and GRPO's policy sampled) with
+        (a quantized base is packed-sft's only, its schema's key):
+        the merged FP32 weights, as the export holds them; on a quantized base, the base as
+        the step holds it (its codes, each layer's matrices made back inside that layer's
+        products) with the adapters beside it, as training's forward runs: the device holds
+        no unquantized copy of the base (an 8B base on a 16 GB chip does not fit one)."""
+        if self.lora.quantization is not None:
+            return lora.adapted(self._base, adapters, self.lora)
+        return self._merge(self._base, adapters)
+
+    def _lora_export(self, adapters: dict, group) -> tuple:
+        """``(lora_run, params, fetch)`` the export writes: the merged weights made on the
+        host tensor by tensor (:class:`minifield.training.host_merge.HostMerge`: never the base
+        on the device); over several processes (``group``), each process's own slices merged
+        on their mesh (``fetch`` None)."""
+        if group is None:
+            from ...training.host_merge import HostMerge
+
+            merge = HostMerge(self.arrays, adapters, self.lora)
+            return (self.lora, adapters), merge.params, merge.value
+        return (self.lora, adapters), self._merge(self._base, adapters), None
 
     # -- the state: created, placed ------------------------------------------------------------
     @property
@@ -97,8 +115,8 @@ class PlacedState:
         from ...models.layers import layer_stack
         from ...training import data_parallel
 
-        if self.lora is not None:  # the merged FP32 weights, as the export holds them
-            return self._merge(self._base, state["params"])
+        if self.lora is not None:
+            return self._lora_params(state["params"])
         if self.layout is None:
             return layer_stack.per_layer(state["params"])
         return layer_stack.per_layer(

@@ -207,9 +207,9 @@ class LMProgram(PlacedState, Program):
         from ...models.layers import layer_stack
 
         params = layer_stack.per_layer(state["params"])  # scanned runs hold them stacked
-        lora_run = None
+        lora_run, fetch = None, None
         if self.lora is not None:
-            lora_run, params = (self.lora, params), self._merge(self._base, params)
+            lora_run, params, fetch = self._lora_export(params, group)
         export_format.write(
             directory,
             self.recipe,
@@ -221,6 +221,7 @@ class LMProgram(PlacedState, Program):
             self.export_strategy,
             self.export_files(),
             group,
+            fetch,
         )
 
     def export_files(self) -> dict[str, bytes]:

@@ -1,0 +1,241 @@
+"""A LoRA run on an NF4 base through the pipeline's stages, each timed and its peak memory
+recorded, into one JSON file (docs/quantized-base.md, "The 8B pipeline on the chip").
+
+The base is a random Llama (``_random_base.py``: written one layer at a time, no download)
+beside the Llama demo's tokenizer and data (``data/llama-base``, ``data/llama-sft-demo``);
+``minifield recipe new`` pins it all into a recipe like the demo's, with ``model.lora``
+(rank 16 on every linear layer, NF4 blocks of 64, double quantization, a BF16 base),
+``model.scan_layers``, ``training.remat: full``, rows of ``--seq`` tokens. Then the stages,
+each in a process of its own, run by the pipeline's own functions:
+
+- ``prepare``: ``preparation.validate`` and ``preparation.prepare`` (the examples, the base);
+- ``compile``: the training update compiled as the worker compiles it: its memory analysis
+  (arguments + outputs + temporaries - aliased, ``qlora_step.compiled_peak``), the peak HBM
+  the issue's goals are about (NF4 ≤ 8 GB);
+- ``train``: ``training.train_attempt`` (the supervised worker; it also exports the final
+  weights, merged on the host);
+- ``evaluate``: ``evaluation.evaluate``: DEV for every checkpoint on the quantized base, the
+  selection, TEST;
+- ``export``: the selected checkpoint's export (``program.export``: the merged weights made on
+  the host tensor by tensor, the PEFT adapter);
+- ``publish``: ``store.publish_computation`` into a store under ``--dir`` (no recovery proof:
+  the store records why). Activation, whose gate re-evaluates the export in FP32 (32 GB at
+  8B), is not a stage here.
+
+Each stage's record: its exit, seconds, the process's peak resident memory (its children's
+too), and, where that process opened the device, the device's ``peak_bytes_in_use``. A stage
+that fails is recorded with its error's last lines, and the stages after it are not run::
+
+    python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --dir /tmp/q8 \\
+        --out $OUT/qlora-pipeline.json                          # the chip
+    uv run python benchmarks/qlora_pipeline.py --preset tiny --seq 64 --dir /tmp/q --out q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _random_base  # noqa: E402
+import qlora_step  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ("prepare", "compile", "train", "evaluate", "export", "publish")
+#: stages whose process opens the device (the others are parents: they keep off it)
+ON_DEVICE = ("compile", "evaluate", "export", "publish")
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(qlora_step.PRESETS), default="tiny")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--dir", type=Path, required=True, help="inputs, results, the store")
+    parser.add_argument("--out", type=Path, help="the JSON record (the parent's)")
+    parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one child's
+    return parser.parse_args(argv)
+
+
+def write_inputs(args) -> Path:
+    """The input root: the random base (skipped when written), the demo's tokenizer and data;
+    returns the recipe ``recipe new`` wrote and this script completed."""
+    root = args.dir / "in"
+    base = root / "base"
+    if not (base / "config.json").is_file():
+        _random_base.write(base, qlora_step.base_config(args), seed=0, dtype="bfloat16")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(REPO / "data" / "llama-base" / name, base / name)
+    (root / "sft").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "dev", "test"):
+        name = f"{split}.jsonl"
+        shutil.copyfile(REPO / "data" / "llama-sft-demo" / name, root / "sft" / name)
+    recipe = args.dir / "recipe.yaml"
+    data = ["--train", "sft/train.jsonl", "--dev", "sft/dev.jsonl", "--test", "sft/test.jsonl"]
+    command = [sys.executable, "-m", "minifield.cli", "recipe", "new", "--like",
+               str(REPO / "config/recipes/llama-sft-demo.yaml"), "--base", "base", *data,
+               "--input-root", str(root), "-o", str(recipe), "--force"]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, cwd=root)
+    return complete(recipe, args)
+
+
+def complete(path: Path, args) -> Path:
+    """The LoRA settings of the module's docstring on the written recipe."""
+    import yaml
+
+    recipe = yaml.safe_load(path.read_text())
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    recipe["model"].update(
+        scan_layers=True,
+        lora={"rank": args.rank, "alpha": float(2 * args.rank), "targets": targets,
+              "base_dtype": "bfloat16", "base_quantization": "nf4", "double_quantization": True},
+    )  # fmt: skip
+    recipe["training"].update(seq_len=args.seq, batch_size=1, warmup_steps=1, remat="full",
+                              loss_chunk_tokens=min(1024, args.seq))  # fmt: skip
+    recipe["limits"] = {"max_steps": args.steps}
+    recipe["checkpoint"] = {"every_steps": max(1, args.steps // 2), "keep": 2}
+    recipe["evaluation"] = {"eval_every": 0, "batch_size": 1, "max_generate_examples": 2,
+                            "min_dev_exact_match": 0.0, "export_max_shard_size": "2GB",
+                            "export_dtype": "bfloat16"}  # fmt: skip
+    out = args.dir / "recipe.json"
+    out.write_text(json.dumps(recipe, indent=1))
+    return out
+
+
+# -- the stages, each in its own process ---------------------------------------------------------
+def _paths(args) -> dict[str, Path]:
+    d = args.dir
+    return {"recipe": d / "recipe.json", "validated": d / "validated.json",
+            "examples": d / "examples", "work": d / "work", "result": d / "train" / "result.json",
+            "final": d / "train" / "export", "metrics": d / "eval" / "metrics.json",
+            "export": d / "eval" / "selected", "store": d / "store",
+            "publication": d / "publication.json"}  # fmt: skip
+
+
+def _program(p):
+    from minifield import recipe as recipes
+    from minifield.inputs import examples
+
+    recipe = recipes.load(p["validated"])
+    arrays, _ = examples.load(p["examples"] / "", recipe.examples_digest)
+    return recipe, recipe.strategy.build(recipe.data, arrays)
+
+
+def stage_compile(p) -> dict:
+    """The update compiled as ``LMProgram.compile`` compiles it (one device), and its
+    memory analysis."""
+    import jax
+
+    _, program = _program(p)
+    state = jax.eval_shape(program.start.abstract)
+    base = jax.eval_shape(lambda: program._base)
+    fn = jax.jit(program._step_fn, donate_argnums=(0,))
+    compiled = fn.lower(state, base, program.abstract_batch()).compile()
+    return {"compiled_peak_bytes": qlora_step.compiled_peak(compiled)}
+
+
+def stage_export(p) -> dict:
+    """The DEV-selected checkpoint's export (the evaluate stage's selection)."""
+    from minifield.state import checkpoint
+
+    recipe, program = _program(p)
+    selected = json.loads(p["metrics"].read_text())["selection"]
+    path = next(
+        r["path"] for r in json.loads(p["metrics"].read_text())["checkpoints"]
+        if r.get("step") == selected["step"]
+    )  # fmt: skip
+    state, _ = checkpoint.load(Path(path), program.state_template(),
+                               computation_digest=recipe.computation_digest)  # fmt: skip
+    shutil.rmtree(p["export"], ignore_errors=True)
+    program.export(program.place(state), p["export"])
+    return {"export_bytes": sum(f.stat().st_size for f in p["export"].rglob("*") if f.is_file())}
+
+
+def run_stage(args) -> dict:
+    from minifield.pipeline import evaluation, preparation, training
+
+    p = _paths(args)
+    if args.stage == "prepare":
+        preparation.validate(p["recipe"], p["validated"], args.dir / "validation.json")
+        preparation.prepare(p["validated"], args.dir / "in", p["examples"])
+        return {}
+    if args.stage == "compile":
+        return stage_compile(p)
+    if args.stage == "train":
+        out = training.train_attempt(p["validated"], args.dir / "in", p["examples"], p["work"],
+                                     p["result"], p["final"], args.dir / "train.log")  # fmt: skip
+        return {"status": out.get("status"), "steps": out.get("steps_completed")}
+    if args.stage == "evaluate":
+        metrics = evaluation.evaluate(p["validated"], p["result"], p["examples"], p["metrics"])
+        return {"selected_dev": metrics["selected_dev"], "test": metrics["test"]}
+    if args.stage == "export":
+        return stage_export(p)
+    from minifield import store
+
+    record = store.publish_computation(
+        p["store"], p["export"], p["validated"], p["result"], p["metrics"], None,
+        p["publication"], no_proof="benchmarks/qlora_pipeline.py: no recovery proof",
+    )  # fmt: skip
+    return {"content_id": record.get("content_id")}
+
+
+def measured(args) -> dict:
+    """This child's stage and its figures (see the module)."""
+    started = time.monotonic()
+    figures = run_stage(args)
+    seconds = time.monotonic() - started
+    device_peak = None
+    if args.stage in ON_DEVICE:
+        import jax
+
+        device_peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    rss = {who: resource.getrusage(who).ru_maxrss * 1024
+           for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)}  # fmt: skip
+    return {**figures, "seconds": round(seconds, 2), "device_peak_bytes": device_peak,
+            "host_peak_rss_bytes": rss[resource.RUSAGE_SELF],
+            "children_peak_rss_bytes": rss[resource.RUSAGE_CHILDREN]}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    args = arguments(argv)
+    if args.stage:
+        print(json.dumps(measured(args)))
+        return 0
+    from minifield.supervision import accelerator
+
+    accelerator.keep_off()  # only a stage's process opens the device (one at a time)
+    started = time.monotonic()
+    write_inputs(args)
+    record = {"preset": args.preset, "seq": args.seq, "steps": args.steps, "rank": args.rank,
+              "inputs_seconds": round(time.monotonic() - started, 2), "stages": {}}  # fmt: skip
+    for stage in STAGES:
+        env = accelerator.worker_env() if stage in ON_DEVICE else None
+        command = [sys.executable, __file__, *(argv or sys.argv[1:]), "--stage", stage]
+        began = time.monotonic()
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        wall = round(time.monotonic() - began, 2)
+        if out.returncode != 0:
+            tail = (out.stdout + out.stderr).strip()[-2000:]
+            record["stages"][stage] = {"exit": out.returncode, "wall_seconds": wall, "error": tail}
+            print(f"{stage}: failed (exit {out.returncode}) in {wall} s", file=sys.stderr)
+            break
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        record["stages"][stage] = {"exit": 0, "wall_seconds": wall, **figures}
+        print(f"{stage}: {wall} s", file=sys.stderr)
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    print(text, end="")
+    return 0 if all(s["exit"] == 0 for s in record["stages"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A LoRA run's merged weights made on the host, one tensor at a time, as the export writes
+them: ``W + (alpha / rank) * A @ B`` in FP32, never the whole base on the device.
+
+The merge the device ran before (:func:`.lora.merged` under ``jax.jit``) held the base and the
+merged FP32 model there at once: 48 GB for an 8B base, on a 16 GB chip. Here the writer
+(:func:`minifield.hf.checkpoint.write`) asks for each tensor as it fills a shard, and
+:meth:`HostMerge.value` makes it from the prepared (memory-mapped) base tensor and the
+adapters: the host holds one tensor's FP32 values and the shard being written, never the
+model. A quantized base is merged the same way, into the unquantized base (what PEFT gives for
+base + adapter, as QLoRA merges).
+
+The values are :func:`.lora.merged`'s on XLA:CPU, bit for bit (``tests/test_host_merge.py``):
+the base widened as the step sees it (stored dtype → ``base_dtype`` → FP32, in NumPy; each
+conversion exact or rounded to nearest even, as XLA's), then ``W + scale * (A @ B)`` by the
+same XLA operation on JAX's CPU device. Not NumPy's: XLA:CPU fuses the multiply and the add
+into one rounding (two roundings differ in about one value in a thousand at a scale such as
+8 / 3), and its matrix products (XNNPACK's kernels) sum the rank's terms in an order of their
+own for some shapes (a 32 × 4 by 4 × 16 product differs from OpenBLAS's in a few values). A
+process whose JAX has no CPU backend (``JAX_PLATFORMS`` without ``cpu``) runs the same
+operation on its default device, still one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..models.lora_targets import EXPERTS
+
+
+def _merge_op(scale: float):
+    """``(w, a, b) -> w + scale * a @ b`` (FP32, jitted) and the device it runs on."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        device = jax.devices("cpu")[0]
+    except RuntimeError:  # no CPU backend in this process: its default device
+        device = jax.devices()[0]
+
+    @jax.jit
+    def op(w, a, b):  # lora.merged's per-target expression
+        return w + scale * jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    return op, device
+
+
+class HostMerge:
+    """The merged parameters of a LoRA run, made tensor by tensor on the host.
+
+    ``arrays``: the prepared examples' arrays (the base as stored, memory-mapped);
+    ``adapters``: the state's per-layer adapters (on a device or the host: a copy of each is
+    read here, they are small); ``settings``: the run's
+    :class:`~minifield.training.lora.LoraSettings`. :attr:`params` is the parameter tree the
+    writer walks (each leaf the parameter's path) and :meth:`value` its ``fetch``."""
+
+    def __init__(self, arrays: dict, adapters: dict, settings):
+        from ..hf import stored_base
+        from ..state.arrays import to_host
+        from .lora import adapted_leaves
+
+        base = stored_base.on_host(arrays, settings.base_dtype)
+        self.stored = dict(stored_base.flatten(base.params))
+        self.out_in, self.settings = base.out_in, settings
+        self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for layer, parents, leaf, pair in adapted_leaves(adapters):
+            a, b = to_host(pair["a"]), to_host(pair["b"])
+            prefix = "/".join(("blocks", layer, *parents))
+            if parents == EXPERTS:  # expert j's own A[j] @ B[j]: the j-th stored by number
+                for j, name in enumerate(self._experts(prefix)):
+                    self.pairs[f"{prefix}/{name}/{leaf}"] = (a[j], b[j])
+                continue
+            self.pairs[f"{prefix}/{leaf}"] = (a, b)
+        self._op = None  # the jitted merge, made on the first target
+        self.params: dict = {}
+        for path in self.stored:
+            *parents, leaf = path.split("/")
+            node = self.params
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = path
+
+    def _experts(self, prefix: str) -> list[str]:
+        """The experts' names under ``prefix`` (``blocks/NN/moe/experts``), by number."""
+        depth = prefix.count("/") + 1
+        names = {p.split("/")[depth] for p in self.stored if p.startswith(prefix + "/")}
+        return sorted(names, key=int)
+
+    def value(self, path: str) -> np.ndarray:
+        """The merged FP32 ``[in, out]`` parameter at ``path`` (see the module)."""
+        import ml_dtypes
+
+        stored = self.stored[path]
+        w = stored.T if path in self.out_in else stored
+        held = ml_dtypes.bfloat16 if self.settings.base_dtype == "bfloat16" else np.float32
+        w = np.asarray(w).astype(held).astype(np.float32)
+        if path not in self.pairs:
+            return w
+        if self._op is None:
+            self._op = _merge_op(self.settings.scale)
+        import jax
+
+        op, device = self._op
+        a, b = self.pairs[path]
+        merged = op(*(jax.device_put(np.asarray(x, np.float32), device) for x in (w, a, b)))
+        return np.asarray(merged)
