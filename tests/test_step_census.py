@@ -95,3 +95,32 @@ def test_the_tiny_census_sees_the_chunked_heads_recompute(tmp_path):
     assert flops["ours"] - flops["minimal"] == 2 * tokens * D * vocab
     assert all(r["unknown_trips"] == [] for r in results.values())
     assert results["ours"]["stablehlo"].get("stablehlo.exponential@HIGHEST", 0) > 0
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_scanned_stack_keeps_the_per_head_mask_in_its_loop(remat):
+    """The census's finding at 350M: JAX hoisted the attention mask broadcast over heads and
+    the masked scores' fill ([B, H, T, T], bool and FP32) out of the layer scan, materialised
+    once and read by every layer's forward. Nothing of that shape is computed outside it."""
+    import jax
+    import jax.numpy as jnp
+
+    from minifield.data.packing import Rows
+    from minifield.models.execution import Execution
+    from minifield.models.llama import LlamaConfig
+    from minifield.training.optimizer import make_optimizer
+    from minifield.training.train_step import init_train_state, make_train_step
+
+    B, T, H = 2, 16, 4
+    cfg = LlamaConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=H, n_kv_heads=2, d_ff=48,
+                      max_len=T, compute_dtype="bfloat16",
+                      execution=Execution(scan_layers=True, remat=remat))  # fmt: skip
+    optimizer = make_optimizer({}, 10)
+    state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed=0))
+    batch = Rows(*(jax.ShapeDtypeStruct((B, T), jnp.int32) for _ in "tsp"),
+                 jax.ShapeDtypeStruct((B, T), jnp.float32))  # fmt: skip
+    jaxpr = jax.make_jaxpr(make_train_step(cfg, optimizer))(state, batch).jaxpr
+    outside = [v.aval.shape for e in jaxpr.eqns if e.primitive.name != "scan" for v in e.outvars]
+    assert any(e.primitive.name == "scan" for e in jaxpr.eqns)
+    assert (B, 1, T, T) in outside  # the mask itself is built once, outside
+    assert (B, H, T, T) not in outside
