@@ -285,10 +285,12 @@ def make_optimizer(max_steps: int):
     )
 
 
-def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"):
-    """``(step, params, opt_state)``: ``step(params, opt_state, batch) -> (params, opt_state,
-    loss)`` jit-compiled with params and optimizer state donated; the optimizer is
-    :func:`make_optimizer`'s; ``remat`` as :func:`logits`'."""
+def step_function(
+    shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"
+):
+    """``(step, optimizer)``: the plain ``step(params, opt_state, batch) -> (params,
+    opt_state, loss)`` (not compiled) and :func:`make_optimizer`'s optimizer; ``remat`` as
+    :func:`logits`'."""
     optimizer = make_optimizer(max_steps)
 
     def step(params, opt_state, batch):
@@ -298,5 +300,12 @@ def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla", rem
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
+    return step, optimizer
+
+
+def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"):
+    """``(step, params, opt_state)``: :func:`step_function`'s step jit-compiled with params
+    and optimizer state donated, and a fresh state."""
+    step, optimizer = step_function(shape, compute, max_steps, attention, remat)
     params = jax.jit(init, static_argnums=0)(shape, jax.random.key(0))
     return jax.jit(step, donate_argnums=(0, 1)), params, optimizer.init(params)

@@ -26,6 +26,7 @@ Elsewhere the softmax is ``jax.nn.log_softmax``'s, whose bits the CPU's recorded
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -53,7 +54,10 @@ def target_logps(
     h_NxD = jnp.pad(h_BxTxD.reshape(N, D), ((0, pad), (0, 0)))
     t_N = jnp.pad(targets_BxT.reshape(N), (0, pad))
 
-    @jax.checkpoint
+    # Inside lax.map's loop the recomputation cannot be merged with the forward, so the
+    # barrier prevent_cse would add only stops XLA hoisting the head weight's BF16 rounding
+    # out of the backward loop (once a step, not once a chunk: docs/tpu.md)
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk(h_CxD, t_C):
         return _from_logits(head(h_CxD[None])[0], t_C, entropy)
 

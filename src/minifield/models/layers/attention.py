@@ -44,6 +44,16 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     """Attention of T queries over S keys/values under a dense mask: ``[B, T, H*K]``."""
     B, T, H, K = q_BxTxHxK.shape
     S, G = k_BxSxGxK.shape[1], k_BxSxGxK.shape[2]
+    fill = jnp.finfo(F32).min
+    if cfg.execution.scan_layers:
+        # Under lax.scan, JAX hoists what depends on the loop's constants alone out of the
+        # loop: the mask broadcast over heads and the fill of the masked scores would be
+        # materialised once ([B, H, T, S] bool and FP32) and read back by every layer's
+        # forward, where a layer loop fuses them into the select (docs/tpu.md, "Ours against
+        # the minimal loop"). Tied to the queries they depend on the layer and stay inside.
+        mask_Bx1xTxS, fill, q_BxTxHxK = jax.lax.optimization_barrier(
+            (mask_Bx1xTxS, jnp.asarray(fill, F32), q_BxTxHxK)
+        )
     if G != H:
         # Grouped-query attention: query head h reads key/value head h // (H / G) (repeat_kv).
         k_BxSxGxK = jnp.repeat(k_BxSxGxK, H // G, axis=2)
@@ -59,7 +69,7 @@ def xla_mix(cfg, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_Bx1xTxS):
     cap = getattr(cfg, "attn_softcap", None)
     if cap is not None:  # Gemma 2: cap * tanh(scores / cap), before the mask
         scores_BxHxTxS = cap * jnp.tanh(scores_BxHxTxS / cap)
-    scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, jnp.finfo(F32).min)
+    scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, fill)
     probs_NxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(cfg.dtype).reshape(N, T, S)
     out_NxTxK = einsum(cfg, "nts,nsk->ntk", probs_NxTxS, v_NxSxK)
     return out_NxTxK.reshape(B, H, T, K).transpose(0, 2, 1, 3).reshape(B, T, H * K)

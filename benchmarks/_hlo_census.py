@@ -1,0 +1,266 @@
+"""An op census of a compiled program's optimised HLO (``compiled.as_text()``), loops counted
+by their trip counts (``step_census.py``).
+
+XLA's own ``cost_analysis()`` counts a ``while`` body once, whatever its trip count, so a
+scanned layer stack or a loss walked in chunks (``lax.map``) reads as one layer or one chunk.
+Here every computation is weighted by how often it runs: a ``while`` body by its
+``known_trip_count`` (a loop without one counts once and is reported in ``unknown_trips``),
+a fused computation by its fusion's weight. What is counted:
+
+- ``kernels``: the instructions that run as kernels (those of the entry computation, loop
+  bodies and called computations; plumbing such as ``parameter``, ``tuple``,
+  ``get-tuple-element``, ``bitcast`` and ``constant`` left out), by opcode, a fusion by
+  ``fusion:<kind>``;
+- ``bytes``: each kernel's operands and result (what it reads and writes, as XLA's
+  ``bytes accessed`` estimates it), by opcode like ``kernels``;
+- ``ops``: every instruction inside kernels and fusions alike, by opcode;
+- ``dot_flops``: ``2 x result elements x contracted elements`` of every ``dot`` (a
+  ``convolution``: its kernel's elements that are not output features), by operand and
+  result dtypes (``bf16,bf16->f32``);
+- ``converts``: elements converted, by ``from->to`` dtype;
+- ``dots``: each distinct product (``lhs x rhs -> result`` shapes and dtypes) and how often
+  it runs, and ``top``: the kernels that move the most bytes with what JAX named them
+  (``op_name``), so a difference can be traced to its source.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from dataclasses import dataclass, field
+
+#: instructions that move or name data without running a kernel of their own
+PLUMBING = {
+    "parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
+    "partition-id", "replica-id", "opt-barrier",
+}  # fmt: skip
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+    "f8e4m3fn": 1, "f8e5m2": 1, "token": 0,
+}  # fmt: skip
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) (\(.*\))? ?-> .*\{$|^(ENTRY )?%?([\w.\-]+) \{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]")
+_CALLS = re.compile(
+    r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str  # the result type as printed (an array, or a tuple of them)
+    opcode: str
+    rest: str  # operands and attributes as printed
+
+    @property
+    def operands(self) -> list[str]:
+        depth, out, current = 0, [], ""
+        for ch in self.rest:
+            if ch in "({[":
+                depth += 1
+            elif ch in ")}]":
+                if depth == 0:
+                    break
+                depth -= 1
+            if ch == "," and depth == 0:
+                out.append(current)
+                current = ""
+            else:
+                current += ch
+        out.append(current)
+        return [o.strip().split(" ")[-1].lstrip("%") for o in out if o.strip()]
+
+
+@dataclass
+class Computation:
+    name: str
+    entry: bool
+    instructions: list[Instruction] = field(default_factory=list)
+
+    def shapes(self) -> dict[str, str]:
+        return {i.name: i.shape for i in self.instructions}
+
+
+def parse(text: str) -> dict[str, Computation]:
+    """The module's computations by name, each with its instructions in order."""
+    computations, current = {}, None
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            m = _COMPUTATION.match(line)
+            if m:
+                name = m.group(2) or m.group(5)
+                current = computations[name] = Computation(name, bool(m.group(1) or m.group(4)))
+            continue
+        m = _INSTRUCTION.match(line)
+        if current is not None and m:
+            current.instructions.append(Instruction(m.group(2), m.group(3), m.group(4), m.group(5)))
+    return computations
+
+
+def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dtype, dims)`` of every array in a printed type (one, or a tuple's)."""
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _ARRAY.findall(shape.split("{")[0] if "(" not in shape else shape)
+        if dtype in DTYPE_BYTES
+    ]
+
+
+def nbytes(shape: str) -> float:
+    return sum(DTYPE_BYTES[t] * math.prod(d) for t, d in arrays(shape))
+
+
+def _weights(computations: dict[str, Computation]) -> tuple[dict, set, list]:
+    """How many times each computation runs per call of the entry, the fused computations
+    (whose instructions are not kernels) and the loops without a known trip count."""
+    weight = collections.Counter()
+    fused, unknown = set(), []
+    entry = next(c for c in computations.values() if c.entry)
+
+    def visit(comp: Computation, times: float) -> None:
+        weight[comp.name] += times
+        for ins in comp.instructions:
+            trips = 1
+            if ins.opcode == "while":
+                found = _TRIPS.search(ins.rest)
+                trips = int(found.group(1)) if found else 1
+                if not found:
+                    unknown.append(ins.name)
+            callees = [(kind, name) for kind, name in _CALLS.findall(ins.rest)]
+            for branches in _BRANCHES.findall(ins.rest):
+                callees += [("branch", b.strip().lstrip("%")) for b in branches.split(",")]
+            for kind, name in callees:
+                if kind == "to_apply" or name not in computations:
+                    continue  # a reduction's scalar combiner runs inside its kernel
+                if kind == "calls" and ins.opcode == "fusion":
+                    fused.add(name)
+                n = trips + 1 if kind == "condition" else trips
+                visit(computations[name], times * n)
+
+    visit(entry, 1)
+    return weight, fused, unknown
+
+
+def _dot_flops(ins: Instruction, shapes: dict[str, str]) -> tuple[float, str]:
+    """``(flops, "lhs,rhs->result" dtypes)`` of a dot or convolution."""
+    operands = [arrays(shapes.get(o, "")) for o in ins.operands[:2]]
+    result = arrays(ins.shape)
+    if not result or not all(operands):
+        return 0.0, "?"
+    (lhs_t, lhs_d), (rhs_t, rhs_d) = operands[0][0], operands[1][0]
+    out_t, out_d = result[0]
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+        dims = [int(d) for d in m.group(1).split(",") if d] if m else []
+        contracted = math.prod(lhs_d[d] for d in dims)
+    else:  # convolution: the kernel's elements that are not output features
+        m = re.search(r"dim_labels=\w+_(\w+)->", ins.rest)
+        labels = m.group(1) if m else ""
+        contracted = math.prod(n for n, lab in zip(rhs_d, labels, strict=False) if lab != "o")
+    return 2.0 * math.prod(out_d) * contracted, f"{lhs_t},{rhs_t}->{out_t}"
+
+
+def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> float:
+    """Bytes a kernel reads and writes: its operands and result, except that an operand a
+    fusion only slices (``dynamic-slice``: a layer of a stacked array) counts by the slices,
+    and a fusion whose result updates an operand in place (``dynamic-update-slice`` at its
+    root: a layer's gradient into a stacked one) by the update, as XLA's cost analysis
+    counts them."""
+    operands = [nbytes(shapes.get(o, "")) for o in ins.operands]
+    written = nbytes(ins.shape)
+    found = re.search(r"calls=%?([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
+    fused = computations.get(found.group(1)) if found else None
+    if fused is None:
+        return written + sum(operands)
+    inner = fused.shapes()
+    params = {i.name: int(re.match(r"(\d+)", i.rest).group(1))
+              for i in fused.instructions if i.opcode == "parameter"}  # fmt: skip
+    users = collections.defaultdict(list)
+    for i in fused.instructions:
+        for position, name in enumerate(i.operands):
+            users[name].append((i, position))
+    root = fused.instructions[-1] if fused.instructions else None
+    for name, index in params.items():
+        uses = users.get(name, [])
+        if index >= len(operands) or not uses:
+            continue
+        if all(i.opcode == "dynamic-slice" and position == 0 for i, position in uses):
+            operands[index] = sum(nbytes(i.shape) for i, _ in uses)
+        elif root is not None and root.opcode == "dynamic-update-slice" and uses == [(root, 0)]:
+            operands[index] = 0.0  # updated in place: only the update is written
+            written = nbytes(inner.get(root.operands[1], ""))
+    return written + sum(operands)
+
+
+def census(text: str, top: int = 12) -> dict:
+    """The census of one optimised HLO module (see the module docstring)."""
+    computations = parse(text)
+    weight, fused, unknown = _weights(computations)
+    kernels, kernel_bytes, ops = collections.Counter(), collections.Counter(), collections.Counter()
+    dot_flops, converts, dots = collections.Counter(), collections.Counter(), collections.Counter()
+    heavy = collections.Counter()
+    for comp in computations.values():
+        times = weight.get(comp.name, 0)
+        if not times:
+            continue
+        shapes = comp.shapes()
+        for ins in comp.instructions:
+            if ins.opcode == "parameter" and comp.name in fused:
+                continue
+            ops[ins.opcode] += times
+            if ins.opcode in ("dot", "convolution"):
+                flops, kinds = _dot_flops(ins, shapes)
+                dot_flops[kinds] += flops * times
+                sig = " x ".join(shapes.get(o, "?").split("{")[0] for o in ins.operands[:2])
+                dots[f"{sig} -> {ins.shape.split('{')[0]}"] += times
+            if ins.opcode == "convert":
+                src = (arrays(shapes.get(ins.operands[0], "")) or [("?", ())])[0][0]
+                dst, dims = arrays(ins.shape)[0]
+                converts[f"{src}->{dst}"] += math.prod(dims) * times
+            if comp.name in fused or ins.opcode in PLUMBING or ins.opcode == "while":
+                continue
+            kind = ins.opcode
+            if kind == "fusion":
+                found = re.search(r"kind=(k\w+)", ins.rest)
+                kind = f"fusion:{found.group(1) if found else '?'}"
+            moved = _moved(ins, shapes, computations)
+            kernels[kind] += times
+            kernel_bytes[kind] += moved * times
+            name = _OP_NAME.search(ins.rest)
+            label = f"{kind} {ins.shape.split('{')[0][:60]} {name.group(1) if name else ''}"
+            heavy[label[:200]] += moved * times
+    return {
+        "dot_flops": dict(dot_flops),
+        "kernels": dict(kernels),
+        "bytes": dict(kernel_bytes),
+        "ops": dict(ops),
+        "converts": dict(converts),
+        "dots": dict(dots),
+        "top": heavy.most_common(top),
+        "unknown_trips": unknown,
+    }
+
+
+def stablehlo_ops(text: str) -> dict:
+    """``{op: count}`` of a lowered program's StableHLO text (each written op once, a
+    function called many times counted once), with ``exponential@HIGHEST`` for the
+    exponentials that ask for their highest accuracy."""
+    counts = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"= (?:\"?)([a-z_]+\.[a-z_]+)", line) or re.search(
+            r"^\s*(stablehlo\.[a-z_]+|func\.[a-z_]+)", line
+        )
+        if not m:
+            continue
+        op = m.group(1)
+        if op == "stablehlo.exponential" and "HIGHEST" in line:
+            op += "@HIGHEST"
+        counts[op] += 1
+    return dict(counts)

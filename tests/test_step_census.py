@@ -1,0 +1,126 @@
+"""The step census (``benchmarks/step_census.py``, ``benchmarks/_hlo_census.py``): an op census
+of compiled programs with every loop weighted by its trip count.
+
+Checked against arithmetic, not against the census's own output: a product inside a loop of
+known length counts its ``2 m k n`` FLOPs once per iteration (where XLA's ``cost_analysis``
+counts the body once), a conversion inside it its elements once per iteration, a layer read
+from a stacked array by the slice; and, on the tiny models, the one product our step adds to
+the minimal loop's is the chunked loss's head recomputed in the backward pass, ``2 N D V``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+TRIPS, M, K, N = 7, 24, 40, 56  # sizes no other axis here has
+
+
+@pytest.fixture(scope="module")
+def hlo_census():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import _hlo_census
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return _hlo_census
+
+
+def _looped_product(x, w):
+    import jax
+    import jax.numpy as jnp
+
+    def body(_, carry):
+        # a BF16 product per iteration, its FP32 result fed back (the loop cannot be folded)
+        y = jnp.dot(carry.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                    preferred_element_type=jnp.float32)  # fmt: skip
+        return carry + y[:, :K] * 1e-3
+
+    return jax.lax.fori_loop(0, TRIPS, body, x)
+
+
+def test_a_loop_counts_once_per_iteration(hlo_census):
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((M, K), jnp.float32)
+    w = jax.ShapeDtypeStruct((K, N), jnp.float32)
+    found = hlo_census.census(jax.jit(_looped_product).lower(x, w).compile().as_text())
+    assert found["unknown_trips"] == []
+    assert sum(found["dot_flops"].values()) == TRIPS * 2 * M * K * N
+    # the carry is rounded to BF16 every iteration (the weight may be hoisted out: once or 7x)
+    rounded = found["converts"]["f32->bf16"]
+    assert rounded in (TRIPS * M * K + K * N, TRIPS * (M * K + K * N))
+
+
+def test_a_stacked_layer_counts_by_its_slice(hlo_census):
+    import jax
+    import jax.numpy as jnp
+
+    def total(stack):
+        def body(carry, layer):
+            return carry + jnp.tanh(layer), None
+
+        return jax.lax.scan(body, jnp.zeros(stack.shape[1:]), stack)[0]
+
+    stack = jax.ShapeDtypeStruct((TRIPS, M, N), jnp.float32)
+    found = hlo_census.census(jax.jit(total).lower(stack).compile().as_text())
+    layer = M * N * 4
+    moved = sum(found["bytes"].values())
+    # each iteration reads its layer and the carry and writes the carry (a few layers), never
+    # the whole stack each time (TRIPS layers)
+    assert TRIPS * 3 * layer <= moved < TRIPS * 6 * layer
+
+
+@pytest.mark.slow  # compiles three training steps
+def test_the_tiny_census_sees_the_chunked_heads_recompute(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import step_census
+        from device_check import settings
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    out = tmp_path / "census.json"
+    assert step_census.main(["--size", "tiny", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results) == {"minimal", "ours", "ours_loop"}
+    flops = {name: r["total_dot_flops"] for name, r in results.items()}
+    # scanned or looped, the same products run (the scan's body weighted by the layers)
+    assert flops["ours"] == flops["ours_loop"]
+    D, vocab = settings.TINY_MODELS["350m"][0], settings.TINY_MODELS["350m"][5]
+    tokens = 2 * settings.TINY_SEQ_LEN
+    assert flops["ours"] - flops["minimal"] == 2 * tokens * D * vocab
+    assert all(r["unknown_trips"] == [] for r in results.values())
+    assert results["ours"]["stablehlo"].get("stablehlo.exponential@HIGHEST", 0) > 0
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_a_scanned_stack_keeps_the_per_head_mask_in_its_loop(remat):
+    """The census's finding at 350M: JAX hoisted the attention mask broadcast over heads and
+    the masked scores' fill ([B, H, T, T], bool and FP32) out of the layer scan, materialised
+    once and read by every layer's forward. Nothing of that shape is computed outside it."""
+    import jax
+    import jax.numpy as jnp
+
+    from minifield.data.packing import Rows
+    from minifield.models.execution import Execution
+    from minifield.models.llama import LlamaConfig
+    from minifield.training.optimizer import make_optimizer
+    from minifield.training.train_step import init_train_state, make_train_step
+
+    B, T, H = 2, 16, 4
+    cfg = LlamaConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=H, n_kv_heads=2, d_ff=48,
+                      max_len=T, compute_dtype="bfloat16",
+                      execution=Execution(scan_layers=True, remat=remat))  # fmt: skip
+    optimizer = make_optimizer({}, 10)
+    state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed=0))
+    batch = Rows(*(jax.ShapeDtypeStruct((B, T), jnp.int32) for _ in "tsp"),
+                 jax.ShapeDtypeStruct((B, T), jnp.float32))  # fmt: skip
+    jaxpr = jax.make_jaxpr(make_train_step(cfg, optimizer))(state, batch).jaxpr
+    outside = [v.aval.shape for e in jaxpr.eqns if e.primitive.name != "scan" for v in e.outvars]
+    assert any(e.primitive.name == "scan" for e in jaxpr.eqns)
+    assert (B, 1, T, T) in outside  # the mask itself is built once, outside
+    assert (B, H, T, T) not in outside
