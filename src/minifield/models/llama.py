@@ -303,6 +303,9 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
     """
     B, T = tokens_BxT.shape
     S = next(iter(cache.values()))["k"].shape[1]
+    # a scanned run's evaluation may hold its blocks stacked (a LoRA base placed stacked,
+    # hf.stored_base.stacked): each layer is its slice here, the cache is per layer
+    params = layer_stack.per_layer(params)
     rows_BxT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     # query at position t sees cache slot s iff s <= t (one causal segment per row)
     mask_Bx1xTxS = (jnp.arange(S)[None, None, :] <= positions_BxT[:, :, None])[:, None]
