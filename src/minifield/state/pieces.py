@@ -51,9 +51,6 @@ DIGEST_BYTES = 32
 #: threads hashing arrays of large pieces at once (hashlib and numpy's copies release the
 #: GIL): 4, up to 8 where the host has the cores. The digests do not depend on the count.
 HASHERS = max(4, min(8, os.cpu_count() or 1))
-#: hashlib releases the GIL only while it hashes at least this many bytes in one call
-#: (CPython's ``HASHLIB_GIL_MINSIZE``): smaller pieces are hashed holding it
-GIL_FREE_BYTES = 2048
 
 
 def piece_grid(shape: Sequence[int]) -> tuple[int, ...]:
@@ -128,11 +125,12 @@ def pooled(nbytes: int, pieces: int) -> bool:
     hashing threads: pieces of at least ``LARGE_PIECE``, each sha256 call then holding the
     GIL for a moment in ~50 µs of hashing without it.
 
-    An array of smaller pieces is hashed on one thread. Its pieces hold the GIL from one
-    sha256 call to the next (under ``GIL_FREE_BYTES`` for the whole call), so several threads
-    hashing such arrays only take turns at it and add their hand-overs (futex wake-ups, each
-    a few µs: more than the 7 KB piece that hashlib hashed without it); and a thread that
-    needs the GIL back (the writer of a checkpoint, after each write) waits behind them.
+    An array of smaller pieces is hashed on one thread: its pieces hold the GIL from one
+    sha256 call to the next (hashlib releases it only in a call of at least 2,048 bytes,
+    CPython's ``HASHLIB_GIL_MINSIZE``), so several threads hashing such arrays only take
+    turns at it and add their hand-overs (a futex wake-up each, beside the few µs a 7 KiB
+    piece is hashed without it), and a thread that needs the GIL back (a checkpoint's
+    writer, after each write) waits behind them (docs/performance.md).
     """
     return pieces > 0 and nbytes >= LARGE_PIECE * pieces
 
