@@ -381,13 +381,16 @@ def test_the_proof_compares_two_checkpoints_part_by_part_by_the_hash_both_record
 
 def _every_hashing_path():
     """Arrays that take each way a commit hashes them (checkpoint_data.write): version-3
-    digests on threads (pieces of at least 2 KiB) and on the writing thread (smaller
-    pieces), one piece (its digest from the sha256 of its bytes, hashed on the chunks
-    written), more than one gathered write, a scalar, an empty array, a 2-byte dtype."""
+    digests on the hashing threads (two arrays of pieces of at least 64 KiB) and on the one
+    thread beside them (smaller pieces), one piece (its digest from the sha256 of its bytes,
+    hashed on the chunks written), more than one gathered write, a scalar, an empty array, a
+    2-byte dtype."""
     rng = np.random.default_rng(7)
     return {
         "params": {
             "big": jnp.asarray(rng.standard_normal((1024, 768), np.float32)),
+            "large": jnp.asarray(rng.standard_normal((48 * 16384,), np.float32)),
+            "large_rows": jnp.asarray(rng.standard_normal((4, 16411), np.float32)),
             "one_piece": jnp.asarray(rng.standard_normal((262147,), np.float32)),
             "small": jnp.asarray(rng.standard_normal((96, 130), np.float32)),
             "odd": jnp.asarray(rng.standard_normal((7,), np.float32)),
@@ -398,13 +401,16 @@ def _every_hashing_path():
     }
 
 
-def test_a_commit_hashing_while_it_writes_gives_what_the_definitions_give(tmp_path):
-    """Each array's version-3 digest, hashed while the data file is written (on threads and
-    on the writing thread), matches the definition recomputed by hand from the raw file;
-    the device state, its host copy and a commit given the update's digests write the same
-    bytes."""
+def test_a_commit_hashing_while_it_writes_gives_what_the_definitions_give(tmp_path, monkeypatch):
+    """Each array's version-3 digest, hashed while the data file is written (on the hashing
+    threads, and on the writing thread for one piece), matches the definition recomputed by
+    hand from the raw file; the device state, its host copy and a commit given the update's
+    digests write the same bytes (here in gathered writes of up to 1 MiB, so a large array
+    takes several; the other tests commit with the default 64 MiB)."""
+    from minifield.state import checkpoint_data
     from minifield.state.arrays import array_digests, named_arrays
 
+    monkeypatch.setattr(checkpoint_data, "_BATCH", 1 << 20)
     state = _every_hashing_path()
     host = named_arrays(state)
     assert sum(a.nbytes for a in host.values()) > 4 << 20  # more than one gathered write

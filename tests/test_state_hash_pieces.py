@@ -45,15 +45,17 @@ def test_array_digests_equal_the_hand_computed_pieces(dtype):
 
 def test_each_way_of_cutting_and_each_thread_give_the_hand_computed_digests():
     """Small pieces reordered by one copy (a block up to ``WHOLE_COPY``) or a row of pieces at
-    a time (larger), pieces of at least ``LARGE_PIECE`` one at a time; arrays whose pieces
-    hashlib hashes without the GIL on the hashing threads while this thread hashes the
-    others (two of each kind, so both run): every digest is the hand-computed one, for the
-    state hash and for version 2."""
+    a time (larger), pieces of at least ``LARGE_PIECE`` one at a time; arrays of such large
+    pieces on the hashing threads while this thread hashes the others, those of pieces that
+    hashlib hashes without the GIL (2 KiB and more) included (two arrays of large pieces, so
+    the threads run): every digest is the hand-computed one, for the state hash and for
+    version 2."""
     shapes = {
         "whole_copy": (24, 8),  # 192 pieces of 4 bytes, one copy
         "rows": (768, 384),  # 1.2 MB > WHOLE_COPY: 48 rows of 48 pieces of 512 bytes
-        "large": (48 * 16384,),  # 3.1 MB: 48 pieces of 64 KB, one at a time, without the GIL
-        "threaded": (5, 7, 100),  # 14 KB: 4 pieces of 3,500 bytes, without the GIL
+        "large": (48 * 16384,),  # 3.1 MB: 48 pieces of 64 KB, one at a time, on a thread
+        "large_rows": (4, 16411),  # 263 KB: 4 pieces of 65,644 bytes, on a thread
+        "mid": (5, 7, 100),  # 14 KB: 4 pieces of 3,500 bytes, without the GIL, on this thread
         "small": (7,),
     }
     flat = {
@@ -69,11 +71,17 @@ def test_each_way_of_cutting_and_each_thread_give_the_hand_computed_digests():
     assert ways["whole_copy"][0] is False and ways["rows"] == (True, 512)
     assert (
         ways["large"][1] == pieces.LARGE_PIECE
-        and ways["threaded"][1] == 3500
+        and ways["large_rows"][1] == 65644
+        and ways["mid"][1] == 3500
         and ways["small"][1] == 28
     )
-    gil_free = [n for n, (_, piece) in ways.items() if piece >= pieces.GIL_FREE_BYTES]
-    assert sorted(gil_free) == ["large", "threaded"]
+    # hashlib hashes a call of at least 2,048 bytes without the GIL (HASHLIB_GIL_MINSIZE)
+    gil_free = [n for n, (_, piece) in ways.items() if piece >= 2048]
+    assert sorted(gil_free) == ["large", "large_rows", "mid"]
+    threaded = [
+        n for n, v in flat.items() if pieces.pooled(v.nbytes, math.prod(pieces.piece_grid(v.shape)))
+    ]
+    assert threaded == ["large", "large_rows"]
     digests = pieces.host_digests(flat)
     assert digests == {name: pieces_digest_by_hand(value) for name, value in flat.items()}
     assert arrays.hashes_of(flat)[0] == state_hash_by_hand(flat)

@@ -132,7 +132,7 @@ def array_digests(
     digests = pieces.on_threads(
         names,
         lambda name: array_sha256(arrays[name]),
-        lambda name: pieces.gil_free_pieces(np.asarray(arrays[name]).nbytes, 1),
+        lambda name: pieces.pooled(np.asarray(arrays[name]).nbytes, 1),
     )
     return dict(zip(names, digests, strict=True))
 

@@ -44,6 +44,10 @@ DIGEST, SHA256 = "digest", "sha256"
 ALIGNMENT = 64
 #: bytes hashed and written at a time (a chunk stays in cache between the two)
 _CHUNK = 4 << 20
+#: bytes one gathered write takes at most when the writing thread hashes none of them: the
+#: thread waits for the GIL after each write (behind the hashing threads), so it writes in
+#: few large calls
+_BATCH = 64 << 20
 #: buffers one ``writev`` takes at most (Linux's IOV_MAX)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _ZEROS = bytes(ALIGNMENT)
@@ -72,20 +76,22 @@ def _single_piece(array: np.ndarray) -> bool:
 
 
 class _Digests:
-    """The version-3 digests of an unhashed commit's arrays, each taken as the array is
-    written: a one-piece array's from the sha256 of its bytes hashed on the chunks written
-    (:meth:`one_piece`), the others on up to ``pieces.HASHERS`` threads where hashlib hashes
-    their pieces without the GIL, else on the writing thread."""
+    """The version-3 digests of an unhashed commit's arrays, each started as the array
+    reaches the writer: a one-piece array's from the sha256 of its bytes hashed on the chunks
+    written (:meth:`one_piece`); arrays of large pieces on up to ``pieces.HASHERS`` threads,
+    the others one after another on one more (``pieces.pooled``). None on the writing thread:
+    the writes go on while every array is hashed (hashed there, the 125M state's arrays of
+    1 KiB pieces held up its writes: docs/tpu.md)."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
+        self.lane = ThreadPoolExecutor(max_workers=1)
         self.jobs: dict[str, Any] = {}
 
     def start(self, name: str, array: np.ndarray) -> None:
-        if pieces.gil_free_pieces(array.nbytes, math.prod(pieces.piece_grid(array.shape))):
-            self.jobs[name] = self.pool.submit(pieces.array_digest, array)
-        else:
-            self.jobs[name] = pieces.array_digest(array)
+        count = math.prod(pieces.piece_grid(array.shape))
+        threads = self.pool if pieces.pooled(array.nbytes, count) else self.lane
+        self.jobs[name] = threads.submit(pieces.array_digest, array)
 
     def one_piece(self, name: str, sha256: bytes) -> None:
         self.jobs[name] = hashlib.sha256(sha256).hexdigest()
@@ -96,7 +102,8 @@ class _Digests:
         }
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for threads in (self.lane, self.pool):
+            threads.shutdown(wait=True, cancel_futures=True)
 
 
 def write(
@@ -113,9 +120,10 @@ def write(
     from ``known`` (``{name: digest}``, when the caller hashed these very arrays: nothing is
     hashed here) or hashed meanwhile (:class:`_Digests`). An error names the file.
 
-    The bytes go out in gathered writes of about :data:`_CHUNK` (many small arrays in one
-    system call, a large one in several) from the arrays' own memory, each chunk hashed (for
-    a sha256) just before it is written (still in cache)."""
+    The bytes go out in gathered writes (many small arrays in one system call, a large one in
+    several) from the arrays' own memory: of about :data:`_CHUNK` where this thread hashes
+    them (a sha256), each chunk just before it is written (still in cache); else of up to
+    :data:`_BATCH`."""
     entries, position, batch, batched = [], 0, [], 0
     pending = _Digests() if check == DIGEST and known is None else None
     with atomic.naming(path):
@@ -132,13 +140,14 @@ def write(
                     sha256 = hashlib.sha256()
                 elif pending is not None:
                     pending.start(name, array)
-                for start in range(0, data.size, _CHUNK):
-                    chunk = data[start : start + _CHUNK]
+                size = _BATCH if sha256 is None else _CHUNK
+                for start in range(0, data.size, size):
+                    chunk = data[start : start + size]
                     if sha256 is not None:
                         sha256.update(chunk)
                     batch.append(chunk)
                     batched += chunk.size
-                    if batched >= _CHUNK:
+                    if batched >= size:
                         _write_all(fd, batch)
                         batch, batched = [], 0
                 entry = {

@@ -48,14 +48,9 @@ LARGE_PIECE = 64 << 10
 WHOLE_COPY = 1 << 20
 #: bytes of one piece digest (sha256)
 DIGEST_BYTES = 32
-#: threads hashing arrays at once (hashlib and numpy's copies release the GIL): 4, up to 8
-#: where the host has the cores. On the TPU host (13 cores) a 1.52 GB commit on 4 threads
-#: took 3.1 s for 10.5 CPU-s, its hashing the slower part beside a 2.2 s raw write
-#: (docs/tpu.md). The digests do not depend on the count.
+#: threads hashing arrays of large pieces at once (hashlib and numpy's copies release the
+#: GIL): 4, up to 8 where the host has the cores. The digests do not depend on the count.
 HASHERS = max(4, min(8, os.cpu_count() or 1))
-#: hashlib releases the GIL only while it hashes at least this many bytes in one call
-#: (CPython's ``HASHLIB_GIL_MINSIZE``): smaller pieces are hashed holding it
-GIL_FREE_BYTES = 2048
 
 
 def piece_grid(shape: Sequence[int]) -> tuple[int, ...]:
@@ -108,15 +103,10 @@ def array_digest(array: np.ndarray) -> str:
     return hashlib.sha256(block_digests(array, piece_grid(array.shape))).hexdigest()
 
 
-def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], gil_free: Callable[[Any], bool]):
-    """``[run(job) for job in jobs]``, the jobs ``gil_free`` says hash without the GIL on up
-    to ``HASHERS`` threads while this thread runs the others.
-
-    A job of small pieces holds the GIL from one sha256 call to the next, so threads only
-    take turns at it and add their switching (``benchmarks/state_hash_threads.py``); large
-    pieces (and numpy's copies) leave it free, and there threads add cores.
-    """
-    pooled = [i for i, job in enumerate(jobs) if gil_free(job)]
+def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], pool: Callable[[Any], bool]):
+    """``[run(job) for job in jobs]``, the jobs ``pool`` says (:func:`pooled`) on up to
+    ``HASHERS`` threads while this thread runs the others."""
+    pooled = [i for i, job in enumerate(jobs) if pool(job)]
     if len(pooled) < 2:
         return [run(job) for job in jobs]
     results: list[Any] = [None] * len(jobs)
@@ -130,9 +120,19 @@ def on_threads(jobs: Sequence[Any], run: Callable[[Any], Any], gil_free: Callabl
     return results
 
 
-def gil_free_pieces(nbytes: int, pieces: int) -> bool:
-    """Whether ``pieces`` equal pieces of ``nbytes`` in all are each hashed without the GIL."""
-    return pieces > 0 and nbytes >= GIL_FREE_BYTES * pieces
+def pooled(nbytes: int, pieces: int) -> bool:
+    """Whether an array of ``pieces`` equal pieces of ``nbytes`` in all is hashed on the
+    hashing threads: pieces of at least ``LARGE_PIECE``, each sha256 call then holding the
+    GIL for a moment in ~50 µs of hashing without it.
+
+    An array of smaller pieces is hashed on one thread: its pieces hold the GIL from one
+    sha256 call to the next (hashlib releases it only in a call of at least 2,048 bytes,
+    CPython's ``HASHLIB_GIL_MINSIZE``), so several threads hashing such arrays only take
+    turns at it and add their hand-overs (a futex wake-up each, beside the few µs a 7 KiB
+    piece is hashed without it), and a thread that needs the GIL back (a checkpoint's
+    writer, after each write) waits behind them (docs/performance.md).
+    """
+    return pieces > 0 and nbytes >= LARGE_PIECE * pieces
 
 
 def host_digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
@@ -141,9 +141,7 @@ def host_digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
     digests = on_threads(
         names,
         lambda name: array_digest(arrays[name]),
-        lambda name: gil_free_pieces(
-            arrays[name].nbytes, math.prod(piece_grid(arrays[name].shape))
-        ),
+        lambda name: pooled(arrays[name].nbytes, math.prod(piece_grid(arrays[name].shape))),
     )
     return dict(zip(names, digests, strict=True))
 
@@ -222,7 +220,7 @@ def state_digests(
         digests = np.frombuffer(block_digests(value, counts), np.uint8).reshape(-1, DIGEST_BYTES)
         table[start + flat] = digests
 
-    on_threads(jobs, run, lambda job: gil_free_pieces(job[3].nbytes, math.prod(job[1])))
+    on_threads(jobs, run, lambda job: pooled(job[3].nbytes, math.prod(job[1])))
 
     if jax.process_count() > 1 and total:
         from jax.experimental import multihost_utils
