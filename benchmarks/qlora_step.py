@@ -11,8 +11,12 @@ matrix as they are put on the device, as a worker started without a quantized-ba
 so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
 peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW, BF16
 compute, the state donated; compiled and run once untimed, then the median of ``--steps``.
+Each mode also prints the layer-matrix-shaped arrays its optimized program writes outside
+every fusion (:func:`materialised`): 0 where each made-back matrix is fused into its product.
 
     uv run python benchmarks/qlora_step.py                      # CPU: a small shape
+    uv run python benchmarks/qlora_step.py --preset llama-3.2-3b --seq 2048 --batch 1 \\
+        --remat full --dir /tmp/llama3b                         # the chip: ÷ BF16 (issue 58)
     uv run python benchmarks/qlora_step.py --preset llama-3.1-8b --seq 2048 --batch 1 \\
         --remat full --dir /tmp/llama8b                         # the chip (docs/tpu.md)
 """
