@@ -237,6 +237,7 @@ def gathered(w, dtype):
     return values.reshape(N, K).T.astype(dtype)
 
 
+@pytest.mark.slow  # 16 compilations: 1 s each parameter
 @pytest.mark.parametrize(
     ("scheme", "block"), [("nf4", 64), ("nf4", 16), ("int8", None), ("int8", 32)]
 )
