@@ -11,8 +11,12 @@ matrix as they are put on the device, as a worker started without a quantized-ba
 so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
 peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW, BF16
 compute, the state donated; compiled and run once untimed, then the median of ``--steps``.
+Each mode also prints the layer-matrix-shaped arrays its optimized program writes outside
+every fusion (:func:`materialised`): 0 where each made-back matrix is fused into its product.
 
     uv run python benchmarks/qlora_step.py                      # CPU: a small shape
+    uv run python benchmarks/qlora_step.py --preset llama-3.2-3b --seq 2048 --batch 1 \\
+        --remat full --dir /tmp/llama3b                         # the chip: ÷ BF16 (issue 58)
     uv run python benchmarks/qlora_step.py --preset llama-3.1-8b --seq 2048 --batch 1 \\
         --remat full --dir /tmp/llama8b                         # the chip (docs/tpu.md)
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import resource
 import statistics
 import subprocess
@@ -134,6 +139,7 @@ def run_mode(args) -> dict:
     state = lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8))
     batch = _batch(args, cfg.vocab_size)
     compiled = step.lower(state, base, batch).compile()
+    written = materialised(compiled.as_text(), layer_matrices(cfg))
     analysis = compiled.cost_analysis()
     flops = float((analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0))
     state, _ = compiled(state, base, batch)
@@ -157,7 +163,58 @@ def run_mode(args) -> dict:
         "estimated_bytes": estimated(args, targets, scheme),
         "flops": flops,
         "loss": float(metrics["loss"]),
+        "written": {shape: written.count(shape) for shape in sorted(set(written))},
     }
+
+
+def layer_matrices(cfg) -> list[tuple[int, int]]:
+    """A layer's ``[in, out]`` matrices: q, k (and v), o, gate (and up), down."""
+    heads, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return [(cfg.d_model, heads), (cfg.d_model, kv), (heads, cfg.d_model),
+            (cfg.d_model, cfg.d_ff), (cfg.d_ff, cfg.d_model)]  # fmt: skip
+
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b(f32|bf16|f16)\[([\d,]+)\]")
+_FUSED = re.compile(r"\bfusion\(.*?calls=%?([\w.\-]+)")
+#: no array of their own: views, and a loop's state (what its body writes is counted there)
+_VIEWS = ("parameter", "get-tuple-element", "tuple", "bitcast", "while")
+
+
+def _matrix_shaped(shape: list[int], matrices) -> bool:
+    """``shape`` is ``[in, out]`` or ``[out, in]`` of one of ``matrices``, leading 1s aside, or
+    ``[in, out]`` with its input axis split in two (as blocks: ``[in / block, block, out]``)."""
+    while len(shape) > 2 and shape[0] == 1:
+        shape = shape[1:]
+    for k, n in matrices:
+        if shape in ([k, n], [n, k]) or (
+            len(shape) == 3 and shape[0] * shape[1] == k and shape[2] == n
+        ):
+            return True
+    return False
+
+
+def materialised(hlo_text: str, matrices) -> list[str]:
+    """The floating-point arrays of an optimized HLO module shaped as one of ``matrices``
+    (``(in, out)`` pairs, see :func:`_matrix_shaped`) that an instruction outside every fusion
+    writes to memory: a dequantized matrix fused into the product that reads it is not one of
+    them. Each as ``"dtype[dims] opcode"``. Told apart by shape alone: a step whose tokens
+    equal a matrix's input width would confuse them."""
+    fused = set(_FUSED.findall(hlo_text))
+    found, inside = [], False
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            inside = header.group(1) in fused
+            continue
+        instruction = None if inside else _INSTRUCTION.match(line)
+        if instruction is None or instruction.group(2) in _VIEWS:
+            continue
+        for dtype, dims in _ARRAY.findall(instruction.group(1)):
+            if _matrix_shaped([int(d) for d in dims.split(",")], matrices):
+                found.append(f"{dtype}[{dims}] {instruction.group(2)}")
+    return found
 
 
 def compiled_peak(compiled) -> int | None:
@@ -239,6 +296,10 @@ def main() -> None:
             f"estimated {r['estimated_bytes'] / 2**30:7.3f} GiB  "
             f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
         )
+    print("layer-matrix-shaped arrays written outside fusions (0: each made-back matrix fused")
+    print("into its product; see docs/quantized-base.md):")
+    for mode, r in results.items():
+        print(f"{mode:5s} {sum(r['written'].values())}: {r['written']}")
 
 
 if __name__ == "__main__":

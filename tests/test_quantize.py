@@ -6,6 +6,7 @@ double quantization: the scales less their mean in groups of 256, int8 absmax.""
 
 import statistics
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -154,6 +155,101 @@ def test_double_quantization_equals_the_reference(shape):
     back = np.asarray(quantize.dequantize(double)).T.reshape(-1)
     expected = ref_nf4_back(flat_codes(double.codes), scales)
     np.testing.assert_allclose(back, expected, rtol=1e-5, atol=1e-9)
+
+
+def bits(array) -> np.ndarray:
+    """The array's bits (a sign of zero included), as unsigned integers of its width."""
+    array = np.asarray(array)
+    return array.view(f"u{array.dtype.itemsize}")
+
+
+def random_weight(scheme, shape, block, double, seed=0):
+    """A :class:`QuantizedWeight` of random codes (every byte value) and scales: the bits of
+    :func:`quantize.dequantize` do not depend on how the codes were made."""
+    K, N = shape
+    rng = np.random.default_rng(seed)
+    if scheme == "nf4":
+        codes = rng.integers(0, 256, (K // 2, N), dtype=np.uint8)
+    else:
+        codes = rng.integers(-127, 128, (K, N)).astype(np.int8)
+    scale_shape = (K // (block or K), N)
+    scales = rng.standard_normal(scale_shape) * 10.0 ** rng.uniform(-4, 2, scale_shape)
+    scales, scale_scales, offset = jnp.asarray(scales, jnp.float32), None, None
+    if double:  # int8 scale codes, one FP32 absmax per group of 256, the FP32 mean
+        scales = jnp.asarray(rng.integers(-127, 128, scale_shape), jnp.int8)
+        groups = -(-scales.size // quantize.SCALE_GROUP)
+        scale_scales = jnp.asarray(rng.uniform(0.0, 3.0, groups), jnp.float32)
+        offset = jnp.float32(rng.uniform(-1.0, 1.0))
+    return quantize.QuantizedWeight(
+        jnp.asarray(codes), scales, scale_scales, offset, scheme, block, shape
+    )
+
+
+@pytest.mark.parametrize(
+    ("scheme", "shape", "block"),
+    [
+        ("nf4", (128, 40), 64),
+        ("nf4", (96, 24), 2),
+        ("int8", (128, 40), None),
+        ("int8", (96, 24), 16),
+    ],
+)
+def test_dequantized_matrix_is_the_float32_reference_to_the_bit(scheme, shape, block):
+    """Each value ``table[code] * scale`` (NF4) or ``code * (1/127) * scale`` (int8) as one
+    FP32 product each, then rounded once to BF16, computed by NumPy in bitsandbytes' flat
+    order: equal bit for bit, run op by op and jitted. XLA makes the int8 division by the
+    constant 127 a product by its FP32 reciprocal (16 of the 255 codes' values then differ in
+    their last bit from a correctly rounded division), so the reference does too."""
+    w = random_weight(scheme, shape, block, double=False)
+    size = block or shape[0]
+    if scheme == "nf4":
+        packed = flat_codes(w.codes)
+        index = np.stack([packed >> 4, packed & 0x0F], axis=1).reshape(-1)
+        values = NF4_TABLE.astype(np.float32)[index]
+    else:
+        values = flat_codes(w.codes).astype(np.float32) * (np.float32(1) / np.float32(127))
+    scales = np.asarray(w.scales).T.reshape(-1, 1)
+    expected = (values.reshape(-1, size) * scales).reshape(shape[1], shape[0]).T
+    for dtype in ("float32", "bfloat16"):
+        reference = expected.astype(jnp.dtype(dtype))
+        for made in (
+            quantize.dequantize(w, dtype),
+            jax.jit(quantize.dequantize, static_argnums=1)(w, dtype),
+        ):
+            assert made.dtype == reference.dtype
+            np.testing.assert_array_equal(bits(made), bits(reference))
+
+
+def gathered(w, dtype):
+    """The formulation before the fused one (in the ``[out, in]`` layout, the NF4 table
+    gathered), kept to check that the bits did not move where the scales are double-quantized:
+    their multiply-add is one FMA or two roundings as XLA fuses it, in both formulations alike."""
+    K, N = w.shape
+    size = K if w.block is None else w.block
+    scales_NxB = quantize._scales_back(w).T
+    if w.scheme == "int8":
+        values_NxK = w.codes.T.astype(jnp.float32) / 127.0
+    else:
+        packed_NxK2 = w.codes.T
+        index = jnp.stack([packed_NxK2 >> 4, packed_NxK2 & 0x0F], axis=-1).reshape(N, K)
+        values_NxK = jnp.asarray(quantize.NF4, jnp.float32)[index]
+    values = values_NxK.reshape(N, K // size, size) * scales_NxB[..., None]
+    return values.reshape(N, K).T.astype(dtype)
+
+
+@pytest.mark.slow  # 16 compilations: 1 s each parameter
+@pytest.mark.parametrize(
+    ("scheme", "block"), [("nf4", 64), ("nf4", 16), ("int8", None), ("int8", 32)]
+)
+def test_double_quantized_matrix_has_the_gathered_formulations_bits(scheme, block):
+    w = random_weight(scheme, (256, 300), block, double=True, seed=3)
+    for dtype in ("float32", "bfloat16"):
+        eager = (quantize.dequantize(w, dtype), gathered(w, dtype))
+        jitted = [jax.jit(f, static_argnums=1)(w, dtype) for f in (quantize.dequantize, gathered)]
+        for ours, theirs in (eager, jitted):
+            np.testing.assert_array_equal(
+                np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+            )
 
 
 def test_a_zero_block_stays_zero():

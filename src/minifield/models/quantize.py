@@ -146,19 +146,39 @@ def quantize(w_KxN, scheme: str, block: int | None = None, double: bool = False)
 
 
 def dequantize(w: QuantizedWeight, dtype=None):
-    """The ``[in, out]`` matrix of ``w`` (FP32 products, then ``dtype``; None: ``w.dtype``)."""
+    """The ``[in, out]`` matrix of ``w`` (FP32 products, then ``dtype``; None: ``w.dtype``).
+
+    Made in the stored ``[in, out]`` layout from elementwise operations and broadcasts only
+    (no transpose, no gather), so that XLA can fuse it into the operand of the product that
+    reads it instead of writing the matrix out first (docs/quantized-base.md)."""
     dtype = jnp.dtype(w.dtype if dtype is None else dtype)
     K, N = w.shape
     size = K if w.block is None else w.block
-    scales_NxB = _scales_back(w).T
     if w.scheme == "int8":
-        values_NxK = w.codes.T.astype(jnp.float32) / 127.0
+        values_KxN = w.codes.astype(jnp.float32) / 127.0
     else:
-        packed_NxK2 = w.codes.T
-        index = jnp.stack([packed_NxK2 >> 4, packed_NxK2 & 0x0F], axis=-1).reshape(N, K)
-        values_NxK = jnp.asarray(NF4, jnp.float32)[index]
-    values = values_NxK.reshape(N, K // size, size) * scales_NxB[..., None]
-    return values.reshape(N, K).T.astype(dtype)
+        # a byte's high nibble is the first input of its pair: shift each byte by 4 and by 0
+        # on a new axis beside the input axis, which then folds into it
+        shifts_1x2x1 = jnp.asarray([4, 0], jnp.uint8).reshape(1, 2, 1)
+        index_K2x2xN = (w.codes[:, None, :] >> shifts_1x2x1) & 0x0F
+        values_KxN = _nf4_values(index_K2x2xN.reshape(K, N))
+    scales_Bx1xN = _scales_back(w)[:, None, :]
+    values_BxSxN = values_KxN.reshape(K // size, size, N) * scales_Bx1xN
+    return values_BxSxN.reshape(K, N).astype(dtype)
+
+
+def _nf4_values(index):
+    """``NF4[index]`` by a tree of selects on the index's four bits (15 selects between the
+    table's FP32 constants, the same values as indexing it): a gather, which XLA does not fuse
+    into a product's operand, is what this avoids. ``lax.select`` of constants broadcast here:
+    through ``jnp.where`` XLA:CPU hoists the 16 broadcast constants out of the layer loop as
+    FP32 matrices, which the made-back matrix then reads (tests/test_dequantize_fusion.py)."""
+    values = [jax.lax.broadcast(jnp.float32(v), index.shape) for v in NF4]
+    for bit in range(4):
+        on = (index & (1 << bit)) != 0
+        pairs = zip(values[::2], values[1::2], strict=True)
+        values = [jax.lax.select(on, high, low) for low, high in pairs]
+    return values[0]
 
 
 def is_quantized(path: str, ndim: int) -> bool:
