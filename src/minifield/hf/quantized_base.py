@@ -32,6 +32,7 @@ import numpy as np
 
 from ..digest import sha256_json
 from ..inputs import examples
+from ..models import quantize_table
 from . import stored_base
 
 #: bumped when the same settings make other codes
@@ -44,28 +45,12 @@ PREFIX = "qbase."
 LEAVES = ("codes", "scales", "scale_scales", "offset")
 #: output channels quantized at a time: a matrix's float32 copy is made a slice at a time
 ROWS = 1024
-SCHEMES, NF4_BLOCK, SCALE_GROUP = ("int8", "nf4"), 64, 256  # as minifield.models.quantize
-#: the NF4 table (minifield.models.quantize.NF4; imported from there it would import JAX)
-NF4 = np.array(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ],
-    np.float32,
+#: the NF4 table as float32 (the values the device's dequantization selects)
+NF4 = np.array(quantize_table.NF4, np.float32)
+SCHEMES, NF4_BLOCK, SCALE_GROUP = (
+    quantize_table.SCHEMES,
+    quantize_table.NF4_BLOCK,
+    quantize_table.SCALE_GROUP,
 )
 
 
