@@ -187,6 +187,11 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
         for position, name in enumerate(i.operands):
             users[name].append((i, position))
     root = fused.instructions[-1] if fused.instructions else None
+    # a loop fusion that ends in a static slice (an expert's matrix out of a stacked one)
+    # computes, and so reads, only the sliced elements of operands the slice's size
+    slices = {math.prod(d) : math.prod(arrays(i.shape)[0][1])
+              for i in fused.instructions if i.opcode == "slice"
+              for _, d in arrays(inner.get(i.operands[0], ""))[:1]}  # fmt: skip
     for name, index in params.items():
         uses = users.get(name, [])
         if index >= len(operands) or not uses:
@@ -196,6 +201,10 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
         elif root is not None and root.opcode == "dynamic-update-slice" and uses == [(root, 0)]:
             operands[index] = 0.0  # updated in place: only the update is written
             written = nbytes(inner.get(root.operands[1], ""))
+        elif "kLoop" in ins.rest and slices:
+            for dtype, dims in arrays(inner.get(name, ""))[:1]:
+                if math.prod(dims) in slices:
+                    operands[index] = DTYPE_BYTES[dtype] * slices[math.prod(dims)]
     return written + sum(operands)
 
 
