@@ -13,10 +13,11 @@ product accumulated in FP32, FP32 products at ``Precision.HIGHEST``
 zeros (and zero gradients); the gradients leave in the operands' own dtypes. The backward
 pass is written out, as the tiled one's, so its products are BF16 x BF16 -> FP32 with BF16
 compute (autodiff of ``ragged_dot`` would multiply by the FP32 output gradient): the rows'
-gradient ``dy @ w[g]^T`` is a ``ragged_dot`` against the transposed matrices, and each
+gradient ``dy @ w[g]^T`` is a ``ragged_dot_general`` contracting the matrices' output axis (no
+transposed copy of them), and each
 group's matrix gradient ``x_g^T @ dy_g`` a ``ragged_dot_general`` ragged in the contracted
-rows (the form JAX's own transpose of ``ragged_dot`` takes, the chip's transposed grouped
-product).
+rows (both the forms JAX's own transpose of ``ragged_dot`` takes, the chip's transposed grouped
+products).
 
 ``kernel="gmm"``: the same products through megablox's Pallas kernels
 (``jax.experimental.pallas.ops.tpu.megablox``: ``gmm``, and ``tgmm`` for the matrices'
@@ -41,6 +42,15 @@ KERNELS = ("ragged_dot", "gmm")
 #: megablox's (rows, contracted, output) tile sizes: its defaults
 GMM_TILING = (128, 128, 128)
 
+#: ``dy [M, N]`` row by row against its group's ``w [G, K, N]``, contracted over ``N``:
+#: ``[M, K]``, the transposed product without a transposed copy of ``w`` (the form JAX's own
+#: transpose of ``ragged_dot`` takes; a ``swapaxes`` here wrote every expert's matrix again,
+#: ``benchmarks/moe_census.py``)
+_ROW_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((1,), (2,)), ((), ())),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
 #: ``x [M, K]`` and ``dy [M, N]`` contracted over their rows, ragged there: ``[G, K, N]``
 _GROUP_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((0,), (0,)), ((), ())),
@@ -93,8 +103,8 @@ def _matmul_bwd(compute_dtype, kernel, residuals, dy_MxN):
     else:
         precision = full_precision(x_c.dtype)
         dx_MxK = _past_the_groups_zero(
-            jax.lax.ragged_dot(
-                dy_c, jnp.swapaxes(w_c, 1, 2), sizes_G, precision, preferred_element_type=F32
+            jax.lax.ragged_dot_general(
+                dy_c, w_c, sizes_G, _ROW_GRADIENT, precision, preferred_element_type=F32
             ),
             sizes_G,
         )
