@@ -65,7 +65,8 @@ def _stacked(experts: dict, name: str):
     """One projection of every expert, ``[E, in, out]`` in the parameters' dtype (the grouped
     product rounds it to the compute dtype, and its gradient stays in this one)."""
     names = sorted(experts, key=int)
-    return jnp.stack([experts[j][name] for j in names])
+    with jax.named_scope("moe_stack"):
+        return jnp.stack([experts[j][name] for j in names])
 
 
 def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
@@ -80,13 +81,18 @@ def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
     B, T, D = x_BxTxD.shape
     E, K = cfg.n_experts, cfg.experts_per_token
     x_NxD = x_BxTxD.reshape(B * T, D)
-    logits_NxE = router_logits(x_NxD, p["router"])
-    weights_NxK, experts_NxK = route_logits(cfg, logits_NxE)
-    flat_M = experts_NxK.reshape(-1)  # M = N * K (token, expert) pairs, token-major
-    order_M = jnp.argsort(flat_M, stable=True)
-    token_M = order_M // K
-    group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
-    xs_MxD = x_NxD[token_M].astype(cfg.dtype)
+    # the scopes name the stages in the compiled program's metadata (benchmarks/moe_census.py
+    # sums the kernels of each); they change no computation
+    with jax.named_scope("moe_router"):
+        logits_NxE = router_logits(x_NxD, p["router"])
+        weights_NxK, experts_NxK = route_logits(cfg, logits_NxE)
+    with jax.named_scope("moe_sort"):
+        flat_M = experts_NxK.reshape(-1)  # M = N * K (token, expert) pairs, token-major
+        order_M = jnp.argsort(flat_M, stable=True)
+        token_M = order_M // K
+        group_sizes_E = jnp.bincount(flat_M, length=E).astype(jnp.int32)
+    with jax.named_scope("moe_gather"):
+        xs_MxD = x_NxD[token_M].astype(cfg.dtype)
 
     def product(lhs, rhs_ExIxO):
         return grouped.matmul(cfg, lhs, rhs_ExIxO, group_sizes_E)
@@ -102,13 +108,15 @@ def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
         down_MxR = product(lhs, lora.a).astype(cfg.dtype)
         return out + lora.scale * product(down_MxR, lora.b)
 
-    gate_MxF = experts(xs_MxD, "w_gate")
-    up_MxF = experts(xs_MxD, "w_up")
-    act_MxF = (jax.nn.silu(gate_MxF) * up_MxF).astype(cfg.dtype)
-    out_MxD = experts(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
-    weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
-    y_NxD = jnp.zeros((B * T, D), F32).at[token_M].add(weighted_MxD)
-    y_BxTxD = y_NxD.astype(cfg.dtype).reshape(B, T, D)
+    with jax.named_scope("moe_experts"):
+        gate_MxF = experts(xs_MxD, "w_gate")
+        up_MxF = experts(xs_MxD, "w_up")
+        act_MxF = (jax.nn.silu(gate_MxF) * up_MxF).astype(cfg.dtype)
+        out_MxD = experts(act_MxF, "w_down").astype(cfg.dtype).astype(F32)
+    with jax.named_scope("moe_scatter"):
+        weighted_MxD = out_MxD * weights_NxK.reshape(-1)[order_M][:, None]
+        y_NxD = jnp.zeros((B * T, D), F32).at[token_M].add(weighted_MxD)
+        y_BxTxD = y_NxD.astype(cfg.dtype).reshape(B, T, D)
     if "shared" in p:  # Qwen2-MoE: every token, gated by sigmoid(x @ shared_gate)
         y_BxTxD = (y_BxTxD.astype(F32) + _shared(cfg, x_BxTxD, p)).astype(cfg.dtype)
     return (y_BxTxD, logits_NxE) if with_logits else y_BxTxD

@@ -1,0 +1,210 @@
+"""Where a mixture-of-experts layer's time goes besides its grouped products: the layer's
+forward and backward compiled at ``moe_chip.py``'s shape (abstract arguments, nothing
+allocated), its kernels summed by stage and each stage's time estimated on a TPU v5e.
+
+Programs, each ``grad`` of ``sum(layer(x) * cotangent)`` with respect to the input and the
+FP32 parameters (what one layer of an update computes):
+
+- ``ours``: :func:`minifield.models.moe.moe_mlp` as a TPU recipe runs it (``ragged_dot``), the
+  experts held one FP32 matrix per expert as the train state holds them;
+- ``dense``: ``minimal/experts.py``'s every expert on every token (``moe_chip.py``'s dense
+  line), the experts held stacked.
+
+Stages are the named scopes ``moe_mlp`` puts on its kernels (``moe_router``, ``moe_sort``,
+``moe_gather``, ``moe_experts``, ``moe_scatter``, ``moe_stack``, forward and backward alike);
+inside ``moe_experts`` the grouped products are told apart from the elementwise work around
+them (SiLU, casts, the rows past the groups set to zero). Estimates: a kernel's bytes moved
+(``_hlo_census``: operands and result) at ``--bandwidth`` (600 GB/s, a v5e's measured
+copy rate is about that of its nominal 819), a product's FLOPs at ``--peak`` (164 TFLOP/s,
+issue 49's measured BF16 peak), a product taking the longer of the two. On CPU JAX lowers
+``ragged_dot`` densely (every row times every expert), which is not what the chip runs, so
+there every ``ragged_dot`` is traced as an opaque stand-in (a host callback with the chip's
+operands and result): its bytes are the real product's, its FLOPs ``2 x rows x in x out``.
+
+    uv run --locked python benchmarks/moe_census.py [--experts 16] [--json moe_census.json]
+    python benchmarks/moe_census.py --backend tpu     # on the chip: its own fusions
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: (rows, seq, d_model, ffn): moe_chip.py's chip shape, and the test's
+SHAPES = {"chip": (2, 2048, 1024, 3584), "tiny": (1, 32, 16, 24)}
+STAGES = ("moe_router", "moe_sort", "moe_gather", "moe_experts", "moe_scatter")
+#: the last name of a kernel's op_name that makes it a matrix product
+PRODUCTS = ("dot_general", "pure_callback", "ragged_dot", "ragged_dot_general")
+TOP_K = 2
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a small shape (the test's)")
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
+    parser.add_argument("--bandwidth", type=float, default=600e9, help="bytes/s")
+    parser.add_argument("--peak", type=float, default=164e12, help="BF16 FLOP/s")
+    parser.add_argument("--json", help="write the breakdown here")
+    return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def opaque_ragged_dot():
+    """``jax.lax.ragged_dot`` and ``ragged_dot_general`` as host callbacks of the same
+    result: one kernel moving what the chip's product moves (its backward is written out in
+    ``tpu_grouped``, so nothing differentiates through them)."""
+    import jax
+    import numpy as np
+
+    real = jax.lax.ragged_dot, jax.lax.ragged_dot_general
+
+    def stand_in(fn):
+        def call(lhs, rhs, sizes, *args, **kwargs):
+            out = jax.eval_shape(lambda a, b, s: fn(a, b, s, *args, **kwargs), lhs, rhs, sizes)
+            zeros = lambda *_: np.zeros(out.shape, out.dtype)  # noqa: E731
+            return jax.pure_callback(zeros, out, lhs, rhs, sizes)
+
+        return call
+
+    jax.lax.ragged_dot, jax.lax.ragged_dot_general = map(stand_in, real)
+    try:
+        yield
+    finally:
+        jax.lax.ragged_dot, jax.lax.ragged_dot_general = real
+
+
+def programs(args) -> dict:
+    """``{name: (compiled HLO text, product FLOPs)}`` of the two layers."""
+    import jax
+    import jax.numpy as jnp
+    from minimal.experts import dense_mlp
+
+    from minifield.models import moe
+    from minifield.models.execution import Execution
+    from minifield.models.llama import LlamaConfig
+
+    rows, seq, D, F = SHAPES["tiny" if args.tiny else "chip"]
+    E, N = args.experts, rows * seq
+    cfg = LlamaConfig(
+        vocab_size=64, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=F, max_len=seq,
+        compute_dtype="bfloat16", n_experts=E, experts_per_token=TOP_K,
+        execution=Execution(backend="tpu"),
+    )  # fmt: skip
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    x = jax.ShapeDtypeStruct((rows, seq, D), jnp.bfloat16)
+    ours_p = {"router": f32(D, E), "experts": {
+        f"{j:02d}": {"w_gate": f32(D, F), "w_up": f32(D, F), "w_down": f32(F, D)}
+        for j in range(E)}}  # fmt: skip
+    dense_p = {"router": f32(D, E), "wg": f32(E, D, F), "wu": f32(E, D, F), "wd": f32(E, F, D)}
+
+    def bf16_dot(eq, a, b):
+        return jnp.einsum(eq, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)  # fmt: skip
+
+    layers = {
+        "ours": lambda x, p: moe.moe_mlp(cfg, x, p),
+        "dense": lambda x, p: dense_mlp(p, x, bf16_dot, jnp.bfloat16),
+    }
+    # each of the 3 projections: forward, the rows' gradient, the matrices' (2 m k n each)
+    flops = {"ours": 18 * N * TOP_K * D * F, "dense": 18 * N * E * D * F}
+    out = {}
+    for name, params in (("ours", ours_p), ("dense", dense_p)):
+        layer = layers[name]
+
+        def loss(x, p, ct, layer=layer):
+            return jnp.sum(layer(x, p).astype(jnp.float32) * ct)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        stand_in = opaque_ragged_dot() if jax.default_backend() == "cpu" else None
+        with stand_in or contextlib.nullcontext():
+            lowered = grad.lower(x, params, f32(rows, seq, D))
+        out[name] = (lowered.compile().as_text(), flops[name])
+    return out
+
+
+def _stage(label: str, experts: int) -> str:
+    """A kernel's stage from its census label (``kind shape op_name``): a product, the
+    experts' matrices (stacked, cast, their gradients' zeroing and unstacking: a result
+    ``[experts, in, out]`` or one expert's, outside the products), or its named scope."""
+    kind, rest = label.split(" ", 1)
+    op_name = rest.rsplit(" ", 1)[-1]
+    last = op_name.rsplit("/", 1)[-1]
+    if kind in ("dot", "convolution") or last in PRODUCTS:
+        return "moe_router" if "nd,de->ne" in op_name else "products"
+    stacked = rest.startswith((f"bf16[{experts},", f"f32[{experts},"))
+    if "moe_stack" in op_name or ("moe_experts" in op_name and stacked):
+        return "expert weights"
+    return next((stage for stage in STAGES if stage in op_name), "other")
+
+
+def breakdown(text: str, flops: float, experts: int, bandwidth: float, peak: float) -> dict:
+    """``{stage: {"kernels", "bytes", "ms"}}`` of one compiled layer, the grouped products
+    at the longer of their FLOPs at ``peak`` and their bytes at ``bandwidth``."""
+    import _hlo_census
+
+    found = _hlo_census.census(text, top=10**6)
+    stages = collections.defaultdict(lambda: {"kernels": 0, "bytes": 0.0})
+    for label, moved in found["top"]:
+        stage = stages[_stage(label, experts)]
+        stage["bytes"] += moved
+        stage["kernels"] += 1
+    for name, stage in stages.items():
+        stage["ms"] = 1e3 * stage["bytes"] / bandwidth
+        if name == "products":
+            stage["flops"] = flops
+            stage["ms"] = max(stage["ms"], 1e3 * flops / peak)
+    return dict(stages)
+
+
+def report(results: dict) -> str:
+    lines = [f"  {'stage':<14}" + "".join(f"{n + ' GB':>12}{n + ' ms':>11}" for n in results)]
+    names = sorted({s for r in results.values() for s in r}, key=lambda s: (s != "products", s))
+    for stage in names:
+        cells = [(r.get(stage, {}).get("bytes", 0) / 1e9, r.get(stage, {}).get("ms", 0))
+                 for r in results.values()]  # fmt: skip
+        lines.append(f"  {stage:<14}" + "".join(f"{gb:>12.3f}{ms:>11.2f}" for gb, ms in cells))
+    totals = {n: sum(s["ms"] for s in r.values()) for n, r in results.items()}
+    lines.append(f"  {'total':<14}" + "".join(f"{'':>12}{t:>11.2f}" for t in totals.values()))
+    if {"ours", "dense"} <= set(totals):
+        products = results["ours"]["products"]["ms"]
+        lines.append(f"  ours besides its products: {totals['ours'] - products:.2f} ms "
+                     f"({(totals['ours'] - products) / products:.2f} x the products)")  # fmt: skip
+        lines.append(f"  the layer alone, dense ÷ ours: {totals['dense'] / totals['ours']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.backend == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if jax.default_backend() != args.backend:
+        print(f"moe_census: --backend {args.backend}, but JAX runs on {jax.default_backend()}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    rows, seq, D, F = SHAPES["tiny" if args.tiny else "chip"]
+    results = {
+        name: breakdown(text, flops, args.experts, args.bandwidth, args.peak)
+        for name, (text, flops) in programs(args).items()
+    }
+    print(f"MoE layer forward + backward: {rows} x {seq} tokens, d{D}, experts of width {F}, "
+          f"top {TOP_K} of {args.experts}, BF16 compute, FP32 parameters; backend "
+          f"{args.backend}; estimates at {args.bandwidth / 1e9:g} GB/s and "
+          f"{args.peak / 1e12:g} TFLOP/s")  # fmt: skip
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
