@@ -52,6 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
     parser.add_argument("--bandwidth", type=float, default=600e9, help="bytes/s")
     parser.add_argument("--peak", type=float, default=164e12, help="BF16 FLOP/s")
+    parser.add_argument("--programs", nargs="+", choices=("ours", "dense"),
+                        default=["ours", "dense"])  # fmt: skip
     parser.add_argument("--json", help="write the breakdown here")
     return parser.parse_args(argv)
 
@@ -117,6 +119,8 @@ def programs(args) -> dict:
     flops = {"ours": 18 * N * TOP_K * D * F, "dense": 18 * N * E * D * F}
     out = {}
     for name, params in (("ours", ours_p), ("dense", dense_p)):
+        if name not in args.programs:
+            continue
         layer = layers[name]
 
         def loss(x, p, ct, layer=layer):
@@ -146,16 +150,14 @@ def _stage(label: str, experts: int) -> str:
 
 
 def breakdown(text: str, flops: float, experts: int, bandwidth: float, peak: float) -> dict:
-    """``{stage: {"kernels", "bytes", "ms"}}`` of one compiled layer, the grouped products
+    """``{stage: {"bytes", "ms"}}`` of one compiled layer, the grouped products
     at the longer of their FLOPs at ``peak`` and their bytes at ``bandwidth``."""
     import _hlo_census
 
     found = _hlo_census.census(text, top=10**6)
-    stages = collections.defaultdict(lambda: {"kernels": 0, "bytes": 0.0})
-    for label, moved in found["top"]:
-        stage = stages[_stage(label, experts)]
-        stage["bytes"] += moved
-        stage["kernels"] += 1
+    stages = collections.defaultdict(lambda: {"bytes": 0.0})
+    for label, moved in found["top"]:  # kernels of one label (kind, shape, op_name) summed
+        stages[_stage(label, experts)]["bytes"] += moved
     for name, stage in stages.items():
         stage["ms"] = 1e3 * stage["bytes"] / bandwidth
         if name == "products":

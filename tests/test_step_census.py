@@ -124,3 +124,19 @@ def test_a_scanned_stack_keeps_the_per_head_mask_in_its_loop(remat):
     assert any(e.primitive.name == "scan" for e in jaxpr.eqns)
     assert (B, 1, T, T) in outside  # the mask itself is built once, outside
     assert (B, H, T, T) not in outside
+
+
+def test_an_unstacked_matrix_counts_by_its_slice(hlo_census):
+    """A stack cut into its matrices (an expert's gradient out of ``[E, in, out]``) reads
+    each matrix once, not the whole stack once per matrix."""
+    import jax
+    import jax.numpy as jnp
+
+    def each(stack):
+        return [jnp.tanh(matrix) for matrix in stack]
+
+    stack = jax.ShapeDtypeStruct((TRIPS, M, N), jnp.float32)
+    found = hlo_census.census(jax.jit(each).lower(stack).compile().as_text())
+    layer = M * N * 4
+    moved = sum(found["bytes"].values())
+    assert TRIPS * 2 * layer <= moved < TRIPS * 4 * layer  # each read and written, a few times
