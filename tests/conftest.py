@@ -711,8 +711,6 @@ WAITING = (
 LONGEST_FIRST = (
     "tests/test_readme_commands.py",  # with READS_THE_README_RUN: 255 s
     "tests/test_slurm_profile.py",  # 164 s, most of it waiting on the cluster
-    "tests/test_grpo_demo_pipeline.py",  # 121 s in one test
-    "tests/test_before_after.py",  # 104 s in its fixture
     "tests/test_multi_process.py",
     "tests/test_preference_demo_pipeline.py",
     "tests/test_two_stage_pipeline.py",
@@ -725,9 +723,6 @@ LONGEST_FIRST = (
     "tests/test_preference_data_parallel.py",
     "tests/test_preference_worker.py",
     "tests/test_mixture_pipeline.py",
-    "tests/test_quantized_base_product.py",  # a Snakemake run and workers: about 30 s
-    "tests/test_qlora_pipeline.py",  # six stages, a process each: about 16 s
-    "tests/test_qlora_quality.py",  # three LoRA runs of 80 updates: about 16 s
 )
 
 
