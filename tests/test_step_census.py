@@ -17,6 +17,14 @@ import pytest
 from conftest import REPO
 
 TRIPS, M, K, N = 7, 24, 40, 56  # sizes no other axis here has
+#: the JAX the chip runs (uv.lock's for Python 3.11): what the census's findings were of.
+#: JAX 0.12 (the lock's for Python 3.12) hoists the per-head mask out of the scan anyway and
+#: XLA:CPU there moves a scanned layer differently: the two tests below do not hold of it
+#: (measured 2026-12-06); the chip's programs are 0.10's.
+CHIPS_JAX = pytest.mark.skipif(
+    not __import__("jax").__version__.startswith("0.10."),
+    reason="a finding of the chip's JAX (0.10), which Python 3.11's lock pins",
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +64,7 @@ def test_a_loop_counts_once_per_iteration(hlo_census):
     assert rounded in (TRIPS * M * K + K * N, TRIPS * (M * K + K * N))
 
 
+@CHIPS_JAX
 def test_a_stacked_layer_counts_by_its_slice(hlo_census):
     import jax
     import jax.numpy as jnp
@@ -97,6 +106,7 @@ def test_the_tiny_census_sees_the_chunked_heads_recompute(tmp_path):
     assert results["ours"]["stablehlo"].get("stablehlo.exponential@HIGHEST", 0) > 0
 
 
+@CHIPS_JAX
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_a_scanned_stack_keeps_the_per_head_mask_in_its_loop(remat):
     """The census's finding at 350M: JAX hoisted the attention mask broadcast over heads and
