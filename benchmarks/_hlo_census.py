@@ -88,6 +88,23 @@ class Computation:
         return {i.name: i.shape for i in self.instructions}
 
 
+def start_backend(script: str, backend: str) -> bool:
+    """JAX started on ``backend`` (the CPU's kept to itself with ``JAX_PLATFORMS``): False,
+    with a line on stderr naming ``script``, where JAX runs elsewhere."""
+    import os
+    import sys
+
+    if backend == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if jax.default_backend() == backend:
+        return True
+    print(f"{script}: --backend {backend}, but JAX runs on {jax.default_backend()}",
+          file=sys.stderr)  # fmt: skip
+    return False
+
+
 def parse(text: str) -> dict[str, Computation]:
     """The module's computations by name, each with its instructions in order."""
     computations, current = {}, None

@@ -31,7 +31,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -184,14 +183,10 @@ def report(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.backend == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    import _hlo_census
 
-    if jax.default_backend() != args.backend:
-        print(f"moe_census: --backend {args.backend}, but JAX runs on {jax.default_backend()}",
-              file=sys.stderr)  # fmt: skip
+    args = parse_args(argv)
+    if not _hlo_census.start_backend("moe_census", args.backend):
         return 2
     rows, seq, D, F = SHAPES["tiny" if args.tiny else "chip"]
     results = {

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -191,14 +190,10 @@ def report(results: dict, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.backend == "cpu":
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
+    import _hlo_census
 
-    if jax.default_backend() != args.backend:
-        print(f"step_census: --backend {args.backend}, but JAX runs on "
-              f"{jax.default_backend()}", file=sys.stderr)  # fmt: skip
+    args = parse_args(argv)
+    if not _hlo_census.start_backend("step_census", args.backend):
         return 2
     results = {name: measure(lowered) for name, lowered in lowered_programs(args).items()}
     print(f"step census: {args.size}, backend {args.backend}, remat {args.remat}, ours "

@@ -18,7 +18,6 @@ from test_lora import lora_recipe
 
 from minifield.data.packing import Rows
 from minifield.hf import stored_base
-from minifield.models import families
 from minifield.models.execution import Execution
 from minifield.models.llama import LlamaConfig
 from minifield.state.arrays import state_hash
@@ -30,21 +29,6 @@ RANK, TARGETS = 16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 #: wide matrices, few tokens: one copy of the blocks outweighs everything else the step holds
 SHAPE = dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=1024, vocab_size=512)
 T = 32
-
-
-def _stored(cfg) -> stored_base.FrozenBase:
-    """An abstract FP32 base in its checkpoint's layout (HF's ``[out, in]`` matrices)."""
-    params: dict = {}
-    out_in = set()
-    for path, transpose, shape in families.expected_tensors(cfg).values():
-        *parents, leaf = path.split("/")
-        node = params
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = jnp.zeros(shape, jnp.float32)
-        if transpose:
-            out_in.add(path)
-    return stored_base.FrozenBase(params, frozenset(out_in), "float32")
 
 
 def _temp_bytes(cfg, base) -> int:
@@ -81,7 +65,7 @@ def test_the_scanned_step_holds_no_copy_of_the_base_blocks():
     holds that copy."""
     how = Execution(scan_layers=True, remat="full")
     cfg = LlamaConfig(**SHAPE, max_len=T, tie_embeddings=True, execution=how)
-    base = _stored(cfg)
+    base = stored_base.zeros(cfg, "float32")  # an abstract FP32 base in its checkpoint's layout
     blocks = sum(math.prod(a.shape) * 4 for a in jax.tree_util.tree_leaves(base.params["blocks"]))
     bound = _bound(cfg)
     assert bound < blocks  # so a copy of the blocks cannot pass

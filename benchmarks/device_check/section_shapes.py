@@ -170,24 +170,11 @@ def abstract_step(cfg, mode: str):
 
 def _frozen_base(cfg):
     """The frozen base as a one-device LoRA run places it (``placement.frozen_base``): its
-    checkpoint's tensors (HF's names, shapes and ``[out, in]`` layout) in BF16, held as
-    stored, then stacked for the scan where the layers are scanned."""
-    import jax.numpy as jnp
-
+    checkpoint's tensors in BF16, held as stored, then stacked for the scan where the layers
+    are scanned."""
     from minifield.hf import stored_base
-    from minifield.models import families
 
-    params: dict = {}
-    out_in = set()
-    for path, transpose, shape in families.expected_tensors(cfg).values():
-        *parents, leaf = path.split("/")
-        node = params
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = jnp.zeros(shape, LORA_BASE_DTYPE)
-        if transpose:
-            out_in.add(path)
-    base = stored_base.FrozenBase(params, frozenset(out_in), LORA_BASE_DTYPE)
+    base = stored_base.zeros(cfg, LORA_BASE_DTYPE)
     return stored_base.stacked(base) if cfg.execution.scan_layers else base
 
 

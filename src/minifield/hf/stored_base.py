@@ -158,6 +158,22 @@ def on_host(arrays: dict[str, np.ndarray], base_dtype: str, put=lambda value: va
     return FrozenBase(nest(items), frozenset(out_in), base_dtype)
 
 
+def zeros(cfg, dtype: str) -> FrozenBase:
+    """A base of ``cfg``'s checkpoint tensors (HF's names, shapes and ``[out, in]`` layout),
+    zeros in ``dtype``, held as stored: what a one-device LoRA run places, for measuring a
+    step without a base's files (under ``jax.eval_shape`` nothing is allocated)."""
+    import jax.numpy as jnp
+
+    from ..models import families
+
+    items, out_in = [], set()
+    for path, transpose, shape in families.expected_tensors(cfg).values():
+        items.append((path, jnp.zeros(shape, dtype)))
+        if transpose:
+            out_in.add(path)
+    return FrozenBase(nest(items), frozenset(out_in), dtype)
+
+
 def stacked(base: FrozenBase) -> FrozenBase:
     """``base`` as a step that scans its layers (``model.scan_layers``) runs it, made once as
     the base is placed: each block leaf's layers stacked along a leading axis
