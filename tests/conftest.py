@@ -403,6 +403,30 @@ def write_recipe(path: Path, recipe: dict) -> Path:
     return path
 
 
+def write_project(workdir: Path, recipes_by_file: dict[str, dict]) -> None:
+    """A Snakemake project in ``workdir`` running ``recipes_by_file`` (YAML under
+    ``config/recipes/``) from inputs under ``in/``, the repo's config otherwise; the crash proof
+    alone (``tests/test_proof.py`` covers both modes)."""
+    import yaml
+
+    (workdir / "config" / "recipes").mkdir(parents=True, exist_ok=True)
+    for name, recipe in recipes_by_file.items():
+        (workdir / "config" / "recipes" / name).write_text(yaml.safe_dump(recipe))
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    config["recipes"] = [f"config/recipes/{name}" for name in recipes_by_file]
+    config["input_root"] = "in"
+    config["qualification"] = {**config["qualification"], "mode": "crash"}
+    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def snakemake_jobs(output: str) -> dict[str, int]:
+    """Rule → job count from Snakemake's "Job stats" table (its stdout and stderr)."""
+    import re
+
+    table = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
+
+
 def worker_args(*flags, **options) -> list[str]:
     """The worker's arguments: ``flags`` as spelled (``"--validate-only"``), then one option per
     keyword in the order given: ``input_root=p`` is ``--input-root p``, ``True`` the bare flag

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from conftest import run_snakemake
+from conftest import run_snakemake, snakemake_jobs, write_project
 from test_mixtures import mixed_recipe, mixture_inputs
 
 from minifield import recipe as recipes
@@ -29,24 +27,6 @@ from minifield.digest import short
 from minifield.strategies.packed_sft import demo_data
 
 pytestmark = pytest.mark.slow
-
-
-def _project(workdir: Path, recipes_by_file: dict[str, dict]) -> None:
-    (workdir / "config" / "recipes").mkdir(parents=True, exist_ok=True)
-    for name, recipe in recipes_by_file.items():
-        (workdir / "config" / "recipes" / name).write_text(yaml.safe_dump(recipe))
-    config = yaml.safe_load((Path(__file__).parents[1] / "config" / "config.yaml").read_text())
-    config["recipes"] = [f"config/recipes/{name}" for name in recipes_by_file]
-    config["input_root"] = "in"
-    # the crash proof alone: these tests read no proof (test_proof.py covers both modes)
-    config["qualification"] = {**config["qualification"], "mode": "crash"}
-    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-
-
-def _jobs(stdout_and_err: str) -> dict[str, int]:
-    """Rule → job count from Snakemake's "Job stats" table."""
-    table = stdout_and_err.split("Job stats:", 1)[1].split("\n\n", 1)[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
 
 
 def _examples_target(workdir: Path, name: str) -> str:
@@ -67,18 +47,18 @@ def test_a_source_shared_by_two_mixtures_is_prepared_once(tmp_path):
         {"name": "other", "path": "sft/other.jsonl", "sha256": hashlib.sha256(other).hexdigest()}
     )
 
-    _project(workdir, {"first.yaml": first})
+    write_project(workdir, {"first.yaml": first})
     done = run_snakemake(workdir, _examples_target(workdir, "first.yaml"), check=True)
-    assert _jobs(done.stdout + done.stderr)["prepare_source"] == 2
+    assert snakemake_jobs(done.stdout + done.stderr)["prepare_source"] == 2
     sources = workdir / "results" / "sources"
     prepared = {p: p.stat().st_mtime_ns for p in sources.rglob("*") if p.is_file()}
     first_digests = recipes.load(workdir / "config" / "recipes" / "first.yaml").source_digests
 
-    _project(workdir, {"first.yaml": first, "second.yaml": second})
+    write_project(workdir, {"first.yaml": first, "second.yaml": second})
     second_digests = recipes.load(workdir / "config" / "recipes" / "second.yaml").source_digests
     assert second_digests["extra"] == first_digests["extra"]
     done = run_snakemake(workdir, _examples_target(workdir, "second.yaml"), check=True)
-    jobs = _jobs(done.stdout + done.stderr)
+    jobs = snakemake_jobs(done.stdout + done.stderr)
     assert jobs["prepare_source"] == 1 and jobs["prepare"] == 1  # only "other", new
     assert {p: p.stat().st_mtime_ns for p in prepared} == prepared  # nothing rewritten
     made = sorted(p.name for p in sources.iterdir())
@@ -119,7 +99,7 @@ def test_a_weighted_mixture_trains_evaluates_and_publishes(tmp_path):
     recipe = mixed_recipe(space, entries, seed=7)
     recipe["limits"]["max_steps"] = 12
     recipe["evaluation"]["min_dev_exact_match"] = 0.0
-    _project(workdir, {"mix.yaml": recipe})
+    write_project(workdir, {"mix.yaml": recipe})
     loaded = recipes.load(workdir / "config" / "recipes" / "mix.yaml")
     base = f"results/computations/{short(loaded.computation_digest)}"
     # what this test reads (capacity and the other report pages are other tests')

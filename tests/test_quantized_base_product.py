@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import yaml
-from conftest import read_events, run_snakemake, write_recipe
+from conftest import read_events, run_snakemake, snakemake_jobs, write_project, write_recipe
 from test_base_model import _run, make_inputs
 from test_lora import LORA, lora_recipe
 
@@ -239,23 +238,6 @@ def test_a_worker_given_an_altered_product_ends_with_exit_2_naming_the_file(made
 # -- through Snakemake (slow) ----------------------------------------------------------------
 
 
-def _project(workdir: Path, recipes_by_file: dict[str, dict]) -> None:
-    (workdir / "config" / "recipes").mkdir(parents=True, exist_ok=True)
-    for name, recipe in recipes_by_file.items():
-        (workdir / "config" / "recipes" / name).write_text(yaml.safe_dump(recipe))
-    config = yaml.safe_load((Path(__file__).parents[1] / "config" / "config.yaml").read_text())
-    config["recipes"] = [f"config/recipes/{name}" for name in recipes_by_file]
-    config["input_root"] = "in"
-    config["qualification"] = {**config["qualification"], "mode": "crash"}
-    (workdir / "config" / "config.yaml").write_text(yaml.safe_dump(config))
-
-
-def _jobs(output: str) -> dict[str, int]:
-    """Rule → job count from Snakemake's "Job stats" table."""
-    table = output.split("Job stats:", 1)[1].split("\n\n", 1)[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.MULTILINE)}
-
-
 @pytest.mark.slow
 def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
     workdir = tmp_path / "project"
@@ -266,7 +248,7 @@ def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
     second["training"]["learning_rate"] = 0.02
     third = {**first, "job_id": "base-test-int8", "model": {**first["model"], "lora": INT8}}
     files = {"first.yaml": first, "second.yaml": second, "third.yaml": third}
-    _project(workdir, files)
+    write_project(workdir, files)
     loaded = {name: recipes.load(workdir / "config" / "recipes" / name) for name in files}
     cd = {name: short(r.computation_digest) for name, r in loaded.items()}
     qd = {name: short(r.quantized_base_digest) for name, r in loaded.items()}
@@ -274,7 +256,7 @@ def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
     train = [f"results/computations/{cd[n]}/train/result.json" for n in files]
     # the DAG: one product for the first two computations' qualify and train, one for the third
     planned = run_snakemake(workdir, "-n", *train, check=True)
-    jobs = _jobs(planned.stdout + planned.stderr)
+    jobs = snakemake_jobs(planned.stdout + planned.stderr)
     assert jobs["quantize_base"] == 2 and jobs["qualify"] == 3 and jobs["train"] == 3
     products = [f"results/quantized-bases/{qd[n]}/manifest.json" for n in files]
     run_snakemake(workdir, *products, check=True)
@@ -285,7 +267,7 @@ def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
     # the first computation's recovery proof and training run on the product, left as made
     proof = f"results/computations/{cd['first.yaml']}/qualification/proof.json"
     done = run_snakemake(workdir, train[0], check=True)
-    assert "quantize_base" not in _jobs(done.stdout + done.stderr)
+    assert "quantize_base" not in snakemake_jobs(done.stdout + done.stderr)
     assert {p: p.stat().st_mtime_ns for p in manifest.parent.iterdir()} == written
     assert json.loads((workdir / proof).read_text())["passed"] is True
     assert json.loads((workdir / train[0]).read_text())["status"] == "completed"
