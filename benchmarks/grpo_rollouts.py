@@ -232,6 +232,12 @@ def measure(args, cfg, init_s, calls) -> dict:
         )
     ratios = {}
     for label, t in (("wall", wall), ("CPU", cpu)):
+        if (
+            min(t["minimal"]) <= 0
+        ):  # on an accelerator a call's host CPU can be below the clock's tick
+            ratios[label.lower()] = None
+            print(f"minifield / minimal ({label}): not resolved (a call took no measurable time)")
+            continue
         by_min = min(t["minifield"]) / min(t["minimal"])
         by_median = statistics.median(t["minifield"]) / statistics.median(t["minimal"])
         ratios[label.lower()] = {"min": by_min, "median": by_median}

@@ -561,3 +561,24 @@ def test_a_tpu_run_is_judged_by_the_chips_goals():
     assert goals["mfu_350m_vs_measured_peak"] == {"value": 0.46, "goal": ">= 0.45", "met": True}
     assert goals["ours_over_minimal_350m"]["met"] is False
     assert goals["mfu_125m_vs_measured_peak"] == {"value": None, "goal": ">= 0.40", "met": None}
+
+
+def test_the_step_sections_kernel_on_a_tpu_is_a_tpu_recipes_default():
+    """Unasked, the step sections on a TPU time what a recipe of their 2048-token rows gets
+    (splash), as splash (``backend`` in the execution, not the GPU kernel); the recovery
+    recipe leaves the kernel to its own rows' default; an asked kernel is passed on."""
+    from device_check.cli import parse_args
+    from device_check.settings import execution, recovery_recipe
+
+    from minifield import recipe as recipes
+
+    args = parse_args(["--backend", "tpu"])
+    assert args.attention == "pallas" and "--attention" not in args.passthrough
+    assert execution(args).backend == "tpu"
+    recovery = recipes.validate(recovery_recipe(args)).data["model"]
+    assert "attention" not in recovery  # 128-token rows: the XLA path
+    asked = parse_args(["--backend", "tpu", "--attention", "xla"])
+    at = asked.passthrough.index("--attention")
+    assert asked.attention == "xla" and asked.passthrough[at + 1] == "xla"
+    assert parse_args(["--backend", "gpu"]).attention == "pallas"
+    assert parse_args(["--tiny"]).attention == "xla"

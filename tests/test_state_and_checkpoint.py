@@ -1,6 +1,7 @@
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -456,3 +457,45 @@ def test_a_write_that_fails_while_arrays_are_hashed_on_threads_leaves_no_trace(
     assert threading.active_count() == threads
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(previous.path).name]
     assert checkpoint.committed_steps(tmp_path) == [1]
+
+
+def test_a_commit_hashes_every_array_before_the_writer_reaches_it(tmp_path, monkeypatch):
+    """Every array's digest (one-piece arrays excepted: the writer hashes their chunks) is
+    started as the array reaches the host, not at the writer's turn: here the first write
+    waits until every such digest has started, which a commit that started each at its turn
+    never reaches (it would time out); the checkpoint's digests are the definition's."""
+    import threading
+
+    from minifield.state import checkpoint_data, pieces
+    from minifield.state.arrays import named_arrays
+
+    state = _every_hashing_path()
+    multi = [
+        name
+        for name, a in named_arrays(state).items()
+        if a.size and math.prod(pieces.piece_grid(a.shape)) > 1
+    ]
+    started, all_started = [], threading.Event()
+    start = checkpoint_data._Digests.start
+
+    def counting(self, name, array):
+        start(self, name, array)
+        started.append(name)
+        if len(started) == len(multi):
+            all_started.set()
+
+    write_all = checkpoint_data._write_all
+    waited = []
+
+    def first_waits(fd, buffers):
+        if not waited:
+            waited.append(all_started.wait(timeout=20))
+        write_all(fd, buffers)
+
+    monkeypatch.setattr(checkpoint_data._Digests, "start", counting)
+    monkeypatch.setattr(checkpoint_data, "_write_all", first_waits)
+    monkeypatch.setattr(checkpoint_data, "_BATCH", 1 << 20)  # the first write comes early
+    ahead = checkpoint.save(tmp_path / "a", state, step=3, computation_digest="c" * 64)
+    assert waited == [True] and sorted(started) == sorted(multi)
+    manifest, _ = verify_checkpoint_by_hand(Path(ahead.path))
+    assert manifest["state_hash"] == state_hash_by_hand(_flat(state)) == ahead.state_hash

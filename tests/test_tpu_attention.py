@@ -243,7 +243,8 @@ def test_the_shipped_table_is_the_chips_sweep():
         joined, held = shape["joined"], shape["baseline"]["step"]
         faster = joined["blocks"] if "ms" in joined and joined["ms"] < held else shape["held"]
         assert blocks == faster
-    assert execution.splash_blocks(512, head_dim=64) == execution.SPLASH_DEFAULT_BLOCKS
+    # a head width the sweep did not measure gets splash's own defaults
+    assert execution.splash_blocks(512, head_dim=96) == execution.SPLASH_DEFAULT_BLOCKS
 
 
 def test_blocks_are_fitted_to_the_row():

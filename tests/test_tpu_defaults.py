@@ -160,3 +160,52 @@ def test_a_splash_table_the_code_does_not_have_or_without_splash_is_refused():
     with pytest.raises(recipes.RecipeError) as caught:
         recipes.validate(document)
     assert "pallas and runtime.backend tpu" in caught.value.errors[0]["message"]
+
+
+def attention_on_tpu(seq_len: int, **model) -> dict:
+    """sft-demo on the TPU with rows of ``seq_len`` tokens, ``model.attention`` left out."""
+    document = with_runtime(shipped("sft-demo"), backend="tpu")
+    document["training"]["seq_len"] = seq_len
+    document["model"].update(model)
+    return recipes.validate(document).data["model"]
+
+
+def test_the_tpu_default_attention_is_the_faster_one_measured_at_the_row_length():
+    """On the chip (docs/splash-blocks.json, the sweep the table is made from) splash beat the
+    XLA path at every recorded row length from ``SPLASH_FASTER_FROM`` up and lost below it;
+    a TPU recipe that leaves ``model.attention`` out gets splash exactly there, written into
+    the validated recipe (with its table digest) like the memory options."""
+    from minifield.models import execution
+
+    recorded = json.loads((REPO / "docs" / "splash-blocks.json").read_text())
+    timed = [s for s in recorded["shapes"] if "ms" in s["xla"] and "ms" in s["best"]]
+    assert {s["seq_len"] for s in timed} >= {128, 256, 512, 1024, 2048, 4096}
+    for shape in timed:
+        splash_faster = shape["best"]["ms"] < shape["xla"]["ms"]
+        assert splash_faster == (shape["seq_len"] >= execution.SPLASH_FASTER_FROM), shape
+        model = attention_on_tpu(shape["seq_len"])
+        assert model.get("attention", "xla") == ("pallas" if splash_faster else "xla")
+    assert attention_on_tpu(2048)["splash_table"] == execution.splash_table_digest()
+    assert "splash_table" not in attention_on_tpu(256)
+
+
+def test_the_tpu_default_attention_is_the_xla_path_where_splash_cannot_run():
+    """Splash needs whole lanes and BF16 compute: a 640-token row gets it, 576 (not a multiple
+    of 128) and FP32 compute keep the XLA path; a spelled kernel is the recipe's own."""
+    assert attention_on_tpu(640)["attention"] == "pallas"
+    assert "attention" not in attention_on_tpu(576)
+    assert "attention" not in attention_on_tpu(2048, compute_dtype="float32")
+    assert "attention" not in attention_on_tpu(2048, attention="xla")
+
+
+def test_the_tpu_default_attention_is_in_the_digest():
+    """Absent on a TPU at 2048 tokens is the computation that spells splash out; the XLA path
+    spelled is another computation."""
+    document = with_runtime(shipped("sft-demo"), backend="tpu")
+    document["training"]["seq_len"] = 2048
+    absent = recipes.validate(document).computation_digest
+    spelled = copy.deepcopy(document)
+    spelled["model"]["attention"] = "pallas"
+    assert recipes.validate(spelled).computation_digest == absent
+    spelled["model"]["attention"] = "xla"
+    assert recipes.validate(spelled).computation_digest != absent

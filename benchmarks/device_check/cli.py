@@ -12,6 +12,7 @@ from device_check.settings import (
     BUDGET_S,
     SECTIONS,
     TINY_BATCH,
+    default_attention,
     expected_backend,
     memory_defaults,
 )
@@ -32,9 +33,9 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=("cpu", "gpu", "tpu"), help="the backend the device "
                         "check requires (default gpu; cpu with --tiny)")  # fmt: skip
     parser.add_argument("--attention", choices=("pallas", "xla"), help="the attention kernel of "
-                        "every section (default pallas, the fused kernel, on a GPU; xla "
-                        "with --tiny: Pallas's CPU interpreter is slow; xla on a TPU: the "
-                        "minimal loop's fused kernel is the GPU one)")  # fmt: skip
+                        "the step, shapes and checkpoint sections (default: pallas, the fused "
+                        "kernel, on a GPU; on a TPU what a recipe of 2048-token rows gets, "
+                        "splash; xla with --tiny: Pallas's CPU interpreter is slow)")  # fmt: skip
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--remat", choices=REMAT_POLICIES, help="training.remat of both loops; "
                         "default: what a recipe naming the backend gets (full on a TPU, else "
@@ -75,7 +76,9 @@ def parse_args(argv=None):
         limits[name] = float(seconds)
     args.section_limit = limits
     backend = expected_backend(args)
-    args.attention = args.attention or ("pallas" if backend == "gpu" and not args.tiny else "xla")
+    # the recovery section's recipe leaves an unasked kernel to the recipe's own default
+    args.attention_asked = args.attention is not None
+    args.attention = args.attention or default_attention(backend, args.tiny)
     remat, chunk = memory_defaults(backend)
     args.remat = args.remat or remat
     args.loss_chunk_tokens = chunk if args.loss_chunk_tokens is None else args.loss_chunk_tokens
@@ -86,7 +89,7 @@ def parse_args(argv=None):
     args.passthrough = [
         *(["--tiny"] if args.tiny else []),
         *(["--backend", args.backend] if args.backend else []),
-        "--attention", args.attention,
+        *(["--attention", args.attention] if args.attention_asked else []),
         "--scan-layers" if args.scan_layers else "--no-scan-layers",
         "--remat", args.remat,
         "--loss-chunk-tokens", str(args.loss_chunk_tokens),

@@ -91,7 +91,21 @@ def execution(args):
         scan_layers=args.scan_layers,
         remat=args.remat,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        backend=expected_backend(args),  # which fused kernel ``pallas`` is
     )
+
+
+def default_attention(backend: str, tiny: bool) -> str:
+    """The step sections' kernel where none is asked for: the GPU's fused kernel; on a TPU what
+    a recipe of :data:`SEQ_LEN`-token rows gets (``execution.tpu_default_attention``); the XLA
+    path with ``tiny`` (Pallas's CPU interpreter is slow)."""
+    from minifield.models.execution import tpu_default_attention
+
+    if tiny:
+        return "xla"
+    if backend == "tpu":
+        return tpu_default_attention({"training": {"seq_len": SEQ_LEN}, "model": {}})
+    return "pallas" if backend == "gpu" else "xla"
 
 
 def memory_defaults(backend: str) -> tuple[str, int]:
@@ -133,12 +147,15 @@ def recovery_recipe(args) -> dict:
 
     recipe = yaml.safe_load((REPO / "config/recipes/sft-demo.yaml").read_text())
     recipe["job_id"] = "device-check-recovery"
+    tpu_default = expected_backend(args) == "tpu" and not args.attention_asked
     recipe["model"] = {
         "architecture": "llama",
         **(TINY_RECOVERY_MODEL if args.tiny else RECOVERY_MODEL),
         "compute_dtype": "bfloat16",
         "tokenizer": recipe["model"]["tokenizer"],
-        "attention": args.attention,
+        # on a TPU an unasked kernel is the recipe's own default at its rows (the XLA path at
+        # 128 tokens), as a user's recipe gets it
+        **({} if tpu_default else {"attention": args.attention}),
         "scan_layers": args.scan_layers,
     }
     recipe["training"].update(

@@ -133,7 +133,40 @@ def _dense_attention(dot, compute, q, k, v, seg):
     return o.reshape(B, H, T, K).transpose(0, 2, 1, 3)
 
 
+@functools.lru_cache(maxsize=8)
+def _splash_kernel(T: int, H: int, K: int):
+    """Splash's MHA kernel, causal, over ``H`` heads of rows of ``T``, with the blocks ours
+    runs at this shape (``execution.splash_blocks``): the same kernel and blocks, compared."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    from minifield.models.execution import splash_blocks
+
+    with jax.ensure_compile_time_eval():  # its mask tables: concrete, made once per shape
+        return splash.make_splash_mha_single_device(
+            splash.MultiHeadMask([splash.CausalMask((T, T))] * H),
+            block_sizes=splash.BlockSizes(**splash_blocks(T, head_dim=K)),
+        )
+
+
+def _splash_attention(compute, q, k, v, seg):
+    """Splash attention on a TPU: the queries scaled first (it computes plain q k^T), every
+    head's keys and values (repeated, as the dense path has them), a row at a time."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    B, T, H, K = q.shape
+    kernel = _splash_kernel(T, H, K)
+    q = (q.astype(F32) * K**-0.5).astype(compute)
+    heads = [t.astype(compute).transpose(0, 2, 1, 3) for t in (q, k, v)]  # [B, H, T, K]
+
+    def row(q_HxTxK, k_HxTxK, v_HxTxK, seg_T):
+        return kernel(q_HxTxK, k_HxTxK, v_HxTxK, segment_ids=splash.SegmentIds(seg_T, seg_T))
+
+    return jax.vmap(row)(*heads, seg).transpose(0, 2, 1, 3).astype(compute)
+
+
 def _fused_attention(compute, q, k, v, seg):
+    if jax.default_backend() == "tpu":
+        return _splash_attention(compute, q, k, v, seg)
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
     K = q.shape[-1]

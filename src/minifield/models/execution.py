@@ -17,7 +17,8 @@ spell the defaults out, keep their computation digest.
 
 A recipe that names the TPU (``runtime.backend: tpu``) gets the memory options of
 :data:`ACCELERATOR_DEFAULTS` where it leaves them out: on a 16 GB chip a useful step does not
-fit without them. They are filled in when the recipe is checked, so they are written in the
+fit without them. Its attention too: splash (``pallas``) where it measured faster than the XLA
+path (:func:`tpu_default_attention`). They are filled in when the recipe is checked, so they are written in the
 validated recipe and enter its digest like any spelled-out value: the run is reproducible from
 its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its digest.
 
@@ -78,6 +79,18 @@ def _blocks(*sizes: int) -> dict:
 #: own, joined, and kept only where the joined step beat every block at 512 (else all 512).
 #: Every other shape gets :data:`SPLASH_DEFAULT_BLOCKS` (:func:`splash_blocks`).
 SPLASH_BLOCKS = {
+    128: {
+        64: _blocks(128, 128, 128, 128, 128, 128, 128, 128),
+        128: _blocks(128, 128, 128, 128, 128, 128, 128, 128),
+    },
+    256: {
+        64: _blocks(256, 256, 256, 256, 256, 128, 256, 256),
+        128: _blocks(256, 256, 256, 256, 256, 256, 256, 256),
+    },
+    512: {
+        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
+        128: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
+    },
     1024: {
         64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
         128: _blocks(512, 1024, 512, 1024, 1024, 1024, 1024, 1024),
@@ -118,6 +131,25 @@ DEFAULTS = {
 ACCELERATOR_DEFAULTS = {
     "tpu": {("training", "remat"): "full", ("training", "loss_chunk_tokens"): 1024},
 }
+
+
+#: the shortest row at which splash attention measured faster than the XLA path on the chip,
+#: at head widths 64 and 128 (``benchmarks/splash_blocks.py``, docs/tpu.md: 1.34 and 1.46
+#: times at 512 tokens, slower at 256 and 128): a TPU recipe that leaves ``model.attention``
+#: out computes with splash from this row length up (:func:`tpu_default_attention`)
+SPLASH_FASTER_FROM = 512
+
+
+def tpu_default_attention(recipe: dict) -> str:
+    """``model.attention`` for a TPU recipe that leaves it out: ``pallas`` (splash) where
+    splash can run the recipe (BF16 compute, whole lanes) and measured faster than the XLA
+    path (rows of :data:`SPLASH_FASTER_FROM` tokens or more), else ``xla``."""
+    seq_len = recipe["training"].get("seq_len", 0)
+    splash_runs = (
+        pallas_seq_len_problem(seq_len, "tpu") is None
+        and splash_fp32_problem(recipe["model"].get("compute_dtype", "bfloat16"), "tpu") is None
+    )
+    return "pallas" if splash_runs and seq_len >= SPLASH_FASTER_FROM else "xla"
 
 
 def defaults_for(backend: str) -> dict:
@@ -327,12 +359,14 @@ def splash_table_problems(recipe: dict, backend: str) -> list[dict]:
 
 
 def normalize_recipe(recipe: dict) -> list[dict]:
-    """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`),
-    then remove execution options equal to their defaults (digest stability); returns
+    """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`)
+    and on a TPU its attention kernel (:func:`tpu_default_attention`), then remove execution options equal to their defaults (digest stability); returns
     errors."""
     backend = recipe.get("runtime", {}).get("backend", "any")
     for (section, key), value in ACCELERATOR_DEFAULTS.get(backend, {}).items():
         recipe[section].setdefault(key, value)
+    if backend == "tpu" and "attention" not in recipe["model"]:
+        recipe["model"]["attention"] = tpu_default_attention(recipe)
     for (section, key), default in DEFAULTS.items():
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]

@@ -22,6 +22,8 @@ import hashlib
 import math
 import mmap
 import os
+import queue
+import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,6 +89,36 @@ class _Digests:
         self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
         self.lane = ThreadPoolExecutor(max_workers=1)
         self.jobs: dict[str, Any] = {}
+        self.taker: threading.Thread | None = None
+        self.closing = False
+
+    def ahead(self, items: Iterable[tuple[str, np.ndarray]]):
+        """``items`` as they come, taken on a thread of their own that starts each array's
+        digest (one-piece arrays excepted: the writer hashes those on its chunks) as soon as
+        the array is on the host, not when the writer reaches it: the hashing then runs
+        beside the writes from the first array on (when each started at its turn, the last
+        arrays' hashing came after the last write: docs/tpu.md)."""
+        handed: queue.SimpleQueue = queue.SimpleQueue()
+
+        def take() -> None:
+            try:
+                for name, array in items:
+                    if self.closing:  # the write failed: hash and copy no more
+                        break
+                    if not _single_piece(array):
+                        self.start(name, array)
+                    handed.put((name, array))
+            except BaseException as error:  # handed to the writer, which raises it
+                handed.put(error)
+                return
+            handed.put(None)
+
+        self.taker = threading.Thread(target=take, name="checkpoint-host-copies", daemon=True)
+        self.taker.start()
+        while (item := handed.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def start(self, name: str, array: np.ndarray) -> None:
         count = math.prod(pieces.piece_grid(array.shape))
@@ -102,6 +134,9 @@ class _Digests:
         }
 
     def close(self) -> None:
+        self.closing = True
+        if self.taker is not None:
+            self.taker.join()
         for threads in (self.lane, self.pool):
             threads.shutdown(wait=True, cancel_futures=True)
 
@@ -126,6 +161,8 @@ def write(
     :data:`_BATCH`."""
     entries, position, batch, batched = [], 0, [], 0
     pending = _Digests() if check == DIGEST and known is None else None
+    if pending is not None:
+        items = pending.ahead(items)
     with atomic.naming(path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -138,8 +175,6 @@ def write(
                 sha256 = None
                 if check == SHA256 or (pending is not None and _single_piece(array)):
                     sha256 = hashlib.sha256()
-                elif pending is not None:
-                    pending.start(name, array)
                 size = _BATCH if sha256 is None else _CHUNK
                 for start in range(0, data.size, size):
                     chunk = data[start : start + size]

@@ -33,6 +33,9 @@ LLAMA_KEYS = ("rope_theta", "norm_eps", "qkv_bias")
 #: Llama keys added later: never filled in (recipes without them keep their digest), a value
 #: spelled at what absence means removed
 OPTIONAL_LLAMA_KEYS = ("head_dim", "qk_norm", "sliding_window")
+#: model keys whose absence :func:`minifield.models.execution.normalize_recipe` reads (on a
+#: TPU an absent ``attention`` is the faster kernel at the row length): never filled in here
+EXECUTION_KEYS = ("attention",)
 #: base-model keys added later: never filled in, a value spelled at what absence means removed
 OPTIONAL_BASE_KEYS = ("router_z_loss_coef",)
 
@@ -64,7 +67,7 @@ def normalize_model_section(model: dict) -> list[dict]:
         if key in model
     ]
     for key, value in absent.items():
-        if key not in LLAMA_KEYS + OPTIONAL_LLAMA_KEYS + OPTIONAL_BASE_KEYS:
+        if key not in LLAMA_KEYS + OPTIONAL_LLAMA_KEYS + OPTIONAL_BASE_KEYS + EXECUTION_KEYS:
             model.setdefault(key, value)
     if model.get("architecture", "gpt") == "gpt":
         model.pop("architecture", None)
