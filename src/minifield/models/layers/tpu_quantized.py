@@ -234,10 +234,11 @@ def _kernel(p: Plan, transpose: bool, n_acts: int, *refs):
         refs[n_acts + 2 :],
     )
 
-    @pl.when(pl.program_id(2) == 0)
-    def _zero():
+    def zero():
         for out in outs:
             out[...] = jnp.zeros(out.shape, F32)
+
+    pl.when(pl.program_id(2) == 0)(zero)
 
     weights = _tile_back(p, codes_ref[...], scales_ref)
     if transpose:  # dy [tm, tn] against each [tk, tn] tile, contracted over the outputs
