@@ -116,7 +116,9 @@ def test_product_and_row_gradient_within_the_bound_of_float64_and_of_the_xla_pat
         assert np.all(b <= 0.01 * (np.abs(a) @ np.abs(w64)))
 
 
-@pytest.mark.parametrize(("scheme", "block"), [("nf4", 16), ("int8", None)])
+@pytest.mark.parametrize(
+    ("scheme", "block"), [pytest.param("nf4", 16, marks=pytest.mark.slow), ("int8", None)]
+)  # NF4's select tree takes 1.6 s to trace and interpret
 def test_the_made_back_matrix_is_the_float32_references_bits(scheme, block):
     """The identity's product is the weight tile exactly (one nonzero term a sum): equal, bit
     for bit, to ``table[code] * scale`` (int8 ``code * (1/127) * scale``, XLA's form of the
