@@ -13,10 +13,13 @@ peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW
 compute, the state donated; compiled and run once untimed, then the median of ``--steps``.
 Each mode also prints the layer-matrix-shaped arrays its optimized program writes outside
 every fusion (:func:`materialised`): 0 where each made-back matrix is fused into its product.
+``--kernels xla pallas`` runs each quantized mode with each product (``Execution``'s
+``quantized_kernel``: XLA's fused ``dequantize``, or the Pallas kernel reading the codes,
+:mod:`minifield.models.layers.tpu_quantized`), the BF16 step once.
 
     uv run python benchmarks/qlora_step.py                      # CPU: a small shape
     uv run python benchmarks/qlora_step.py --preset llama-3.2-3b --seq 2048 --batch 1 \\
-        --remat full --dir /tmp/llama3b                         # the chip: ÷ BF16 (issue 58)
+        --remat full --dir /tmp/llama3b --kernels xla pallas    # the chip: ÷ BF16 (issue 58)
     uv run python benchmarks/qlora_step.py --preset llama-3.1-8b --seq 2048 --batch 1 \\
         --remat full --dir /tmp/llama8b                         # the chip (docs/tpu.md)
 """
@@ -40,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _random_base  # noqa: E402
 
 MODES = ("bf16", "int8", "nf4")
+#: a quantized base's products (``execution.QUANTIZED_KERNEL_KINDS``)
+KERNELS = ("xla", "pallas")
 #: the shapes of their HF config.json (Llama 3's rotary scaling changes no shape: left out)
 PRESETS = {
     "llama-3.1-8b": dict(d_model=4096, layers=32, heads=32, kv_heads=8, ff=14336, vocab=128256,
@@ -66,8 +71,41 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--remat", choices=("none", "full", "dots_saveable"), default="none")
     parser.add_argument("--peak-tflops", type=float, default=197.0, help="for MFU (v5e: 197)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/minifield-qlora-base"))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="the bases to run (the ratios need bf16 in the same call)",
+    )
+    parser.add_argument(
+        "--write-only",
+        action="store_true",
+        help="write the base to --dir and stop (a chip call of its own)",
+    )
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=KERNELS,
+        default=["xla"],
+        help="the quantized modes' products (each mode run with each)",
+    )
+    parser.add_argument(
+        "--quantized-tiles",
+        type=_tiles,
+        default=None,
+        help="the Pallas kernel's tiles M,N,K (absent: tpu_quantized.TILES)",
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child's
+    parser.add_argument("--kernel", choices=KERNELS, default="xla", help=argparse.SUPPRESS)
     return parser.parse_args()
+
+
+def _tiles(text: str) -> tuple[int, int, int]:
+    sizes = tuple(int(t) for t in text.split(","))
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected three positive sizes M,N,K, got {text!r}")
+    return sizes
 
 
 def base_config(args):
@@ -94,7 +132,9 @@ def config(args):
 
     cfg = base_config(args)
     # the loss in chunks of 1024 tokens, as a TPU recipe's default: no [B, T, vocab] logits
-    how = execution.Execution(scan_layers=True, remat=args.remat, loss_chunk_tokens=1024)
+    how = execution.Execution(
+        scan_layers=True, remat=args.remat, loss_chunk_tokens=1024, quantized_kernel=args.kernel
+    )
     return dataclasses.replace(cfg, execution=how)
 
 
@@ -110,9 +150,12 @@ def run_mode(args) -> dict:
     import jax
 
     from minifield.hf import checkpoint, stored_base
+    from minifield.models.layers import tpu_quantized
     from minifield.strategies.lm import placement
     from minifield.training import lora, optimizer
 
+    if args.quantized_tiles:
+        tpu_quantized.TILES = args.quantized_tiles  # read as each product is traced
     cfg = config(args)
     _, params, layout = checkpoint.load_stored(args.dir, args.seq, "bfloat16")
     arrays = stored_base.to_arrays(params, layout)
@@ -156,6 +199,7 @@ def run_mode(args) -> dict:
     )
     return {
         "mode": args.mode,
+        "kernel": args.kernel,
         "step_s": statistics.median(times),
         "peak_bytes": int(peak),
         "peak_of": "device" if "peak_bytes_in_use" in stats else "process RSS",
@@ -270,18 +314,22 @@ def main() -> None:
     # holds the chip until it exits, and every mode's process would die on libtpu's lockfile
     accelerator.keep_off()
     write_base(args)
+    if args.write_only:
+        return
     results = {}
-    for mode in MODES:  # a mode that fails (the BF16 8B base does not fit 16 GB) is reported
+    runs = [(m, k) for m in args.modes for k in (["xla"] if m == "bf16" else args.kernels)]
+    for mode, kernel in runs:  # one that fails (the BF16 8B base does not fit 16 GB) is reported
+        name = mode if mode == "bf16" or args.kernels == ["xla"] else f"{mode}/{kernel}"
         out = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--mode", mode],
+            [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--kernel", kernel],
             capture_output=True,
             text=True,
             env=accelerator.worker_env(),
         )
         if out.returncode == 0:
-            results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         else:
-            print(f"{mode}: failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
+            print(f"{name}: failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
     tokens = args.batch * args.seq
     print(
         f"{args.preset}, batch {args.batch} x seq {args.seq}, LoRA rank {args.rank} on every linear layer"
@@ -290,16 +338,16 @@ def main() -> None:
         mfu = r["flops"] / r["step_s"] / (args.peak_tflops * 1e12)
         ratio = r["step_s"] / results["bf16"]["step_s"] if "bf16" in results else float("nan")
         print(
-            f"{mode:5s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {ratio:.2f}  "
+            f"{mode:11s} {r['step_s'] * 1e3:9.1f} ms/step  ÷ bf16 {ratio:.2f}  "
             f"peak {r['peak_bytes'] / 2**30:6.2f} GiB ({r['peak_of']})  "
             f"compiled {(r['compiled_peak_bytes'] or 0) / 2**30:7.3f} GiB  "
             f"estimated {r['estimated_bytes'] / 2**30:7.3f} GiB  "
-            f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.4f}"
+            f"{tokens / r['step_s']:,.0f} tokens/s  MFU {mfu:.3f}  loss {r['loss']:.6f}"
         )
     print("layer-matrix-shaped arrays written outside fusions (0: each made-back matrix fused")
     print("into its product; see docs/quantized-base.md):")
     for mode, r in results.items():
-        print(f"{mode:5s} {sum(r['written'].values())}: {r['written']}")
+        print(f"{mode:11s} {sum(r['written'].values())}: {r['written']}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from minifield.models import quantize
+from minifield.models import execution, quantize
 from minifield.models.layers import primitives
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -31,7 +31,9 @@ finally:
 
 K, N, RANK, LAYERS = 256, 384, 16, 2
 TRANSPOSE = re.compile(r"= \w+\[([\d,]*)\]\S* transpose\(")
-CFG = SimpleNamespace(compute_dtype="bfloat16", dtype=jnp.bfloat16)
+CFG = SimpleNamespace(
+    compute_dtype="bfloat16", dtype=jnp.bfloat16, execution=execution.Execution()
+)  # XLA's product: the formulation this file is about
 
 
 def step_hlo(scheme: str) -> str:

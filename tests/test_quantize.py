@@ -149,7 +149,7 @@ def test_double_quantization_equals_the_reference(shape):
     np.testing.assert_array_equal(np.asarray(double.codes), np.asarray(single.codes))
     absmax = np.asarray(single.scales, np.float64).T.reshape(-1)
     scales = ref_double(absmax)
-    ours = np.asarray(quantize._scales_back(double), np.float64).T.reshape(-1)
+    ours = np.asarray(quantize.scales_back(double), np.float64).T.reshape(-1)
     np.testing.assert_allclose(ours, scales, rtol=1e-5)
     assert np.asarray(double.scales).dtype == np.int8
     back = np.asarray(quantize.dequantize(double)).T.reshape(-1)
@@ -226,7 +226,7 @@ def gathered(w, dtype):
     their multiply-add is one FMA or two roundings as XLA fuses it, in both formulations alike."""
     K, N = w.shape
     size = K if w.block is None else w.block
-    scales_NxB = quantize._scales_back(w).T
+    scales_NxB = quantize.scales_back(w).T
     if w.scheme == "int8":
         values_NxK = w.codes.T.astype(jnp.float32) / 127.0
     else:

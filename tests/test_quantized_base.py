@@ -235,3 +235,28 @@ def test_a_base_stored_in_another_dtype_is_refused_by_name():
         "tensor blocks/00/attn/wq is stored as int8; model.lora.base_quantization int8 needs a "
         "float32, bfloat16 or float16 base"
     )
+
+
+def test_a_quantized_products_kernel_enters_the_digest_only_where_it_is_not_xla(root, monkeypatch):
+    """``execution.QUANTIZED_KERNELS`` names ``xla`` for the TPU: a TPU recipe's digest is as
+    before. Named ``pallas`` (another summation order), the kernel enters the digests of the
+    TPU's quantized BF16 recipes, and of no other (FP32 computes with XLA's)."""
+    from minifield.models import execution
+    from minifield.strategies.base import computation_fields
+
+    def checked(section, **model):
+        document = lora_recipe(root, section, **model)
+        document["runtime"] = {**document.get("runtime", {}), "backend": "tpu"}
+        return recipes.validate(document)
+
+    bf16 = {"compute_dtype": "bfloat16"}
+    before = {name: checked(s, **bf16) for name, s in (("plain", LORA), ("nf4", NF4))}
+    before["fp32"] = checked(NF4)
+    assert "quantized_kernel" not in computation_fields(before["nf4"].data)
+    monkeypatch.setitem(execution.QUANTIZED_KERNELS, "tpu", "pallas")
+    after = {name: checked(s, **bf16) for name, s in (("plain", LORA), ("nf4", NF4))}
+    after["fp32"] = checked(NF4)
+    assert computation_fields(after["nf4"].data)["quantized_kernel"] == "pallas"
+    assert after["nf4"].computation_digest != before["nf4"].computation_digest
+    for name in ("plain", "fp32"):
+        assert after[name].computation_digest == before[name].computation_digest

@@ -24,6 +24,8 @@ its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its
 
 The experts' grouped product follows the backend the same way (:func:`grouped_kernel`):
 ``jax.lax.ragged_dot`` on a TPU, the tiled product elsewhere; no recipe field selects it.
+So does a quantized base's product (:func:`quantized_kernel`): XLA's, everywhere, until the
+chip measures the Pallas kernel faster; a benchmark may force it (``Execution.quantized_kernel``).
 
 ``model.attention: pallas`` means the backend's fused kernel (:func:`fused_kernel`): splash
 attention on a TPU (a recipe with ``runtime.backend: tpu``), the GPU flash-attention kernel
@@ -168,6 +170,9 @@ class Execution:
     loss_chunk_tokens: int = DEFAULTS[("training", "loss_chunk_tokens")]  # 0: whole batch
     #: the backend the recipe names (``runtime.backend``): which fused kernel ``pallas`` is
     backend: str = "any"
+    #: a quantized base's product, forced (a benchmark's comparison; no recipe sets it): one of
+    #: :data:`QUANTIZED_KERNEL_KINDS`; None: the backend's (:func:`quantized_kernel`)
+    quantized_kernel: str | None = None
 
     def __post_init__(self):
         errors = []
@@ -184,6 +189,11 @@ class Execution:
         chunk = self.loss_chunk_tokens
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             errors.append(f"training.loss_chunk_tokens: expected an integer >= 0, got {chunk!r}")
+        if self.quantized_kernel not in (None, *QUANTIZED_KERNEL_KINDS):
+            errors.append(
+                f"quantized kernel: expected one of {QUANTIZED_KERNEL_KINDS}, "
+                f"got {self.quantized_kernel!r}"
+            )
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -223,6 +233,26 @@ def grouped_kernel(backend: str) -> str:
     group's matrix times every row; otherwise a kernel of
     :mod:`minifield.models.layers.tpu_grouped`."""
     return GROUPED_KERNELS.get(backend, "tiles")
+
+
+#: a quantized base's product (:mod:`minifield.models.layers.tpu_quantized`): ``xla``
+#: (``quantize.dequantize`` fused by XLA into the product's operand) or ``pallas`` (the TPU
+#: kernel that reads the codes and scales)
+QUANTIZED_KERNEL_KINDS = ("xla", "pallas")
+#: the quantized product by a recipe's ``runtime.backend`` (absent: ``xla``): on a TPU ``xla``
+#: until the chip measures ``pallas`` faster (``benchmarks/qlora_step.py --quantized-kernel``,
+#: docs/quantized-base.md); a backend named ``pallas`` here puts the kernel's name in its
+#: quantized recipes' computation digests (``strategies.base.computation_fields``)
+QUANTIZED_KERNELS = {"tpu": "xla"}
+
+
+def quantized_kernel(backend: str, compute_dtype: str) -> str:
+    """A quantized base's product on ``backend`` (a recipe's ``runtime.backend``) computing in
+    ``compute_dtype``: :data:`QUANTIZED_KERNELS`' (absent: ``xla``), and ``xla`` for float32,
+    which the kernel does not compute (its products ask for no precision)."""
+    if compute_dtype == "float32":
+        return "xla"
+    return QUANTIZED_KERNELS.get(backend, "xla")
 
 
 def splash_table_blocks(seq_len: int, head_dim: int | None) -> dict:

@@ -84,7 +84,8 @@ def _scales_quantized(scales):
     return codes.reshape(-1)[: flat.size].reshape(scales.shape), group_max, offset
 
 
-def _scales_back(w: QuantizedWeight):
+def scales_back(w: QuantizedWeight):
+    """``w``'s FP32 scales ``[in / block, out]``, decoded where doubly quantized."""
     if w.scale_scales is None:
         return w.scales
     flat = w.scales.reshape(-1).astype(jnp.float32)
@@ -140,13 +141,13 @@ def dequantize(w: QuantizedWeight, dtype=None):
         # on a new axis beside the input axis, which then folds into it
         shifts_1x2x1 = jnp.asarray([4, 0], jnp.uint8).reshape(1, 2, 1)
         index_K2x2xN = (w.codes[:, None, :] >> shifts_1x2x1) & 0x0F
-        values_KxN = _nf4_values(index_K2x2xN.reshape(K, N))
-    scales_Bx1xN = _scales_back(w)[:, None, :]
+        values_KxN = nf4_values(index_K2x2xN.reshape(K, N))
+    scales_Bx1xN = scales_back(w)[:, None, :]
     values_BxSxN = values_KxN.reshape(K // size, size, N) * scales_Bx1xN
     return values_BxSxN.reshape(K, N).astype(dtype)
 
 
-def _nf4_values(index):
+def nf4_values(index):
     """``NF4[index]`` by a tree of selects on the index's four bits (15 selects between the
     table's FP32 constants, the same values as indexing it): a gather, which XLA does not fuse
     into a product's operand, is what this avoids. ``lax.select`` of constants broadcast here:

@@ -18,6 +18,7 @@ import numpy as np
 from .. import schemas
 from ..digest import sha256_json
 from ..hf import quantized_base
+from ..models import execution
 
 #: an input entry's keys that say how its rows are read (absent from most recipes, so
 #: only a recipe that gives one has them in its digests)
@@ -54,6 +55,12 @@ def computation_fields(data: dict) -> dict:
     quantized = quantized_base.digest(data)
     if quantized is not None:  # the product it trains on, named (absent: every other recipe)
         fields["quantized_base"] = quantized
+        kernel = execution.quantized_kernel(
+            data.get("runtime", {}).get("backend", "any"),
+            data["model"].get("compute_dtype", "bfloat16"),
+        )
+        if kernel != "xla":  # another summation order (absent: XLA's, every recipe so far)
+            fields["quantized_kernel"] = kernel
     return fields
 
 

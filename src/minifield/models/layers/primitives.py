@@ -22,7 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .. import execution
 from ..quantize import QuantizedWeight, dequantize
+from . import tpu_quantized
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -108,15 +110,19 @@ class LoraWeight:
 def linear(cfg, x_BxTxK, w):
     """x @ w as an FP32 accumulator, for a plain matrix or a :class:`LoraWeight` (whose
     adapter's inner product is rounded to the compute dtype, like any activation). A quantized
-    frozen matrix (:mod:`minifield.models.quantize`) is made back here, inside the layer."""
-    if isinstance(w, LoraWeight) and isinstance(w.base, QuantizedWeight):
-        w = LoraWeight(dequantize(w.base), w.a, w.b, w.scale)
-    elif isinstance(w, QuantizedWeight):
-        w = dequantize(w)
+    frozen matrix (:mod:`minifield.models.quantize`) is made back here, inside the layer's
+    product: by XLA, or by the TPU kernel that reads its codes (``execution``'s
+    ``quantized_kernel``, :mod:`.tpu_quantized`)."""
     if isinstance(w, LoraWeight):
-        y_BxTxN = einsum(cfg, "btk,kn->btn", x_BxTxK, w.base, out_dtype=F32)
+        y_BxTxN = linear(cfg, x_BxTxK, w.base)
         down_BxTxR = einsum(cfg, "btk,kr->btr", x_BxTxK, w.a)
         return y_BxTxN + w.scale * einsum(cfg, "btr,rn->btn", down_BxTxR, w.b, out_dtype=F32)
+    if isinstance(w, QuantizedWeight):
+        how = cfg.execution
+        kernel = how.quantized_kernel or execution.quantized_kernel(how.backend, cfg.compute_dtype)
+        if kernel == "pallas":
+            return tpu_quantized.matmul(cfg.compute_dtype, x_BxTxK, w)
+        w = dequantize(w)
     return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
 
 
