@@ -24,7 +24,6 @@ import jax.numpy as jnp
 
 from .. import execution
 from ..quantize import QuantizedWeight, dequantize
-from . import tpu_quantized
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -120,7 +119,9 @@ def linear(cfg, x_BxTxK, w):
     if isinstance(w, QuantizedWeight):
         how = cfg.execution
         kernel = how.quantized_kernel or execution.quantized_kernel(how.backend, cfg.compute_dtype)
-        if kernel == "pallas":
+        if kernel == "pallas":  # imported here: Pallas's TPU modules only where it runs
+            from . import tpu_quantized
+
             return tpu_quantized.matmul(cfg.compute_dtype, x_BxTxK, w)
         w = dequantize(w)
     return einsum(cfg, "btk,kn->btn", x_BxTxK, w, out_dtype=F32)
