@@ -398,6 +398,24 @@ def test_largest_fitting_agrees_with_a_brute_force(seed):
         assert len(measured) <= 5
 
 
+def test_a_search_whose_line_overshoots_into_silent_failures_halves_the_gap():
+    """The chip's 3B LoRA search: 1 and 2 rows grew by little (8.86, 9.02 GiB), so the line
+    said 43 rows, and every compile from there failed without a figure; the search then
+    halves the gap to the most rows known to fit instead of walking down a row at a time
+    (it compiled 43, 42, ..., 28 and ran out of time)."""
+    GiB = 2**30
+    measured = []
+
+    def measure(rows):
+        measured.append(rows)
+        peak = int((8.70 + 0.16 * rows + 0.25 * max(0, rows - 2)) * GiB)
+        return peak if peak <= 15.75 * GiB else None  # fails to compile, says nothing
+
+    got, complete = section_shapes.largest_fitting(measure, int(15.75 * GiB), max_rows=1024)
+    assert complete and got == 18  # 8.70 + 0.16 * 18 + 0.25 * 16 = 15.58; 19 rows: 15.99
+    assert len(measured) <= 9, measured
+
+
 def test_largest_fitting_stops_when_told_and_keeps_what_it_found():
     peaks = [100 * r for r in range(1, 50)]
     calls = []

@@ -48,6 +48,10 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; tiny 2)")
     parser.add_argument("--steps-per-round", type=int, help="steps per round (default 10; tiny 2)")
     parser.add_argument("--checkpoint-rounds", type=int, help="commits of each kind (default 2)")
+    parser.add_argument("--pooled-piece-bytes", type=int, help="the checkpoint section's "
+                        "pieces.LARGE_PIECE: arrays of pieces this large are hashed on the "
+                        "hashing threads (default: the code's; a comparison on a host with "
+                        "more cores)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, help="sections run side by side after "
                         "the device section (CPU only: one GPU runs one section at a time)")  # fmt: skip
     parser.add_argument("--proof-mode", choices=("crash", "preempt", "both"), default="crash")
@@ -97,6 +101,8 @@ def parse_args(argv=None):
         "--rounds", str(args.rounds),
         "--steps-per-round", str(args.steps_per_round),
         "--checkpoint-rounds", str(args.checkpoint_rounds),
+        *(["--pooled-piece-bytes", str(args.pooled_piece_bytes)]
+          if args.pooled_piece_bytes else []),
         "--proof-mode", args.proof_mode,
         *(["--device-memory-bytes", str(args.device_memory_bytes)]
           if args.device_memory_bytes else []),

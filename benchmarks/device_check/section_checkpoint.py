@@ -133,6 +133,30 @@ def _ratios(out: dict, rows: dict, nbytes: int) -> None:
     out["commit_over_floor"] = statistics.median(out["commit_over_floor_rounds"])
 
 
+def _hash_split(state) -> dict:
+    """The state's digests split as a commit hashes them: the arrays of small pieces one
+    after another on one thread (the lane), the others on the hashing threads; each part's
+    wall and CPU seconds alone, so the commit's critical path can be told apart."""
+    import numpy as np
+
+    from minifield.state import pieces
+    from minifield.state.arrays import named_leaves
+
+    host = {name: np.asarray(leaf) for name, leaf in named_leaves(state)}
+    pooled = {
+        n: pieces.pooled(a.nbytes, math.prod(pieces.piece_grid(a.shape))) for n, a in host.items()
+    }
+    out = {}
+    for part, wanted in (("lane", False), ("pool", True)):
+        arrays = {n: a for n, a in host.items() if pooled[n] == wanted}
+        started, cpu = time.perf_counter(), time.process_time()
+        pieces.host_digests(arrays)
+        out[f"{part}_hash_s"] = time.perf_counter() - started
+        out[f"{part}_hash_cpu_s"] = time.process_time() - cpu
+        out[f"{part}_bytes"] = sum(a.nbytes for a in arrays.values())
+    return out
+
+
 def run(args, context, report) -> dict:
     from minifield.attempt import environment
 
@@ -141,10 +165,13 @@ def run(args, context, report) -> dict:
     import numpy as np
 
     from minifield.attempt.update_loop import HostSnapshot
+    from minifield.state import pieces
     from minifield.state.arrays import named_leaves
     from minifield.training.optimizer import make_optimizer
     from minifield.training.train_step import init_train_state
 
+    if args.pooled_piece_bytes:
+        pieces.LARGE_PIECE = args.pooled_piece_bytes
     cfg = llama_config(model_shape(args, "125m"), seq_len(args), execution(args))
     optimizer = make_optimizer({}, MAX_STEPS)
     state = jax.jit(lambda: init_train_state(cfg, optimizer, seed=0))()
@@ -153,7 +180,8 @@ def run(args, context, report) -> dict:
     nbytes = sum(int(np.dtype(a.dtype).itemsize) * math.prod(a.shape) for _, a in leaves)
     out = {"model": "125m", "state_bytes": nbytes, "arrays": len(leaves),
            "backend": jax.default_backend(), "rounds": args.checkpoint_rounds,
-           "fresh_state": "computed on the device for every measurement (x * 1, i + 0)"}  # fmt: skip
+           "fresh_state": "computed on the device for every measurement (x * 1, i + 0)",
+           "pooled_piece_bytes": pieces.LARGE_PIECE}  # fmt: skip
     report(out)
     directory = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.work_dir))
     try:
@@ -177,6 +205,7 @@ def run(args, context, report) -> dict:
         snapshot.forget()
         out["state_hash_s"] = time.perf_counter() - started
         out["state_hash_cpu_s"] = time.process_time() - cpu
+        out.update(_hash_split(fresh))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return out

@@ -107,7 +107,11 @@ def _predict(peaks: dict, limit: int, lo: int, hi: int | None, max_rows: int) ->
     fewest and the most rows known (the longest baseline); doubling or halving where no line
     rises."""
     known = sorted((r, p) for r, p in peaks.items() if p is not None)
-    if hi is not None and peaks.get(hi) is not None and lo in peaks:
+    if hi is not None and peaks.get(hi) is None:
+        # the fewest rows known not to fit gave no figure (the compile only failed): halve
+        # the interval rather than walk down from it a row at a time
+        return (lo + hi) // 2
+    if hi is not None and lo in peaks:
         (r0, p0), (r1, p1) = (lo, peaks[lo]), (hi, peaks[hi])
     else:
         (r0, p0), (r1, p1) = known[0], known[-1]
