@@ -33,7 +33,8 @@ from pathlib import Path
 from device_check.common import log
 from device_check.settings import MAX_STEPS, execution, llama_config, model_shape, seq_len
 
-ROWS = ("device_to_host_s", "raw_s", "sync_s", "sync_cpu_s", "blocked_s", "durable_s")
+ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
+        "blocked_s", "durable_s")  # fmt: skip
 
 
 def _fresh(state, copy):
@@ -106,16 +107,21 @@ def _round(directory: Path, state, copy, step: int) -> dict:
     from checkpoint_commit import async_commit, sync_commit
 
     fresh = _fresh(state, copy)
+    cpu = time.process_time()
     floor_a, host = device_to_host(fresh)
+    floor_a_cpu = time.process_time() - cpu
     del fresh
+    cpu = time.process_time()
     floor_b = raw_write(directory, host)
+    floor_b_cpu = time.process_time() - cpu
     del host
     fresh = _fresh(state, copy)
     wall, cpu = sync_commit(directory / "sync", fresh, step)
     fresh = _fresh(state, copy)
     blocked, durable = async_commit(directory / "async", fresh, step)
-    return {"device_to_host_s": floor_a, "raw_s": floor_b, "sync_s": wall, "sync_cpu_s": cpu,
-            "blocked_s": blocked, "durable_s": durable}  # fmt: skip
+    return {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu, "raw_s": floor_b,
+            "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "blocked_s": blocked,
+            "durable_s": durable}  # fmt: skip
 
 
 def _ratios(out: dict, rows: dict, nbytes: int) -> None:
@@ -187,7 +193,7 @@ def run(args, context, report) -> dict:
     try:
         rows: dict = {k: [] for k in ROWS}
         for step in range(1, args.checkpoint_rounds + 1):
-            spent = sum(rows[k][-1] for k in ROWS if k != "sync_cpu_s") if step > 1 else 0
+            spent = sum(rows[k][-1] for k in ROWS if not k.endswith("cpu_s")) if step > 1 else 0
             if time.time() + 1.5 * spent > args.deadline:  # stop rather than be killed
                 log(f"  stopping after {step - 1} rounds (time limit)")
                 break
