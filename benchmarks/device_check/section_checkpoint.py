@@ -12,6 +12,8 @@ a commit of a state already read back times the hashing and the writes alone (15
 - floor (b), ``raw_s``: the same bytes written as one file + fsync + rename + directory fsync
   (the disk's bandwidth, the ceiling for any durable commit);
 - ``sync_s``: ``checkpoint.save`` (copy, hash, write, fsync, manifest, rename), with its CPU;
+- ``held_sync_s``: the same commit again once the state's host copy is held (read back):
+  the commit without the copy, with its CPU;
 - ``blocked_s`` / ``durable_s``: ``CheckpointCadence`` in the background, what the loop is
   blocked for and the time to durability.
 
@@ -34,7 +36,7 @@ from device_check.common import log
 from device_check.settings import MAX_STEPS, execution, llama_config, model_shape, seq_len
 
 ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
-        "blocked_s", "durable_s")  # fmt: skip
+        "held_sync_s", "held_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
 
 
 def _fresh(state, copy):
@@ -117,11 +119,15 @@ def _round(directory: Path, state, copy, step: int) -> dict:
     del host
     fresh = _fresh(state, copy)
     wall, cpu = sync_commit(directory / "sync", fresh, step)
+    # the same commit of a state whose host copy JAX already holds: the commit without the
+    # copy, to tell the copy's share of the commit from the hashing's and the writes'
+    read_back, _ = device_to_host(fresh)
+    held, held_cpu = sync_commit(directory / "held", fresh, step)
     fresh = _fresh(state, copy)
     blocked, durable = async_commit(directory / "async", fresh, step)
     return {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu, "raw_s": floor_b,
-            "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "blocked_s": blocked,
-            "durable_s": durable}  # fmt: skip
+            "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "held_sync_s": held,
+            "held_sync_cpu_s": held_cpu, "blocked_s": blocked, "durable_s": durable}  # fmt: skip
 
 
 def _ratios(out: dict, rows: dict, nbytes: int) -> None:
