@@ -540,6 +540,13 @@ def test_minimal_loop_is_the_same_model_as_ours():
         loss = jax.jit(minimal.loss, static_argnums=(2, 3, 4, 5, 6))
         got = float(loss(theirs, batch, shape, jnp.float32, "xla", minimal.swiglu, remat))
         assert math.isclose(got, expected, rel_tol=1e-5), (remat, got, expected)
+    # over micro-batches of its rows (the step sections' --grad-accum-steps): the same token
+    # mean and gradient as the whole batch at once, to FP32's rounding
+    whole = minimal.accumulated(theirs, batch, shape, jnp.float32, "xla", "none", 1)
+    micro = minimal.accumulated(theirs, batch, shape, jnp.float32, "xla", "none", 3)
+    assert math.isclose(float(micro[0]), expected, rel_tol=1e-5)
+    for a, b in zip(jax.tree.leaves(whole[1]), jax.tree.leaves(micro[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,9 @@ def parse_args(argv=None):
                         "a TPU, else 0: all at once)")  # fmt: skip
     parser.add_argument("--batch", type=int, help="rows per step for both sizes (default: "
                         f"{BATCH}; tiny {TINY_BATCH})")  # fmt: skip
+    parser.add_argument("--grad-accum-steps", type=int, default=1, help="the step sections' "
+                        "updates over this many micro-batches of their rows, both loops "
+                        "(training.grad_accum_steps; it must divide the rows)")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5; tiny 2)")
     parser.add_argument("--steps-per-round", type=int, help="steps per round (default 10; tiny 2)")
     parser.add_argument("--checkpoint-rounds", type=int, help="commits of each kind (default 2)")
@@ -86,6 +89,8 @@ def parse_args(argv=None):
     remat, chunk = memory_defaults(backend)
     args.remat = args.remat or remat
     args.loss_chunk_tokens = chunk if args.loss_chunk_tokens is None else args.loss_chunk_tokens
+    if args.grad_accum_steps < 1:
+        parser.error(f"--grad-accum-steps: expected an integer >= 1, got {args.grad_accum_steps}")
     args.rounds = args.rounds or (2 if args.tiny else 5)
     args.steps_per_round = args.steps_per_round or (2 if args.tiny else 10)
     args.checkpoint_rounds = args.checkpoint_rounds or (1 if args.tiny else 2)
@@ -98,6 +103,7 @@ def parse_args(argv=None):
         "--remat", args.remat,
         "--loss-chunk-tokens", str(args.loss_chunk_tokens),
         *(["--batch", str(args.batch)] if args.batch else []),
+        "--grad-accum-steps", str(args.grad_accum_steps),
         "--rounds", str(args.rounds),
         "--steps-per-round", str(args.steps_per_round),
         "--checkpoint-rounds", str(args.checkpoint_rounds),

@@ -76,6 +76,7 @@ class Check:
                 "attention": args.attention,
                 "scan_layers": args.scan_layers,
                 "remat": args.remat,
+                "grad_accum_steps": args.grad_accum_steps,
                 "loss_chunk_tokens": args.loss_chunk_tokens,
                 "rounds": args.rounds,
                 "steps_per_round": args.steps_per_round,

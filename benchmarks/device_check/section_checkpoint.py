@@ -121,7 +121,7 @@ def _round(directory: Path, state, copy, step: int) -> dict:
     wall, cpu = sync_commit(directory / "sync", fresh, step)
     # the same commit of a state whose host copy JAX already holds: the commit without the
     # copy, to tell the copy's share of the commit from the hashing's and the writes'
-    read_back, _ = device_to_host(fresh)
+    device_to_host(fresh)
     held, held_cpu = sync_commit(directory / "held", fresh, step)
     fresh = _fresh(state, copy)
     blocked, durable = async_commit(directory / "async", fresh, step)

@@ -107,8 +107,12 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     from minifield.training.train_step import init_train_state, make_train_step
 
     shape, seq, rows = model_shape(args, size), seq_len(args), batch_rows(args, size)
+    accum = args.grad_accum_steps
+    if rows % accum:
+        raise ValueError(f"--grad-accum-steps {accum} does not divide the {rows} rows of {size}")
     cfg = llama_config(shape, seq, execution(args))
     out = _describe(args, context, cfg, size, rows)
+    out["grad_accum_steps"] = accum
     report(out)
     batch = minimal.packed_batch(rows, seq, shape.vocab_size)
     implementations = {}
@@ -117,7 +121,7 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     state = jax.jit(lambda: init_train_state(cfg, optimizer, seed=0))()
     out["param_count"] = count_params(state["params"])
     started = time.perf_counter()
-    ours = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
+    ours = jax.jit(make_train_step(cfg, optimizer, accum_steps=accum), donate_argnums=(0,))
     ours = ours.lower(state, batch).compile()
     out.setdefault("ours", {})["compile_s"] = time.perf_counter() - started
     log(f"  ours compiled in {out['ours']['compile_s']:.1f} s ({out['param_count']:,} params)")
@@ -137,7 +141,7 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
         # the same remat as ours: on a TPU, every layer's scores kept at once do not fit
         step, params, opt_state = minimal.make_step(
             shape, jnp.bfloat16, MAX_STEPS, attention=cfg.execution.attention,
-            remat=cfg.execution.remat,
+            remat=cfg.execution.remat, accum=accum,
         )  # fmt: skip
         out["minimal"] = {"param_count": count_params(params)}
         started = time.perf_counter()

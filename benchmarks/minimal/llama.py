@@ -285,17 +285,30 @@ def remat_policy(remat: str):
     }[remat]
 
 
+def _weight(batch):
+    """1 where a position's next token is a counted target (same segment, not padding, in
+    the loss mask), else 0."""
+    seg = batch.segments
+    counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
+    return jnp.pad(jnp.where(counted, batch.loss_mask[:, 1:], 0.0), ((0, 0), (0, 1)))
+
+
+def loss_sum(
+    params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu, remat: str = "none"
+):
+    """The summed negative log-likelihood of the counted targets."""
+    logits_ = logits(params, batch, shape, compute, attention, mlp, remat)
+    targets = jnp.pad(batch.tokens[:, 1:], ((0, 0), (0, 1)))
+    logp = jax.nn.log_softmax(logits_, -1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    return jnp.sum(nll * _weight(batch))
+
+
 def loss(
     params, batch, shape: Shape, compute, attention: str = "xla", mlp=swiglu, remat: str = "none"
 ):
-    tokens, seg = batch.tokens, batch.segments
-    logits_ = logits(params, batch, shape, compute, attention, mlp, remat)
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-    counted = (seg[:, :-1] == seg[:, 1:]) & (seg[:, :-1] != 0)
-    weight = jnp.pad(jnp.where(counted, batch.loss_mask[:, 1:], 0.0), ((0, 0), (0, 1)))
-    logp = jax.nn.log_softmax(logits_, -1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
-    return jnp.sum(nll * weight) / jnp.maximum(jnp.sum(weight), 1.0)
+    total = loss_sum(params, batch, shape, compute, attention, mlp, remat)
+    return total / jnp.maximum(jnp.sum(_weight(batch)), 1.0)
 
 
 def make_optimizer(max_steps: int):
@@ -318,27 +331,47 @@ def make_optimizer(max_steps: int):
     )
 
 
+def accumulated(params, batch, shape: Shape, compute, attention, remat, accum: int):
+    """``(loss, grads)`` of the batch's token mean, over ``accum`` micro-batches of its rows
+    (a scan summing each one's gradient of its summed loss), divided by the batch's count."""
+    if accum == 1:
+        return jax.value_and_grad(loss)(params, batch, shape, compute, attention, remat=remat)
+    count = jnp.maximum(jnp.sum(_weight(batch)), 1.0)
+    micro = jax.tree.map(lambda a: a.reshape(accum, -1, *a.shape[1:]), batch)
+
+    def one(summed, part):
+        total, grads = jax.value_and_grad(loss_sum)(
+            params, type(batch)(*part), shape, compute, attention, remat=remat
+        )
+        return jax.tree.map(jnp.add, summed, grads), total
+
+    grads, totals = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), tuple(micro))
+    return jnp.sum(totals) / count, jax.tree.map(lambda g: g / count, grads)
+
+
 def step_function(
-    shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"
-):
+    shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none",
+    accum: int = 1,
+):  # fmt: skip
     """``(step, optimizer)``: the plain ``step(params, opt_state, batch) -> (params,
     opt_state, loss)`` (not compiled) and :func:`make_optimizer`'s optimizer; ``remat`` as
-    :func:`logits`'."""
+    :func:`logits`'; ``accum`` micro-batches of the rows per update (:func:`accumulated`)."""
     optimizer = make_optimizer(max_steps)
 
     def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(
-            params, batch, shape, compute, attention, remat=remat
-        )
+        value, grads = accumulated(params, batch, shape, compute, attention, remat, accum)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
     return step, optimizer
 
 
-def make_step(shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none"):
+def make_step(
+    shape: Shape, compute, max_steps: int, attention: str = "xla", remat: str = "none",
+    accum: int = 1,
+):  # fmt: skip
     """``(step, params, opt_state)``: :func:`step_function`'s step jit-compiled with params
     and optimizer state donated, and a fresh state."""
-    step, optimizer = step_function(shape, compute, max_steps, attention, remat)
+    step, optimizer = step_function(shape, compute, max_steps, attention, remat, accum)
     params = jax.jit(init, static_argnums=0)(shape, jax.random.key(0))
     return jax.jit(step, donate_argnums=(0, 1)), params, optimizer.init(params)
