@@ -29,7 +29,7 @@ import numpy as np
 
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.models import llama
-from minifield.models.families import param_shape
+from minifield.models.families import param_shape, put
 
 SHAPES = {
     "small": {"vocab_size": 260, "d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256},
@@ -42,11 +42,8 @@ def parameters(shape: str):
     rng = np.random.default_rng(0)
     params: dict = {"blocks": {}}
     for internal, _, _ in hf_checkpoint.expected_tensors(cfg).values():
-        node = params
-        *parents, leaf = internal.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = rng.standard_normal(param_shape(cfg, internal)).astype(np.float32)
+        value = rng.standard_normal(param_shape(cfg, internal)).astype(np.float32)
+        put(params, internal, value, cfg.n_experts)
     return cfg, params
 
 

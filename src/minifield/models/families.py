@@ -32,8 +32,11 @@ projected queries and keys, not per head.
 Mixtral (a mixture of experts, :mod:`.moe`): Mistral's attention, and in place of the MLP a
 router ``block_sparse_moe.gate`` ``[num_local_experts, hidden]`` and per expert ``j``
 ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down), each token through
-its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and
-``blocks/NN/moe/experts/JJ/{w_gate, w_up, w_down}`` (one matrix per expert, as stored).
+its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and the experts
+held stacked, ``blocks/NN/moe/experts/{w_gate, w_up, w_down}`` ``[E, in, out]``: the table
+names expert ``j``'s matrix ``blocks/NN/moe/experts/JJ/w_gate`` (an *expert slot*, one HF
+tensor), which is the ``j``-th of the stacked parameter (:func:`expert_slot`, :func:`put`,
+:func:`at`); loading stacks the experts' tensors, exporting slices them again.
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
 ``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
@@ -66,6 +69,7 @@ of parameters, split on load and joined again on export (:func:`split`, :func:`j
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 
@@ -221,8 +225,56 @@ NAME_TABLE = [
 ]  # fmt: skip
 
 
+#: an expert slot: ``(blocks/NN/moe/experts)/(JJ)/(w_gate)``
+_SLOT = re.compile(r"(.*/moe/experts)/(\d+)/([^/]+)")
+
+
+def expert_slot(path: str) -> tuple[str, int] | None:
+    """``(the stacked parameter, the expert)`` of an expert slot
+    (``blocks/NN/moe/experts/JJ/w_gate`` -> ``(blocks/NN/moe/experts/w_gate, JJ)``); None for
+    any other path."""
+    found = _SLOT.fullmatch(path) if isinstance(path, str) else None
+    return None if found is None else (f"{found[1]}/{found[3]}", int(found[2]))
+
+
+def at(params: dict, path: str):
+    """The leaf of ``params`` at an internal path; an expert slot's: ``leaf[j]`` of its
+    stacked leaf (a NumPy view, or a device array's slice)."""
+    slot = expert_slot(path)
+    node = params
+    for part in (path if slot is None else slot[0]).split("/"):
+        node = node[part]
+    return node if slot is None else node[slot[1]]
+
+
+def put(params: dict, path: str, value, n_experts: int) -> None:
+    """Set the leaf at ``path`` in ``params`` (dicts made on the way); an expert slot's
+    value goes into its stacked leaf, a host array ``[n_experts, *value.shape]`` of
+    ``value``'s dtype made on the first expert put there."""
+    slot = expert_slot(path)
+    *parents, leaf = (path if slot is None else slot[0]).split("/")
+    node = params
+    for key in parents:
+        node = node.setdefault(key, {})
+    if slot is None:
+        node[leaf] = value
+        return
+    import numpy as np
+
+    value = np.asarray(value)
+    if leaf not in node:
+        node[leaf] = np.empty((n_experts, *value.shape), value.dtype)
+    if node[leaf].dtype != value.dtype:
+        raise ValueError(f"{path}: dtype {value.dtype}, its other experts' {node[leaf].dtype}")
+    node[leaf][slot[1]] = value
+
+
 def param_shape(cfg, path: str) -> tuple[int, ...]:
-    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
+    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes; an
+    expert slot's: one expert's matrix, the stacked parameter's ``[E, in, out]``)."""
+    slot = expert_slot(path)
+    if slot is not None:
+        return param_shape(cfg, slot[0])[1:]
     D, F, V, K = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
     HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
     leaf = path.rsplit("/", 2)
@@ -234,7 +286,8 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
             return (D, cfg.n_experts if path.endswith("/router") else 1)
         F = cfg.shared_expert_d_ff if "/moe/shared/" in path else cfg.expert_d_ff
         kind = "mlp/" + leaf[-1]
-    return {
+    stack = (cfg.n_experts,) if "/moe/experts/" in path else ()  # the experts stacked
+    return stack + {
         "moe/router": (D, cfg.n_experts),
         "embed/tokens": (V, D),
         "attn_norm/scale": (D,),
