@@ -29,7 +29,8 @@ import numpy as np
 
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.models import llama
-from minifield.models.families import param_shape, put
+from minifield.models.expert_slots import put
+from minifield.models.families import param_shape
 
 SHAPES = {
     "small": {"vocab_size": 260, "d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256},

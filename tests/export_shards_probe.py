@@ -40,7 +40,8 @@ def random_params(cfg, seed: int) -> dict:
     """Random FP32 parameters of ``cfg`` made with NumPy from the tensor table's shapes (no
     JAX initialisation: the values do not depend on how a process compiles)."""
     from minifield.hf import checkpoint as hf_checkpoint
-    from minifield.models.families import param_shape, put
+    from minifield.models.expert_slots import put
+    from minifield.models.families import param_shape
 
     rng = np.random.default_rng(seed)
     params: dict = {"blocks": {}}

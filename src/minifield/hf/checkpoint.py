@@ -24,15 +24,13 @@ from .. import atomic
 
 # the tensor tables and config.json's reading and writing; the names are this module's too
 # (one loader API)
+from ..models.expert_slots import at, expert_slot, put
 from ..models.families import (
     ARCHITECTURES,
-    at,
     expected_tensors,
-    expert_slot,
     fp32_bytes,
     join,
     param_shape,
-    put,
     shape_fields,
     split,
     split_stored,

@@ -73,7 +73,7 @@ def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndar
 
 def stored(arrays: dict[str, np.ndarray]):
     """``(path, array in its own dtype, out_in)`` of every base parameter."""
-    from ..models.families import expert_slot
+    from ..models.expert_slots import expert_slot
 
     layout = None
     if LAYOUT_ARRAY in arrays:
@@ -173,15 +173,15 @@ def zeros(cfg, dtype: str) -> FrozenBase:
     step without a base's files (under ``jax.eval_shape`` nothing is allocated)."""
     import jax.numpy as jnp
 
-    from ..models import families
+    from ..models import expert_slots, families
 
     params: dict = {"blocks": {}}
     out_in = set()
     for path, transpose, shape in families.expected_tensors(cfg).values():
-        slot = families.expert_slot(path)
+        slot = expert_slots.expert_slot(path)
         if slot is not None:  # the experts stacked, each [out, in] as stored
             path, shape = slot[0], (cfg.n_experts, *shape)
-        families.put(params, path, jnp.zeros(shape, dtype), cfg.n_experts)
+        expert_slots.put(params, path, jnp.zeros(shape, dtype), cfg.n_experts)
         if transpose:
             out_in.add(path)
     return FrozenBase(params, frozenset(out_in), dtype)

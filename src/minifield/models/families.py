@@ -35,8 +35,8 @@ router ``block_sparse_moe.gate`` ``[num_local_experts, hidden]`` and per expert 
 its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and the experts
 held stacked, ``blocks/NN/moe/experts/{w_gate, w_up, w_down}`` ``[E, in, out]``: the table
 names expert ``j``'s matrix ``blocks/NN/moe/experts/JJ/w_gate`` (an *expert slot*, one HF
-tensor), which is the ``j``-th of the stacked parameter (:func:`expert_slot`, :func:`put`,
-:func:`at`); loading stacks the experts' tensors, exporting slices them again.
+tensor), which is the ``j``-th of the stacked parameter (:mod:`.expert_slots`); loading
+stacks the experts' tensors, exporting slices them again.
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
 ``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
@@ -69,8 +69,9 @@ of parameters, split on load and joined again on export (:func:`split`, :func:`j
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
+
+from .expert_slots import expert_slot
 
 
 @dataclass(frozen=True)
@@ -225,50 +226,6 @@ NAME_TABLE = [
 ]  # fmt: skip
 
 
-#: an expert slot: ``(blocks/NN/moe/experts)/(JJ)/(w_gate)``
-_SLOT = re.compile(r"(.*/moe/experts)/(\d+)/([^/]+)")
-
-
-def expert_slot(path: str) -> tuple[str, int] | None:
-    """``(the stacked parameter, the expert)`` of an expert slot
-    (``blocks/NN/moe/experts/JJ/w_gate`` -> ``(blocks/NN/moe/experts/w_gate, JJ)``); None for
-    any other path."""
-    found = _SLOT.fullmatch(path) if isinstance(path, str) else None
-    return None if found is None else (f"{found[1]}/{found[3]}", int(found[2]))
-
-
-def at(params: dict, path: str):
-    """The leaf of ``params`` at an internal path; an expert slot's: ``leaf[j]`` of its
-    stacked leaf (a NumPy view, or a device array's slice)."""
-    slot = expert_slot(path)
-    node = params
-    for part in (path if slot is None else slot[0]).split("/"):
-        node = node[part]
-    return node if slot is None else node[slot[1]]
-
-
-def put(params: dict, path: str, value, n_experts: int) -> None:
-    """Set the leaf at ``path`` in ``params`` (dicts made on the way); an expert slot's
-    value goes into its stacked leaf, a host array ``[n_experts, *value.shape]`` of
-    ``value``'s dtype made on the first expert put there."""
-    slot = expert_slot(path)
-    *parents, leaf = (path if slot is None else slot[0]).split("/")
-    node = params
-    for key in parents:
-        node = node.setdefault(key, {})
-    if slot is None:
-        node[leaf] = value
-        return
-    import numpy as np
-
-    value = np.asarray(value)
-    if leaf not in node:
-        node[leaf] = np.empty((n_experts, *value.shape), value.dtype)
-    if node[leaf].dtype != value.dtype:
-        raise ValueError(f"{path}: dtype {value.dtype}, its other experts' {node[leaf].dtype}")
-    node[leaf][slot[1]] = value
-
-
 def param_shape(cfg, path: str) -> tuple[int, ...]:
     """Shape of an internal parameter (the layout :func:`.llama.init_params` makes; an
     expert slot's: one expert's matrix, the stacked parameter's ``[E, in, out]``)."""
@@ -287,7 +244,7 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
         F = cfg.shared_expert_d_ff if "/moe/shared/" in path else cfg.expert_d_ff
         kind = "mlp/" + leaf[-1]
     stack = (cfg.n_experts,) if "/moe/experts/" in path else ()  # the experts stacked
-    return stack + {
+    shapes = {
         "moe/router": (D, cfg.n_experts),
         "embed/tokens": (V, D),
         "attn_norm/scale": (D,),
@@ -308,7 +265,8 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
         "mlp/w_up": (D, F),
         "mlp/w_down": (F, D),
         "head/w": (D, V),
-    }[kind]
+    }
+    return stack + shapes[kind]
 
 
 #: parameter kind -> the config.json fields its shape comes from (named when it disagrees)
