@@ -29,6 +29,7 @@ import numpy as np
 
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.models import llama
+from minifield.models.expert_slots import put
 from minifield.models.families import param_shape
 
 SHAPES = {
@@ -42,11 +43,8 @@ def parameters(shape: str):
     rng = np.random.default_rng(0)
     params: dict = {"blocks": {}}
     for internal, _, _ in hf_checkpoint.expected_tensors(cfg).values():
-        node = params
-        *parents, leaf = internal.split("/")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = rng.standard_normal(param_shape(cfg, internal)).astype(np.float32)
+        value = rng.standard_normal(param_shape(cfg, internal)).astype(np.float32)
+        put(params, internal, value, cfg.n_experts)
     return cfg, params
 
 

@@ -6,12 +6,12 @@ Programs, each ``grad`` of ``sum(layer(x) * cotangent)`` with respect to the inp
 FP32 parameters (what one layer of an update computes):
 
 - ``ours``: :func:`minifield.models.moe.moe_mlp` as a TPU recipe runs it (``ragged_dot``), the
-  experts held one FP32 matrix per expert as the train state holds them;
+  experts held stacked FP32 ``[E, in, out]`` as the train state holds them;
 - ``dense``: ``minimal/experts.py``'s every expert on every token (``moe_chip.py``'s dense
   line), the experts held stacked.
 
 Stages are the named scopes ``moe_mlp`` puts on its kernels (``moe_router``, ``moe_sort``,
-``moe_gather``, ``moe_experts``, ``moe_scatter``, ``moe_stack``, forward and backward alike);
+``moe_gather``, ``moe_experts``, ``moe_scatter``, forward and backward alike);
 inside ``moe_experts`` the grouped products are told apart from the elementwise work around
 them (SiLU, casts, the rows past the groups set to zero). Estimates: a kernel's bytes moved
 (``_hlo_census``: operands and result) at ``--bandwidth`` (600 GB/s, a v5e's measured
@@ -101,9 +101,8 @@ def programs(args) -> dict:
     )  # fmt: skip
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
     x = jax.ShapeDtypeStruct((rows, seq, D), jnp.bfloat16)
-    ours_p = {"router": f32(D, E), "experts": {
-        f"{j:02d}": {"w_gate": f32(D, F), "w_up": f32(D, F), "w_down": f32(F, D)}
-        for j in range(E)}}  # fmt: skip
+    ours_p = {"router": f32(D, E),
+              "experts": {"w_gate": f32(E, D, F), "w_up": f32(E, D, F), "w_down": f32(E, F, D)}}  # fmt: skip
     dense_p = {"router": f32(D, E), "wg": f32(E, D, F), "wu": f32(E, D, F), "wd": f32(E, F, D)}
 
     def bf16_dot(eq, a, b):
@@ -135,15 +134,15 @@ def programs(args) -> dict:
 
 def _stage(label: str, experts: int) -> str:
     """A kernel's stage from its census label (``kind shape op_name``): a product, the
-    experts' matrices (stacked, cast, their gradients' zeroing and unstacking: a result
-    ``[experts, in, out]`` or one expert's, outside the products), or its named scope."""
+    experts' matrices (cast, their gradients' zeroing: a result ``[experts, in, out]``
+    outside the products), or its named scope."""
     kind, rest = label.split(" ", 1)
     op_name = rest.rsplit(" ", 1)[-1]
     last = op_name.rsplit("/", 1)[-1]
     if kind in ("dot", "convolution") or last in PRODUCTS:
         return "moe_router" if "nd,de->ne" in op_name else "products"
     stacked = rest.startswith((f"bf16[{experts},", f"f32[{experts},"))
-    if "moe_stack" in op_name or ("moe_experts" in op_name and stacked):
+    if "moe_experts" in op_name and stacked:
         return "expert weights"
     return next((stage for stage in STAGES if stage in op_name), "other")
 

@@ -40,17 +40,15 @@ def random_params(cfg, seed: int) -> dict:
     """Random FP32 parameters of ``cfg`` made with NumPy from the tensor table's shapes (no
     JAX initialisation: the values do not depend on how a process compiles)."""
     from minifield.hf import checkpoint as hf_checkpoint
+    from minifield.models.expert_slots import put
     from minifield.models.families import param_shape
 
     rng = np.random.default_rng(seed)
     params: dict = {"blocks": {}}
     for internal, _, _ in hf_checkpoint.expected_tensors(cfg).values():
         for path in (internal,) if isinstance(internal, str) else internal:
-            node = params
-            *parents, leaf = path.split("/")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = rng.standard_normal(param_shape(cfg, path)).astype(np.float32)
+            value = rng.standard_normal(param_shape(cfg, path)).astype(np.float32)
+            put(params, path, value, cfg.n_experts)  # an expert's: into the stacked experts
     return params
 
 

@@ -30,9 +30,9 @@ def run(recipe: dict, arrays: dict, devices: int) -> dict:
     for _ in range(2):
         state, metrics = program.step(state)
         losses.append(metrics["loss"])
-    # the shapes each device holds of one expert matrix's state (LoRA: its stacked adapter)
+    # the shapes each device holds of the experts' stacked matrix (LoRA: stacked adapter)
     expert = state["params"]["blocks"]["00"]["moe"]["experts"]
-    leaf = expert["w_up"]["a"] if program.lora is not None else expert["00"]["w_up"]
+    leaf = expert["w_up"]["a"] if program.lora is not None else expert["w_up"]
     shards = [list(s.data.shape) for s in leaf.addressable_shards]
     params = jax.tree_util.tree_map(np.asarray, state["params"])
     return {

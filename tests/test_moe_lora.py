@@ -194,7 +194,7 @@ def test_an_update_changes_the_adapters_only(trained):
     ):
         assert np.all(np.any(pair["b"] != 0, axis=(-2, -1)))  # every expert's B moved
     # the frozen base is not in the state: the device copy is the prepared bytes, unchanged
-    base = trained["program"]._base.params["blocks"]["01"]["moe"]["experts"]["02"]["w_up"]
+    base = trained["program"]._base.params["blocks"]["01"]["moe"]["experts"]["w_up"][2]
     on_disk = load_file(str(trained["root"] / "base" / "model.safetensors"))
     np.testing.assert_array_equal(
         np.asarray(base), on_disk["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
@@ -330,5 +330,5 @@ def test_one_and_two_devices_train_a_mixtral_base_alike_full_and_lora(tmp_path):
         assert placement["devices"] == 2 and placement["sharded_arrays"] > 0, kind
     # LoRA: the experts' stacked adapter [E=4, D, r] is split along the experts, 2 per device
     assert report["lora"]["expert_shards"] == [[2, D, 4], [2, D, 4]]
-    # full: one expert's matrix [D, F] split along its first axis
-    assert report["full"]["expert_shards"] == [[D // 2, F], [D // 2, F]]
+    # full: the experts' stacked matrices [E=4, D, F] split within each expert, along D
+    assert report["full"]["expert_shards"] == [[4, D // 2, F], [4, D // 2, F]]

@@ -21,12 +21,11 @@ TOP_K, MAX_STEPS = 2, 1000
 
 
 def stacked_mlp(block: dict) -> dict:
-    """A minifield block's router and experts in :mod:`minimal.llama`'s names, experts stacked."""
+    """A minifield block's router and (stacked) experts in :mod:`minimal.llama`'s names."""
     experts = block["moe"]["experts"]
-    order = sorted(experts, key=int)
     return {
         "router": jnp.array(block["moe"]["router"]),
-        **{k: jnp.stack([experts[j][n] for j in order]) for k, n in minimal.MLP_NAMES.items()},
+        **{k: jnp.array(experts[n]) for k, n in minimal.MLP_NAMES.items()},
     }
 
 

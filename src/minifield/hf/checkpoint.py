@@ -24,6 +24,7 @@ from .. import atomic
 
 # the tensor tables and config.json's reading and writing; the names are this module's too
 # (one loader API)
+from ..models.expert_slots import at, expert_slot, put
 from ..models.families import (
     ARCHITECTURES,
     expected_tensors,
@@ -162,14 +163,6 @@ def _checked(directory: Path, max_len, compute_dtype):
     return cfg, expected, files, by_file, duplicate_head
 
 
-def _put(params: dict, part_path: str, value) -> None:
-    node = params
-    *parents, leaf = part_path.split("/")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = value
-
-
 def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
     """``(cfg, params, expected)``: every tensor through ``read(source, name, start, end,
     shape, kind, transpose)``, cut into its parameters by ``parts(cfg, path, value)``."""
@@ -191,7 +184,10 @@ def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
             # order, so the first bad tensor is the one named
             for internal, value in pool.map(one, names):
                 for part_path, part in parts(cfg, internal, value):  # fused: several
-                    _put(params, part_path, part)
+                    try:  # an expert's tensor: into its stacked parameter
+                        put(params, part_path, part, cfg.n_experts)
+                    except ValueError as e:
+                        raise CheckpointError(f"{path}: {e}") from None
                 del value
     if duplicate_head:
         path = files["lm_head.weight"]
@@ -222,18 +218,23 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
         value = read_fp32(source, start, end, shape, source_dtype_of(kind), transpose, name)
         return value
 
-    def parts(cfg, internal, value):
+    def placed(value):
         # may_alias: the aligned host buffer becomes the CPU array without a copy
-        return [(p, jax.device_put(v, may_alias=True)) for p, v in split(cfg, internal, value)]
+        return jax.device_put(value, may_alias=True)
+
+    def parts(cfg, internal, value):  # an expert's tensor stays on the host to be stacked
+        return [(p, v if expert_slot(p) else placed(v)) for p, v in split(cfg, internal, value)]
 
     cfg, params, _ = _read_all(directory, max_len, compute_dtype, read, parts)
-    return cfg, params
+    stacked = lambda v: placed(v) if isinstance(v, np.ndarray) else v  # noqa: E731
+    return cfg, jax.tree_util.tree_map(stacked, params)
 
 
 def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
     """``(LlamaConfig, params, stored_layout)``: the tensors as the checkpoint stores them —
     their own dtype (BF16 stays BF16), HF's ``[out, in]`` layout for the matrices
-    ``stored_layout`` names (internal path -> True) — as aligned host arrays, nothing
+    ``stored_layout`` names (internal path -> True; the experts stacked ``[E, out, in]``) — as
+    aligned host arrays, nothing
     converted; :meth:`minifield.hf.stored_base.FrozenBase.model_params` makes them this project's parameters inside
     a jitted function. The same checks and errors as :func:`load`."""
 
@@ -244,7 +245,8 @@ def load_stored(directory: str | Path, max_len: int | None = None, compute_dtype
     stored_layout = {}
     for internal, transpose, _ in expected.values():
         for path in (internal,) if isinstance(internal, str) else internal:
-            stored_layout[path] = transpose
+            slot = expert_slot(path)
+            stored_layout[path if slot is None else slot[0]] = transpose
     return cfg, params, stored_layout
 
 
@@ -295,18 +297,12 @@ def write(
     if planned.index is None:
         planned = shards.Plan({SINGLE_FILE: list(expected)}, None)
 
-    def leaf(path: str):
-        node = params
-        for part in path.split("/"):
-            node = node[part]
-        return node
-
-    def lookup(path: str):
-        return np.asarray(fetch(leaf(path)), dtype=np.float32)
+    def lookup(path: str):  # an expert's: its slice of the stacked leaf, then fetched
+        return np.asarray(fetch(at(params, path)), dtype=np.float32)
 
     if group is not None:
         files = {
-            file: {name: _spread_tensor(cfg, expected[name], leaf) for name in names}
+            file: {name: _spread_tensor(cfg, expected[name], params) for name in names}
             for file, names in planned.files.items()
         }
         parallel_files.write(directory, files, dtype, {"format": "pt"}, group)
@@ -343,16 +339,19 @@ def _write_files(directory: Path, planned, expected, value_of, stored_dtype) -> 
         del tensors
 
 
-def _spread_tensor(cfg, entry, leaf) -> parallel_files.Tensor:
+def _spread_tensor(cfg, entry, params) -> parallel_files.Tensor:
     """The :class:`.parallel_files.Tensor` of one HF tensor (``entry``: its
-    :func:`expected_tensors` entry): its parameter, or a fused matrix's parts side by side."""
+    :func:`expected_tensors` entry): its parameter, a fused matrix's parts side by side, or
+    an expert's slice of the stacked experts (its index into their first axis)."""
     internal, transpose, shape = entry
     sources, column = [], 0
     for path in (internal,) if isinstance(internal, str) else internal:
-        value = leaf(path)
-        if tuple(value.shape) != param_shape(cfg, path):
-            raise ValueError(f"parameter {path}: shape {value.shape} disagrees with the config")
-        sources.append(parallel_files.Source(value, None, column, transpose))
+        slot = expert_slot(path)
+        held, lead = (path, None) if slot is None else slot
+        value = at(params, held)
+        if tuple(value.shape) != param_shape(cfg, held):
+            raise ValueError(f"parameter {held}: shape {value.shape} disagrees with the config")
+        sources.append(parallel_files.Source(value, lead, column, transpose))
         column += value.shape[-1] if len(value.shape) > 1 else 0
     return parallel_files.Tensor(tuple(shape), tuple(sources))
 

@@ -73,22 +73,28 @@ def to_arrays(params: dict, stored_layout: dict[str, bool]) -> dict[str, np.ndar
 
 def stored(arrays: dict[str, np.ndarray]):
     """``(path, array in its own dtype, out_in)`` of every base parameter."""
+    from ..models.expert_slots import expert_slot
+
     layout = None
     if LAYOUT_ARRAY in arrays:
         layout = json.loads(np.asarray(arrays[LAYOUT_ARRAY]).tobytes())
+    experts: dict = {}
     for name, value in arrays.items():
         if not name.startswith(PARAM_PREFIX):
             continue
         path = name[len(PARAM_PREFIX) :].replace(".", "/")
-        if layout is None:  # FP32 [in, out] (see the module)
-            yield path, value, False
-            continue
-        entry = layout[path]
-        if entry["dtype"] == "bfloat16":
+        entry = {"dtype": "float32", "out_in": False} if layout is None else layout[path]
+        if entry["dtype"] == "bfloat16":  # (no layout: FP32 [in, out], see the module)
             import ml_dtypes
 
             value = value.view(ml_dtypes.bfloat16)
+        slot = expert_slot(path)
+        if slot is not None:  # prepared when experts were held one by one: stacked here
+            experts.setdefault(slot[0], {})[slot[1]] = (value, entry["out_in"])
+            continue
         yield path, value, entry["out_in"]
+    for path, held in experts.items():
+        yield path, np.stack([held[j][0] for j in sorted(held)]), held[0][1]
 
 
 class FP32Slices:
@@ -100,15 +106,18 @@ class FP32Slices:
 
     def __init__(self, data: np.ndarray, transpose: bool):
         self.data, self.transpose = data, transpose
-        self.shape = tuple(data.shape[::-1] if transpose else data.shape)
+        lead, matrix = data.shape[:-2], data.shape[-2:]  # lead: stacked experts' [E]
+        self.shape = tuple(lead + matrix[::-1]) if transpose else tuple(data.shape)
         self.dtype = np.dtype(np.float32)
 
     def __getitem__(self, index) -> np.ndarray:
         from .tensors import to_fp32
 
         index = index if isinstance(index, tuple) else (index,)
-        stored = self.data[index[::-1]] if self.transpose else self.data[index]
-        return to_fp32(np.ascontiguousarray(stored), self.transpose)
+        if self.transpose:  # the matrix's two axes swapped, any leading (experts') axis kept
+            index += (slice(None),) * (len(self.shape) - len(index))
+            index = index[:-2] + index[-2:][::-1]
+        return to_fp32(np.ascontiguousarray(self.data[index]), self.transpose)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         from .tensors import to_fp32
@@ -164,14 +173,18 @@ def zeros(cfg, dtype: str) -> FrozenBase:
     step without a base's files (under ``jax.eval_shape`` nothing is allocated)."""
     import jax.numpy as jnp
 
-    from ..models import families
+    from ..models import expert_slots, families
 
-    items, out_in = [], set()
+    params: dict = {"blocks": {}}
+    out_in = set()
     for path, transpose, shape in families.expected_tensors(cfg).values():
-        items.append((path, jnp.zeros(shape, dtype)))
+        slot = expert_slots.expert_slot(path)
+        if slot is not None:  # the experts stacked, each [out, in] as stored
+            path, shape = slot[0], (cfg.n_experts, *shape)
+        expert_slots.put(params, path, jnp.zeros(shape, dtype), cfg.n_experts)
         if transpose:
             out_in.add(path)
-    return FrozenBase(nest(items), frozenset(out_in), dtype)
+    return FrozenBase(params, frozenset(out_in), dtype)
 
 
 def stacked(base: FrozenBase) -> FrozenBase:
@@ -214,7 +227,7 @@ def _stack_layers(transpose: bool, *layers):
     import jax.numpy as jnp
 
     def stack(*leaves):
-        return jnp.stack([leaf.T if transpose else leaf for leaf in leaves])
+        return jnp.stack([jnp.swapaxes(leaf, -1, -2) if transpose else leaf for leaf in leaves])
 
     return jax.jit(lambda *ls: jax.tree_util.tree_map(stack, *ls))(*layers)
 
@@ -257,8 +270,9 @@ class FrozenBase:
         def made(path, value):
             if isinstance(value, QuantizedWeight):  # made back inside each layer's products
                 return value.held_in(self.dtype)
-            if path in self.out_in:  # in the stored dtype: the fewest bytes to move
-                value = jax.lax.optimization_barrier(value.T)
+            if path in self.out_in:  # in the stored dtype: the fewest bytes to move (the
+                # experts' stacked [E, out, in]: each expert's matrix transposed)
+                value = jax.lax.optimization_barrier(jnp.swapaxes(value, -1, -2))
             return value.astype(dtype)
 
         return nest((path, made(path, value)) for path, value in flatten(self.params))

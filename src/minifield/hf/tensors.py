@@ -167,6 +167,11 @@ def to_fp32(data: np.ndarray, transpose: bool) -> np.ndarray:
     block; an FP32 array that needs no transpose is returned as it is (no copy)."""
     if data.dtype == np.float32 and not transpose:
         return data
+    if data.ndim == 3:  # stacked experts [E, out, in]: each expert's matrix in turn
+        out = _aligned((data.shape[0], *(data.shape[:0:-1] if transpose else data.shape[1:])))
+        for j, matrix in enumerate(data):
+            out[j] = _widen(matrix, transpose)[0]
+        return out
     return _widen(data, transpose)[0]
 
 

@@ -32,8 +32,11 @@ projected queries and keys, not per head.
 Mixtral (a mixture of experts, :mod:`.moe`): Mistral's attention, and in place of the MLP a
 router ``block_sparse_moe.gate`` ``[num_local_experts, hidden]`` and per expert ``j``
 ``block_sparse_moe.experts.{j}.w1`` (gate), ``w3`` (up), ``w2`` (down), each token through
-its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and
-``blocks/NN/moe/experts/JJ/{w_gate, w_up, w_down}`` (one matrix per expert, as stored).
+its ``num_experts_per_tok`` experts. Internally ``blocks/NN/moe/router`` and the experts
+held stacked, ``blocks/NN/moe/experts/{w_gate, w_up, w_down}`` ``[E, in, out]``: the table
+names expert ``j``'s matrix ``blocks/NN/moe/experts/JJ/w_gate`` (an *expert slot*, one HF
+tensor), which is the ``j``-th of the stacked parameter (:mod:`.expert_slots`); loading
+stacks the experts' tensors, exporting slices them again.
 
 Gemma (v1): RMSNorm times ``1 + w``, embeddings times ``sqrt(hidden_size)``, the MLP gate
 ``hidden_act`` (``gelu_pytorch_tanh``, absent too, or ``gelu``), the head tied unless
@@ -67,6 +70,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .expert_slots import expert_slot
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,11 @@ NAME_TABLE = [
 
 
 def param_shape(cfg, path: str) -> tuple[int, ...]:
-    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes)."""
+    """Shape of an internal parameter (the layout :func:`.llama.init_params` makes; an
+    expert slot's: one expert's matrix, the stacked parameter's ``[E, in, out]``)."""
+    slot = expert_slot(path)
+    if slot is not None:
+        return param_shape(cfg, slot[0])[1:]
     D, F, V, K = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.head_dim
     HK, GK = cfg.n_heads * K, cfg.n_kv_heads * K
     leaf = path.rsplit("/", 2)
@@ -234,7 +243,8 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
             return (D, cfg.n_experts if path.endswith("/router") else 1)
         F = cfg.shared_expert_d_ff if "/moe/shared/" in path else cfg.expert_d_ff
         kind = "mlp/" + leaf[-1]
-    return {
+    stack = (cfg.n_experts,) if "/moe/experts/" in path else ()  # the experts stacked
+    shapes = {
         "moe/router": (D, cfg.n_experts),
         "embed/tokens": (V, D),
         "attn_norm/scale": (D,),
@@ -255,7 +265,8 @@ def param_shape(cfg, path: str) -> tuple[int, ...]:
         "mlp/w_up": (D, F),
         "mlp/w_down": (F, D),
         "head/w": (D, V),
-    }[kind]
+    }
+    return stack + shapes[kind]
 
 
 #: parameter kind -> the config.json fields its shape comes from (named when it disagrees)

@@ -28,7 +28,8 @@ table mapping them to HF names)::
                   (+ bq, bk, bv with qkv_bias; q_norm [K], k_norm [K] with qk_norm)
     blocks/NN/mlp_norm/scale [D]
     blocks/NN/mlp/{w_gate [D, F], w_up [D, F], w_down [F, D]}
-                  (n_experts: blocks/NN/moe/{router [D, E], experts/JJ/{w_gate, w_up, w_down}})
+                  (n_experts: blocks/NN/moe/{router [D, E], experts/{w_gate [E, D, F],
+                  w_up [E, D, F], w_down [E, F, D]}}: the experts stacked)
     final_norm/scale [D]
     head/w [D, V]  (untied only)
 """
@@ -101,9 +102,11 @@ def init_params(cfg: LlamaConfig, key) -> dict:
             }
 
         if cfg.is_moe_layer(i):
+            router = normal((D, cfg.n_experts), D**-0.5)
+            experts = [mlp(cfg.expert_d_ff) for _ in range(cfg.n_experts)]  # keys in order
             layer_moe = {
-                "router": normal((D, cfg.n_experts), D**-0.5),
-                "experts": {f"{j:02d}": mlp(cfg.expert_d_ff) for j in range(cfg.n_experts)},
+                "router": router,
+                "experts": {k: jnp.stack([e[k] for e in experts]) for k in experts[0]},
             }
             if cfg.shared_expert_d_ff:
                 layer_moe["shared"] = mlp(cfg.shared_expert_d_ff)

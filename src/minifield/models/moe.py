@@ -20,9 +20,10 @@ weighted and scattered back onto their tokens with an add. ``jax.lax.ragged_dot`
 same, but on CPU the pinned JAX lowers it to every expert times every row under a mask (see
 :mod:`.layers.grouped`).
 
-The experts are held one matrix per expert (``moe/experts/JJ/w_gate`` ``[D, F]``, as the
-checkpoint stores them, :mod:`.families`) and stacked to ``[E, D, F]`` inside the traced
-computation (a copy of the expert weights per step, and of their gradients). Matrix inputs
+The experts are held stacked (``moe/experts/w_gate`` ``[E, D, F]``, ``w_up`` ``[E, D, F]``,
+``w_down`` ``[E, F, D]``), in the parameters and the train state alike, so a step neither
+stacks them nor slices their gradients apart; the checkpoint's one tensor per expert is
+stacked on loading and sliced again on export (:mod:`.families`' expert slots). Matrix inputs
 are rounded to the compute dtype and accumulated in FP32, forward and backward, as
 :func:`minifield.models.layers.primitives.einsum`; the experts' gradients stay FP32.
 """
@@ -34,6 +35,14 @@ import jax.numpy as jnp
 
 from .layers import grouped
 from .layers.primitives import F32, LoraWeight, einsum, full_precision, linear
+
+
+def holds_experts(path) -> bool:
+    """Whether the leaf at ``path`` (a key path of :func:`jax.tree_util.tree_map_with_path`:
+    the parameters, or an optimizer's moments of them) is the experts' stacked matrices
+    (``moe/experts/w_gate`` ...), the experts along its first axis after any layers' axis."""
+    keys = [getattr(key, "key", None) for key in path]
+    return keys[-2:-1] == ["experts"] and keys[-1] in ("w_gate", "w_up", "w_down")
 
 
 def _f32_product(x, w):
@@ -61,17 +70,11 @@ def route_logits(cfg, logits_NxE):
     return weights_NxK, experts_NxK.astype(jnp.int32)
 
 
-def _stacked(experts: dict, name: str):
-    """One projection of every expert, ``[E, in, out]`` in the parameters' dtype (the grouped
-    product rounds it to the compute dtype, and its gradient stays in this one)."""
-    names = sorted(experts, key=int)
-    with jax.named_scope("moe_stack"):
-        return jnp.stack([experts[j][name] for j in names])
-
-
 def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
     """The experts' weighted output ``[B, T, D]`` (compute dtype) for every token;
-    ``p``: ``{"router": [D, E], "experts": {JJ: {w_gate, w_up, w_down}}}`` (Qwen2-MoE: and
+    ``p``: ``{"router": [D, E], "experts": {w_gate, w_up, w_down}}``, the experts stacked
+    ``[E, in, out]`` in the parameters' dtype (the grouped product rounds them to the compute
+    dtype; their gradients stay in that one) (Qwen2-MoE: and
     ``"shared": {w_gate, w_up, w_down}``, ``"shared_gate": [D, 1]``). Under LoRA
     (:mod:`minifield.training.lora`) the router and the shared expert's matrices may be
     :class:`LoraWeight`, and ``"experts_lora": {w_gate|w_up|w_down: LoraWeight}`` holds the
@@ -98,7 +101,7 @@ def moe_mlp(cfg, x_BxTxD, p, with_logits: bool = False):
         return grouped.matmul(cfg, lhs, rhs_ExIxO, group_sizes_E)
 
     def experts(lhs, name):
-        out = product(lhs, _stacked(p["experts"], name))
+        out = product(lhs, p["experts"][name])
         lora = p.get("experts_lora", {}).get(name)
         if lora is None:
             return out

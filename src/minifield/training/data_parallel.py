@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..hf.stored_base import FP32Slices
+from ..models import moe
 from ..models.layers import layer_stack
 
 AXIS = "data"
@@ -88,8 +89,9 @@ class DataParallel:
                 return replicated
             # Stacked layers (``model.scan_layers``) are split within each layer, never along
             # the layer axis: the scan takes one layer per iteration, and a layer held by one
-            # device would have to be gathered whole before the loop.
-            first_axis = 1 if layer_stack.is_stacked_leaf(path) else 0
+            # device would have to be gathered whole before the loop. The experts' stacked
+            # matrices likewise within each expert, as when they were held one by one.
+            first_axis = int(layer_stack.is_stacked_leaf(path)) + int(moe.holds_experts(path))
             return NamedSharding(mesh, self._leaf_spec(tuple(leaf.shape), first_axis))
 
         out = {}

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.lora_targets import EXPERTS
-
 
 def _merge_op(scale: float):
     """``(w, a, b) -> w + scale * a @ b`` (FP32, jitted) and the device it runs on."""
@@ -63,13 +61,8 @@ class HostMerge:
         self.out_in, self.settings = base.out_in, settings
         self.pairs: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for layer, parents, leaf, pair in adapted_leaves(adapters):
-            a, b = to_host(pair["a"]), to_host(pair["b"])
-            prefix = "/".join(("blocks", layer, *parents))
-            if parents == EXPERTS:  # expert j's own A[j] @ B[j]: the j-th stored by number
-                for j, name in enumerate(self._experts(prefix)):
-                    self.pairs[f"{prefix}/{name}/{leaf}"] = (a[j], b[j])
-                continue
-            self.pairs[f"{prefix}/{leaf}"] = (a, b)
+            a, b = to_host(pair["a"]), to_host(pair["b"])  # the experts': stacked, as theirs
+            self.pairs["/".join(("blocks", layer, *parents, leaf))] = (a, b)
         self._op = None  # the jitted merge, made on the first target
         self.params: dict = {}
         for path in self.stored:
@@ -77,19 +70,15 @@ class HostMerge:
             node = self.params
             for part in parents:
                 node = node.setdefault(part, {})
-            node[leaf] = path
+            node[leaf] = _Tensor(path)
 
-    def _experts(self, prefix: str) -> list[str]:
-        """The experts' names under ``prefix`` (``blocks/NN/moe/experts``), by number."""
-        depth = prefix.count("/") + 1
-        names = {p.split("/")[depth] for p in self.stored if p.startswith(prefix + "/")}
-        return sorted(names, key=int)
-
-    def value(self, path: str) -> np.ndarray:
-        """The merged FP32 ``[in, out]`` parameter at ``path`` (see the module)."""
+    def value(self, tensor: _Tensor) -> np.ndarray:
+        """The merged FP32 ``[in, out]`` matrix of a leaf of :attr:`params` (an expert's: its
+        own ``W[j] + scale * A[j] @ B[j]``; see the module)."""
         import ml_dtypes
 
-        stored = self.stored[path]
+        path, j = tensor.path, tensor.expert
+        stored = self.stored[path] if j is None else self.stored[path][j]
         w = stored.T if path in self.out_in else stored
         held = ml_dtypes.bfloat16 if self.settings.base_dtype == "bfloat16" else np.float32
         w = np.asarray(w).astype(held).astype(np.float32)
@@ -100,6 +89,17 @@ class HostMerge:
         import jax
 
         op, device = self._op
-        a, b = self.pairs[path]
+        a, b = self.pairs[path] if j is None else (x[j] for x in self.pairs[path])
         merged = op(*(jax.device_put(np.asarray(x, np.float32), device) for x in (w, a, b)))
         return np.asarray(merged)
+
+
+class _Tensor:
+    """A leaf of :attr:`HostMerge.params`: a stored parameter's path, and (the experts held
+    stacked) the expert the writer's ``leaf[j]`` asks for."""
+
+    def __init__(self, path: str, expert: int | None = None):
+        self.path, self.expert = path, expert
+
+    def __getitem__(self, j: int) -> _Tensor:
+        return _Tensor(self.path, j)

@@ -195,7 +195,7 @@ def init_adapters(cfg, settings: LoraSettings, key) -> dict:
                 continue
             target_key = jax.random.fold_in(layer_key, index)
             for path in target_paths(cfg, i, name):
-                fan_in, fan_out = param_shape(cfg, f"blocks/{i:02d}/{path}")
+                fan_in, fan_out = param_shape(cfg, f"blocks/{i:02d}/{path}")[-2:]  # experts: each
                 if path.startswith("moe/experts/"):  # expert j: fold_in(target key, j)
                     E = cfg.n_experts
                     keys = [jax.random.fold_in(target_key, j) for j in range(E)]
@@ -309,12 +309,11 @@ def merged(base: dict, adapters: dict, settings: LoraSettings) -> dict:
 
     for layer, parents, leaf, pair in adapted_leaves(adapters):
         node = _node(params["blocks"][layer], parents)  # tree_map made fresh dicts
-        if parents == EXPERTS:
-            for j, name in enumerate(sorted(node, key=int)):
-                node[name] = {
-                    **node[name],
-                    leaf: node[name][leaf] + delta(pair["a"][j], pair["b"][j]),
-                }
+        if parents == EXPERTS:  # expert by expert: the products (and bits) of one matrix
+            w = node[leaf]
+            node[leaf] = jnp.stack(
+                [w[j] + delta(pair["a"][j], pair["b"][j]) for j in range(w.shape[0])]
+            )
             continue
         node[leaf] = node[leaf] + delta(pair["a"], pair["b"])
     return params
