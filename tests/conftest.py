@@ -684,6 +684,7 @@ READS_THE_README_RUN = (
 #: test files that read the linear demo's run (`linear_demo_run`, about 25 CPU-s to build),
 #: scheduled with tests/test_proof_verdict.py as one unit for the same reason.
 READS_THE_LINEAR_DEMO_RUN = (
+    "tests/test_accelerator.py",
     "tests/test_pipeline.py",
     "tests/test_proof.py",
     "tests/test_publish_pipeline.py",

@@ -31,6 +31,15 @@ NF4 = {**LORA, "base_quantization": "nf4", "quantization_block": 16, "double_qua
 INT8 = {**LORA, "base_quantization": "int8"}
 
 
+def trained_recipe(root, section):
+    """The LoRA recipe the workers here train: what they check is the updates, their state
+    hashes and the product each was given, so no greedy decoding in the final evaluations
+    (each worker would compile the generation loop for nothing checked)."""
+    recipe = lora_recipe(root, section)
+    recipe["evaluation"]["max_generate_examples"] = 0
+    return recipe
+
+
 def _stored(K, N, out_in, dtype, seed=0):
     """A random ``[in, out]`` matrix with a zero output channel, stored as a base stores it
     (HF's ``[out, in]`` when ``out_in``) in ``dtype``; and its float32 ``[in, out]`` values."""
@@ -140,7 +149,7 @@ def made(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qproduct")
     root = tmp / "in"
     make_inputs(root)
-    path = write_recipe(tmp / "recipe.json", lora_recipe(root, NF4))
+    path = write_recipe(tmp / "recipe.json", trained_recipe(root, NF4))
     recipe_json = tmp / "validated.json"
     preparation.validate(path, recipe_json, tmp / "validation.json")
     preparation.prepare(recipe_json, root, tmp / "examples")
@@ -243,7 +252,7 @@ def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
     workdir = tmp_path / "project"
     root = workdir / "in"
     make_inputs(root)
-    first = lora_recipe(root, NF4)  # its paths are under the input root, "in"
+    first = trained_recipe(root, NF4)  # its paths are under the input root, "in"
     second = {**first, "job_id": "base-test-rate", "training": {**first["training"]}}
     second["training"]["learning_rate"] = 0.02
     third = {**first, "job_id": "base-test-int8", "model": {**first["model"], "lora": INT8}}
