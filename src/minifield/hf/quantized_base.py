@@ -45,6 +45,9 @@ PREFIX = "qbase."
 LEAVES = ("codes", "scales", "scale_scales", "offset")
 #: output channels quantized at a time: a matrix's float32 copy is made a slice at a time
 ROWS = 1024
+#: values widened and quantized at a time within them (1 MiB of float32): each of a slice's
+#: passes runs in the CPU's cache, not through memory
+SLICE_VALUES = 1 << 18
 #: the NF4 table as float32 (the values the device's dequantization selects)
 NF4 = np.array(quantize_table.NF4, np.float32)
 SCHEMES, NF4_BLOCK, SCALE_GROUP = (
@@ -115,9 +118,26 @@ def _codes(rows_NxBxS: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]
     if scheme == "int8":
         normed *= np.float32(127.0)
         return np.round(normed, out=normed).astype(np.int8).reshape(N, -1), absmax
-    midpoints = (NF4[1:] + NF4[:-1]) / np.float32(2.0)  # nearest: midpoints below
-    index = np.searchsorted(midpoints, normed).astype(np.uint8).reshape(N, -1, 2)
+    index = _nearest_nf4(normed).reshape(N, -1, 2)
     return (index[..., 0] << 4) | index[..., 1], absmax
+
+
+#: the midpoints between the NF4 table's neighbours: a value's nearest entry is the number of
+#: midpoints below it
+_MIDPOINTS = (NF4[1:] + NF4[:-1]) / np.float32(2.0)
+
+
+def _nearest_nf4(normed: np.ndarray) -> np.ndarray:
+    """The NF4 index of each value: ``searchsorted(_MIDPOINTS, normed)`` (the number of
+    midpoints below it; NaN sorts last: 15), counted as 15 less the midpoints at or above it
+    (a NaN is at or above none), 15 vectorised comparisons: 8 times faster than the binary
+    search on this CPU (docs/quantized-base.md)."""
+    at_or_above = np.zeros(normed.shape, np.uint8)
+    compared = np.empty(normed.shape, bool)
+    for midpoint in _MIDPOINTS:
+        np.less_equal(normed, midpoint, out=compared)
+        at_or_above += compared.view(np.uint8)
+    return np.uint8(15) - at_or_above
 
 
 def _double(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -143,10 +163,15 @@ def quantize_matrix(
     packed = K // 2 if scheme == "nf4" else K
     codes = np.empty((packed, N), np.uint8 if scheme == "nf4" else np.int8)
     scales = np.empty((K // size, N), np.float32)
+    slice_rows = max(1, SLICE_VALUES // K)
     for start in range(0, N, ROWS):
         part = value[start : start + ROWS] if out_in else value[:, start : start + ROWS].T
-        rows = np.array(part, np.float32).reshape(-1, K // size, size)  # a copy: overwritten
-        part_codes, absmax = _codes(rows, scheme)
+        part_codes = np.empty((part.shape[0], packed), codes.dtype)
+        absmax = np.empty((part.shape[0], K // size), np.float32)
+        for at in range(0, part.shape[0], slice_rows):  # a slice's passes run in the cache
+            rows = np.array(part[at : at + slice_rows], np.float32)  # a copy: overwritten
+            made = _codes(rows.reshape(-1, K // size, size), scheme)
+            part_codes[at : at + slice_rows], absmax[at : at + slice_rows] = made
         codes[:, start : start + ROWS] = part_codes.T
         scales[:, start : start + ROWS] = absmax.T
     if not double:
