@@ -190,7 +190,9 @@ def _quantized(path: str, value: np.ndarray) -> bool:
     return value.ndim == 2 and path.startswith("blocks/")
 
 
-def make(data: dict, arrays: dict[str, np.ndarray], out_dir: Path, threads: int | None = None) -> dict:
+def make(
+    data: dict, arrays: dict[str, np.ndarray], out_dir: Path, threads: int | None = None
+) -> dict:
     """Write the quantized base of a validated recipe's ``data`` from its prepared examples'
     ``arrays`` (memory-mapped: a matrix is read as it is quantized) into ``out_dir``; the
     manifest."""
