@@ -49,8 +49,10 @@ SLOW = pytest.mark.slow
     ("scheme", "block"),
     [pytest.param("int8", None, marks=SLOW), pytest.param("int8", 16, marks=SLOW), ("nf4", 64)],
 )
-def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block):
-    # 1100 output channels: two slices of ROWS, the last one short; each stored dtype and layout
+def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block, monkeypatch):
+    # 1100 output channels: two slices of ROWS, the last one short, each quantized 300 channels
+    # at a time (the last one short again); each stored dtype and layout
+    monkeypatch.setattr(quantized_base, "SLICE_VALUES", 300 * 128)
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         for out_in in (True, False):
             stored, w_KxN = _stored(128, 1100, out_in, dtype)
