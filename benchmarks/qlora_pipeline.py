@@ -1,7 +1,7 @@
 """A LoRA run on an NF4 base through the pipeline's stages, each timed and its peak memory
 recorded, into one JSON file (docs/quantized-base.md, "The 8B pipeline on the chip").
 
-The base is a random Llama (``_random_base.py``: written one layer at a time, no download)
+The base is a random Llama (``_random_base.py``: drawn by threads into its files, no download)
 beside the Llama demo's tokenizer and data (``data/llama-base``, ``data/llama-sft-demo``);
 ``minifield recipe new`` pins it all into a recipe like the demo's, with ``model.lora``
 (rank 16 on every linear layer, NF4 blocks of 64, double quantization, a BF16 base),

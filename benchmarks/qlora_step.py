@@ -1,27 +1,25 @@
 """LoRA train step on a quantized frozen base (int8, NF4) ÷ the same step on the BF16 base,
 and each one's peak memory (docs/quantized-base.md).
 
-The base is a random Llama written as an HF checkpoint (BF16 safetensors, one shard per layer,
-the index, ``config.json``) one layer at a time (``_random_base.py``: the host holds one layer's
-tensors, or the embeddings', never the model's), then read back as a LoRA run reads it
-(:func:`minifield.hf.checkpoint.load_stored`, then
-:func:`minifield.strategies.lm.placement.frozen_base` as the worker places it, layers stacked once;
-int8 and NF4 quantized on the host matrix by
-matrix as they are put on the device, as a worker started without a quantized-base product). Each mode runs in its own process
-so its peak is its own: the device's ``peak_bytes_in_use`` on an accelerator, the process's
-peak resident memory on CPU. LoRA on every linear layer (QLoRA's setting), AdamW, BF16
-compute, the state donated; compiled and run once untimed, then the median of ``--steps``.
-Each mode also prints the layer-matrix-shaped arrays its optimized program writes outside
-every fusion (:func:`materialised`): 0 where each made-back matrix is fused into its product.
-``--kernels xla pallas`` runs each quantized mode with each product (``Execution``'s
-``quantized_kernel``: XLA's fused ``dequantize``, or the Pallas kernel reading the codes,
-:mod:`minifield.models.layers.tpu_quantized`), the BF16 step once.
+The base: a random Llama as an HF checkpoint (BF16 safetensors, one shard per layer, the
+index, ``config.json``; ``_random_base.py``), kept in ``--dir`` with each scheme's codes and
+scales (``_qlora_base.py``: made once on the host by threads, in the quantized-base product's
+format, while the first modes run; shared by the scheme's kernels and later calls). Each mode
+runs in its own process (its peak its own: the device's ``peak_bytes_in_use`` on an
+accelerator, the process's peak resident memory on CPU): it maps the base, reads its product,
+and places the base as a worker given that product does
+(:func:`minifield.strategies.lm.placement.frozen_base`, layers stacked once). LoRA on every
+linear layer (QLoRA's setting), AdamW, BF16 compute, the state donated; compiled and run once
+untimed, then the median of ``--steps``. Each mode also prints the layer-matrix-shaped arrays
+its optimized program writes outside every fusion (:func:`materialised`): 0 where each
+made-back matrix is fused into its product. ``--kernels xla pallas`` runs each quantized mode
+with each product (``Execution``'s ``quantized_kernel``: XLA's fused ``dequantize``, or the
+Pallas kernel, :mod:`minifield.models.layers.tpu_quantized`), the BF16 step once. ``--out``
+gets the JSON (modes, phases' seconds) after each mode; ``--budget`` seconds bound the call.
 
     uv run python benchmarks/qlora_step.py                      # CPU: a small shape
-    uv run python benchmarks/qlora_step.py --preset llama-3.2-3b --seq 2048 --batch 1 \\
-        --remat full --dir /tmp/llama3b --kernels xla pallas    # the chip: ÷ BF16 (issue 58)
-    uv run python benchmarks/qlora_step.py --preset llama-3.1-8b --seq 2048 --batch 1 \\
-        --remat full --dir /tmp/llama8b                         # the chip (docs/tpu.md)
+    python3 benchmarks/qlora_step.py --preset llama-3.2-3b --seq 2048 --batch 1 --remat full \\
+        --steps 5 --dir /tmp/llama3b --kernels xla pallas --budget 500 --out $OUT/q3b.json
 """
 
 from __future__ import annotations
@@ -40,7 +38,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _random_base  # noqa: E402
+import _qlora_base  # noqa: E402
+
+from minifield import atomic  # noqa: E402
 
 MODES = ("bf16", "int8", "nf4")
 #: a quantized base's products (``execution.QUANTIZED_KERNEL_KINDS``)
@@ -96,6 +96,10 @@ def arguments() -> argparse.Namespace:
         default=None,
         help="the Pallas kernel's tiles M,N,K (absent: tpu_quantized.TILES)",
     )
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds for the whole call (absent: none)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="the JSON, after each mode")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # one child's
     parser.add_argument("--kernel", choices=KERNELS, default="xla", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -138,18 +142,9 @@ def config(args):
     return dataclasses.replace(cfg, execution=how)
 
 
-def write_base(args) -> None:
-    """The random base as HF safetensors, one layer at a time (skipped when ``--dir`` already
-    holds it: ``config.json`` is written last). Drawn by this parent with NumPy: no JAX."""
-    if (args.dir / "config.json").is_file():
-        return
-    _random_base.write(args.dir, base_config(args), seed=0, dtype="bfloat16")
-
-
 def run_mode(args) -> dict:
     import jax
 
-    from minifield.hf import checkpoint, stored_base
     from minifield.models.layers import tpu_quantized
     from minifield.strategies.lm import placement
     from minifield.training import lora, optimizer
@@ -157,11 +152,12 @@ def run_mode(args) -> dict:
     if args.quantized_tiles:
         tpu_quantized.TILES = args.quantized_tiles  # read as each product is traced
     cfg = config(args)
-    _, params, layout = checkpoint.load_stored(args.dir, args.seq, "bfloat16")
-    arrays = stored_base.to_arrays(params, layout)
-    del params
-    targets = tuple(name for name, dense in lora.TARGETS.items() if dense)  # every linear layer
     scheme = None if args.mode == "bf16" else args.mode
+    seconds, start = {}, time.perf_counter()
+    found = scheme and _qlora_base.settings(scheme, args.block, args.no_double)
+    arrays = _qlora_base.arrays(args.dir, args.seq, found)
+    seconds["load"] = time.perf_counter() - start
+    targets = tuple(name for name, dense in lora.TARGETS.items() if dense)  # every linear layer
     settings = lora.LoraSettings(
         args.rank,
         float(2 * args.rank),
@@ -172,7 +168,9 @@ def run_mode(args) -> dict:
         scheme == "nf4" and not args.no_double,
     )
     # as the worker places it: one device, the layers scanned (stacked once)
-    base = placement.frozen_base(arrays, {}, settings, scan_layers=True)
+    start = time.perf_counter()
+    base = jax.block_until_ready(placement.frozen_base(arrays, {}, settings, scan_layers=True))
+    seconds["place"] = time.perf_counter() - start
     training = {"warmup_steps": 2, "learning_rate": 1e-4}
     opt = optimizer.make_optimizer(training, 1000)
     step = jax.jit(
@@ -181,12 +179,16 @@ def run_mode(args) -> dict:
     )
     state = lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8))
     batch = _batch(args, cfg.vocab_size)
+    start = time.perf_counter()
     compiled = step.lower(state, base, batch).compile()
+    seconds["compile"] = time.perf_counter() - start
     written = materialised(compiled.as_text(), layer_matrices(cfg))
     analysis = compiled.cost_analysis()
     flops = float((analysis[0] if isinstance(analysis, list) else analysis).get("flops", 0.0))
+    start = time.perf_counter()
     state, _ = compiled(state, base, batch)
     jax.block_until_ready(state)
+    seconds["first_step"] = time.perf_counter() - start
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -208,6 +210,7 @@ def run_mode(args) -> dict:
         "flops": flops,
         "loss": float(metrics["loss"]),
         "written": {shape: written.count(shape) for shape in sorted(set(written))},
+        "seconds": {phase: round(t, 3) for phase, t in seconds.items()},
     }
 
 
@@ -313,23 +316,66 @@ def main() -> None:
     # only a worker opens the accelerator: on a TPU a parent that so much as lists devices
     # holds the chip until it exits, and every mode's process would die on libtpu's lockfile
     accelerator.keep_off()
-    write_base(args)
+    deadline = None if args.budget is None else time.monotonic() + args.budget
+    report = {"argv": sys.argv[1:], "seconds": {}, "results": {}, "failed": {}}
+    report["seconds"]["write_base"] = _qlora_base.write_base(args.dir, base_config(args))
+    _save(args, report)
     if args.write_only:
         return
-    results = {}
+    founds = {m: _qlora_base.settings(m, args.block, args.no_double) for m in args.modes}
+    founds.pop("bf16", None)
+    products = _qlora_base.Products(args.dir, list(founds.values()))  # beside the first modes
     runs = [(m, k) for m in args.modes for k in (["xla"] if m == "bf16" else args.kernels)]
     for mode, kernel in runs:  # one that fails (the BF16 8B base does not fit 16 GB) is reported
         name = mode if mode == "bf16" or args.kernels == ["xla"] else f"{mode}/{kernel}"
-        out = subprocess.run(
-            [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--kernel", kernel],
-            capture_output=True,
-            text=True,
-            env=accelerator.worker_env(),
-        )
-        if out.returncode == 0:
-            results[name] = json.loads(out.stdout.strip().splitlines()[-1])
+        failed = _run(args, mode, kernel, founds.get(mode), products, deadline, report)
+        if failed:
+            report["failed"][name] = failed
+            print(f"{name}: {failed}")
         else:
-            print(f"{name}: failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
+            report["results"][name] = report.pop("last")
+        report["seconds"]["quantize"] = {f[0]: t for f, t in products.seconds.items()}
+        report["seconds"]["elapsed"] = args.budget and args.budget - _left(deadline)
+        _save(args, report)
+    _summary(args, report["results"])
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _run(args, mode, kernel, found, products, deadline, report) -> str | None:
+    """One mode's process, its result in ``report["last"]``; None, or why it has none."""
+    if found is not None:
+        why = products.wait(found, _left(deadline))
+        if why:
+            return why
+    if deadline is not None and _left(deadline) < 1:
+        return "not run: out of the budget"
+    command = [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--kernel", kernel]
+    from minifield.supervision import accelerator
+
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(
+            command, capture_output=True, text=True, env=accelerator.worker_env(),
+            timeout=_left(deadline),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"stopped at the budget after {time.perf_counter() - start:.0f} s"
+    if out.returncode != 0:
+        return f"failed (exit {out.returncode}): {out.stderr.strip()[-300:]}"
+    report["last"] = json.loads(out.stdout.strip().splitlines()[-1])
+    report["last"]["seconds"]["process"] = round(time.perf_counter() - start, 3)
+    return None
+
+
+def _save(args, report: dict) -> None:
+    if args.out is not None:
+        atomic.write_json(args.out, report)
+
+
+def _summary(args, results: dict) -> None:
     tokens = args.batch * args.seq
     print(
         f"{args.preset}, batch {args.batch} x seq {args.seq}, LoRA rank {args.rank} on every linear layer"

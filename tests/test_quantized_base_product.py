@@ -58,8 +58,10 @@ SLOW = pytest.mark.slow
     ("scheme", "block"),
     [pytest.param("int8", None, marks=SLOW), pytest.param("int8", 16, marks=SLOW), ("nf4", 64)],
 )
-def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block):
-    # 1100 output channels: two slices of ROWS, the last one short; each stored dtype and layout
+def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block, monkeypatch):
+    # 1100 output channels: two slices of ROWS, the last one short, each quantized 300 channels
+    # at a time (the last one short again); each stored dtype and layout
+    monkeypatch.setattr(quantized_base, "SLICE_VALUES", 300 * 128)
     for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
         for out_in in (True, False):
             stored, w_KxN = _stored(128, 1100, out_in, dtype)
@@ -69,6 +71,20 @@ def test_the_hosts_codes_are_quantize_on_the_cpu_bit_for_bit(scheme, block):
             np.testing.assert_array_equal(ours["codes"], np.asarray(ref.codes))
             np.testing.assert_array_equal(ours["scales"], np.asarray(ref.scales))
             assert ours["scale_scales"] is None and ours["offset"] is None
+
+
+def test_the_nearest_nf4_entry_is_the_binary_searchs_at_every_edge():
+    """The 15 comparisons against NumPy's binary search over the midpoints: at each midpoint,
+    one float32 step either side, the table's ends, zeros, infinities and NaN (last)."""
+    mid = (quantized_base.NF4[1:] + quantized_base.NF4[:-1]) / np.float32(2.0)
+    inf = np.float32(np.inf)
+    edges = np.concatenate([mid, np.nextafter(mid, inf), np.nextafter(mid, -inf)])
+    special = np.array([-1, 1, 0, -0.0, np.inf, -np.inf, np.nan, 1.5, -1.5], np.float32)
+    rng = np.random.default_rng(0).uniform(-1, 1, 10_000).astype(np.float32)
+    values = np.concatenate([edges, special, rng])
+    want = np.searchsorted(mid, values)
+    assert np.array_equal(quantized_base._nearest_nf4(values), want)
+    assert want[np.isnan(values)].tolist() == [15]
 
 
 def test_the_nf4_table_is_the_quantizers():
@@ -291,10 +307,12 @@ def test_two_computations_on_one_base_and_settings_share_one_product(tmp_path):
 
 
 @pytest.mark.slow
-def test_making_the_product_holds_about_one_matrix_on_the_host(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_making_the_product_holds_about_one_matrix_a_thread_on_the_host(tmp_path, threads):
     """Eight memory-mapped 1024 × 2048 float32 matrices (8 MiB each, 64 MiB in all): the
-    traced peak of making their product is under one and a half matrices' bytes (11.6 MB
-    when this was written: one matrix's codes, a 1024-channel slice and its temporaries)."""
+    traced peak of making their product is under one and a half matrices' bytes a thread
+    (one thread: 11.6 MB when this was written, one matrix's codes, a 1024-channel slice and
+    its temporaries), not the eight matrices' codes and more."""
     import tracemalloc
 
     layout, names = {}, []
@@ -313,9 +331,9 @@ def test_making_the_product_holds_about_one_matrix_on_the_host(tmp_path):
     }
     tracemalloc.start()
     try:
-        manifest = quantized_base.make(data, arrays, tmp_path / "product")
+        manifest = quantized_base.make(data, arrays, tmp_path / "product", threads)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert len(manifest["arrays"]) == 16  # codes and scales of each
-    assert peak < 1.5 * 2048 * 1024 * 4, peak
+    assert peak < threads * 1.5 * 2048 * 1024 * 4 < 8 * 2048 * 1024 * 4, peak
