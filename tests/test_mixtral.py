@@ -358,6 +358,7 @@ def base_root(tmp_path):
     return root
 
 
+@pytest.mark.slow  # a worker-shaped update of a Mixtral base (3.4 s); the fast tier keeps the gradients' test
 def test_a_full_fine_tune_of_a_mixtral_base_runs_an_update(base_root, tmp_path):
     from conftest import write_recipe
     from test_base_model import base_recipe
