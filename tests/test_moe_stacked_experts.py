@@ -67,7 +67,8 @@ def stacked_in_trace(params):
 
 
 @pytest.mark.slow  # two compiled forward-and-backward passes
-@pytest.mark.parametrize("shared", [0, 12])
+# with a shared expert beside the stacked ones (Qwen2-MoE's), which covers the case without
+@pytest.mark.parametrize("shared", [12])
 def test_loss_and_gradients_equal_the_per_expert_layouts_to_the_bit(shared):
     cfg = config(shared_expert_d_ff=shared)
     params = llama.init_params(cfg, jax.random.key(3))
