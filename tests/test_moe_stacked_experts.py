@@ -34,36 +34,38 @@ def config(**overrides):
     return llama.LlamaConfig(**{**fields, **overrides})
 
 
-def per_expert(params):
-    """The previous layout: each ``moe/experts`` dict ``{JJ: {w_gate, w_up, w_down}}``."""
+def _each_moe_experts(params, change):
+    """``params`` with every MoE layer's ``experts`` dict replaced by ``change(experts)``."""
 
     def convert(node):
         if not isinstance(node, dict):
             return node
         out = {k: convert(v) for k, v in node.items()}
         if "experts" in node and "router" in node:
-            stacked = node["experts"]
-            E = stacked["w_gate"].shape[0]
-            out["experts"] = {f"{j:02d}": {k: stacked[k][j] for k in LEAVES} for j in range(E)}
+            out["experts"] = change(node["experts"])
         return out
 
     return convert(params)
+
+
+def per_expert(params):
+    """The previous layout: each ``moe/experts`` dict ``{JJ: {w_gate, w_up, w_down}}``."""
+
+    def split(stacked):
+        count = stacked["w_gate"].shape[0]
+        return {f"{j:02d}": {k: stacked[k][j] for k in LEAVES} for j in range(count)}
+
+    return _each_moe_experts(params, split)
 
 
 def stacked_in_trace(params):
     """What the previous ``moe.py`` did inside the step: every expert's matrix stacked."""
 
-    def convert(node):
-        if not isinstance(node, dict):
-            return node
-        out = {k: convert(v) for k, v in node.items()}
-        if "experts" in node and "router" in node:
-            experts = node["experts"]
-            names = sorted(experts, key=int)
-            out["experts"] = {k: jnp.stack([experts[j][k] for j in names]) for k in LEAVES}
-        return out
+    def stack(experts):
+        names = sorted(experts, key=int)
+        return {k: jnp.stack([experts[j][k] for j in names]) for k in LEAVES}
 
-    return convert(params)
+    return _each_moe_experts(params, stack)
 
 
 @pytest.mark.slow  # two compiled forward-and-backward passes
