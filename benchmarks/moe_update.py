@@ -132,6 +132,12 @@ def _runner(loop: dict, ours: bool, batch: dict):
     return run
 
 
+def _ratio(a: float, b: float) -> str:
+    """``a / b`` to three places; "n/a" where ``b`` is 0 (an accelerator's update can take
+    under the process clock's tick of host CPU)."""
+    return f"{a / b:.3f}" if b else "n/a"
+
+
 def measure(args, experts: int, names: tuple, batch: dict) -> dict:
     """Prints each loop's line; returns ``{name: median wall seconds per update}``."""
     load = os.getloadavg()[0]
@@ -151,7 +157,7 @@ def measure(args, experts: int, names: tuple, batch: dict) -> dict:
             ""
             if name == "minifield"
             else f"; minifield / {name} = {med['minifield', 'wall'] / med[name, 'wall']:.3f} "
-            f"wall, {med['minifield', 'cpu'] / med[name, 'cpu']:.3f} CPU"
+            f"wall, {_ratio(med['minifield', 'cpu'], med[name, 'cpu'])} CPU"
         )
         print(
             f"  {name:>18}: {med[name, 'wall']:.3f} s wall, {med[name, 'cpu']:.3f} s CPU per "

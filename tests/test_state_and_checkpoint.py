@@ -499,3 +499,34 @@ def test_a_commit_hashes_every_array_before_the_writer_reaches_it(tmp_path, monk
     assert waited == [True] and sorted(started) == sorted(multi)
     manifest, _ = verify_checkpoint_by_hand(Path(ahead.path))
     assert manifest["state_hash"] == state_hash_by_hand(_flat(state)) == ahead.state_hash
+
+
+def test_a_commit_copies_every_array_to_the_host_before_it_writes(tmp_path, monkeypatch):
+    """The whole state reaches the host before the data file is opened: every array's copy
+    (``to_host``) is taken before the first write (copying beside the hashing and the
+    writes was the slower commit on the chip); the checkpoint is the definition's."""
+    from minifield.state import arrays, checkpoint_data
+
+    state = _every_hashing_path()
+    events = []
+    to_host = checkpoint.to_host
+
+    def copying(leaf):
+        events.append("copy")
+        return to_host(leaf)
+
+    write_all = checkpoint_data._write_all
+
+    def writing(fd, buffers):
+        events.append("write")
+        write_all(fd, buffers)
+
+    monkeypatch.setattr(checkpoint, "to_host", copying)
+    monkeypatch.setattr(checkpoint_data, "_write_all", writing)
+    monkeypatch.setattr(checkpoint_data, "_BATCH", 1 << 20)  # several writes
+    record = checkpoint.save(tmp_path, state, step=1, computation_digest="c" * 64)
+    copies = len(arrays.named_leaves(state))
+    assert events[:copies] == ["copy"] * copies and events.count("copy") == copies
+    assert events.count("write") > 1
+    manifest, _ = verify_checkpoint_by_hand(Path(record.path))
+    assert manifest["state_hash"] == state_hash_by_hand(_flat(state)) == record.state_hash

@@ -12,9 +12,9 @@ a commit of a state already read back times the hashing and the writes alone (15
 - floor (b), ``raw_s``: the same bytes written as one file + fsync + rename + directory fsync
   (the disk's bandwidth, the ceiling for any durable commit);
 - ``sync_s``: ``checkpoint.save`` (copy, hash, write, fsync, manifest, rename), with its CPU;
-- ``held_sync_s``: the same commit again once the state's host copy is held (read back):
-  the commit without the copy, with its CPU, after ``read_back_s`` (the read-back: the two
-  together are a commit that copied everything first, then hashed and wrote);
+- ``held_sync_s``: the same commit of a fresh state once its host copy is held (read back,
+  ``read_back_s``): the commit without the copy, with its CPU (``checkpoint.save`` copies
+  everything first, then hashes and writes: ``sync_s`` is about the two together);
 - ``blocked_s`` / ``durable_s``: ``CheckpointCadence`` in the background, what the loop is
   blocked for and the time to durability.
 
@@ -120,8 +120,10 @@ def _round(directory: Path, state, copy, step: int) -> dict:
     del host
     fresh = _fresh(state, copy)
     wall, cpu = sync_commit(directory / "sync", fresh, step)
-    # the same commit of a state whose host copy JAX already holds: the commit without the
-    # copy, to tell the copy's share of the commit from the hashing's and the writes'
+    # the same commit of a fresh state read back first (JAX then holds its host copy): the
+    # commit without the copy, to tell the copy's share of the commit from the hashing's
+    # and the writes'
+    fresh = _fresh(state, copy)
     read_back, _ = device_to_host(fresh)
     held, held_cpu = sync_commit(directory / "held", fresh, step)
     fresh = _fresh(state, copy)

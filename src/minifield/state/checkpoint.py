@@ -140,7 +140,7 @@ def save(
 ) -> CheckpointRecord:
     """Commit ``state`` as checkpoint ``step``; refuse a step not above the last committed one.
 
-    Array by array, as each reaches the host (:func:`host_copies`), written into the one data
+    Copied to the host (:func:`host_copies`), then array by array written into the one data
     file; each array's version-3 digest (the manifest's integrity check, and what the
     complete-state hash is the hash of) is taken from ``known_digests`` (``{name:
     pieces.array_digest}``, when the caller hashed this very state already: nothing is
@@ -231,16 +231,19 @@ def _write_contents(
     return manifest, encode_manifest(manifest)
 
 
-def host_copies(leaves: list[tuple[str, Any]]):
-    """``(name, host array)`` of ``leaves`` one at a time, every device array's copy to the
-    host started first: on an accelerator the later arrays are still on their way while the
-    earlier ones are hashed and written (on the CPU backend a host copy is a view). An array
-    spread over processes is gathered (``to_host``) in turn, on this thread."""
+def host_copies(leaves: list[tuple[str, Any]]) -> list[tuple[str, np.ndarray]]:
+    """``(name, host array)`` of ``leaves``, every one on the host before the first is hashed
+    or written: every device array's copy started at once, then each awaited. On the chip a
+    commit that copied beside its hashing and writes took as long, with more CPU (the
+    copy's runtime threads and the hashing threads on the same cores; docs/tpu.md,
+    "Checkpoints on the chip"). On the CPU backend a host copy is a view. An array spread over
+    processes is gathered (``to_host``) in turn, on this thread."""
     for _name, leaf in leaves:
         if isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
             leaf.copy_to_host_async()
-    for name, leaf in leaves:
-        yield name, leaf if isinstance(leaf, np.ndarray) else to_host(leaf)
+    return [
+        (name, leaf if isinstance(leaf, np.ndarray) else to_host(leaf)) for name, leaf in leaves
+    ]
 
 
 def encode_manifest(manifest: dict) -> bytes:
