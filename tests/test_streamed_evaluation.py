@@ -73,12 +73,14 @@ def rows_and_prompts(seed=0, n=5, length=48):
 
 
 def figures(evaluator, params, cfg, streamed_weights=None) -> dict:
-    """The loss of :func:`rows_and_prompts`'s rows and the greedy tokens of its prompts."""
+    """The loss of :func:`rows_and_prompts`'s rows and the greedy tokens of its prompts (in
+    two chunks)."""
     rows, prompts = rows_and_prompts()
+    chunks = [prompts[:2], prompts[2:]]  # two buffers of different lengths
     if streamed_weights is None:
-        tokens = model.greedy_generate_batch(params, cfg, prompts, 12, EOS)
+        tokens = [model.greedy_generate_batch(params, cfg, c, 12, EOS) for c in chunks]
     else:
-        tokens = streamed.Streamed(cfg).greedy(streamed_weights, prompts, 12, EOS)
+        tokens = streamed.Streamed(cfg).greedy(streamed_weights, chunks, 12, EOS)
     return {"loss": evaluator.loss(streamed_weights or params, rows)["loss"], "tokens": tokens}
 
 
@@ -160,8 +162,9 @@ def test_no_more_than_one_layers_tensors_are_read_or_held_at_once(tmp_path, monk
     assert files.given == list(range(LAYERS))  # each layer read once for every batch
     assert 0 < files.peak <= max(layer_bytes)  # the last one let go before the next is read
     files.given.clear()
-    tokens = streamed.Streamed(cfg).greedy(files, prompts[:1], 4, None)
-    assert files.given == list(range(LAYERS)) * len(tokens[0])  # once per new token
+    tokens = streamed.Streamed(cfg).greedy(files, [prompts[:1], prompts[1:2]], 4, None)
+    assert len(tokens[0][0]) == len(tokens[1][0]) == 4
+    assert files.given == list(range(LAYERS)) * 4  # once per new token, for both chunks
     assert files.peak <= max(layer_bytes)
 
 

@@ -85,39 +85,63 @@ class Streamed:
         hs = self.hidden(weights, outer, batches)
         return [self._sums(outer, h, b) for h, b in zip(hs, batches, strict=True)]
 
-    def greedy(self, weights: Weights, prompts, max_new_tokens: int, stop) -> list[list[int]]:
-        """:func:`.model.greedy_generate_batch` (no cache: the full forward over the buffer
-        for each new token, the same buffer, choice and stopping rules): the new tokens."""
-        if not prompts:
-            return []
+    def greedy(self, weights: Weights, chunks, max_new_tokens: int, stop) -> list:
+        """:func:`.model.greedy_generate_batch` of each chunk of prompts (no cache: the full
+        forward over a chunk's buffer for each new token; the same buffer, choice and
+        stopping rules): the new tokens, a list per chunk. The chunks advance together, so a
+        layer's weights are read once per new token for all of them."""
         cfg = dataclasses.replace(
             self.cfg, execution=Execution(scan_layers=self.cfg.execution.scan_layers)
         )  # as generate_batch: the XLA attention, no remat or loss chunks
-        length = model.padded_length(max(map(len, prompts)) + max_new_tokens, cfg.max_len)
-        buffer, lengths = model.prompt_buffer(prompts, length)
-        stops = sampling_rules.stop_ids(stop)
-        B, L = buffer.shape
-        rows = np.arange(B)
-        row = Rows(
-            buffer, np.ones((B, L), np.int32), np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
-        )
         forward = Streamed(cfg) if cfg != self.cfg else self
+        stops = sampling_rules.stop_ids(stop)
+        buffers = [_Buffer(chunk, max_new_tokens, cfg.max_len) for chunk in chunks]
         outer = weights.outer()
         choose = sampling_rules.choice(None, jnp.uint32(0))
-        done = lengths >= L
         for step in range(max_new_tokens):
-            if done.all():
+            live = [b for b in buffers if not b.done.all()]
+            if not live:
                 break
-            h = forward.hidden(weights, outer, [row._replace(tokens=buffer)])[0]
-            last = np.minimum(lengths - 1, L - 1)
-            logits = model.head(outer, cfg, h[rows, last][:, None])[:, 0]
-            new = np.asarray(choose(logits, jnp.int32(step)))
-            write, slot = ~done, np.minimum(lengths, L - 1)
-            buffer[rows, slot] = np.where(write, new, buffer[rows, slot])
-            lengths = lengths + write
-            done = done | (write & np.isin(new, stops)) | (lengths >= L)
-        results = []
-        for b, prompt in enumerate(prompts):
-            tokens = buffer[b, len(prompt) : lengths[b]].tolist()
-            results.append(tokens[:-1] if tokens and tokens[-1] in stops else tokens)
-        return results
+            hs = forward.hidden(weights, outer, [b.rows() for b in live])
+            for buffer, h in zip(live, hs, strict=True):
+                last = h[np.arange(len(buffer.lengths)), buffer.last()][:, None]
+                logits = model.head(outer, cfg, last)[:, 0]
+                buffer.write(np.asarray(choose(logits, jnp.int32(step))), stops)
+        return [buffer.new_tokens(stops) for buffer in buffers]
+
+
+class _Buffer:
+    """One chunk's prompts continued in place, as :func:`.model.decode` continues them."""
+
+    def __init__(self, prompts, max_new_tokens: int, max_len: int):
+        self.prompts = [list(prompt) for prompt in prompts]
+        longest = max(map(len, self.prompts), default=1)
+        if longest > max_len:
+            raise ValueError(f"a prompt has {longest} tokens, more than model.max_len={max_len}")
+        length = model.padded_length(longest + max_new_tokens, max_len)
+        self.tokens, self.lengths = model.prompt_buffer(self.prompts, length)
+        self.done = self.lengths >= length
+
+    def rows(self) -> Rows:
+        B, L = self.tokens.shape
+        positions = np.broadcast_to(np.arange(L, dtype=np.int32), (B, L))
+        return Rows(self.tokens, np.ones((B, L), np.int32), positions)
+
+    def last(self) -> np.ndarray:
+        """Each row's last written slot, whose logits choose its next token."""
+        return np.minimum(self.lengths - 1, self.tokens.shape[1] - 1)
+
+    def write(self, new: np.ndarray, stops) -> None:
+        rows, L = np.arange(len(new)), self.tokens.shape[1]
+        write, slot = ~self.done, np.minimum(self.lengths, L - 1)
+        self.tokens[rows, slot] = np.where(write, new, self.tokens[rows, slot])
+        self.lengths = self.lengths + write
+        self.done = self.done | (write & np.isin(new, stops)) | (self.lengths >= L)
+
+    def new_tokens(self, stops) -> list[list[int]]:
+        """Each prompt's continuation, its stop token dropped."""
+        out = []
+        for row, prompt in enumerate(self.prompts):
+            tokens = self.tokens[row, len(prompt) : self.lengths[row]].tolist()
+            out.append(tokens[:-1] if tokens and tokens[-1] in stops else tokens)
+        return out

@@ -89,8 +89,12 @@ class Evaluator:
         """Each batch's ``{"loss_sum", "tokens"}``, in order."""
         return (self._loss(params, batch) for batch in batches)
 
-    def _generate(self, params, prompts, max_new: int) -> list[list[int]]:
-        return self.model.greedy_generate_batch(params, self.cfg, prompts, max_new, self.eos_id)
+    def _generate(self, params, chunks, max_new: int) -> list[list[list[int]]]:
+        """Each chunk's greedy continuations, chunk after chunk."""
+        return [
+            self.model.greedy_generate_batch(params, self.cfg, chunk, max_new, self.eos_id)
+            for chunk in chunks
+        ]
 
     def exact_match(self, params, prompts, prompt_len, answers, answer_len) -> dict[str, float]:
         """Share of prompts whose greedy continuation is the answer followed by ``<eos>``.
@@ -106,11 +110,16 @@ class Evaluator:
             # Nothing generated: no figure (null in JSON) rather than a NaN events cannot hold.
             return {"exact_match": None, "generated": 0}
         max_new = int(np.max(answer_len))
+        starts = range(0, n, self.batch_size)
+        chunks = [
+            [
+                np.asarray(prompts[i, : prompt_len[i]]).tolist()
+                for i in (min(i, n - 1) for i in range(start, start + self.batch_size))
+            ]
+            for start in starts
+        ]
         correct = 0
-        for start in range(0, n, self.batch_size):
-            index = [min(i, n - 1) for i in range(start, start + self.batch_size)]
-            chunk = [np.asarray(prompts[i, : prompt_len[i]]).tolist() for i in index]
-            outputs = self._generate(params, chunk, max_new)
+        for start, outputs in zip(starts, self._generate(params, chunks, max_new), strict=True):
             for i, new in zip(range(start, min(start + self.batch_size, n)), outputs, strict=False):
                 expected = np.asarray(answers[i, : answer_len[i] - 1]).tolist()
                 correct += new == expected
@@ -148,5 +157,6 @@ class StreamedEvaluator(Evaluator):
     def _sums(self, params, batches):
         return self._streamed.loss_sums(params, list(batches))
 
-    def _generate(self, params, prompts, max_new: int) -> list[list[int]]:
-        return self._streamed.greedy(params, prompts, max_new, self.eos_id)
+    def _generate(self, params, chunks, max_new: int) -> list[list[list[int]]]:
+        """Every chunk at once: each layer read once per new token for all of them."""
+        return self._streamed.greedy(params, chunks, max_new, self.eos_id)
