@@ -54,7 +54,8 @@ import qlora_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("prepare", "compile", "train", "evaluate", "export", "publish", "activate")
-#: stages whose process opens the device (the others are parents: they keep off it)
+#: stages whose process opens the device (the others keep off it: the parents, and activation,
+#: on the CPU as `minifield store activate` runs it)
 ON_DEVICE = ("compile", "evaluate", "export", "publish")
 
 

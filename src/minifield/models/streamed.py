@@ -11,8 +11,8 @@ What gives the weights is a :class:`Weights`: :class:`minifield.hf.directory.Lay
 reads an export's, a part at a time, from its memory-mapped safetensors files.
 The parameters outside the layers (embedding, final norm, head) are held for the whole run;
 a layer's only while it runs. Greedy generation (:meth:`Streamed.greedy`) runs the full
-forward over the buffer for each new token, as :func:`.model.decode` without a cache does:
-every layer's weights once per token.
+forward over each buffer for each new token, as :func:`.model.decode` without a cache does,
+every buffer at once: every layer's weights once per token.
 """
 
 from __future__ import annotations
