@@ -19,12 +19,18 @@ each in a process of its own, run by the pipeline's own functions:
 - ``export``: the selected checkpoint's export (``program.export``: the merged weights made on
   the host tensor by tensor, the PEFT adapter);
 - ``publish``: ``store.publish_computation`` into a store under ``--dir`` (no recovery proof:
-  the store records why). Activation, whose gate re-evaluates the export in FP32 (32 GB at
-  8B), is not a stage here.
+  the store records why);
+- ``activate``: the store's activation gate on the published artifact, on the CPU as
+  ``minifield store activate`` runs it; its re-evaluation reads the export a layer at a time
+  (``training.evaluator.StreamedEvaluator``, the path an 8B export takes, taken here at every
+  preset). Without a recovery proof the gate refuses the artifact for that alone: any other
+  reason fails the stage.
 
 Each stage's record: its exit, seconds, the process's peak resident memory (its children's
 too), and, where that process opened the device, the device's ``peak_bytes_in_use``. A stage
-that fails is recorded with its error's last lines, and the stages after it are not run::
+that fails is recorded with its error's last lines, and the stages after it are not run;
+``--from STAGE`` starts at a stage whose predecessors' files ``--dir`` holds (a call of its
+own for a stage that needs one)::
 
     python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --dir /tmp/q8 \\
         --out $OUT/qlora-pipeline.json                          # the chip
@@ -47,8 +53,9 @@ import _random_base  # noqa: E402
 import qlora_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("prepare", "compile", "train", "evaluate", "export", "publish")
-#: stages whose process opens the device (the others are parents: they keep off it)
+STAGES = ("prepare", "compile", "train", "evaluate", "export", "publish", "activate")
+#: stages whose process opens the device (the others keep off it: the parents, and activation,
+#: on the CPU as `minifield store activate` runs it)
 ON_DEVICE = ("compile", "evaluate", "export", "publish")
 
 
@@ -60,6 +67,13 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dir", type=Path, required=True, help="inputs, results, the store")
     parser.add_argument("--out", type=Path, help="the JSON record (the parent's)")
+    parser.add_argument(
+        "--from",
+        dest="first",
+        choices=STAGES,
+        default=STAGES[0],
+        help="the first stage to run (--dir holds the earlier ones' files)",
+    )
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one child's
     return parser.parse_args(argv)
 
@@ -158,6 +172,29 @@ def stage_export(p) -> dict:
     return {"export_bytes": sum(f.stat().st_size for f in p["export"].rglob("*") if f.is_file())}
 
 
+def stage_activate(p) -> dict:
+    """The activation gate on the published artifact (``Store.activate``: every check, the
+    re-evaluation a layer at a time); refused for its missing recovery proof alone."""
+    from minifield import store
+    from minifield.strategies.lm import export_format
+    from minifield.training import evaluator
+
+    # the path an 8B export takes (its FP32 parameters are 32 GB), at every preset
+    evaluator.STREAM_ABOVE_BYTES = 0
+    content_id = json.loads(p["publication"].read_text())["content_id"]
+    where = store.Store(p["store"])
+    try:
+        report = where.activate(content_id)
+        reasons, reevaluation = [], report["reevaluation"]
+    except store.Refused as exc:
+        reasons, reevaluation = exc.reasons, exc.reevaluation
+    other = [r for r in reasons if not r.startswith("missing provenance: recovery_proof")]
+    if other or reevaluation is None:
+        raise SystemExit("activation's gate refused: " + "; ".join(other or reasons))
+    return {"reevaluation": reevaluation, "refused_for": reasons,
+            "streamed": export_format.streams(where.artifact_dir(content_id))}  # fmt: skip
+
+
 def run_stage(args) -> dict:
     from minifield.pipeline import evaluation, preparation, training
 
@@ -177,6 +214,8 @@ def run_stage(args) -> dict:
         return {"selected_dev": metrics["selected_dev"], "test": metrics["test"]}
     if args.stage == "export":
         return stage_export(p)
+    if args.stage == "activate":
+        return stage_activate(p)
     from minifield import store
 
     record = store.publish_computation(
@@ -215,7 +254,7 @@ def main(argv=None) -> int:
     write_inputs(args)
     record = {"preset": args.preset, "seq": args.seq, "steps": args.steps, "rank": args.rank,
               "inputs_seconds": round(time.monotonic() - started, 2), "stages": {}}  # fmt: skip
-    for stage in STAGES:
+    for stage in STAGES[STAGES.index(args.first) :]:
         env = accelerator.worker_env() if stage in ON_DEVICE else None
         command = [sys.executable, __file__, *(argv or sys.argv[1:]), "--stage", stage]
         began = time.monotonic()

@@ -1,5 +1,6 @@
 """``benchmarks/qlora_pipeline.py`` on this CPU at a tiny shape: the NF4 LoRA run through
-prepare, compile, train, evaluate, export and publish, each stage's record in the JSON; the
+prepare, compile, train, evaluate, export, publish and activate (the gate, its re-evaluation a
+layer at a time), each stage's record in the JSON; the
 export it writes is the merged model (``W + scale * B @ A`` from the base and adapter files,
 float64 NumPy, to BF16 rounding) and the store holds it."""
 
@@ -10,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, export_evaluated_as_started
 from safetensors.numpy import load_file
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -37,7 +38,24 @@ def test_the_pipeline_runs_every_stage_and_records_it(tmp_path):
     run = tmp_path / "run"
     publication = json.loads((run / "publication.json").read_text())
     assert publication["content_id"] == stages["publish"]["content_id"]
-    assert (run / "store" / "artifacts" / publication["content_id"]).is_dir()
+    artifact = run / "store" / "artifacts" / publication["content_id"]
+    assert artifact.is_dir()
+    # activation's gate ran every check: the missing recovery proof is its only refusal, and
+    # it re-evaluated the published export a layer at a time (the 8B path)
+    activate = stages["activate"]
+    assert activate["streamed"] is True
+    assert [r.split(" (")[0] for r in activate["refused_for"]] == [
+        "missing provenance: recovery_proof"
+    ]
+    assert not (run / "store" / "active.json").exists()  # refused: no pointer written
+    gate = activate["reevaluation"]
+    assert np.isfinite(gate["dev_loss"]) and gate["dev_generated"] == 2
+    # the whole-model re-evaluation of the same files (what a small export gets): BF16
+    # compute, so within BF16's unit roundoff, not bit for bit (the exact identity, and why,
+    # in test_streamed_evaluation.py)
+    whole = export_evaluated_as_started(run / "validated.json", artifact)
+    np.testing.assert_allclose(gate["dev_loss"], whole["dev_loss"], rtol=2**-9)
+    assert gate["dev_exact_match"] == whole["dev_exact_match"]
     # the selected export: the random base's tensors plus scale * B @ A where adapted
     export = run / "eval" / "selected"
     adapter = load_file(str(export / "adapter" / "adapter_model.safetensors"))

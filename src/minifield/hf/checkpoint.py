@@ -163,13 +163,24 @@ def _checked(directory: Path, max_len, compute_dtype):
     return cfg, expected, files, by_file, duplicate_head
 
 
-def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
+def _read_all(directory, max_len, compute_dtype, read, parts, only=None) -> tuple:
     """``(cfg, params, expected)``: every tensor through ``read(source, name, start, end,
-    shape, kind, transpose)``, cut into its parameters by ``parts(cfg, path, value)``."""
+    shape, kind, transpose)``, cut into its parameters by ``parts(cfg, path, value)``;
+    ``only``: just the tensors whose (first) internal path it accepts (every check of the
+    headers as ever)."""
     from safetensors import safe_open
 
     directory = Path(directory)
     cfg, expected, files, by_file, duplicate_head = _checked(directory, max_len, compute_dtype)
+    if only is not None:
+        by_file = {
+            path: [n for n in names if only(_first_path(expected[n][0]))]
+            for path, names in by_file.items()
+        }
+        by_file = {path: names for path, names in by_file.items() if names}
+        duplicate_head = duplicate_head and only(
+            _first_path(expected["model.embed_tokens.weight"][0])
+        )
     params: dict = {}
     for path, names in by_file.items():
         offsets = data_offsets(path)
@@ -204,8 +215,15 @@ def _read_all(directory, max_len, compute_dtype, read, parts) -> tuple:
     return cfg, params, expected
 
 
-def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16"):
-    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory.
+def _first_path(internal) -> str:
+    """A tensor's internal path (a fused one's first part: its parts share their layer)."""
+    return internal if isinstance(internal, str) else internal[0]
+
+
+def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloat16", only=None):
+    """``(LlamaConfig, FP32 params)`` from an HF checkpoint directory; ``only``: a predicate
+    on internal parameter paths (``"blocks/03/attn/wq"``), just those parameters read (a
+    layer at a time: :class:`minifield.hf.directory.LayerFiles`).
 
     Raises :class:`CheckpointError` naming the file and tensor for a pickle file, an
     unsupported config, a missing or unexpected tensor, a shape disagreeing with
@@ -225,7 +243,7 @@ def load(directory: str | Path, max_len: int | None = None, compute_dtype="bfloa
     def parts(cfg, internal, value):  # an expert's tensor stays on the host to be stacked
         return [(p, v if expert_slot(p) else placed(v)) for p, v in split(cfg, internal, value)]
 
-    cfg, params, _ = _read_all(directory, max_len, compute_dtype, read, parts)
+    cfg, params, _ = _read_all(directory, max_len, compute_dtype, read, parts, only)
     stacked = lambda v: placed(v) if isinstance(v, np.ndarray) else v  # noqa: E731
     return cfg, jax.tree_util.tree_map(stacked, params)
 

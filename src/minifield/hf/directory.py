@@ -173,9 +173,11 @@ def is_weights_file(name: str) -> bool:
     return "/" not in name and name.endswith(".safetensors")
 
 
-def load(directory: Path, config: dict):
+def load(directory: Path, config: dict, streamed: bool = False):
     """``(cfg, FP32 params)`` of an HF export whose ``model.json`` config is ``config``; the
-    ``config.json`` architecture must be the one the export recorded.
+    ``config.json`` architecture must be the one the export recorded. ``streamed``: the
+    params are a :class:`LayerFiles`, nothing read but the headers (each tensor's shape and
+    dtype checked) until a layer is asked for.
 
     The weights files' sha256 (:func:`is_weights_file`, against ``model.json``) is computed
     while they are read, on a thread of its own (hashing releases the GIL), and checked before
@@ -187,10 +189,13 @@ def load(directory: Path, config: dict):
     from ..models.model import config_from_dict
 
     recorded = config_from_dict(config["model"])
+    only = (lambda path: False) if streamed else None  # noqa: E731 - the headers alone
     with ThreadPoolExecutor(1) as pool:
         verified = pool.submit(export.verify_files, directory, is_weights_file)
         try:
-            cfg, params = hf_checkpoint.load(directory, recorded.max_len, recorded.compute_dtype)
+            cfg, params = hf_checkpoint.load(
+                directory, recorded.max_len, recorded.compute_dtype, only=only
+            )
         except Exception as exc:  # a damaged header is the safetensors library's error
             verified.result()  # a file that is not the one recorded is named as such first
             if isinstance(exc, hf_checkpoint.CheckpointError):
@@ -204,4 +209,33 @@ def load(directory: Path, config: dict):
             f"{directory / hf_checkpoint.CONFIG_FILE}: describes {cfg}, but "
             f"{directory / export.MODEL_FILE} records {recorded}"
         )
-    return cfg, params
+    return cfg, LayerFiles(directory, cfg) if streamed else params
+
+
+class LayerFiles:
+    """An HF export's FP32 parameters read a part at a time from its memory-mapped
+    safetensors files (:class:`minifield.models.streamed.Weights`): every parameter outside
+    the layers, or one layer's; each read anew when asked (the caller lets go of the last).
+    The files were verified when :func:`load` opened them."""
+
+    def __init__(self, directory: Path, cfg):
+        self.directory, self.cfg = Path(directory), cfg
+
+    def _read(self, only) -> dict:
+        try:
+            return hf_checkpoint.load(
+                self.directory, self.cfg.max_len, self.cfg.compute_dtype, only=only
+            )[1]
+        except hf_checkpoint.CheckpointError as exc:
+            raise export.ExportError(str(exc)) from exc
+
+    def outer(self) -> dict:
+        """The embedding, the final norm and the head."""
+        params = self._read(lambda path: not path.startswith("blocks/"))
+        params.pop("blocks", None)
+        return params
+
+    def layer(self, index: int) -> dict:
+        """Layer ``index``'s parameters (one block)."""
+        name = f"{index:02d}"
+        return self._read(lambda path: path.startswith(f"blocks/{name}/"))["blocks"][name]

@@ -155,25 +155,40 @@ def _attention(cfg: ModelConfig, x_BxTxD, p, mask, positions_BxT):
 def hidden(params, cfg: ModelConfig, tokens_BxT, segments_BxT, positions_BxT):
     """The residual stream after the last block ``[B, T, D]`` (compute dtype, before the
     final norm); :func:`head` turns it into logits."""
+    h_BxTxD = embed(params, cfg, tokens_BxT, positions_BxT)
+    mask = attention.packed_mask(cfg, segments_BxT)
+
+    def block_fn(block, h_BxTxD):
+        return _block(cfg, block, h_BxTxD, mask, positions_BxT)
+
+    names = layer_stack.layer_names(params["blocks"])
+    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
+
+
+def embed(params, cfg: ModelConfig, tokens_BxT, positions_BxT):
+    """The residual stream before the first block (:func:`.model.embed`)."""
     # Gather from the FP32 tables and round afterwards, so the embedding gradient is
     # scatter-added in FP32.
     h_BxTxD = params["embed"]["tokens"][tokens_BxT]
     if cfg.positions == "learned":
         h_BxTxD = h_BxTxD + params["embed"]["positions"][positions_BxT]
-    h_BxTxD = h_BxTxD.astype(cfg.dtype)
-    mask = attention.packed_mask(cfg, segments_BxT)
+    return h_BxTxD.astype(cfg.dtype)
 
-    def block_fn(block, h_BxTxD):
-        a_BxTxD = _layer_norm(h_BxTxD, block["ln1"], cfg.dtype)
-        # h + (f(x)) keeps the residual add outside the projection's fusion (faster on CPU).
-        h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
-        a_BxTxD = _layer_norm(h_BxTxD, block["ln2"], cfg.dtype)
-        m = block["mlp"]
-        u_BxTxF = jax.nn.gelu(_dense(cfg, a_BxTxD, m["w1"], m["b1"]))
-        return h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
 
-    names = layer_stack.layer_names(params["blocks"])
-    return layer_stack.run_blocks(cfg.execution, params["blocks"], names, block_fn, h_BxTxD)
+def _block(cfg: ModelConfig, block, h_BxTxD, mask, positions_BxT):
+    a_BxTxD = _layer_norm(h_BxTxD, block["ln1"], cfg.dtype)
+    # h + (f(x)) keeps the residual add outside the projection's fusion (faster on CPU).
+    h_BxTxD = h_BxTxD + _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT)
+    a_BxTxD = _layer_norm(h_BxTxD, block["ln2"], cfg.dtype)
+    m = block["mlp"]
+    u_BxTxF = jax.nn.gelu(_dense(cfg, a_BxTxD, m["w1"], m["b1"]))
+    return h_BxTxD + _dense(cfg, u_BxTxF, m["w2"], m["b2"])
+
+
+def layer(block, cfg: ModelConfig, window, h_BxTxD, segments_BxT, positions_BxT):
+    """One block alone (:func:`.model.layer`), as :func:`hidden` runs it."""
+    del window  # no sliding windows here
+    return _block(cfg, block, h_BxTxD, attention.packed_mask(cfg, segments_BxT), positions_BxT)
 
 
 def head(params, cfg: ModelConfig, h_BxTxD):

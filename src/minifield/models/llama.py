@@ -242,12 +242,7 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT, ro
 
     def block_fn(mask, window):
         def fn(block, h_BxTxD):
-            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
-            out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
-            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
-            a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
-            out_BxTxD, logits_NxE = _mlp(cfg, a_BxTxD, block)
-            h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "mlp_post_norm")
+            h_BxTxD, logits_NxE = _block(cfg, block, h_BxTxD, mask, positions_BxT, window)
             return h_BxTxD, logits_NxE if router else None  # (run_blocks collects them)
 
         return fn
@@ -266,6 +261,30 @@ def hidden(params, cfg: LlamaConfig, tokens_BxT, segments_BxT, positions_BxT, ro
         )
         logits += more
     return (h_BxTxD, jnp.concatenate(logits)) if router else h_BxTxD
+
+
+def _block(cfg: LlamaConfig, block, h_BxTxD, mask, positions_BxT, window):
+    """One decoder layer: the residual stream after it and its router logits (or None)."""
+    a_BxTxD = _rms_norm(cfg, h_BxTxD, block["attn_norm"])
+    out_BxTxD = _attention(cfg, a_BxTxD, block["attn"], mask, positions_BxT, window)
+    h_BxTxD = _add(cfg, h_BxTxD, out_BxTxD, block, "attn_post_norm")
+    a_BxTxD = _rms_norm(cfg, h_BxTxD, block["mlp_norm"])
+    out_BxTxD, logits_NxE = _mlp(cfg, a_BxTxD, block)
+    return _add(cfg, h_BxTxD, out_BxTxD, block, "mlp_post_norm"), logits_NxE
+
+
+def embed(params, cfg: LlamaConfig, tokens_BxT, positions_BxT):
+    """The residual stream before the first layer (:func:`.model.embed`)."""
+    del positions_BxT  # rotary: the layers take the positions
+    return _embed(params, cfg, tokens_BxT)
+
+
+def layer(block, cfg: LlamaConfig, window, h_BxTxD, segments_BxT, positions_BxT):
+    """One layer alone, its sliding ``window`` (``cfg.layer_window``; :func:`.model.layer`):
+    the same arithmetic as :func:`hidden`'s layer, its mask built as :func:`hidden` builds it."""
+    mask = attention.packed_mask(cfg, segments_BxT)
+    mask = attention.window_mask(mask, positions_BxT, positions_BxT, window)
+    return _block(cfg, block, h_BxTxD, mask, positions_BxT, window)[0]
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:

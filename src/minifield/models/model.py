@@ -73,6 +73,24 @@ def hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT):
     return _family(cfg).hidden(params, cfg, tokens_BxT, segments_BxT, positions_BxT)
 
 
+def embed(params, cfg, tokens_BxT, positions_BxT):
+    """The residual stream before the first layer ``[B, T, D]`` (compute dtype): what
+    :func:`hidden` runs its layers over."""
+    return _family(cfg).embed(params, cfg, tokens_BxT, positions_BxT)
+
+
+def layer_window(cfg, index: int):
+    """Layer ``index``'s sliding window (None: the whole segment), what :func:`layer` takes."""
+    return cfg.layer_window(index) if cfg.architecture == llama.ARCHITECTURE else None
+
+
+def layer(block, cfg, window, h_BxTxD, segments_BxT, positions_BxT):
+    """One layer of :func:`hidden` alone, its parameters ``block`` and its ``window``
+    (:func:`layer_window`): the same arithmetic, so running :func:`embed` and then every layer
+    in order is :func:`hidden` (:mod:`.streamed` runs it so, a layer's weights at a time)."""
+    return _family(cfg).layer(block, cfg, window, h_BxTxD, segments_BxT, positions_BxT)
+
+
 def head(params, cfg, h_BxTxD):
     """FP32 logits ``[B, T, V]`` from :func:`hidden`'s states (final norm, output projection)."""
     return _family(cfg).head(params, cfg, h_BxTxD)
@@ -111,14 +129,18 @@ def token_losses(params, cfg: ModelConfig, batch):
 def _token_losses(params, cfg, batch, router: bool):
     """:func:`token_losses` and, with ``router``, the sparse layers' router logits
     ``[L, B * T, E]`` (else None)."""
-    tokens_BxT = batch.tokens
-    args = (params, cfg, tokens_BxT, batch.segments, batch.positions)
+    args = (params, cfg, batch.tokens, batch.segments, batch.positions)
     h_BxTxD, logits_LxNxE = llama.hidden(*args, router=True) if router else (hidden(*args), None)
+    return hidden_losses(params, cfg, h_BxTxD, batch.tokens), logits_LxNxE
+
+
+def hidden_losses(params, cfg, h_BxTxD, tokens_BxT):
+    """:func:`token_losses` from :func:`hidden`'s states (the head's parameters suffice)."""
     targets_BxT = jnp.pad(tokens_BxT[:, 1:], ((0, 0), (0, 1)))
     logp_BxT, _ = target_logps(
         functools.partial(head, params, cfg), h_BxTxD, targets_BxT, cfg.execution.loss_chunk_tokens
     )
-    return -logp_BxT, logits_LxNxE
+    return -logp_BxT
 
 
 def loss_fn(params, cfg: ModelConfig, batch):

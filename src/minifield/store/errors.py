@@ -8,11 +8,13 @@ class StoreError(Exception):
 
 
 class Refused(StoreError):
-    """Publication or activation refused; ``reasons`` names every failed check; exit 1."""
+    """Publication or activation refused; ``reasons`` names every failed check; exit 1.
+    ``reevaluation``: what the gate's re-evaluation measured, where it ran (else None)."""
 
-    def __init__(self, content_id: str | None, reasons: list[str]):
+    def __init__(self, content_id: str | None, reasons: list[str], reevaluation=None):
         self.content_id = content_id
         self.reasons = reasons
+        self.reevaluation = reevaluation
         what = f"refused {content_id}" if content_id else "refused"
         super().__init__(f"{what}: " + "; ".join(reasons) if reasons else what)
 

@@ -60,7 +60,7 @@ def check(directory: Path, content_id: str) -> dict:
         *harness_reasons(manifest, recipe),
     ]
     if reasons:
-        raise Refused(content_id, reasons)
+        raise Refused(content_id, reasons, evaluation)
     return {
         "content_id": content_id,
         "passed": True,

@@ -2,8 +2,9 @@
 exact-match of the split's first prompts.
 
 The same evaluator serves the training program (periodic and final evaluation, on the
-data-parallel mesh when there is one) and the store's re-evaluation of an export. Importing
-this module does not import JAX (the strategy imports it to validate recipes).
+data-parallel mesh when there is one) and, a layer at a time (:class:`StreamedEvaluator`),
+the store's re-evaluation of an export. Importing this module does not import JAX (the
+strategy imports it to validate recipes).
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import numpy as np
 
 from ..data import packing
 from ..data.packing import Rows
+
+#: an export whose FP32 parameters exceed this many bytes is re-evaluated by the store a layer
+#: at a time (:class:`StreamedEvaluator`); a smaller one whole, as it always was: in BF16 the
+#: two differ in the last bits (XLA's CPU keeps the residual stream in FP32 within one program,
+#: a layer's program rounds it to BF16 between layers; docs/store-and-capacity.md)
+STREAM_ABOVE_BYTES = 8 << 30
 
 
 def split_arrays(split: str, encoded, recipe: dict, pad_id: int) -> tuple[dict, dict]:
@@ -55,10 +62,20 @@ class Evaluator:
         """Mean loss per trained token and perplexity, summed over every row (padding batches
         repeat row 0 with an all-zero loss mask, so they add nothing)."""
         from ..state.arrays import to_host
+
+        total, count = 0.0, 0.0
+        for out in self._sums(params, self._batches(rows)):
+            # to_host: the replicated sums of a mesh spanning processes are read locally
+            total += float(to_host(out["loss_sum"]))
+            count += float(to_host(out["tokens"]))
+        mean = total / count if count else float("nan")
+        return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else float("inf")}
+
+    def _batches(self, rows: Rows):
+        """The rows in batches of the evaluated size, the last padded (see :meth:`loss`)."""
         from .data_parallel import place
 
         n = rows.tokens.shape[0]
-        total, count = 0.0, 0.0
         for start in range(0, n, self._loss_rows):
             index = np.arange(start, start + self._loss_rows)
             valid = index < n
@@ -66,12 +83,18 @@ class Evaluator:
             batch = batch._replace(loss_mask=batch.loss_mask * valid[:, None].astype(np.float32))
             if self._rows_sharding is not None:
                 batch = Rows(*(place(v, self._rows_sharding) for v in batch))
-            out = self._loss(params, batch)
-            # to_host: the replicated sums of a mesh spanning processes are read locally
-            total += float(to_host(out["loss_sum"]))
-            count += float(to_host(out["tokens"]))
-        mean = total / count if count else float("nan")
-        return {"loss": mean, "perplexity": math.exp(mean) if mean < 700 else float("inf")}
+            yield batch
+
+    def _sums(self, params, batches):
+        """Each batch's ``{"loss_sum", "tokens"}``, in order."""
+        return (self._loss(params, batch) for batch in batches)
+
+    def _generate(self, params, chunks, max_new: int) -> list[list[list[int]]]:
+        """Each chunk's greedy continuations, chunk after chunk."""
+        return [
+            self.model.greedy_generate_batch(params, self.cfg, chunk, max_new, self.eos_id)
+            for chunk in chunks
+        ]
 
     def exact_match(self, params, prompts, prompt_len, answers, answer_len) -> dict[str, float]:
         """Share of prompts whose greedy continuation is the answer followed by ``<eos>``.
@@ -87,13 +110,16 @@ class Evaluator:
             # Nothing generated: no figure (null in JSON) rather than a NaN events cannot hold.
             return {"exact_match": None, "generated": 0}
         max_new = int(np.max(answer_len))
+        starts = range(0, n, self.batch_size)
+        chunks = [
+            [
+                np.asarray(prompts[i, : prompt_len[i]]).tolist()
+                for i in (min(i, n - 1) for i in range(start, start + self.batch_size))
+            ]
+            for start in starts
+        ]
         correct = 0
-        for start in range(0, n, self.batch_size):
-            index = [min(i, n - 1) for i in range(start, start + self.batch_size)]
-            chunk = [np.asarray(prompts[i, : prompt_len[i]]).tolist() for i in index]
-            outputs = self.model.greedy_generate_batch(
-                params, self.cfg, chunk, max_new, self.eos_id
-            )
+        for start, outputs in zip(starts, self._generate(params, chunks, max_new), strict=True):
             for i, new in zip(range(start, min(start + self.batch_size, n)), outputs, strict=False):
                 expected = np.asarray(answers[i, : answer_len[i] - 1]).tolist()
                 correct += new == expected
@@ -114,3 +140,23 @@ class Evaluator:
             f"{split}_exact_match": match["exact_match"],
             f"{split}_generated": match["generated"],
         }
+
+
+class StreamedEvaluator(Evaluator):
+    """:class:`Evaluator` of a model given a layer at a time (``params``: a
+    :class:`minifield.models.streamed.Weights`): the same batches, sums and exact-match
+    rule, each layer's weights held only while it runs over every batch (the store's
+    re-evaluation of an export, in memory bounded by a layer: docs/store-and-capacity.md)."""
+
+    def __init__(self, cfg, batch_size: int, eos_id: int, pad_id: int):
+        from ..models import streamed
+
+        super().__init__(cfg, batch_size, eos_id, pad_id)
+        self._streamed = streamed.Streamed(cfg)
+
+    def _sums(self, params, batches):
+        return self._streamed.loss_sums(params, list(batches))
+
+    def _generate(self, params, chunks, max_new: int) -> list[list[list[int]]]:
+        """Every chunk at once: each layer read once per new token for all of them."""
+        return self._streamed.greedy(params, chunks, max_new, self.eos_id)

@@ -188,11 +188,32 @@ def _write_adapter(directory: Path, recipe: dict, cfg, lora_settings, adapters, 
     }
 
 
+def streams(directory: Path) -> bool:
+    """Whether the store re-evaluates this export a layer at a time: an HF export whose FP32
+    parameters exceed :data:`minifield.training.evaluator.STREAM_ABOVE_BYTES` (decided by
+    the model alone, so every host judges an artifact alike)."""
+    from ...hf.checkpoint import fp32_bytes
+    from ...models.llama_config import LlamaConfig
+    from ...training.evaluator import STREAM_ABOVE_BYTES
+
+    try:
+        config = atomic.read_json(Path(directory) / export.MODEL_FILE)["config"]
+        if "weights" not in config:
+            return False  # the GPT model's .npy export: small, read whole
+        cfg = LlamaConfig.from_dict(config["model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # ExportedModel names what is wrong with the export
+    return fp32_bytes(cfg) > STREAM_ABOVE_BYTES
+
+
 class ExportedModel(loaded_model.LoadedModel):
     """An exported packed-sft model: parameters, config and tokenizer, ready to generate
     (prompts in the layout its run trained, see :meth:`prompt_ids`)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, streamed: bool = False):
+        """``streamed`` (an HF export): ``params`` is a
+        :class:`minifield.hf.directory.LayerFiles`, the weights read a layer at a time when
+        asked (the files verified now), for :class:`minifield.training.evaluator.StreamedEvaluator`."""
         import jax
 
         from ...hf import directory as hf_directory
@@ -221,7 +242,7 @@ class ExportedModel(loaded_model.LoadedModel):
             tokenizer = tokenizers.from_config(self.config["tokenizer"], directory)
         hf_config = None
         if "weights" in self.config:  # a HuggingFace directory (Llama architecture)
-            cfg, params = hf_directory.load(directory, self.config)
+            cfg, params = hf_directory.load(directory, self.config, streamed)
             hf_config = loaded_model.read_config(directory)
         else:
             export.verify_files(directory, hf_directory.is_weights_file)  # any listed

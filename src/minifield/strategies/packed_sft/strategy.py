@@ -224,17 +224,16 @@ class PackedSFT(LMStrategy):
 
     def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
         """DEV metrics from the export alone: its weights, its tokenizer and its copy of the
-        DEV split, which must be the file this recipe pins as ``dev``."""
-        model = export_format.ExportedModel(Path(export_dir))
+        DEV split, which must be the file this recipe pins as ``dev``; a large export a layer
+        at a time (:func:`export_format.streams`, :class:`evaluator.StreamedEvaluator`)."""
+        streamed = export_format.streams(Path(export_dir))
+        model = export_format.ExportedModel(Path(export_dir), streamed=streamed)
         pinned = {i["name"]: i["sha256"] for i in recipe.get("inputs", [])}.get("dev")
         encoded = model.encode_dev(pinned, *encoding.recipe_reading(recipe, "dev"))
         arrays, _ = evaluator.split_arrays("dev", encoded, recipe, model.tokenizer.pad_id)
-        dev = evaluator.Evaluator(
-            model.cfg,
-            recipe["evaluation"]["batch_size"],
-            model.tokenizer.eos_id,
-            model.tokenizer.pad_id,
-        )
+        kind = evaluator.StreamedEvaluator if streamed else evaluator.Evaluator
+        tokens = model.tokenizer
+        dev = kind(model.cfg, recipe["evaluation"]["batch_size"], tokens.eos_id, tokens.pad_id)
         return dev.split_metrics(model.params, arrays, "dev")
 
 
