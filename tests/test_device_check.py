@@ -607,3 +607,15 @@ def test_the_step_sections_kernel_on_a_tpu_is_a_tpu_recipes_default():
     assert asked.attention == "xla" and asked.passthrough[at + 1] == "xla"
     assert parse_args(["--backend", "gpu"]).attention == "pallas"
     assert parse_args(["--tiny"]).attention == "xla"
+
+
+def test_ours_only_reaches_every_sections_process():
+    """``--ours-only`` (a sweep of our own settings) is passed to each section's process, whose
+    own arguments then read it; unasked, the sections compare with the minimal loop."""
+    from device_check.cli import parse_args
+
+    args = parse_args(["--backend", "tpu", "--ours-only", "--remat", "save_attention"])
+    section = parse_args([*args.passthrough, "--section", "step_350m"])
+    assert section.ours_only and section.remat == "save_attention"
+    plain = parse_args(["--backend", "tpu"])
+    assert not parse_args([*plain.passthrough, "--section", "step_350m"]).ours_only

@@ -15,6 +15,11 @@ a commit of a state already read back times the hashing and the writes alone (15
 - ``held_sync_s``: the same commit of a fresh state once its host copy is held (read back,
   ``read_back_s``): the commit without the copy, with its CPU (``checkpoint.save`` copies
   everything first, then hashes and writes: ``sync_s`` is about the two together);
+- ``hot_sync_s``: that held copy committed once more (a host copy one commit has been
+  through), and ``paused_sync_s``: a fresh state read back, then committed after
+  :data:`PAUSE_S` seconds: on the chip a held copy one commit had been through committed in
+  half the time of a fresh one (docs/tpu.md), and these tell whether it is the time since the
+  copy or the copy's memory;
 - ``blocked_s`` / ``durable_s``: ``CheckpointCadence`` in the background, what the loop is
   blocked for and the time to durability.
 
@@ -37,7 +42,10 @@ from device_check.common import log
 from device_check.settings import MAX_STEPS, execution, llama_config, model_shape, seq_len
 
 ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
-        "read_back_s", "held_sync_s", "held_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
+        "read_back_s", "held_sync_s", "held_sync_cpu_s", "hot_sync_s", "hot_sync_cpu_s",
+        "paused_sync_s", "paused_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
+#: seconds between a fresh state's read-back and the commit of its held copy (paused_sync_s)
+PAUSE_S = 2.0
 
 
 def _fresh(state, copy):
@@ -126,11 +134,20 @@ def _round(directory: Path, state, copy, step: int) -> dict:
     fresh = _fresh(state, copy)
     read_back, _ = device_to_host(fresh)
     held, held_cpu = sync_commit(directory / "held", fresh, step)
+    # the same host copy committed once more: a host copy one commit has been through
+    hot, hot_cpu = sync_commit(directory / "hot", fresh, step)
+    # a fresh host copy committed after a pause: whether what slows the held commit is the
+    # time since the device->host copy (its runtime threads still busy) or the copy itself
+    fresh = _fresh(state, copy)
+    device_to_host(fresh)
+    time.sleep(PAUSE_S)
+    paused, paused_cpu = sync_commit(directory / "paused", fresh, step)
     fresh = _fresh(state, copy)
     blocked, durable = async_commit(directory / "async", fresh, step)
     return {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu, "raw_s": floor_b,
             "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "held_sync_s": held,
-            "held_sync_cpu_s": held_cpu, "read_back_s": read_back,
+            "held_sync_cpu_s": held_cpu, "read_back_s": read_back, "hot_sync_s": hot,
+            "hot_sync_cpu_s": hot_cpu, "paused_sync_s": paused, "paused_sync_cpu_s": paused_cpu,
             "blocked_s": blocked, "durable_s": durable}  # fmt: skip
 
 
@@ -203,7 +220,11 @@ def run(args, context, report) -> dict:
     try:
         rows: dict = {k: [] for k in ROWS}
         for step in range(1, args.checkpoint_rounds + 1):
-            spent = sum(rows[k][-1] for k in ROWS if not k.endswith("cpu_s")) if step > 1 else 0
+            spent = (
+                sum(rows[k][-1] for k in ROWS if not k.endswith("cpu_s")) + PAUSE_S
+                if step > 1
+                else 0
+            )
             if time.time() + 1.5 * spent > args.deadline:  # stop rather than be killed
                 log(f"  stopping after {step - 1} rounds (time limit)")
                 break
