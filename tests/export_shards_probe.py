@@ -9,8 +9,9 @@ adapters (the experts' adapters stacked) — places them on a 4-device mesh with
 ``--max-shard-size`` bytes, the Mixtral weights (replicated) in FP32 and its PEFT adapter. Prints process
 0's JSON: the export's path, the topology, how many arrays were copied whole to a host
 (``arrays.to_host``) and the sizes of everything ``process_allgather`` exchanged.
-With ``--full-disk-in K`` process K's writes fail as on a full disk; each process prints how
-its export failed.
+With ``--full-disk-in K`` the same processes then write the export again, into
+``--full-disk-out``, process K's writes failing as on a full disk (two process starts fewer
+than a run of its own); each process prints how each of its exports failed, if it did.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-shard-size", type=int, required=True)
-    parser.add_argument("--full-disk-in", type=int, help="this process's writes fail (ENOSPC)")
+    parser.add_argument("--full-disk-in", type=int, help="then its writes fail (ENOSPC)")
+    parser.add_argument("--full-disk-out", help="where the export on a full disk goes")
     args = parser.parse_args()
     topology = distributed.initialize()
     group = distributed.Group(topology)
@@ -121,23 +123,31 @@ def main() -> int:
         adapter_dir = directory / "mixtral" / peft_adapter.ADAPTER_DIR
         peft_adapter.write_adapter(adapter_dir, settings, adapters, "base", mixtral_cfg, group)
 
-    if args.full_disk_in == topology.process_id:
-        import errno
-        import os
+    def export_into(out: Path) -> dict | None:
+        """How writing the export into ``out/export`` failed (None: it was written)."""
+        try:
+            export.write_whole(out / "export", write, group)
+            return None
+        except export.ExportWriteError as exc:
+            from minifield import atomic
 
-        def full(*_):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return {"message": str(exc), "io_failure": atomic.is_io_failure(exc)}
 
-        os.pwrite = full
     final = Path(args.out) / "export"
-    try:
-        export.write_whole(final, write, group)
-        failure = None
-    except export.ExportWriteError as exc:
-        from minifield import atomic
-
-        failure = {"message": str(exc), "io_failure": atomic.is_io_failure(exc)}
+    failure = export_into(Path(args.out))
     print(json.dumps({"process": topology.process_id, "failure": failure}))
+    reported = {"gathered": list(gathered), "exchanged": list(exchanged)}  # the first export's
+    if args.full_disk_in is not None:
+        if args.full_disk_in == topology.process_id:
+            import errno
+            import os
+
+            def full(*_):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+            os.pwrite = full
+        on_full_disk = export_into(Path(args.full_disk_out))
+        print(json.dumps({"process": topology.process_id, "full_disk_failure": on_full_disk}))
     if topology.process_id == 0:
         report = {
             "export": str(final),
@@ -145,8 +155,7 @@ def main() -> int:
             "devices": jax.device_count(),
             "sharded_arrays": sum(not leaf.is_fully_replicated for leaf in leaves),
             "arrays": len(leaves),
-            "gathered": gathered,
-            "exchanged": exchanged,
+            **reported,
             "failure": failure,
         }
         print(json.dumps(report))

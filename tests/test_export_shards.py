@@ -122,27 +122,45 @@ def test_one_process_of_four_devices_writes_the_whole_tensors_export(tmp_path, r
     _check_tensors(Path(report["export"]))
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, list[str]]:
+    """2 processes x 2 devices: the export into ``out``, then, in the same processes (two
+    starts fewer), into ``out/full-disk`` with process 1's writes failing as on a full disk;
+    ``out`` and each process's stdout."""
+    out = tmp_path_factory.mktemp("two-processes")
+    (out / "full-disk").mkdir()
+    argv = [str(SCRIPT), "--out", str(out), "--max-shard-size", str(MAX_SHARD_SIZE)]
+    argv += ["--full-disk-in", "1", "--full-disk-out", str(out / "full-disk")]
+    return out, loopback.run_all(argv, 2, 2)
+
+
 @pytest.mark.parametrize(("count", "devices_each"), [(2, 2), (4, 1)])
-def test_processes_write_their_slices_into_the_same_files(tmp_path, reference, count, devices_each):
-    report = run_probe(tmp_path, count, devices_each)
+def test_processes_write_their_slices_into_the_same_files(
+    request, tmp_path, reference, count, devices_each
+):
+    if count == 2:
+        _, outputs = request.getfixturevalue("two_processes")
+        report = json.loads(outputs[0].strip().splitlines()[-1])
+    else:
+        report = run_probe(tmp_path, count, devices_each)
     _check(report, reference, count)
 
 
-def test_a_full_disk_in_one_process_fails_the_export_in_every_process(tmp_path):
-    argv = [str(SCRIPT), "--out", str(tmp_path), "--max-shard-size", str(MAX_SHARD_SIZE)]
-    outputs = loopback.run_all([*argv, "--full-disk-in", "1"], 2, 2)
-    for out in outputs:
-        said = next(json.loads(line) for line in out.splitlines() if '"process"' in line)
-        failure = said["failure"]
+def test_a_full_disk_in_one_process_fails_the_export_in_every_process(two_processes):
+    out, outputs = two_processes
+    full_disk = out / "full-disk"
+    for output in outputs:
+        said = next(json.loads(line) for line in output.splitlines() if "full_disk_failure" in line)
+        failure = said["full_disk_failure"]
         assert failure is not None, said
-        assert f"export {tmp_path / 'export'} was not written" in failure["message"]
+        assert f"export {full_disk / 'export'} was not written" in failure["message"]
         assert "failed in process(es) [1]" in failure["message"]
         # the failing process names its error and keeps it an I/O failure (exit 5)
         assert failure["io_failure"] == (said["process"] == 1), said
         if said["process"] == 1:
             assert "No space left on device" in failure["message"]
             assert "model" in failure["message"]  # the file it was writing
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing half-written
+    assert sorted(p.name for p in full_disk.iterdir()) == []  # nothing half-written
 
 
 @pytest.mark.parametrize("lora", [False, True])
