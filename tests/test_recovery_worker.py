@@ -218,10 +218,15 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
     recipe, root, job = reference["recipe"], reference["input_root"], reference["job"]
     out = tmp_path / "out"
 
-    # A: SIGTERM (twice) straight to the worker while it is inside update 3's aftermath
+    # A: SIGTERM (twice) straight to the worker while it holds still after update 3, a hold
+    # that ends as the signal lands (--stall-ends-on-stop, the recovery proof's): the worker
+    # ends long before the hold's 120 s would
     a = subprocess.Popen(
         worker_command(
-            **attempt_options(recipe, root, out, "A"), stall_after_step=3, stall_seconds=5
+            **attempt_options(recipe, root, out, "A"),
+            stall_after_step=3,
+            stall_seconds=120,
+            stall_ends_on_stop=True,
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -232,9 +237,11 @@ def test_sigterm_preempts_forwarding_and_fingerprint(reference, tmp_path):
         if event["type"] == "update" and event["step"] == 3:
             a.send_signal(signal.SIGTERM)
             a.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             break
     a.stdout.read()
     assert a.wait(timeout=300) == 3, a.stderr.read()[-3000:]
+    assert time.monotonic() - signalled < 60, "the hold did not end when SIGTERM arrived"
     a_dir = out / job / "A"
     preempted = [e for e in events_of(a_dir) if e["type"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["step"] == 3

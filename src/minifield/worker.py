@@ -154,6 +154,13 @@ def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="length of the stall",
     )
+    faults.add_argument(
+        "--stall-ends-on-stop",
+        action="store_true",
+        help="the stall ends once SIGTERM/SIGINT has arrived (a hold until the supervisor's "
+        "preemption lands, as the recovery proof's preempted run; without it the stall is a "
+        "hung worker's)",
+    )
 
 
 def _validate_only(job: Path) -> int:
@@ -218,7 +225,11 @@ def _main(argv: list[str]) -> int:
     from .attempt import train  # JAX: only for a run
 
     faults = train.Faults(
-        args.fail_after_step, args.stall_after_step, args.stall_seconds, args.kill_during_checkpoint
+        args.fail_after_step,
+        args.stall_after_step,
+        args.stall_seconds,
+        args.kill_during_checkpoint,
+        args.stall_ends_on_stop,
     )
     problems = api.run_problems(
         args.input_root,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..state import checkpoint, checkpoint_spread
@@ -267,8 +268,11 @@ def _spread_write(cadence: CheckpointCadence, state, step: int, compute_used: fl
     )
 
 
-def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
-    """The injected fault after its update (tests and the recovery proof)."""
+def fault_hook(
+    faults: Faults, checkpoints: CheckpointCadence, stop_requested: Callable[[], bool]
+) -> Hook:
+    """The injected fault after its update (tests and the recovery proof);
+    ``stop_requested()``: whether a stop signal has arrived (a hold that ends on one)."""
 
     def settle(step: int) -> None:
         # which checkpoint survives the injected crash (or a kill once the update before
@@ -277,8 +281,11 @@ def fault_hook(faults: Faults, checkpoints: CheckpointCadence) -> Hook:
         # update K are committed before update K is reported
         checkpoints.wait()
 
+    def inject(state, step: int, compute_used: float) -> None:
+        faults.after_update(state, step, compute_used, stop_requested)
+
     return Hook(
-        faults.after_update,
+        inject,
         due=lambda step: step in (faults.fail_after_step, faults.stall_after_step),
         settle=settle,
     )

@@ -206,7 +206,11 @@ class Attempt:
             events=self.events,
             progress=self.progress,
             hooks=[
-                fault_hook(self.options.faults, self.checkpoints),
+                fault_hook(
+                    self.options.faults,
+                    self.checkpoints,
+                    lambda: self.stopping.preemption.signal is not None,
+                ),
                 commit_on_cadence,
                 periodic_evaluation(program, self.events, max_steps),
                 collect_commits,  # last: it reports what the hooks before it started

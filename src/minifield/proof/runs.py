@@ -214,6 +214,7 @@ def run_preempted(runs: Runs, section: dict, k: int) -> Path:
     outcome, attempt_dir, events = runs.launch(
         "preempted",
         *("--stall-after-step", str(k), "--stall-seconds", str(PREEMPT_HOLD_S)),
+        "--stall-ends-on-stop",  # the hold ends as the SIGTERM lands: no idle seconds after it
         preempt_after_step=k,
     )
     record = section["run"] = _run_record(outcome, attempt_dir)
