@@ -9,13 +9,11 @@ the command and the worker with exit 2 and one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_attempt, update_hashes, write_recipe
+from conftest import main_in_process, read_events, run_attempt, update_hashes, write_recipe
 from family_reference import reference_logits
 from preference_cases import make_inputs, recipe, with_reference
 from safetensors.numpy import load_file
@@ -33,10 +31,15 @@ METRICS = ("loss", "reward_accuracy", "margin", "chosen_logps", "rejected_logps"
 
 
 def _reference_cli(recipe_path, root, out):
-    return subprocess.run(
-        [sys.executable, "-m", "minifield.cli", "reference-logprobs", "--recipe", str(recipe_path),
-         "--input-root", str(root), "--out", str(out)],
-        capture_output=True, text=True, check=False, timeout=300,
+    """``minifield reference-logprobs`` through the command line's ``main`` in this process
+    (exit code, stdout and stderr as the process gives them; no interpreter and JAX start-up
+    per call). The pipeline's ``reference`` rule runs it as a process in the preference
+    pipeline tests; the worker's refusals below stay real processes."""
+    from minifield import cli
+
+    return main_in_process(
+        cli.main, "reference-logprobs", "--recipe", recipe_path, "--input-root", root,
+        "--out", out,
     )  # fmt: skip
 
 
