@@ -529,31 +529,42 @@ def run_attempt(
 
 
 def train_as_the_pipeline(raw: Path, root: Path, input_root: Path, prove: bool = True) -> Path:
-    """validate → prepare → a real worker → evaluate (→ a crash-mode recovery proof), as the
+    """validate → prepare → (a crash-mode recovery proof →) a real worker → evaluate, as the
     pipeline does, writing ``recipe.json``, ``validation.json``, ``examples/``, ``attempts/``,
-    ``result.json``, ``metrics.json`` (and ``proof.json``) under ``root``; the attempt."""
+    ``result.json``, ``metrics.json`` (and ``proof.json``) under ``root``; the attempt.
+
+    Where the proof's length is the recipe's ``max_steps`` its uninterrupted reference is the
+    whole computation (updates, export, result; tests/test_grpo_worker.py reads it so), and
+    is the attempt returned: the train stage's run would be the same computation again, one
+    worker process more."""
     from minifield.pipeline import evaluation, preparation
     from minifield.proof.prove import prove as prove_recovery
 
     preparation.validate(raw, root / "recipe.json", root / "validation.json")
     preparation.prepare(root / "recipe.json", input_root, root / "examples")
-    run_worker(
-        job=root / "recipe.json", input_root=input_root, output_root=root / "attempts",
-        check_codes=(0,),
-    )  # fmt: skip
-    (job,) = (root / "attempts").iterdir()
-    (attempt,) = job.iterdir()
-    result = json.loads((attempt / "result.json").read_text())
-    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
-    evaluation.evaluate(
-        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
-    )
+    attempt = None
     if prove:  # the qualification rule's proof: reference, crash, resume (real workers)
         proof = prove_recovery(
             root / "recipe.json", input_root, root / "work", root / "proof.json",
             examples_dir=root / "examples", mode="crash",  # test_proof.py covers both modes
         )  # fmt: skip
         assert proof["passed"], proof["diagnosis"]
+        max_steps = json.loads((root / "recipe.json").read_text())["limits"]["max_steps"]
+        if proof["settings"]["steps"] == max_steps:
+            attempt = Path(proof["reference"]["attempt_dir"])
+    if attempt is None:
+        run_worker(
+            job=root / "recipe.json", input_root=input_root, output_root=root / "attempts",
+            check_codes=(0,),
+        )  # fmt: skip
+        (job,) = (root / "attempts").iterdir()
+        (attempt,) = job.iterdir()
+    result = json.loads((attempt / "result.json").read_text())
+    assert result["status"] == "completed", result
+    (root / "result.json").write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
+    evaluation.evaluate(
+        root / "recipe.json", root / "result.json", root / "examples", root / "metrics.json"
+    )
     return attempt
 
 

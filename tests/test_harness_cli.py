@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import main_in_process
@@ -42,17 +43,21 @@ def export(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def index_once():
-    """lm-eval indexes all its ~14,000 built-in task YAMLs on every command (about 10 CPU-s,
-    most of a refusal's cost); the refusals here read the same unchanged directories, so the
-    first one's index is handed (as a copy) to the next. The real command below indexes for
-    itself."""
+    """lm-eval indexes all its ~14,000 built-in task YAMLs on every command (about 6 CPU-s,
+    most of a refusal's cost). The refusals here are of the model's arguments, for a task of
+    the ``--include_path`` directory, which lm-eval indexes after its built-in ones: they index
+    that directory alone (no built-in task is named, and one of the include path would
+    override a built-in of its name anyway), once, the index handed (as a copy) to the next.
+    The real command below indexes everything for itself."""
+    import lm_eval.tasks
     from lm_eval.tasks._index import TaskIndex
 
     build, built = TaskIndex.build, {}
+    defaults = Path(lm_eval.tasks.__file__).parent.resolve()
 
     def build_once(paths, **options):
-        paths = list(paths)
-        key = (tuple(str(p.resolve()) for p in paths), tuple(sorted(options.items())))
+        paths = [p for p in paths if Path(p).resolve() != defaults]
+        key = (tuple(str(Path(p).resolve()) for p in paths), tuple(sorted(options.items())))
         if key not in built:
             built[key] = build(paths, **options)
         return copy.deepcopy(built[key])

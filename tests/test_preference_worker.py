@@ -9,13 +9,11 @@ the command and the worker with exit 2 and one line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_events, run_attempt, update_hashes, write_recipe
+from conftest import main_in_process, read_events, run_attempt, update_hashes, write_recipe
 from family_reference import reference_logits
 from preference_cases import make_inputs, recipe, with_reference
 from safetensors.numpy import load_file
@@ -33,10 +31,15 @@ METRICS = ("loss", "reward_accuracy", "margin", "chosen_logps", "rejected_logps"
 
 
 def _reference_cli(recipe_path, root, out):
-    return subprocess.run(
-        [sys.executable, "-m", "minifield.cli", "reference-logprobs", "--recipe", str(recipe_path),
-         "--input-root", str(root), "--out", str(out)],
-        capture_output=True, text=True, check=False, timeout=300,
+    """``minifield reference-logprobs`` through the command line's ``main`` in this process
+    (exit code, stdout and stderr as the process gives them; no interpreter and JAX start-up
+    per call). The pipeline's ``reference`` rule runs it as a process in the preference
+    pipeline tests; the worker's refusals below stay real processes."""
+    from minifield import cli
+
+    return main_in_process(
+        cli.main, "reference-logprobs", "--recipe", recipe_path, "--input-root", root,
+        "--out", out,
     )  # fmt: skip
 
 
@@ -55,7 +58,15 @@ def _numpy_accuracy(export, encoded):
     return np.mean([logp(p.prompt, p.chosen) > logp(p.prompt, p.rejected) for p in encoded])
 
 
-@pytest.mark.parametrize("kind", ["dpo-full", "simpo-lora"])
+#: the recovery proof's modes per case. The preemption part (SIGTERM after update 3, a
+#: checkpoint committed off the cadence, resumed from it) runs the worker's stop-and-commit
+#: path, the same for full fine-tuning and LoRA and for either loss (the checkpoint writer
+#: and restore that the crash part checks for both); one case proves it, the other the crash
+#: alone (two worker processes and the 3 s the preempted run holds still, fewer).
+PROOF_MODES = {"dpo-full": "both", "simpo-lora": "crash"}
+
+
+@pytest.mark.parametrize("kind", list(PROOF_MODES))
 def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(tmp_path, kind):
     root = make_inputs(tmp_path / "in", flip=kind == "dpo-full")
     if kind == "dpo-full":
@@ -72,8 +83,8 @@ def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(t
     raw["training"]["learning_rate"] = 0.01
     raw["evaluation"]["min_dev_preference_accuracy"] = 0.5
     path = write_recipe(tmp_path / "recipe.json", raw)
-    # the recovery proof, both modes, as the qualification rule runs it
-    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode="both")
+    # the recovery proof, as the qualification rule runs it (PROOF_MODES)
+    proof = prove(path, root, tmp_path / "work", tmp_path / "proof.json", mode=PROOF_MODES[kind])
     assert proof["passed"], proof["diagnosis"]
     # An uninterrupted run: the proof's reference, which is the recipe's whole computation
     # here (its length is max_steps: 4 updates, export and result included), a real worker
@@ -100,8 +111,9 @@ def test_trains_resumes_proves_exports_and_is_gated_on_dev_preference_accuracy(t
     resumed = [crashed, proof_attempts / "resumed"]
     assert update_hashes(resumed) == update_hashes([attempt])
     # so does the chain its preempt part made (SIGTERM after update 3, resumed)
-    preempted = [Path(proof["preempted"][run]["attempt_dir"]) for run in ("run", "resumed")]
-    assert update_hashes(preempted) == update_hashes([attempt])
+    if PROOF_MODES[kind] == "both":
+        preempted = [Path(proof["preempted"][run]["attempt_dir"]) for run in ("run", "resumed")]
+        assert update_hashes(preempted) == update_hashes([attempt])
     # the evaluate stage: DEV selection, TEST, the selected export
     recipe_json = tmp_path / "validated.json"
     preparation.validate(path, recipe_json, tmp_path / "validation.json")

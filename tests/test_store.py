@@ -52,10 +52,16 @@ def _train(root: Path, with_proof: bool = True, **overrides) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("runs")
+    # a and b checkpoint every (max_steps - 2) / 2 updates: their recovery proof's length,
+    # min(max_steps, 2 * every_steps + 2), is then the whole computation, whose uninterrupted
+    # reference is the trained run (train_as_the_pipeline); what the store checks of a run
+    # (its export, result, metrics, proof) does not depend on the cadence
     return {
-        "a": _train(base / "a", job_id="store-a"),
+        "a": _train(base / "a", job_id="store-a", checkpoint={"every_steps": 3}),
         # more updates: a second, different and better model
-        "b": _train(base / "b", job_id="store-b", limits={"max_steps": 12}),
+        "b": _train(
+            base / "b", job_id="store-b", limits={"max_steps": 12}, checkpoint={"every_steps": 5}
+        ),
         # a threshold the model cannot meet: the declared validation fails (no proof needed)
         "strict": _train(
             base / "strict",
