@@ -223,7 +223,7 @@ def reference():
     "policy",
     [
         pytest.param("full", marks=pytest.mark.slow),
-        "dots_saveable",
+        pytest.param("dots_saveable", marks=pytest.mark.slow),
         pytest.param("save_attention", marks=pytest.mark.slow),
         pytest.param("offload_attention", marks=pytest.mark.slow),
     ],
@@ -371,6 +371,7 @@ def test_training_with_every_option_is_reproducible_and_resumes_bit_identically(
     assert state_hash(resumed) == state_hash(first)
 
 
+@pytest.mark.slow  # compiles generation twice (~2 s under 3.12)
 def test_generation_of_a_fused_attention_model_equals_the_default():
     cfg = gpt(n_layers=1)
     params = model.init_params(cfg, jax.random.key(0))

@@ -124,7 +124,9 @@ def test_bf16_base_logits_equal_the_widened_loaders_exactly_in_fp32(bf16_run):
         np.testing.assert_array_equal(node, np.asarray(leaf))
 
 
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "compute_dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"]
+)  # one dtype in the fast tier
 def test_a_lora_step_on_the_hf_layout_equals_the_transposed_layout_bit_for_bit(
     bf16_run, compute_dtype
 ):

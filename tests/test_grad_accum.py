@@ -130,7 +130,7 @@ def test_accumulated_gradient_is_the_full_batch_gradient(setup, batches, k):
     assert _max_difference(full, acc) <= GRAD_RTOL * norm
 
 
-@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow)])  # fast tier: k = 2
 def test_k_micro_batches_equal_one_batch_after_several_updates(setup, batches, full_batch, k):
     cfg, tx, state = setup
     accumulated = _train(train_step.make_train_step(cfg, tx, accum_steps=k), state, batches)

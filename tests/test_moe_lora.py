@@ -175,6 +175,7 @@ def trained(tmp_path_factory):
     return {"root": root, "program": program, "initial": initial, "state": state, "export": export}
 
 
+@pytest.mark.slow  # the trained Mixtral LoRA run (~6 s under 3.12); the fast tier keeps its forward
 def test_an_update_changes_the_adapters_only(trained):
     initial, state = trained["initial"], trained["state"]
     names = {
@@ -206,6 +207,7 @@ def test_an_update_changes_the_adapters_only(trained):
     )
 
 
+@pytest.mark.slow  # the trained Mixtral LoRA run (~6 s under 3.12); the fast tier keeps its forward
 def test_the_adapter_has_peft_names_for_the_experts_and_the_router(trained):
     directory = trained["export"] / "adapter"
     config = json.loads((directory / "adapter_config.json").read_text())
@@ -216,6 +218,7 @@ def test_the_adapter_has_peft_names_for_the_experts_and_the_router(trained):
     assert all(np.any(v) for k, v in tensors.items() if "lora_B" in k)
 
 
+@pytest.mark.slow  # the trained Mixtral LoRA run (~6 s under 3.12); the fast tier keeps its forward
 def test_the_merged_export_minus_the_base_is_the_adapters_product(trained):
     root, export = trained["root"], trained["export"]
     base = load_file(str(root / "base" / "model.safetensors"))

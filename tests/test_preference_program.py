@@ -61,7 +61,7 @@ def test_every_update_holds_batch_size_whole_pairs_and_an_epoch_covers_each_once
     ("preference", "model"),
     [
         ({"loss": "simpo", "beta": 2.0, "gamma": 0.5}, {}),
-        ({"loss": "orpo", "orpo_lambda": 0.5}, {"lora": LORA}),
+        pytest.param({"loss": "orpo", "orpo_lambda": 0.5}, {"lora": LORA}, marks=pytest.mark.slow),
     ],
     ids=["simpo-full", "orpo-lora"],
 )
