@@ -13,14 +13,13 @@ the bound is per token.
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import jax
 import numpy as np
 import pytest
 import test_llama
-from test_hf_export import tiny_llama
+from test_hf_export import tiny_llama, write_packed_sft_export
 from test_llama import _flax_model
 
 BOS = 257
@@ -39,22 +38,9 @@ def _write(directory, compute_dtype="bfloat16", export_dtype="float32"):
     in config.json) as ``export_dtype``. Weights twice the initialisation: log-probs of -3 to
     -25 a token (tiny_llama's three times gives logits so sharp that two FP32 forwards of
     it, transformers' and ours, differ from a float64 one by 1e-3)."""
-    from minifield.data import tokenizer as tokenizers
-    from minifield.hf import directory as hf_directory
-
     cfg, params = tiny_llama(compute_dtype)
     params = jax.tree_util.tree_map(lambda x: x / 3.0 * 2.0, params)
-    tokenizer = tokenizers.byte_tokenizer()
-    dev = b'{"prompt": "a", "response": "b"}\n'
-    config = {
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "model": cfg.to_dict(),
-        "tokenizer": tokenizer.config(),
-        "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
-    }
-    hf_directory.write(
-        directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, export_dtype
-    )
+    write_packed_sft_export(directory, cfg, params, export_dtype)
     return directory
 
 

@@ -134,8 +134,11 @@ def test_export_dtype_keeps_old_digests_and_is_part_of_new_ones():
         digest({"export_dtype": "int8"})
 
 
-def _write_export(directory: Path, dtype="float32", max_shard_size=None):
-    cfg, params = tiny_llama()
+def write_packed_sft_export(
+    directory: Path, cfg, params, export_dtype="float32", max_shard_size=None
+) -> dict:
+    """``params`` as a packed-sft HF export (byte tokenizer, a one-example DEV split) stored
+    as ``export_dtype``; its ``model.json`` config."""
     tokenizer = tokenizers.byte_tokenizer()
     dev = b'{"prompt": "a", "response": "b"}\n'
     config = {
@@ -145,16 +148,15 @@ def _write_export(directory: Path, dtype="float32", max_shard_size=None):
         "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
     }
     hf_directory.write(
-        directory,
-        cfg,
-        params,
-        tokenizer,
-        None,
-        {"dev.jsonl": dev},
-        config,
-        dtype,
+        directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, export_dtype,
         max_shard_size=max_shard_size,
-    )
+    )  # fmt: skip
+    return config
+
+
+def _write_export(directory: Path, dtype="float32", max_shard_size=None):
+    cfg, params = tiny_llama()
+    write_packed_sft_export(directory, cfg, params, dtype, max_shard_size)
     return cfg, params
 
 

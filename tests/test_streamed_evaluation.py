@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import hashlib
 import json
 import os
 import subprocess
@@ -27,9 +26,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import PRODUCTION, compiled_as
-from test_hf_export import tiny_llama
+from test_hf_export import tiny_llama, write_packed_sft_export
 
-from minifield.data import tokenizer as tokenizers
 from minifield.data.packing import Rows
 from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import directory as hf_directory
@@ -43,19 +41,7 @@ LAYERS = 3
 def write_export(directory: Path, cfg, params) -> dict:
     """``params`` as an HF export (FP32, in shards smaller than a layer); its ``model.json``
     config."""
-    tokenizer = tokenizers.byte_tokenizer()
-    dev = b'{"prompt": "a", "response": "b"}\n'
-    config = {
-        "strategy": {"name": "packed-sft", "version": "12.0.0"},
-        "model": cfg.to_dict(),
-        "tokenizer": tokenizer.config(),
-        "dev": {"file": "dev.jsonl", "sha256": hashlib.sha256(dev).hexdigest()},
-    }
-    hf_directory.write(
-        directory, cfg, params, tokenizer, None, {"dev.jsonl": dev}, config, "float32",
-        max_shard_size=20000,
-    )  # fmt: skip
-    return config
+    return write_packed_sft_export(directory, cfg, params, "float32", max_shard_size=20000)
 
 
 def rows_and_prompts(seed=0, n=5, length=48):
