@@ -29,8 +29,9 @@ each in a process of its own, run by the pipeline's own functions:
 Each stage's record: its exit, seconds, the process's peak resident memory (its children's
 too), and, where that process opened the device, the device's ``peak_bytes_in_use``. A stage
 that fails is recorded with its error's last lines, and the stages after it are not run;
-``--from STAGE`` starts at a stage whose predecessors' files ``--dir`` holds (a call of its
-own for a stage that needs one)::
+``--from STAGE`` starts at a stage whose predecessors' files ``--dir`` holds and ``--to STAGE``
+ends at one (a call of its own for a stage that needs one); ``--out`` is rewritten after every
+stage::
 
     python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --dir /tmp/q8 \\
         --out $OUT/qlora-pipeline.json                          # the chip
@@ -74,6 +75,8 @@ def arguments(argv=None) -> argparse.Namespace:
         default=STAGES[0],
         help="the first stage to run (--dir holds the earlier ones' files)",
     )
+    parser.add_argument("--to", dest="last", choices=STAGES, default=STAGES[-1],
+                        help="the last stage to run (a device call's 10 minutes)")  # fmt: skip
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one child's
     return parser.parse_args(argv)
 
@@ -242,6 +245,15 @@ def measured(args) -> dict:
             "children_peak_rss_bytes": rss[resource.RUSAGE_CHILDREN]}  # fmt: skip
 
 
+def written(record: dict, out: Path | None) -> str:
+    """The record as JSON, also into ``out`` when given."""
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
     args = arguments(argv)
     if args.stage:
@@ -254,7 +266,7 @@ def main(argv=None) -> int:
     write_inputs(args)
     record = {"preset": args.preset, "seq": args.seq, "steps": args.steps, "rank": args.rank,
               "inputs_seconds": round(time.monotonic() - started, 2), "stages": {}}  # fmt: skip
-    for stage in STAGES[STAGES.index(args.first) :]:
+    for stage in STAGES[STAGES.index(args.first) : STAGES.index(args.last) + 1]:
         env = accelerator.worker_env() if stage in ON_DEVICE else None
         command = [sys.executable, __file__, *(argv or sys.argv[1:]), "--stage", stage]
         began = time.monotonic()
@@ -268,11 +280,8 @@ def main(argv=None) -> int:
         figures = json.loads(out.stdout.strip().splitlines()[-1])
         record["stages"][stage] = {"exit": 0, "wall_seconds": wall, **figures}
         print(f"{stage}: {wall} s", file=sys.stderr)
-    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text, end="")
+        written(record, args.out)  # a call cut short still brings back the stages it finished
+    print(written(record, args.out), end="")
     return 0 if all(s["exit"] == 0 for s in record["stages"].values()) else 1
 
 
