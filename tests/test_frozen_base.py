@@ -217,3 +217,24 @@ def test_a_bf16_base_lora_run_and_its_exports_are_those_before_the_change(bf16_r
     loaded, program, root = bf16_run["loaded"], bf16_run["program"], bf16_run["root"]
     state = _trained_export(program, tmp_path / "export")
     assert_the_run_before(loaded, program, root, state, tmp_path / "export", tmp_path)
+
+
+def test_the_compiled_update_reports_its_memory_from_its_arguments(bf16_run):
+    """The ``compiled`` event's ``memory``: its arguments are the state, the frozen base and
+    the batch the update is compiled for, counted here leaf by leaf; the donated state is
+    aliased to the new state at most (never more than it holds)."""
+    program = bf16_run["program"]
+    program.compile()
+
+    def nbytes(tree) -> int:
+        leaves = jax.tree_util.tree_leaves(tree)
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
+
+    state = nbytes(jax.eval_shape(program.start.abstract))
+    base, batch = nbytes(program._base), nbytes(program.abstract_batch())
+    memory = program.memory
+    assert memory["arguments"] == state + base + batch
+    assert 0 < memory["aliased"] <= state
+    assert memory["peak"] == (
+        memory["arguments"] + memory["outputs"] + memory["temporaries"] - memory["aliased"]
+    )

@@ -237,6 +237,7 @@ def set_up(context: SetUpContext) -> SetUp:
             compilation_cache=str(context.compilation_cache) if context.compilation_cache else None,
             placement=program.placement,
             attention=program.attention,
+            memory=program.memory,
         )
 
         phase = "restore"

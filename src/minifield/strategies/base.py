@@ -105,6 +105,9 @@ class Program(ABC):
     #: (``models.execution.attention_kernel``), reported in the ``compiled`` event; None
     #: for a program without attention
     attention: dict | None = None
+    #: the compiled update's memory analysis (:func:`compiled_memory`), reported in the
+    #: ``compiled`` event; None where the backend gives none
+    memory: dict | None = None
 
     def place(self, state: dict) -> dict:
         """Put a fresh or restored state where the compiled update expects it.
@@ -229,3 +232,23 @@ class Strategy(ABC):
     @abstractmethod
     def evaluate_export(self, recipe: dict, export_dir: Path) -> dict[str, Any]:
         """Re-run the acceptance evaluation from exported weights alone (used by the store)."""
+
+
+def compiled_memory(compiled) -> dict | None:
+    """A compiled program's memory analysis in bytes: its arguments, outputs, temporaries,
+    the outputs aliased to donated arguments, and ``peak`` = arguments + outputs +
+    temporaries - aliased: what the device holds at most while it runs (a device's own
+    ``peak_bytes_in_use`` misses the temporaries; docs/tpu.md, "Memory on the chip"). None
+    where the backend gives no analysis."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    parts = {
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+        "aliased": analysis.alias_size_in_bytes,
+    }
+    parts = {name: int(value) for name, value in parts.items()}
+    peak = parts["arguments"] + parts["outputs"] + parts["temporaries"] - parts["aliased"]
+    return {**parts, "peak": peak}

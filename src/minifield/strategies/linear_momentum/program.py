@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from ...state import export
-from ..base import Program
+from ..base import Program, compiled_memory
 from .teacher import heldout_mse
 
 
@@ -73,6 +73,7 @@ class LinearProgram(Program):
         self._compiled = (
             jax.jit(self._update, donate_argnums=(0,)).lower(abstract, self.x, self.y).compile()
         )
+        self.memory = compiled_memory(self._compiled)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         new_state, read_metrics = self.dispatch(state, -1)

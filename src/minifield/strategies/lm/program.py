@@ -23,7 +23,7 @@ from ...hf import pinned_base
 from ...training import lora
 from ...training.evaluator import Evaluator
 from ...training.initial_state import InitialState
-from ..base import Program
+from ..base import Program, compiled_memory
 from . import export_format, model_section
 from .placement import PlacedState, base_by_slices
 
@@ -165,9 +165,11 @@ class LMProgram(PlacedState, Program):
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
         if self.lora is None:
             self._compiled = fn.lower(abstract_state, abstract_batch).compile()
+            self.memory = compiled_memory(self._compiled)
             return
         abstract_base = jax.eval_shape(lambda: self._base)
         step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
+        self.memory = compiled_memory(step)
         self._compiled = lambda state, batch: step(state, self._base, batch)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
