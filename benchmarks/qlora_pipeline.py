@@ -8,16 +8,20 @@ beside the Llama demo's tokenizer and data (``data/llama-base``, ``data/llama-sf
 ``model.scan_layers``, ``training.remat: full``, rows of ``--seq`` tokens. Then the stages,
 each in a process of its own, run by the pipeline's own functions:
 
-- ``prepare``: ``preparation.validate`` and ``preparation.prepare`` (the examples, the base);
-- ``compile``: the training update compiled as the worker compiles it: its memory analysis
-  (arguments + outputs + temporaries - aliased, ``qlora_step.compiled_peak``), the peak HBM
-  the issue's goals are about (NF4 ≤ 8 GB);
-- ``train``: ``training.train_attempt`` (the supervised worker; it also exports the final
-  weights, merged on the host);
-- ``evaluate``: ``evaluation.evaluate``: DEV for every checkpoint on the quantized base, the
-  selection, TEST;
-- ``export``: the selected checkpoint's export (``program.export``: the merged weights made on
-  the host tensor by tensor, the PEFT adapter);
+- ``prepare``: ``preparation.validate``, ``preparation.prepare`` (the examples, the base) and
+  ``preparation.quantize_base`` (the NF4 codes, made once on the host: the product every
+  later stage reads, as the pipeline's ``quantize_base`` rule makes it);
+- ``train``: ``training.train_attempt`` (the supervised worker, given the product; it also
+  exports the final weights, merged on the host). Its record holds the worker's ``compiled``
+  event's ``memory`` (the compiled update's memory analysis: its ``peak`` is the figure the
+  issue's goals are about, NF4 ≤ 8 GB) and the final export's size; the final export (the
+  attempt's and the stage's copy of it) is then deleted: no later stage reads it, and at 8B
+  its 2 × 16 GB would not leave the chip host's disk (79 GB free) room for the selected
+  export and the store's copy;
+- ``evaluate``: ``evaluation.evaluate`` as the pipeline's evaluate stage calls it: DEV for every
+  checkpoint on the product's codes, the selection, TEST and the selected checkpoint's export
+  (merged on the host tensor by tensor, and the PEFT adapter); on a TPU recipe in the
+  evaluation's own process, whose log line gives the device's peak;
 - ``publish``: ``store.publish_computation`` into a store under ``--dir`` (no recovery proof:
   the store records why);
 - ``activate``: the store's activation gate on the published artifact, on the CPU as
@@ -26,15 +30,16 @@ each in a process of its own, run by the pipeline's own functions:
   preset). Without a recovery proof the gate refuses the artifact for that alone: any other
   reason fails the stage.
 
-Each stage's record: its exit, seconds, the process's peak resident memory (its children's
-too), and, where that process opened the device, the device's ``peak_bytes_in_use``. A stage
+``--backend tpu`` makes it a TPU recipe (``runtime.backend``: the TPU's defaults, splash
+attention among them). Each stage's record: its exit, seconds, the process's peak resident
+memory (its children's too), and, where that process opened the device, the device's ``peak_bytes_in_use``. A stage
 that fails is recorded with its error's last lines, and the stages after it are not run;
 ``--from STAGE`` starts at a stage whose predecessors' files ``--dir`` holds and ``--to STAGE``
 ends at one (a call of its own for a stage that needs one); ``--out`` is rewritten after every
 stage::
 
-    python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --dir /tmp/q8 \\
-        --out $OUT/qlora-pipeline.json                          # the chip
+    python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --backend tpu \\
+        --dir /tmp/q8 --out $OUT/qlora-pipeline.json                  # the chip
     uv run python benchmarks/qlora_pipeline.py --preset tiny --seq 64 --dir /tmp/q --out q.json
 """
 
@@ -54,10 +59,11 @@ import _random_base  # noqa: E402
 import qlora_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ("prepare", "compile", "train", "evaluate", "export", "publish", "activate")
-#: stages whose process opens the device (the others keep off it: the parents, and activation,
-#: on the CPU as `minifield store activate` runs it)
-ON_DEVICE = ("compile", "evaluate", "export", "publish")
+STAGES = ("prepare", "train", "evaluate", "publish", "activate")
+#: stages whose process may open the device (the others keep off it: the supervisor starts the
+#: worker, the evaluation its own process, and activation runs on the CPU as `minifield store
+#: activate` runs it)
+ON_DEVICE = ("publish",)
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -66,6 +72,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--backend", choices=("any", "tpu"), default="any",
+                        help="the recipe's runtime.backend")  # fmt: skip
     parser.add_argument("--dir", type=Path, required=True, help="inputs, results, the store")
     parser.add_argument("--out", type=Path, help="the JSON record (the parent's)")
     parser.add_argument(
@@ -117,6 +125,8 @@ def complete(path: Path, args) -> Path:
     recipe["training"].update(seq_len=args.seq, batch_size=1, warmup_steps=1, remat="full",
                               loss_chunk_tokens=min(1024, args.seq))  # fmt: skip
     recipe["limits"] = {"max_steps": args.steps}
+    if args.backend != "any":
+        recipe["runtime"] = {**recipe.get("runtime", {}), "backend": args.backend}
     recipe["checkpoint"] = {"every_steps": max(1, args.steps // 2), "keep": 2}
     recipe["evaluation"] = {"eval_every": 0, "batch_size": 1, "max_generate_examples": 2,
                             "min_dev_exact_match": 0.0, "export_max_shard_size": "2GB",
@@ -130,49 +140,48 @@ def complete(path: Path, args) -> Path:
 def _paths(args) -> dict[str, Path]:
     d = args.dir
     return {"recipe": d / "recipe.json", "validated": d / "validated.json",
-            "examples": d / "examples", "work": d / "work", "result": d / "train" / "result.json",
+            "examples": d / "examples", "quantized": d / "quantized", "work": d / "work", "result": d / "train" / "result.json",
             "final": d / "train" / "export", "metrics": d / "eval" / "metrics.json",
             "export": d / "eval" / "selected", "store": d / "store",
             "publication": d / "publication.json"}  # fmt: skip
 
 
-def _program(p):
-    from minifield import recipe as recipes
-    from minifield.inputs import examples
+def stage_train(p) -> dict:
+    """The supervised worker on the product; the compiled update's memory from its events,
+    the final export's size (the export then deleted: see the module)."""
+    from minifield.attempt import events as attempt_events
+    from minifield.pipeline import training
 
-    recipe = recipes.load(p["validated"])
-    arrays, _ = examples.load(p["examples"] / "", recipe.examples_digest)
-    return recipe, recipe.strategy.build(recipe.data, arrays)
+    out = training.train_attempt(p["validated"], p["recipe"].parent / "in", p["examples"],
+                                 p["work"], p["result"], p["final"], p["recipe"].parent / "train.log",
+                                 quantized_base_dir=p["quantized"])  # fmt: skip
+    attempt = Path(json.loads(p["result"].read_text())["attempt_dir"])
+    events, _ = attempt_events.read(attempt / "events.jsonl")
+    compiled = [e for e in events if e["type"] == "compiled"]
+    exported = sum(f.stat().st_size for f in p["final"].rglob("*") if f.is_file())
+    for copy in (p["final"], attempt / "export"):  # the stage's copy and the attempt's
+        shutil.rmtree(copy)
+    return {"status": out.get("status"), "steps": out.get("steps_completed"),
+            "compiled_memory": compiled[-1].get("memory") if compiled else None,
+            "compile_seconds": compiled[-1]["seconds"] if compiled else None,
+            "final_export_bytes": exported}  # fmt: skip
 
 
-def stage_compile(p) -> dict:
-    """The update compiled as ``LMProgram.compile`` compiles it (one device), and its
-    memory analysis."""
-    import jax
+def stage_evaluate(p) -> dict:
+    """The pipeline's evaluate stage: DEV, the selection, TEST, the selected export."""
+    import re
 
-    _, program = _program(p)
-    state = jax.eval_shape(program.start.abstract)
-    base = jax.eval_shape(lambda: program._base)
-    fn = jax.jit(program._step_fn, donate_argnums=(0,))
-    compiled = fn.lower(state, base, program.abstract_batch()).compile()
-    return {"compiled_peak_bytes": qlora_step.compiled_peak(compiled)}
+    from minifield.pipeline import evaluation
 
-
-def stage_export(p) -> dict:
-    """The DEV-selected checkpoint's export (the evaluate stage's selection)."""
-    from minifield.state import checkpoint
-
-    recipe, program = _program(p)
-    selected = json.loads(p["metrics"].read_text())["selection"]
-    path = next(
-        r["path"] for r in json.loads(p["metrics"].read_text())["checkpoints"]
-        if r.get("step") == selected["step"]
-    )  # fmt: skip
-    state, _ = checkpoint.load(Path(path), program.state_template(),
-                               computation_digest=recipe.computation_digest)  # fmt: skip
+    log = p["recipe"].parent / "evaluate.log"
     shutil.rmtree(p["export"], ignore_errors=True)
-    program.export(program.place(state), p["export"])
-    return {"export_bytes": sum(f.stat().st_size for f in p["export"].rglob("*") if f.is_file())}
+    metrics = evaluation.evaluate(p["validated"], p["result"], p["examples"], p["metrics"],
+                                  p["export"], log=log, quantized_base_dir=p["quantized"])  # fmt: skip
+    text = log.read_text() if log.is_file() else ""  # none where it ran in this process
+    peaks = re.findall(r"the device's peak (\d+) bytes", text)
+    return {"selected_dev": metrics["selected_dev"], "test": metrics["test"],
+            "evaluation_device_peak_bytes": int(peaks[-1]) if peaks else None,
+            "export_bytes": sum(f.stat().st_size for f in p["export"].rglob("*") if f.is_file())}  # fmt: skip
 
 
 def stage_activate(p) -> dict:
@@ -199,24 +208,19 @@ def stage_activate(p) -> dict:
 
 
 def run_stage(args) -> dict:
-    from minifield.pipeline import evaluation, preparation, training
+    from minifield.pipeline import preparation
 
     p = _paths(args)
     if args.stage == "prepare":
         preparation.validate(p["recipe"], p["validated"], args.dir / "validation.json")
         preparation.prepare(p["validated"], args.dir / "in", p["examples"])
-        return {}
-    if args.stage == "compile":
-        return stage_compile(p)
+        started = time.monotonic()
+        preparation.quantize_base(p["validated"], p["examples"], p["quantized"])
+        return {"quantize_seconds": round(time.monotonic() - started, 2)}
     if args.stage == "train":
-        out = training.train_attempt(p["validated"], args.dir / "in", p["examples"], p["work"],
-                                     p["result"], p["final"], args.dir / "train.log")  # fmt: skip
-        return {"status": out.get("status"), "steps": out.get("steps_completed")}
+        return stage_train(p)
     if args.stage == "evaluate":
-        metrics = evaluation.evaluate(p["validated"], p["result"], p["examples"], p["metrics"])
-        return {"selected_dev": metrics["selected_dev"], "test": metrics["test"]}
-    if args.stage == "export":
-        return stage_export(p)
+        return stage_evaluate(p)
     if args.stage == "activate":
         return stage_activate(p)
     from minifield import store

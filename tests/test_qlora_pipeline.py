@@ -1,6 +1,7 @@
 """``benchmarks/qlora_pipeline.py`` on this CPU at a tiny shape: the NF4 LoRA run through
-prepare, compile, train, evaluate, export, publish and activate (the gate, its re-evaluation a
-layer at a time), each stage's record in the JSON; the
+prepare (with the quantized base's product), train (the compiled update's memory from the
+worker's events), evaluate (with the selected export), publish and activate (the gate, its
+re-evaluation a layer at a time), each stage's record in the JSON; the
 export it writes is the merged model (``W + scale * B @ A`` from the base and adapter files,
 float64 NumPy, to BF16 rounding) and the store holds it."""
 
@@ -33,7 +34,15 @@ def test_the_pipeline_runs_every_stage_and_records_it(tmp_path):
         assert stage["exit"] == 0 and stage["seconds"] > 0, name
         assert stage["host_peak_rss_bytes"] > 0, name
     assert stages["train"]["status"] == "completed" and stages["train"]["steps"] == 2
-    assert stages["compile"]["compiled_peak_bytes"] > 0
+    # the worker compiled its update with the product's codes among its arguments
+    codes = sum(
+        np.load(f, mmap_mode="r").nbytes for f in (tmp_path / "run" / "quantized").glob("*.npy")
+    )
+    memory = stages["train"]["compiled_memory"]
+    assert codes > 0 and memory["arguments"] > codes
+    assert (
+        stages["train"]["final_export_bytes"] > 0 and not (tmp_path / "run/train/export").exists()
+    )
     assert np.isfinite(stages["evaluate"]["selected_dev"]["dev_loss"])
     run = tmp_path / "run"
     publication = json.loads((run / "publication.json").read_text())

@@ -248,6 +248,36 @@ def test_the_worker_on_the_product_trains_the_in_memory_states_and_resumes_bit_e
 
 
 @pytest.mark.slow
+def test_the_evaluation_reads_the_product_and_scores_what_quantizing_in_memory_scores(
+    made, tmp_path
+):
+    """The evaluate stage given the product (as the pipeline's evaluate rule gives it) scores
+    every checkpoint exactly as the evaluation that quantizes the prepared base again in
+    memory, and an altered product is refused naming its file: the product is what it read."""
+    from minifield.pipeline import evaluation
+    from minifield.pipeline.errors import StageError
+
+    tmp = made["tmp"]
+    given = ("--examples", tmp / "examples", "--quantized-base", tmp / "product")
+    (attempt,) = _run(tmp_path, made["path"], made["root"], "scored", *given)
+    result, examples_dir = tmp_path / "train-result.json", tmp / "examples"
+    worker = json.loads((attempt / "result.json").read_text())  # as the train stage records it
+    result.write_text(json.dumps({**worker, "attempt_dir": str(attempt)}))
+    quantized, in_memory = (
+        evaluation.evaluate(made["json"], result, examples_dir, tmp_path / name / "metrics.json",
+                            quantized_base_dir=product)  # fmt: skip
+        for name, product in (("product", tmp / "product"), ("memory", None))
+    )
+    assert quantized["checkpoints"] and quantized == in_memory
+    altered = _copy(tmp / "product", tmp_path / "altered")
+    victim = sorted(altered.glob("qbase.*.codes.npy"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\x07")
+    with pytest.raises(StageError, match=re.escape(str(victim))):
+        evaluation.evaluate(made["json"], result, examples_dir, tmp_path / "m.json",
+                            quantized_base_dir=altered)  # fmt: skip
+
+
+@pytest.mark.slow
 def test_a_worker_given_an_altered_product_ends_with_exit_2_naming_the_file(made, tmp_path):
     altered = _copy(made["tmp"] / "product", tmp_path / "altered")
     victim = sorted(altered.glob("qbase.*.scales.npy"))[0]

@@ -7,6 +7,7 @@ rule evaluate:
         examples=examples_manifest,
         # the verified inputs (a recipe's evaluation.harness task files are read from them)
         inputs="results/computations/{cdigest}/inputs.json",
+        quantized=quantized_base_manifest,
     output:
         metrics="results/computations/{cdigest}/eval/metrics.json",
         selected_export=directory("results/computations/{cdigest}/eval/selected-export"),

@@ -9,6 +9,8 @@ from minifield.pipeline.errors import refusals
 # and a handle that is not in append mode would write over it
 open(snakemake.log[0], "w").close()
 sys.stderr = open(snakemake.log[0], "a")
+# the quantized base's manifest, or an empty list when the base is not quantized
+quantized = snakemake.input.get("quantized")
 with refusals("evaluate"):
     evaluation.evaluate(
         Path(snakemake.input.recipe),
@@ -19,4 +21,5 @@ with refusals("evaluate"):
         Path(snakemake.params.input_root),
         processes=snakemake.config["evaluate"]["processes"],  # operational: not a rerun trigger
         log=Path(snakemake.log[0]),
+        quantized_base_dir=Path(quantized).parent if quantized else None,
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import atomic
 from ..attempt.chain import committed_checkpoints
+from ..hf import quantized_base
 from ..inputs import examples
 from ..recipe import Recipe
 from ..supervision import distributed
@@ -109,18 +110,28 @@ def score(
     examples_dir: Path,
     out_selected_export: Path | None = None,
     group: distributed.Group | None = None,
+    *,
+    quantized_base_dir: Path | None = None,
 ) -> dict:
     """DEV for every retained checkpoint, the DEV selection, TEST for the selected one.
 
     One checkpoint's state is held at a time (loaded, scored, dropped); the selected one is
     loaded again for TEST and, with ``out_selected_export``, its weights exported there.
-    Returns ``checkpoints``, ``selection``, ``selected_dev`` and ``test``.
+    Returns ``checkpoints``, ``selection``, ``selected_dev`` and ``test``. With
+    ``quantized_base_dir``, the base's codes are the product there (verified), as training
+    read them.
     """
     from ..state import checkpoint
 
     group = group or distributed.Group()
     result = atomic.read_json(train_result)
     arrays, _ = examples.load(examples_dir, recipe.examples_digest)
+    if quantized_base_dir is not None:
+        try:
+            product = quantized_base.load(quantized_base_dir, recipe.data)
+        except quantized_base.QuantizedBaseError as exc:
+            raise StageError(str(exc)) from None
+        arrays = {**arrays, **product}
     program = recipe.strategy.build(recipe.data, arrays)
     restorer = _Restorer(program, recipe, group)
     rows = []

@@ -37,6 +37,7 @@ def evaluate(
     *,
     processes: int = 1,
     log: Path | None = None,
+    quantized_base_dir: Path | None = None,
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
@@ -45,18 +46,22 @@ def evaluate(
     by that many processes on the recipe's mesh (their output appended to ``log``). A
     recipe's ``evaluation.harness`` tasks (read from ``input_root``, checked before anything
     is evaluated) run here, once, on that export; their results and threshold checks join
-    the metrics.
+    the metrics. ``quantized_base_dir``: the recipe's quantized base (the codes training
+    ran on, made once by the prepare stage), read rather than made again.
     """
     recipe = recipes.load(recipe_json)
     harness = _harness_tasks(recipe.data, input_root)
     if harness is not None and out_selected_export is None:
         raise StageError("evaluation.harness runs on the selected export: give its directory")
     if processes == 1 and not evaluation_processes.opens_accelerator(recipe):
-        scores = checkpoint_scores.score(recipe, train_result, examples_dir, out_selected_export)
+        scores = checkpoint_scores.score(
+            recipe, train_result, examples_dir, out_selected_export,
+            quantized_base_dir=quantized_base_dir,
+        )  # fmt: skip
     else:
         scores = evaluation_processes.run(
             recipe, recipe_json, train_result, examples_dir, out_selected_export, processes,
-            scratch=out_metrics.parent, log=log,
+            scratch=out_metrics.parent, log=log, quantized_base_dir=quantized_base_dir,
         )  # fmt: skip
     dev, test = scores["selected_dev"], scores["test"]
     acceptance = recipe.strategy.acceptance(recipe.data, {**dev, **test})

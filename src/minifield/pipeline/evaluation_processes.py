@@ -47,6 +47,7 @@ def command(
     examples_dir: Path,
     scores: Path,
     selected_export: Path | None,
+    quantized_base_dir: Path | None = None,
 ) -> list[str]:
     """The command line of an evaluation over ``processes`` processes: the launcher's, or
     one process's own (no launcher, no coordinator: a TPU host opens no socket)."""
@@ -55,6 +56,8 @@ def command(
     own += ["--scores", str(scores)]
     if selected_export is not None:
         own += ["--selected-export", str(selected_export)]
+    if quantized_base_dir is not None:
+        own += ["--quantized-base", str(quantized_base_dir)]
     if processes == 1:
         return own
     own.insert(3, "--distributed")
@@ -91,6 +94,7 @@ def run(
     *,
     scratch: Path,
     log: Path | None = None,
+    quantized_base_dir: Path | None = None,
 ) -> dict:
     """The figures of :func:`checkpoint_scores.score`, computed by ``processes`` processes.
 
@@ -107,8 +111,9 @@ def run(
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".evaluation-") as held:
         scores = Path(held) / SCORES
         cmd = command(
-            processes, recipe_json, train_result, examples_dir, scores, out_selected_export
-        )
+            processes, recipe_json, train_result, examples_dir, scores, out_selected_export,
+            quantized_base_dir,
+        )  # fmt: skip
         with open(log or os.devnull, "a", encoding="utf-8") as out:
             stream = out if log is not None else None
             print(f"$ {' '.join(cmd)}", file=out if log is not None else sys.stderr, flush=True)
@@ -133,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--examples", type=Path, required=True, help="prepared examples dir")
     parser.add_argument("--scores", type=Path, required=True, help="figures (process 0 writes)")
     parser.add_argument("--selected-export", type=Path, help="export of the selected checkpoint")
+    parser.add_argument("--quantized-base", type=Path, help="the recipe's quantized base (dir)")
     parser.add_argument(
         "--distributed",
         action="store_true",
@@ -200,15 +206,26 @@ def _evaluate(args, recipe: recipes.Recipe, group: distributed.Group) -> int:
         return EXIT_INVALID
     try:
         scores = checkpoint_scores.score(
-            recipe, args.train_result, args.examples, args.selected_export, group
-        )
+            recipe, args.train_result, args.examples, args.selected_export, group,
+            quantized_base_dir=args.quantized_base,
+        )  # fmt: skip
     except StageError as exc:
         print(f"{who}: {exc}", file=sys.stderr)
         return EXIT_FAILED
     if group.is_writer:
         atomic.write_json(args.scores, scores)
-    print(f"{who}: scored {len(scores['checkpoints'])} checkpoint(s)", file=sys.stderr)
+    print(f"{who}: scored {len(scores['checkpoints'])} checkpoint(s){_peak()}", file=sys.stderr)
     return EXIT_DONE
+
+
+def _peak() -> str:
+    """The device's peak bytes in use (where the backend counts them), for the log: the
+    evaluation's programs are compiled here, not by the worker that reports its update's."""
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return "" if peak is None else f"; the device's peak {peak} bytes"
 
 
 if __name__ == "__main__":
