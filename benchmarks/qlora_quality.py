@@ -130,6 +130,13 @@ def compare(
     }
 
 
+def scaled_lr(lr: float, shape: str) -> float:
+    """``lr``, set for the demo's width 64, scaled to ``shape``'s width by ``sqrt(64 / d)``
+    (docs/tpu.md, "QLoRA's quality claim on the chip": at width 3072 the demo's LoRA rate
+    left the runs unsettled, 30 % apart between bases either way by seed)."""
+    return lr * math.sqrt(64 / int(shape.split(",")[0]))
+
+
 def pretrained_base(directory: Path, shape: str, steps: int, lr: float | None) -> Path:
     """A Llama base of ``shape`` (``d_model,layers,heads,kv_heads,d_ff``) trained from its
     random initialisation by the demo base's recipe for ``steps`` updates, its HF export (with
@@ -143,8 +150,9 @@ def pretrained_base(directory: Path, shape: str, steps: int, lr: float | None) -
     d, layers, heads, kv_heads, ff = (int(x) for x in shape.split(","))
     recipe = yaml.safe_load(BASE_RECIPE.read_text())
     recipe["model"].update(d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=ff)
-    base_lr = recipe["training"]["learning_rate"]
-    recipe["training"]["learning_rate"] = lr or base_lr * math.sqrt(64 / d)
+    recipe["training"]["learning_rate"] = lr or scaled_lr(
+        recipe["training"]["learning_rate"], shape
+    )
     recipe["training"]["warmup_steps"] = min(recipe["training"]["warmup_steps"], steps // 5)
     recipe["limits"] = {"max_steps": steps}
     recipe["evaluation"].update(eval_every=0, max_generate_examples=50, min_dev_exact_match=0)
@@ -176,7 +184,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="LoRA updates per run")
     parser.add_argument("--batch", type=int, default=8, help="rows of 64 tokens per update")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--lr", type=float, help="LoRA's (absent: the demo's, 0.003)")
+    parser.add_argument("--lr", type=float, help="LoRA's (absent: the demo's, 0.003, scaled "
+                        "by sqrt(64 / d_model) for a --shape base)")  # fmt: skip
     parser.add_argument("--shape", help="d_model,layers,heads,kv_heads,d_ff of a base to "
                         "pretrain first (absent: the demo's base, data/llama-base)")  # fmt: skip
     parser.add_argument("--pretrain-steps", type=int, default=1500)
@@ -194,7 +203,10 @@ def main(argv=None) -> None:
         base = pretrained_base(
             args.dir / "llama-base", args.shape, args.pretrain_steps, args.pretrain_lr
         )
-    result = compare(base, args.seeds, args.steps, args.batch, args.rank, args.lr)
+    lr = args.lr
+    if lr is None and args.shape:  # the demo's 0.003 is for width 64: wider bases do not settle
+        lr = scaled_lr(yaml.safe_load(DEMO.read_text())["training"]["learning_rate"], args.shape)
+    result = compare(base, args.seeds, args.steps, args.batch, args.rank, lr)
     result["settings"] = {k: str(v) for k, v in vars(args).items()}
     for seed, ratios in result["ratios"].items():
         print(f"seed {seed}: int8 / bf16 {ratios['int8']:.4f}  nf4 / bf16 {ratios['nf4']:.4f}")
