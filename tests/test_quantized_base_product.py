@@ -264,8 +264,13 @@ def test_the_evaluation_reads_the_product_and_scores_what_quantizing_in_memory_s
     worker = json.loads((attempt / "result.json").read_text())  # as the train stage records it
     result.write_text(json.dumps({**worker, "attempt_dir": str(attempt)}))
     quantized, in_memory = (
-        evaluation.evaluate(made["json"], result, examples_dir, tmp_path / name / "metrics.json",
-                            quantized_base_dir=product)  # fmt: skip
+        evaluation.evaluate(
+            made["json"],
+            result,
+            examples_dir,
+            tmp_path / name / "metrics.json",
+            quantized_base_dir=product,
+        )  # fmt: skip
         for name, product in (("product", tmp / "product"), ("memory", None))
     )
     assert quantized["checkpoints"] and quantized == in_memory

@@ -163,14 +163,10 @@ class LMProgram(PlacedState, Program):
                 ins = (ins[0], self._base_shardings, ins[1])
             shardings = {"in_shardings": ins, "out_shardings": self.out_shardings()}
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
-        if self.lora is None:
-            self._compiled = fn.lower(abstract_state, abstract_batch).compile()
-            self.memory = compiled_memory(self._compiled)
-            return
-        abstract_base = jax.eval_shape(lambda: self._base)
-        step = fn.lower(abstract_state, abstract_base, abstract_batch).compile()
+        base = () if self.lora is None else (jax.eval_shape(lambda: self._base),)
+        step = fn.lower(abstract_state, *base, abstract_batch).compile()
         self.memory = compiled_memory(step)
-        self._compiled = lambda state, batch: step(state, self._base, batch)
+        self._compiled = step if self.lora is None else lambda s, b: step(s, self._base, b)
 
     def step(self, state: dict) -> tuple[dict, dict[str, float]]:
         import jax
