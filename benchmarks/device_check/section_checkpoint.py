@@ -19,7 +19,10 @@ a commit of a state already read back times the hashing and the writes alone (15
   through), and ``paused_sync_s``: a fresh state read back, then committed after
   :data:`PAUSE_S` seconds: on the chip a held copy one commit had been through committed in
   half the time of a fresh one (docs/tpu.md), and these tell whether it is the time since the
-  copy or the copy's memory;
+  copy or the copy's memory; ``touch_s`` and ``touched_sync_s``: a fresh state read back, one
+  byte of every 4 KiB page of its host copy read on one thread (:func:`touch`), then
+  committed: whether a first pass over the copy's pages is what the commit of a fresh copy
+  pays for (at 60c4491 the pause did not help: the second commit of a copy alone was cheap);
 - ``blocked_s`` / ``durable_s``: ``CheckpointCadence`` in the background, what the loop is
   blocked for and the time to durability.
 
@@ -43,7 +46,8 @@ from device_check.settings import MAX_STEPS, execution, llama_config, model_shap
 
 ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
         "read_back_s", "held_sync_s", "held_sync_cpu_s", "hot_sync_s", "hot_sync_cpu_s",
-        "paused_sync_s", "paused_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
+        "paused_sync_s", "paused_sync_cpu_s", "touch_s", "touch_cpu_s", "touched_sync_s",
+        "touched_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
 #: seconds between a fresh state's read-back and the commit of its held copy (paused_sync_s)
 PAUSE_S = 2.0
 
@@ -86,6 +90,20 @@ def device_to_host(state) -> tuple[float, list]:
             leaf.copy_to_host_async()
     arrays = [np.asarray(leaf) for leaf in leaves]
     return time.perf_counter() - started, arrays
+
+
+def touch(state) -> tuple[float, float]:
+    """(seconds, CPU seconds) to read one byte of every 4 KiB page of ``state``'s host copy
+    (JAX's, cached on each array), on this thread."""
+    import numpy as np
+
+    from minifield.state.arrays import named_leaves
+
+    started, cpu = time.perf_counter(), time.process_time()
+    for _, leaf in named_leaves(state):
+        flat = np.asarray(leaf).reshape(-1).view(np.uint8)
+        int(flat[::4096].sum(dtype=np.uint64))
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 def raw_write(directory: Path, arrays: list) -> float:
@@ -144,12 +162,17 @@ def _round(directory: Path, state, copy, step: int, pause_s: float) -> dict:
     time.sleep(pause_s)
     paused, paused_cpu = sync_commit(directory / "paused", fresh, step)
     fresh = _fresh(state, copy)
+    device_to_host(fresh)
+    touched, touched_cpu = touch(fresh)
+    touched_sync, touched_sync_cpu = sync_commit(directory / "touched", fresh, step)
+    fresh = _fresh(state, copy)
     blocked, durable = async_commit(directory / "async", fresh, step)
     return {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu, "raw_s": floor_b,
             "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "held_sync_s": held,
             "held_sync_cpu_s": held_cpu, "read_back_s": read_back, "hot_sync_s": hot,
             "hot_sync_cpu_s": hot_cpu, "paused_sync_s": paused, "paused_sync_cpu_s": paused_cpu,
-            "blocked_s": blocked, "durable_s": durable}  # fmt: skip
+            "touch_s": touched, "touch_cpu_s": touched_cpu, "touched_sync_s": touched_sync,
+            "touched_sync_cpu_s": touched_sync_cpu, "blocked_s": blocked, "durable_s": durable}  # fmt: skip
 
 
 def _ratios(out: dict, rows: dict, nbytes: int) -> None:
