@@ -139,7 +139,11 @@ def test_an_events_file_full_while_a_checkpoint_commit_is_unreported_still_ends_
     assert str(attempt / "events.jsonl") in result["error"]["message"]
     assert "Traceback" not in proc.stderr
     types = [(e["type"], e.get("step")) for e in read_events(attempt / "events.jsonl")]
-    assert types[-1] == ("update", 100) and ("checkpoint_committed", 100) not in types
+    # the last update written is 100 (an earlier checkpoint's event may land after it when
+    # that commit ends late, on a loaded machine), and checkpoint 100's event is not there
+    assert [s for t, s in types if t == "update"][-1] == 100
+    assert max(s for _, s in types if s is not None) == 100
+    assert ("checkpoint_committed", 100) not in types
     # checkpoint 100 is committed, its event refused: result.json names it all the same
     assert result["checkpoint"]["step"] == 100
     # the event that was not written is said, and which checkpoint counts
