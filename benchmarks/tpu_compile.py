@@ -32,6 +32,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,10 @@ def arguments(argv=None) -> argparse.Namespace:
     q.add_argument("--rank", type=int, default=16)
     q.add_argument("--block", type=int, help="absent: int8 per channel, NF4 64")
     q.add_argument("--no-double", action="store_true", help="NF4 without double quantization")
+    q.add_argument("--attention", choices=("xla", "splash"), default="xla", help="xla: "
+                   "qlora_step.py's (its recipe names no backend); splash: a TPU recipe's")  # fmt: skip
+    q.add_argument("--head-placed", action="store_true", help="an experiment: the untied head "
+                   "transposed once as placed, not in every step")  # fmt: skip
     q.add_argument("--optimizer", choices=("qlora_step", "pipeline"), default="qlora_step",
                    help="qlora_step.py's, or qlora_pipeline.py's recipe's (its schedule)")  # fmt: skip
     s = cases.add_parser(
@@ -158,7 +163,7 @@ def compiled_figures(jitted, arguments, hlo: Path | None = None) -> dict:
         text = str(exc)
         return {"fits": False, "compile_s": round(time.perf_counter() - started, 2),
                 "compiler_used_bytes": section_shapes._used_bytes(text),
-                "error": text[:600]}  # fmt: skip
+                "compiler_temp_bytes": _temporaries(text), "error": text[:600]}  # fmt: skip
     seconds = time.perf_counter() - started
     if hlo is not None:
         hlo.write_text(compiled.as_text())
@@ -168,11 +173,27 @@ def compiled_figures(jitted, arguments, hlo: Path | None = None) -> dict:
         "output_bytes": int(m.output_size_in_bytes),
         "temp_bytes": int(m.temp_size_in_bytes),
         "alias_bytes": int(m.alias_size_in_bytes),
+        # what the program keeps in the host's memory (``remat: offload_attention``)
+        "host_temp_bytes": int(m.host_temp_size_in_bytes),
     }
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     return {"fits": True, "peak_bytes": qlora_step.compiled_peak(compiled), **parts,
             "flops": float(analysis.get("flops", 0.0)), "compile_s": round(seconds, 2)}  # fmt: skip
+
+
+#: the other form of the compiler's refusal: the temporaries alone above the HBM
+_TEMPORARIES = re.compile(r"memory required for HLO temporaries \(([0-9.]+)([KMGT])?\)")
+
+
+def _temporaries(text: str) -> int | None:
+    """The temporaries' bytes a refusal names ("... for HLO temporaries (18.12G) exceeds
+    available HBM (15.75G)"), or None."""
+    found = _TEMPORARIES.search(text)
+    if not found:
+        return None
+    scale = {None: 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[found.group(2)]
+    return int(float(found.group(1)) * scale)
 
 
 def run(args) -> dict:
@@ -192,8 +213,10 @@ def _settings(args) -> dict:
 
 def _line(record: dict) -> str:
     if not record["fits"]:
-        used = record["compiler_used_bytes"]
-        return f"does not fit: the compiler used {used and used / 2**30:.2f} GiB"
+        used, temp = record["compiler_used_bytes"], record["compiler_temp_bytes"]
+        said = "no figure" if used is None else f"the compiler used {used / 2**30:.2f} GiB"
+        said = said if temp is None else f"temporaries alone {temp / 2**30:.2f} GiB"
+        return f"does not fit ({said}): {record['error'][:300]}"
     return (f"peak {record['peak_bytes']:,} B ({record['peak_bytes'] / 2**30:.3f} GiB): "
             f"arguments {record['argument_bytes'] / 2**30:.3f}, outputs "
             f"{record['output_bytes'] / 2**30:.3f}, temporaries {record['temp_bytes'] / 2**30:.3f}, "
@@ -213,10 +236,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     record = run(args)
-    print(_line(record))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(_line(record))
     return 0
 
 

@@ -123,3 +123,13 @@ def test_a_tiny_step_compiled_for_the_chip(tmp_path):
     assert record["argument_bytes"] >= record["abstract_argument_bytes"] > 0
     assert "tpu_custom_call" in (tmp_path / "step.hlo").read_text()
     assert math.isfinite(record["flops"]) and record["flops"] > 0
+
+
+def test_the_compilers_refusals_are_read():
+    """Both forms the TPU compiler refuses a program in (the chip's messages, 2026-12-06)."""
+    temps = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (18.12G) exceeds available HBM (15.75G)."
+    )
+    assert tpu_compile._temporaries(temps) == int(18.12 * 2**30)
+    assert tpu_compile._temporaries("Used 16.72G of 15.75G hbm. Exceeded hbm capacity") is None
