@@ -89,6 +89,8 @@ def test_a_scanned_run_on_the_stacked_base_is_the_per_layer_runs_bits(tmp_path):
     ]
     assert "stacked" in program._base.params["blocks"] and not blocks_out_in[0]
     assert "00" in twin._base.params["blocks"] and blocks_out_in[1]  # transposed per step
+    # the untied head too: transposed once as placed, against the twin's copy every step
+    assert not program._base.out_in and "head/w" in twin._base.out_in
     states = []
     for run in (program, twin):
         state = run.place(run.init_state())

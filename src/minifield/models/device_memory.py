@@ -93,9 +93,8 @@ def _state(cfg, recipe: dict, accum: bool) -> int:
         else:
             held += size
             # the step's transposed copy of a stored [out, in] matrix (hf.stored_base); a
-            # scanned run's block matrices are transposed and stacked once, as placed
-            placed = scanned and path.startswith("blocks/")
-            copies += size if stored_out_in and not placed else 0
+            # scanned run's are transposed once, as placed (its blocks stacked, its head)
+            copies += size if stored_out_in and not scanned else 0
         if matrix and path.rsplit("/", 1)[-1] in targets:
             adapters += lora["rank"] * sum(shape)
     if scheme is not None and scanned:
