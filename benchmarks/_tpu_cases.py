@@ -118,25 +118,10 @@ def qlora(args):
     step = jax.jit(lora.make_train_step(cfg, settings, opt, schedule), donate_argnums=(0,))
     state = jax.eval_shape(lambda: lora.init_state(cfg, settings, opt, 0, np.zeros(32, np.uint8)))
     base = abstract_base(cfg, settings)
-    if args.head_placed and "head/w" in base.out_in:
-        base = _head_placed(base)
     arguments = (state, base, rows(args.batch, args.seq))
     described = {"execution": _execution(cfg), "lora_rank": args.rank,
                  "state_bytes": nbytes(state), "base_bytes": base_parts(base)}  # fmt: skip
     return step, arguments, described
-
-
-def _head_placed(base):
-    """An experiment, not what a run places: the untied head transposed into ``[in, out]``
-    once, as it is placed (as ``stored_base.stacked`` does the blocks' matrices), instead of
-    in every step (``FrozenBase.model_params``: a copy of the whole head, 1 GB at 8B)."""
-    import jax
-
-    from minifield.hf import stored_base
-
-    w = base.params["head"]["w"]
-    params = {**base.params, "head": {"w": jax.ShapeDtypeStruct(w.shape[::-1], w.dtype)}}
-    return stored_base.FrozenBase(params, base.out_in - {"head/w"}, base.dtype)
 
 
 def nbytes(tree) -> int:

@@ -78,8 +78,6 @@ def arguments(argv=None) -> argparse.Namespace:
     q.add_argument("--no-double", action="store_true", help="NF4 without double quantization")
     q.add_argument("--attention", choices=("xla", "splash"), default="xla", help="xla: "
                    "qlora_step.py's (its recipe names no backend); splash: a TPU recipe's")  # fmt: skip
-    q.add_argument("--head-placed", action="store_true", help="an experiment: the untied head "
-                   "transposed once as placed, not in every step")  # fmt: skip
     q.add_argument("--optimizer", choices=("qlora_step", "pipeline"), default="qlora_step",
                    help="qlora_step.py's, or qlora_pipeline.py's recipe's (its schedule)")  # fmt: skip
     s = cases.add_parser(
