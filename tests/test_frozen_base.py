@@ -124,9 +124,8 @@ def test_bf16_base_logits_equal_the_widened_loaders_exactly_in_fp32(bf16_run):
         np.testing.assert_array_equal(node, np.asarray(leaf))
 
 
-@pytest.mark.parametrize(
-    "compute_dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"]
-)  # one dtype in the fast tier
+@pytest.mark.slow  # two compiles; the fast tier keeps the BF16 base's logits test above
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
 def test_a_lora_step_on_the_hf_layout_equals_the_transposed_layout_bit_for_bit(
     bf16_run, compute_dtype
 ):
@@ -219,6 +218,7 @@ def test_a_bf16_base_lora_run_and_its_exports_are_those_before_the_change(bf16_r
     assert_the_run_before(loaded, program, root, state, tmp_path / "export", tmp_path)
 
 
+@pytest.mark.slow  # a compile; the fast tier's time is at its limit under Python 3.12
 def test_the_compiled_update_reports_its_memory_from_its_arguments(bf16_run):
     """The ``compiled`` event's ``memory``: its arguments are the state, the frozen base and
     the batch the update is compiled for, counted here leaf by leaf; the donated state is

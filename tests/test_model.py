@@ -94,7 +94,9 @@ def alone_loss_sum(params, cfg, tokens, mask, T=32):
         # ~8 s of compiling on CI: in the slow tier (learned positions stay in the fast tier in
         # test_changing_one_segment_leaves_the_others_untouched)
         pytest.param(dict(positions="learned", tie_embeddings=True), marks=pytest.mark.slow),
-        dict(positions="rotary", tie_embeddings=False),
+        # ~3 s: slow too (a packed row against its examples alone stays in the fast tier in
+        # test_llama's test_each_segment_of_a_packed_row_equals_the_example_alone)
+        pytest.param(dict(positions="rotary", tie_embeddings=False), marks=pytest.mark.slow),
     ],
 )
 def test_packed_loss_equals_sum_of_examples_run_alone(overrides):
