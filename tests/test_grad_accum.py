@@ -139,6 +139,7 @@ def test_k_micro_batches_equal_one_batch_after_several_updates(setup, batches, f
     assert _max_difference(full_batch["params"], accumulated["params"]) <= PARAM_ATOL
 
 
+@pytest.mark.slow  # the negative control: the fast tier keeps the equality itself (k = 2)
 def test_mean_of_micro_batch_means_differs_measurably(setup, batches, full_batch):
     """The pitfall, computed here: average the micro-batches' mean-loss gradients."""
     cfg, tx, state = setup

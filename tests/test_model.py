@@ -331,6 +331,7 @@ def naive_greedy(params, cfg, prompt, n, stop):
     return new
 
 
+@pytest.mark.slow  # ~2 s of compiling; greedy generation stays in the fast tier in test_load_model
 def test_greedy_generate_is_deterministic_and_respects_limits():
     cfg = tiny(compute_dtype="float32", vocab_size=7, max_len=24)
     params = init_params(cfg, jax.random.key(5))
