@@ -74,7 +74,10 @@ def abstract_base(cfg, settings):
             weight = QuantizedWeight(*(made[leaf] for leaf in quantized_base.LEAVES),
                                      scheme, block, (K, N))  # fmt: skip
             items.append((path, weight))
-        base = stored_base.FrozenBase(stored_base.nest(items), frozenset(out_in), base.dtype)
+        host = quantized_base.host_paths([(path, None, None) for path, _ in items])
+        base = stored_base.FrozenBase(
+            stored_base.nest(items), frozenset(out_in), base.dtype, frozenset(host)
+        )
     if cfg.execution.scan_layers:
         base = jax.eval_shape(stored_base.stacked, base)
     return base

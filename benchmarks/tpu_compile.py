@@ -125,13 +125,31 @@ def chip_device():
 
 
 def on_device(tree, device):
-    """``tree``'s shapes and dtypes on ``device`` (as the step's arguments are on the chip)."""
+    """``tree``'s shapes and dtypes on ``device`` (as the step's arguments are on the chip): a
+    frozen base's ``host`` paths in its host memory (``pinned_host``), as placed."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    sharding = SingleDeviceSharding(device)
+    from minifield.hf import stored_base
+
+    shardings = {kind: SingleDeviceSharding(device, memory_kind=kind)
+                 for kind in ("device", "pinned_host")}  # fmt: skip
+
+    def placed(t, kind="device"):
+        def one(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings[kind])
+
+        return jax.tree_util.tree_map(one, t)
+
+    def part(x):
+        if not (isinstance(x, stored_base.FrozenBase) and x.host):
+            return placed(x)
+        items = [(path, placed(value, "pinned_host" if path in x.host else "device"))
+                 for path, value in stored_base.flatten(x.params)]  # fmt: skip
+        return stored_base.FrozenBase(stored_base.nest(items), x.out_in, x.dtype, x.host)
+
     return jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        part, tree, is_leaf=lambda x: isinstance(x, stored_base.FrozenBase)
     )
 
 

@@ -104,6 +104,30 @@ def test_the_base_is_held_as_codes_and_the_step_trains_the_adapters(root):
     assert all(jax.tree_util.tree_leaves(moved))
 
 
+@pytest.mark.slow  # two programs compiled and trained
+def test_the_table_in_the_hosts_memory_trains_the_bits_of_the_table_on_the_device(root):
+    """The quantized base's token embedding (its head untied) waits in the host's memory,
+    its rows gathered there: three updates and the DEV figures are those of the same program
+    with the table placed on the device (a gather is exact). (What it takes off the chip's
+    arguments is the chip compiler's to say: ``benchmarks/tpu_compile.py``, docs/tpu.md.)"""
+    program, twin = _program(root, NF4), _program(root, NF4)
+    assert program._base.host == {"embed/tokens"}
+    table = program._base.params["embed"]["tokens"]
+    assert table.sharding.memory_kind == "pinned_host"
+    base = twin._base
+    params = {**base.params, "embed": {"tokens": jax.device_put(np.asarray(table))}}
+    twin._base = stored_base.FrozenBase(params, base.out_in, base.dtype)  # no host paths
+    states = []
+    for run in (program, twin):
+        state = run.place(run.init_state())
+        for _ in range(3):
+            state, _ = run.step(state)
+        states.append((state, run.evaluate(state)))
+    for a, b in zip(*(jax.tree_util.tree_leaves(s) for s, _ in states), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert states[0][1] == states[1][1]
+
+
 def test_the_scanned_layers_run_the_same_quantized_model(root):
     """Under ``lax.scan`` (one layer's codes made back at a time) the model is the loop's."""
     program = _program(root, NF4)

@@ -220,7 +220,7 @@ def stacked(base: FrozenBase) -> FrozenBase:
         del layers
     params["blocks"] = {STACKED: nest(items)}
     del params["blocks"][STACKED]["blocks"]  # (nest's own empty "blocks")
-    return FrozenBase(params, frozenset(), base.dtype)
+    return FrozenBase(params, frozenset(), base.dtype, base.host)
 
 
 def _pop(node: dict, parts: list[str]):
@@ -255,10 +255,11 @@ _registered: list[bool] = []
 class FrozenBase:
     """Stored base weights (a pytree, so it passes into jitted steps as an argument):
     ``params`` as stored, ``out_in`` the paths held ``[out, in]``, ``dtype`` the dtype the
-    model sees them in."""
+    model sees them in, ``host`` the paths held in the host's memory (their rows gathered
+    there: :class:`~minifield.models.host_table.HostTable`)."""
 
-    def __init__(self, params: dict, out_in: frozenset, dtype: str):
-        self.params, self.out_in, self.dtype = params, out_in, dtype
+    def __init__(self, params: dict, out_in: frozenset, dtype: str, host=frozenset()):
+        self.params, self.out_in, self.dtype, self.host = params, out_in, dtype, host
         if not _registered:
             import jax
 
@@ -266,7 +267,7 @@ class FrozenBase:
             _registered.append(True)
 
     def tree_flatten(self):
-        return (self.params,), (self.out_in, self.dtype)
+        return (self.params,), (self.out_in, self.dtype, self.host)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -280,11 +281,14 @@ class FrozenBase:
 
         dtype = jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32
 
+        from ..models.host_table import HostTable
         from ..models.quantize import QuantizedWeight
 
         def made(path, value):
             if isinstance(value, QuantizedWeight):  # made back inside each layer's products
                 return value.held_in(self.dtype)
+            if path in self.host:  # in the host's memory: its rows gathered there
+                return HostTable(value, dtype)
             if path in self.out_in:  # in the stored dtype: the fewest bytes to move (the
                 # experts' stacked [E, out, in]: each expert's matrix transposed)
                 value = jax.lax.optimization_barrier(jnp.swapaxes(value, -1, -2))

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from . import moe, rope_scaling
+from .host_table import HostTable
 from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, linear, rotate, scaled_normal
 
@@ -142,7 +143,11 @@ _ACTIVATIONS = {
 def _embed(params, cfg: LlamaConfig, tokens_BxT):
     """Token embeddings in the compute dtype (Gemma: times sqrt(d_model), itself rounded to
     the compute dtype first, as transformers' ``normalizer``)."""
-    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
+    table = params["embed"]["tokens"]
+    if isinstance(table, HostTable):  # a frozen table in the host's memory: rows from there
+        h_BxTxD = table.rows(tokens_BxT).astype(cfg.dtype)
+    else:
+        h_BxTxD = table[tokens_BxT].astype(cfg.dtype)
     if cfg.scale_embeddings:
         h_BxTxD = h_BxTxD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
     return h_BxTxD

@@ -163,7 +163,7 @@ class LMProgram(PlacedState, Program):
                 ins = (ins[0], self._base_shardings, ins[1])
             shardings = {"in_shardings": ins, "out_shardings": self.out_shardings()}
         fn = jax.jit(self._step_fn, donate_argnums=(0,), **shardings)
-        base = () if self.lora is None else (jax.eval_shape(lambda: self._base),)
+        base = () if self.lora is None else (_abstract(self._base),)
         step = fn.lower(abstract_state, *base, abstract_batch).compile()
         self.memory = compiled_memory(step)
         self._compiled = step if self.lora is None else lambda s, b: step(s, self._base, b)
@@ -236,3 +236,16 @@ def _host_metrics(metrics: dict, counts: dict) -> dict[str, float]:
         host["expert_load"] = [float(share) for share in np.asarray(metrics["expert_load"])]
     host["loss_tokens"] = host.pop("tokens", float("nan"))
     return {**host, **counts}
+
+
+def _abstract(tree):
+    """``tree``'s arrays as shapes and dtypes, each in the memory it is placed in where that
+    is not the device's (a base's table in the host's: the program reads it from there)."""
+    import jax
+
+    def one(a):
+        kind = getattr(getattr(a, "sharding", None), "memory_kind", None)
+        sharding = a.sharding if kind not in (None, "device") else None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(one, tree)
