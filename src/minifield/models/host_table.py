@@ -10,16 +10,26 @@ table held on the device.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 from jax.experimental.compute_on import compute_on
 
 
-@compute_on("device_host")
-@jax.jit
-def _gather(table, ids):
+def _rows(table, ids):
     # no index clamping: its comparisons would be device constants, which a computation on
     # the host refuses; the ids are a tokenizer's, within the table
     return table.at[ids].get(mode="promise_in_bounds")
+
+
+# computed on the host: JAX 0.10 (the lock's for Python 3.11, the chip's) names where as a
+# context; later JAX (0.12, the lock's for 3.12) takes the function and its output's memory
+if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+    _gather = jax.jit(
+        compute_on(_rows, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    )
+else:
+    _gather = compute_on("device_host")(jax.jit(_rows))
 
 
 @jax.tree_util.register_pytree_node_class
