@@ -118,6 +118,7 @@ def loop_metrics(case):
     return _step_metrics(case["cfg"], case["params"], case["batch"])
 
 
+@pytest.mark.slow  # its update's compile (3.5 s); the fast tier keeps the config's round trip
 def test_the_training_step_reports_transformers_losses_and_the_load_with_padding(
     case, loop_metrics
 ):

@@ -138,6 +138,7 @@ def test_the_scanned_layers_run_the_same_quantized_model(root):
     np.testing.assert_allclose(scan, loop, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a run and its export (2 s); the fast tier keeps the codes and the logits
 def test_the_adapter_applies_to_the_unquantized_base(root, tmp_path):
     """The PEFT adapter a quantized run writes, added to the original base file's weights,
     is the merged export (as QLoRA adapters are merged); every other tensor is the file's."""
