@@ -268,11 +268,10 @@ def compiled_peak(compiled) -> int | None:
     """The compiled step's peak, as the device check's ``shapes`` section reads it: arguments
     (the base's codes among them) + outputs + temporaries - the outputs aliased to donated
     arguments (``peak_bytes_in_use`` misses the temporaries)."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    parts = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    return int(parts - m.alias_size_in_bytes)
+    from minifield.strategies.base import compiled_memory
+
+    memory = compiled_memory(compiled)
+    return None if memory is None else memory["peak"]
 
 
 def estimated(args, targets, scheme) -> int:

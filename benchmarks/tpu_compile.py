@@ -45,6 +45,7 @@ import qlora_step  # noqa: E402
 from device_check import section_shapes  # noqa: E402
 
 from minifield.models.execution import REMAT_POLICIES  # noqa: E402
+from minifield.strategies.base import compiled_memory  # noqa: E402
 
 #: the chip: one v5e (``v5litepod-1``), its HBM as the compiler counts it (15.75 GiB)
 TOPOLOGY = "v5e:1x1"
@@ -185,18 +186,14 @@ def compiled_figures(jitted, arguments, hlo: Path | None = None) -> dict:
     seconds = time.perf_counter() - started
     if hlo is not None:
         hlo.write_text(compiled.as_text())
-    m = compiled.memory_analysis()
-    parts = {
-        "argument_bytes": int(m.argument_size_in_bytes),
-        "output_bytes": int(m.output_size_in_bytes),
-        "temp_bytes": int(m.temp_size_in_bytes),
-        "alias_bytes": int(m.alias_size_in_bytes),
-        # what the program keeps in the host's memory (``remat: offload_attention``)
-        "host_temp_bytes": int(m.host_temp_size_in_bytes),
-    }
+    memory = compiled_memory(compiled)
+    parts = {f"{name}_bytes": memory[key] for name, key in (("argument", "arguments"),
+             ("output", "outputs"), ("temp", "temporaries"), ("alias", "aliased"))}  # fmt: skip
+    # what the program keeps in the host's memory (``remat: offload_attention``)
+    parts["host_temp_bytes"] = int(compiled.memory_analysis().host_temp_size_in_bytes)
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
-    peak = qlora_step.compiled_peak(compiled)
+    peak = memory["peak"]
     # compiled is not enough: the compiler refuses temporaries above the HBM, the arguments
     # beside them are the runtime's to allocate (the device check's limit is the peak's)
     return {"fits": peak <= HBM_BYTES, "peak_bytes": peak, **parts,
