@@ -124,7 +124,8 @@ def test_packed_loss_equals_sum_of_examples_run_alone(overrides):
 @pytest.mark.parametrize(
     "overrides",
     [
-        dict(positions="learned", tie_embeddings=True),
+        # learned positions in the slow tier: the fast tier keeps rotary, the default
+        pytest.param(dict(positions="learned", tie_embeddings=True), marks=pytest.mark.slow),
         dict(positions="rotary", tie_embeddings=False),
     ],
     ids=["learned", "rotary"],

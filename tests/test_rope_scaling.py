@@ -245,7 +245,8 @@ def _with_generation_config(recipe: dict, root) -> dict:
     return recipe
 
 
-@pytest.mark.parametrize("lora", [False, True])
+# a full fine-tune's export in the slow tier: the fast tier keeps the LoRA one
+@pytest.mark.parametrize("lora", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_an_export_keeps_every_field_of_the_base_config(long_base, tmp_path, lora):
     model_section = {"lora": {"rank": 2}} if lora else {}
     recipe = _with_generation_config(base_recipe(long_base, model_section), long_base)
