@@ -63,8 +63,10 @@ def kind(row: dict) -> str:
         return "pytest workers (in-process tests)"
     if first.endswith("pytest/__main__.py"):
         return "pytest (the session)"
+    if first.endswith("snakemake/__main__.py"):  # python -m snakemake: argv[0] is its path
+        return "snakemake"
     if first == "-m" and len(argv) > 1:
-        return "snakemake" if argv[1] == "snakemake" else f"-m {argv[1]}"
+        return f"-m {argv[1]}"
     if "/.snakemake/scripts/" in first:
         return "snakemake job scripts"
     if first.endswith("minifield/worker.py"):
