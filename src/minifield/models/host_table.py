@@ -46,8 +46,9 @@ class HostTable:
     def tree_unflatten(cls, dtype, children):
         return cls(children[0], dtype)
 
-    def rows(self, ids):
-        """``table[ids]`` on the device, in ``dtype``: gathered on the host."""
+    def __getitem__(self, ids):
+        """``table[ids]`` on the device, in ``dtype``: gathered on the host (indexed as the
+        table on the device is, so the model reads either alike)."""
         host, device = jax.memory.Space.Host, jax.memory.Space.Device
         gathered = _gather(jax.device_put(self.table, host), jax.device_put(ids, host))
         return jax.device_put(gathered, device).astype(self.dtype)

@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 
 from . import moe, rope_scaling
-from .host_table import HostTable
 from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, linear, rotate, scaled_normal
 
@@ -143,11 +142,8 @@ _ACTIVATIONS = {
 def _embed(params, cfg: LlamaConfig, tokens_BxT):
     """Token embeddings in the compute dtype (Gemma: times sqrt(d_model), itself rounded to
     the compute dtype first, as transformers' ``normalizer``)."""
-    table = params["embed"]["tokens"]
-    if isinstance(table, HostTable):  # a frozen table in the host's memory: rows from there
-        h_BxTxD = table.rows(tokens_BxT).astype(cfg.dtype)
-    else:
-        h_BxTxD = table[tokens_BxT].astype(cfg.dtype)
+    # an array, or a frozen table in the host's memory (``HostTable``: its rows gathered there)
+    h_BxTxD = params["embed"]["tokens"][tokens_BxT].astype(cfg.dtype)
     if cfg.scale_embeddings:
         h_BxTxD = h_BxTxD * jnp.asarray(cfg.d_model**0.5, cfg.dtype)
     return h_BxTxD
