@@ -141,3 +141,24 @@ def test_a_quantized_base_is_evaluated_on_its_codes(root):
     # to float32 rounding (the matrices made back in another order of operations)
     np.testing.assert_allclose(ours, expected, rtol=5e-6)
     assert abs(unquantized_loss - expected) > 1e-4
+
+
+@pytest.mark.parametrize(("n_in", "n_out", "rank"), [(48, 64, 3), (32, 16, 4), (256, 384, 16)])
+def test_a_matrix_merged_in_its_stored_layout_has_the_bits_of_the_transposed_one(n_in, n_out, rank):
+    """The ``[out, in]`` merge (the base as stored, never copied into ``[in, out]``) gives the
+    bits of :func:`lora.merged`'s ``[in, out]`` expression. At the first two shapes a
+    transposed product left free to XLA (its operands swapped: another kernel) differed in
+    the last bit of some values under JAX 0.10.2."""
+    from minifield.training import host_merge
+
+    rng = np.random.default_rng(n_in)
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    a = rng.standard_normal((n_in, rank), dtype=np.float32) * 0.1
+    b = rng.standard_normal((rank, n_out), dtype=np.float32) * 0.1
+    scale = 7.0 / 3.0
+    stored_layout, _ = host_merge._merge_op(scale, out_in=True)
+    precision = jax.lax.Precision.HIGHEST  # lora.merged's per-target expression, [in, out]
+    expected = jax.jit(lambda w, a, b: w + scale * jax.numpy.matmul(a, b, precision=precision))
+    ours = np.asarray(stored_layout(w, a, b)).T
+    reference = np.asarray(expected(np.ascontiguousarray(w.T), a, b))
+    np.testing.assert_array_equal(ours.view(np.uint32), reference.view(np.uint32))

@@ -315,8 +315,8 @@ def write(
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
     ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``fetch``: a parameter leaf -> its host
     array, called as each tensor is converted (a device array is fetched then, not the whole
-    tree first); the writer holds one shard's converted tensors and its serialised bytes at a
-    time.
+    tree first), from several threads at once; the writer holds at most two shards' converted
+    tensors (one being written while the next is converted), never the whole model.
 
     ``group``: the processes of a state spread over several (a collective: every process
     calls it): each writes the slices its devices hold into the files process 0 laid out
@@ -358,26 +358,43 @@ def write(
 
 
 def _write_files(directory: Path, planned, expected, value_of, stored_dtype) -> None:
-    """Each planned file from the whole tensors (``value_of(internal path)``: ``[in, out]``)."""
+    """Each planned file from the whole tensors (``value_of(internal path)``: ``[in, out]``):
+    a shard's tensors converted side by side (:func:`.tensors.reading_pool`; each whole by one
+    thread, so the bytes do not depend on the threads) while the shard before it is serialised
+    and written. At most two shards' converted tensors are held: the one being written and the
+    one being converted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .tensors import reading_pool
+
+    def converted(name: str) -> np.ndarray:
+        internal, transpose, shape = expected[name]
+        raw = value_of(internal)
+        value = raw.T if transpose else raw
+        if value.shape != shape:
+            raise ValueError(f"parameter {internal}: shape {raw.shape} disagrees with the config")
+        return value.astype(stored_dtype, order="C")  # one pass, where a transposed view
+
+    widest = max(len(names) for names in planned.files.values())
+    with reading_pool(widest) as pool, ThreadPoolExecutor(1) as writer:
+        written = None
+        for file, names in planned.files.items():
+            tensors = dict(zip(names, pool.map(converted, names), strict=True))
+            if written is not None:
+                written.result()  # its OSError, naming the file, raised here
+            written = writer.submit(_write_shard, directory / file, tensors)
+            del tensors
+        if written is not None:
+            written.result()
+
+
+def _write_shard(path: Path, tensors: dict) -> None:
+    """One file, serialised in memory and written atomically (an interrupted write leaves no
+    half-written file; a full disk is an OSError naming the file, which save_file does not
+    raise)."""
     from safetensors.numpy import save
 
-    for file, names in planned.files.items():
-        tensors = {}
-        for name in names:
-            internal, transpose, shape = expected[name]
-            value = value_of(internal)
-            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
-            if tensors[name].shape != shape:
-                raise ValueError(
-                    f"parameter {internal}: shape {value.shape} disagrees with the config"
-                )
-            tensors[name] = tensors[name].astype(stored_dtype)
-            del value
-        # Serialised in memory and written atomically (an interrupted write leaves no
-        # half-written file; a full disk is an OSError naming the file, which save_file does
-        # not raise); one shard at a time, so the writer never holds the whole model converted.
-        atomic.write_bytes(directory / file, save(tensors, metadata={"format": "pt"}))
-        del tensors
+    atomic.write_bytes(path, save(tensors, metadata={"format": "pt"}))
 
 
 def _spread_tensor(cfg, entry, params) -> parallel_files.Tensor:

@@ -25,8 +25,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def _merge_op(scale: float):
-    """``(w, a, b) -> w + scale * a @ b`` (FP32, jitted) and the device it runs on."""
+def _merge_op(scale: float, out_in: bool):
+    """``(w, a, b) -> w + scale * a @ b`` (FP32, jitted) and the device it runs on; ``out_in``:
+    ``w`` held as stored, ``[out, in]``, and ``a @ b`` transposed to it. The product is the
+    ``[in, out]`` expression's own (kept as computed by an optimization barrier: left free,
+    XLA makes the transposed product with its operands swapped, another kernel whose sums
+    differ in the last bit at some shapes), the multiply and add are its too: the values are
+    those of the ``[in, out]`` expression bit for bit (``tests/test_host_merge.py``), and ``w``
+    is never copied into the other layout."""
     import jax
     import jax.numpy as jnp
 
@@ -37,7 +43,10 @@ def _merge_op(scale: float):
 
     @jax.jit
     def op(w, a, b):  # lora.merged's per-target expression
-        return w + scale * jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        product = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+        if out_in:
+            return w + scale * jax.lax.optimization_barrier(product).T
+        return w + scale * product
 
     return op, device
 
@@ -63,7 +72,8 @@ class HostMerge:
         for layer, parents, leaf, pair in adapted_leaves(adapters):
             a, b = to_host(pair["a"]), to_host(pair["b"])  # the experts': stacked, as theirs
             self.pairs["/".join(("blocks", layer, *parents, leaf))] = (a, b)
-        self._op = None  # the jitted merge, made on the first target
+        # the jitted merges, made before the writer's threads ask for values side by side
+        self._ops = {out_in: _merge_op(settings.scale, out_in) for out_in in (False, True)}
         self.params: dict = {}
         for path in self.stored:
             *parents, leaf = path.split("/")
@@ -79,19 +89,18 @@ class HostMerge:
 
         path, j = tensor.path, tensor.expert
         stored = self.stored[path] if j is None else self.stored[path][j]
-        w = stored.T if path in self.out_in else stored
         held = ml_dtypes.bfloat16 if self.settings.base_dtype == "bfloat16" else np.float32
-        w = np.asarray(w).astype(held).astype(np.float32)
-        if path not in self.pairs:
-            return w
-        if self._op is None:
-            self._op = _merge_op(self.settings.scale)
-        import jax
+        w = np.asarray(stored).astype(held).astype(np.float32)  # in its stored layout
+        out_in = path in self.out_in
+        if path in self.pairs:
+            import jax
 
-        op, device = self._op
-        a, b = self.pairs[path] if j is None else (x[j] for x in self.pairs[path])
-        merged = op(*(jax.device_put(np.asarray(x, np.float32), device) for x in (w, a, b)))
-        return np.asarray(merged)
+            op, device = self._ops[out_in]
+            a, b = self.pairs[path] if j is None else (x[j] for x in self.pairs[path])
+            w = np.asarray(
+                op(*(jax.device_put(np.asarray(x, np.float32), device) for x in (w, a, b)))
+            )
+        return w.T if out_in else w  # a view: the writer's transpose back to HF's is none
 
 
 class _Tensor:
