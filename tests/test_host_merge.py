@@ -162,3 +162,26 @@ def test_a_matrix_merged_in_its_stored_layout_has_the_bits_of_the_transposed_one
     ours = np.asarray(stored_layout(w, a, b)).T
     reference = np.asarray(expected(np.ascontiguousarray(w.T), a, b))
     np.testing.assert_array_equal(ours.view(np.uint32), reference.view(np.uint32))
+
+
+def test_the_merged_export_benchmark_finds_both_writers_bytes_equal(capsys):
+    """``benchmarks/merged_export.py`` at a small shape: the writer as it is and as it was
+    write the same bytes (the benchmark stops otherwise), and it prints both timings."""
+    import json
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import merged_export
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    small = ["--d-model", "128", "--d-ff", "256", "--layers", "2", "--vocab", "300"]
+    assert merged_export.main([*small, "--rank", "4", "--shard", "100000", "--rounds", "1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    # BF16: two bytes a parameter (embeddings, head, 2 layers' 7 matrices and 2 norms, the
+    # final norm), beside the safetensors headers of the shards
+    parameters = 2 * 300 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256 + 2 * 128) + 128
+    assert 2 * parameters < printed["export_bytes"] < 2 * parameters + 20_000
+    assert set(printed["seconds"]) == {"before", "now"}
