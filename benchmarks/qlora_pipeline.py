@@ -175,8 +175,11 @@ def stage_evaluate(p) -> dict:
 
     log = p["recipe"].parent / "evaluate.log"
     shutil.rmtree(p["export"], ignore_errors=True)
+    from minifield.attempt.options import computation_cache
+
     metrics = evaluation.evaluate(p["validated"], p["result"], p["examples"], p["metrics"],
-                                  p["export"], log=log, quantized_base_dir=p["quantized"])  # fmt: skip
+                                  p["export"], log=log, quantized_base_dir=p["quantized"],
+                                  compilation_cache=computation_cache(p["work"]))  # fmt: skip
     text = log.read_text() if log.is_file() else ""  # none where it ran in this process
     peaks = re.findall(r"the device's peak (\d+) bytes", text)
     return {"selected_dev": metrics["selected_dev"], "test": metrics["test"],

@@ -84,3 +84,43 @@ def test_evaluate_holds_one_checkpoint_at_a_time_and_exports_the_dev_selected_on
     assert exported.keys() == expected.keys()
     for name, array in expected.items():
         np.testing.assert_array_equal(exported[name], array)
+
+
+def test_evaluation_processes_load_the_workers_programs_from_its_compilation_cache(
+    tmp_path, monkeypatch
+):
+    """The evaluate stage's own processes (an accelerator's recipe, or several processes) given
+    the computation's compilation cache load the programs the worker's final evaluation
+    compiled there, DEV's loss (``jit(<lambda>)``, ``Evaluator._loss``) and generation's decode
+    (JAX's log of each cache hit), and give the figures of the stage's in-process scoring."""
+    import re
+
+    from test_base_model import base_recipe, make_inputs
+
+    from minifield.pipeline import evaluation_processes
+    from minifield.recipe import load
+
+    root, cache = tmp_path / "in", tmp_path / "cache"
+    make_inputs(root)
+    job = write_recipe(tmp_path / "job.json", {**base_recipe(root, {}), "limits": {"max_steps": 2}})
+    run_worker(job=job, input_root=root, output_root=tmp_path / "out", attempt_id="a",
+               check_codes=[0], compilation_cache=cache)  # fmt: skip
+    attempt = next((tmp_path / "out").glob("*/a"))
+    recipe_json = tmp_path / "recipe.json"
+    preparation.validate(job, recipe_json, tmp_path / "validation.json")
+    preparation.prepare(recipe_json, root, tmp_path / "examples")
+    result = json.loads((attempt / "result.json").read_text())
+    train_result = tmp_path / "train-result.json"
+    train_result.write_text(json.dumps({**result, "attempt_dir": str(attempt)}))
+    in_process = evaluation.evaluate(
+        recipe_json, train_result, tmp_path / "examples", tmp_path / "metrics.json"
+    )
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")  # the process logs each persistent-cache hit
+    scores = evaluation_processes.run(
+        load(recipe_json), recipe_json, train_result, tmp_path / "examples", None, 1,
+        scratch=tmp_path / "scratch", log=tmp_path / "evaluation.log", compilation_cache=cache,
+    )  # fmt: skip
+    hits = re.findall(r"cache hit for '(\S+)'", (tmp_path / "evaluation.log").read_text())
+    assert {"jit__lambda", "jit_decode"} <= set(hits), hits
+    for key in ("checkpoints", "selection", "selected_dev", "test"):
+        assert scores[key] == in_process[key], key

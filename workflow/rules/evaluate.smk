@@ -21,5 +21,6 @@ rule evaluate:
         **evaluation_resources(),
     params:
         input_root=computation_input_root,
+        work_dir=work_dir,
     script:
         "../scripts/evaluate.py"

@@ -2,6 +2,7 @@
 import sys
 from pathlib import Path
 
+from minifield.attempt.options import computation_cache
 from minifield.pipeline import evaluation
 from minifield.pipeline.errors import refusals
 
@@ -22,4 +23,6 @@ with refusals("evaluate"):
         processes=snakemake.config["evaluate"]["processes"],  # operational: not a rerun trigger
         log=Path(snakemake.log[0]),
         quantized_base_dir=Path(quantized).parent if quantized else None,
+        # the workers' cache: their programs loaded by the evaluation processes
+        compilation_cache=computation_cache(Path(snakemake.params.work_dir)),
     )

@@ -38,6 +38,7 @@ def evaluate(
     processes: int = 1,
     log: Path | None = None,
     quantized_base_dir: Path | None = None,
+    compilation_cache: Path | None = None,
 ) -> dict:
     """Evaluate every retained checkpoint on DEV, select one on DEV, assess TEST for it only.
 
@@ -48,6 +49,10 @@ def evaluate(
     is evaluated) run here, once, on that export; their results and threshold checks join
     the metrics. ``quantized_base_dir``: the recipe's quantized base (the codes training
     ran on, made once by the prepare stage), read rather than made again.
+    ``compilation_cache``: the computation's (its workers' cache,
+    :func:`minifield.attempt.options.computation_cache`), given to evaluation processes: the
+    programs the worker's final evaluation compiled are loaded, not compiled again (the
+    accelerator's; this process compiles its own CPU programs as before).
     """
     recipe = recipes.load(recipe_json)
     harness = _harness_tasks(recipe.data, input_root)
@@ -62,6 +67,7 @@ def evaluate(
         scores = evaluation_processes.run(
             recipe, recipe_json, train_result, examples_dir, out_selected_export, processes,
             scratch=out_metrics.parent, log=log, quantized_base_dir=quantized_base_dir,
+            compilation_cache=compilation_cache,
         )  # fmt: skip
     dev, test = scores["selected_dev"], scores["test"]
     acceptance = recipe.strategy.acceptance(recipe.data, {**dev, **test})

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from .. import atomic
 from .. import recipe as recipes
+from ..attempt.options import enable_compilation_cache
 from ..supervision import accelerator, distributed
 from . import checkpoint_scores
 from .errors import StageError
@@ -48,6 +49,7 @@ def command(
     scores: Path,
     selected_export: Path | None,
     quantized_base_dir: Path | None = None,
+    compilation_cache: Path | None = None,
 ) -> list[str]:
     """The command line of an evaluation over ``processes`` processes: the launcher's, or
     one process's own (no launcher, no coordinator: a TPU host opens no socket)."""
@@ -58,6 +60,8 @@ def command(
         own += ["--selected-export", str(selected_export)]
     if quantized_base_dir is not None:
         own += ["--quantized-base", str(quantized_base_dir)]
+    if compilation_cache is not None:
+        own += ["--compilation-cache", str(compilation_cache)]
     if processes == 1:
         return own
     own.insert(3, "--distributed")
@@ -95,6 +99,7 @@ def run(
     scratch: Path,
     log: Path | None = None,
     quantized_base_dir: Path | None = None,
+    compilation_cache: Path | None = None,
 ) -> dict:
     """The figures of :func:`checkpoint_scores.score`, computed by ``processes`` processes.
 
@@ -112,7 +117,7 @@ def run(
         scores = Path(held) / SCORES
         cmd = command(
             processes, recipe_json, train_result, examples_dir, scores, out_selected_export,
-            quantized_base_dir,
+            quantized_base_dir, compilation_cache,
         )  # fmt: skip
         with open(log or os.devnull, "a", encoding="utf-8") as out:
             stream = out if log is not None else None
@@ -139,6 +144,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scores", type=Path, required=True, help="figures (process 0 writes)")
     parser.add_argument("--selected-export", type=Path, help="export of the selected checkpoint")
     parser.add_argument("--quantized-base", type=Path, help="the recipe's quantized base (dir)")
+    parser.add_argument(
+        "--compilation-cache",
+        type=Path,
+        help="the computation's compilation cache (its workers'): their programs loaded",
+    )
     parser.add_argument(
         "--distributed",
         action="store_true",
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate(args, recipe: recipes.Recipe, group: distributed.Group) -> int:
     who = f"{PROG}[{group.rank}]"
+    if args.compilation_cache is not None:
+        enable_compilation_cache(args.compilation_cache)
     problem = _devices_problem(recipe, group)
     if problem:  # the same on every process: all end here, before any collective
         print(f"{who}: {problem}", file=sys.stderr)
