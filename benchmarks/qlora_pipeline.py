@@ -21,7 +21,8 @@ each in a process of its own, run by the pipeline's own functions:
 - ``evaluate``: ``evaluation.evaluate`` as the pipeline's evaluate stage calls it: DEV for every
   checkpoint on the product's codes, the selection, TEST and the selected checkpoint's export
   (merged on the host tensor by tensor, and the PEFT adapter); on a TPU recipe in the
-  evaluation's own process, whose log line gives the device's peak;
+  evaluation's own process, whose log line gives the device's peak, given the computation's
+  compilation cache (the worker's evaluation programs loaded from it);
 - ``publish``: ``store.publish_computation`` into a store under ``--dir`` (no recovery proof:
   the store records why);
 - ``activate``: the store's activation gate on the published artifact, on the CPU as
