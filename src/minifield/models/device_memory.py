@@ -26,7 +26,10 @@ Qwen2.5-0.5B full fine-tune, 2048 tokens a row, remat full, chunks of 1024, BF16
 every measured figure (by 2 to 10 %): on these figures it errs towards refusing (6 rows fit
 the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That is full
 fine-tuning's calibration: LoRA's parts are the arithmetic of what it holds, not yet compared
-with the chip's compiled peaks (docs/tpu.md).
+with the chip's compiled peaks (docs/tpu.md). Against the device check's 125M and 350M steps
+compiled for the chip it is below the compiler's peak with ``remat: full`` (by 6–11 %) and
+with ``remat: none`` in micro-batches (by up to a third), far above it for ``dots_saveable``
+and ``save_attention`` (docs/quantized-base.md): not a bound there until recalibrated.
 """
 
 from __future__ import annotations
