@@ -5,7 +5,8 @@ The estimate, in bytes, of one update of ``training.batch_size / training.grad_a
 rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
 
 - ``state``: full fine-tuning, every parameter's FP32 value, gradient and two AdamW moments
-  (16 bytes each, 20 with a gradient accumulator); LoRA, the frozen base as held (each block
+  and half an FP32 copy of the update's temporaries (18 bytes each; 29 with gradient
+  accumulation: the accumulator, a micro-batch's gradient, their sum); LoRA, the frozen base as held (each block
   matrix's codes and scales under ``model.lora.base_quantization``, else ``base_dtype``; the
   rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
   twice with ``model.scan_layers``, forward and backward; every layer's without), the step's
@@ -13,23 +14,26 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
   the head's; without ``model.scan_layers`` the unquantized blocks' too, which a scanned run
   transposes and stacks once as it places the base), and the adapters as full fine-tuning's
   parameters;
-- ``activations``, per row: with ``training.remat: full``, each layer's FP32 input kept
-  (``n_layers * T * d_model * 4``) plus one layer's working set; otherwise every layer's
-  working set. A layer's working set: ``T * 4 * (8 d_model + 4 d_ff)`` and, with the XLA
-  attention, its FP32 scores, probabilities and their two gradients (``4 * heads * T * T * 4``);
+- ``activations``, per row: with ``training.remat: full`` (or ``offload_attention``), each
+  layer's FP32 input kept (``n_layers * T * d_model * 4``) plus one and a half layers' working
+  sets; otherwise, per layer, :data:`WORKING_SETS` of the policy's. A layer's working set:
+  ``T * 4 * (8 d_model + 4 d_ff)``; with the XLA attention, its FP32 scores, probabilities and
+  their two gradients (``4 * heads * T * T * 4``: one layer's with ``full``, every layer's
+  otherwise);
 - ``logits``: three FP32 ``[tokens, vocab]`` arrays (logits, probabilities, their gradient)
   of ``training.loss_chunk_tokens`` tokens, or of every row's tokens without chunks.
 
 Against the chip's compiled peaks (``benchmarks/device_check``'s ``shapes`` section, TPU v5e,
 Qwen2.5-0.5B full fine-tune, 2048 tokens a row, remat full, chunks of 1024, BF16 compute):
-1 row 10.28 GB measured, 11.11 estimated; 6 rows 16.53, 17.77; 7 rows 17.54, 19.11: above
-every measured figure (by 2 to 10 %): on these figures it errs towards refusing (6 rows fit
-the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That is full
+1 row 10.28 GB measured, 12.20 estimated; 4 rows 13.80, 16.53; 6 rows 16.53, 19.42: above
+every measured figure (by 12 to 20 %): on these figures it errs towards refusing (5 and 6
+rows fit the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That is full
 fine-tuning's calibration: LoRA's parts are the arithmetic of what it holds, not yet compared
-with the chip's compiled peaks (docs/tpu.md). Against the device check's 125M and 350M steps
-compiled for the chip it is below the compiler's peak with ``remat: full`` (by 6–11 %) and
-with ``remat: none`` in micro-batches (by up to a third), far above it for ``dots_saveable``
-and ``save_attention`` (docs/quantized-base.md): not a bound there until recalibrated.
+with the chip's compiled peaks (docs/tpu.md). The remat policies' constants
+(:data:`WORKING_SETS`, :data:`FULL_WORKING_SETS`) and the bytes a trained parameter costs
+(:data:`TRAINED_BYTES`, :data:`ACCUMULATING_BYTES`) are calibrated on the device check's 125M
+and 350M steps compiled for the chip, every policy at 1 to 32 rows a micro-batch, and rounded
+up: the estimate is above each of those 33 compiled peaks (docs/quantized-base.md).
 """
 
 from __future__ import annotations
@@ -40,8 +44,18 @@ from .families import expected_tensors
 from .lora_targets import TARGETS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: FP32 value, gradient and AdamW's two moments
-TRAINED_BYTES = 16
+#: FP32 value, gradient and AdamW's two moments, and half an FP32 copy the update's
+#: temporaries hold (calibrated: see the module)
+TRAINED_BYTES = 18
+#: with gradient accumulation: the accumulator, each micro-batch's gradient beside it and its
+#: sum's temporaries (calibrated: see the module)
+ACCUMULATING_BYTES = 11
+#: per row, the layer working sets (``T * 4 * (8 d_model + 4 d_ff)``) a ``training.remat``
+#: policy keeps live, per layer (``full``: in all, beside each layer's FP32 input; calibrated:
+#: see the module). ``offload_attention`` keeps its saved tensors in the host's memory: on the
+#: device what ``full`` holds.
+WORKING_SETS = {"none": 1.6, "dots_saveable": 0.65, "save_attention": 0.45}
+FULL_WORKING_SETS = 1.5
 
 
 def _params(cfg) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -75,7 +89,7 @@ def _state(cfg, recipe: dict, accum: bool) -> int:
     model = recipe["model"]
     lora = model.get("lora")
     params = _params(cfg)
-    per_trained = TRAINED_BYTES + (4 if accum else 0)
+    per_trained = TRAINED_BYTES + (ACCUMULATING_BYTES if accum else 0)
     if lora is None:
         return per_trained * sum(math.prod(shape) for shape, _ in params.values())
     from .quantize import is_quantized
@@ -112,12 +126,12 @@ def _target_params(targets) -> set[str]:
 
 def _activations_per_row(cfg, recipe: dict) -> int:
     T, D, F = recipe["training"]["seq_len"], cfg.d_model, cfg.d_ff
-    layer = T * 4 * (8 * D + 4 * F)
-    if recipe["model"].get("attention", "xla") == "xla":
-        layer += 4 * cfg.n_heads * T * T * 4
-    if recipe["training"].get("remat", "none") == "full":
-        return cfg.n_layers * T * D * 4 + layer
-    return cfg.n_layers * layer
+    working = T * 4 * (8 * D + 4 * F)
+    scores = 4 * cfg.n_heads * T * T * 4 if recipe["model"].get("attention", "xla") == "xla" else 0
+    remat = recipe["training"].get("remat", "none")
+    if remat in ("full", "offload_attention"):
+        return cfg.n_layers * T * D * 4 + math.ceil(FULL_WORKING_SETS * working) + scores
+    return cfg.n_layers * (math.ceil(WORKING_SETS[remat] * working) + scores)
 
 
 def estimate(cfg, recipe: dict) -> dict[str, int]:
