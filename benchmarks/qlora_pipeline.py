@@ -172,12 +172,11 @@ def stage_evaluate(p) -> dict:
     """The pipeline's evaluate stage: DEV, the selection, TEST, the selected export."""
     import re
 
+    from minifield.attempt.options import computation_cache
     from minifield.pipeline import evaluation
 
     log = p["recipe"].parent / "evaluate.log"
     shutil.rmtree(p["export"], ignore_errors=True)
-    from minifield.attempt.options import computation_cache
-
     metrics = evaluation.evaluate(p["validated"], p["result"], p["examples"], p["metrics"],
                                   p["export"], log=log, quantized_base_dir=p["quantized"],
                                   compilation_cache=computation_cache(p["work"]))  # fmt: skip

@@ -6,9 +6,9 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
 
 - ``state``: full fine-tuning, every parameter's FP32 value, gradient and two AdamW moments
   and half an FP32 copy of the update's temporaries (18 bytes each; 29 with gradient
-  accumulation: the accumulator, a micro-batch's gradient, their sum); LoRA, the frozen base as held (each block
-  matrix's codes and scales under ``model.lora.base_quantization``, else ``base_dtype``; the
-  rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
+  accumulation: the accumulator, a micro-batch's gradient, their sum); LoRA, the frozen base
+  as held (each block matrix's codes and scales under ``model.lora.base_quantization``, else
+  ``base_dtype``; the rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
   twice with ``model.scan_layers``, forward and backward; every layer's without), the step's
   transposed copy of every other matrix HF stores ``[out, in]`` (:mod:`minifield.hf.stored_base`:
   the head's; without ``model.scan_layers`` the unquantized blocks' too, which a scanned run
@@ -27,8 +27,8 @@ Against the chip's compiled peaks (``benchmarks/device_check``'s ``shapes`` sect
 Qwen2.5-0.5B full fine-tune, 2048 tokens a row, remat full, chunks of 1024, BF16 compute):
 1 row 10.28 GB measured, 12.20 estimated; 4 rows 13.80, 16.53; 6 rows 16.53, 19.42: above
 every measured figure (by 12 to 20 %): on these figures it errs towards refusing (5 and 6
-rows fit the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That is full
-fine-tuning's calibration: LoRA's parts are the arithmetic of what it holds, not yet compared
+rows fit the chip's 16.91 GB; the estimate refuses them), and every step it admits fit. That
+is full fine-tuning's calibration: LoRA's parts are the arithmetic of what it holds, not yet compared
 with the chip's compiled peaks (docs/tpu.md). The remat policies' constants
 (:data:`WORKING_SETS`, :data:`FULL_WORKING_SETS`) and the bytes a trained parameter costs
 (:data:`TRAINED_BYTES`, :data:`ACCUMULATING_BYTES`) are calibrated on the device check's 125M
