@@ -8,12 +8,12 @@ rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
   and half an FP32 copy of the update's temporaries (18 bytes each; 29 with gradient
   accumulation: the accumulator, a micro-batch's gradient, their sum); LoRA, the frozen base
   as held (each block matrix's codes and scales under ``model.lora.base_quantization``, else
-  ``base_dtype``; the rest in ``base_dtype``), the quantized matrices made back to ``base_dtype`` (one layer's
-  twice with ``model.scan_layers``, forward and backward; every layer's without), the step's
-  transposed copy of every other matrix HF stores ``[out, in]`` (:mod:`minifield.hf.stored_base`:
-  the head's; without ``model.scan_layers`` the unquantized blocks' too, which a scanned run
-  transposes and stacks once as it places the base), and the adapters as full fine-tuning's
-  parameters;
+  ``base_dtype``; the rest in ``base_dtype``), the quantized matrices made back to
+  ``base_dtype`` (one layer's twice with ``model.scan_layers``, forward and backward; every
+  layer's without), the step's transposed copy of every other matrix HF stores ``[out, in]``
+  (:mod:`minifield.hf.stored_base`: the head's; without ``model.scan_layers`` the unquantized
+  blocks' too, which a scanned run transposes and stacks once as it places the base), and the
+  adapters as full fine-tuning's parameters;
 - ``activations``, per row: with ``training.remat: full`` (or ``offload_attention``), each
   layer's FP32 input kept (``n_layers * T * d_model * 4``) plus one and a half layers' working
   sets; otherwise, per layer, :data:`WORKING_SETS` of the policy's. A layer's working set:
