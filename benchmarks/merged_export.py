@@ -7,14 +7,15 @@ The export: ``hf.checkpoint.write`` of :class:`minifield.training.host_merge.Hos
 tensors in BF16, shards of ``--shard`` bytes, into a temporary directory deleted after.
 
 - now: each tensor merged in its stored layout (no copy into ``[in, out]`` and back), a shard's
-  tensors converted side by side by the reading pool's threads, the shard before written
-  meanwhile;
+  tensors converted side by side by the reading pool's threads, each written into its file as
+  soon as it is converted (the file laid out first), never a shard held;
 - before (the baseline, its code repeated here): each tensor widened into ``[in, out]``, merged
   there, transposed back and converted by the writer, one tensor after another, each shard
-  written before the next is converted.
+  serialised in memory and written before the next is converted.
 
-Both write the same bytes (checked every round). Prints the median seconds and MB/s of each
-and the ratio before ÷ now.
+Both write the same bytes (checked every round). Prints the median seconds and MB/s of each,
+the ratio before ÷ now, and the most memory each held (``tracemalloc``'s peak, a round of its
+own: NumPy's arrays and the serialised bytes, not JAX's buffers) beside the largest shard.
 
     uv run python benchmarks/merged_export.py --layers 4 --rounds 3
 """
@@ -27,6 +28,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import ml_dtypes
@@ -82,11 +84,14 @@ class Before(host_merge.HostMerge):
         return np.asarray(merged)
 
 
-def _write_files_before(directory, planned, expected, value_of, stored_dtype) -> None:
+def _write_files_before(directory, planned, expected, value_of, dtype: str) -> None:
     """The writer's loop as it was: one tensor after another, each shard written in turn."""
     from safetensors.numpy import save
 
     from minifield import atomic
+    from minifield.hf.parallel_files import stored_type
+
+    stored_dtype = stored_type(dtype)
 
     for file, names in planned.files.items():
         tensors = {}
@@ -99,12 +104,18 @@ def _write_files_before(directory, planned, expected, value_of, stored_dtype) ->
         atomic.write_bytes(directory / file, save(tensors, metadata={"format": "pt"}))
 
 
-def one(directory: Path, cfg, merge, shard: int) -> float:
+def one(directory: Path, cfg, merge, shard: int, traced: bool = False) -> float:
+    """Seconds of one export (``traced``: the peak bytes ``tracemalloc`` saw instead)."""
+    if traced:
+        tracemalloc.start()
     started = time.perf_counter()
-    hf_checkpoint.write(
-        directory, cfg, merge.params, "bfloat16", max_shard_size=shard, fetch=merge.value
-    )
-    return time.perf_counter() - started
+    try:
+        hf_checkpoint.write(
+            directory, cfg, merge.params, "bfloat16", max_shard_size=shard, fetch=merge.value
+        )
+        return tracemalloc.get_traced_memory()[1] if traced else time.perf_counter() - started
+    finally:
+        tracemalloc.stop()
 
 
 def main(argv=None) -> int:
@@ -139,13 +150,26 @@ def main(argv=None) -> int:
                 if path.read_bytes() != (root / "now" / path.name).read_bytes():
                     raise SystemExit(f"{path.name}: the two writers' bytes differ")
         size = sum(p.stat().st_size for p in (root / "now").iterdir())
+        largest = max(p.stat().st_size for p in (root / "now").glob("*.safetensors"))
+        peaks = {}
+        for name, merge in (("now", now), ("before", before)):
+            shutil.rmtree(root / name)
+            if name == "before":
+                hf_checkpoint._write_files = _write_files_before
+            try:
+                peaks[name] = one(root / name, cfg, merge, args.shard, traced=True)
+            finally:
+                hf_checkpoint._write_files = original
     finally:
         shutil.rmtree(root, ignore_errors=True)
     median = {k: statistics.median(v) for k, v in seconds.items()}
     print(json.dumps({"export_bytes": size, "rounds": args.rounds,
                       "seconds": {k: [round(s, 3) for s in v] for k, v in seconds.items()},
                       "mb_per_s": {k: round(size / 1e6 / s, 1) for k, s in median.items()},
-                      "before_over_now": round(median["before"] / median["now"], 2)}, indent=1))  # fmt: skip
+                      "before_over_now": round(median["before"] / median["now"], 2),
+                      "largest_shard_mb": round(largest / 1e6, 1),
+                      "peak_traced_mb": {k: round(v / 1e6, 1) for k, v in peaks.items()}},
+                     indent=1))  # fmt: skip
     return 0
 
 

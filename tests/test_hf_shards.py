@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 from export_shards_probe import random_params
 from family_reference import BASE, GEMMA2, PHI3, QWEN2, QWEN3
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save
 from test_hf_export import GPT_SECTION, TINY_LLAMA, _write_export, evaluation_digest
 from test_mixtral import MIXTRAL
 from test_moe_families import OLMOE, QWEN2_MOE
@@ -34,6 +35,7 @@ from minifield.hf import checkpoint as hf_checkpoint
 from minifield.hf import config as hf_config
 from minifield.hf import shards
 from minifield.models import llama
+from minifield.models.expert_slots import at
 from minifield.state import export
 from minifield.strategies.lm.export_format import ExportedModel
 
@@ -261,9 +263,11 @@ def test_a_sharded_export_loads_as_the_single_file_one(tmp_path):
         ExportedModel(many)
 
 
-def test_writing_by_shards_holds_one_shard_at_a_time(tmp_path):
-    cfg, params = numpy_params(d_model=128, n_layers=4, d_ff=256)
-    total = 4 * sum(np.asarray(x).size for x in jax.tree_util.tree_leaves(params))
+def test_writing_holds_the_tensors_being_converted_never_a_file(tmp_path):
+    cfg, params = numpy_params(d_model=128, n_layers=16, d_ff=256)
+    sizes = [4 * np.asarray(x).size for x in jax.tree_util.tree_leaves(params)]
+    total, largest = sum(sizes), max(sizes)
+    threads = min(len(os.sched_getaffinity(0)), 8)  # the reading pool's
 
     def peak(directory: Path, size) -> int:
         tracemalloc.start()
@@ -276,9 +280,20 @@ def test_writing_by_shards_holds_one_shard_at_a_time(tmp_path):
     whole = peak(tmp_path / "one", None)
     sharded = peak(tmp_path / "many", 150_000)
     assert len(list((tmp_path / "many").glob("*.safetensors"))) > 8
-    # the single file: every converted tensor plus the serialised file (about twice the model)
-    assert whole > 1.8 * total
-    assert sharded < 0.25 * whole, (sharded, whole, total)
+    # each thread: the tensor it converts (its source is the caller's), beside a task's
+    # bookkeeping (about 1 KB) a tensor; a writer that held a file's converted tensors, or
+    # serialised it in memory, would hold the model here
+    bound = 2 * threads * largest + 2048 * len(sizes)
+    for held in (whole, sharded):
+        assert held < bound, (held, threads, largest)
+        assert held < total / 4, (held, total)
+    # the bytes the safetensors library writes from the whole tensors
+    whole_tensors = {}
+    for name, (internal, transpose, _) in hf_checkpoint.expected_tensors(cfg).items():
+        value = np.asarray(at(params, internal), np.float32)
+        whole_tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+    written = (tmp_path / "one" / "model.safetensors").read_bytes()
+    assert written == save(whole_tensors, metadata={"format": "pt"})
 
 
 # -- the recipe key ------------------------------------------------------------------------------

@@ -315,8 +315,8 @@ def write(
     ``dtype``: the stored tensors' type; FP32 values are rounded to nearest (ties to even) by
     ``ml_dtypes``/numpy for ``bfloat16``/``float16``. ``fetch``: a parameter leaf -> its host
     array, called as each tensor is converted (a device array is fetched then, not the whole
-    tree first), from several threads at once; the writer holds at most two shards' converted
-    tensors (one being written while the next is converted), never the whole model.
+    tree first), from several threads at once; each tensor is written as soon as it is
+    converted: the writer holds the tensors being converted, never a shard.
 
     ``group``: the processes of a state spread over several (a collective: every process
     calls it): each writes the slices its devices hold into the files process 0 laid out
@@ -350,22 +350,24 @@ def write(
         if group.rank != 0:
             return
     else:
-        _write_files(directory, planned, expected, lambda path: join(path, lookup), stored_dtype)
+        _write_files(directory, planned, expected, lambda path: join(path, lookup), dtype)
     if planned.index is not None:
         atomic.write_bytes(directory / INDEX_FILE, shards.index_bytes(planned.index))
     config = exported_config(cfg, dtype, base_config)
     atomic.write_bytes(directory / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())
 
 
-def _write_files(directory: Path, planned, expected, value_of, stored_dtype) -> None:
-    """Each planned file from the whole tensors (``value_of(internal path)``: ``[in, out]``):
-    a shard's tensors converted side by side (:func:`.tensors.reading_pool`; each whole by one
-    thread, so the bytes do not depend on the threads) while the shard before it is serialised
-    and written. At most two shards' converted tensors are held: the one being written and the
-    one being converted."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def _write_files(directory: Path, planned, expected, value_of, dtype: str) -> None:
+    """Each planned file from the whole tensors (``value_of(internal path)``: ``[in, out]``),
+    streamed (:func:`.parallel_files.write_streamed`): a shard's tensors converted side by
+    side by the reading pool's threads (:func:`.tensors.reading_pool`; each whole by one
+    thread, so the bytes do not depend on the threads), each written into the file as soon
+    as it is converted and then freed. The host holds the tensors being converted, never a
+    shard (an 8B model's 5 GB shards, two at once and one serialised, ran a 40 GB host out of
+    memory)."""
     from .tensors import reading_pool
+
+    stored_dtype = parallel_files.stored_type(dtype)
 
     def converted(name: str) -> np.ndarray:
         internal, transpose, shape = expected[name]
@@ -376,25 +378,11 @@ def _write_files(directory: Path, planned, expected, value_of, stored_dtype) -> 
         return value.astype(stored_dtype, order="C")  # one pass, where a transposed view
 
     widest = max(len(names) for names in planned.files.values())
-    with reading_pool(widest) as pool, ThreadPoolExecutor(1) as writer:
-        written = None
+    with reading_pool(widest) as pool:
         for file, names in planned.files.items():
-            tensors = dict(zip(names, pool.map(converted, names), strict=True))
-            if written is not None:
-                written.result()  # its OSError, naming the file, raised here
-            written = writer.submit(_write_shard, directory / file, tensors)
-            del tensors
-        if written is not None:
-            written.result()
-
-
-def _write_shard(path: Path, tensors: dict) -> None:
-    """One file, serialised in memory and written atomically (an interrupted write leaves no
-    half-written file; a full disk is an OSError naming the file, which save_file does not
-    raise)."""
-    from safetensors.numpy import save
-
-    atomic.write_bytes(path, save(tensors, metadata={"format": "pt"}))
+            shapes = {name: expected[name][2] for name in names}
+            layout = parallel_files.header(shapes, dtype, {"format": "pt"})
+            parallel_files.write_streamed(directory / file, layout, shapes, converted, pool)
 
 
 def _spread_tensor(cfg, entry, params) -> parallel_files.Tensor:

@@ -20,6 +20,9 @@ collective of the processes of ``group`` (every process calls it with the same a
    raised in every process, naming the process), and only then does process 0 go on (the
    index, ``config.json``, the commit by rename: :func:`minifield.state.export.write_whole`).
 
+One process writing whole tensors (an export on one host, :func:`write_streamed`) lays the
+file out the same way and writes each tensor into it as soon as it is made.
+
 The output root is a file system every process sees (a cluster's shared one,
 docs/cluster.md); writes go through ``pwrite`` of disjoint byte ranges, never a shared
 memory map (which writes back whole pages).
@@ -138,6 +141,45 @@ def write_block(fd: int, offset: int, shape: tuple, starts: tuple, block: np.nda
         while len(data):  # pwrite may write less than asked
             written = os.pwrite(fd, data, position)
             data, position = data[written:], position + written
+
+
+def write_streamed(path: Path, layout, shapes: dict, produce, pool) -> None:
+    """One process's safetensors file of whole tensors, laid out by ``layout``
+    (:func:`header`'s ``(header bytes, offsets, size)``), each tensor ``produce(name)`` (in the
+    stored dtype, of its shape in ``shapes``) made by one of ``pool``'s threads and written
+    at its offset as soon as it is made, then dropped: the process holds the tensors being
+    made, never the file's. Written under a temporary name, fsynced and renamed (an
+    interrupted write leaves no half-written file); an OSError names ``path``."""
+    import tempfile
+    from concurrent.futures import wait
+
+    head, offsets, size = layout
+
+    def put(fd: int, name: str) -> None:
+        block = produce(name)
+        if tuple(block.shape) != tuple(shapes[name]):
+            raise ValueError(f"{path}: tensor {name} has shape {block.shape}, not {shapes[name]}")
+        write_block(fd, offsets[name], tuple(block.shape), (0,) * block.ndim, block)
+
+    with atomic.naming(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            try:
+                write_block(fd, 0, (len(head),), (0,), np.frombuffer(head, np.uint8))
+                os.ftruncate(fd, size)
+                futures = [pool.submit(put, fd, name) for name in shapes]
+                wait(futures)  # every write ended before the descriptor is closed
+                for future in futures:
+                    future.result()  # the first failure, in the tensors' order
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        atomic.fsync_dir(path.parent)
 
 
 def agree(group, failure: OSError | None, what: str) -> None:

@@ -90,7 +90,7 @@ class HostMerge:
         path, j = tensor.path, tensor.expert
         stored = self.stored[path] if j is None else self.stored[path][j]
         held = ml_dtypes.bfloat16 if self.settings.base_dtype == "bfloat16" else np.float32
-        w = np.asarray(stored).astype(held).astype(np.float32)  # in its stored layout
+        w = np.asarray(stored).astype(held, copy=False).astype(np.float32)  # as stored
         out_in = path in self.out_in
         if path in self.pairs:
             import jax
