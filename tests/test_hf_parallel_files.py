@@ -115,6 +115,32 @@ def test_a_file_that_cannot_be_laid_out_is_named(tmp_path):
         parallel_files.write(tmp_path, files, "float32", {"format": "pt"}, Group())
 
 
+def test_a_streamed_file_is_the_librarys_and_a_failed_one_leaves_nothing(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    tensors = {f"t{i}": rng.standard_normal((3 + i, 5), np.float32) for i in range(6)}
+    shapes = {name: value.shape for name, value in tensors.items()}
+    layout = parallel_files.header(shapes, "float32", {"format": "pt"})
+    with ThreadPoolExecutor(3) as pool:
+        parallel_files.write_streamed(tmp_path / "a.safetensors", layout, shapes, tensors.get, pool)
+        assert (tmp_path / "a.safetensors").read_bytes() == save(tensors, {"format": "pt"})
+
+        def failing(name):
+            if name == "t4":
+                raise ValueError("no t4")
+            return tensors[name]
+
+        with pytest.raises(ValueError, match="no t4"):
+            parallel_files.write_streamed(tmp_path / "b.safetensors", layout, shapes, failing, pool)
+        wrong = {**tensors, "t2": tensors["t3"]}  # a tensor of another shape is refused
+        with pytest.raises(ValueError, match="t2 has shape"):
+            parallel_files.write_streamed(
+                tmp_path / "c.safetensors", layout, shapes, wrong.get, pool
+            )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no temporary left
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_an_npy_layout_is_what_numpy_save_writes(tmp_path, dtype):
     rng = np.random.default_rng(3)
