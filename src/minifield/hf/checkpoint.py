@@ -363,8 +363,7 @@ def _write_files(directory: Path, planned, expected, value_of, dtype: str) -> No
     side by the reading pool's threads (:func:`.tensors.reading_pool`; each whole by one
     thread, so the bytes do not depend on the threads), each written into the file as soon
     as it is converted and then freed. The host holds the tensors being converted, never a
-    shard (an 8B model's 5 GB shards, two at once and one serialised, ran a 40 GB host out of
-    memory)."""
+    shard: at 8B a shard is gigabytes, and the host also holds the run (docs/quantized-base.md)."""
     from .tensors import reading_pool
 
     stored_dtype = parallel_files.stored_type(dtype)
