@@ -141,6 +141,46 @@ def test_a_streamed_file_is_the_librarys_and_a_failed_one_leaves_nothing(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no temporary left
 
 
+def test_an_interrupted_stream_writes_nothing_after_it_and_leaves_nothing(tmp_path):
+    """Interrupted while its threads convert (^C, here while the pool starts a thread: the
+    writer never gets that task's future), the writer closes its file and no thread writes
+    after: not into the file that takes the closed descriptor's number next."""
+    import signal
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert threading.current_thread() is threading.main_thread()  # where ^C is raised
+    tensors = {f"t{i}": np.full((4, 4), i + 1, np.float32) for i in range(12)}
+    shapes = {name: value.shape for name, value in tensors.items()}
+    layout = parallel_files.header(shapes, "float32", {"format": "pt"})
+    started, made = [], []
+    changed = threading.Condition()
+
+    def slow(name):
+        with changed:
+            started.append(name)
+        if name == "t0":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.3)
+        with changed:
+            made.append(name)
+            changed.notify_all()
+        return tensors[name]
+
+    with ThreadPoolExecutor(3) as pool:
+        with pytest.raises(KeyboardInterrupt):
+            parallel_files.write_streamed(tmp_path / "a.safetensors", layout, shapes, slow, pool)
+        fd = os.open(tmp_path / "next", os.O_RDWR | os.O_CREAT)  # the lowest free number
+        # a thread whose start was interrupted is not the pool's to wait for: wait here
+        with changed:
+            assert changed.wait_for(lambda: len(made) == len(started), timeout=10)
+    os.close(fd)
+    assert made and len(made) < len(tensors)  # the queued tasks were cancelled
+    assert (tmp_path / "next").read_bytes() == b""
+    assert [p.name for p in tmp_path.iterdir()] == ["next"]
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_an_npy_layout_is_what_numpy_save_writes(tmp_path, dtype):
     rng = np.random.default_rng(3)

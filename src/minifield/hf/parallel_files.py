@@ -34,6 +34,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,35 @@ def write_block(fd: int, offset: int, shape: tuple, starts: tuple, block: np.nda
             data, position = data[written:], position + written
 
 
+class _Descriptor:
+    """A file descriptor the pool's threads write through, closed only once no thread is
+    writing and never written after: a task still running when the writer was interrupted
+    (^C, even inside ``submit``, whose future the writer never got) skips its write, where it
+    could otherwise have written into whatever file took the descriptor's number next."""
+
+    def __init__(self, fd: int):
+        self.fd, self._writing, self._closed = fd, 0, False
+        self._changed = threading.Condition()
+
+    def write(self, offset: int, block: np.ndarray) -> None:
+        with self._changed:
+            if self._closed:
+                return
+            self._writing += 1
+        try:
+            write_block(self.fd, offset, tuple(block.shape), (0,) * block.ndim, block)
+        finally:
+            with self._changed:
+                self._writing -= 1
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.wait_for(lambda: not self._writing)
+        os.close(self.fd)
+
+
 def write_streamed(path: Path, layout, shapes: dict, produce, pool) -> None:
     """One process's safetensors file of whole tensors, laid out by ``layout``
     (:func:`header`'s ``(header bytes, offsets, size)``), each tensor ``produce(name)`` (in the
@@ -155,25 +185,29 @@ def write_streamed(path: Path, layout, shapes: dict, produce, pool) -> None:
 
     head, offsets, size = layout
 
-    def put(fd: int, name: str) -> None:
+    def put(out: _Descriptor, name: str) -> None:
         block = produce(name)
         if tuple(block.shape) != tuple(shapes[name]):
             raise ValueError(f"{path}: tensor {name} has shape {block.shape}, not {shapes[name]}")
-        write_block(fd, offsets[name], tuple(block.shape), (0,) * block.ndim, block)
+        out.write(offsets[name], block)
 
     with atomic.naming(path):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        out, futures = _Descriptor(fd), []
         try:
             try:
-                write_block(fd, 0, (len(head),), (0,), np.frombuffer(head, np.uint8))
+                out.write(0, np.frombuffer(head, np.uint8))
                 os.ftruncate(fd, size)
-                futures = [pool.submit(put, fd, name) for name in shapes]
-                wait(futures)  # every write ended before the descriptor is closed
+                for name in shapes:
+                    futures.append(pool.submit(put, out, name))
+                wait(futures)
                 for future in futures:
                     future.result()  # the first failure, in the tensors' order
                 os.fsync(fd)
             finally:
-                os.close(fd)
+                for future in futures:  # interrupted: what has not started never will
+                    future.cancel()
+                out.close()
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
