@@ -168,13 +168,20 @@ def test_an_interrupted_stream_writes_nothing_after_it_and_leaves_nothing(tmp_pa
             changed.notify_all()
         return tensors[name]
 
-    with ThreadPoolExecutor(3) as pool:
-        with pytest.raises(KeyboardInterrupt):
-            parallel_files.write_streamed(tmp_path / "a.safetensors", layout, shapes, slow, pool)
-        fd = os.open(tmp_path / "next", os.O_RDWR | os.O_CREAT)  # the lowest free number
-        # a thread whose start was interrupted is not the pool's to wait for: wait here
-        with changed:
-            assert changed.wait_for(lambda: len(made) == len(started), timeout=10)
+    # ^C as Python raises it by default (a test run before may have installed its own handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            with pytest.raises(KeyboardInterrupt):
+                parallel_files.write_streamed(
+                    tmp_path / "a.safetensors", layout, shapes, slow, pool
+                )
+            fd = os.open(tmp_path / "next", os.O_RDWR | os.O_CREAT)  # the lowest free number
+            # a thread whose start was interrupted is not the pool's to wait for: wait here
+            with changed:
+                assert changed.wait_for(lambda: len(made) == len(started), timeout=10)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     os.close(fd)
     assert made and len(made) < len(tensors)  # the queued tasks were cancelled
     assert (tmp_path / "next").read_bytes() == b""
