@@ -121,9 +121,11 @@ def test_a_streamed_file_is_the_librarys_and_a_failed_one_leaves_nothing(tmp_pat
     rng = np.random.default_rng(5)
     tensors = {f"t{i}": rng.standard_normal((3 + i, 5), np.float32) for i in range(6)}
     shapes = {name: value.shape for name, value in tensors.items()}
-    layout = parallel_files.header(shapes, "float32", {"format": "pt"})
+    stored = ("float32", {"format": "pt"})
     with ThreadPoolExecutor(3) as pool:
-        parallel_files.write_streamed(tmp_path / "a.safetensors", layout, shapes, tensors.get, pool)
+        parallel_files.write_streamed(
+            tmp_path / "a.safetensors", shapes, *stored, tensors.get, pool
+        )
         assert (tmp_path / "a.safetensors").read_bytes() == save(tensors, {"format": "pt"})
 
         def failing(name):
@@ -132,11 +134,13 @@ def test_a_streamed_file_is_the_librarys_and_a_failed_one_leaves_nothing(tmp_pat
             return tensors[name]
 
         with pytest.raises(ValueError, match="no t4"):
-            parallel_files.write_streamed(tmp_path / "b.safetensors", layout, shapes, failing, pool)
+            parallel_files.write_streamed(
+                tmp_path / "b.safetensors", shapes, *stored, failing, pool
+            )
         wrong = {**tensors, "t2": tensors["t3"]}  # a tensor of another shape is refused
         with pytest.raises(ValueError, match="t2 has shape"):
             parallel_files.write_streamed(
-                tmp_path / "c.safetensors", layout, shapes, wrong.get, pool
+                tmp_path / "c.safetensors", shapes, *stored, wrong.get, pool
             )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]  # no temporary left
 
@@ -153,7 +157,7 @@ def test_an_interrupted_stream_writes_nothing_after_it_and_leaves_nothing(tmp_pa
     assert threading.current_thread() is threading.main_thread()  # where ^C is raised
     tensors = {f"t{i}": np.full((4, 4), i + 1, np.float32) for i in range(12)}
     shapes = {name: value.shape for name, value in tensors.items()}
-    layout = parallel_files.header(shapes, "float32", {"format": "pt"})
+    stored = ("float32", {"format": "pt"})
     started, made = [], []
     changed = threading.Condition()
 
@@ -174,7 +178,7 @@ def test_an_interrupted_stream_writes_nothing_after_it_and_leaves_nothing(tmp_pa
         with ThreadPoolExecutor(3) as pool:
             with pytest.raises(KeyboardInterrupt):
                 parallel_files.write_streamed(
-                    tmp_path / "a.safetensors", layout, shapes, slow, pool
+                    tmp_path / "a.safetensors", shapes, *stored, slow, pool
                 )
             fd = os.open(tmp_path / "next", os.O_RDWR | os.O_CREAT)  # the lowest free number
             # a thread whose start was interrupted is not the pool's to wait for: wait here

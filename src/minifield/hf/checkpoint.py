@@ -380,8 +380,9 @@ def _write_files(directory: Path, planned, expected, value_of, dtype: str) -> No
     with reading_pool(widest) as pool:
         for file, names in planned.files.items():
             shapes = {name: expected[name][2] for name in names}
-            layout = parallel_files.header(shapes, dtype, {"format": "pt"})
-            parallel_files.write_streamed(directory / file, layout, shapes, converted, pool)
+            parallel_files.write_streamed(
+                directory / file, shapes, dtype, {"format": "pt"}, converted, pool
+            )
 
 
 def _spread_tensor(cfg, entry, params) -> parallel_files.Tensor:

@@ -173,17 +173,19 @@ class _Descriptor:
         os.close(self.fd)
 
 
-def write_streamed(path: Path, layout, shapes: dict, produce, pool) -> None:
-    """One process's safetensors file of whole tensors, laid out by ``layout``
-    (:func:`header`'s ``(header bytes, offsets, size)``), each tensor ``produce(name)`` (in the
-    stored dtype, of its shape in ``shapes``) made by one of ``pool``'s threads and written
-    at its offset as soon as it is made, then dropped: the process holds the tensors being
-    made, never the file's. Written under a temporary name, fsynced and renamed (an
-    interrupted write leaves no half-written file); an OSError names ``path``."""
+def write_streamed(
+    path: Path, shapes: dict, dtype: str, metadata: dict[str, str], produce, pool
+) -> None:
+    """One process's safetensors file of whole tensors of ``shapes`` stored as ``dtype``, laid
+    out as :func:`header` lays it out, each tensor ``produce(name)`` (in that dtype, of its
+    shape) made by one of ``pool``'s threads and written at its offset as soon as it is made,
+    then dropped: the process holds the tensors being made, never the file's. Written under a
+    temporary name, fsynced and renamed (an interrupted write leaves no half-written file);
+    an OSError names ``path``."""
     import tempfile
     from concurrent.futures import wait
 
-    head, offsets, size = layout
+    head, offsets, size = header(shapes, dtype, metadata)
 
     def put(out: _Descriptor, name: str) -> None:
         block = produce(name)
