@@ -147,14 +147,15 @@ def compare(args, cfg, batch) -> None:
     params = minimal.from_minifield(state["params"])
     held = {"minifield": state, "minimal": (params, minimal_opt.init(params))}
     started = time.perf_counter()
-    ours = jax.jit(update, donate_argnums=(0,)).lower(state, batch).compile()
+    typed = rollouts_file.Batch(**batch)  # what the program hands its update
+    ours = jax.jit(update, donate_argnums=(0,)).lower(state, typed).compile()
     compile_s = {"minifield": time.perf_counter() - started}
     started = time.perf_counter()
     theirs = jax.jit(step, donate_argnums=(0, 1)).lower(*held["minimal"], batch).compile()
     compile_s["minimal"] = time.perf_counter() - started
 
     def run_ours():
-        held["minifield"], metrics, _ = ours(held["minifield"], batch)
+        held["minifield"], metrics, _ = ours(held["minifield"], typed)
         jax.block_until_ready(held["minifield"])
         return {k: float(v) for k, v in metrics.items()}
 
@@ -229,10 +230,10 @@ def split(args, cfg) -> None:
         batch = rollouts_file.batch_of(made, adv, rl, seq_len)
         t["reward"] = time.monotonic() - started
         started = time.monotonic()
-        np.asarray(reference(ref_params, jnp.asarray(batch["tokens"])))
+        np.asarray(reference(ref_params, jnp.asarray(batch.tokens)))
         t["reference"] = time.monotonic() - started
         started = time.monotonic()
-        state, metrics, _ = compiled(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        state, metrics, _ = compiled(state, jax.tree_util.tree_map(jnp.asarray, batch))
         jax.block_until_ready(state)
         t["policy"] = time.monotonic() - started
         if r:

@@ -46,7 +46,7 @@ import jax
 import yaml
 
 from minifield.pipeline import before_after, reference_logprobs
-from minifield.strategies.packed_sft import chain_base
+from minifield.strategies.lm import chain_base
 from minifield.strategies.preference import reference_link
 from minifield.supervision import accelerator
 
