@@ -2,8 +2,11 @@
 day someone runs the benchmark (``preference_demo_seeds.py`` imported ``chain_base`` from the
 package it had left). Imported, never run (each runs only as ``__main__``), in one process of
 their own: several put ``benchmarks/`` or ``benchmarks/device_check/`` first on ``sys.path``,
-which this process must not inherit."""
+which this process must not inherit. Two benchmarks that had rotted past their imports also run
+here at small sizes, each in a process of its own: ``grpo_update.py`` and
+``prepare_conversations.py``."""
 
+import json
 import re
 import subprocess
 import sys
@@ -77,3 +80,16 @@ def test_the_grpo_update_benchmark_runs_and_its_loops_agree():
     (relative,) = re.findall(r"relative difference ([0-9.e+-]+)\)", proc.stdout)
     assert float(relative) < 1e-5, proc.stdout
     assert "policy_seconds" in proc.stdout and "minifield / minimal (CPU)" in proc.stdout
+
+
+def test_the_prepare_benchmark_runs_and_packs_its_conversations():
+    # `packed.arrays` had outlived the typed rows (6fe5a46) here
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "prepare_conversations.py"), "--n", "20",
+         "--repeat", "1", "--seq-len", "512"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["conversations"] == 20 and result["trained_tokens"] > 0
+    assert len(result["prepared_sha256"]) == 64
