@@ -72,8 +72,9 @@ EPSILON, TEMPERATURE = 0.2, 1.0
 RL = {"loss_type": "dapo", "mask_truncated_completions": False, "scale_rewards": "group"}
 
 
-def make_batch(args, rng) -> dict:
-    """Random rows: a prompt, then a completion of random length, the dapo weights."""
+def make_batch(args, rng) -> rollouts_file.Batch:
+    """Random rows: a prompt, then a completion of random length, the dapo weights (the
+    update's typed batch, which both loops read)."""
     N, S = args.prompts * args.G, args.prompt_len + args.new
     tokens = rng.integers(3, args.vocab, (N, S)).astype(np.int32)
     mask = np.zeros((N, S), np.float32)
@@ -81,12 +82,12 @@ def make_batch(args, rng) -> dict:
         mask[row, args.prompt_len : args.prompt_len + n] = 1.0
         tokens[row, args.prompt_len + n :] = 0
     rewards = rng.integers(0, 2, N).astype(np.float64)
-    return {
-        "tokens": tokens,
-        "mask": mask,
-        "weights": group_advantages.token_weights("dapo", mask, args.new),
-        "advantages": group_advantages.advantages(rewards, args.G, "group").astype(np.float32),
-    }
+    return rollouts_file.Batch(
+        tokens=tokens,
+        mask=mask,
+        weights=group_advantages.token_weights("dapo", mask, args.new),
+        advantages=group_advantages.advantages(rewards, args.G, "group").astype(np.float32),
+    )
 
 
 def make_minimal(cfg, compute):
@@ -108,7 +109,7 @@ def make_minimal(cfg, compute):
     )  # fmt: skip
 
     def grpo_loss(params, batch):
-        tokens = batch["tokens"]
+        tokens = batch.tokens
         N, S = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (N, S))
         rows = minimal.Rows(tokens, jnp.ones((N, S), jnp.int32), positions, loss_mask=None)
@@ -116,9 +117,9 @@ def make_minimal(cfg, compute):
         logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, 1:, None], -1)
         logp = logp[..., 0]
         ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))
-        adv = batch["advantages"][:, None]
+        adv = batch.advantages[:, None]
         per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - EPSILON, 1 + EPSILON) * adv)
-        mask = batch["mask"][:, 1:]
+        mask = batch.mask[:, 1:]
         return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
     def step(params, opt_state, batch):
@@ -147,15 +148,14 @@ def compare(args, cfg, batch) -> None:
     params = minimal.from_minifield(state["params"])
     held = {"minifield": state, "minimal": (params, minimal_opt.init(params))}
     started = time.perf_counter()
-    typed = rollouts_file.Batch(**batch)  # what the program hands its update
-    ours = jax.jit(update, donate_argnums=(0,)).lower(state, typed).compile()
+    ours = jax.jit(update, donate_argnums=(0,)).lower(state, batch).compile()
     compile_s = {"minifield": time.perf_counter() - started}
     started = time.perf_counter()
     theirs = jax.jit(step, donate_argnums=(0, 1)).lower(*held["minimal"], batch).compile()
     compile_s["minimal"] = time.perf_counter() - started
 
     def run_ours():
-        held["minifield"], metrics, _ = ours(held["minifield"], typed)
+        held["minifield"], metrics, _ = ours(held["minifield"], batch)
         jax.block_until_ready(held["minifield"])
         return {k: float(v) for k, v in metrics.items()}
 
@@ -258,7 +258,7 @@ def split(args, cfg) -> None:
 
 def header(args, cfg, batch) -> str:
     rows = args.prompts * args.G
-    tokens = "" if batch is None else f", {int(batch['mask'].sum())} completion tokens"
+    tokens = "" if batch is None else f", {int(batch.mask.sum())} completion tokens"
     return (
         f"llama d{cfg.d_model} L{cfg.n_layers} GQA {cfg.n_heads}/{cfg.n_kv_heads} head_dim "
         f"{cfg.head_dim} ffn {cfg.d_ff} vocab {cfg.vocab_size}, compute {args.dtype}; {rows} "

@@ -51,20 +51,17 @@ def test_every_benchmark_imports():
     assert failed == "{}", failed
 
 
-#: ``grpo_update.py``'s comparison and its split at the grpo demo's tiny model (what the demo's
-#: 400 updates run), one repeat each: the typed batch the update takes since 86213ae had left
-#: both calling it with a dict
+#: ``grpo_update.py``'s comparison, then its ``--split``, at the grpo demo's tiny model (what the
+#: demo's 400 updates run), one repeat each, by its own ``main`` in one process: the typed batch
+#: the update takes since 86213ae had left both calling it with a dict
 GRPO_UPDATE_TINY = """
-import argparse, sys
-import numpy as np
+import sys
 sys.path.insert(0, sys.argv[1])
-import grpo_rollouts, grpo_update
-parser = argparse.ArgumentParser()
-grpo_rollouts.add_arguments(parser)
-args = parser.parse_args(sys.argv[2:])
-cfg = grpo_rollouts.config(args)
-grpo_update.compare(args, cfg, grpo_update.make_batch(args, np.random.default_rng(0)))
-grpo_update.split(args, cfg)
+import grpo_update
+sys.argv = ["grpo_update.py", *sys.argv[2:]]
+grpo_update.main()
+sys.argv.append("--split")
+grpo_update.main()
 """
 TINY_SHAPE = "--vocab 33 --d-model 64 --heads 4 --kv-heads 2 --ffn 192 --layers 2 --dtype float32"
 
