@@ -185,3 +185,62 @@ def test_the_merged_export_benchmark_finds_both_writers_bytes_equal(capsys):
     parameters = 2 * 300 * 128 + 2 * (4 * 128 * 128 + 3 * 128 * 256 + 2 * 128) + 128
     assert 2 * parameters < printed["export_bytes"] < 2 * parameters + 20_000
     assert set(printed["seconds"]) == {"before", "now"}
+
+
+def _resident_file_kb() -> int:
+    """This process's resident pages of mapped files (``RssFile``), in KiB."""
+    for line in open("/proc/self/status"):  # noqa: SIM115 - read at once
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status (not Linux)")
+
+
+def test_a_mapped_base_tensor_read_is_released_from_the_process(tmp_path):
+    """``stored_base.release`` drops a memory-mapped array's pages from this process (they
+    count as its memory on the chip's host), only that array's range, and the values read
+    after are the file's."""
+    rows, cols = 512, 32 * 1024  # two 32 MiB halves of float32
+    expected = np.random.default_rng(0).standard_normal((rows, cols), np.float32)
+    np.save(tmp_path / "base.npy", expected)
+    mapped = np.load(tmp_path / "base.npy", mmap_mode="r")
+    first, second = mapped[: rows // 2], mapped[rows // 2 :].T  # a transposed view too
+    before = _resident_file_kb()
+    assert float(np.asarray(mapped, np.float64).sum()) == pytest.approx(
+        expected.sum(dtype=np.float64)
+    )
+    read_all = _resident_file_kb()
+    assert read_all - before > 60 * 1024  # the 64 MiB were mapped in
+    stored_base.release(first)
+    assert read_all - _resident_file_kb() > 30 * 1024  # its 32 MiB left the process
+    stored_base.release(second)
+    assert _resident_file_kb() - before < 1024  # the rest, within a page or two
+    np.testing.assert_array_equal(mapped, expected)  # read again from the page cache
+    stored_base.release(expected)  # an array in memory: nothing happens
+    np.testing.assert_array_equal(mapped, expected)
+
+
+def test_the_host_merge_releases_every_base_tensor_it_reads(root, monkeypatch, tmp_path):
+    """The merged export reads every base tensor once from the prepared arrays, memory-mapped
+    as a run loads them (``examples.load``), and releases each once merged (what releasing
+    does: the test above)."""
+    from minifield.training.host_merge import HostMerge, _Tensor
+
+    program, state = _trained(root, SECTION)
+    mapped = {}
+    for name, value in program.arrays.items():
+        np.save(tmp_path / f"{name}.npy", value)
+        mapped[name] = np.load(tmp_path / f"{name}.npy", mmap_mode="r")
+    merge = HostMerge(mapped, layer_stack.per_layer(state["params"]), program.lora)
+    released = []
+    monkeypatch.setattr(stored_base, "release", released.append)
+    for path in merge.stored:
+        merge.value(_Tensor(path))
+    assert [id(value) for value in released] == [id(merge.stored[p]) for p in merge.stored]
+    owners = {type(_owner(value)).__name__ for value in released}
+    assert owners == {"mmap"}, owners  # each a view of the prepared file's mapping
+
+
+def _owner(value):
+    while isinstance(value, np.ndarray):
+        value = value.base
+    return value

@@ -86,8 +86,8 @@ class _Digests:
     1 KiB pieces held up its writes: docs/tpu.md)."""
 
     def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=pieces.HASHERS)
-        self.lane = ThreadPoolExecutor(max_workers=1)
+        self.pool = ThreadPoolExecutor(pieces.HASHERS, thread_name_prefix="checkpoint-pool")
+        self.lane = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-lane")
         self.jobs: dict[str, Any] = {}
         self.taker: threading.Thread | None = None
         self.closing = False

@@ -5,8 +5,8 @@ The merge the device ran before (:func:`.lora.merged` under ``jax.jit``) held th
 merged FP32 model there at once: 48 GB for an 8B base, on a 16 GB chip. Here the writer
 (:func:`minifield.hf.checkpoint.write`) asks for each tensor as it fills a shard, and
 :meth:`HostMerge.value` makes it from the prepared (memory-mapped) base tensor and the
-adapters: the host holds one tensor's FP32 values and the shard being written, never the
-model. A quantized base is merged the same way, into the unquantized base (what PEFT gives for
+adapters: the host holds the FP32 values of the tensors in hand, never the model, and each
+base tensor's mapped pages are dropped once it is read (:func:`.stored_base.release`). A quantized base is merged the same way, into the unquantized base (what PEFT gives for
 base + adapter, as QLoRA merges).
 
 The values are :func:`.lora.merged`'s on XLA:CPU, bit for bit (``tests/test_host_merge.py``):
@@ -87,10 +87,13 @@ class HostMerge:
         own ``W[j] + scale * A[j] @ B[j]``; see the module)."""
         import ml_dtypes
 
+        from ..hf import stored_base
+
         path, j = tensor.path, tensor.expert
         stored = self.stored[path] if j is None else self.stored[path][j]
         held = ml_dtypes.bfloat16 if self.settings.base_dtype == "bfloat16" else np.float32
         w = np.asarray(stored).astype(held, copy=False).astype(np.float32)  # as stored
+        stored_base.release(stored)  # read: its mapped pages go (the base is gigabytes)
         out_in = path in self.out_in
         if path in self.pairs:
             import jax
