@@ -37,7 +37,11 @@ memory (its children's too), and, where that process opened the device, the devi
 that fails is recorded with its error's last lines, and the stages after it are not run;
 ``--from STAGE`` starts at a stage whose predecessors' files ``--dir`` holds and ``--to STAGE``
 ends at one (a call of its own for a stage that needs one); ``--out`` is rewritten after every
-stage::
+stage. While a stage runs, this process reads the host's available memory every second (each
+record holds its lowest, ``available_min_bytes``) and stops the stage's processes when it
+falls under ``--min-available-gb`` or the stage runs past ``--stage-limit`` seconds, recording
+why and the largest processes then: a stage that would run the chip's host out of memory, or
+past its call, is stopped while its figures can still be written::
 
     python3 benchmarks/qlora_pipeline.py --preset llama-3.1-8b --seq 2048 --backend tpu \\
         --dir /tmp/q8 --out $OUT/qlora-pipeline.json                  # the chip
@@ -58,6 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _random_base  # noqa: E402
 import qlora_step  # noqa: E402
+from _stage_watch import watched  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ("prepare", "train", "evaluate", "publish", "activate")
@@ -86,6 +91,11 @@ def arguments(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--to", dest="last", choices=STAGES, default=STAGES[-1],
                         help="the last stage to run (a device call's 10 minutes)")  # fmt: skip
+    parser.add_argument("--min-available-gb", type=float, default=0.0,
+                        help="stop a stage when the host's available memory falls under this "
+                             "(its record says so and names the largest processes; 0: never)")  # fmt: skip
+    parser.add_argument("--stage-limit", type=float, default=0.0,
+                        help="stop a stage that runs longer, in seconds (0: never)")  # fmt: skip
     parser.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # one child's
     return parser.parse_args(argv)
 
@@ -277,19 +287,22 @@ def main(argv=None) -> int:
         env = accelerator.worker_env() if stage in ON_DEVICE else None
         command = [sys.executable, __file__, *(argv or sys.argv[1:]), "--stage", stage]
         began = time.monotonic()
-        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        code, stdout, stderr, watch = watched(
+            command, env, args.min_available_gb * 1e9, args.stage_limit
+        )
         wall = round(time.monotonic() - began, 2)
-        if out.returncode != 0:
-            tail = (out.stdout + out.stderr).strip()[-2000:]
-            record["stages"][stage] = {"exit": out.returncode, "wall_seconds": wall, "error": tail}
-            print(f"{stage}: failed (exit {out.returncode}) in {wall} s", file=sys.stderr)
+        if code != 0 or "stopped" in watch:
+            tail = (stdout + stderr).strip()[-2000:]
+            record["stages"][stage] = {"exit": code, "wall_seconds": wall, **watch, "error": tail}
+            why = watch.get("stopped", f"failed (exit {code})")
+            print(f"{stage}: {why}, after {wall} s", file=sys.stderr)
             break
-        figures = json.loads(out.stdout.strip().splitlines()[-1])
-        record["stages"][stage] = {"exit": 0, "wall_seconds": wall, **figures}
+        figures = json.loads(stdout.strip().splitlines()[-1])
+        record["stages"][stage] = {"exit": 0, "wall_seconds": wall, **watch, **figures}
         print(f"{stage}: {wall} s", file=sys.stderr)
         written(record, args.out)  # a call cut short still brings back the stages it finished
     print(written(record, args.out), end="")
-    return 0 if all(s["exit"] == 0 for s in record["stages"].values()) else 1
+    return 0 if all(s["exit"] == 0 and "stopped" not in s for s in record["stages"].values()) else 1
 
 
 if __name__ == "__main__":
