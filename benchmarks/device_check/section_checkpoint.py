@@ -16,34 +16,25 @@ a commit of a state already read back times the hashing and the writes alone (15
   ``read_back_s``): the commit without the copy, with its CPU (``checkpoint.save`` copies
   everything first, then hashes and writes: ``sync_s`` is about the two together);
 - ``hot_sync_s``: that held copy committed once more (a host copy one commit has been
-  through), and ``paused_sync_s``: a fresh state read back, then committed after
-  :data:`PAUSE_S` seconds: on the chip a held copy one commit had been through committed in
-  half the time of a fresh one (docs/tpu.md), and these tell whether it is the time since the
-  copy or the copy's memory; ``touch_s`` and ``touched_sync_s``: a fresh state read back, one
-  byte of every 4 KiB page of its host copy read on one thread (:func:`touch`), then
-  committed: whether a first pass over the copy's pages is what the commit of a fresh copy
-  pays for (at 60c4491 the pause did not help: the second commit of a copy alone was cheap);
-- ``settled_sync_s``: the commit of a fresh read-back made :data:`SETTLE_S` seconds after the
-  previous state and its host copy were let go (every other commit starts just after one
-  was: whether freeing the last copy is what the commit pays for), and ``read_sync_s``: a
-  fresh read-back whose every byte was read once on one thread (``read_s``), then committed
-  (at 41a10d5 one byte a page changed nothing: whether a first read of every cache line is);
-- ``usage``: for the commits of a fresh copy, of the held copy and of it again, where the
-  CPU went (:func:`usage`): user and system seconds, minor faults, context switches, and
-  the CPU of every thread by name (the commit's own, the runtime's); and ``few_sync_s``: a
-  fresh read-back committed with :data:`FEW_HASHERS` hashing threads (the commit's extra
-  CPU at 1c60ad0 was system time in its own threads);
+  through: on the chip a third of the CPU of the first commit of it, docs/tpu.md);
+- ``hashers_N_sync_s``: a fresh read-back committed with N hashing threads, N in
+  :data:`HASHER_COUNTS` (``pieces.HASHERS`` is 8 on the chip's host): the extra CPU of a fresh
+  copy's commit there is system time in the hashing threads, growing with their number;
+- ``usage``: for each of those commits, where the CPU went
+  (:func:`device_check.thread_usage.usage`): user and system seconds and each thread's by
+  name (the commit's own, the runtime's);
 - ``blocked_s`` / ``durable_s``: ``CheckpointCadence`` in the background, what the loop is
   blocked for and the time to durability.
 
 ``commit_over_floor`` is the median over rounds of ``sync_s`` ÷ max(floor a, floor b): the
 commit overlaps the copy, the hashing and the writes, so it should take about the slower floor
-(goal ≤ 1.25). Also one per-update state hash (host copy + hashes) of a fresh state.
+(goal ≤ 1.25). Also one per-update state hash (host copy + hashes) of a fresh state. (Earlier
+rounds also committed a fresh copy after a pause, after touching its pages, after reading
+every byte, after letting the last copy go: none was cheaper, docs/tpu.md.)
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import shutil
@@ -56,17 +47,12 @@ from device_check.common import log
 from device_check.settings import MAX_STEPS, execution, llama_config, model_shape, seq_len
 from device_check.thread_usage import usage
 
+#: hashing threads of the commits measured as ``hashers_N_sync_s``
+HASHER_COUNTS = (1, 2, 4)
 ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
         "read_back_s", "held_sync_s", "held_sync_cpu_s", "hot_sync_s", "hot_sync_cpu_s",
-        "paused_sync_s", "paused_sync_cpu_s", "touch_s", "touch_cpu_s", "touched_sync_s",
-        "touched_sync_cpu_s", "settled_sync_s", "settled_sync_cpu_s", "read_s", "read_sync_s",
-        "read_sync_cpu_s", "few_sync_s", "few_sync_cpu_s", "blocked_s", "durable_s")  # fmt: skip
-#: seconds between a fresh state's read-back and the commit of its held copy (paused_sync_s)
-PAUSE_S = 2.0
-#: hashing threads of the commit measured as ``few_sync_s``
-FEW_HASHERS = 2
-#: seconds between letting the previous state go and making the one committed (settled_sync_s)
-SETTLE_S = 3.0
+        *(f"hashers_{n}_sync{cpu}_s" for n in HASHER_COUNTS for cpu in ("", "_cpu")),
+        "blocked_s", "durable_s")  # fmt: skip
 
 
 def _fresh(state, copy):
@@ -109,36 +95,6 @@ def device_to_host(state) -> tuple[float, list]:
     return time.perf_counter() - started, arrays
 
 
-def touch(state) -> tuple[float, float]:
-    """(seconds, CPU seconds) to read one byte of every 4 KiB page of ``state``'s host copy
-    (JAX's, cached on each array), on this thread."""
-    import numpy as np
-
-    from minifield.state.arrays import named_leaves
-
-    started, cpu = time.perf_counter(), time.process_time()
-    for _, leaf in named_leaves(state):
-        flat = np.asarray(leaf).reshape(-1).view(np.uint8)
-        int(flat[::4096].sum(dtype=np.uint64))
-    return time.perf_counter() - started, time.process_time() - cpu
-
-
-def read_all(state) -> tuple[float, float]:
-    """(seconds, CPU seconds) to read every byte of ``state``'s host copy once, on this
-    thread (a sum over it as 8-byte words, 64 MiB at a time)."""
-    import numpy as np
-
-    from minifield.state.arrays import named_leaves
-
-    started, cpu = time.perf_counter(), time.process_time()
-    for _, leaf in named_leaves(state):
-        flat = np.asarray(leaf).reshape(-1).view(np.uint8)
-        words = flat[: flat.size - flat.size % 8].view(np.uint64)
-        for start in range(0, words.size, 8 << 20):
-            int(words[start : start + (8 << 20)].sum(dtype=np.uint64))
-    return time.perf_counter() - started, time.process_time() - cpu
-
-
 def raw_write(directory: Path, arrays: list) -> float:
     """Seconds to write ``arrays``' bytes as one file, fsync it, rename it and fsync the
     directory: a commit's durable writes with nothing else."""
@@ -164,9 +120,8 @@ def raw_write(directory: Path, arrays: list) -> float:
     return seconds
 
 
-def _round(directory: Path, state, copy, step: int, pause_s: float) -> dict:
-    """One round's figures, each of a fresh state (``pause_s``: :data:`PAUSE_S`, 0 with
-    ``--tiny``, whose CPU host copy is a view)."""
+def _round(directory: Path, state, copy, step: int) -> dict:
+    """One round's figures, each of a fresh state."""
     from checkpoint_commit import async_commit, sync_commit
 
     from minifield.state import pieces
@@ -180,61 +135,35 @@ def _round(directory: Path, state, copy, step: int, pause_s: float) -> dict:
     floor_b = raw_write(directory, host)
     floor_b_cpu = time.process_time() - cpu
     del host
+    out, spent = {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu,
+                  "raw_s": floor_b, "raw_cpu_s": floor_b_cpu}, {}  # fmt: skip
+
+    def commit(key: str, held: bool = False) -> None:
+        """``key``'s commit of ``fresh``: a fresh state, or (``held``) its host copy read back
+        first (the commit without the device->host copy)."""
+        if held:
+            read_back = device_to_host(fresh)[0]
+            out.setdefault("read_back_s", read_back)  # the held commit's
+        (out[f"{key}_s"], out[f"{key}_cpu_s"]), spent[key] = usage(
+            lambda: sync_commit(directory / key, fresh, step)
+        )
+
     fresh = _fresh(state, copy)
-    (wall, cpu), sync_usage = usage(lambda: sync_commit(directory / "sync", fresh, step))
-    # the same commit of a fresh state read back first (JAX then holds its host copy): the
-    # commit without the copy, to tell the copy's share of the commit from the hashing's
-    # and the writes'
+    commit("sync")
     fresh = _fresh(state, copy)
-    read_back, _ = device_to_host(fresh)
-    (held, held_cpu), held_usage = usage(lambda: sync_commit(directory / "held", fresh, step))
-    # the same host copy committed once more: a host copy one commit has been through
-    (hot, hot_cpu), hot_usage = usage(lambda: sync_commit(directory / "hot", fresh, step))
-    # a fresh host copy committed after a pause: whether what slows the held commit is the
-    # time since the device->host copy (its runtime threads still busy) or the copy itself
-    fresh = _fresh(state, copy)
-    device_to_host(fresh)
-    time.sleep(pause_s)
-    paused, paused_cpu = sync_commit(directory / "paused", fresh, step)
-    fresh = _fresh(state, copy)
-    device_to_host(fresh)
-    touched, touched_cpu = touch(fresh)
-    touched_sync, touched_sync_cpu = sync_commit(directory / "touched", fresh, step)
-    # the previous state and its host copy let go well before: whether freeing them is it
-    del fresh
-    gc.collect()
-    time.sleep(pause_s and SETTLE_S)
-    fresh = _fresh(state, copy)
-    device_to_host(fresh)
-    settled, settled_cpu = sync_commit(directory / "settled", fresh, step)
-    # every byte of a fresh copy read once first: whether a first read of it is it
-    fresh = _fresh(state, copy)
-    device_to_host(fresh)
-    read, _ = read_all(fresh)
-    (read_sync, read_sync_cpu), read_usage = usage(
-        lambda: sync_commit(directory / "read", fresh, step)
-    )
-    # fewer hashing threads on a fresh copy: whether their number is what costs
-    fresh = _fresh(state, copy)
-    device_to_host(fresh)
-    hashers, pieces.HASHERS = pieces.HASHERS, FEW_HASHERS
+    commit("held_sync", held=True)
+    commit("hot_sync")  # the same host copy again: one commit has been through it
+    hashers = pieces.HASHERS
     try:
-        (few, few_cpu), few_usage = usage(lambda: sync_commit(directory / "few", fresh, step))
+        for count in HASHER_COUNTS:
+            pieces.HASHERS = count
+            fresh = _fresh(state, copy)
+            commit(f"hashers_{count}_sync", held=True)
     finally:
         pieces.HASHERS = hashers
     fresh = _fresh(state, copy)
-    blocked, durable = async_commit(directory / "async", fresh, step)
-    return {"device_to_host_s": floor_a, "device_to_host_cpu_s": floor_a_cpu, "raw_s": floor_b,
-            "raw_cpu_s": floor_b_cpu, "sync_s": wall, "sync_cpu_s": cpu, "held_sync_s": held,
-            "held_sync_cpu_s": held_cpu, "read_back_s": read_back, "hot_sync_s": hot,
-            "hot_sync_cpu_s": hot_cpu, "paused_sync_s": paused, "paused_sync_cpu_s": paused_cpu,
-            "touch_s": touched, "touch_cpu_s": touched_cpu, "touched_sync_s": touched_sync,
-            "touched_sync_cpu_s": touched_sync_cpu, "settled_sync_s": settled,
-            "settled_sync_cpu_s": settled_cpu, "read_s": read, "read_sync_s": read_sync,
-            "read_sync_cpu_s": read_sync_cpu, "few_sync_s": few, "few_sync_cpu_s": few_cpu,
-            "blocked_s": blocked, "durable_s": durable,
-            "usage": {"sync": sync_usage, "held": held_usage, "hot": hot_usage,
-                      "read": read_usage, "few": few_usage}}  # fmt: skip
+    out["blocked_s"], out["durable_s"] = async_commit(directory / "async", fresh, step)
+    return {**out, "usage": spent}
 
 
 def _ratios(out: dict, rows: dict, nbytes: int) -> None:
@@ -305,17 +234,12 @@ def run(args, context, report) -> dict:
     directory = Path(tempfile.mkdtemp(prefix="checkpoint-", dir=args.work_dir))
     try:
         rows: dict = {k: [] for k in ROWS}
-        pause_s = 0.0 if args.tiny else PAUSE_S
         for step in range(1, args.checkpoint_rounds + 1):
-            spent = (
-                sum(rows[k][-1] for k in ROWS if not k.endswith("cpu_s")) + pause_s
-                if step > 1
-                else 0
-            )
+            spent = sum(rows[k][-1] for k in ROWS if not k.endswith("cpu_s")) if step > 1 else 0
             if time.time() + 1.5 * spent > args.deadline:  # stop rather than be killed
                 log(f"  stopping after {step - 1} rounds (time limit)")
                 break
-            figures = _round(directory, state, copy, step, pause_s)
+            figures = _round(directory, state, copy, step)
             out.setdefault("usage", []).append(figures.pop("usage"))
             for key, value in figures.items():
                 rows[key].append(value)
