@@ -55,6 +55,9 @@ def test_each_way_of_cutting_and_each_thread_give_the_hand_computed_digests():
         "rows": (768, 384),  # 1.2 MB > WHOLE_COPY: 48 rows of 48 pieces of 512 bytes
         "large": (48 * 16384,),  # 3.1 MB: 48 pieces of 64 KB, one at a time, on a thread
         "large_rows": (4, 16411),  # 263 KB: 4 pieces of 65,644 bytes, on a thread
+        # 6.6 MB: 96 pieces of 256 x 67 (68,608 bytes), columns cut: each copied into the
+        # hashing thread's scratch buffer, reused from piece to piece
+        "large_cols": (12288, 134),
         "mid": (5, 7, 100),  # 14 KB: 4 pieces of 3,500 bytes, without the GIL, on this thread
         "small": (7,),
     }
@@ -72,16 +75,17 @@ def test_each_way_of_cutting_and_each_thread_give_the_hand_computed_digests():
     assert (
         ways["large"][1] == pieces.LARGE_PIECE
         and ways["large_rows"][1] == 65644
+        and ways["large_cols"][1] == 68608
         and ways["mid"][1] == 3500
         and ways["small"][1] == 28
     )
     # hashlib hashes a call of at least 2,048 bytes without the GIL (HASHLIB_GIL_MINSIZE)
     gil_free = [n for n, (_, piece) in ways.items() if piece >= 2048]
-    assert sorted(gil_free) == ["large", "large_rows", "mid"]
+    assert sorted(gil_free) == ["large", "large_cols", "large_rows", "mid"]
     threaded = [
         n for n, v in flat.items() if pieces.pooled(v.nbytes, math.prod(pieces.piece_grid(v.shape)))
     ]
-    assert threaded == ["large", "large_rows"]
+    assert threaded == ["large", "large_rows", "large_cols"]
     digests = pieces.host_digests(flat)
     assert digests == {name: pieces_digest_by_hand(value) for name, value in flat.items()}
     assert arrays.hashes_of(flat)[0] == state_hash_by_hand(flat)

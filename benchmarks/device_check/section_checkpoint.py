@@ -20,6 +20,9 @@ a commit of a state already read back times the hashing and the writes alone (15
 - ``hashers_N_sync_s``: a fresh read-back committed with N hashing threads, N in
   :data:`HASHER_COUNTS` (``pieces.HASHERS`` is 8 on the chip's host): the extra CPU of a fresh
   copy's commit there is system time in the hashing threads, growing with their number;
+- ``unreused_sync_s``: a fresh read-back committed with the hashing threads copying each
+  non-contiguous piece into a new buffer (``pieces._SCRATCH_MAX`` -1), as before they reused
+  one: whether allocation is the hashing threads' system time;
 - ``usage``: for each of those commits, where the CPU went
   (:func:`device_check.thread_usage.usage`): user and system seconds and each thread's by
   name (the commit's own, the runtime's);
@@ -52,6 +55,7 @@ HASHER_COUNTS = (1, 2, 4)
 ROWS = ("device_to_host_s", "device_to_host_cpu_s", "raw_s", "raw_cpu_s", "sync_s", "sync_cpu_s",
         "read_back_s", "held_sync_s", "held_sync_cpu_s", "hot_sync_s", "hot_sync_cpu_s",
         *(f"hashers_{n}_sync{cpu}_s" for n in HASHER_COUNTS for cpu in ("", "_cpu")),
+        "unreused_sync_s", "unreused_sync_cpu_s",
         "blocked_s", "durable_s")  # fmt: skip
 
 
@@ -161,6 +165,13 @@ def _round(directory: Path, state, copy, step: int) -> dict:
             commit(f"hashers_{count}_sync", held=True)
     finally:
         pieces.HASHERS = hashers
+    scratch = pieces._SCRATCH_MAX
+    try:  # every non-contiguous piece copied into a buffer of its own, as before the reuse
+        pieces._SCRATCH_MAX = -1
+        fresh = _fresh(state, copy)
+        commit("unreused_sync", held=True)
+    finally:
+        pieces._SCRATCH_MAX = scratch
     fresh = _fresh(state, copy)
     out["blocked_s"], out["durable_s"] = async_commit(directory / "async", fresh, step)
     return {**out, "usage": spent}
