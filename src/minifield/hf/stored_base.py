@@ -53,7 +53,10 @@ def release(value: np.ndarray) -> None:
     mapped = np.frombuffer(owner, np.uint8).ctypes.data
     first = low - mapped
     first -= first % mmap.PAGESIZE
-    owner.madvise(mmap.MADV_DONTNEED, first, high - mapped - first)
+    try:
+        owner.madvise(mmap.MADV_DONTNEED, first, high - mapped - first)
+    except (AttributeError, OSError):  # no madvise here, or the kernel refused: a hint only
+        pass
 
 
 def dtype_name(value: np.ndarray) -> str:
