@@ -33,6 +33,8 @@ def test_the_pipeline_runs_every_stage_and_records_it(tmp_path):
     for name, stage in stages.items():
         assert stage["exit"] == 0 and stage["seconds"] > 0, name
         assert stage["host_peak_rss_bytes"] > 0, name
+        # the parent's watch: the host's lowest available memory while it ran, never stopped
+        assert stage["available_min_bytes"] > 0 and "stopped" not in stage, name
     assert stages["train"]["status"] == "completed" and stages["train"]["steps"] == 2
     # the worker compiled its update with the product's codes among its arguments
     codes = sum(
