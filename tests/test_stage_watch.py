@@ -51,11 +51,9 @@ def test_a_stage_that_ends_returns_its_exit_output_and_the_lowest_available_memo
 def test_a_stage_is_stopped_with_every_process_under_it(how):
     # memory: more available memory asked for than any host has; time: a 1 s limit
     min_available, limit = (1e18, 0) if how == "memory" else (0, 1.0)
-    started = time.monotonic()
     code, out, _, watch = _stage_watch.watched(
         [sys.executable, "-c", SPAWNING], None, min_available, limit
     )
-    assert time.monotonic() - started < 30  # not the stage's 120 s
     grandchild = int(out.split()[0])
     deadline = time.monotonic() + 5
     while _alive(grandchild) and time.monotonic() < deadline:

@@ -36,13 +36,15 @@ _NPY = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 
 def release(value: np.ndarray) -> None:
     """Drop the pages of ``value``'s bytes from this process when it views a memory-mapped
-    file, as the prepared base's arrays do (``MADV_DONTNEED`` on a read-only file mapping: the
-    page cache keeps them, and a later read maps them again); any other array: nothing. A
+    file, as the prepared base's arrays do (:func:`.tensors.drop_pages`); any other array:
+    nothing. A
     pass over the whole base tensor by tensor (the merged export's) then holds about the
     tensors in hand, not every page read so far: on the chip's host a process's mapped file
     pages counted against its memory, and the 8B export ran the host's 40 GB down to its
     last 6 (docs/tpu.md)."""
     import mmap
+
+    from .tensors import drop_pages
 
     owner = value
     while isinstance(owner, np.ndarray):
@@ -51,10 +53,8 @@ def release(value: np.ndarray) -> None:
         return
     low, high = np.lib.array_utils.byte_bounds(value)
     mapped = np.frombuffer(owner, np.uint8).ctypes.data
-    first = low - mapped
-    first -= first % mmap.PAGESIZE
     try:
-        owner.madvise(mmap.MADV_DONTNEED, first, high - mapped - first)
+        drop_pages(owner, low - mapped, high - mapped)
     except (AttributeError, OSError):  # no madvise here, or the kernel refused: a hint only
         pass
 

@@ -112,10 +112,16 @@ class Source:
             done += count
 
     def release(self, start: int, end: int) -> None:
-        import mmap
+        drop_pages(self._map, start, end)
 
-        first = start - start % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+def drop_pages(mapping, start: int, end: int) -> None:
+    """Drop the pages holding bytes ``[start, end)`` of a read-only file ``mapping`` from this
+    process (``MADV_DONTNEED``: the page cache keeps them, and a later read maps them again)."""
+    import mmap
+
+    first = start - start % mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _non_finite(path: Path, name: str, value: np.ndarray) -> CheckpointError:
