@@ -51,6 +51,9 @@ PRESETS = {
                          rope_theta=500000.0, tied=False),
     "llama-3.2-3b": dict(d_model=3072, layers=28, heads=24, kv_heads=8, ff=8192, vocab=128256,
                          rope_theta=500000.0, tied=True),
+    # the evaluate stage's host memory against the base's size on a CPU (docs/quantized-base.md)
+    "llama-3.2-1b": dict(d_model=2048, layers=16, heads=32, kv_heads=8, ff=8192, vocab=128256,
+                         rope_theta=500000.0, tied=True),
     "small": dict(d_model=256, layers=4, heads=8, kv_heads=2, ff=768, vocab=2048,
                   rope_theta=10000.0, tied=False),
     # qlora_pipeline.py's test: the Llama demo's tokenizer (33 ids) fits its vocabulary
