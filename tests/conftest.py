@@ -85,15 +85,13 @@ def start_asking_xla(*flags: str) -> None:
     if os.environ.get(_XLA_FLAG_PROBE) is not None:
         return
     for flag in flags:
-        _asking.setdefault(
-            flag,
-            subprocess.Popen(
+        if flag not in _asking:  # one probe a flag: _xla_knows asks again for the one it waits on
+            _asking[flag] = subprocess.Popen(
                 [sys.executable, "-c", "import jax; jax.devices()"],
                 env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"},
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-            ),
-        )
+            )
 
 
 def _xla_knows(flag: str) -> bool:

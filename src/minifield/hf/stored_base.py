@@ -37,9 +37,8 @@ _NPY = {"bfloat16": "uint16", "float16": "float16", "float32": "float32"}
 def release(value: np.ndarray) -> None:
     """Drop the pages of ``value``'s bytes from this process when it views a memory-mapped
     file, as the prepared base's arrays do (:func:`.tensors.drop_pages`); any other array:
-    nothing. A
-    pass over the whole base tensor by tensor (the merged export's) then holds about the
-    tensors in hand, not every page read so far: on the chip's host a process's mapped file
+    nothing. A pass over the whole base tensor by tensor (the merged export's) then holds about
+    the tensors in hand, not every page read so far: on the chip's host a process's mapped file
     pages counted against its memory, and the 8B export ran the host's 40 GB down to its
     last 6 (docs/tpu.md)."""
     import mmap
