@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import moe, rope_scaling
+from . import moe, quantize, rope_scaling
 from .layers import attention, layer_stack
 from .layers.primitives import F32, einsum, linear, rotate, scaled_normal
 
@@ -335,7 +335,7 @@ def forward_cached(params, cfg: LlamaConfig, tokens_BxT, positions_BxT, cache, l
     h_BxTxD = _embed(params, cfg, tokens_BxT)
     new_cache = {}
     for name in sorted(params["blocks"], key=int):
-        block = params["blocks"][name]
+        block = quantize.made_back_after(params["blocks"][name], h_BxTxD)
         window = cfg.layer_window(int(name))
         slots_BxS = jnp.broadcast_to(jnp.arange(S), (B, S))  # a slot holds its own position
         layer_mask = attention.window_mask(mask_Bx1xTxS, positions_BxT, slots_BxS, window)

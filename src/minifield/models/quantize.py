@@ -147,6 +147,38 @@ def dequantize(w: QuantizedWeight, dtype=None):
     return values_BxSxN.reshape(K, N).astype(dtype)
 
 
+def made_back_after(tree, x):
+    """``tree`` (a layer's parameters) with its quantized matrices made to depend on ``x``
+    (the layer's input): the same codes, so that each layer's matrices are made
+    back where the layer runs, not before.
+
+    A quantized matrix is made back inside the product that reads it
+    (:func:`.layers.primitives.linear`), from the codes alone. Where layers run as a Python
+    loop (generation's cached step) that work depends on nothing the layers compute, and
+    XLA:CPU moves it out of the loop over tokens and schedules it before the first layer:
+    the whole base made back at once (docs/quantized-base.md). An optimization barrier keeps
+    it in the loop but not in order (XLA:CPU turns barriers into nothing before it
+    schedules); a data dependence holds both: each code is XORed with ``isnan(v) &
+    isinf(v)`` of one element ``v`` of ``x``, false for every value (the codes unchanged, no
+    number changes) but not something XLA can fold. A tree without quantized matrices is
+    returned as it is."""
+    is_quantized_weight = lambda leaf: isinstance(leaf, QuantizedWeight)  # noqa: E731
+    leaves, structure = jax.tree.flatten(tree, is_leaf=is_quantized_weight)
+    if not any(map(is_quantized_weight, leaves)):
+        return tree
+    v = x.reshape(-1)[0]
+    never = jnp.isnan(v) & jnp.isinf(v)
+    leaves = [
+        QuantizedWeight(
+            w.codes ^ never.astype(w.codes.dtype), *w.tree_flatten()[0][1:], *w.tree_flatten()[1]
+        )
+        if is_quantized_weight(w)
+        else w
+        for w in leaves
+    ]
+    return jax.tree.unflatten(structure, leaves)
+
+
 def nf4_values(index):
     """``NF4[index]`` by a tree of selects on the index's four bits (15 selects between the
     table's FP32 constants, the same values as indexing it): a gather, which XLA does not fuse
