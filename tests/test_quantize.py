@@ -273,3 +273,25 @@ def test_a_zero_block_stays_zero():
 def test_shapes_the_block_does_not_divide_are_refused(shape, scheme, block, expected):
     with pytest.raises(ValueError, match=expected):
         quantize.quantize(jnp.zeros(shape), scheme, block)
+
+
+@pytest.mark.parametrize("scheme", quantize.SCHEMES)
+def test_made_back_after_keeps_every_code(scheme):
+    """Whatever the layer's input holds (its first element NaN, infinite or finite), each code's
+    bits are the original's; the rest of the tree is untouched, and a tree without quantized
+    matrices comes back as it was given (generation's step, test_quantized_generation.py)."""
+    rng = np.random.default_rng(1)
+    w = quantize.quantize(jnp.asarray(rng.standard_normal((128, 8)), jnp.float32), scheme, 64)
+    norm = jnp.ones((8,))
+    plain = {"norm": norm}
+    assert quantize.made_back_after(plain, jnp.ones((2, 3))) is plain
+    for first in (np.nan, np.inf, -np.inf, 0.0, -2.5):
+        x = jnp.full((2, 3, 4), 1.0).at[0, 0, 0].set(first)
+        tree = quantize.made_back_after({"w": w, "norm": norm}, x)
+        assert tree["norm"] is norm
+        held = tree["w"]
+        assert isinstance(held, quantize.QuantizedWeight)
+        assert held.codes.dtype == w.codes.dtype
+        np.testing.assert_array_equal(np.asarray(held.codes), np.asarray(w.codes))
+        assert held.tree_flatten()[1] == w.tree_flatten()[1]
+        assert held.scales is w.scales

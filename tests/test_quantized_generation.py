@@ -4,7 +4,7 @@ each layer's matrices made back as the layer runs, not the whole base before the
 base made back outside the program (each matrix replaced by its BF16 ``dequantize``).
 
 The memory is read from the compiled program's analysis: its temporaries against the bytes
-of every layer's matrices made back in BF16. Compiles four generation loops (5-15 s each on
+of every layer's matrices made back in BF16. Compiles two generation loops (about 15 s each on
 2 cores): slow tier."""
 
 from __future__ import annotations
@@ -58,25 +58,15 @@ def layer_matrix_bytes() -> int:
     return CFG.n_layers * 2 * (2 * D * D + 2 * D * kv + 3 * D * F)
 
 
-def test_generation_on_the_codes_gives_the_made_back_bases_tokens():
-    # one scheme: what made_back_after changes (the codes' dependence) is the same for both
-    params = quantized_params("nf4")
-    on_codes = model.greedy_generate_batch(params, CFG, PROMPTS, NEW, None, cache=True)
-    reference = model.greedy_generate_batch(made_back(params), CFG, PROMPTS, NEW, None, cache=True)
-    assert [len(row) for row in on_codes] == [NEW] * len(PROMPTS)
-    assert on_codes == reference
-    # the rows do not repeat one token throughout: a comparison that could tell them apart
-    assert any(len(set(row)) > 3 for row in on_codes)
-
-
-@pytest.mark.parametrize("scheme", quantize.SCHEMES)
-def test_generation_makes_each_layer_back_as_it_runs(scheme):
+def test_generation_makes_each_layer_back_as_it_runs_and_keeps_its_tokens():
     """The compiled loop's temporaries stay under half of every layer's matrices in BF16 (six
     layers: a layer's is a sixth); before ``made_back_after`` they held all of them and more
-    (docs/quantized-base.md)."""
-    params = quantized_params(scheme)
+    (docs/quantized-base.md). Its greedy tokens are those of generation on the base made back
+    outside the program. NF4 only: what ``made_back_after`` changes (the codes' dependence) is
+    the same for int8 (:func:`test_made_back_after_keeps_every_code`)."""
+    params = quantized_params("nf4")
     cfg = dataclasses.replace(CFG, execution=Execution(scan_layers=CFG.execution.scan_layers))
-    buffer, lengths = model.prompt_buffer(PROMPTS, 32)
+    buffer, lengths = model.prompt_buffer(PROMPTS, 32)  # the program generate_batch runs below
     compiled = model.decode.lower(
         params,
         cfg,
@@ -89,3 +79,10 @@ def test_generation_makes_each_layer_back_as_it_runs(scheme):
     ).compile()
     temporaries = compiled.memory_analysis().temp_size_in_bytes
     assert temporaries < layer_matrix_bytes() / 2, (temporaries, layer_matrix_bytes())
+
+    on_codes = model.greedy_generate_batch(params, CFG, PROMPTS, NEW, None, cache=True)
+    reference = model.greedy_generate_batch(made_back(params), CFG, PROMPTS, NEW, None, cache=True)
+    assert [len(row) for row in on_codes] == [NEW] * len(PROMPTS)
+    assert on_codes == reference
+    # the rows do not repeat one token throughout: a comparison that could tell them apart
+    assert any(len(set(row)) > 3 for row in on_codes)
