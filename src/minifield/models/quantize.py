@@ -162,21 +162,22 @@ def made_back_after(tree, x):
     isinf(v)`` of one element ``v`` of ``x``, false for every value (the codes unchanged, no
     number changes) but not something XLA can fold. A tree without quantized matrices is
     returned as it is."""
-    is_quantized_weight = lambda leaf: isinstance(leaf, QuantizedWeight)  # noqa: E731
-    leaves, structure = jax.tree.flatten(tree, is_leaf=is_quantized_weight)
-    if not any(map(is_quantized_weight, leaves)):
+    if not any(map(_is_weight, jax.tree.leaves(tree, is_leaf=_is_weight))):
         return tree
     v = x.reshape(-1)[0]
     never = jnp.isnan(v) & jnp.isinf(v)
-    leaves = [
-        QuantizedWeight(
-            w.codes ^ never.astype(w.codes.dtype), *w.tree_flatten()[0][1:], *w.tree_flatten()[1]
-        )
-        if is_quantized_weight(w)
-        else w
-        for w in leaves
-    ]
-    return jax.tree.unflatten(structure, leaves)
+
+    def tied(leaf):
+        if not _is_weight(leaf):
+            return leaf
+        (codes, *rest), aux = leaf.tree_flatten()
+        return QuantizedWeight.tree_unflatten(aux, (codes ^ never.astype(codes.dtype), *rest))
+
+    return jax.tree.map(tied, tree, is_leaf=_is_weight)
+
+
+def _is_weight(leaf) -> bool:
+    return isinstance(leaf, QuantizedWeight)
 
 
 def nf4_values(index):
