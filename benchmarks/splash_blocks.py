@@ -1,6 +1,6 @@
 """Splash attention's block sizes on the chip: each kernel's blocks swept on its own, by row
 length and head width, with the XLA attention path and an all-512 baseline timed in the same
-run; its ``best`` is ``execution.SPLASH_BLOCKS``'s table.
+run; its ``best`` is ``splash_table.SPLASH_BLOCKS``'s table.
 
 The attention of ``model.attention: pallas`` with ``runtime.backend: tpu``
 (``minifield.models.layers.tpu_attention``) over packed rows: causal, ``--segments``
@@ -378,7 +378,7 @@ def main(argv=None) -> dict:
 
     report = sweep(args, backend == "cpu", previous, write)
     write(report)
-    print(f"best (execution.SPLASH_BLOCKS): {json.dumps(report['best'])}")
+    print(f"best (splash_table.SPLASH_BLOCKS): {json.dumps(report['best'])}")
     return report
 
 

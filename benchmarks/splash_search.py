@@ -4,7 +4,7 @@ made-up timings (``tests/test_splash_blocks.py``)."""
 
 from __future__ import annotations
 
-from minifield.models import execution
+from minifield.models import splash_table
 
 #: each kernel's (query block, key block, compute block) fields (dq has no compute block)
 KERNELS = {
@@ -16,14 +16,16 @@ KERNELS = {
 
 def held(seq_len: int, size: int) -> dict:
     """Every block at ``size``, fitted to the row."""
-    return execution.splash_blocks(seq_len, dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, size))
+    return splash_table.splash_blocks(
+        seq_len, dict.fromkeys(splash_table.SPLASH_DEFAULT_BLOCKS, size)
+    )
 
 
 def with_sizes(seq_len: int, base: dict, sizes: dict) -> dict | None:
     """``base`` with ``sizes`` set; None where the row cannot take them as given (the sweep
     times only sizes the kernel runs unchanged)."""
     asked = {**base, **sizes}
-    return asked if execution.splash_blocks(seq_len, asked) == asked else None
+    return asked if splash_table.splash_blocks(seq_len, asked) == asked else None
 
 
 def first_round(seq_len: int, base: dict, candidates, runs=()) -> list[tuple[str, dict]]:

@@ -2,8 +2,8 @@
 check's Llama shapes against abstract arguments (nothing allocated), then compared.
 
 Programs (the device check's ``step_125m`` / ``step_350m`` settings: BF16 compute, FP32
-master weights, the XLA attention, a TPU recipe's memory defaults ``remat: full`` and the
-loss in 1024-token chunks, ``models.execution.defaults_for("tpu")``):
+master weights, the XLA attention, ``remat: full`` unless ``--remat`` says otherwise, and a
+TPU recipe's loss in 1024-token chunks, ``models.execution.defaults_for("tpu")``):
 
 - ``minimal``: ``minimal/llama.py``'s step (plain JAX + optax, the same remat, the loss over
   every token at once);

@@ -619,3 +619,29 @@ def test_ours_only_reaches_every_sections_process():
     assert section.ours_only and section.remat == "save_attention"
     plain = parse_args(["--backend", "tpu"])
     assert not parse_args([*plain.passthrough, "--section", "step_350m"]).ours_only
+
+
+def test_the_step_sections_on_a_tpu_run_the_plan_a_tpu_recipe_gets(monkeypatch):
+    """Unasked, the step sections on a TPU take ``remat: auto`` as a packed-sft recipe of
+    their model does (``models.device_memory.plan``): at 350M ``dots_saveable`` in 4
+    micro-batches of 2 rows, at 125M the 16 rows at once; the minimal loop gets the same
+    (``execution``); the shapes and checkpoint sections, with no split to choose, ``full``;
+    an asked policy and split are passed on as asked."""
+    from device_check.cli import parse_args
+    from device_check.settings import execution, step_plan
+
+    from minifield.models import device_memory
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the model shapes: minimal/
+    args = parse_args(["--backend", "tpu"])
+    assert args.remat == "auto" and args.loss_chunk_tokens == 1024
+    plans = {size: step_plan(args, size) for size in ("350m", "125m")}
+    assert [(p.remat, p.grad_accum_steps) for p in plans.values()] == [
+        ("dots_saveable", 4), ("dots_saveable", 1),
+    ]  # fmt: skip
+    assert all(p.estimated_bytes <= device_memory.AUTO_DEVICE_BYTES for p in plans.values())
+    assert execution(args, plans["350m"].remat).remat == "dots_saveable"
+    assert execution(args).remat == "full"
+    asked = parse_args(["--backend", "tpu", "--remat", "full", "--grad-accum-steps", "2"])
+    assert step_plan(asked, "350m") == device_memory.Plan("full", 2, None)
+    assert parse_args(["--backend", "gpu"]).remat == "none"

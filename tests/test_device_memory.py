@@ -144,11 +144,24 @@ COMPILED_PEAKS = {
     ("350m", "none", 2, 1): None,
     ("350m", "dots_saveable", 1, 1): 9_027_774_464, ("350m", "dots_saveable", 2, 1): 10_877_934_592,
     ("350m", "dots_saveable", 4, 1): 14_701_045_760, ("350m", "dots_saveable", 2, 4): 13_850_501_120,
-    ("350m", "dots_saveable", 4, 2): None,
+    ("350m", "dots_saveable", 4, 2): None, ("350m", "dots_saveable", 8, 1): None,
     ("350m", "save_attention", 2, 1): 9_414_898_176, ("350m", "save_attention", 4, 1): 11_650_588_672,
     ("350m", "save_attention", 8, 1): 16_210_002_432, ("350m", "save_attention", 4, 2): 14_623_540_736,
 }  # fmt: skip
 V5E_BYTES_LIMIT = 16_909_336_064
+
+
+def check_step(size: str) -> LlamaConfig:
+    d_model, layers, heads, d_ff = CHECK_STEPS[size]
+    return LlamaConfig(vocab_size=32000, d_model=d_model, n_layers=layers, n_heads=heads,
+                       n_kv_heads=heads, d_ff=d_ff, max_len=2048)  # fmt: skip
+
+
+def step_recipe(rows: int, remat: str, micro_batches: int = 1, seq_len: int = 2048) -> dict:
+    """The device check's step as a recipe: ``rows`` in all, splash, chunks of 1024."""
+    return {"model": {"attention": "pallas"},
+            "training": {"batch_size": rows, "grad_accum_steps": micro_batches,
+                         "seq_len": seq_len, "remat": remat, "loss_chunk_tokens": 1024}}  # fmt: skip
 
 
 @pytest.mark.parametrize(("step", "peak"), COMPILED_PEAKS.items(), ids=lambda v: str(v))
@@ -156,11 +169,66 @@ def test_each_remat_policy_is_estimated_above_the_compilers_peak(step, peak):
     """Above the compiled peak wherever the compiler fits the step, above the chip's memory
     wherever it refuses it: the refusal never admits a step the chip cannot hold."""
     size, remat, rows, micro_batches = step
-    d_model, layers, heads, d_ff = CHECK_STEPS[size]
-    cfg = LlamaConfig(vocab_size=32000, d_model=d_model, n_layers=layers, n_heads=heads,
-                      n_kv_heads=heads, d_ff=d_ff, max_len=2048)  # fmt: skip
-    r = {"model": {"attention": "pallas"},
-         "training": {"batch_size": rows * micro_batches, "grad_accum_steps": micro_batches,
-                      "seq_len": 2048, "remat": remat, "loss_chunk_tokens": 1024}}  # fmt: skip
-    total = device_memory.estimate(cfg, r)["total"]
+    r = step_recipe(rows * micro_batches, remat, micro_batches)
+    total = device_memory.estimate(check_step(size), r)["total"]
     assert total >= (V5E_BYTES_LIMIT if peak is None else peak)
+
+
+@pytest.mark.parametrize(("size", "rows"), [("350m", 8), ("125m", 16)])
+def test_auto_runs_the_fewest_micro_batches_the_compiler_fits(size, rows):
+    """``remat: auto`` at the device check's steps: ``dots_saveable`` in the fewest
+    micro-batches whose step the compiler fitted on the v5e (:data:`COMPILED_PEAKS`, the
+    chip compiler's figures, not the estimate's): at 350M 4 of 2 rows, where 1 of 8 and 2 of
+    4 did not compile; at 125M the 16 rows at once."""
+    found = device_memory.plan(check_step(size), step_recipe(rows, "auto"))
+    splits = [k for k in (1, 2, 4, 8) if (size, "dots_saveable", rows // k, k) in COMPILED_PEAKS]
+    fitting = [k for k in splits if COMPILED_PEAKS[(size, "dots_saveable", rows // k, k)]]
+    assert found.remat == "dots_saveable" and found.grad_accum_steps == min(fitting)
+    assert all(COMPILED_PEAKS[(size, "dots_saveable", rows // k, k)] is None
+               for k in splits if k < found.grad_accum_steps)  # fmt: skip
+    peak = COMPILED_PEAKS[(size, "dots_saveable", rows // found.grad_accum_steps,
+                           found.grad_accum_steps)]  # fmt: skip
+    assert peak <= found.estimated_bytes <= device_memory.AUTO_DEVICE_BYTES == V5E_BYTES_LIMIT
+    assert found.grad_accum_steps == {"350m": 4, "125m": 1}[size]
+
+
+def test_auto_takes_the_recipes_micro_batches_as_its_fewest():
+    found = device_memory.plan(check_step("125m"), step_recipe(16, "auto", micro_batches=2))
+    assert (found.remat, found.grad_accum_steps) == ("dots_saveable", 2)
+    spelled = device_memory.estimate(check_step("125m"), step_recipe(16, "dots_saveable", 2))
+    assert found.estimated_bytes == spelled["total"]
+
+
+def test_auto_keeps_a_micro_batch_it_adds_at_2048_tokens_or_more():
+    """A deep narrow model (d 768, 64 layers) at 8 rows of 512 tokens: ``dots_saveable``
+    would fit only in micro-batches under 2048 tokens (measured on the chip down to one row of
+    2048), so ``auto`` falls back to ``full`` at the recipe's one micro-batch."""
+    cfg = LlamaConfig(vocab_size=32000, d_model=768, n_layers=64, n_heads=12, n_kv_heads=12,
+                      d_ff=2048, max_len=512)  # fmt: skip
+    found = device_memory.plan(cfg, step_recipe(8, "auto", seq_len=512))
+    assert (found.remat, found.grad_accum_steps) == ("full", 1)
+    assert (
+        found.estimated_bytes
+        == device_memory.estimate(cfg, step_recipe(8, "full", 1, 512))["total"]
+    )
+
+    def dots_fits(k: int) -> bool:
+        total = device_memory.estimate(cfg, step_recipe(8, "dots_saveable", k, 512))["total"]
+        return total <= V5E_BYTES_LIMIT
+
+    assert not any(dots_fits(k) for k in (1, 2))  # 4096 and 2048 tokens a micro-batch
+    assert dots_fits(8)  # one row of 512 tokens: under the floor
+
+
+def test_a_named_policy_is_the_recipes_plan():
+    found = device_memory.plan(check_step("350m"), step_recipe(8, "save_attention", 2))
+    assert found == device_memory.Plan("save_attention", 2, None)
+
+
+def test_auto_sizes_a_devices_share_of_the_rows():
+    """On a mesh each device holds its share: 350M's 16 rows over 2 devices are 8 a device,
+    4 micro-batches of 2 (each micro-batch's 4 rows split over the devices)."""
+    r = step_recipe(16, "auto")
+    r["training"]["data_parallel"] = {"devices": 2}
+    found = device_memory.plan(check_step("350m"), r)
+    assert (found.remat, found.grad_accum_steps) == ("dots_saveable", 4)

@@ -1,6 +1,6 @@
 """benchmarks/splash_blocks.py's search, on made-up timings: each kernel's blocks on its own,
 the rounds' plans, the best joined, the budget and the resume; the table it writes is what
-``execution.SPLASH_BLOCKS`` looks up. The kernels themselves: one tiny run (slow tier)."""
+``splash_table.SPLASH_BLOCKS`` looks up. The kernels themselves: one tiny run (slow tier)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import types
 import pytest
 from conftest import REPO
 
-from minifield.models import execution
+from minifield.models import splash_table
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import splash_blocks as sweep  # noqa: E402
@@ -81,13 +81,13 @@ def test_two_rounds_find_the_minimum_of_a_separable_cost_as_a_brute_force_does()
             key=lambda sizes: cost(kernel, {**base, **sizes}),
         )
         assert {f: best[f] for f in fields} == brute, kernel
-    assert set(best) == set(execution.SPLASH_DEFAULT_BLOCKS)
+    assert set(best) == set(splash_table.SPLASH_DEFAULT_BLOCKS)
 
 
 def fake_shape(seconds: float, clock: list):
     def sweep_shape(args, seq_len, head_dim, interpret):
         clock[0] += seconds
-        blocks = dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, seq_len // 2)
+        blocks = dict.fromkeys(splash_table.SPLASH_DEFAULT_BLOCKS, seq_len // 2)
         return {
             "seq_len": seq_len,
             "head_dim": head_dim,
@@ -127,10 +127,10 @@ def test_the_best_is_the_table_the_lookup_reads(monkeypatch):
     args = types.SimpleNamespace(shapes=["2048x64", "4096x128"], budget_s=300.0)
     best = json.loads(json.dumps(sweep.sweep(args, True)["best"]))
     table = {int(T): {int(K): b for K, b in w.items()} for T, w in best.items()}
-    monkeypatch.setattr(execution, "SPLASH_BLOCKS", table)
-    assert set(execution.splash_blocks(2048, head_dim=64).values()) == {1024}
-    assert set(execution.splash_blocks(8192, head_dim=128).values()) == {2048}
-    assert execution.splash_blocks(2048, head_dim=128) == execution.SPLASH_DEFAULT_BLOCKS
+    monkeypatch.setattr(splash_table, "SPLASH_BLOCKS", table)
+    assert set(splash_table.splash_blocks(2048, head_dim=64).values()) == {1024}
+    assert set(splash_table.splash_blocks(8192, head_dim=128).values()) == {2048}
+    assert splash_table.splash_blocks(2048, head_dim=128) == splash_table.SPLASH_DEFAULT_BLOCKS
 
 
 @pytest.mark.slow  # splash in Pallas's interpreter: one candidate, 4 compiles (5 s, 2 cores)

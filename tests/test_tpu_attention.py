@@ -22,7 +22,7 @@ from conftest import REPO
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from minifield.data.packing import Rows
-from minifield.models import execution, model
+from minifield.models import execution, model, splash_table
 from minifield.models.execution import Execution
 from minifield.models.layers import attention, tpu_attention
 from minifield.models.llama import LlamaConfig
@@ -198,30 +198,30 @@ def test_a_windowed_capped_model_computes_the_same_loss_and_gradients_through_sp
 
 def test_the_table_falls_back_to_splash_defaults():
     defaults = splash.BlockSizes.get_default()
-    assert execution.SPLASH_DEFAULT_BLOCKS == {
-        name: getattr(defaults, name) for name in execution.SPLASH_DEFAULT_BLOCKS
+    assert splash_table.SPLASH_DEFAULT_BLOCKS == {
+        name: getattr(defaults, name) for name in splash_table.SPLASH_DEFAULT_BLOCKS
     }
-    for widths in execution.SPLASH_BLOCKS.values():
+    for widths in splash_table.SPLASH_BLOCKS.values():
         for sizes in widths.values():
-            assert set(sizes) == set(execution.SPLASH_DEFAULT_BLOCKS)
+            assert set(sizes) == set(splash_table.SPLASH_DEFAULT_BLOCKS)
 
 
 def test_the_table_is_looked_up_by_head_width_and_the_longest_measured_row_not_above():
     table = {
-        1024: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 256)},
-        4096: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 1024)},
+        1024: {64: dict.fromkeys(splash_table.SPLASH_DEFAULT_BLOCKS, 256)},
+        4096: {64: dict.fromkeys(splash_table.SPLASH_DEFAULT_BLOCKS, 1024)},
     }
-    lookup = execution.splash_table_blocks
+    lookup = splash_table.splash_table_blocks
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(execution, "SPLASH_BLOCKS", table)
-        assert lookup(512, 64) == execution.SPLASH_DEFAULT_BLOCKS  # below every measurement
+        patch.setattr(splash_table, "SPLASH_BLOCKS", table)
+        assert lookup(512, 64) == splash_table.SPLASH_DEFAULT_BLOCKS  # below every measurement
         assert set(lookup(1024, 64).values()) == {256}
         assert set(lookup(2048, 64).values()) == {256}  # 1024's, the nearest not above
         assert set(lookup(8192, 64).values()) == {1024}
-        assert lookup(4096, 128) == execution.SPLASH_DEFAULT_BLOCKS  # a width not measured
-        assert lookup(4096, None) == execution.SPLASH_DEFAULT_BLOCKS
+        assert lookup(4096, 128) == splash_table.SPLASH_DEFAULT_BLOCKS  # a width not measured
+        assert lookup(4096, None) == splash_table.SPLASH_DEFAULT_BLOCKS
         # then fitted to the row: 1024 does not divide 4608 = 6 * 768
-        assert set(execution.splash_blocks(4608, head_dim=64).values()) == {768}
+        assert set(splash_table.splash_blocks(4608, head_dim=64).values()) == {768}
 
 
 def test_the_shipped_table_is_the_chips_sweep():
@@ -233,7 +233,7 @@ def test_the_shipped_table_is_the_chips_sweep():
         recorded["device"].startswith("TPU") and recorded["format"] == "minifield-splash-blocks/1"
     )
     complete = {(s["seq_len"], s["head_dim"]) for s in recorded["shapes"] if s.get("complete")}
-    shipped = {(T, K): b for T, w in execution.SPLASH_BLOCKS.items() for K, b in w.items()}
+    shipped = {(T, K): b for T, w in splash_table.SPLASH_BLOCKS.items() for K, b in w.items()}
     assert set(shipped) == complete
     for shape in recorded["shapes"]:
         if not shape.get("complete"):
@@ -244,17 +244,17 @@ def test_the_shipped_table_is_the_chips_sweep():
         faster = joined["blocks"] if "ms" in joined and joined["ms"] < held else shape["held"]
         assert blocks == faster
     # a head width the sweep did not measure gets splash's own defaults
-    assert execution.splash_blocks(512, head_dim=96) == execution.SPLASH_DEFAULT_BLOCKS
+    assert splash_table.splash_blocks(512, head_dim=96) == splash_table.SPLASH_DEFAULT_BLOCKS
 
 
 def test_blocks_are_fitted_to_the_row():
     """Each block: the largest multiple of 128 up to its size that divides the row; a compute
     block divides its block."""
     asked = {"block_q": 512, "block_kv": 512, "block_kv_compute": 256, "block_q_dkv": 1024}
-    at_384 = execution.splash_blocks(384, asked)
+    at_384 = splash_table.splash_blocks(384, asked)
     assert (at_384["block_q"], at_384["block_kv"], at_384["block_kv_compute"]) == (384, 384, 128)
     assert at_384["block_q_dkv"] == 384 and at_384["block_q_dq"] == 128
-    at_2048 = execution.splash_blocks(2048, asked)
+    at_2048 = splash_table.splash_blocks(2048, asked)
     assert (at_2048["block_q"], at_2048["block_kv_compute"], at_2048["block_q_dkv"]) == (
         512,
         256,
@@ -266,7 +266,7 @@ def test_blocks_are_fitted_to_the_row():
 def test_the_kernel_and_its_blocks_for_the_compiled_event():
     assert execution.attention_kernel(Execution(), 2048, 64) == {"kernel": "xla"}
     on_tpu = execution.attention_kernel(ON_TPU, 2048, 64)
-    assert on_tpu == {"kernel": "splash", "blocks": execution.splash_blocks(2048, head_dim=64)}
+    assert on_tpu == {"kernel": "splash", "blocks": splash_table.splash_blocks(2048, head_dim=64)}
     on_gpu = execution.attention_kernel(Execution(attention="pallas", backend="gpu"), 64, 64)
     assert on_gpu == {"kernel": "mha", "blocks": {"forward": 64, "backward": 32}}
 

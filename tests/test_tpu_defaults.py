@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_worker, write_recipe
+from conftest import run_worker, small_sft_inputs, small_sft_recipe, write_recipe
 
 from minifield import cli
 from minifield import recipe as recipes
@@ -29,16 +29,32 @@ def with_runtime(document: dict, **runtime) -> dict:
     return changed
 
 
-@pytest.mark.parametrize("name", LM_RECIPES)
-def test_a_tpu_recipe_computes_as_if_it_spelled_the_memory_options_out(name):
+#: the remat a TPU recipe gets: packed-sft's step of a Llama model is estimated, so it gets
+#: ``auto`` (the policy and micro-batches chosen from the model's shape); the others (the GPT
+#: demo, preference, grpo) ``full``
+TPU_REMAT = {"llama-sft-demo": "auto"}
+
+
+def with_reference(name: str) -> dict:
     document = shipped(name)
     if name == "preference-demo":  # its reference input is a pipeline product: pin any file
         document["inputs"].append({"name": "reference", "path": "x", "sha256": "0" * 64})
+    return document
+
+
+@pytest.mark.parametrize("name", LM_RECIPES)
+def test_a_tpu_recipe_computes_as_if_it_spelled_the_memory_options_out(name):
+    from minifield.models import device_memory
+
+    document = with_reference(name)
     on_tpu = recipes.validate(with_runtime(document, backend="tpu"))
-    assert on_tpu.data["training"]["remat"] == "full"
+    remat = TPU_REMAT.get(name, "full")
+    assert on_tpu.data["training"]["remat"] == remat
     assert on_tpu.data["training"]["loss_chunk_tokens"] == 1024
+    rule = {"remat_rule": device_memory.auto_rule_digest()} if remat == "auto" else {}
+    assert {k: v for k, v in on_tpu.data["training"].items() if k == "remat_rule"} == rule
     spelled = copy.deepcopy(document)
-    spelled["training"].update(remat="full", loss_chunk_tokens=1024)
+    spelled["training"].update(remat=remat, loss_chunk_tokens=1024)
     # runtime is not in the digest: the same computation as the CPU recipe that spells them
     assert on_tpu.computation_digest == recipes.validate(spelled).computation_digest
     assert on_tpu.computation_digest != recipes.validate(document).computation_digest
@@ -124,16 +140,16 @@ def splash_recipe() -> dict:
 
 
 def test_a_splash_recipe_records_the_block_table_so_its_digest_follows_the_table(monkeypatch):
-    """Splash's block sizes come from ``execution.SPLASH_BLOCKS`` and change what the recipe
+    """Splash's block sizes come from ``splash_table.SPLASH_BLOCKS`` and change what the recipe
     computes: the table's digest is filled into the validated recipe (as the memory defaults
     are), so another table is another computation; a recipe that does not run splash (the
     XLA path, another backend) gets none and keeps its digest."""
-    from minifield.models import execution
+    from minifield.models import splash_table
 
     checked = recipes.validate(splash_recipe())
-    assert checked.data["model"]["splash_table"] == execution.splash_table_digest()
+    assert checked.data["model"]["splash_table"] == splash_table.splash_table_digest()
     spelled = splash_recipe()
-    spelled["model"]["splash_table"] = execution.splash_table_digest()
+    spelled["model"]["splash_table"] = splash_table.splash_table_digest()
     assert recipes.validate(spelled).computation_digest == checked.computation_digest
     for other in ({"attention": "xla"}, {}):
         document = splash_recipe()
@@ -142,10 +158,10 @@ def test_a_splash_recipe_records_the_block_table_so_its_digest_follows_the_table
             document["runtime"]["backend"] = "gpu"
         assert "splash_table" not in recipes.validate(document).data["model"]
     table = {
-        **execution.SPLASH_BLOCKS,
-        256: {64: dict.fromkeys(execution.SPLASH_DEFAULT_BLOCKS, 256)},
+        **splash_table.SPLASH_BLOCKS,
+        256: {64: dict.fromkeys(splash_table.SPLASH_DEFAULT_BLOCKS, 256)},
     }
-    monkeypatch.setattr(execution, "SPLASH_BLOCKS", table)
+    monkeypatch.setattr(splash_table, "SPLASH_BLOCKS", table)
     assert recipes.validate(splash_recipe()).computation_digest != checked.computation_digest
 
 
@@ -175,7 +191,7 @@ def test_the_tpu_default_attention_is_the_faster_one_measured_at_the_row_length(
     XLA path at every recorded row length from ``SPLASH_FASTER_FROM`` up and lost below it;
     a TPU recipe that leaves ``model.attention`` out gets splash exactly there, written into
     the validated recipe (with its table digest) like the memory options."""
-    from minifield.models import execution
+    from minifield.models import execution, splash_table
 
     recorded = json.loads((REPO / "docs" / "splash-blocks.json").read_text())
     timed = [s for s in recorded["shapes"] if "ms" in s["xla"] and "ms" in s["best"]]
@@ -185,7 +201,7 @@ def test_the_tpu_default_attention_is_the_faster_one_measured_at_the_row_length(
         assert splash_faster == (shape["seq_len"] >= execution.SPLASH_FASTER_FROM), shape
         model = attention_on_tpu(shape["seq_len"])
         assert model.get("attention", "xla") == ("pallas" if splash_faster else "xla")
-    assert attention_on_tpu(2048)["splash_table"] == execution.splash_table_digest()
+    assert attention_on_tpu(2048)["splash_table"] == splash_table.splash_table_digest()
     assert "splash_table" not in attention_on_tpu(256)
 
 
@@ -209,3 +225,90 @@ def test_the_tpu_default_attention_is_in_the_digest():
     assert recipes.validate(spelled).computation_digest == absent
     spelled["model"]["attention"] = "xla"
     assert recipes.validate(spelled).computation_digest != absent
+
+
+def auto_sft(**training) -> dict:
+    document = with_runtime(shipped("llama-sft-demo"), backend="tpu")
+    document["training"].update(training)
+    return document
+
+
+def test_the_remat_rule_follows_the_rule_so_the_digest_does(monkeypatch):
+    """``auto``'s choice changes what the recipe computes (policy, micro-batches), so the
+    rule's digest is written into the validated recipe: another rule (a floor of 4096 tokens
+    a micro-batch) is another computation; spelling the rule is the same one."""
+    from minifield.models import device_memory
+
+    checked = recipes.validate(auto_sft())
+    spelled = recipes.validate(auto_sft(remat_rule=device_memory.auto_rule_digest()))
+    assert spelled.computation_digest == checked.computation_digest
+    monkeypatch.setattr(device_memory, "AUTO_MIN_MICRO_TOKENS", 4096)
+    again = recipes.validate(auto_sft())
+    assert again.data["training"]["remat_rule"] != checked.data["training"]["remat_rule"]
+    assert again.computation_digest != checked.computation_digest
+
+
+@pytest.mark.parametrize(
+    ("training", "path", "words"),
+    [
+        ({"remat_rule": "0" * 16}, "/training/remat_rule", "not this code's rule"),
+        ({"remat": "full", "remat_rule": "0" * 16}, "/training/remat_rule", "remat auto only"),
+    ],
+)
+def test_a_remat_rule_the_code_does_not_have_or_without_auto_is_refused(training, path, words):
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(auto_sft(**training))
+    assert [e["path"] for e in caught.value.errors] == [path]
+    assert words in caught.value.errors[0]["message"]
+
+
+@pytest.mark.parametrize("name", ["grpo-demo", "preference-demo", "sft-demo"])
+def test_auto_is_refused_where_the_step_is_not_estimated(name):
+    """Only packed-sft's step memory of a Llama model is estimated: a preference, grpo or GPT
+    recipe naming ``auto`` (on any backend) is refused, naming the field and the policies."""
+    document = with_reference(name)
+    document["training"]["remat"] = "auto"
+    with pytest.raises(recipes.RecipeError) as caught:
+        recipes.validate(document)
+    assert [e["path"] for e in caught.value.errors] == ["/training/remat"]
+    assert "name a policy (full," in caught.value.errors[0]["message"]
+
+
+def test_the_program_computes_what_auto_chose_as_the_recipe_spelling_it(tmp_path, monkeypatch):
+    """The program built from a ``remat: auto`` recipe runs the plan it chose for the model's
+    shape, the same update as the recipe spelling that policy and split: the tiny model fits
+    in one micro-batch; sized for a device just large enough for two micro-batches (and no
+    floor) it splits its 8 rows in two."""
+    from minifield.inputs import pinned
+    from minifield.models import device_memory
+    from minifield.strategies.lm import model_section
+
+    inputs = small_sft_inputs(tmp_path)
+
+    def program(**training):
+        document = small_sft_recipe(inputs["pins"], "auto", 1, training=training)
+        document["model"]["architecture"] = "llama"
+        recipe = recipes.validate(document)
+        files = pinned.files_by_name(recipe.data, inputs["input_root"])
+        arrays, _ = recipe.strategy.prepare(recipe.data, files)
+        return recipe.strategy.build(recipe.data, arrays), recipe, arrays
+
+    auto, recipe, arrays = program(remat="auto")
+    assert auto.cfg.execution.remat == "dots_saveable" and auto.accum_steps == 1
+    spelled, _, _ = program(remat="dots_saveable")
+    assert auto.cfg.execution == spelled.cfg.execution
+    assert auto.memory_plan["estimated_bytes"] <= device_memory.AUTO_DEVICE_BYTES
+    tokenizer, _ = model_section.tokenizer_of(recipe.data, arrays)
+    cfg = model_section.config_of(recipe.data, arrays, tokenizer)
+    estimate = device_memory.estimate(
+        cfg, device_memory.with_plan(recipe.data, device_memory.Plan("dots_saveable", 2))
+    )["total"]
+    monkeypatch.setattr(device_memory, "AUTO_DEVICE_BYTES", estimate)
+    monkeypatch.setattr(device_memory, "AUTO_MIN_MICRO_TOKENS", 1)
+    split, _, _ = program(remat="auto")
+    assert split.cfg.execution.remat == "dots_saveable" and split.accum_steps == 2
+    assert split.memory_plan == {
+        "remat": "dots_saveable", "grad_accum_steps": 2, "estimated_bytes": estimate,
+    }  # fmt: skip
+    spelled, _, _ = program(remat="dots_saveable", grad_accum_steps=2)
+    assert (split.cfg.execution, split.accum_steps) == (spelled.cfg.execution, 2)

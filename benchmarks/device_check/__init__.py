@@ -45,8 +45,8 @@ On a GPU host (the ``cuda`` extra installs ``jax[cuda12]``)::
     uv run --locked --extra cuda python benchmarks/device_check --out device_check.json
 
 On a TPU host, ``--backend tpu``: XLA attention (the minimal loop's fused kernel is the GPU
-one) and the memory options a recipe naming the TPU gets (remat of every block, the loss over
-1024-token chunks); each step section records the device's peak bytes in use. See
+one) and the memory options a packed-sft recipe naming the TPU gets (``remat: auto``, the
+policy and micro-batches chosen per model; the loss over 1024-token chunks); each step section records the device's peak bytes in use. See
 docs/tpu.md.
 
 On a TPU, in one chip call (at most 9.5 minutes)::

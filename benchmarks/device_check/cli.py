@@ -16,7 +16,7 @@ from device_check.settings import (
     expected_backend,
     memory_defaults,
 )
-from minifield.models.execution import REMAT_POLICIES
+from minifield.models.execution import AUTO_REMAT, REMAT_POLICIES
 
 
 def parse_args(argv=None):
@@ -37,9 +37,10 @@ def parse_args(argv=None):
                         "kernel, on a GPU; on a TPU what a recipe of 2048-token rows gets, "
                         "splash; xla with --tiny: Pallas's CPU interpreter is slow)")  # fmt: skip
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--remat", choices=REMAT_POLICIES, help="training.remat of both loops; "
-                        "default: what a recipe naming the backend gets (full on a TPU, else "
-                        "none)")  # fmt: skip
+    parser.add_argument("--remat", choices=(*REMAT_POLICIES, AUTO_REMAT), help="training.remat "
+                        "of both loops; default: what a packed-sft recipe naming the backend "
+                        "gets (auto on a TPU: the policy and micro-batches chosen per model, "
+                        "full for the shapes and checkpoint sections; else none)")  # fmt: skip
     parser.add_argument("--loss-chunk-tokens", type=int, help="the loss over chunks of this "
                         "many tokens; default: what a recipe naming the backend gets (1024 on "
                         "a TPU, else 0: all at once)")  # fmt: skip

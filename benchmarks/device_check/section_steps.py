@@ -18,6 +18,7 @@ from device_check.settings import (
     llama_config,
     model_shape,
     seq_len,
+    step_plan,
 )
 
 
@@ -107,12 +108,15 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
     from minifield.training.train_step import init_train_state, make_train_step
 
     shape, seq, rows = model_shape(args, size), seq_len(args), batch_rows(args, size)
-    accum = args.grad_accum_steps
-    if rows % accum:
-        raise ValueError(f"--grad-accum-steps {accum} does not divide the {rows} rows of {size}")
-    cfg = llama_config(shape, seq, execution(args))
+    if rows % args.grad_accum_steps:
+        raise ValueError(
+            f"--grad-accum-steps {args.grad_accum_steps} does not divide the {rows} rows of {size}"
+        )
+    plan = step_plan(args, size)  # --remat auto: what a recipe of this model gets
+    accum = plan.grad_accum_steps
+    cfg = llama_config(shape, seq, execution(args, plan.remat))
     out = _describe(args, context, cfg, size, rows)
-    out["grad_accum_steps"] = accum
+    out.update(grad_accum_steps=accum, remat_asked=args.remat, memory_plan=plan.describe())
     report(out)
     batch = minimal.packed_batch(rows, seq, shape.vocab_size)
     implementations = {}

@@ -83,13 +83,18 @@ def batch_rows(args, size: str) -> int:
     return (TINY_BATCH if args.tiny else BATCH)[size]
 
 
-def execution(args):
-    from minifield.models.execution import Execution
+def execution(args, remat: str | None = None):
+    """The sections' execution options; ``remat`` (a step section's plan) over ``--remat``,
+    whose ``auto`` the other sections (shapes, checkpoint) take as its fallback, ``full``:
+    they search or hold one state, with no split to choose."""
+    from minifield.models.device_memory import AUTO_FALLBACK
+    from minifield.models.execution import AUTO_REMAT, Execution
 
+    remat = remat or args.remat
     return Execution(
         attention=args.attention,
         scan_layers=args.scan_layers,
-        remat=args.remat,
+        remat=AUTO_FALLBACK if remat == AUTO_REMAT else remat,
         loss_chunk_tokens=args.loss_chunk_tokens,
         backend=expected_backend(args),  # which fused kernel ``pallas`` is
     )
@@ -109,12 +114,32 @@ def default_attention(backend: str, tiny: bool) -> str:
 
 
 def memory_defaults(backend: str) -> tuple[str, int]:
-    """``(remat, loss_chunk_tokens)`` a recipe naming ``backend`` gets where it leaves them out
-    (the TPU's are its accelerator defaults: ``models.execution.ACCELERATOR_DEFAULTS``)."""
+    """``(remat, loss_chunk_tokens)`` a packed-sft recipe naming ``backend`` gets where it
+    leaves them out (the TPU's: ``remat: auto``, chunks of 1024;
+    ``models.execution.ESTIMATED_STEP_DEFAULTS``)."""
     from minifield.models.execution import defaults_for
 
-    found = defaults_for(backend)
+    found = defaults_for(backend, estimated=True)
     return found[("training", "remat")], found[("training", "loss_chunk_tokens")]
+
+
+def step_plan(args, size: str):
+    """The step section's remat policy and micro-batches (``models.device_memory.Plan``): as
+    asked, or with ``--remat auto`` what a packed-sft recipe of the same model, rows and
+    options gets (``--grad-accum-steps`` its fewest micro-batches)."""
+    from minifield.models import device_memory
+    from minifield.models.execution import Execution
+
+    recipe = {
+        "model": {"attention": args.attention},
+        "training": {
+            "batch_size": batch_rows(args, size), "seq_len": seq_len(args),
+            "remat": args.remat, "grad_accum_steps": args.grad_accum_steps,
+            "loss_chunk_tokens": args.loss_chunk_tokens,
+        },
+    }  # fmt: skip
+    cfg = llama_config(model_shape(args, size), seq_len(args), Execution())
+    return device_memory.plan(cfg, recipe)
 
 
 def llama_config(shape, seq: int, exec_options):

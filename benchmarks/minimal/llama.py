@@ -136,10 +136,10 @@ def _dense_attention(dot, compute, q, k, v, seg):
 @functools.lru_cache(maxsize=8)
 def _splash_kernel(T: int, H: int, K: int):
     """Splash's MHA kernel, causal, over ``H`` heads of rows of ``T``, with the blocks ours
-    runs at this shape (``execution.splash_blocks``): the same kernel and blocks, compared."""
+    runs at this shape (``splash_table.splash_blocks``): the same kernel and blocks, compared."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    from minifield.models.execution import splash_blocks
+    from minifield.models.splash_table import splash_blocks
 
     with jax.ensure_compile_time_eval():  # its mask tables: concrete, made once per shape
         return splash.make_splash_mha_single_device(

@@ -238,6 +238,7 @@ def set_up(context: SetUpContext) -> SetUp:
             placement=program.placement,
             attention=program.attention,
             memory=program.memory,
+            memory_plan=program.memory_plan,
         )
 
         phase = "restore"

@@ -5,7 +5,7 @@ Four recipe fields select it (see docs/model.md, "Execution options")::
 
     model.attention: xla | pallas        # absent: xla
     model.scan_layers: true | false      # absent: false
-    training.remat: none | full | dots_saveable | save_attention | offload_attention
+    training.remat: none | full | dots_saveable | save_attention | offload_attention | auto
                                                   # absent: none
     training.loss_chunk_tokens: N        # absent or 0: the whole batch at once
 
@@ -17,7 +17,10 @@ spell the defaults out, keep their computation digest.
 
 A recipe that names the TPU (``runtime.backend: tpu``) gets the memory options of
 :data:`ACCELERATOR_DEFAULTS` where it leaves them out: on a 16 GB chip a useful step does not
-fit without them. Its attention too: splash (``pallas``) where it measured faster than the XLA
+fit without them. A recipe whose step's memory is estimated (packed-sft of the Llama
+architecture, :mod:`.device_memory`) gets ``remat: auto`` instead of ``full``: the policy and micro-batches
+chosen from the model's shape when the program is built (:func:`.device_memory.plan`), the
+rule's digest written beside it (``training.remat_rule``). Its attention too: splash (``pallas``) where it measured faster than the XLA
 path (:func:`tpu_default_attention`). They are filled in when the recipe is checked, so they are written in the
 validated recipe and enter its digest like any spelled-out value: the run is reproducible from
 its recipe, and every recipe that does not name the TPU (all CPU ones) keeps its digest.
@@ -44,9 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import schemas
+from .splash_table import SPLASH_LANES, splash_blocks, splash_table_digest
 
 ATTENTION_KINDS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "save_attention", "offload_attention")
+#: ``training.remat`` that names no policy: :func:`.device_memory.plan` chooses one and the
+#: micro-batches from the model's shape (packed-sft only, whose step's memory is estimated)
+AUTO_REMAT = "auto"
 
 #: the backends a recipe can name (``runtime.backend``)
 BACKENDS = ("cpu", "gpu", "tpu", "any")
@@ -55,63 +62,6 @@ BACKENDS = ("cpu", "gpu", "tpu", "any")
 #: backward pass's blocks; each is capped at the row length, which it must divide
 PALLAS_FORWARD_BLOCK = 128
 PALLAS_BACKWARD_BLOCK = 32
-
-#: splash's own block sizes (``BlockSizes.get_default()``): what a row gets where
-#: :data:`SPLASH_BLOCKS` has no measured entry for it
-SPLASH_DEFAULT_BLOCKS = {
-    "block_q": 128,
-    "block_kv": 128,
-    "block_kv_compute": 128,
-    "block_q_dkv": 128,
-    "block_kv_dkv": 128,
-    "block_kv_dkv_compute": 128,
-    "block_q_dq": 128,
-    "block_kv_dq": 128,
-}
-
-
-def _blocks(*sizes: int) -> dict:
-    """Splash's eight block sizes in :data:`SPLASH_DEFAULT_BLOCKS`' order."""
-    return dict(zip(SPLASH_DEFAULT_BLOCKS, sizes, strict=True))
-
-
-#: splash's block sizes measured on the chip, ``{row length: {head width: sizes}}``: the
-#: ``best`` of ``benchmarks/splash_blocks.py``'s sweep on a TPU v5e (2026-12-06,
-#: ``docs/splash-blocks.json``; figures in ``docs/tpu.md``), each kernel's blocks swept on its
-#: own, joined, and kept only where the joined step beat every block at 512 (else all 512).
-#: Every other shape gets :data:`SPLASH_DEFAULT_BLOCKS` (:func:`splash_blocks`).
-SPLASH_BLOCKS = {
-    128: {
-        64: _blocks(128, 128, 128, 128, 128, 128, 128, 128),
-        128: _blocks(128, 128, 128, 128, 128, 128, 128, 128),
-    },
-    256: {
-        64: _blocks(256, 256, 256, 256, 256, 128, 256, 256),
-        128: _blocks(256, 256, 256, 256, 256, 256, 256, 256),
-    },
-    512: {
-        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
-        128: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
-    },
-    1024: {
-        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
-        128: _blocks(512, 1024, 512, 1024, 1024, 1024, 1024, 1024),
-    },
-    2048: {
-        64: _blocks(512, 1024, 512, 512, 512, 512, 1024, 1024),
-        128: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
-    },
-    4096: {
-        64: _blocks(1024, 1024, 512, 1024, 1024, 256, 1024, 1024),
-        128: _blocks(1024, 1024, 512, 1024, 1024, 256, 1024, 1024),
-    },
-    8192: {
-        64: _blocks(512, 512, 512, 512, 512, 512, 512, 512),
-        128: _blocks(1024, 2048, 512, 1024, 1024, 1024, 512, 2048),
-    },
-}
-#: splash tiles keys in multiples of the TPU's 128 lanes (its blocks must be multiples of it)
-SPLASH_LANES = 128
 
 #: recipe fields (section, key) of the execution options with the value an absent key means
 #: (the schema's ``x-absent``: absent and spelled at that value are one computation)
@@ -133,6 +83,10 @@ DEFAULTS = {
 ACCELERATOR_DEFAULTS = {
     "tpu": {("training", "remat"): "full", ("training", "loss_chunk_tokens"): 1024},
 }
+#: what a strategy whose step's memory is estimated gets instead (packed-sft): the policy and
+#: micro-batches that fit, chosen by :func:`.device_memory.plan` (docs/tpu.md: not recomputing
+#: the forward pass measured faster on the chip at every split that fit)
+ESTIMATED_STEP_DEFAULTS = {"tpu": {("training", "remat"): AUTO_REMAT}}
 
 
 #: the shortest row at which splash attention measured faster than the XLA path on the chip,
@@ -154,10 +108,12 @@ def tpu_default_attention(recipe: dict) -> str:
     return "pallas" if splash_runs and seq_len >= SPLASH_FASTER_FROM else "xla"
 
 
-def defaults_for(backend: str) -> dict:
+def defaults_for(backend: str, estimated: bool = False) -> dict:
     """``{(section, key): value}`` of the execution options on ``backend`` (a recipe's
-    ``runtime.backend``) where a recipe leaves them out."""
-    return {**DEFAULTS, **ACCELERATOR_DEFAULTS.get(backend, {})}
+    ``runtime.backend``) where a recipe leaves them out; ``estimated``: for a strategy whose
+    step memory is estimated (packed-sft's)."""
+    found = {**DEFAULTS, **ACCELERATOR_DEFAULTS.get(backend, {})}
+    return {**found, **(ESTIMATED_STEP_DEFAULTS.get(backend, {}) if estimated else {})}
 
 
 @dataclass(frozen=True)
@@ -207,10 +163,15 @@ class Execution:
 
 
 def with_recipe_options(cfg, recipe: dict):
-    """``cfg`` (a model config) computing as the recipe's execution options say."""
+    """``cfg`` (a model config) computing as the recipe's execution options say (``remat:
+    auto``: the policy :func:`.device_memory.plan` chooses for ``cfg``)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, execution=Execution.from_recipe(recipe))
+    from . import device_memory
+
+    chosen = device_memory.plan(cfg, recipe).remat
+    resolved = {**recipe, "training": {**recipe["training"], "remat": chosen}}
+    return dataclasses.replace(cfg, execution=Execution.from_recipe(resolved))
 
 
 def fused_kernel(backend: str) -> str:
@@ -253,54 +214,6 @@ def quantized_kernel(backend: str, compute_dtype: str) -> str:
     if compute_dtype == "float32":
         return "xla"
     return QUANTIZED_KERNELS.get(backend, "xla")
-
-
-def splash_table_blocks(seq_len: int, head_dim: int | None) -> dict:
-    """:data:`SPLASH_BLOCKS`'s sizes for rows of ``seq_len`` tokens of heads ``head_dim``
-    wide: the entry of that head width at the longest measured row length not above the row
-    (a block measured at 2048 tokens divides 4096's rows as well), or splash's defaults
-    where there is none (another head width, a shorter row)."""
-    measured = [T for T, widths in SPLASH_BLOCKS.items() if T <= seq_len and head_dim in widths]
-    if not measured:
-        return dict(SPLASH_DEFAULT_BLOCKS)
-    return dict(SPLASH_BLOCKS[max(measured)][head_dim])
-
-
-def splash_table_digest() -> str:
-    """The first 16 hex digits of the sha256 of :data:`SPLASH_BLOCKS` and its defaults
-    (canonical JSON): what a TPU recipe with splash attention records
-    (``model.splash_table``), so its computation digest changes with the table."""
-    import hashlib
-    import json
-
-    table = {str(T): {str(K): sizes for K, sizes in w.items()} for T, w in SPLASH_BLOCKS.items()}
-    text = json.dumps(
-        {"default": SPLASH_DEFAULT_BLOCKS, "measured": table}, sort_keys=True, separators=(",", ":")
-    )
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def splash_blocks(seq_len: int, blocks: dict | None = None, head_dim: int | None = None) -> dict:
-    """Splash's block sizes for rows of ``seq_len`` tokens (a multiple of
-    :data:`SPLASH_LANES`) of heads ``head_dim`` wide: the table's
-    (:func:`splash_table_blocks`), each of ``blocks`` overriding by field name, each lowered
-    to the largest multiple of the lanes that divides the row (a compute block: its block)."""
-    sizes = {**splash_table_blocks(seq_len, head_dim), **(blocks or {})}
-
-    def fit(size: int, whole: int) -> int:
-        best = SPLASH_LANES
-        for block in range(SPLASH_LANES, min(size, whole) + 1, SPLASH_LANES):
-            if whole % block == 0:
-                best = block
-        return best
-
-    fitted = {name: fit(size, seq_len) for name, size in sizes.items()}
-    for compute, whole in (
-        ("block_kv_compute", "block_kv"),
-        ("block_kv_dkv_compute", "block_kv_dkv"),
-    ):
-        fitted[compute] = fit(sizes[compute], fitted[whole])
-    return fitted
 
 
 def attention_kernel(execution: Execution, seq_len: int, head_dim: int) -> dict:
@@ -375,25 +288,70 @@ def splash_table_problems(recipe: dict, backend: str) -> list[dict]:
                 }
             ]
         return []
-    ours = splash_table_digest()
-    if model.setdefault("splash_table", ours) != ours:
+    return _filled_digest(
+        model, "/model/splash_table", splash_table_digest(), "table of splash's block sizes"
+    )
+
+
+def _filled_digest(section: dict, path: str, ours: str, what: str) -> list[dict]:
+    """Fill in the code's digest ``ours`` at ``path`` (in ``section``) where the recipe leaves
+    it out; an error where it spells another (it was checked with other code)."""
+    key = path.rsplit("/", 1)[-1]
+    if section.setdefault(key, ours) == ours:
+        return []
+    field = path.strip("/").replace("/", ".")
+    return [
+        {
+            "path": path,
+            "message": f"{field} {section[key]!r} is not this code's {what} ({ours}): the "
+            "recipe was checked with another, so this code could compute otherwise",
+        }
+    ]
+
+
+def remat_rule_problems(recipe: dict, estimated: bool) -> list[dict]:
+    """Fill in ``training.remat_rule`` (:func:`.device_memory.auto_rule_digest`) where the
+    recipe's remat is ``auto``: what the rule chooses changes what it computes (the policy's
+    fusions, the micro-batches' sums), so the rule enters the digest as splash's table does.
+    Returns errors: ``auto`` for a strategy whose step is not estimated (``estimated``
+    false), a rule named without ``auto``, or one this code does not have."""
+    from . import device_memory
+
+    training = recipe["training"]
+    if training.get("remat") != AUTO_REMAT:
+        if "remat_rule" in training:
+            return [
+                {
+                    "path": "/training/remat_rule",
+                    "message": "training.remat_rule belongs to a recipe with training.remat "
+                    "auto only",
+                }
+            ]
+        return []
+    if not estimated:
         return [
             {
-                "path": "/model/splash_table",
-                "message": f"model.splash_table {model['splash_table']!r} is not this code's "
-                f"table of splash's block sizes ({ours}): the recipe was checked with another "
-                "table, so this code would compute otherwise",
+                "path": "/training/remat",
+                "message": "training.remat auto chooses from the estimated memory of packed-"
+                "sft's step of a model.architecture llama model, which this recipe's step is "
+                "not: name a policy (full, dots_saveable, save_attention, offload_attention or "
+                "none)",
             }
         ]
-    return []
+    ours = device_memory.auto_rule_digest()
+    return _filled_digest(training, "/training/remat_rule", ours, "rule for training.remat auto")
 
 
-def normalize_recipe(recipe: dict) -> list[dict]:
-    """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`)
-    and on a TPU its attention kernel (:func:`tpu_default_attention`), then remove execution options equal to their defaults (digest stability); returns
-    errors."""
+def normalize_recipe(recipe: dict, estimated: bool = False) -> list[dict]:
+    """Fill in the backend's memory options a recipe leaves out (:data:`ACCELERATOR_DEFAULTS`;
+    :data:`ESTIMATED_STEP_DEFAULTS` where the strategy's step memory is ``estimated``) and on
+    a TPU its attention kernel (:func:`tpu_default_attention`), then remove execution options
+    equal to their defaults (digest stability); returns errors."""
     backend = recipe.get("runtime", {}).get("backend", "any")
-    for (section, key), value in ACCELERATOR_DEFAULTS.get(backend, {}).items():
+    filled = dict(ACCELERATOR_DEFAULTS.get(backend, {}))
+    if estimated:
+        filled.update(ESTIMATED_STEP_DEFAULTS.get(backend, {}))
+    for (section, key), value in filled.items():
         recipe[section].setdefault(key, value)
     if backend == "tpu" and "attention" not in recipe["model"]:
         recipe["model"]["attention"] = tpu_default_attention(recipe)
@@ -401,6 +359,7 @@ def normalize_recipe(recipe: dict) -> list[dict]:
         if key in recipe[section] and recipe[section][key] == default:
             del recipe[section][key]
     errors = splash_table_problems(recipe, backend)
+    errors += remat_rule_problems(recipe, estimated)
     if recipe["model"].get("attention") == "pallas":
         problem = pallas_seq_len_problem(recipe["training"]["seq_len"], backend)
         if problem:

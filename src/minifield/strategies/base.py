@@ -108,6 +108,10 @@ class Program(ABC):
     #: the compiled update's memory analysis (:func:`compiled_memory`), reported in the
     #: ``compiled`` event; None where the backend gives none
     memory: dict | None = None
+    #: the update's remat policy and micro-batches (``models.device_memory.Plan``: the
+    #: recipe's, or what ``training.remat: auto`` chose), reported in the ``compiled`` event;
+    #: None for a program without them
+    memory_plan: dict | None = None
 
     def place(self, state: dict) -> dict:
         """Put a fresh or restored state where the compiled update expects it.

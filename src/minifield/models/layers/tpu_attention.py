@@ -27,7 +27,7 @@ splash's products ask for no precision, so there they are one BF16 pass, and the
 exposes no precision to ask for more. In Pallas's interpreter on CPU the products are FP32,
 which is how the tests check the kernel's masking and blocking at FP32's rounding.
 
-Block sizes: ``execution.splash_blocks``, by row length and head width (the chip's
+Block sizes: ``splash_table.splash_blocks``, by row length and head width (the chip's
 measurements, ``benchmarks/splash_blocks.py``; splash's defaults where none). On a TPU the
 kernel runs natively; on CPU in Pallas's interpreter (slow: for tests and the benchmark's
 smoke run); other backends are refused.
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from .. import execution
+from .. import execution, splash_table
 from .primitives import F32
 
 
@@ -49,8 +49,8 @@ def block_sizes(
     seq_len: int, blocks: dict | None = None, head_dim: int | None = None
 ) -> splash.BlockSizes:
     """Splash's ``BlockSizes`` for rows of ``seq_len`` tokens of heads ``head_dim`` wide
-    (``execution.splash_blocks``; ``blocks`` overrides the table's sizes by field name)."""
-    return splash.BlockSizes(**execution.splash_blocks(seq_len, blocks, head_dim))
+    (``splash_table.splash_blocks``; ``blocks`` overrides the table's sizes by field name)."""
+    return splash.BlockSizes(**splash_table.splash_blocks(seq_len, blocks, head_dim))
 
 
 @functools.lru_cache(maxsize=64)

@@ -42,7 +42,9 @@ class LMStrategy(Strategy):
         errors += model_section.normalize_export_dtype(recipe)
         errors += model_section.normalize_export_shards(recipe)
         errors += lora.normalize_section(recipe, data_parallel=self.lora_on_mesh)
-        errors += execution.normalize_recipe(recipe)
+        # the step's memory is estimated for the Llama family's parameters (device_memory)
+        estimated = self.estimates_step_memory and recipe["model"].get("architecture") == "llama"
+        errors += execution.normalize_recipe(recipe, estimated)
         errors += model_section.model_errors(recipe["model"])
         errors += self.checks_after(recipe)
         errors += model_section.warmup_errors(recipe)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ...data import mixture
 from ...data.batches import MixtureBatches, TrainBatches
 from ...hf import pinned_base
 from ...training import lora
@@ -48,7 +47,7 @@ class LMProgram(PlacedState, Program):
     one_process: str | None = None
 
     def __init__(self, recipe: dict, arrays: dict[str, np.ndarray]):
-        from ...models import execution
+        from ...models import device_memory, execution
         from ...training import data_parallel
 
         self.recipe, self.arrays = recipe, arrays
@@ -59,7 +58,10 @@ class LMProgram(PlacedState, Program):
         cfg = model_section.config_of(recipe, arrays, self.tokenizer)
         self.cfg = execution.with_recipe_options(cfg, recipe)
         self.seed = training["seed"]
-        self.accum_steps = mixture.grad_accum_steps(training)
+        # the policy and micro-batches: the recipe's, or what ``remat: auto`` chose for cfg
+        memory_plan = device_memory.plan(cfg, recipe)
+        self.memory_plan = memory_plan.describe()
+        self.accum_steps = memory_plan.grad_accum_steps
         self.data_parallel = data_parallel.DataParallel.from_training(training)
         self.eval_every = recipe["evaluation"]["eval_every"]
         self.optimizer, schedule = self.make_optimizer()
