@@ -160,8 +160,10 @@ def shapes(args):
     """``section_shapes.abstract_step`` of ``args.model`` in ``args.shapes_mode`` at the device
     check's TPU settings (``--remat``, ``--loss-chunk-tokens``, splash attention)."""
     from device_check import section_shapes
+    from device_check import settings as check
 
-    cfg = section_shapes.config(args.model, False, _device_check_execution(args))
+    how = check.execution(_device_check_settings(args))  # auto: full, as the section takes it
+    cfg = section_shapes.config(args.model, False, how)
     step, leading, trained = section_shapes.abstract_step(cfg, args.shapes_mode)
     arguments = (*leading, rows(args.rows, cfg.max_len))
     return step, arguments, {"execution": _execution(cfg), "trained_params": trained}
@@ -176,32 +178,35 @@ def step(args):
     from minifield.training.optimizer import make_optimizer
     from minifield.training.train_step import init_train_state, make_train_step
 
-    shape = check.model_shape(types.SimpleNamespace(tiny=False), args.size)
-    cfg = check.llama_config(shape, check.SEQ_LEN, _device_check_execution(args))
     if args.rows % args.grad_accum_steps:
         raise SystemExit(f"--grad-accum-steps {args.grad_accum_steps} does not divide --rows "
                          f"{args.rows}")  # fmt: skip
+    how = _device_check_settings(args)
+    plan = check.step_plan(how, args.size)  # the TPU's default remat: auto's plan
+    shape = check.model_shape(how, args.size)
+    cfg = check.llama_config(shape, check.SEQ_LEN, check.execution(how, plan.remat))
     opt = make_optimizer({}, check.MAX_STEPS)
     state = jax.eval_shape(lambda: init_train_state(cfg, opt, seed=0))
-    fn = make_train_step(cfg, opt, accum_steps=args.grad_accum_steps)
+    fn = make_train_step(cfg, opt, accum_steps=plan.grad_accum_steps)
     jitted = jax.jit(fn, donate_argnums=(0,))
     arguments = (state, rows(args.rows, check.SEQ_LEN))
-    return jitted, arguments, {"execution": _execution(cfg)}
+    return jitted, arguments, {"execution": _execution(cfg), "memory_plan": plan.describe()}
 
 
-def _device_check_execution(args):
-    """The device check's ``Execution`` with ``--backend tpu`` (``settings.execution``): its
-    attention (splash at 2048 tokens), ``--remat`` and ``--loss-chunk-tokens`` (absent: the
-    TPU's defaults, full and 1024)."""
+def _device_check_settings(args):
+    """The device check's settings with ``--backend tpu`` (``settings.execution`` and
+    ``step_plan`` read them): its attention (splash at 2048 tokens), ``--remat``,
+    ``--grad-accum-steps``, ``--rows`` and ``--loss-chunk-tokens`` (absent: the TPU's
+    defaults, ``auto`` and 1024)."""
     from device_check import settings as check
 
     remat, chunk = check.memory_defaults("tpu")
-    namespace = types.SimpleNamespace(
+    return types.SimpleNamespace(
         attention=check.default_attention("tpu", False), scan_layers=True,
-        remat=args.remat or remat, tiny=False, backend="tpu",
+        remat=args.remat or remat, tiny=False, backend="tpu", batch=args.rows,
+        grad_accum_steps=getattr(args, "grad_accum_steps", 1),
         loss_chunk_tokens=chunk if args.loss_chunk_tokens is None else args.loss_chunk_tokens,
     )  # fmt: skip
-    return check.execution(namespace)
 
 
 def _execution(cfg) -> dict:

@@ -44,7 +44,7 @@ import _tpu_cases  # noqa: E402
 import qlora_step  # noqa: E402
 from device_check import section_shapes  # noqa: E402
 
-from minifield.models.execution import REMAT_POLICIES  # noqa: E402
+from minifield.models.execution import AUTO_REMAT, REMAT_POLICIES  # noqa: E402
 from minifield.strategies.base import compiled_memory  # noqa: E402
 
 #: the chip: one v5e (``v5litepod-1``), its HBM as the compiler counts it (15.75 GiB)
@@ -60,9 +60,9 @@ def arguments(argv=None) -> argparse.Namespace:
     common = argparse.ArgumentParser(add_help=False)  # every case's
     common.add_argument("--out", type=Path, help="the JSON record")
     common.add_argument("--hlo", type=Path, help="the optimized program's text, written here")
-    common.add_argument("--remat", choices=REMAT_POLICIES, help="training.remat (absent: "
-                        "qlora none, as qlora_step.py; shapes and step the TPU's default, "
-                        "full)")  # fmt: skip
+    common.add_argument("--remat", choices=(*REMAT_POLICIES, AUTO_REMAT), help="training.remat "
+                        "(absent: qlora none, as qlora_step.py; step the TPU's default, auto: "
+                        "the plan a recipe of the model gets; shapes full)")  # fmt: skip
     common.add_argument("--loss-chunk-tokens", type=int, help="absent: 1024 (qlora_step.py's, "
                         "the TPU's default)")  # fmt: skip
     cases = parser.add_subparsers(dest="case", required=True)
