@@ -4,7 +4,8 @@ by their trip counts (``step_census.py``).
 XLA's own ``cost_analysis()`` counts a ``while`` body once, whatever its trip count, so a
 scanned layer stack or a loss walked in chunks (``lax.map``) reads as one layer or one chunk.
 Here every computation is weighted by how often it runs: a ``while`` body by its
-``known_trip_count`` (a loop without one counts once and is reported in ``unknown_trips``),
+``known_trip_count`` or, where the compiler names none (the TPU's), by its condition's
+``counter < N`` (a loop with neither counts once and is reported in ``unknown_trips``),
 a fused computation by its fusion's weight. What is counted:
 
 - ``kernels``: the instructions that run as kernels (those of the entry computation, loop
@@ -147,8 +148,9 @@ def _weights(computations: dict[str, Computation]) -> tuple[dict, set, list]:
             trips = 1
             if ins.opcode == "while":
                 found = _TRIPS.search(ins.rest)
-                trips = int(found.group(1)) if found else 1
-                if not found:
+                trips = int(found.group(1)) if found else _counted(ins, computations)
+                if trips is None:
+                    trips = 1
                     unknown.append(ins.name)
             callees = [(kind, name) for kind, name in _CALLS.findall(ins.rest)]
             for branches in _BRANCHES.findall(ins.rest):
@@ -163,6 +165,27 @@ def _weights(computations: dict[str, Computation]) -> tuple[dict, set, list]:
 
     visit(entry, 1)
     return weight, fused, unknown
+
+
+def _counted(loop: Instruction, computations: dict[str, Computation]) -> int | None:
+    """The trip count of a ``while`` that names none (the TPU compiler's programs): its
+    condition's ``counter < N`` on the loop's first element against a constant, the form JAX
+    writes for a scan or a ``fori_loop`` from 0; None where the condition is another."""
+    found = re.search(r"\bcondition=%?([\w.\-]+)", loop.rest)
+    condition = computations.get(found.group(1)) if found else None
+    if condition is None or not condition.instructions:
+        return None
+    named = {i.name: i for i in condition.instructions}
+    root = condition.instructions[-1]
+    if root.opcode != "compare" or "direction=LT" not in root.rest or len(root.operands) < 2:
+        return None
+    counter, bound = (named.get(o) for o in root.operands[:2])
+    if counter is None or bound is None or bound.opcode != "constant":
+        return None
+    if counter.opcode != "get-tuple-element" or not re.search(r"\bindex=0\b", counter.rest):
+        return None
+    value = re.match(r"\s*(-?\d+)\)", bound.rest)
+    return int(value.group(1)) if value else None
 
 
 def _dot_flops(ins: Instruction, shapes: dict[str, str]) -> tuple[float, str]:
@@ -188,8 +211,8 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
     """Bytes a kernel reads and writes: its operands and result, except that an operand a
     fusion only slices (``dynamic-slice``: a layer of a stacked array) counts by the slices,
     and a fusion whose result updates an operand in place (``dynamic-update-slice`` at its
-    root: a layer's gradient into a stacked one) by the update, as XLA's cost analysis
-    counts them."""
+    root or in its root tuple: a layer's gradient or saved product into a stacked one) by
+    the update, as XLA's cost analysis counts them."""
     operands = [nbytes(shapes.get(o, "")) for o in ins.operands]
     written = nbytes(ins.shape)
     found = re.search(r"calls=%?([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
@@ -204,6 +227,15 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
         for position, name in enumerate(i.operands):
             users[name].append((i, position))
     root = fused.instructions[-1] if fused.instructions else None
+    named = {i.name: i for i in fused.instructions}
+    # the results a fusion writes: its root, or each element of a root tuple (a scan's step
+    # writes a layer into each of several stacked arrays at once)
+    results = [named.get(o) for o in root.operands] if root and root.opcode == "tuple" else [root]
+    in_place = {r.operands[0]: r for r in results if r and r.opcode == "dynamic-update-slice"}
+    if root is not None and root.opcode == "tuple" and in_place:
+        written = sum(nbytes(inner.get(r.operands[1], "")) if r.name in
+                      {u.name for u in in_place.values()} else nbytes(r.shape)
+                      for r in results if r is not None)  # fmt: skip
     # a loop fusion that ends in a static slice (an expert's matrix out of a stacked one)
     # computes, and so reads, only the sliced elements of operands the slice's size
     slices = {math.prod(d) : math.prod(arrays(i.shape)[0][1])
@@ -213,16 +245,42 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
         uses = users.get(name, [])
         if index >= len(operands) or not uses:
             continue
-        if all(i.opcode == "dynamic-slice" and position == 0 for i, position in uses):
-            operands[index] = sum(nbytes(i.shape) for i, _ in uses)
-        elif root is not None and root.opcode == "dynamic-update-slice" and uses == [(root, 0)]:
+        sliced = _sliced_bytes(uses, computations)
+        if sliced is not None:
+            operands[index] = sliced
+        elif name in in_place and uses == [(in_place[name], 0)]:
             operands[index] = 0.0  # updated in place: only the update is written
-            written = nbytes(inner.get(root.operands[1], ""))
+            if root.opcode == "dynamic-update-slice":
+                written = nbytes(inner.get(root.operands[1], ""))
         elif "kLoop" in ins.rest and slices:
             for dtype, dims in arrays(inner.get(name, ""))[:1]:
                 if math.prod(dims) in slices:
                     operands[index] = DTYPE_BYTES[dtype] * slices[math.prod(dims)]
     return written + sum(operands)
+
+
+def _sliced_bytes(uses: list, computations: dict) -> float | None:
+    """The bytes read of an operand whose every use slices it (``dynamic-slice``: a layer of
+    a stacked array), directly or through a fusion nested in the kernel that only slices
+    it: the slices' bytes; None where a use reads it whole."""
+    total = 0.0
+    for ins, position in uses:
+        if ins.opcode == "dynamic-slice" and position == 0:
+            total += nbytes(ins.shape)
+            continue
+        found = re.search(r"calls=%?([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
+        nested = computations.get(found.group(1)) if found else None
+        if nested is None:
+            return None
+        param = next((i.name for i in nested.instructions if i.opcode == "parameter"
+                      and re.match(rf"{position}\)", i.rest)), None)  # fmt: skip
+        inner = [(i, at) for i in nested.instructions
+                 for at, name in enumerate(i.operands) if name == param]  # fmt: skip
+        read = _sliced_bytes(inner, computations) if param and inner else None
+        if read is None:
+            return None
+        total += read
+    return total
 
 
 def census(text: str, top: int = 12) -> dict:

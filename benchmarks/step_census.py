@@ -22,17 +22,24 @@ does not. Ratios are ours ÷ minimal.
 On CPU ``ours`` is traced with the log-softmax the TPU runs (``cross_entropy.fp32_log_softmax``,
 exponentials at their highest accuracy: what a chip's step computes), unless ``--cpu-softmax``.
 On a TPU the script is its own one process (it opens the chip itself, as a worker would; it
-starts no other).
+starts no other). ``--for-chip`` compiles both for a TPU v5e on this CPU host instead
+(libtpu's compiler, the ``tpu`` extra, as ``tpu_compile.py``: the chip's own programs, splash
+kernels included, censused without a chip; nothing runs). ``--attention pallas`` (splash on
+the chip), ``--grad-accum-steps`` and ``--remat auto`` (the plan a TPU recipe of the model
+gets, ``device_check.settings.step_plan``) apply to both programs alike.
 
     uv run --locked python benchmarks/step_census.py [--size 350m|125m|tiny] [--backend cpu]
         [--no-scan-layers] [--loss-chunk-tokens 1024] [--remat full] [--json census.json]
     python benchmarks/step_census.py --backend tpu --size 350m --json census_tpu.json
+    uv run --locked --extra tpu python benchmarks/step_census.py --for-chip --size 350m \
+        --attention pallas --remat auto --programs minimal ours
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,7 +56,14 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=("cpu", "tpu"), default="cpu")
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="ours as the device check runs it (default: scanned)")  # fmt: skip
-    parser.add_argument("--remat", default="full")
+    parser.add_argument("--remat", default="full", help="both programs' (auto: the plan a TPU "
+                        "recipe of the model gets, its micro-batches too)")  # fmt: skip
+    parser.add_argument("--attention", choices=("xla", "pallas"), default="xla",
+                        help="both programs' (pallas: splash on the chip)")  # fmt: skip
+    parser.add_argument("--grad-accum-steps", type=int, default=1, help="both programs' "
+                        "micro-batches (with --remat auto: the fewest)")  # fmt: skip
+    parser.add_argument("--for-chip", action="store_true", help="compile for a TPU v5e on this "
+                        "CPU host (libtpu, the tpu extra); --backend cpu")  # fmt: skip
     parser.add_argument("--loss-chunk-tokens", type=int, help="default: the TPU's (1024; tiny 32)")
     parser.add_argument("--cpu-softmax", action="store_true", help="on CPU, ours with the CPU's "
                         "log-softmax instead of the TPU's")  # fmt: skip
@@ -78,45 +92,89 @@ def lowered_programs(args) -> dict:
     from minifield.data.packing import Rows
     from minifield.models import cross_entropy
     from minifield.models.execution import Execution, defaults_for
-    from minifield.training.optimizer import make_optimizer
-    from minifield.training.train_step import init_train_state, make_train_step
 
     shape, rows, seq = _shape_and_rows(args.size)
     found = defaults_for("tpu")
     chunk = args.loss_chunk_tokens
     if chunk is None:
         chunk = 32 if args.size == "tiny" else found[("training", "loss_chunk_tokens")]
+    remat, accum = _plan(args, chunk)
     batch = Rows(
         *(jax.ShapeDtypeStruct((rows, seq), jnp.int32) for _ in "tsp"),
         jax.ShapeDtypeStruct((rows, seq), jnp.float32),
     )
+    place, tracing = _placement(args)
     out = {}
-    if "minimal" in args.programs:
-        step, optimizer = minimal.step_function(
-            shape, jnp.bfloat16, settings.MAX_STEPS, attention="xla", remat=args.remat
-        )
-        params = jax.eval_shape(lambda: minimal.init(shape, jax.random.key(0)))
-        opt_state = jax.eval_shape(optimizer.init, params)
-        out["minimal"] = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch)
+    # the chip's log-softmax where this host's would be traced (--for-chip traces the chip's)
+    swap = not args.for_chip and jax.default_backend() != "tpu" and not args.cpu_softmax
     softmax = cross_entropy.log_softmax
-    if jax.default_backend() != "tpu" and not args.cpu_softmax:
+    if swap:
         cross_entropy.log_softmax = cross_entropy.fp32_log_softmax  # the chip's program
     try:
-        for name, scan in (("ours", args.scan_layers), ("ours_loop", False)):
-            if name not in args.programs:
-                continue
-            execution = Execution(
-                attention="xla", scan_layers=scan, remat=args.remat, loss_chunk_tokens=chunk,
-                backend="tpu",
-            )  # fmt: skip
-            cfg = settings.llama_config(shape, seq, execution)
-            optimizer = make_optimizer({}, settings.MAX_STEPS)
-            state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed=0))  # noqa: B023
-            step = jax.jit(make_train_step(cfg, optimizer), donate_argnums=(0,))
-            out[name] = step.lower(state, batch)
+        with tracing():
+            if "minimal" in args.programs:
+                step, optimizer = minimal.step_function(
+                    shape, jnp.bfloat16, settings.MAX_STEPS, args.attention, remat, accum
+                )
+                params = jax.eval_shape(lambda: minimal.init(shape, jax.random.key(0)))
+                opt_state = jax.eval_shape(optimizer.init, params)
+                jitted = jax.jit(step, donate_argnums=(0, 1))
+                out["minimal"] = jitted.lower(place(params), place(opt_state), place(batch))
+            for name, scan in (("ours", args.scan_layers), ("ours_loop", False)):
+                if name in args.programs:
+                    how = Execution(
+                        attention=args.attention, scan_layers=scan, remat=remat,
+                        loss_chunk_tokens=chunk, backend="tpu",
+                    )  # fmt: skip
+                    jitted, state = _ours(settings.llama_config(shape, seq, how), accum)
+                    out[name] = jitted.lower(place(state), place(batch))
     finally:
         cross_entropy.log_softmax = softmax
     return out
+
+
+def _ours(cfg, accum: int):
+    """Our update of ``cfg`` over ``accum`` micro-batches, jitted with the state donated, and
+    its state's shapes."""
+    import jax
+    from device_check import settings
+
+    from minifield.training.optimizer import make_optimizer
+    from minifield.training.train_step import init_train_state, make_train_step
+
+    optimizer = make_optimizer({}, settings.MAX_STEPS)
+    state = jax.eval_shape(lambda: init_train_state(cfg, optimizer, seed=0))
+    step = make_train_step(cfg, optimizer, accum_steps=accum)
+    return jax.jit(step, donate_argnums=(0,)), state
+
+
+def _plan(args, chunk: int) -> tuple[str, int]:
+    """Both programs' remat policy and micro-batches: as asked, or ``--remat auto``'s plan
+    for a TPU recipe of the model (``device_check.settings.step_plan``)."""
+    from device_check import settings
+
+    if args.remat != "auto":
+        return args.remat, args.grad_accum_steps
+    how = argparse.Namespace(
+        tiny=args.size == "tiny", batch=None, attention=args.attention, remat="auto",
+        grad_accum_steps=args.grad_accum_steps, loss_chunk_tokens=chunk,
+    )  # fmt: skip
+    plan = settings.step_plan(how, "350m" if args.size == "tiny" else args.size)
+    return plan.remat, plan.grad_accum_steps
+
+
+def _placement(args):
+    """``(place, tracing)``: the arguments as the programs are compiled for them, and the
+    context they are traced in: with ``--for-chip`` on a TPU v5e's device, traced as the
+    chip's (``tpu_compile``); else as they are, on this host."""
+    import contextlib
+
+    if not args.for_chip:
+        return (lambda tree: tree), contextlib.nullcontext
+    import tpu_compile
+
+    device = tpu_compile.chip_device()
+    return (lambda tree: tpu_compile.on_device(tree, device)), tpu_compile.tpu_backend
 
 
 def measure(lowered) -> dict:
@@ -193,10 +251,21 @@ def main(argv=None) -> int:
     import _hlo_census
 
     args = parse_args(argv)
+    if args.for_chip:  # this host's CPU runs JAX; libtpu compiles (tpu_compile.main's setting)
+        import tpu_compile
+
+        if args.backend != "cpu" or not tpu_compile.libtpu_installed():
+            print("step_census: --for-chip compiles on a CPU host (--backend cpu) with libtpu: "
+                  "`uv sync --locked --extra tpu`", file=sys.stderr)  # fmt: skip
+            return 2
+        for name, value in tpu_compile.COMPILE_ONLY_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
     if not _hlo_census.start_backend("step_census", args.backend):
         return 2
     results = {name: measure(lowered) for name, lowered in lowered_programs(args).items()}
-    print(f"step census: {args.size}, backend {args.backend}, remat {args.remat}, ours "
+    print(f"step census: {args.size}, backend {args.backend}"
+          f"{' (compiled for a TPU v5e)' if args.for_chip else ''}, attention {args.attention}, "
+          f"remat {args.remat}, micro-batches from {args.grad_accum_steps}, ours "
           f"{'scanned' if args.scan_layers else 'looped'}")  # fmt: skip
     print(report(results, args.top))
     if args.json:

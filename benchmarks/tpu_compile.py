@@ -51,6 +51,13 @@ from minifield.strategies.base import compiled_memory  # noqa: E402
 TOPOLOGY = "v5e:1x1"
 ACCELERATOR_TYPE = "v5litepod-1"
 HBM_BYTES = int(15.75 * 2**30)
+#: this host's CPU runs JAX; libtpu only compiles (the two variables quiet its start-up),
+#: opening no chip: several compiles may run side by side (libtpu's lockfile guards a chip)
+COMPILE_ONLY_ENVIRONMENT = {
+    "TPU_ACCELERATOR_TYPE": ACCELERATOR_TYPE,
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+}
 NO_LIBTPU = ("tpu_compile: libtpu is not installed: this compiles for a TPU with libtpu's "
              "compiler; install it with `uv sync --locked --extra tpu`")  # fmt: skip
 
@@ -248,12 +255,9 @@ def main(argv=None) -> int:
     if not libtpu_installed():
         print(NO_LIBTPU, file=sys.stderr)
         return 2
-    # this host's CPU runs JAX; libtpu only compiles (the two variables quiet its start-up),
-    # opening no chip: several compiles may run side by side (libtpu's lockfile guards a chip)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", ACCELERATOR_TYPE)
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    for name, value in COMPILE_ONLY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     record = run(args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

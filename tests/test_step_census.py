@@ -64,6 +64,76 @@ def test_a_loop_counts_once_per_iteration(hlo_census):
     assert rounded in (TRIPS * M * K + K * N, TRIPS * (M * K + K * N))
 
 
+def test_a_loop_without_a_known_trip_count_counts_by_its_condition(hlo_census):
+    """The TPU compiler's programs name no ``known_trip_count``: the same loop with it taken
+    out of the text counts by its condition (``counter < 7``) the same FLOPs; a condition of
+    another form (``counter != 7``) counts once and is reported."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((M, K), jnp.float32)
+    w = jax.ShapeDtypeStruct((K, N), jnp.float32)
+    text = jax.jit(_looped_product).lower(x, w).compile().as_text()
+    bare = re.sub(r'"known_trip_count":\{"n":"\d+"\},?', "", text)
+    assert "known_trip_count" not in bare and "direction=LT" in bare
+    found = hlo_census.census(bare)
+    assert found["unknown_trips"] == []
+    assert sum(found["dot_flops"].values()) == TRIPS * 2 * M * K * N
+    other = hlo_census.census(bare.replace("direction=LT", "direction=NE"))
+    assert len(other["unknown_trips"]) == 1
+    assert sum(other["dot_flops"].values()) == 2 * M * K * N
+
+
+#: a scan step as the TPU compiler fuses it (written by hand): one kernel reads layer ``i``
+#: of a stacked input through a nested fusion that slices it, adds a carried ``[64, 32]``,
+#: and writes the sum both into layer ``i`` of a stacked output (in place, a
+#: ``dynamic-update-slice`` in its root tuple) and as the new carry
+SCAN_STEP_HLO = """\
+HloModule hand
+
+%slice_layer (p0: f32[8,64,32], p1: s32[]) -> f32[64,32] {
+  %p0 = f32[8,64,32]{2,1,0} parameter(0)
+  %p1 = s32[]{:T(128)} parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[1,64,32]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,64,32}
+  ROOT %b = f32[64,32]{1,0} bitcast(%ds)
+}
+
+%step (param_0: f32[8,64,32], param_1: s32[], param_2: f32[8,64,32], param_3: f32[64,32]) -> (f32[8,64,32], f32[64,32]) {
+  %param_0 = f32[8,64,32]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %param_2 = f32[8,64,32]{2,1,0} parameter(2)
+  %param_3 = f32[64,32]{1,0} parameter(3)
+  %layer = f32[64,32]{1,0} fusion(%param_2, %param_1), kind=kLoop, calls=%slice_layer
+  %sum = f32[64,32]{1,0} add(%layer, %param_3)
+  %one = f32[1,64,32]{2,1,0} bitcast(%sum)
+  %zero = s32[] constant(0)
+  %dus = f32[8,64,32]{2,1,0} dynamic-update-slice(%param_0, %one, %param_1, %zero, %zero)
+  ROOT %t = (f32[8,64,32]{2,1,0}, f32[64,32]{1,0}) tuple(%dus, %sum)
+}
+
+ENTRY %main (a: f32[8,64,32], i: s32[], b: f32[8,64,32], c: f32[64,32]) -> (f32[8,64,32], f32[64,32]) {
+  %a = f32[8,64,32]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %b = f32[8,64,32]{2,1,0} parameter(2)
+  %c = f32[64,32]{1,0} parameter(3)
+  ROOT %f = (f32[8,64,32]{2,1,0}, f32[64,32]{1,0}) fusion(%a, %i, %b, %c), kind=kOutput, calls=%step
+}
+"""
+
+
+def test_a_kernel_that_slices_and_updates_stacked_arrays_counts_one_layer(hlo_census):
+    """Each stacked ``[8, 64, 32]`` FP32 array counts as the one layer the kernel reads or
+    writes (8 KiB), not its 64 KiB: the sliced input 8 KiB, the carry 8 KiB, the index 4 B,
+    the updated layer 8 KiB and the carry out 8 KiB; the stacked output's old value not at all."""
+    layer = 64 * 32 * 4
+    found = hlo_census.census(SCAN_STEP_HLO)
+    assert found["kernels"] == {"fusion:kOutput": 1}
+    assert found["bytes"] == {"fusion:kOutput": 4 * layer + 4}
+
+
 @CHIPS_JAX
 def test_a_stacked_layer_counts_by_its_slice(hlo_census):
     import jax
