@@ -16,8 +16,9 @@ a fused computation by its fusion's weight. What is counted:
   ``bytes accessed`` estimates it), by opcode like ``kernels``;
 - ``ops``: every instruction inside kernels and fusions alike, by opcode;
 - ``dot_flops``: ``2 x result elements x contracted elements`` of every ``dot`` (a
-  ``convolution``: its kernel's elements that are not output features), by operand and
-  result dtypes (``bf16,bf16->f32``);
+  ``convolution``: its kernel's elements that are not output features, a window over a
+  dilated input by the taps that meet it), by operand and result dtypes
+  (``bf16,bf16->f32``), and by what JAX named the product (``dot_flops_by_name``);
 - ``converts``: elements converted, by ``from->to`` dtype;
 - ``dots``: each distinct product (``lhs x rhs -> result`` shapes and dtypes) and how often
   it runs, and ``top``: the kernels that move the most bytes with what JAX named them
@@ -104,6 +105,19 @@ def start_backend(script: str, backend: str) -> bool:
     print(f"{script}: --backend {backend}, but JAX runs on {jax.default_backend()}",
           file=sys.stderr)  # fmt: skip
     return False
+
+
+def compiles_for_chip(script: str, backend: str) -> bool:
+    """A census's ``--for-chip``: this CPU host set up to compile for a TPU v5e with libtpu
+    (``tpu_compile.compile_only``); False, with a line on stderr, where it cannot."""
+    import sys
+
+    if backend != "cpu":
+        print(f"{script}: --for-chip compiles on a CPU host (--backend cpu)", file=sys.stderr)
+        return False
+    import tpu_compile
+
+    return tpu_compile.compile_only(script)
 
 
 def parse(text: str) -> dict[str, Computation]:
@@ -204,6 +218,14 @@ def _dot_flops(ins: Instruction, shapes: dict[str, str]) -> tuple[float, str]:
         m = re.search(r"dim_labels=\w+_(\w+)->", ins.rest)
         labels = m.group(1) if m else ""
         contracted = math.prod(n for n, lab in zip(rhs_d, labels, strict=False) if lab != "o")
+        # a window over an input dilated by d (zeros between its elements) meets a real
+        # element once in d taps: the chip's grouped gradient is such a convolution
+        window = re.search(r"window=\{([^}]*)\}", ins.rest)
+        sizes = re.search(r"\bsize=([\dx]+)", window.group(1)) if window else None
+        dilated = re.search(r"\blhs_dilate=([\dx]+)", window.group(1)) if window else None
+        if sizes and dilated:
+            for size, d in zip(sizes.group(1).split("x"), dilated.group(1).split("x"), strict=True):
+                contracted = contracted * math.ceil(int(size) / int(d)) / int(size)
     return 2.0 * math.prod(out_d) * contracted, f"{lhs_t},{rhs_t}->{out_t}"
 
 
@@ -289,7 +311,7 @@ def census(text: str, top: int = 12) -> dict:
     weight, fused, unknown = _weights(computations)
     kernels, kernel_bytes, ops = collections.Counter(), collections.Counter(), collections.Counter()
     dot_flops, converts, dots = collections.Counter(), collections.Counter(), collections.Counter()
-    heavy = collections.Counter()
+    heavy, flops_by_name = collections.Counter(), collections.Counter()
     for comp in computations.values():
         times = weight.get(comp.name, 0)
         if not times:
@@ -302,6 +324,8 @@ def census(text: str, top: int = 12) -> dict:
             if ins.opcode in ("dot", "convolution"):
                 flops, kinds = _dot_flops(ins, shapes)
                 dot_flops[kinds] += flops * times
+                named = _OP_NAME.search(ins.rest)
+                flops_by_name[named.group(1) if named else ""] += flops * times
                 sig = " x ".join(shapes.get(o, "?").split("{")[0] for o in ins.operands[:2])
                 dots[f"{sig} -> {ins.shape.split('{')[0]}"] += times
             if ins.opcode == "convert":
@@ -322,6 +346,7 @@ def census(text: str, top: int = 12) -> dict:
             heavy[label[:200]] += moved * times
     return {
         "dot_flops": dict(dot_flops),
+        "dot_flops_by_name": dict(flops_by_name),
         "kernels": dict(kernels),
         "bytes": dict(kernel_bytes),
         "ops": dict(ops),

@@ -21,8 +21,13 @@ issue 49's measured BF16 peak), a product taking the longer of the two. On CPU J
 there every ``ragged_dot`` is traced as an opaque stand-in (a host callback with the chip's
 operands and result): its bytes are the real product's, its FLOPs ``2 x rows x in x out``.
 
+``--for-chip`` compiles both for a TPU v5e on this CPU host instead (libtpu's compiler, the
+``tpu`` extra, as ``tpu_compile.py``): the chip's own fusions and its ragged-dot kernels,
+censused without a chip.
+
     uv run --locked python benchmarks/moe_census.py [--experts 16] [--json moe_census.json]
     python benchmarks/moe_census.py --backend tpu     # on the chip: its own fusions
+    uv run --locked --extra tpu python benchmarks/moe_census.py --for-chip
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import collections
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -39,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 #: (rows, seq, d_model, ffn): moe_chip.py's chip shape, and the test's
 SHAPES = {"chip": (2, 2048, 1024, 3584), "tiny": (1, 32, 16, 24)}
 STAGES = ("moe_router", "moe_sort", "moe_gather", "moe_experts", "moe_scatter")
-#: the last name of a kernel's op_name that makes it a matrix product
+#: the last name of a kernel's op_name that makes it a matrix product (the chip's grouped
+#: products' kernels: ``ragged-dot-none``, their offsets ``ragged-dot-metadata``)
 PRODUCTS = ("dot_general", "pure_callback", "ragged_dot", "ragged_dot_general")
 TOP_K = 2
 
@@ -53,6 +60,8 @@ def parse_args(argv=None):
     parser.add_argument("--peak", type=float, default=164e12, help="BF16 FLOP/s")
     parser.add_argument("--programs", nargs="+", choices=("ours", "dense"),
                         default=["ours", "dense"])  # fmt: skip
+    parser.add_argument("--for-chip", action="store_true", help="compile for a TPU v5e on this "
+                        "CPU host (libtpu, the tpu extra); --backend cpu")  # fmt: skip
     parser.add_argument("--json", help="write the breakdown here")
     return parser.parse_args(argv)
 
@@ -113,8 +122,15 @@ def programs(args) -> dict:
         "ours": lambda x, p: moe.moe_mlp(cfg, x, p),
         "dense": lambda x, p: dense_mlp(p, x, bf16_dot, jnp.bfloat16),
     }
-    # each of the 3 projections: forward, the rows' gradient, the matrices' (2 m k n each)
-    flops = {"ours": 18 * N * TOP_K * D * F, "dense": 18 * N * E * D * F}
+    # a grouped product's FLOPs (2 m k n over the N x top-k routed rows): the census counts
+    # the products the compiler writes as dots; a grouped product's kernel (the chip's, or
+    # the CPU's stand-in) it cannot see into counts this each
+    grouped = 2 * N * TOP_K * D * F
+    place, tracing = (lambda tree: tree), contextlib.nullcontext
+    if args.for_chip:
+        import tpu_compile
+
+        place, tracing = tpu_compile.for_chip()
     out = {}
     for name, params in (("ours", ours_p), ("dense", dense_p)):
         if name not in args.programs:
@@ -125,11 +141,28 @@ def programs(args) -> dict:
             return jnp.sum(layer(x, p).astype(jnp.float32) * ct)
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        stand_in = opaque_ragged_dot() if jax.default_backend() == "cpu" else None
-        with stand_in or contextlib.nullcontext():
-            lowered = grad.lower(x, params, f32(rows, seq, D))
-        out[name] = (lowered.compile().as_text(), flops[name])
+        arguments = place((x, params, f32(rows, seq, D)))
+        cpu = jax.default_backend() == "cpu" and not args.for_chip
+        with opaque_ragged_dot() if cpu else tracing():
+            lowered = grad.lower(*arguments)
+        out[name] = (lowered.compile().as_text(), grouped)
     return out
+
+
+#: a kernel the census cannot see into that is one grouped product: the chip's ragged-dot
+#: kernel, or the CPU's stand-in for it (:func:`opaque_ragged_dot`)
+_OPAQUE = re.compile(r'custom-call\(.*op_name="[^"]*(ragged-dot-none|pure_callback)"')
+
+
+def product_flops(text: str, grouped: float) -> float:
+    """The products' FLOPs of one compiled layer: every dot and convolution the census
+    counts but the router's, and ``grouped`` for each opaque grouped product."""
+    import _hlo_census
+
+    found = _hlo_census.census(text)
+    opaque = sum(1 for line in text.splitlines() if _OPAQUE.search(line))
+    written = sum(v for k, v in found["dot_flops_by_name"].items() if "moe_router" not in k)
+    return written + grouped * opaque
 
 
 def _stage(label: str, experts: int) -> str:
@@ -139,15 +172,19 @@ def _stage(label: str, experts: int) -> str:
     kind, rest = label.split(" ", 1)
     op_name = rest.rsplit(" ", 1)[-1]
     last = op_name.rsplit("/", 1)[-1]
-    if kind in ("dot", "convolution") or last in PRODUCTS:
+    if kind in ("dot", "convolution") or last in PRODUCTS or last.startswith("ragged-dot"):
         return "moe_router" if "nd,de->ne" in op_name else "products"
     stacked = rest.startswith((f"bf16[{experts},", f"f32[{experts},"))
     if "moe_experts" in op_name and stacked:
         return "expert weights"
+    if kind == "fusion:kOutput" and stacked and not op_name:
+        # the TPU compiler's experts' matrix gradient: a product over every expert's rows,
+        # its kernel left without the scope's name
+        return "products"
     return next((stage for stage in STAGES if stage in op_name), "other")
 
 
-def breakdown(text: str, flops: float, experts: int, bandwidth: float, peak: float) -> dict:
+def breakdown(text: str, grouped: float, experts: int, bandwidth: float, peak: float) -> dict:
     """``{stage: {"bytes", "ms"}}`` of one compiled layer, the grouped products
     at the longer of their FLOPs at ``peak`` and their bytes at ``bandwidth``."""
     import _hlo_census
@@ -159,8 +196,8 @@ def breakdown(text: str, flops: float, experts: int, bandwidth: float, peak: flo
     for name, stage in stages.items():
         stage["ms"] = 1e3 * stage["bytes"] / bandwidth
         if name == "products":
-            stage["flops"] = flops
-            stage["ms"] = max(stage["ms"], 1e3 * flops / peak)
+            stage["flops"] = product_flops(text, grouped)
+            stage["ms"] = max(stage["ms"], 1e3 * stage["flops"] / peak)
     return dict(stages)
 
 
@@ -185,16 +222,18 @@ def main(argv=None) -> int:
     import _hlo_census
 
     args = parse_args(argv)
+    if args.for_chip and not _hlo_census.compiles_for_chip("moe_census", args.backend):
+        return 2
     if not _hlo_census.start_backend("moe_census", args.backend):
         return 2
     rows, seq, D, F = SHAPES["tiny" if args.tiny else "chip"]
     results = {
-        name: breakdown(text, flops, args.experts, args.bandwidth, args.peak)
-        for name, (text, flops) in programs(args).items()
+        name: breakdown(text, grouped, args.experts, args.bandwidth, args.peak)
+        for name, (text, grouped) in programs(args).items()
     }
     print(f"MoE layer forward + backward: {rows} x {seq} tokens, d{D}, experts of width {F}, "
           f"top {TOP_K} of {args.experts}, BF16 compute, FP32 parameters; backend "
-          f"{args.backend}; estimates at {args.bandwidth / 1e9:g} GB/s and "
+          f"{args.backend}{' (compiled for a TPU v5e)' if args.for_chip else ''}; estimates at {args.bandwidth / 1e9:g} GB/s and "
           f"{args.peak / 1e12:g} TFLOP/s")  # fmt: skip
     print(report(results))
     if args.json:

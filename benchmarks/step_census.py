@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -165,16 +164,15 @@ def _plan(args, chunk: int) -> tuple[str, int]:
 
 def _placement(args):
     """``(place, tracing)``: the arguments as the programs are compiled for them, and the
-    context they are traced in: with ``--for-chip`` on a TPU v5e's device, traced as the
-    chip's (``tpu_compile``); else as they are, on this host."""
+    context they are traced in: with ``--for-chip`` a TPU v5e's (``tpu_compile.for_chip``);
+    else as they are, on this host."""
     import contextlib
 
     if not args.for_chip:
         return (lambda tree: tree), contextlib.nullcontext
     import tpu_compile
 
-    device = tpu_compile.chip_device()
-    return (lambda tree: tpu_compile.on_device(tree, device)), tpu_compile.tpu_backend
+    return tpu_compile.for_chip()
 
 
 def measure(lowered) -> dict:
@@ -251,15 +249,8 @@ def main(argv=None) -> int:
     import _hlo_census
 
     args = parse_args(argv)
-    if args.for_chip:  # this host's CPU runs JAX; libtpu compiles (tpu_compile.main's setting)
-        import tpu_compile
-
-        if args.backend != "cpu" or not tpu_compile.libtpu_installed():
-            print("step_census: --for-chip compiles on a CPU host (--backend cpu) with libtpu: "
-                  "`uv sync --locked --extra tpu`", file=sys.stderr)  # fmt: skip
-            return 2
-        for name, value in tpu_compile.COMPILE_ONLY_ENVIRONMENT.items():
-            os.environ.setdefault(name, value)
+    if args.for_chip and not _hlo_census.compiles_for_chip("step_census", args.backend):
+        return 2
     if not _hlo_census.start_backend("step_census", args.backend):
         return 2
     results = {name: measure(lowered) for name, lowered in lowered_programs(args).items()}

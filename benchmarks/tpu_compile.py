@@ -161,6 +161,26 @@ def on_device(tree, device):
     )
 
 
+def compile_only(script: str) -> bool:
+    """Set this process up to compile for the chip with libtpu (before JAX starts): False,
+    with a line on stderr naming ``script``, where libtpu is not installed."""
+    if not libtpu_installed():
+        print(f"{script}: {NO_LIBTPU.split(': ', 1)[1]}", file=sys.stderr)
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    for name, value in COMPILE_ONLY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    return True
+
+
+def for_chip():
+    """``(place, tracing)`` of a program compiled for the chip from this host: its abstract
+    arguments put on a v5e's device (:func:`on_device`), and the context it is traced in
+    (:func:`tpu_backend`), as :func:`run` compiles; the censuses' ``--for-chip``."""
+    device = chip_device()
+    return (lambda tree: on_device(tree, device)), tpu_backend
+
+
 @contextlib.contextmanager
 def tpu_backend():
     """``jax.default_backend()`` says ``tpu`` while a program is traced: what our code reads to
@@ -252,12 +272,8 @@ def _line(record: dict) -> str:
 
 def main(argv=None) -> int:
     args = arguments(argv)
-    if not libtpu_installed():
-        print(NO_LIBTPU, file=sys.stderr)
+    if not compile_only("tpu_compile"):
         return 2
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    for name, value in COMPILE_ONLY_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
     record = run(args)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,25 @@ def test_a_kernel_that_slices_and_updates_stacked_arrays_counts_one_layer(hlo_ce
     assert found["bytes"] == {"fusion:kOutput": 4 * layer + 4}
 
 
+#: the TPU compiler's experts' matrix gradient (``ragged_dot_general`` ragged in its
+#: contracted rows), scaled down: every one of 4 groups' ``[6, 8] @ [8, 5]`` as a convolution
+#: over a group axis dilated by 4, so each output meets one tap of its window of 4
+GROUPED_GRADIENT_HLO = """\
+HloModule grouped
+
+ENTRY %main (a: bf16[4,8,6], k: bf16[4,8,5]) -> f32[4,6,5] {
+  %a = bf16[4,8,6]{2,1,0} parameter(0)
+  %k = bf16[4,8,5]{2,1,0} parameter(1)
+  ROOT %c = f32[4,6,5]{2,1,0} convolution(%a, %k), window={size=4 stride=3 lhs_dilate=4}, dim_labels=0fb_0io->0bf
+}
+"""
+
+
+def test_a_dilated_convolution_counts_the_taps_that_meet_the_input(hlo_census):
+    found = hlo_census.census(GROUPED_GRADIENT_HLO)
+    assert found["dot_flops"] == {"bf16,bf16->f32": 4 * 2 * 6 * 8 * 5}
+
+
 @CHIPS_JAX
 def test_a_stacked_layer_counts_by_its_slice(hlo_census):
     import jax
