@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 SHAPES = {"chip": (2, 2048, 1024, 3584), "tiny": (1, 32, 16, 24)}
 STAGES = ("moe_router", "moe_sort", "moe_gather", "moe_experts", "moe_scatter")
 #: the last name of a kernel's op_name that makes it a matrix product (the chip's grouped
-#: products' kernels: ``ragged-dot-none``, their offsets ``ragged-dot-metadata``)
+#: products' kernels too: ``ragged-dot-none``, their offsets ``ragged-dot-metadata``, and
+#: megablox's ``pallas_call`` under ``jit(gmm)`` or ``jit(tgmm)``)
 PRODUCTS = ("dot_general", "pure_callback", "ragged_dot", "ragged_dot_general")
 TOP_K = 2
 
@@ -60,6 +61,9 @@ def parse_args(argv=None):
     parser.add_argument("--peak", type=float, default=164e12, help="BF16 FLOP/s")
     parser.add_argument("--programs", nargs="+", choices=("ours", "dense"),
                         default=["ours", "dense"])  # fmt: skip
+    parser.add_argument("--grouped-kernel", choices=("ragged_dot", "ragged_tgmm", "gmm"),
+                        default="ragged_dot", help="ours' grouped product on the TPU "
+                        "(execution.GROUPED_KERNELS names ragged_dot)")  # fmt: skip
     parser.add_argument("--for-chip", action="store_true", help="compile for a TPU v5e on this "
                         "CPU host (libtpu, the tpu extra); --backend cpu")  # fmt: skip
     parser.add_argument("--json", help="write the breakdown here")
@@ -96,6 +100,7 @@ def programs(args) -> dict:
     import jax
     import jax.numpy as jnp
     from minimal.experts import dense_mlp
+    from moe_update import grouped_kernel
 
     from minifield.models import moe
     from minifield.models.execution import Execution
@@ -143,7 +148,7 @@ def programs(args) -> dict:
         grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
         arguments = place((x, params, f32(rows, seq, D)))
         cpu = jax.default_backend() == "cpu" and not args.for_chip
-        with opaque_ragged_dot() if cpu else tracing():
+        with opaque_ragged_dot() if cpu else tracing(), grouped_kernel(args.grouped_kernel):
             lowered = grad.lower(*arguments)
         out[name] = (lowered.compile().as_text(), grouped)
     return out
@@ -151,7 +156,9 @@ def programs(args) -> dict:
 
 #: a kernel the census cannot see into that is one grouped product: the chip's ragged-dot
 #: kernel, or the CPU's stand-in for it (:func:`opaque_ragged_dot`)
-_OPAQUE = re.compile(r'custom-call\(.*op_name="[^"]*(ragged-dot-none|pure_callback)"')
+_OPAQUE = re.compile(
+    r'custom-call\(.*op_name="[^"]*(ragged-dot-none|pure_callback|jit\(t?gmm\)/pallas_call)"'
+)
 
 
 def product_flops(text: str, grouped: float) -> float:
@@ -172,7 +179,13 @@ def _stage(label: str, experts: int) -> str:
     kind, rest = label.split(" ", 1)
     op_name = rest.rsplit(" ", 1)[-1]
     last = op_name.rsplit("/", 1)[-1]
-    if kind in ("dot", "convolution") or last in PRODUCTS or last.startswith("ragged-dot"):
+    megablox = last == "pallas_call" and ("jit(gmm)" in op_name or "jit(tgmm)" in op_name)
+    if (
+        kind in ("dot", "convolution")
+        or last in PRODUCTS
+        or last.startswith("ragged-dot")
+        or megablox
+    ):
         return "moe_router" if "nd,de->ne" in op_name else "products"
     stacked = rest.startswith((f"bf16[{experts},", f"f32[{experts},"))
     if "moe_experts" in op_name and stacked:
@@ -233,7 +246,8 @@ def main(argv=None) -> int:
     }
     print(f"MoE layer forward + backward: {rows} x {seq} tokens, d{D}, experts of width {F}, "
           f"top {TOP_K} of {args.experts}, BF16 compute, FP32 parameters; backend "
-          f"{args.backend}{' (compiled for a TPU v5e)' if args.for_chip else ''}; estimates at {args.bandwidth / 1e9:g} GB/s and "
+          f"{args.backend}{' (compiled for a TPU v5e)' if args.for_chip else ''}; ours' grouped "
+          f"product {args.grouped_kernel}; estimates at {args.bandwidth / 1e9:g} GB/s and "
           f"{args.peak / 1e12:g} TFLOP/s")  # fmt: skip
     print(report(results))
     if args.json:

@@ -14,7 +14,11 @@ the same function). Printed at the end, the issue's two ratios of median update 
 - minifield ÷ the minimal ``ragged_dot`` loop at ``--experts`` 8 (issue: at most 1.1);
 - the minimal loop with megablox's ``gmm`` ÷ with ``ragged_dot`` (BF16 only): which of the
   chip's two grouped products ``execution.GROUPED_KERNELS`` should name (below 1: ``gmm``);
-- every expert on every token ÷ minifield at ``--dense-experts`` 16 (issue: at least 3).
+- every expert on every token ÷ minifield at ``--dense-experts`` 16 (issue: at least 3);
+- with BF16, minifield traced with ``ragged_tgmm`` (megablox's ``tgmm`` for the experts'
+  gradient, which the chip's compiler otherwise runs over every expert's rows:
+  docs/tpu.md) ÷ minifield, and dense ÷ it: whether ``execution.GROUPED_KERNELS`` should
+  name it.
 
 On the chip (the memory the sizes take is an estimate until run there):
 
@@ -66,7 +70,7 @@ def main() -> None:
     batch = minimal.packed_batch(args.rows, args.seq, moe_update.VOCAB)
     names = ("minifield", "minimal ragged_dot")
     if args.dtype == "bfloat16":
-        names += ("minimal gmm",)
+        names += ("minimal gmm", "minifield ragged_tgmm")
     if "sparse" in args.parts:
         sparse = moe_update.measure(args, args.experts, names, batch)
         ours_minimal = sparse["minifield"] / sparse["minimal ragged_dot"]
@@ -76,10 +80,15 @@ def main() -> None:
         if "minimal gmm" in sparse:
             gmm_ragged = sparse["minimal gmm"] / sparse["minimal ragged_dot"]
             print(f"minimal gmm / minimal ragged_dot at {args.experts} experts: {gmm_ragged:.3f}")
+        if "minifield ragged_tgmm" in sparse:
+            tgmm = sparse["minifield ragged_tgmm"] / sparse["minifield"]
+            print(f"minifield ragged_tgmm / minifield at {args.experts} experts: {tgmm:.3f}")
     if "dense" in args.parts:
-        dense = moe_update.measure(args, args.dense_experts, ("minifield", "dense"), batch)
-        dense_ours = dense["dense"] / dense["minifield"]
-        print(f"dense / minifield at {args.dense_experts} experts: {dense_ours:.2f} (≥ 3)")
+        ours = ("minifield",) + (("minifield ragged_tgmm",) if args.dtype == "bfloat16" else ())
+        dense = moe_update.measure(args, args.dense_experts, (*ours, "dense"), batch)
+        for name in ours:
+            ratio = dense["dense"] / dense[name]
+            print(f"dense / {name} at {args.dense_experts} experts: {ratio:.2f} (≥ 3)")
 
 
 if __name__ == "__main__":

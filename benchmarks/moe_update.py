@@ -35,6 +35,7 @@ function). Rounds interleave the loops, the first one alternating.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -79,6 +80,26 @@ def config(args, experts: int, dtype: str) -> LlamaConfig:
     )  # fmt: skip
 
 
+#: minifield's loops: the grouped product its TPU recipe runs (None), or the kernel it is
+#: traced with instead (``ragged_tgmm``: ``tpu_grouped``'s ``tgmm`` for the experts' gradient)
+OURS = {"minifield": None, "minifield ragged_tgmm": "ragged_tgmm"}
+
+
+@contextlib.contextmanager
+def grouped_kernel(kernel: str | None):
+    """minifield traced with ``kernel`` as a TPU recipe's grouped product (None: as it is):
+    what a TPU recipe would run were ``execution.GROUPED_KERNELS`` to name it."""
+    from minifield.models import execution
+
+    named = execution.GROUPED_KERNELS
+    if kernel is not None:
+        execution.GROUPED_KERNELS = {**named, "tpu": kernel}
+    try:
+        yield
+    finally:
+        execution.GROUPED_KERNELS = named
+
+
 def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     """``{name: {"run": run(), "first": (loss, grad_norm), "fp32": loss}}``, each compiled and
     run once (its first update's loss and gradient norm kept)."""
@@ -88,10 +109,14 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     state = init_train_state(cfg, opt, 0)
     first_params = minimal.from_minifield(state["params"], stacked_mlp)
     out = {}
-    if "minifield" in names:
-        fp32 = jax.jit(project_model.loss_fn, static_argnums=1)(state["params"], cfg32, batch)
-        step = jax.jit(make_train_step(cfg, opt), donate_argnums=(0,)).lower(state, batch)
-        out["minifield"] = {"compiled": step.compile(), "held": state, "fp32": float(fp32[0])}
+    fp32 = jax.jit(project_model.loss_fn, static_argnums=1)(state["params"], cfg32, batch)
+    for name in names:
+        if name not in OURS:
+            continue
+        with grouped_kernel(OURS[name]):  # None: the backend's (execution.GROUPED_KERNELS)
+            step = jax.jit(make_train_step(cfg, opt), donate_argnums=(0,)).lower(state, batch)
+        held = jax.tree_util.tree_map(jnp.array, state)  # each loop its own donated state
+        out[name] = {"compiled": step.compile(), "held": held, "fp32": float(fp32[0])}
     mlps = {
         "minimal ragged_dot": sorted_mlp(ragged_product(cfg.dtype)),
         "minimal grouped": sorted_mlp(grouped_product(cfg)),
@@ -104,7 +129,7 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
         "dense": dense_mlp,
     }
     for name in names:
-        if name == "minifield":
+        if name in OURS:
             continue
         step, mopt, _ = minimal_step(cfg, mlps[name])
         params = jax.tree_util.tree_map(jnp.array, first_params)
@@ -115,7 +140,7 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*held, batch).compile()
         out[name] = {"compiled": compiled, "held": held, "fp32": fp32}
     for name, loop in out.items():
-        loop["run"] = _runner(loop, name == "minifield", batch)
+        loop["run"] = _runner(loop, name in OURS, batch)
         loop["first"] = loop["run"]()
     return out
 

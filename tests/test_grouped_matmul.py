@@ -54,6 +54,7 @@ PRODUCTS = {
     "tiles": grouped.tiled,
     "ragged_dot": tpu_grouped.matmul,
     "gmm": lambda *args: tpu_grouped.matmul(*args, kernel="gmm"),
+    "ragged_tgmm": lambda *args: tpu_grouped.matmul(*args, kernel="ragged_tgmm"),
 }
 FP32_PRODUCTS = ("tiles", "ragged_dot")
 
@@ -83,14 +84,17 @@ def test_fp32_values_and_gradients_equal_the_group_loop(product):
     assert not np.asarray(dw)[0].any() and not np.asarray(dw)[3].any()  # empty groups
 
 
-# gmm with FP32 masters in the slow tier (Pallas's interpreter; the fast tier keeps it with BF16)
+# gmm with FP32 masters and ragged_tgmm in the slow tier (Pallas's interpreter; the fast tier
+# keeps gmm with BF16, and ragged_tgmm against the tiles below)
 @pytest.mark.parametrize(
     ("w_dtype", "product"),
     [
         pytest.param(
             w_dtype,
             product,
-            marks=pytest.mark.slow if (w_dtype, product) == (jnp.float32, "gmm") else (),
+            marks=pytest.mark.slow
+            if (w_dtype, product) == (jnp.float32, "gmm") or product == "ragged_tgmm"
+            else (),
         )
         for w_dtype in (jnp.float32, jnp.bfloat16)
         for product in PRODUCTS
@@ -116,7 +120,12 @@ def test_bf16_rounds_the_operands_and_keeps_the_gradients_dtypes(w_dtype, produc
 
 @pytest.mark.parametrize(
     ("dtype", "kernel"),
-    [("float32", "ragged_dot"), ("bfloat16", "ragged_dot"), ("bfloat16", "gmm")],
+    [
+        ("float32", "ragged_dot"),
+        ("bfloat16", "ragged_dot"),
+        ("bfloat16", "gmm"),
+        ("bfloat16", "ragged_tgmm"),
+    ],  # fmt: skip
 )
 def test_the_tpu_products_equal_the_tiles(dtype, kernel):
     """The TPU's products and the CPU's agree on every value and gradient, FP32 and BF16, on
@@ -158,7 +167,8 @@ def test_gmm_refuses_fp32_and_an_unknown_kernel():
     run at the TPU's one-pass BF16 default."""
     x, w, _ = arrays()
     sizes = jnp.asarray(SIZES, jnp.int32)
-    with pytest.raises(ValueError, match="gmm: its products ask for no precision"):
-        tpu_grouped.matmul("float32", jnp.asarray(x), jnp.asarray(w), sizes, "gmm")
+    for kernel in ("gmm", "ragged_tgmm"):
+        with pytest.raises(ValueError, match=f"{kernel}: its products ask for no precision"):
+            tpu_grouped.matmul("float32", jnp.asarray(x), jnp.asarray(w), sizes, kernel)
     with pytest.raises(ValueError, match="expected a kernel of"):
         tpu_grouped.matmul("bfloat16", jnp.asarray(x), jnp.asarray(w), sizes, "tiles")

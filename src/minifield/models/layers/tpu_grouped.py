@@ -26,6 +26,13 @@ measure (``benchmarks/moe_chip.py``), and ``execution.GROUPED_KERNELS`` is where
 made. BF16 compute only: its products ask for no precision, so FP32 would not be full FP32.
 Its rows are tiled by :data:`GMM_TILING`'s first size (padded to it here; padding and rows past
 the groups give zeros), and it runs in Pallas's interpreter on CPU (tests).
+
+``kernel="ragged_tgmm"``: ``ragged_dot`` for the rows (forward and their gradient), ``tgmm``
+for the matrices' gradient alone. The chip's compiler (libtpu 0.0.42.1) lowers a
+``ragged_dot_general`` ragged in its contracted rows to a product over every group's rows
+under a mask, all groups' rows for each group: at 16 experts 16 times the matrices'
+gradient's FLOPs (docs/tpu.md, "Where the experts' time goes"); ``tgmm`` runs only each
+group's rows. BF16 compute only, as ``gmm``; which is faster is the chip's to measure.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ import jax.numpy as jnp
 from .primitives import F32, full_precision
 
 #: the grouped products this module has (``kernel``)
-KERNELS = ("ragged_dot", "gmm")
+KERNELS = ("ragged_dot", "gmm", "ragged_tgmm")
+#: the kernels with a megablox (Pallas) part, which asks its products for no precision
+_MEGABLOX = ("gmm", "ragged_tgmm")
 #: megablox's (rows, contracted, output) tile sizes: its defaults
 GMM_TILING = (128, 128, 128)
 
@@ -65,10 +74,10 @@ def matmul(compute_dtype: str, x_MxK, w_GxKxN, sizes_G, kernel: str = "ragged_do
     ``kernel``: one of :data:`KERNELS`."""
     if kernel not in KERNELS:
         raise ValueError(f"grouped product: expected a kernel of {KERNELS}, got {kernel!r}")
-    if kernel == "gmm" and jnp.dtype(compute_dtype) == F32:
+    if kernel in _MEGABLOX and jnp.dtype(compute_dtype) == F32:
         raise ValueError(
-            "grouped product gmm: its products ask for no precision, so FP32 compute would not "
-            "be full FP32 on a TPU; use ragged_dot for model.compute_dtype float32"
+            f"grouped product {kernel}: its products ask for no precision, so FP32 compute "
+            "would not be full FP32 on a TPU; use ragged_dot for model.compute_dtype float32"
         )
     return _matmul(compute_dtype, kernel, x_MxK, w_GxKxN, sizes_G)
 
@@ -108,9 +117,12 @@ def _matmul_bwd(compute_dtype, kernel, residuals, dy_MxN):
             ),
             sizes_G,
         )
-        dw_GxKxN = jax.lax.ragged_dot_general(
-            x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision, preferred_element_type=F32
-        )
+        if kernel == "ragged_tgmm":
+            dw_GxKxN = _gmm_groups(x_c, dy_c, sizes_G)
+        else:
+            dw_GxKxN = jax.lax.ragged_dot_general(
+                x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision, preferred_element_type=F32
+            )
         # an empty group's matrix gradient is 0 by definition, whatever the kernel wrote
         dw_GxKxN = jnp.where((sizes_G > 0)[:, None, None], dw_GxKxN, 0.0)
     return dx_MxK.astype(x_proto.dtype), dw_GxKxN.astype(w_proto.dtype), None
