@@ -1,8 +1,10 @@
-"""An estimate of a packed-sft step's device memory, and the refusal of a recipe whose step does
-not fit the device it names (``runtime.device_memory_bytes``; docs/quantized-base.md).
+"""An estimate of a packed-sft step's device memory, the refusal of a recipe whose step does
+not fit the device it names (``runtime.device_memory_bytes``; docs/quantized-base.md), and the
+policy and micro-batches ``training.remat: auto`` chooses by it (:func:`plan`; docs/tpu.md).
 
-The estimate, in bytes, of one update of ``training.batch_size / training.grad_accum_steps``
-rows of ``training.seq_len`` tokens (:func:`estimate`, each part recorded):
+The estimate, in bytes, of a device's micro-batch of one update, ``training.batch_size /
+(training.data_parallel.devices x training.grad_accum_steps)`` rows of ``training.seq_len``
+tokens (:func:`estimate`, each part recorded):
 
 - ``state``: full fine-tuning, every parameter's FP32 value, gradient and two AdamW moments
   and half an FP32 copy of the update's temporaries (18 bytes each; 29 with gradient
