@@ -53,6 +53,9 @@ def main() -> None:
     parser.add_argument("--dense-experts", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--gmm-tiling", type=int, nargs=3, metavar=("ROWS", "IN", "OUT"),
+                        help="megablox's tiles for gmm and tgmm (tpu_grouped.GMM_TILING; "
+                        "default 128 128 128): a sweep of them")  # fmt: skip
     parser.add_argument("--parts", nargs="+", choices=("sparse", "dense"), default=["sparse", "dense"],
                         help="sparse: minifield against the minimal loops at --experts; dense: "
                         "every expert run densely against minifield at --dense-experts")  # fmt: skip
@@ -67,6 +70,11 @@ def main() -> None:
         f"(ragged_dot); {jax.device_count()} {jax.devices()[0].device_kind} device(s); median "
         f"of {args.rounds} interleaved rounds"
     )
+    if args.gmm_tiling:
+        from minifield.models.layers import tpu_grouped
+
+        tpu_grouped.GMM_TILING = tuple(args.gmm_tiling)
+        print(f"megablox tiles (gmm, tgmm): {tpu_grouped.GMM_TILING}")
     batch = minimal.packed_batch(args.rows, args.seq, moe_update.VOCAB)
     names = ("minifield", "minimal ragged_dot")
     if args.dtype == "bfloat16":
