@@ -191,9 +191,24 @@ def _counted(loop: Instruction, computations: dict[str, Computation]) -> int | N
         return None
     named = {i.name: i for i in condition.instructions}
     root = condition.instructions[-1]
-    if root.opcode != "compare" or "direction=LT" not in root.rest or len(root.operands) < 2:
+    operands = root.operands[:2]
+    if root.opcode == "fusion":  # the compare wrapped in a fusion of its own (newer XLA:CPU)
+        found = re.search(r"calls=%?([\w.\-]+)", root.rest)
+        inner = computations.get(found.group(1)) if found else None
+        if inner is None or not inner.instructions:
+            return None
+        params = {i.name: int(re.match(r"(\d+)", i.rest).group(1))
+                  for i in inner.instructions if i.opcode == "parameter"}  # fmt: skip
+        compare = inner.instructions[-1]
+        if any(
+            params.get(o, len(root.operands)) >= len(root.operands) for o in compare.operands[:2]
+        ):
+            return None
+        operands = [root.operands[params[o]] for o in compare.operands[:2]]
+        root = compare
+    if root.opcode != "compare" or "direction=LT" not in root.rest or len(operands) < 2:
         return None
-    counter, bound = (named.get(o) for o in root.operands[:2])
+    counter, bound = (named.get(o) for o in operands)
     if counter is None or bound is None or bound.opcode != "constant":
         return None
     if counter.opcode != "get-tuple-element" or not re.search(r"\bindex=0\b", counter.rest):
