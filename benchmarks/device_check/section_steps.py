@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 
+from device_check import section_shapes
 from device_check.common import count_params, log, peak_for
 from device_check.settings import (
     MAX_STEPS,
@@ -149,17 +150,27 @@ def _step_section(args, context, report, size: str, deterministic: bool = True) 
         )  # fmt: skip
         out["minimal"] = {"param_count": count_params(params)}
         started = time.perf_counter()
-        step = step.lower(params, opt_state, batch).compile()
-        out["minimal"]["compile_s"] = time.perf_counter() - started
-        log(f"  minimal compiled in {out['minimal']['compile_s']:.1f} s")
-        mini = {"params": params, "opt_state": opt_state}
+        try:
+            step = step.lower(params, opt_state, batch).compile()
+        except Exception as exc:  # a plan ours fits, the minimal loop may not (its logits whole)
+            if not section_shapes.out_of_memory(exc):
+                raise
+            out["minimal"].update(fits=False, error=str(exc)[:600])
+            log(f"  minimal loop does not fit at this plan, ours timed alone: {str(exc)[:200]}")
+            step = None
+        if step is not None:
+            out["minimal"]["compile_s"] = time.perf_counter() - started
+            log(f"  minimal compiled in {out['minimal']['compile_s']:.1f} s")
+            mini = {"params": params, "opt_state": opt_state}
 
-        def run_minimal():
-            mini["params"], mini["opt_state"], loss = step(mini["params"], mini["opt_state"], batch)
-            return loss
+            def run_minimal():
+                mini["params"], mini["opt_state"], loss = step(
+                    mini["params"], mini["opt_state"], batch
+                )
+                return loss
 
-        implementations["minimal"] = run_minimal
-        first_loss["minimal"] = float(run_minimal())
+            implementations["minimal"] = run_minimal
+            first_loss["minimal"] = float(run_minimal())
         report(out)
     seconds = _time_rounds(
         implementations, args.rounds, args.steps_per_round, args.deadline, report, out
