@@ -232,3 +232,23 @@ def test_auto_sizes_a_devices_share_of_the_rows():
     r["training"]["data_parallel"] = {"devices": 2}
     found = device_memory.plan(check_step("350m"), r)
     assert (found.remat, found.grad_accum_steps) == ("dots_saveable", 4)
+
+
+def test_auto_keeps_lora_at_full():
+    """LoRA's estimate is not calibrated for ``dots_saveable``: a Llama-3.2-3B NF4 LoRA step
+    (rank 16, every projection, one row of 2048, splash) compiled for the chip to
+    16,451,092,992 bytes with it (``tpu_compile.py qlora --preset llama-3.2-3b --mode nf4
+    --remat dots_saveable --attention splash``, 2026-12-07), above what the estimate says:
+    ``auto`` keeps a LoRA step at ``full``, the policy its estimate was checked against, at
+    the recipe's micro-batches."""
+    cfg = LlamaConfig(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+                      d_ff=8192, max_len=2048, rope_theta=500000.0, tie_embeddings=True)  # fmt: skip
+    lora = {"rank": 16, "targets": ALL, "base_dtype": "bfloat16", "base_quantization": "nf4",
+            "quantization_block": 64}  # fmt: skip
+    r = {"model": {"scan_layers": True, "attention": "pallas", "lora": lora},
+         "training": {"batch_size": 1, "seq_len": 2048, "remat": "auto",
+                      "loss_chunk_tokens": 1024}}  # fmt: skip
+    dots = device_memory.with_plan(r, device_memory.Plan("dots_saveable", 1))
+    assert device_memory.estimate(cfg, dots)["total"] < 16_451_092_992  # under the compiler
+    full = device_memory.estimate(cfg, device_memory.with_plan(r, device_memory.Plan("full", 1)))
+    assert device_memory.plan(cfg, r) == device_memory.Plan("full", 1, full["total"])
