@@ -161,12 +161,10 @@ _OPAQUE = re.compile(
 )
 
 
-def product_flops(text: str, grouped: float) -> float:
-    """The products' FLOPs of one compiled layer: every dot and convolution the census
-    counts but the router's, and ``grouped`` for each opaque grouped product."""
-    import _hlo_census
-
-    found = _hlo_census.census(text)
+def product_flops(text: str, found: dict, grouped: float) -> float:
+    """The products' FLOPs of one compiled layer (``found``: its census): every dot and
+    convolution the census counts but the router's, and ``grouped`` for each opaque grouped
+    product."""
     opaque = sum(1 for line in text.splitlines() if _OPAQUE.search(line))
     written = sum(v for k, v in found["dot_flops_by_name"].items() if "moe_router" not in k)
     return written + grouped * opaque
@@ -209,7 +207,7 @@ def breakdown(text: str, grouped: float, experts: int, bandwidth: float, peak: f
     for name, stage in stages.items():
         stage["ms"] = 1e3 * stage["bytes"] / bandwidth
         if name == "products":
-            stage["flops"] = product_flops(text, grouped)
+            stage["flops"] = product_flops(text, found, grouped)
             stage["ms"] = max(stage["ms"], 1e3 * stage["flops"] / peak)
     return dict(stages)
 

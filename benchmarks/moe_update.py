@@ -109,13 +109,14 @@ def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     state = init_train_state(cfg, opt, 0)
     first_params = minimal.from_minifield(state["params"], stacked_mlp)
     out = {}
-    fp32 = jax.jit(project_model.loss_fn, static_argnums=1)(state["params"], cfg32, batch)
-    for name in names:
-        if name not in OURS:
-            continue
+    ours = [name for name in names if name in OURS]
+    if ours:
+        fp32 = jax.jit(project_model.loss_fn, static_argnums=1)(state["params"], cfg32, batch)
+    for name in ours:
         with grouped_kernel(OURS[name]):  # None: the backend's (execution.GROUPED_KERNELS)
             step = jax.jit(make_train_step(cfg, opt), donate_argnums=(0,)).lower(state, batch)
-        held = jax.tree_util.tree_map(jnp.array, state)  # each loop its own donated state
+        # each loop donates its own state: the first the one made here, the others a copy
+        held = state if name == ours[0] else jax.tree_util.tree_map(jnp.array, state)
         out[name] = {"compiled": step.compile(), "held": held, "fp32": float(fp32[0])}
     mlps = {
         "minimal ragged_dot": sorted_mlp(ragged_product(cfg.dtype)),
@@ -176,13 +177,14 @@ def measure(args, experts: int, names: tuple, batch: dict) -> dict:
             times[name, "cpu"].append(time.process_time() - cpu)
     med = {key: statistics.median(v) for key, v in times.items()}
     print(f"{experts} experts, top {TOP_K} (load {load:.2f} -> {os.getloadavg()[0]:.2f}):")
+    base = names[0]  # the loop every other is compared with
     for name in names:
         loss, norm = runs[name]["first"]
         ratio = (
             ""
-            if name == "minifield"
-            else f"; minifield / {name} = {med['minifield', 'wall'] / med[name, 'wall']:.3f} "
-            f"wall, {_ratio(med['minifield', 'cpu'], med[name, 'cpu'])} CPU"
+            if name == base
+            else f"; {base} / {name} = {med[base, 'wall'] / med[name, 'wall']:.3f} "
+            f"wall, {_ratio(med[base, 'cpu'], med[name, 'cpu'])} CPU"
         )
         print(
             f"  {name:>18}: {med[name, 'wall']:.3f} s wall, {med[name, 'cpu']:.3f} s CPU per "
