@@ -56,12 +56,12 @@ class LMProgram(PlacedState, Program):
         self.tokenizer, _ = model_section.tokenizer_of(recipe, arrays)
         # how the model computes (attention kernel, scan, remat, loss chunks): execution.py
         cfg = model_section.config_of(recipe, arrays, self.tokenizer)
-        self.cfg = execution.with_recipe_options(cfg, recipe)
-        self.seed = training["seed"]
         # the policy and micro-batches: the recipe's, or what ``remat: auto`` chose for cfg
         memory_plan = device_memory.plan(cfg, recipe)
         self.memory_plan = memory_plan.describe()
         self.accum_steps = memory_plan.grad_accum_steps
+        self.cfg = execution.with_recipe_options(cfg, device_memory.with_plan(recipe, memory_plan))
+        self.seed = training["seed"]
         self.data_parallel = data_parallel.DataParallel.from_training(training)
         self.eval_every = recipe["evaluation"]["eval_every"]
         self.optimizer, schedule = self.make_optimizer()
