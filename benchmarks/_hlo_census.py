@@ -52,6 +52,8 @@ _CALLS = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ARRAY_LAYOUT = re.compile(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\](\{[^}]*\})?")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
 
 
 @dataclass
@@ -147,6 +149,18 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def nbytes(shape: str) -> float:
     return sum(DTYPE_BYTES[t] * math.prod(d) for t, d in arrays(shape))
+
+
+def hbm_bytes(shape: str) -> float:
+    """The bytes of the arrays in a printed type that live in the device's main memory: an
+    array whose layout names a memory space (``S(1)``, a TPU's on-chip vector memory, where
+    the chip's compiler prefetches operands; ``S(2)`` and above, its scalar memory) moves
+    none (a CPU program names none)."""
+    return sum(
+        DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        for dtype, dims, layout in _ARRAY_LAYOUT.findall(shape)
+        if dtype in DTYPE_BYTES and not _ON_CHIP.search(layout)
+    )
 
 
 def _weights(computations: dict[str, Computation]) -> tuple[dict, set, list]:
@@ -250,8 +264,8 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
     and a fusion whose result updates an operand in place (``dynamic-update-slice`` at its
     root or in its root tuple: a layer's gradient or saved product into a stacked one) by
     the update, as XLA's cost analysis counts them."""
-    operands = [nbytes(shapes.get(o, "")) for o in ins.operands]
-    written = nbytes(ins.shape)
+    operands = [hbm_bytes(shapes.get(o, "")) for o in ins.operands]
+    written = hbm_bytes(ins.shape)
     found = re.search(r"calls=%?([\w.\-]+)", ins.rest) if ins.opcode == "fusion" else None
     fused = computations.get(found.group(1)) if found else None
     if fused is None:
@@ -270,8 +284,8 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
     results = [named.get(o) for o in root.operands] if root and root.opcode == "tuple" else [root]
     in_place = {r.operands[0]: r for r in results if r and r.opcode == "dynamic-update-slice"}
     if root is not None and root.opcode == "tuple" and in_place:
-        written = sum(nbytes(inner.get(r.operands[1], "")) if r.name in
-                      {u.name for u in in_place.values()} else nbytes(r.shape)
+        written = sum(hbm_bytes(inner.get(r.operands[1], "")) if r.name in
+                      {u.name for u in in_place.values()} else hbm_bytes(r.shape)
                       for r in results if r is not None)  # fmt: skip
     # a loop fusion that ends in a static slice (an expert's matrix out of a stacked one)
     # computes, and so reads, only the sliced elements of operands the slice's size
@@ -280,20 +294,46 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
               for _, d in arrays(inner.get(i.operands[0], ""))[:1]}  # fmt: skip
     for name, index in params.items():
         uses = users.get(name, [])
-        if index >= len(operands) or not uses:
-            continue
+        if index >= len(operands) or not uses or not operands[index]:
+            continue  # unread, or held on-chip: no HBM bytes however it is read
         sliced = _sliced_bytes(uses, computations)
         if sliced is not None:
             operands[index] = sliced
         elif name in in_place and uses == [(in_place[name], 0)]:
             operands[index] = 0.0  # updated in place: only the update is written
             if root.opcode == "dynamic-update-slice":
-                written = nbytes(inner.get(root.operands[1], ""))
+                written = hbm_bytes(inner.get(root.operands[1], ""))
         elif "kLoop" in ins.rest and slices:
             for dtype, dims in arrays(inner.get(name, ""))[:1]:
                 if math.prod(dims) in slices:
                     operands[index] = DTYPE_BYTES[dtype] * slices[math.prod(dims)]
     return written + sum(operands)
+
+
+def _transferred(ins: Instruction, comp: Computation) -> float:
+    """The HBM bytes of an asynchronous copy or slice (``copy-start`` ... ``copy-done``: the
+    chip's compiler moving an operand to or from its on-chip memory beside other kernels),
+    counted once, at its ``-done``: its result (the destination, ``X``) read from its source
+    and written to it, each side only where it is HBM; a ``-start`` moves nothing of its
+    own (its printed tuple holds source, destination and a context)."""
+    if ins.opcode.endswith("-start"):
+        return 0.0
+    start = next((i for i in comp.instructions if i.name == ins.operands[0]), None)
+    source = [comp.shapes().get(o, "") for o in start.operands] if start else []
+    read = nbytes(ins.shape) if any(hbm_bytes(shape) for shape in source) else 0.0
+    return read + hbm_bytes(ins.shape)
+
+
+def _named_by(ins: Instruction, comp: Computation) -> str:
+    """The attributes that name a kernel: its own, or for an asynchronous copy's ``-done``
+    (which JAX names nothing) those of what its ``-start`` moves, so the bytes go to the
+    array's source (``top``)."""
+    if not ins.opcode.endswith("-done") or _OP_NAME.search(ins.rest):
+        return ins.rest
+    named = {i.name: i for i in comp.instructions}
+    start = named.get(ins.operands[0]) if ins.operands else None
+    source = named.get(start.operands[0]) if start and start.operands else None
+    return source.rest if source else ins.rest
 
 
 def _sliced_bytes(uses: list, computations: dict) -> float | None:
@@ -353,10 +393,11 @@ def census(text: str, top: int = 12) -> dict:
             if kind == "fusion":
                 found = re.search(r"kind=(k\w+)", ins.rest)
                 kind = f"fusion:{found.group(1) if found else '?'}"
-            moved = _moved(ins, shapes, computations)
+            moved = (_transferred(ins, comp) if kind.endswith(("-start", "-done"))
+                     else _moved(ins, shapes, computations))  # fmt: skip
             kernels[kind] += times
             kernel_bytes[kind] += moved * times
-            name = _OP_NAME.search(ins.rest)
+            name = _OP_NAME.search(_named_by(ins, comp))
             label = f"{kind} {ins.shape.split('{')[0][:60]} {name.group(1) if name else ''}"
             heavy[label[:200]] += moved * times
     return {

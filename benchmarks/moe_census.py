@@ -186,7 +186,7 @@ def _stage(label: str, experts: int) -> str:
     ):
         return "moe_router" if "nd,de->ne" in op_name else "products"
     stacked = rest.startswith((f"bf16[{experts},", f"f32[{experts},"))
-    if "moe_experts" in op_name and stacked:
+    if stacked and "experts" in op_name:  # moe_experts' casts, or a parameter's own copy
         return "expert weights"
     if kind == "fusion:kOutput" and stacked and not op_name:
         # the TPU compiler's experts' matrix gradient: a product over every expert's rows,

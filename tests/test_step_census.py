@@ -153,6 +153,42 @@ def test_a_dilated_convolution_counts_the_taps_that_meet_the_input(hlo_census):
     assert found["dot_flops"] == {"bf16,bf16->f32": 4 * 2 * 6 * 8 * 5}
 
 
+#: a TPU program's memory spaces: the chip's compiler prefetches ``x`` into its on-chip
+#: memory (``S(1)``) with an asynchronous copy, a kernel reads it there and writes its result
+#: on-chip, which a second copy takes back to HBM; a slice of ``y`` moved on-chip likewise
+ON_CHIP_HLO = """\
+HloModule on_chip
+
+ENTRY %main (x: f32[64,32], y: f32[256,32]) -> (f32[64,32], f32[64,32]) {
+  %x = f32[64,32]{1,0:T(8,128)} parameter(0)
+  %y = f32[256,32]{1,0:T(8,128)} parameter(1)
+  %cs = (f32[64,32]{1,0:T(8,128)S(1)}, f32[64,32]{1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%x)
+  %cd = f32[64,32]{1,0:T(8,128)S(1)} copy-done(%cs)
+  %neg = f32[64,32]{1,0:T(8,128)S(1)} negate(%cd), metadata={op_name="jit(f)/neg"}
+  %back = (f32[64,32]{1,0:T(8,128)}, f32[64,32]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) copy-start(%neg)
+  %bd = f32[64,32]{1,0:T(8,128)} copy-done(%back)
+  %ss = ((f32[256,32]{1,0:T(8,128)}), f32[64,32]{1,0:T(8,128)S(1)}, s32[]{:S(2)}) slice-start(%y), slice={[0:64], [0:32]}
+  %sd = f32[64,32]{1,0:T(8,128)S(1)} slice-done(%ss)
+  %abs = f32[64,32]{1,0:T(8,128)} abs(%sd)
+  ROOT %t = (f32[64,32]{1,0:T(8,128)}, f32[64,32]{1,0:T(8,128)}) tuple(%bd, %abs)
+}
+"""
+
+
+def test_on_chip_arrays_move_no_hbm_bytes_and_a_transfer_counts_once(hlo_census):
+    """Of ``[64, 32]`` FP32 (8 KiB): the prefetch reads it from HBM (8 KiB), the kernel
+    between on-chip arrays moves none, the copy back writes it (8 KiB), the slice reads its
+    64 rows of 256 (8 KiB), the kernel reading the slice on-chip writes 8 KiB; every
+    ``-start`` nothing, and a copy-done is named for what it moves."""
+    array = 64 * 32 * 4
+    found = hlo_census.census(ON_CHIP_HLO, top=10)
+    assert found["bytes"] == {
+        "copy-start": 0, "copy-done": 2 * array, "slice-start": 0, "slice-done": array,
+        "negate": 0, "abs": array,
+    }  # fmt: skip
+    assert dict(found["top"])["copy-done f32[64,32] jit(f)/neg"] == array
+
+
 @CHIPS_JAX
 def test_a_stacked_layer_counts_by_its_slice(hlo_census):
     import jax

@@ -123,8 +123,9 @@ def _matmul_bwd(compute_dtype, kernel, residuals, dy_MxN):
             dw_GxKxN = jax.lax.ragged_dot_general(
                 x_c, dy_c, sizes_G, _GROUP_GRADIENT, precision, preferred_element_type=F32
             )
-        # an empty group's matrix gradient is 0 by definition, whatever the kernel wrote
-        dw_GxKxN = jnp.where((sizes_G > 0)[:, None, None], dw_GxKxN, 0.0)
+            # an empty group's matrix gradient is 0 by definition, whatever the kernel wrote
+            # (tgmm writes it: it visits every group, its sum started at 0)
+            dw_GxKxN = jnp.where((sizes_G > 0)[:, None, None], dw_GxKxN, 0.0)
     return dx_MxK.astype(x_proto.dtype), dw_GxKxN.astype(w_proto.dtype), None
 
 
@@ -164,7 +165,10 @@ def _past_the_groups_zero(out_MxN, sizes_G):
 
 
 def _gmm_groups(x_MxK, dy_MxN, sizes_G):
-    """Each group's ``x_g^T @ dy_g``, ``[G, K, N]`` FP32 (megablox's ``tgmm``)."""
+    """Each group's ``x_g^T @ dy_g``, ``[G, K, N]`` FP32 (megablox's ``tgmm``); an empty
+    group's is 0: the kernel visits every group (``visit_empty_groups``), zeroing its sum when
+    the group changes, so no pass over the ``[G, K, N]`` result sets them (one such pass, a
+    select, read and wrote it whole: ``benchmarks/moe_census.py``)."""
     from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
 
     x_PxK, dy_PxN = _tiled_rows(x_MxK), _tiled_rows(dy_MxN)
