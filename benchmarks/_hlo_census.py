@@ -12,8 +12,10 @@ a fused computation by its fusion's weight. What is counted:
   bodies and called computations; plumbing such as ``parameter``, ``tuple``,
   ``get-tuple-element``, ``bitcast`` and ``constant`` left out), by opcode, a fusion by
   ``fusion:<kind>``;
-- ``bytes``: each kernel's operands and result (what it reads and writes, as XLA's
-  ``bytes accessed`` estimates it), by opcode like ``kernels``;
+- ``bytes``: each kernel's operands and result in HBM (what it reads and writes, as XLA's
+  ``bytes accessed`` estimates it; on a TPU an array the compiler keeps in on-chip memory,
+  ``S(1)`` in its layout, moves none, and an asynchronous copy or slice counts once, at its
+  ``-done``), by opcode like ``kernels``;
 - ``ops``: every instruction inside kernels and fusions alike, by opcode;
 - ``dot_flops``: ``2 x result elements x contracted elements`` of every ``dot`` (a
   ``convolution``: its kernel's elements that are not output features, a window over a

@@ -64,6 +64,9 @@ def parse_args(argv=None):
     parser.add_argument("--grouped-kernel", choices=("ragged_dot", "ragged_tgmm", "gmm"),
                         default="ragged_dot", help="ours' grouped product on the TPU "
                         "(execution.GROUPED_KERNELS names ragged_dot)")  # fmt: skip
+    parser.add_argument("--gmm-tiling", type=int, nargs=3, metavar=("ROWS", "IN", "OUT"),
+                        help="megablox's tiles for gmm and tgmm (tpu_grouped.GMM_TILING); "
+                        "with --for-chip, whether the chip's compiler takes them")  # fmt: skip
     parser.add_argument("--for-chip", action="store_true", help="compile for a TPU v5e on this "
                         "CPU host (libtpu, the tpu extra); --backend cpu")  # fmt: skip
     parser.add_argument("--json", help="write the breakdown here")
@@ -93,6 +96,19 @@ def opaque_ragged_dot():
         yield
     finally:
         jax.lax.ragged_dot, jax.lax.ragged_dot_general = real
+
+
+@contextlib.contextmanager
+def megablox_tiles(tiling):
+    """``tpu_grouped.GMM_TILING`` as ``tiling`` (None: as shipped) while tracing."""
+    from minifield.models.layers import tpu_grouped
+
+    shipped = tpu_grouped.GMM_TILING
+    tpu_grouped.GMM_TILING = tuple(tiling) if tiling else shipped
+    try:
+        yield
+    finally:
+        tpu_grouped.GMM_TILING = shipped
 
 
 def programs(args) -> dict:
@@ -149,7 +165,8 @@ def programs(args) -> dict:
         arguments = place((x, params, f32(rows, seq, D)))
         cpu = jax.default_backend() == "cpu" and not args.for_chip
         with opaque_ragged_dot() if cpu else tracing(), grouped_kernel(args.grouped_kernel):
-            lowered = grad.lower(*arguments)
+            with megablox_tiles(args.gmm_tiling):
+                lowered = grad.lower(*arguments)
         out[name] = (lowered.compile().as_text(), grouped)
     return out
 
@@ -238,14 +255,22 @@ def main(argv=None) -> int:
     if not _hlo_census.start_backend("moe_census", args.backend):
         return 2
     rows, seq, D, F = SHAPES["tiny" if args.tiny else "chip"]
+    try:
+        compiled = programs(args)
+    except Exception as error:  # the compiler's refusal (a tiling past on-chip memory, say)
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        print(f"moe_census: the compiler refused the layer: {str(error).splitlines()[0]}")
+        return 1
     results = {
         name: breakdown(text, grouped, args.experts, args.bandwidth, args.peak)
-        for name, (text, grouped) in programs(args).items()
+        for name, (text, grouped) in compiled.items()
     }
     print(f"MoE layer forward + backward: {rows} x {seq} tokens, d{D}, experts of width {F}, "
           f"top {TOP_K} of {args.experts}, BF16 compute, FP32 parameters; backend "
           f"{args.backend}{' (compiled for a TPU v5e)' if args.for_chip else ''}; ours' grouped "
-          f"product {args.grouped_kernel}; estimates at {args.bandwidth / 1e9:g} GB/s and "
+          f"product {args.grouped_kernel}"
+          f"{f' at megablox tiles {tuple(args.gmm_tiling)}' if args.gmm_tiling else ''}; estimates at {args.bandwidth / 1e9:g} GB/s and "
           f"{args.peak / 1e12:g} TFLOP/s")  # fmt: skip
     print(report(results))
     if args.json:

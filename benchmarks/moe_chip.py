@@ -18,11 +18,14 @@ the same function). Printed at the end, the issue's two ratios of median update 
 - with BF16, minifield traced with ``ragged_tgmm`` (megablox's ``tgmm`` for the experts'
   gradient, which the chip's compiler otherwise runs over every expert's rows:
   docs/tpu.md) ÷ minifield, and dense ÷ it: whether ``execution.GROUPED_KERNELS`` should
-  name it.
+  name it;
+- with ``--tgmm-tilings``, that ratio again at each of megablox's tilings given (each timed
+  beside minifield in rounds of its own): which tiles ``tpu_grouped.GMM_TILING`` should name.
 
 On the chip (the memory the sizes take is an estimate until run there):
 
     python benchmarks/moe_chip.py
+    python benchmarks/moe_chip.py --parts sparse --tgmm-tilings 512,512,512 1024,512,512
 
 ``--tiny`` runs a small shape (on CPU: a smoke check of the script, whose times mean nothing).
 """
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--gmm-tiling", type=int, nargs=3, metavar=("ROWS", "IN", "OUT"),
                         help="megablox's tiles for gmm and tgmm (tpu_grouped.GMM_TILING; "
                         "default 128 128 128): a sweep of them")  # fmt: skip
+    parser.add_argument("--tgmm-tilings", nargs="+", type=_tiling, default=[], metavar="R,I,O",
+                        help="megablox tiles to time minifield ragged_tgmm at, each beside "
+                        "minifield at --experts (e.g. 128,128,128 512,512,512)")  # fmt: skip
     parser.add_argument("--parts", nargs="+", choices=("sparse", "dense"), default=["sparse", "dense"],
                         help="sparse: minifield against the minimal loops at --experts; dense: "
                         "every expert run densely against minifield at --dense-experts")  # fmt: skip
@@ -91,12 +97,41 @@ def main() -> None:
         if "minifield ragged_tgmm" in sparse:
             tgmm = sparse["minifield ragged_tgmm"] / sparse["minifield"]
             print(f"minifield ragged_tgmm / minifield at {args.experts} experts: {tgmm:.3f}")
+    for tiling in args.tgmm_tilings:  # one tiling at a time beside minifield's ragged_dot
+        tiles(args, tiling, batch)
     if "dense" in args.parts:
         ours = ("minifield",) + (("minifield ragged_tgmm",) if args.dtype == "bfloat16" else ())
         for name in ours:  # one of ours at a time beside dense: two states of 16 experts fit
             dense = moe_update.measure(args, args.dense_experts, (name, "dense"), batch)
             ratio = dense["dense"] / dense[name]
             print(f"dense / {name} at {args.dense_experts} experts: {ratio:.2f} (≥ 3)")
+
+
+def _tiling(text: str) -> tuple[int, int, int]:
+    """``R,I,O``: megablox's (rows, contracted, output) tile sizes."""
+    sizes = tuple(int(size) for size in text.split(","))
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected three positive sizes R,I,O, got {text!r}")
+    return sizes
+
+
+def tiles(args, tiling: tuple, batch) -> None:
+    """minifield with ``ragged_tgmm`` at megablox's ``tiling`` ÷ minifield (``ragged_dot``,
+    which no tiling touches: the same baseline for every tiling)."""
+    from minifield.models.layers import tpu_grouped
+
+    shipped = tpu_grouped.GMM_TILING
+    tpu_grouped.GMM_TILING = tiling
+    try:
+        found = moe_update.measure(
+            args, args.experts, ("minifield", "minifield ragged_tgmm"), batch
+        )
+    finally:
+        tpu_grouped.GMM_TILING = shipped
+    ratio = found["minifield ragged_tgmm"] / found["minifield"]
+    print(
+        f"minifield ragged_tgmm at tiles {tiling} / minifield at {args.experts} experts: {ratio:.3f}"
+    )
 
 
 if __name__ == "__main__":
