@@ -312,7 +312,14 @@ def _moved(ins: Instruction, shapes: dict[str, str], computations: dict) -> floa
     return written + sum(operands)
 
 
-def _transferred(ins: Instruction, comp: Computation) -> float:
+def _started_from(ins: Instruction, named: dict) -> list[Instruction]:
+    """What an asynchronous ``-done`` moves: its ``-start``'s operands (none for any other
+    instruction)."""
+    start = named.get(ins.operands[0]) if ins.opcode.endswith("-done") and ins.operands else None
+    return [named[o] for o in start.operands if o in named] if start else []
+
+
+def _transferred(ins: Instruction, named: dict) -> float:
     """The HBM bytes of an asynchronous copy or slice (``copy-start`` ... ``copy-done``: the
     chip's compiler moving an operand to or from its on-chip memory beside other kernels),
     counted once, at its ``-done``: its result (the destination, ``X``) read from its source
@@ -320,22 +327,16 @@ def _transferred(ins: Instruction, comp: Computation) -> float:
     own (its printed tuple holds source, destination and a context)."""
     if ins.opcode.endswith("-start"):
         return 0.0
-    start = next((i for i in comp.instructions if i.name == ins.operands[0]), None)
-    source = [comp.shapes().get(o, "") for o in start.operands] if start else []
-    read = nbytes(ins.shape) if any(hbm_bytes(shape) for shape in source) else 0.0
-    return read + hbm_bytes(ins.shape)
+    source_in_hbm = any(hbm_bytes(source.shape) for source in _started_from(ins, named))
+    return (nbytes(ins.shape) if source_in_hbm else 0.0) + hbm_bytes(ins.shape)
 
 
-def _named_by(ins: Instruction, comp: Computation) -> str:
+def _named_by(ins: Instruction, named: dict) -> str:
     """The attributes that name a kernel: its own, or for an asynchronous copy's ``-done``
     (which JAX names nothing) those of what its ``-start`` moves, so the bytes go to the
     array's source (``top``)."""
-    if not ins.opcode.endswith("-done") or _OP_NAME.search(ins.rest):
-        return ins.rest
-    named = {i.name: i for i in comp.instructions}
-    start = named.get(ins.operands[0]) if ins.operands else None
-    source = named.get(start.operands[0]) if start and start.operands else None
-    return source.rest if source else ins.rest
+    sources = [] if _OP_NAME.search(ins.rest) else _started_from(ins, named)
+    return sources[0].rest if sources else ins.rest
 
 
 def _sliced_bytes(uses: list, computations: dict) -> float | None:
@@ -374,6 +375,7 @@ def census(text: str, top: int = 12) -> dict:
         if not times:
             continue
         shapes = comp.shapes()
+        named = {i.name: i for i in comp.instructions}
         for ins in comp.instructions:
             if ins.opcode == "parameter" and comp.name in fused:
                 continue
@@ -395,11 +397,11 @@ def census(text: str, top: int = 12) -> dict:
             if kind == "fusion":
                 found = re.search(r"kind=(k\w+)", ins.rest)
                 kind = f"fusion:{found.group(1) if found else '?'}"
-            moved = (_transferred(ins, comp) if kind.endswith(("-start", "-done"))
+            moved = (_transferred(ins, named) if kind.endswith(("-start", "-done"))
                      else _moved(ins, shapes, computations))  # fmt: skip
             kernels[kind] += times
             kernel_bytes[kind] += moved * times
-            name = _OP_NAME.search(_named_by(ins, comp))
+            name = _OP_NAME.search(_named_by(ins, named))
             label = f"{kind} {ins.shape.split('{')[0][:60]} {name.group(1) if name else ''}"
             heavy[label[:200]] += moved * times
     return {

@@ -98,25 +98,12 @@ def opaque_ragged_dot():
         jax.lax.ragged_dot, jax.lax.ragged_dot_general = real
 
 
-@contextlib.contextmanager
-def megablox_tiles(tiling):
-    """``tpu_grouped.GMM_TILING`` as ``tiling`` (None: as shipped) while tracing."""
-    from minifield.models.layers import tpu_grouped
-
-    shipped = tpu_grouped.GMM_TILING
-    tpu_grouped.GMM_TILING = tuple(tiling) if tiling else shipped
-    try:
-        yield
-    finally:
-        tpu_grouped.GMM_TILING = shipped
-
-
 def programs(args) -> dict:
     """``{name: (compiled HLO text, product FLOPs)}`` of the two layers."""
     import jax
     import jax.numpy as jnp
     from minimal.experts import dense_mlp
-    from moe_update import grouped_kernel
+    from moe_update import grouped_kernel, megablox_tiles
 
     from minifield.models import moe
     from minifield.models.execution import Execution
@@ -266,11 +253,11 @@ def main(argv=None) -> int:
         name: breakdown(text, grouped, args.experts, args.bandwidth, args.peak)
         for name, (text, grouped) in compiled.items()
     }
+    tiles = f" at megablox tiles {tuple(args.gmm_tiling)}" if args.gmm_tiling else ""
     print(f"MoE layer forward + backward: {rows} x {seq} tokens, d{D}, experts of width {F}, "
           f"top {TOP_K} of {args.experts}, BF16 compute, FP32 parameters; backend "
           f"{args.backend}{' (compiled for a TPU v5e)' if args.for_chip else ''}; ours' grouped "
-          f"product {args.grouped_kernel}"
-          f"{f' at megablox tiles {tuple(args.gmm_tiling)}' if args.gmm_tiling else ''}; estimates at {args.bandwidth / 1e9:g} GB/s and "
+          f"product {args.grouped_kernel}{tiles}; estimates at {args.bandwidth / 1e9:g} GB/s and "
           f"{args.peak / 1e12:g} TFLOP/s")  # fmt: skip
     print(report(results))
     if args.json:

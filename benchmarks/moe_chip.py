@@ -118,16 +118,10 @@ def _tiling(text: str) -> tuple[int, int, int]:
 def tiles(args, tiling: tuple, batch) -> None:
     """minifield with ``ragged_tgmm`` at megablox's ``tiling`` ÷ minifield (``ragged_dot``,
     which no tiling touches: the same baseline for every tiling)."""
-    from minifield.models.layers import tpu_grouped
-
-    shipped = tpu_grouped.GMM_TILING
-    tpu_grouped.GMM_TILING = tiling
-    try:
+    with moe_update.megablox_tiles(tiling):
         found = moe_update.measure(
             args, args.experts, ("minifield", "minifield ragged_tgmm"), batch
         )
-    finally:
-        tpu_grouped.GMM_TILING = shipped
     ratio = found["minifield ragged_tgmm"] / found["minifield"]
     print(
         f"minifield ragged_tgmm at tiles {tiling} / minifield at {args.experts} experts: {ratio:.3f}"

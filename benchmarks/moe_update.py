@@ -100,6 +100,20 @@ def grouped_kernel(kernel: str | None):
         execution.GROUPED_KERNELS = named
 
 
+@contextlib.contextmanager
+def megablox_tiles(tiling):
+    """``tpu_grouped.GMM_TILING`` as ``tiling`` (None: as shipped) meanwhile: the tiles
+    megablox's ``gmm`` and ``tgmm`` run at when traced."""
+    from minifield.models.layers import tpu_grouped
+
+    shipped = tpu_grouped.GMM_TILING
+    tpu_grouped.GMM_TILING = tuple(tiling) if tiling else shipped
+    try:
+        yield
+    finally:
+        tpu_grouped.GMM_TILING = shipped
+
+
 def loops(args, experts: int, names: tuple, batch: dict) -> dict:
     """``{name: {"run": run(), "first": (loss, grad_norm), "fp32": loss}}``, each compiled and
     run once (its first update's loss and gradient norm kept)."""

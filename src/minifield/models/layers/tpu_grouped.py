@@ -167,8 +167,7 @@ def _past_the_groups_zero(out_MxN, sizes_G):
 def _gmm_groups(x_MxK, dy_MxN, sizes_G):
     """Each group's ``x_g^T @ dy_g``, ``[G, K, N]`` FP32 (megablox's ``tgmm``); an empty
     group's is 0: the kernel visits every group (``visit_empty_groups``), zeroing its sum when
-    the group changes, so no pass over the ``[G, K, N]`` result sets them (one such pass, a
-    select, read and wrote it whole: ``benchmarks/moe_census.py``)."""
+    the group changes, so no pass over the whole ``[G, K, N]`` result needs to set them."""
     from jax.experimental.pallas.ops.tpu.megablox.gmm import tgmm
 
     x_PxK, dy_PxN = _tiled_rows(x_MxK), _tiled_rows(dy_MxN)
